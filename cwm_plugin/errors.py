@@ -1,0 +1,88 @@
+"""One exception hierarchy for the whole project.
+
+Every error has a stable ``code``, a message that says what happened and what to do, and a
+``retryable`` flag. The sidecar maps these to OpenAI-shaped errors, the CLI to an exit code and
+one line, MCP to a tool error.
+"""
+
+from __future__ import annotations
+
+
+class CWMError(Exception):
+    """Base class: ``code`` is stable, the message says what to do."""
+
+    code = "cwm_error"
+    retryable = False
+    http_status = 500
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(f"{message} ({hint})" if hint else message)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"code": self.code, "message": str(self), "retryable": self.retryable}
+
+
+class ConfigError(CWMError):
+    code = "config_error"
+    http_status = 400
+
+
+class InvalidInput(CWMError):
+    """Bad input from a caller: a malformed name, an oversize body, a path traversal attempt."""
+
+    code = "invalid_input"
+    http_status = 400
+
+
+class NotFound(CWMError):
+    code = "not_found"
+    http_status = 404
+
+
+class AlreadyExists(CWMError):
+    code = "already_exists"
+    http_status = 409
+
+
+class Forbidden(CWMError):
+    code = "forbidden"
+    http_status = 403
+
+
+class CorruptBlob(CWMError):
+    """A stored blob failed its checksum, was truncated, or is not ours."""
+
+    code = "corrupt_blob"
+
+
+class IncompatibleBlob(CWMError):
+    """A well-formed blob that belongs to another model, layout or format version."""
+
+    code = "incompatible_blob"
+
+
+class StorageFull(CWMError):
+    code = "storage_full"
+    retryable = True
+    http_status = 507
+
+
+class TierUnavailable(CWMError):
+    """A storage tier (e.g. Redis) cannot be reached right now."""
+
+    code = "tier_unavailable"
+    retryable = True
+    http_status = 503
+
+
+class UpstreamError(CWMError):
+    code = "upstream_error"
+    retryable = True
+    http_status = 502
+
+
+class UpstreamTimeout(UpstreamError):
+    code = "upstream_timeout"
+    http_status = 504

@@ -1,0 +1,1 @@
+"""cwm_plugin.store"""

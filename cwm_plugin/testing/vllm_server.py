@@ -94,10 +94,11 @@ class VLLMServer:
         cmd = self.command()
         log.info("starting vllm: %s (log %s)", " ".join(cmd), self.log_path)
         t0 = time.monotonic()
-        self._proc = subprocess.Popen(
-            cmd, env=env, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
+        with open(self.log_path, "ab") as out:  # the child keeps its own descriptor
+            self._proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
         wait_until(self._ready, timeout=self.startup_timeout, interval=1.0, alive=self.alive,
                    what=f"vllm serve on port {self.port}", log_tail=lambda: tail(self.log_path))
         log.info("vllm ready on %s after %.1fs", self.base_url, time.monotonic() - t0)
@@ -168,7 +169,19 @@ class VLLMServer:
         self.stop()
 
 
-def kv_transfer_config(connector: str, module: str, extra: dict[str, Any] | None = None) -> str:
+def kv_transfer_config(connector: str, module: str | None, extra: dict[str, Any] | None = None,
+                       *, recompute_on_load_failure: bool = True) -> str:
     """The JSON for ``--kv-transfer-config``."""
-    return json.dumps({"kv_connector": connector, "kv_connector_module_path": module,
-                       "kv_role": "kv_both", "kv_connector_extra_config": extra or {}})
+    cfg: dict[str, Any] = {"kv_connector": connector, "kv_role": "kv_both",
+                           "kv_connector_extra_config": extra or {}}
+    if module:
+        cfg["kv_connector_module_path"] = module
+    if recompute_on_load_failure:
+        cfg["kv_load_failure_policy"] = "recompute"
+    return json.dumps(cfg)
+
+
+def cwm_connector_args(store: dict[str, Any], **connector: Any) -> list[str]:
+    """``vllm serve`` arguments that load our connector with the given store settings."""
+    extra = {"store": store, **connector}
+    return ["--kv-transfer-config", kv_transfer_config("CWMConnector", "cwm_plugin.connector", extra)]

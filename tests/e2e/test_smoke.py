@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cwm_plugin.testing.models import build_random_model, TINY
+from cwm_plugin.testing.models import TINY, build_random_model
 
 pytestmark = pytest.mark.e2e
 

@@ -1,0 +1,58 @@
+"""Whole-block gather/scatter between vLLM's paged KV tensors and contiguous staging buffers.
+
+A *block* is the layout-safe unit: whatever the attention backend does inside a block (K and V
+split in the last dimension on CPU, ISA-specific packing, a leading K/V axis on GPU), copying
+every byte of a block position keeps it intact. ``block_dim`` says which axis of each layer's
+tensor indexes blocks; it comes from the attention backend (see
+:func:`cwm_plugin.connector.layout.discover_layout`), never from a guess.
+
+The staging layout is ``[n_blocks, n_layers, *per_block_shape]`` on the CPU, contiguous, so one
+block of all layers is one slice ``out[i]``: that slice is what the store encodes as one blob.
+
+These are torch ops, so the same code runs on a GPU (``index_select``/``index_copy_`` are device
+kernels there, and the host copy is one transfer); no Triton twin is needed for this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
+
+
+def gather_blocks(layers: Sequence[torch.Tensor], block_dim: int,
+                  block_ids: Sequence[int]) -> torch.Tensor:
+    """Copy blocks ``block_ids`` of every layer into a new CPU tensor ``[n, L, *block]``."""
+    if not layers:
+        raise ValueError("gather_blocks needs at least one layer")
+    idx = _index(block_ids, layers[0].device)
+    per_layer = [layer.index_select(block_dim, idx).movedim(block_dim, 0) for layer in layers]
+    out = torch.stack(per_layer, dim=1)
+    return out.to("cpu").contiguous()
+
+
+def scatter_blocks(layers: Sequence[torch.Tensor], block_dim: int, block_ids: Sequence[int],
+                   data: torch.Tensor) -> None:
+    """Write ``data`` (``[n, L, *block]``, as made by :func:`gather_blocks`) into the blocks."""
+    if data.shape[0] != len(block_ids) or data.shape[1] != len(layers):
+        raise ValueError(
+            f"scatter_blocks: data has shape {tuple(data.shape)}, expected "
+            f"[{len(block_ids)}, {len(layers)}, ...]"
+        )
+    if not block_ids:
+        return
+    idx = _index(block_ids, layers[0].device)
+    for i, layer in enumerate(layers):
+        src = data[:, i].to(device=layer.device, dtype=layer.dtype).movedim(0, block_dim)
+        layer.index_copy_(block_dim, idx, src)
+
+
+def block_shape(layer: torch.Tensor, block_dim: int) -> tuple[int, ...]:
+    """The shape of one block of one layer (the layer's shape without ``block_dim``)."""
+    shape = list(layer.shape)
+    del shape[block_dim]
+    return tuple(shape)

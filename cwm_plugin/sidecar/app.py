@@ -1,0 +1,100 @@
+"""The FastAPI app: ``create_app(settings)`` builds one sidecar; routes only translate HTTP.
+
+Routes: ``POST /v1/chat/completions`` (memory, salt, streaming), ``POST /v1/completions``
+(salt only), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every error leaves as an
+OpenAI-shaped body. ``app.state.sidecar`` holds the app's runtime; assign
+``app.state.sidecar.snapshot_hook`` to take a KV snapshot at auto-checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from cwm_plugin.errors import CWMError, UpstreamError
+from cwm_plugin.sidecar.background import Maintainer
+from cwm_plugin.sidecar.identity import Authenticator
+from cwm_plugin.sidecar.memory_port import MemoryPort, build_memory
+from cwm_plugin.sidecar.metrics import SidecarMetrics
+from cwm_plugin.sidecar.openai_errors import error_response, from_cwm_error
+from cwm_plugin.sidecar.passthrough import handle_completions, handle_models
+from cwm_plugin.sidecar.runtime import Sidecar
+from cwm_plugin.sidecar.settings import Settings
+from cwm_plugin.sidecar.turn import handle_chat
+from cwm_plugin.sidecar.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings, *, memory: MemoryPort | None = None,
+               transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """Build the app. ``memory`` overrides the service built from ``settings.memory``."""
+    if memory is None and settings.memory_enabled:
+        memory = build_memory(settings.memory)
+    metrics = SidecarMetrics()
+    upstream = Upstream(settings.upstream, transport=transport)
+    sidecar = Sidecar(
+        settings=settings,
+        auth=Authenticator(settings.tenants, settings.server_secret()),
+        upstream=upstream, memory=memory, metrics=metrics,
+        maintainer=Maintainer(upstream, memory, metrics, settings.memory) if memory else None,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await sidecar.background.close()
+        await upstream.aclose()
+
+    app = FastAPI(title="cwm sidecar", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.sidecar = sidecar
+
+    @app.exception_handler(CWMError)
+    async def _cwm_error(request: Request, exc: CWMError) -> JSONResponse:
+        return from_cwm_error(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal error in the sidecar", "internal_error")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await handle_chat(sidecar, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle_completions(sidecar, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await handle_models(sidecar, request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            models = await upstream.models()
+            up = {"ok": True, "models": sorted(models)}
+        except UpstreamError as exc:
+            up = {"ok": False, "error": exc.code}
+        return JSONResponse({"status": "ok" if up["ok"] else "degraded", "upstream": up,
+                             "memory": memory is not None,
+                             "background_tasks": sidecar.background.pending},
+                            status_code=200 if up["ok"] else 503)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        metrics.mirror_upstream(await upstream.metrics_text())
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def unknown(path: str) -> JSONResponse:
+        return error_response(404, f"no route /{path} in the sidecar", "unknown_route")
+
+    return app

@@ -1,0 +1,141 @@
+"""Work done after the answer has gone out: running summaries, fact extraction, checkpoints.
+
+Each job runs as an asyncio task owned by :class:`Background` (drained or cancelled when the app
+stops), never on the client's path. Summaries and facts are written by the upstream model
+itself; facts must be strict JSON accepted by the memory package's ``parse_facts``: one retry,
+then the extraction is refused, counted, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from cwm_plugin.errors import CWMError, InvalidInput
+from cwm_plugin.sidecar import llm_prompts
+from cwm_plugin.sidecar.context import SessionState, SnapshotHook, call_hook
+from cwm_plugin.sidecar.memory_port import MemoryPort
+from cwm_plugin.sidecar.metrics import SidecarMetrics
+from cwm_plugin.sidecar.settings import MemorySettings
+from cwm_plugin.sidecar.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+
+class Background:
+    """A set of running tasks; ``pending`` for tests and shutdown."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    @property
+    def pending(self) -> int:
+        return len(self._tasks)
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+
+    async def close(self) -> None:
+        await self.drain(timeout=5.0)
+        for t in list(self._tasks):
+            t.cancel()
+
+
+def _turn_id(turn: dict[str, Any]) -> str:
+    return str(turn.get("turn_id") or turn.get("id") or "")
+
+
+class Maintainer:
+    """Summaries, facts and checkpoints for one app."""
+
+    def __init__(self, upstream: Upstream, memory: MemoryPort, metrics: SidecarMetrics,
+                 cfg: MemorySettings) -> None:
+        self.upstream = upstream
+        self.memory = memory
+        self.metrics = metrics
+        self.cfg = cfg
+
+    async def summarize(self, tenant: str, session: str, model: str, salt: str,
+                        max_model_len: int | None) -> str | None:
+        """Summarise the session (previous summary + recent transcript) and store it."""
+        turns = await self.memory.transcript(tenant, session)
+        if not turns:
+            return None
+        previous = await self.memory.summary(tenant, session)
+        budget = int((max_model_len or 2048) * 0.5) - self.cfg.background_max_tokens
+        lines: list[str] = []
+        used = self.memory.count(previous or "")
+        for t in reversed(turns):  # newest first until the budget is spent
+            line = f"{t.get('role')}: {t.get('content', '')}"
+            cost = self.memory.count(line) + 2
+            if used + cost > budget:
+                break
+            lines.append(line)
+            used += cost
+        messages = llm_prompts.summary_messages(previous, "\n".join(reversed(lines)))
+        text, _ = await self.upstream.chat_once(model, messages, salt=salt,
+                                                max_tokens=self.cfg.background_max_tokens)
+        text = text.strip()
+        if not text:
+            self.metrics.background.labels(tenant, "summary", "empty").inc()
+            return None
+        await self.memory.set_summary(tenant, session, text, upto_turn=_turn_id(turns[-1]))
+        self.metrics.background.labels(tenant, "summary", "ok").inc()
+        return text
+
+    async def extract_facts(self, tenant: str, model: str, salt: str, exchange: str) -> int:
+        """Ask the model for facts as strict JSON; retry once; refuse and count if still bad."""
+        messages = llm_prompts.facts_messages(exchange)
+        for attempt in range(2):
+            text, _ = await self.upstream.chat_once(model, messages, salt=salt,
+                                                    max_tokens=self.cfg.background_max_tokens)
+            try:
+                facts = llm_prompts.parse_facts(text)
+            except InvalidInput as exc:
+                log.info("fact extraction attempt %d for tenant %s invalid: %s", attempt + 1,
+                         tenant, exc.message)
+                messages = llm_prompts.facts_retry_messages(exchange, text)
+                continue
+            for f in facts:
+                await self.memory.add_memory(tenant, f["text"], f.get("category", "fact"),
+                                             float(f.get("importance", 0.5)))
+            self.metrics.background.labels(tenant, "facts", "ok").inc()
+            return len(facts)
+        self.metrics.facts_refused.labels(tenant, model).inc()
+        self.metrics.background.labels(tenant, "facts", "refused").inc()
+        return 0
+
+    async def after_turn(self, *, tenant: str, session: str, model: str, salt: str,
+                         state: SessionState, exchange: str, max_model_len: int | None,
+                         checkpoint: bool, hook: SnapshotHook) -> None:
+        """Everything due after one turn, in order; failures are logged and counted."""
+        summary_due = (self.cfg.summary_every_turns
+                       and state.turns_since_summary >= self.cfg.summary_every_turns)
+        try:
+            if checkpoint or summary_due:
+                summary = await self.summarize(tenant, session, model, salt, max_model_len)
+                state.turns_since_summary = 0
+                if checkpoint and summary:
+                    state.compacted = True
+                    state.checkpoints += 1
+                    self.metrics.checkpoints.labels(tenant, model).inc()
+                    await call_hook(hook, tenant, session, salt,
+                                    f"auto-{session}-{state.checkpoints}")
+            if self.cfg.extract_facts and exchange.strip():
+                await self.extract_facts(tenant, model, salt, exchange)
+        except CWMError as exc:
+            self.metrics.background.labels(tenant, "after_turn", "error").inc()
+            log.warning("background work for tenant %s failed: [%s] %s", tenant, exc.code,
+                        exc.message)
+        except Exception:
+            self.metrics.background.labels(tenant, "after_turn", "error").inc()
+            log.exception("background work for tenant %s failed", tenant)

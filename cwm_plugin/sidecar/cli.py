@@ -1,0 +1,37 @@
+"""``cwm serve``: run the memory sidecar in front of a vLLM OpenAI server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible memory sidecar",
+                              description=__doc__)
+    p.add_argument("--config", required=True, help="sidecar YAML (see configs/sidecar.yaml)")
+    p.add_argument("--upstream", help="vLLM base URL, e.g. http://127.0.0.1:8000 "
+                                      "(overrides upstream.url in the config)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from cwm_plugin.sidecar.app import create_app
+    from cwm_plugin.sidecar.settings import load_settings
+
+    settings = load_settings(args.config)
+    if args.upstream:
+        settings.upstream.url = args.upstream
+    app = create_app(settings)
+    log.info("cwm sidecar on http://%s:%d -> %s (%d tenants, memory at %s)", args.host,
+             args.port, settings.upstream.url, len(settings.tenants), settings.memory.root)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False, timeout_graceful_shutdown=10)
+    return 0

@@ -1,0 +1,91 @@
+"""Per-session context accounting: how full the model's window is, and when to checkpoint.
+
+Each turn's real prompt size comes from vLLM's ``usage.prompt_tokens``; before a turn is sent
+the sidecar only has its own estimate, so the warning header uses the larger of the estimate
+and the last real figure. At ``warn`` (70 % by default) the turn gets ``X-CWM-Context-Warning``;
+at ``checkpoint`` (85 %) the session's state is summarised into memory after the answer and the
+session is *compacted* (summary + last ``keep_turns`` messages) from the next turn on.
+
+The state lives in the app (one tracker per app), keyed by (tenant, session); it is advisory:
+after a restart a session starts uncompacted and is checkpointed again if it grows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from cwm_plugin.sidecar.settings import ThresholdConfig
+
+log = logging.getLogger(__name__)
+
+
+class Level(StrEnum):
+    OK = "ok"
+    WARN = "warn"
+    CHECKPOINT = "checkpoint"
+
+
+def level_for(tokens: int, max_len: int | None, th: ThresholdConfig) -> Level:
+    if not max_len:
+        return Level.OK
+    frac = tokens / max_len
+    if frac >= th.checkpoint:
+        return Level.CHECKPOINT
+    if frac >= th.warn:
+        return Level.WARN
+    return Level.OK
+
+
+@dataclass
+class SessionState:
+    last_prompt_tokens: int = 0
+    turns_recorded: int = 0
+    turns_since_summary: int = 0
+    full_history_tokens: int = 0  # what replaying every turn verbatim would cost
+    history_known: bool = False
+    compacted: bool = False
+    checkpoints: int = 0
+    pending: asyncio.Task | None = None  # a checkpoint running for this session
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class ContextTracker:
+    """``(tenant, session) -> SessionState``, bounded (least recently used dropped)."""
+
+    def __init__(self, max_sessions: int = 100_000) -> None:
+        self._states: dict[tuple[str, str], SessionState] = {}
+        self._max = max_sessions
+
+    def get(self, tenant: str, session: str) -> SessionState:
+        key = (tenant, session)
+        state = self._states.pop(key, None) or SessionState()
+        self._states[key] = state  # most recently used last
+        while len(self._states) > self._max:
+            self._states.pop(next(iter(self._states)))
+        return state
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+
+SnapshotHook = Callable[[str, str, str, str], "Awaitable[None] | None"]
+
+
+async def noop_snapshot(tenant: str, session: str, cache_salt: str, name: str) -> None:
+    """Default KV-snapshot hook: does nothing. Replace ``app.state.snapshot_hook`` to freeze the
+    session's KV (e.g. a window named ``name`` under ``cache_salt``) at checkpoint time."""
+    return None
+
+
+async def call_hook(hook: SnapshotHook, tenant: str, session: str, salt: str, name: str) -> None:
+    try:
+        result = hook(tenant, session, salt, name)
+        if inspect.isawaitable(result):
+            await result
+    except Exception:  # a hook must never break a turn
+        log.exception("snapshot hook failed for tenant %s session %s", tenant, session)

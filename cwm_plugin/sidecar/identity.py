@@ -1,0 +1,119 @@
+"""Who is asking: API key -> tenant, the session, and the session's ``cache_salt``.
+
+* Keys are stored as sha256 hex digests and compared with :func:`hmac.compare_digest` against
+  every configured digest (no early exit, so timing does not tell which tenant came close).
+* The session comes from the ``X-Session-Id`` header, else the request's ``user`` field, else
+  ``"default"``; tenant and session names are folder names under the memory root, so they are
+  validated (letters, digits, ``_ . -``; no ``..``; bounded length).
+* ``cache_salt`` = HMAC-SHA256(server secret, tenant + NUL + session), 64 hex digits: stable
+  for a session, unguessable without the secret, and different for every (tenant, session).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cwm_plugin.errors import Forbidden, InvalidInput
+from cwm_plugin.sidecar.settings import TenantConfig
+
+SESSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+DEFAULT_SESSION = "default"
+
+
+class Unauthorized(Forbidden):
+    """No key or an unknown key (HTTP 401)."""
+
+    code = "invalid_api_key"
+    http_status = 401
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The caller of one request."""
+
+    tenant: str
+    session: str
+    cache_salt: str
+    allow_client_cache_salt: bool = False
+
+    def __repr__(self) -> str:  # the salt is a capability for the session's KV: keep it out
+        return f"Identity(tenant={self.tenant!r}, session={self.session!r})"
+
+
+def hash_key(api_key: str) -> str:
+    """The sha256 hex digest stored in the config for ``api_key``."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def derive_salt(secret: bytes, tenant: str, session: str) -> str:
+    return hmac.new(secret, f"{tenant}\x00{session}".encode(), hashlib.sha256).hexdigest()
+
+
+def validate_session(name: str) -> str:
+    if not isinstance(name, str) or not SESSION.match(name) or ".." in name:
+        raise InvalidInput(
+            "invalid session id",
+            hint="use 1-128 characters of letters, digits and _ . : - (not starting with one)",
+        )
+    return name
+
+
+def bearer_key(headers: Mapping[str, str]) -> str | None:
+    auth = headers.get("authorization")
+    if auth:
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    key = headers.get("x-api-key")
+    return key.strip() if key else None
+
+
+class Authenticator:
+    """Maps API keys to tenants and derives salts; holds the secret, never shows it."""
+
+    def __init__(self, tenants: list[TenantConfig], secret: bytes) -> None:
+        self._entries = [(h.encode(), t) for t in tenants for h in t.key_sha256]
+        self._secret = secret
+
+    def __repr__(self) -> str:
+        return f"Authenticator({len(self._entries)} keys)"
+
+    def tenant_for(self, api_key: str | None) -> TenantConfig:
+        if not api_key:
+            raise Unauthorized("missing API key",
+                               hint="send `Authorization: Bearer <key>`")
+        digest = hash_key(api_key).encode()
+        found: TenantConfig | None = None
+        for stored, tenant in self._entries:  # compare with all, keep going after a match
+            if hmac.compare_digest(stored, digest) and found is None:
+                found = tenant
+        if found is None:
+            raise Unauthorized("invalid API key")
+        return found
+
+    def identify(self, tenant: TenantConfig, headers: Mapping[str, str],
+                 body: Mapping[str, object] | None) -> Identity:
+        """The identity of an authenticated request (``tenant`` from :meth:`tenant_for`)."""
+        session = headers.get("x-session-id")
+        if not session and body is not None and isinstance(body.get("user"), str):
+            session = str(body["user"])
+        session = validate_session(session or DEFAULT_SESSION)
+        return Identity(tenant=tenant.name, session=session,
+                        cache_salt=derive_salt(self._secret, tenant.name, session),
+                        allow_client_cache_salt=tenant.allow_client_cache_salt)
+
+    def salt_for(self, identity: Identity, body: Mapping[str, object]) -> str:
+        """The salt to forward: ours, or the client's where the tenant may set it (else 403)."""
+        if "cache_salt" not in body:
+            return identity.cache_salt
+        if not identity.allow_client_cache_salt:
+            raise Forbidden("this tenant may not set cache_salt",
+                            hint="leave cache_salt out; the sidecar derives one per session")
+        salt = body["cache_salt"]
+        if not isinstance(salt, str) or not salt or len(salt) > 256:
+            raise InvalidInput("cache_salt must be a non-empty string of at most 256 characters")
+        return salt

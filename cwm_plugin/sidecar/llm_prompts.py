@@ -1,0 +1,71 @@
+"""The messages the sidecar sends the model for its own work (summaries, fact extraction).
+
+The prompt texts and the strict fact parser belong to the memory package
+(``cwm_plugin.memory.facts``); this module only turns them into chat messages, and falls back to
+short built-in prompts if the memory package names them differently.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+from types import ModuleType
+from typing import Any
+
+FALLBACK_SUMMARY = (
+    "You maintain a running summary of a conversation. Write a concise summary (at most 120 "
+    "words) of the facts, decisions and open questions so far. Output only the summary."
+)
+FALLBACK_FACTS = (
+    "Extract durable facts about the user from the conversation below. Answer with JSON only: "
+    'a list of objects {"text": str, "category": str, "importance": number 0-1}, or [] if none.'
+)
+RETRY_NOTE = (
+    "Your previous answer was not valid JSON of the required shape. Answer again with JSON only,"
+    " no prose, no code fences."
+)
+
+
+@cache
+def _facts() -> ModuleType:
+    return importlib.import_module("cwm_plugin.memory.facts")
+
+
+def _prompt(*names: str, default: str) -> str:
+    for n in names:
+        v = getattr(_facts(), n, None)
+        if isinstance(v, str) and v.strip():
+            return v
+    return default
+
+
+def summary_prompt() -> str:
+    return _prompt("SUMMARY_PROMPT", "SUMMARY_SYSTEM_PROMPT", default=FALLBACK_SUMMARY)
+
+
+def facts_prompt() -> str:
+    return _prompt("FACTS_PROMPT", "FACT_EXTRACTION_PROMPT", "FACTS_SYSTEM_PROMPT",
+                   default=FALLBACK_FACTS)
+
+
+def parse_facts(text: str) -> list[dict[str, Any]]:
+    """Strict: raises :class:`cwm_plugin.errors.InvalidInput` on anything but valid facts."""
+    return _facts().parse_facts(text)
+
+
+def summary_messages(previous: str | None, transcript: str) -> list[dict[str, str]]:
+    user = (f"Previous summary:\n{previous}\n\n" if previous else "") + \
+        f"Conversation:\n{transcript}\n\nWrite the updated summary."
+    return [{"role": "system", "content": summary_prompt()}, {"role": "user", "content": user}]
+
+
+def facts_messages(exchange: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": facts_prompt()},
+            {"role": "user", "content": f"Conversation:\n{exchange}\n\nJSON:"}]
+
+
+def facts_retry_messages(exchange: str, bad_answer: str) -> list[dict[str, str]]:
+    return facts_messages(exchange) + [
+        {"role": "assistant", "content": bad_answer[:2000]},
+        {"role": "user", "content": RETRY_NOTE},
+    ]

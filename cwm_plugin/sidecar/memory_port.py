@@ -1,0 +1,132 @@
+"""A thin async adapter over the memory package's ``MemoryService``.
+
+The memory service is synchronous (files, indexes, an embedding model). The sidecar calls it
+from the event loop through :func:`asyncio.to_thread`, one tenant at a time (a lock a tenant),
+so a slow embedding never blocks other requests and two turns of one tenant never interleave
+their writes. This module is the only place that knows the service's signatures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from cwm_plugin.sidecar.settings import MemorySettings
+
+T = TypeVar("T")
+
+
+@dataclass
+class Selected:
+    """What the sidecar uses from a memory selection."""
+
+    memory_block: str = ""
+    recent: list[dict[str, Any]] | None = None
+    summary: str | None = None
+    tokens: int = 0
+    hits: list[dict[str, Any]] = field(default_factory=list)
+    facts: int = 0
+    reasons: Any = None
+    seconds: float = 0.0
+
+
+def _hit_dict(hit: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("id", "chunk_id", "score", "source", "session", "kind", "category"):
+        v = getattr(hit, name, None) if not isinstance(hit, dict) else hit.get(name)
+        if v is not None:
+            out[name] = round(v, 4) if isinstance(v, float) else v
+    return out
+
+
+class MemoryPort:
+    """Async calls into one ``MemoryService`` plus its token counter."""
+
+    def __init__(self, service: Any, counter: Any) -> None:
+        self.service = service
+        self.counter = counter
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def _lock(self, tenant: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(tenant, threading.Lock())
+
+    async def _call(self, tenant: str, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        def run() -> T:
+            with self._lock(tenant):
+                return fn(*args, **kw)
+        return await asyncio.to_thread(run)
+
+    # --- counting ---------------------------------------------------------------------------
+
+    def count(self, text: str) -> int:
+        return int(self.counter.count(text))
+
+    def count_messages(self, messages: list[dict[str, Any]]) -> int:
+        fn = getattr(self.counter, "count_messages", None)
+        if fn is not None:
+            return int(fn(messages))
+        return sum(self.count(str(m.get("content") or "")) + 4 for m in messages)
+
+    # --- reads --------------------------------------------------------------------------------
+
+    async def select(self, tenant: str, session: str, messages: list[dict[str, Any]],
+                     budget_tokens: int, query: str | None) -> Selected:
+        t0 = time.perf_counter()
+        sel = await self._call(tenant, self.service.select_context, tenant, session, messages,
+                               budget_tokens, query=query)
+        hits = list(getattr(sel, "hits", None) or [])
+        facts = getattr(sel, "facts", None)
+        return Selected(
+            memory_block=getattr(sel, "memory_block", "") or "",
+            recent=getattr(sel, "recent", None),
+            summary=getattr(sel, "summary", None),
+            tokens=int(getattr(sel, "tokens", 0) or 0),
+            hits=[_hit_dict(h) for h in hits],
+            facts=len(facts) if isinstance(facts, list | tuple) else int(bool(facts)),
+            reasons=getattr(sel, "reasons", None),
+            seconds=time.perf_counter() - t0,
+        )
+
+    async def transcript(self, tenant: str, session: str) -> list[dict[str, Any]]:
+        return await self._call(tenant, self.service.transcript, tenant, session)
+
+    async def summary(self, tenant: str, session: str) -> str | None:
+        s = await self._call(tenant, self.service.summary, tenant, session)
+        if s is None or isinstance(s, str):
+            return s
+        return getattr(s, "text", None) or str(s)
+
+    # --- writes -------------------------------------------------------------------------------
+
+    async def record_turn(self, tenant: str, session: str, role: str, content: str) -> str:
+        return await self._call(tenant, self.service.record_turn, tenant, session, role, content)
+
+    async def record_turns(self, tenant: str, session: str,
+                           turns: list[tuple[str, str]]) -> list[str]:
+        def run() -> list[str]:
+            return [self.service.record_turn(tenant, session, role, content)
+                    for role, content in turns]
+        return await self._call(tenant, run)
+
+    async def set_summary(self, tenant: str, session: str, text: str, upto_turn: str) -> None:
+        await self._call(tenant, self.service.set_summary, tenant, session, text,
+                         upto_turn=upto_turn)
+
+    async def add_memory(self, tenant: str, text: str, category: str,
+                         importance: float = 0.5) -> Any:
+        return await self._call(tenant, self.service.add_memory, tenant, text, category,
+                                importance)
+
+
+def build_memory(cfg: MemorySettings) -> MemoryPort:
+    """Build the memory service the settings describe (imports the memory package lazily)."""
+    from cwm_plugin.sidecar.memory_factory import make_service
+
+    service, counter = make_service(cfg)
+    return MemoryPort(service, counter)

@@ -1,0 +1,175 @@
+"""The sidecar's one settings object, read from a YAML file (see ``configs/sidecar.yaml``).
+
+Tenants carry only the sha256 of their API keys. The server secret that derives every
+``cache_salt`` comes from the file or, better, from an environment variable named in it; it is
+kept in a ``SecretStr`` so that it never shows in a repr or a log line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from cwm_plugin.errors import ConfigError
+
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TenantConfig(_Strict):
+    """One tenant: its name (a folder name under the memory root) and its keys' sha256."""
+
+    name: str
+    key_sha256: list[str] = Field(min_length=1)
+    allow_client_cache_salt: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME.match(v) or ".." in v:
+            raise ValueError(f"tenant name {v!r} must match {NAME.pattern}")
+        return v
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hashes(cls, v: list[str]) -> list[str]:
+        out = [h.strip().lower() for h in v]
+        for h in out:
+            if not SHA256_HEX.match(h):
+                raise ValueError("key_sha256 entries must be 64 hex digits (sha256 of the key)")
+        return out
+
+
+class UpstreamConfig(_Strict):
+    """Where vLLM's OpenAI server is and how patient to be with it."""
+
+    url: str = "http://127.0.0.1:8000"
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 600.0
+    write_timeout_s: float = 30.0
+    pool_timeout_s: float = 10.0
+    connect_retries: int = Field(default=2, ge=0, le=10)
+    max_connections: int = Field(default=200, ge=1)
+    max_keepalive: int = Field(default=50, ge=1)
+    models_ttl_s: float = 30.0
+
+
+class EmbedderConfig(_Strict):
+    """``local`` (MiniLM, offline), ``openai`` (an embeddings endpoint) or ``hashing`` (tests)."""
+
+    kind: Literal["local", "openai", "hashing"] = "local"
+    url: str | None = None
+    model: str | None = None
+    dims: int = 384
+
+
+class MemorySettings(_Strict):
+    """The memory package's settings plus what the sidecar decides about them."""
+
+    root: Path = Path("./cwm-memory")
+    tokenizer: str = "tiktoken:cl100k_base"  # or a folder with an HF tokenizer
+    embedder: EmbedderConfig = EmbedderConfig()
+    budget_tokens: int = Field(default=1024, ge=0)
+    budget_fraction: float = Field(default=0.25, gt=0, le=1)  # of max_model_len, the smaller wins
+    recent_turns: int = Field(default=6, ge=0)
+    chunk_tokens: int = 400
+    chunk_overlap: int = 80
+    summary_every_turns: int = Field(default=8, ge=0)  # 0: never
+    extract_facts: bool = True
+    background_max_tokens: int = 256
+
+
+class ThresholdConfig(_Strict):
+    """Fractions of ``max_model_len``; ``keep_turns`` messages survive a compaction."""
+
+    warn: float = Field(default=0.70, gt=0, le=1)
+    checkpoint: float = Field(default=0.85, gt=0, le=1)
+    keep_turns: int = Field(default=2, ge=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> ThresholdConfig:
+        if self.warn > self.checkpoint:
+            raise ValueError("warn must not exceed checkpoint")
+        return self
+
+
+class CheckpointConfig(_Strict):
+    default: ThresholdConfig = ThresholdConfig()
+    models: dict[str, ThresholdConfig] = Field(default_factory=dict)
+
+    def for_model(self, model: str) -> ThresholdConfig:
+        return self.models.get(model, self.default)
+
+
+class Settings(_Strict):
+    """Everything ``create_app`` needs."""
+
+    secret: SecretStr | None = None
+    secret_env: str = "CWM_SIDECAR_SECRET"
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    upstream: UpstreamConfig = UpstreamConfig()
+    memory: MemorySettings = MemorySettings()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    injection: Literal["cache_aware", "memory_first"] = "cache_aware"
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    debug_header_max_bytes: int = Field(default=4096, ge=256)
+    memory_enabled: bool = True
+
+    @model_validator(mode="after")
+    def _unique(self) -> Settings:
+        names = [t.name for t in self.tenants]
+        if len(names) != len(set(names)):
+            raise ValueError("tenant names must be unique")
+        return self
+
+    def server_secret(self) -> bytes:
+        """The HMAC key for salts: the file's ``secret``, else ``$<secret_env>``."""
+        value = self.secret.get_secret_value() if self.secret else os.environ.get(self.secret_env)
+        if not value or len(value) < 16:
+            raise ConfigError(
+                "no server secret for cache salts",
+                hint=f"set {self.secret_env} (or `secret:` in the config) to 16+ random characters",
+            )
+        return value.encode()
+
+
+def load_settings(path: str | os.PathLike[str], **overrides: object) -> Settings:
+    """Read and validate a YAML settings file; ``overrides`` replace top-level keys."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read {p}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p} must hold a mapping at the top level")
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        settings = Settings.model_validate(raw)
+    except ValidationError as exc:
+        # Never echo inputs: a misplaced secret must not end up in a log line.
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                             for e in exc.errors(include_input=False))
+        raise ConfigError(f"{p}: {problems}") from None
+    root = settings.memory.root
+    if not root.is_absolute():
+        settings.memory.root = (p.parent / root).resolve()
+    return settings

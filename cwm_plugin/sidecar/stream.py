@@ -1,0 +1,97 @@
+"""Relaying a server-sent-event stream from vLLM to the client, byte for byte.
+
+Events are forwarded exactly as vLLM wrote them. On the side, each ``data:`` payload is parsed
+to collect the answer text and the final ``usage``. When the sidecar itself asked for usage
+(``stream_options.include_usage``) and the client did not, the usage-only event is the one
+event withheld, so the client sees the stream it asked for. ``on_done`` runs before the
+``[DONE]`` event is passed on (the turn is in memory before the client learns it has ended). An
+upstream failure in mid-stream becomes one OpenAI-shaped error event; the stream never hangs
+beyond the upstream read timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cwm_plugin.errors import CWMError
+from cwm_plugin.sidecar.openai_errors import sse_error
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Collected:
+    """What a relayed stream carried, for memory and metrics."""
+
+    parts: list[str] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    done: bool = False
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def feed(self, obj: dict[str, Any], *, chat: bool) -> None:
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        for choice in obj.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            if piece:
+                self.parts.append(piece)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        if "error" in obj:
+            self.error = str(obj["error"])[:300]
+
+
+def _payload(event: bytes) -> bytes | None:
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            return line[5:].strip()
+    return None
+
+
+async def relay_sse(source: AsyncIterator[bytes], collected: Collected, *, chat: bool,
+                    strip_usage: bool,
+                    on_done: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[bytes]:
+    """Yield the upstream SSE bytes (see the module docstring)."""
+    buf = b""
+    try:
+        async for chunk in source:
+            buf += chunk
+            while True:
+                cut = buf.find(b"\n\n")
+                if cut < 0:
+                    break
+                event, buf = buf[: cut + 2], buf[cut + 2:]
+                data = _payload(event)
+                if data == b"[DONE]":
+                    collected.done = True
+                    if on_done is not None:
+                        await on_done()
+                    yield event
+                    continue
+                if data:
+                    try:
+                        obj = json.loads(data)
+                    except ValueError:
+                        obj = None
+                    if isinstance(obj, dict):
+                        collected.feed(obj, chat=chat)
+                        if strip_usage and obj.get("choices") == [] and obj.get("usage"):
+                            continue
+                yield event
+        if buf:
+            yield buf
+    except CWMError as exc:
+        collected.error = exc.message
+        log.warning("upstream stream failed: %s", exc.message)
+        yield sse_error(exc.http_status, str(exc), exc.code)

@@ -1,0 +1,125 @@
+"""The client for vLLM's OpenAI server: pooled connections, timeouts, retry on connect only.
+
+Connect failures are retried by the transport (``retries`` in httpx retries only
+``ConnectError``/``ConnectTimeout``, never a request that reached the server), then become
+:class:`UpstreamError` (502); timeouts become :class:`UpstreamTimeout` (504). Nothing here
+waits without a bound. ``/v1/models`` is cached for a few seconds so that every request can
+check its model and learn ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from cwm_plugin.errors import UpstreamError, UpstreamTimeout
+from cwm_plugin.sidecar.settings import UpstreamConfig
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    max_model_len: int | None
+
+
+def _translate(exc: httpx.HTTPError, what: str) -> UpstreamError:
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return UpstreamTimeout(f"upstream timed out during {what}",
+                               hint="the model server is overloaded or stuck; retry later")
+    return UpstreamError(f"upstream unreachable during {what}: {type(exc).__name__}",
+                         hint="check that the vLLM server is running at the configured URL")
+
+
+class Upstream:
+    """One pooled ``httpx.AsyncClient`` to the model server, opened and closed with the app."""
+
+    def __init__(self, config: UpstreamConfig, *, transport: httpx.AsyncBaseTransport | None = None):
+        self.config = config
+        self.base_url = config.url.rstrip("/")
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(connect=config.connect_timeout_s, read=config.read_timeout_s,
+                                  write=config.write_timeout_s, pool=config.pool_timeout_s),
+            limits=httpx.Limits(max_connections=config.max_connections,
+                                max_keepalive_connections=config.max_keepalive),
+            transport=transport or httpx.AsyncHTTPTransport(retries=config.connect_retries),
+        )
+        self._models: dict[str, ModelInfo] = {}
+        self._models_at = -1e9
+        self._models_lock = asyncio.Lock()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def request(self, method: str, path: str, *, json: Any = None,
+                      timeout: float | None = None) -> httpx.Response:
+        kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        try:
+            return await self._client.request(method, path, json=json, **kw)
+        except httpx.HTTPError as exc:
+            raise _translate(exc, f"{method} {path}") from None
+
+    @asynccontextmanager
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
+        """POST with a streamed reply; the response is closed when the block ends."""
+        try:
+            req = self._client.build_request("POST", path, json=body)
+            resp = await self._client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            raise _translate(exc, f"POST {path}") from None
+        try:
+            yield resp
+        finally:
+            await resp.aclose()
+
+    async def iter_bytes(self, resp: httpx.Response) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise _translate(exc, "streaming") from None
+
+    async def models(self, *, refresh: bool = False) -> dict[str, ModelInfo]:
+        """``{id: ModelInfo}`` from ``/v1/models``, cached for ``models_ttl_s``."""
+        async with self._models_lock:
+            fresh = time.monotonic() - self._models_at < self.config.models_ttl_s
+            if self._models and fresh and not refresh:
+                return self._models
+            resp = await self.request("GET", "/v1/models", timeout=self.config.connect_timeout_s + 5)
+            if resp.status_code != 200:
+                raise UpstreamError(f"upstream /v1/models answered HTTP {resp.status_code}")
+            data = resp.json().get("data", [])
+            self._models = {m["id"]: ModelInfo(m["id"], m.get("max_model_len")) for m in data}
+            self._models_at = time.monotonic()
+            return self._models
+
+    async def model(self, name: str) -> ModelInfo | None:
+        models = await self.models()
+        if name not in models:
+            models = await self.models(refresh=True)  # a model may have been added since
+        return models.get(name)
+
+    async def chat_once(self, model: str, messages: list[dict[str, Any]], *, salt: str,
+                        max_tokens: int, temperature: float = 0.0) -> tuple[str, dict[str, Any]]:
+        """A non-streamed chat for the sidecar's own work (summaries, facts)."""
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens,
+                "temperature": temperature, "cache_salt": salt}
+        resp = await self.request("POST", "/v1/chat/completions", json=body)
+        if resp.status_code != 200:
+            raise UpstreamError(f"upstream chat answered HTTP {resp.status_code}: "
+                                f"{resp.text[:200]}")
+        data = resp.json()
+        return data["choices"][0]["message"].get("content") or "", data.get("usage") or {}
+
+    async def metrics_text(self) -> str | None:
+        try:
+            resp = await self.request("GET", "/metrics", timeout=5.0)
+        except UpstreamError:
+            return None
+        return resp.text if resp.status_code == 200 else None

@@ -39,11 +39,17 @@ def wait_until(
 
 
 def stop_process_group(proc: subprocess.Popen, *, grace: float = 20.0) -> None:
-    """SIGTERM the process group started for ``proc`` (its own session), then SIGKILL."""
+    """SIGTERM the leader of ``proc``'s process group (its own session), then SIGKILL the group.
+
+    Only the leader gets SIGTERM, so that it shuts its children down in order (vLLM's API
+    server stops the engine, which shuts the workers and their KV connector down cleanly).
+    """
     if proc.poll() is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
         return
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:

@@ -1,0 +1,41 @@
+"""Prompts of real conversation text, of a chosen length in a model's tokens, for benchmarks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from cwm_plugin.testing.models import shared_dir
+
+
+def conversation_lines() -> Iterator[str]:
+    """Turns of the LoCoMo conversations in ``../shared/data`` as ``speaker: text`` lines."""
+    shared = shared_dir()
+    if shared is None:
+        raise RuntimeError("no ../shared/data folder with LoCoMo conversations was found; "
+                           "set CWM_SHARED_DIR to the shared folder")
+    for f in sorted((shared / "data").glob("**/*.json")):
+        conv = json.loads(Path(f).read_text()).get("conversation", {})
+        sessions = sorted((k for k in conv if k.startswith("session_") and k[8:].isdigit()),
+                          key=lambda k: int(k[8:]))
+        for key in sessions:
+            for turn in conv[key]:
+                yield f"{turn['speaker']}: {turn['text']}"
+
+
+def conversation_prompt(tokenizer, n_tokens: int, *, skip_lines: int = 0) -> str:
+    """About ``n_tokens`` tokens (never more) of conversation, starting ``skip_lines`` in."""
+    lines: list[str] = []
+    total = 0
+    for i, line in enumerate(conversation_lines()):
+        if i < skip_lines:
+            continue
+        cost = len(tokenizer.encode("\n" + line, add_special_tokens=False))
+        if total + cost > n_tokens:
+            break
+        lines.append(line)
+        total += cost
+    if total < n_tokens * 0.9:
+        raise RuntimeError(f"not enough conversation text for a {n_tokens}-token prompt")
+    return "\n".join(lines)

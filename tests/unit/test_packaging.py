@@ -1,0 +1,29 @@
+"""The wheel installs everything under cwm_plugin/ and no generic top-level module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).parents[2]
+
+
+def test_wheel_has_only_the_cwm_plugin_package(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    wheel = next(tmp_path.glob("cwm_plugin-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"cwm_plugin", next(t for t in tops if t.endswith(".dist-info"))}, tops
+    assert "cwm_plugin/kernels/blocks.py" in names
+    # Every package folder in the source tree is in the wheel (pyproject lists them by hand).
+    for init in (ROOT / "cwm_plugin").rglob("__init__.py"):
+        rel = init.relative_to(ROOT).as_posix()
+        assert rel in names, f"{rel} is missing from the wheel: add it to pyproject's packages"
+    entry = [n for n in names if n.endswith("entry_points.txt")]
+    assert entry and b"cwm = cwm_plugin.cli:main" in zipfile.ZipFile(wheel).read(entry[0])

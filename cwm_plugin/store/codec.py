@@ -1,0 +1,250 @@
+"""Blob codec: one tensor <-> bytes, bit-exact, self-describing, checksummed.
+
+The container is a plain safetensors file (any safetensors reader can open it): its
+``__metadata__`` holds the format version, model fingerprint, layout, dtype, shape, key, token
+count, codec parameters and a CRC-32 of the tensor's raw bytes; its tensors are ``uint8``
+*streams* made by a byte transform (:mod:`cwm_plugin.kernels.shuffle`), each compressed with
+zstd or kept raw when zstd would not shrink it.
+
+``level=0`` means no compression and no transform: the payload is the tensor's raw bytes, so a
+flipped payload byte with ``checksum=False`` decodes to a (wrong) tensor without an error.
+Everything else that is wrong raises :class:`CorruptBlob` (damaged, truncated, not ours) or
+:class:`IncompatibleBlob` (another model's blob, an unknown format version).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zstandard
+
+from cwm_plugin.errors import CorruptBlob, IncompatibleBlob
+from cwm_plugin.kernels import shuffle as sh
+
+FORMAT = "cwm-kv"
+FORMAT_VERSION = 1
+MAX_HEADER = 1 << 20
+RAW_IF_ABOVE = 0.97       # keep a stream raw when zstd saves less than 3%
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16,
+    "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        DTYPES[_name] = getattr(torch, _name)
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+_local = threading.local()   # per-thread zstd contexts (a cache, not state)
+
+
+@dataclass
+class DecodedBlob:
+    tensor: torch.Tensor
+    key: bytes
+    num_tokens: int
+    layout: str
+    fingerprint: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_local, "c", None)
+    if cache is None:
+        cache = _local.c = {}
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "d", None)
+    if d is None:
+        d = _local.d = zstandard.ZstdDecompressor()
+    return d
+
+
+def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: int = 0,
+           layout: str = "", level: int = 1, shuffle: bool = True,
+           checksum: bool = True) -> bytes:
+    """Encode ``tensor`` (any shape, a supported dtype) into one self-describing blob."""
+    if tensor.dtype not in DTYPE_NAMES:
+        raise TypeError(f"dtype {tensor.dtype} is not supported by the blob codec")
+    if not 0 <= level <= 22:
+        raise ValueError(f"zstd level must be 0..22, got {level}")
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    transform = sh.best_transform(t.dtype) if (shuffle and level > 0) else "none"
+    parts = sh.split(t, transform)
+    streams: list[tuple[str, str, int]] = []
+    payloads: list[bytes | np.ndarray] = []
+    for name, s in zip(parts.names, parts.streams, strict=True):
+        if level > 0 and s.size >= 64:
+            z = _compressor(level).compress(s)
+            if len(z) < RAW_IF_ABOVE * s.size:
+                streams.append((name, "zstd", int(s.size)))
+                payloads.append(z)
+                continue
+        streams.append((name, "raw", int(s.size)))
+        payloads.append(s)
+    meta = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "fingerprint": fingerprint,
+        "layout": layout,
+        "dtype": DTYPE_NAMES[t.dtype],
+        "shape": json.dumps(list(t.shape)),
+        "key": bytes(key).hex(),
+        "num_tokens": str(int(num_tokens)),
+        "transform": transform,
+        "level": str(level),
+        "streams": json.dumps(streams),
+        "checksum": _checksum_of(t) if checksum else "",
+    }
+    return _pack(meta, payloads)
+
+
+def _checksum_of(t: torch.Tensor) -> str:
+    return f"crc32:{zlib.crc32(sh.tensor_bytes(t)):08x}"
+
+
+def _pack(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for i, p in enumerate(payloads):
+        n = len(p) if isinstance(p, bytes) else int(p.size)
+        header[f"s{i:02d}"] = {"dtype": "U8", "shape": [n], "data_offsets": [offset, offset + n]}
+        offset += n
+    hj = json.dumps(header, separators=(",", ":")).encode()
+    hj += b" " * (-len(hj) % 8)
+    out = bytearray(8 + len(hj) + offset)
+    out[:8] = struct.pack("<Q", len(hj))
+    out[8:8 + len(hj)] = hj
+    pos = 8 + len(hj)
+    for p in payloads:
+        mv = memoryview(p if isinstance(p, bytes) else np.ascontiguousarray(p)).cast("B")
+        out[pos:pos + len(mv)] = mv
+        pos += len(mv)
+    return bytes(out)
+
+
+def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[str, Any], int]:
+    """Parse and check the container header: (metadata, tensor entries, data start)."""
+    mv = memoryview(data)
+    if len(mv) < 8:
+        raise CorruptBlob(f"blob of {len(mv)} bytes is too short to be a cwm blob",
+                          hint="it was truncated; the block will be recomputed")
+    (n,) = struct.unpack("<Q", mv[:8])
+    if n < 2 or n > MAX_HEADER or 8 + n > len(mv):
+        raise CorruptBlob(f"blob header length {n} does not fit a {len(mv)}-byte blob",
+                          hint="truncated or not a cwm blob")
+    try:
+        header = json.loads(bytes(mv[8:8 + n]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptBlob(f"blob header is not valid JSON: {exc}",
+                          hint="damaged or not a cwm blob") from exc
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise CorruptBlob("blob header has no metadata", hint="not a cwm blob")
+    meta = header.pop("__metadata__")
+    if meta.get("format") != FORMAT:
+        raise CorruptBlob(f"blob format is {meta.get('format')!r}, not {FORMAT!r}",
+                          hint="this is not a cwm KV blob")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CorruptBlob("blob metadata values must be strings", hint="damaged blob")
+    return meta, header, 8 + n
+
+
+def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = None,
+           verify: bool = True) -> DecodedBlob:
+    """Decode a blob made by :func:`encode`; ``fingerprint`` (if given) must match the blob's."""
+    meta, entries, start = read_header(data)
+    version = meta.get("format_version", "")
+    if version != str(FORMAT_VERSION):
+        raise IncompatibleBlob(f"blob format version {version!r} is not {FORMAT_VERSION}",
+                               hint="written by another cwm version; recompute or upgrade")
+    if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+        raise IncompatibleBlob(
+            f"blob belongs to model fingerprint {meta.get('fingerprint')!r}, not {fingerprint!r}",
+            hint="the model or KV layout changed; the block must be recomputed")
+    try:
+        dtype = DTYPES[meta["dtype"]]
+        shape = tuple(int(x) for x in json.loads(meta["shape"]))
+        streams = [(str(a), str(b), int(c)) for a, b, c in json.loads(meta["streams"])]
+        transform = meta["transform"]
+        key = bytes.fromhex(meta["key"])
+        num_tokens = int(meta["num_tokens"])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CorruptBlob(f"blob metadata is damaged ({type(exc).__name__}: {exc})",
+                          hint="the block will be recomputed") from exc
+    if any(d < 0 for d in shape):
+        raise CorruptBlob(f"blob shape {shape} is negative", hint="damaged blob")
+    mv = memoryview(data)
+    raw_streams = _read_streams(mv, entries, start, streams)
+    try:
+        tensor = sh.join(raw_streams, transform, dtype, shape)
+    except (ValueError, IndexError) as exc:
+        raise CorruptBlob(f"blob payload does not rebuild a {meta['dtype']} {list(shape)} "
+                          f"tensor: {exc}", hint="damaged blob; recompute") from exc
+    expected = meta.get("checksum", "")
+    if verify and expected:
+        got = _checksum_of(tensor)
+        if got != expected:
+            raise CorruptBlob(f"blob checksum mismatch ({got} != {expected})",
+                              hint="the stored bytes are damaged; the block will be recomputed")
+    return DecodedBlob(tensor, key, num_tokens, meta.get("layout", ""),
+                       meta.get("fingerprint", ""), meta)
+
+
+def _read_streams(mv: memoryview, entries: dict[str, Any], start: int,
+                  streams: list[tuple[str, str, int]]) -> list[np.ndarray]:
+    names = [f"s{i:02d}" for i in range(len(streams))]
+    if sorted(entries) != names:
+        raise CorruptBlob("blob streams do not match its metadata", hint="damaged blob")
+    end = start
+    out: list[np.ndarray] = []
+    for name, (_, codec, raw_len) in zip(names, streams, strict=True):
+        e = entries[name]
+        try:
+            a, b = (int(x) for x in e["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptBlob("blob stream offsets are damaged", hint="damaged blob") from exc
+        if a != end - start or b < a or start + b > len(mv):
+            raise CorruptBlob(f"blob stream {name} lies outside the blob ({len(mv)} bytes)",
+                              hint="the blob was truncated; the block will be recomputed")
+        chunk = mv[start + a:start + b]
+        end = start + b
+        if codec == "raw":
+            if len(chunk) != raw_len:
+                raise CorruptBlob(f"raw stream {name} holds {len(chunk)} bytes, not {raw_len}",
+                                  hint="damaged blob")
+            out.append(np.frombuffer(chunk, np.uint8))
+        elif codec == "zstd":
+            try:
+                raw = _decompressor().decompress(chunk, max_output_size=raw_len)
+            except zstandard.ZstdError as exc:
+                raise CorruptBlob(f"blob stream {name} does not decompress: {exc}",
+                                  hint="damaged blob; the block will be recomputed") from exc
+            if len(raw) != raw_len:
+                raise CorruptBlob(f"stream {name} decompressed to {len(raw)} bytes, not {raw_len}",
+                                  hint="damaged blob")
+            out.append(np.frombuffer(raw, np.uint8))
+        else:
+            raise CorruptBlob(f"unknown stream codec {codec!r}", hint="damaged blob")
+    if end != len(mv):
+        raise CorruptBlob(f"blob has {len(mv) - end} trailing bytes", hint="damaged blob")
+    return out
+
+
+def peek(data: bytes | bytearray | memoryview) -> dict[str, str]:
+    """The blob's metadata without decoding the payload (raises CorruptBlob if unreadable)."""
+    return read_header(data)[0]

@@ -1,0 +1,61 @@
+"""Fixtures for the sidecar tests: one recording relay and sidecars on loopback per module."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sidecar_helpers import Recorder, make_settings
+
+from cwm_plugin.sidecar.app import create_app
+from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.vllm_server import VLLMServer
+
+# Development aid: CWM_SIDECAR_TEST_VLLM_PORT=P reuses a tiny-model `vllm serve` already running
+# on 127.0.0.1:P instead of starting one per module (tests of prefix-cache counters then see
+# that server's earlier traffic too, which they tolerate: they compare deltas).
+REUSE_PORT = os.environ.get("CWM_SIDECAR_TEST_VLLM_PORT")
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """The tiny model served by vLLM for this module (or the reused one, see above)."""
+    if REUSE_PORT:
+        yield VLLMServer(model_dir=tiny_model, port=int(REUSE_PORT))
+        return
+    server = VLLMServer(model_dir=tiny_model, log_dir=tmp_path_factory.mktemp("vllm"))
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def recorder(tiny_vllm) -> Iterator[tuple[Recorder, ServerThread]]:
+    rec = Recorder(tiny_vllm.base_url)
+    with ServerThread(rec.app) as srv:
+        yield rec, srv
+
+
+@pytest.fixture(scope="module")
+def sidecar_factory(tiny_model, tmp_path_factory) -> Iterator[Callable[..., ServerThread]]:
+    """``make(upstream_url, root=None, **settings_overrides) -> running ServerThread``."""
+    started: list[ServerThread] = []
+
+    def make(upstream: str, root: Path | None = None, **over: Any) -> ServerThread:
+        root = root or tmp_path_factory.mktemp("memory")
+        app = create_app(make_settings(upstream, root, tiny_model, **over))
+        srv = ServerThread(app).start()
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def sidecar(recorder, sidecar_factory) -> ServerThread:
+    """The module's main sidecar: memory on, cache-aware, upstream = recorder -> vLLM."""
+    return sidecar_factory(recorder[1].url)

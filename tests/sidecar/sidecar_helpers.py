@@ -1,0 +1,116 @@
+"""Helpers for the sidecar tests: settings, a recording upstream relay, HTTP client calls.
+
+A sidecar runs with uvicorn in a thread of the test process (``ServerThread``), so a test can
+wait for its background tasks and read its memory directly while talking to it over real HTTP.
+The ``Recorder`` is a real HTTP relay between the sidecar and vLLM that keeps every JSON body it
+forwards: it is how the tests see the exact prompt vLLM received.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from cwm_plugin.sidecar.identity import derive_salt, hash_key
+from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.sidecar.settings import Settings
+
+SECRET = "sidecar-test-secret-0123456789abcdef"
+KEYS = {"acme": "key-acme-1", "beta": "key-beta-1", "gamma": "key-gamma-1"}
+
+
+def make_settings(upstream: str, root: Path, tokenizer: Path | str, **over: Any) -> Settings:
+    raw: dict[str, Any] = {
+        "secret": SECRET,
+        "tenants": [
+            {"name": "acme", "key_sha256": [hash_key(KEYS["acme"])]},
+            {"name": "beta", "key_sha256": [hash_key(KEYS["beta"])]},
+            {"name": "gamma", "key_sha256": [hash_key(KEYS["gamma"])],
+             "allow_client_cache_salt": True},
+        ],
+        "upstream": {"url": upstream, "connect_timeout_s": 2.0, "read_timeout_s": 300.0,
+                     "connect_retries": 1},
+        "memory": {"root": str(root), "tokenizer": str(tokenizer),
+                   "embedder": {"kind": "hashing"}, "budget_tokens": 400,
+                   "summary_every_turns": 0, "extract_facts": False},
+        "max_body_bytes": 256 * 1024,
+    }
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return Settings.model_validate(raw)
+
+
+def salt(tenant: str, session: str) -> str:
+    return derive_salt(SECRET.encode(), tenant, session)
+
+
+class Recorder:
+    """A real HTTP relay to ``target`` that records the JSON bodies it forwards."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target.rstrip("/")
+        self.bodies: list[tuple[str, dict[str, Any]]] = []
+        self.app = FastAPI()
+        self._client: httpx.AsyncClient | None = None
+
+        @self.app.api_route("/{path:path}", methods=["GET", "POST"])
+        async def relay(path: str, request: Request) -> Response:
+            if self._client is None:
+                self._client = httpx.AsyncClient(timeout=300.0)
+            raw = await request.body()
+            if request.method == "POST" and raw:
+                self.bodies.append((f"/{path}", json.loads(raw)))
+            req = self._client.build_request(
+                request.method, f"{self.target}/{path}", content=raw,
+                headers={"content-type": request.headers.get("content-type", "application/json")})
+            resp = await self._client.send(req, stream=True)
+            return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code,
+                                     media_type=resp.headers.get("content-type"),
+                                     background=BackgroundTask(resp.aclose))
+
+    def last(self, path: str = "/v1/chat/completions") -> dict[str, Any]:
+        return next(b for p, b in reversed(self.bodies) if p == path)
+
+
+def runtime(srv: ServerThread):
+    return srv.app.state.sidecar
+
+
+def wait_idle(srv: ServerThread, timeout: float = 300.0) -> None:
+    """Wait until the sidecar's background tasks are done (summaries, facts, checkpoints)."""
+    deadline = time.monotonic() + timeout
+    while runtime(srv).background.pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError("background tasks still running")
+        time.sleep(0.05)
+
+
+def chat(srv: ServerThread, tenant: str, content: str | list[dict[str, Any]], *,
+         session: str = "s1", stream: bool = False, debug: bool = False, max_tokens: int = 8,
+         headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
+    messages = [{"role": "user", "content": content}] if isinstance(content, str) else content
+    hdrs = {"Authorization": f"Bearer {KEYS[tenant]}", "X-Session-Id": session,
+            **({"X-CWM-Debug": "1"} if debug else {}), **(headers or {})}
+    payload = {"model": "tiny", "messages": messages, "max_tokens": max_tokens,
+               "temperature": 0.0, "stream": stream, **body}
+    return httpx.post(f"{srv.url}/v1/chat/completions", json=payload, headers=hdrs,
+                      timeout=300.0)
+
+
+def sse_events(text: str) -> list[Any]:
+    out = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out

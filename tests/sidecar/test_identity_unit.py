@@ -1,0 +1,87 @@
+"""Identity: hashed keys, sessions, HMAC salts, the client-salt rule, settings loading."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import pytest
+
+from cwm_plugin.errors import ConfigError, Forbidden, InvalidInput
+from cwm_plugin.sidecar.identity import Authenticator, Unauthorized, bearer_key, hash_key
+from cwm_plugin.sidecar.settings import Settings, TenantConfig, load_settings
+
+pytestmark = pytest.mark.unit
+SECRET = b"unit-test-secret-0123456789"
+
+
+def auth() -> Authenticator:
+    tenants = [TenantConfig(name="acme", key_sha256=[hash_key("key-a")]),
+               TenantConfig(name="beta", key_sha256=[hash_key("key-b")],
+                            allow_client_cache_salt=True)]
+    return Authenticator(tenants, SECRET)
+
+
+def test_keys_map_to_tenants_and_unknown_keys_are_refused():
+    a = auth()
+    assert a.tenant_for("key-a").name == "acme"
+    assert a.tenant_for("key-b").name == "beta"
+    for bad in (None, "", "key-c", "key-a "):
+        with pytest.raises(Unauthorized):
+            a.tenant_for(bad)
+    assert bearer_key({"authorization": "Bearer key-a"}) == "key-a"
+    assert bearer_key({"x-api-key": "key-b"}) == "key-b"
+    assert "key-a" not in repr(a) and hash_key("key-a") not in repr(a)
+
+
+def test_salt_is_hmac_of_tenant_and_session_and_differs_per_session():
+    a = auth()
+    t = a.tenant_for("key-a")
+    ident = a.identify(t, {"x-session-id": "s1"}, {"user": "ignored"})
+    want = hmac.new(SECRET, b"acme\x00s1", hashlib.sha256).hexdigest()
+    assert ident.cache_salt == want and len(want) == 64
+    assert ident.cache_salt not in repr(ident)
+    other = a.identify(t, {}, {"user": "s1-other"})
+    assert other.session == "s1-other" and other.cache_salt != want
+    assert a.identify(t, {}, {}).session == "default"
+    # The same session name under another tenant gets another salt.
+    b = a.identify(a.tenant_for("key-b"), {"x-session-id": "s1"}, {})
+    assert b.cache_salt != want
+
+
+@pytest.mark.parametrize("session", ["../etc", "a/b", "..", "x" * 200, "-x", "a\x00b"])
+def test_bad_session_names_are_refused(session):
+    a = auth()
+    with pytest.raises(InvalidInput):
+        a.identify(a.tenant_for("key-a"), {"x-session-id": session} if session else {},
+                   {"user": session})
+
+
+def test_client_cache_salt_needs_permission():
+    a = auth()
+    acme = a.identify(a.tenant_for("key-a"), {}, {})
+    with pytest.raises(Forbidden):
+        a.salt_for(acme, {"cache_salt": "mine"})
+    assert a.salt_for(acme, {}) == acme.cache_salt
+    beta = a.identify(a.tenant_for("key-b"), {}, {})
+    assert a.salt_for(beta, {"cache_salt": "mine"}) == "mine"
+    with pytest.raises(InvalidInput):
+        a.salt_for(beta, {"cache_salt": ""})
+
+
+def test_settings_validation_never_echoes_the_secret(tmp_path, monkeypatch):
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("secret: short-but-secret-value\ntenants:\n  - name: ../x\n    key_sha256: [abc]\n")
+    with pytest.raises(ConfigError) as exc:
+        load_settings(cfg)
+    assert "short-but-secret-value" not in str(exc.value)
+    cfg.write_text(f"tenants:\n  - name: acme\n    key_sha256: ['{hash_key('k')}']\n"
+                   "memory:\n  root: mem\n")
+    s = load_settings(cfg)
+    assert s.memory.root == (tmp_path / "mem").resolve()
+    monkeypatch.delenv("CWM_SIDECAR_SECRET", raising=False)
+    with pytest.raises(ConfigError):
+        s.server_secret()
+    monkeypatch.setenv("CWM_SIDECAR_SECRET", "x" * 32)
+    assert s.server_secret() == b"x" * 32
+    assert "x" * 32 not in repr(Settings(secret="y" * 32))

@@ -1,0 +1,84 @@
+"""Prompt assembly (cache-aware order) and the SSE relay, without a server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from cwm_plugin.sidecar import prompt as P
+from cwm_plugin.sidecar.stream import Collected, relay_sse
+
+pytestmark = pytest.mark.unit
+
+SYS = {"role": "system", "content": "You are helpful."}
+
+
+def test_cache_aware_order_keeps_the_stable_prefix_first():
+    msgs = [SYS, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u2"}]
+    sp = P.split(msgs)
+    assert sp.prefix == [SYS] and sp.new["content"] == "u2" and len(sp.history) == 2
+    out = P.assemble(sp, sp.history, "- likes tea", mode="cache_aware").messages
+    assert out[0] == SYS
+    assert out[1]["role"] == "system" and "likes tea" in out[1]["content"]
+    assert [m["content"] for m in out[2:]] == ["u1", "a1", "u2"]
+    first = P.assemble(sp, sp.history, "- likes tea", mode="memory_first").messages
+    assert first[0]["role"] == "system" and "likes tea" in first[0]["content"]
+    assert first[1] == SYS
+    # No memory: nothing injected, the request is forwarded as it came.
+    assert P.assemble(sp, sp.history, "", mode="cache_aware").messages == msgs
+
+
+def test_compaction_keeps_summary_and_last_turns():
+    msgs = [SYS] + [{"role": r, "content": f"{r}{i}"} for i in range(4)
+                    for r in ("user", "assistant")] + [{"role": "user", "content": "new"}]
+    sp = P.split(msgs)
+    out = P.assemble(sp, sp.history, "", summary="They talked.", keep=2).messages
+    assert out[0] == SYS and P.SUMMARY_HEADER in out[1]["content"]
+    assert [m["content"] for m in out[2:]] == ["user3", "assistant3", "new"]
+
+
+def test_bad_messages_are_refused():
+    from cwm_plugin.errors import InvalidInput
+
+    for bad in (None, [], "hi", [{"content": "no role"}], [1]):
+        with pytest.raises(InvalidInput):
+            P.validate_messages(bad)
+
+
+def _sse(objs):
+    return [f"data: {json.dumps(o)}\n\n".encode() for o in objs] + [b"data: [DONE]\n\n"]
+
+
+def test_relay_is_byte_exact_and_withholds_only_the_injected_usage_event():
+    chunks = [{"choices": [{"index": 0, "delta": {"content": "Hel"}}]},
+              {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]},
+              {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}]
+    events = _sse(chunks)
+    raw = b"".join(events)
+    # Split the upstream bytes at awkward places.
+    pieces = [raw[i:i + 7] for i in range(0, len(raw), 7)]
+
+    async def source():
+        for p in pieces:
+            yield p
+
+    async def run(strip):
+        done = []
+        col = Collected()
+
+        async def on_done():
+            done.append(col.text)
+
+        out = [e async for e in relay_sse(source(), col, chat=True, strip_usage=strip,
+                                          on_done=on_done)]
+        return out, col, done
+
+    out, col, done = asyncio.run(run(False))
+    assert b"".join(out) == raw
+    assert col.text == "Hello" and col.usage["prompt_tokens"] == 5 and done == ["Hello"]
+    out, col, _ = asyncio.run(run(True))
+    assert b"".join(out) == events[0] + events[1] + events[3]
+    assert col.usage["completion_tokens"] == 2

@@ -1,0 +1,246 @@
+"""The sidecar in front of a real ``vllm serve`` (tiny random-weight model), over real HTTP.
+
+One vLLM for the module; the sidecar reaches it through a recording relay so that each test can
+read the exact body vLLM received.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from sidecar_helpers import KEYS, chat, runtime, salt, sse_events, wait_idle
+
+pytestmark = pytest.mark.e2e
+
+LONG_SYSTEM = ("You are the travel desk assistant of the Alpine Rail company. Answer briefly. "
+               "Rules: never invent timetables; prefer scenic routes; mention luggage limits. ") * 12
+
+
+def _norm(events):
+    """Stream events without the per-request fields (id, created)."""
+    out = []
+    for e in events:
+        if isinstance(e, dict):
+            e = {k: v for k, v in e.items() if k not in ("id", "created")}
+        out.append(e)
+    return out
+
+
+def test_non_streaming_chat_answers_and_records_the_turn(sidecar):
+    r = chat(sidecar, "acme", "Hello there, I am planning a trip to Zermatt.", session="ns")
+    assert r.status_code == 200, r.text
+    data = r.json()
+    answer = data["choices"][0]["message"]["content"]
+    assert data["usage"]["prompt_tokens"] > 0
+    turns = runtime(sidecar).memory.service.transcript("acme", "ns")
+    assert [t["role"] for t in turns] == ["user", "assistant"]
+    assert "Zermatt" in turns[0]["content"] and turns[1]["content"] == answer
+
+
+def test_streaming_is_relayed_intact(sidecar, recorder, tiny_vllm):
+    rec, _ = recorder
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Tell me about the glacier express."}]
+    r = chat(sidecar, "acme", messages, session="stream1", stream=True, max_tokens=12)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    via_sidecar = sse_events(r.text)
+    forwarded = rec.last()
+    assert forwarded["cache_salt"] == salt("acme", "stream1")
+    # The same greedy request straight to vLLM, as the client asked for it (no usage event).
+    direct_body = {k: v for k, v in forwarded.items() if k != "stream_options"}
+    direct = httpx.post(f"{tiny_vllm.base_url}/v1/chat/completions", json=direct_body,
+                        timeout=300.0)
+    direct_events = sse_events(direct.text)
+    assert via_sidecar[-1] == "[DONE]" and len(via_sidecar) > 3
+    assert _norm(via_sidecar) == _norm(direct_events)
+    text = "".join((e["choices"][0]["delta"].get("content") or "") for e in via_sidecar[:-1]
+                   if e["choices"])
+    turns = runtime(sidecar).memory.service.transcript("acme", "stream1")
+    assert turns[-1]["role"] == "assistant" and turns[-1]["content"] == text
+    # A client that asks for usage gets vLLM's usage event.
+    r = chat(sidecar, "acme", messages, session="stream1", stream=True, max_tokens=4,
+             stream_options={"include_usage": True})
+    assert sse_events(r.text)[-2]["usage"]["completion_tokens"] == 4
+
+
+def test_memory_is_injected_after_the_stable_prefix(sidecar, recorder, tiny_vllm):
+    rec, _ = recorder
+    sc = runtime(sidecar)
+    sc.memory.service.add_memory("acme", "The user's favourite colour is teal.", "preference",
+                                 0.9)
+    chat(sidecar, "acme", "Remember: my cat is called Biscuit and she is orange.",
+         session="mem1")
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is my cat called, and my favourite colour?"}]
+    r = chat(sidecar, "acme", messages, session="mem2", debug=True)
+    assert r.status_code == 200, r.text
+    body = rec.last()
+    assert body["messages"][0] == messages[0]
+    injected = body["messages"][1]
+    assert injected["role"] == "system"
+    assert "Biscuit" in injected["content"] and "teal" in injected["content"]
+    assert body["messages"][-1] == messages[-1]
+    debug = json.loads(r.headers["X-CWM-Memory"])
+    assert debug["tokens"] > 0 and debug["mode"] == "cache_aware"
+    # vLLM really saw the longer prompt: compare with the client's messages sent directly.
+    plain = tiny_vllm.chat(messages, max_tokens=1, cache_salt="plain")
+    assert r.json()["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 5
+
+
+def test_tenant_b_never_sees_tenant_a_memory(sidecar, recorder):
+    rec, _ = recorder
+    chat(sidecar, "acme", "My locker code is ZEBRA-4417, keep it safe.", session="iso")
+    r = chat(sidecar, "beta", "What is my locker code ZEBRA?", session="iso", debug=True)
+    assert r.status_code == 200
+    body = rec.last()
+    assert body["cache_salt"] == salt("beta", "iso") != salt("acme", "iso")
+    assert "ZEBRA-4417" not in json.dumps(body["messages"])
+    hits = runtime(sidecar).memory.service.search("beta", "locker code ZEBRA-4417", k=20)
+    assert all("4417" not in getattr(h, "text", str(h)) for h in hits)
+
+
+def test_bad_requests_get_openai_errors_and_lose_no_memory(sidecar):
+    svc = runtime(sidecar).memory.service
+    assert chat(sidecar, "acme", "Keep this line: the ferry leaves at nine.",
+                session="keep").status_code == 200
+    before = svc.transcript("acme", "keep")
+    url = f"{sidecar.url}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {KEYS['acme']}", "X-Session-Id": "keep"}
+    cases = [
+        (httpx.post(url, content=b'{"model": "tiny", "messages": [', headers=auth), 400),
+        (httpx.post(url, content=b"x" * (300 * 1024), headers=auth), 413),
+        (chat(sidecar, "acme", "hi", session="keep", model="no-such-model"), 404),
+        (httpx.post(url, json={"model": "tiny", "messages": []}, headers=auth), 400),
+        (httpx.post(url, json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+                    headers={"Authorization": "Bearer wrong"}), 401),
+        (chat(sidecar, "acme", "hi", session="keep", cache_salt="mine"), 403),
+        (chat(sidecar, "acme", "hi", session="../../etc"), 400),
+    ]
+    for resp, status in cases:
+        assert resp.status_code == status, (status, resp.text)
+        err = resp.json()["error"]
+        assert err["message"] and err["type"] and err["code"]
+    # The upstream's own refusal (max_tokens far beyond the context) comes back OpenAI-shaped.
+    r = chat(sidecar, "acme", "hi", session="keep", max_tokens=10**6)
+    assert r.status_code == 400 and "error" in r.json()
+    assert svc.transcript("acme", "keep") == before
+    # A tenant allowed to set cache_salt may.
+    assert chat(sidecar, "gamma", "hi", session="g", cache_salt="client-salt").status_code == 200
+
+
+def test_upstream_down_is_a_quick_502_and_memory_survives(sidecar_factory, tmp_path):
+    from cwm_plugin.testing.procs import free_port
+
+    dead = sidecar_factory(f"http://127.0.0.1:{free_port()}", root=tmp_path)
+    svc = runtime(dead).memory.service
+    svc.record_turn("acme", "down", "user", "written before the outage")
+    for stream in (False, True):
+        r = chat(dead, "acme", "are you there?", session="down", stream=stream)
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["code"] == "upstream_error"
+    assert [t["content"] for t in svc.transcript("acme", "down")] == ["written before the outage"]
+    health = httpx.get(f"{dead.url}/health", timeout=30)
+    assert health.status_code == 503 and health.json()["upstream"]["ok"] is False
+
+
+def test_completions_models_health_and_metrics(sidecar, recorder):
+    rec, _ = recorder
+    auth = {"Authorization": f"Bearer {KEYS['beta']}", "X-Session-Id": "comp"}
+    r = httpx.post(f"{sidecar.url}/v1/completions", headers=auth, timeout=300,
+                   json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4,
+                         "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+    assert rec.last("/v1/completions")["cache_salt"] == salt("beta", "comp")
+    r = httpx.post(f"{sidecar.url}/v1/completions", headers=auth, timeout=300,
+                   json={"model": "tiny", "prompt": "Once", "max_tokens": 3, "stream": True})
+    assert sse_events(r.text)[-1] == "[DONE]"
+    models = httpx.get(f"{sidecar.url}/v1/models", headers=auth, timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert httpx.get(f"{sidecar.url}/v1/models", timeout=30).status_code == 401
+    assert httpx.get(f"{sidecar.url}/health", timeout=30).json()["status"] == "ok"
+    text = httpx.get(f"{sidecar.url}/metrics", timeout=30).text
+    for name in ("cwm_sidecar_requests_total", "cwm_sidecar_prompt_tokens_total",
+                 "cwm_sidecar_injected_tokens_total", "cwm_sidecar_saved_tokens_total",
+                 "cwm_sidecar_retrieval_seconds_bucket", "cwm_upstream_prefix_cache_queries"):
+        assert name in text, name
+    assert 'tenant="acme"' in text and KEYS["acme"] not in text
+
+
+def test_context_warning_then_checkpoint_compacts_and_calls_the_hook(recorder, sidecar_factory):
+    rec, rec_srv = recorder
+    thresholds = {"default": {"warn": 0.05, "checkpoint": 0.15, "keep_turns": 2}}
+    srv = sidecar_factory(rec_srv.url, checkpoint=thresholds)
+    snaps = []
+
+    async def hook(tenant, session, cache_salt, name):
+        snaps.append((tenant, session, cache_salt, name))
+
+    runtime(srv).snapshot_hook = hook
+    history = [{"role": "system", "content": "Be brief."}]
+    line = "We discussed the route from Chur to Tirano over the Bernina pass in winter. "
+    warned = None
+    for i in range(6):
+        history.append({"role": "user", "content": f"({i}) " + line * 4})
+        r = chat(srv, "acme", history, session="cp")
+        assert r.status_code == 200, r.text
+        warned = warned or r.headers.get("X-CWM-Context-Warning")
+        history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]
+                         ["content"]})
+        wait_idle(srv)
+        if snaps:
+            break
+    assert warned and warned.split(";")[0] in ("warn", "checkpoint")
+    assert snaps and snaps[0][:3] == ("acme", "cp", salt("acme", "cp"))
+    assert runtime(srv).memory.service.summary("acme", "cp")
+    # The next turn is compacted: system, summary/memory block, the last 2 messages, new one.
+    history.append({"role": "user", "content": "And in summer?"})
+    assert chat(srv, "acme", history, session="cp").status_code == 200
+    sent = rec.last()["messages"]
+    assert sent[0] == history[0] and "Summary of this conversation" in sent[1]["content"]
+    assert sent[2:] == history[-3:]
+
+
+def _conversation_hit_rate(srv, rec, tiny_vllm, session: str) -> tuple[float, list[str]]:
+    """Run the same 5-turn conversation; vLLM's prefix-cache hit rate over it, memory blocks."""
+    questions = ["Which pass does the Bernina line cross?", "How much luggage may I bring?",
+                 "Is the Glacier Express scenic in winter?", "Where do I change for Tirano?",
+                 "Can I bring my bicycle on board?"]
+    history = [{"role": "system", "content": LONG_SYSTEM}]
+    hits0 = tiny_vllm.metric("vllm:prefix_cache_hits")
+    queries0 = tiny_vllm.metric("vllm:prefix_cache_queries")
+    blocks = []
+    for q in questions:
+        history.append({"role": "user", "content": q})
+        r = chat(srv, "acme", history, session=session, max_tokens=6)
+        assert r.status_code == 200, r.text
+        sent = rec.last()["messages"]
+        blocks.append(next(m["content"] for m in sent if m["role"] == "system"
+                           and m["content"].startswith("Relevant memory")))
+        history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]
+                        ["content"]})
+    hits = tiny_vllm.metric("vllm:prefix_cache_hits") - hits0
+    queries = tiny_vllm.metric("vllm:prefix_cache_queries") - queries0
+    return hits / queries, blocks
+
+
+def test_cache_aware_injection_hits_the_prefix_cache_more(recorder, sidecar_factory, tiny_vllm,
+                                                          record_property):
+    rec, rec_srv = recorder
+    facts = ["The Bernina Express crosses the Bernina pass at 2253 metres.",
+             "Luggage: two suitcases and one hand bag per passenger.",
+             "The Glacier Express runs all year; winter views are famous.",
+             "Change at Pontresina or Poschiavo for services to Tirano.",
+             "Bicycles need a reservation on panorama trains.",
+             "The user prefers window seats facing forward."]
+    rates = {}
+    for mode in ("cache_aware", "memory_first"):
+        srv = sidecar_factory(rec_srv.url, injection=mode)
+        for f in facts:
+            runtime(srv).memory.service.add_memory("acme", f, "fact", 0.8)
+        rates[mode], blocks = _conversation_hit_rate(srv, rec, tiny_vllm, f"pc-{mode}")
+        assert len(set(blocks)) > 1, "the memory block never changed; the test proves nothing"
+    record_property("prefix_hit_rates", rates)
+    print(f"\nprefix-cache hit rate over 5 turns: {rates}")
+    assert rates["cache_aware"] > rates["memory_first"]

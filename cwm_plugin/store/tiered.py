@@ -1,0 +1,477 @@
+"""The KV block store: keys -> content-addressed blobs over CPU memory, local disk and Redis.
+
+* ``put`` hands the tensor to a small thread pool (encoding happens there) and returns a
+  future at once; it blocks only when ``queue_depth`` saves are pending (backpressure). Keys
+  already present are skipped. Disk and Redis writes are "through" (the future waits for them)
+  or "behind" (queued after the future completes), per tier.
+* ``get``/``get_many`` resolve keys (this process' map, the SQLite index, Redis), fetch blobs in
+  the order memory -> disk -> Redis, promote hits to the faster tiers, and decode. A damaged
+  blob is a counted miss: it is moved to the quarantine folder (or dropped) and logged once.
+* ``contains_many`` never decodes: it asks this process' map, the on-disk index (so vLLM's
+  scheduler process sees what the worker process wrote) and Redis (pipelined EXISTS).
+* ``link`` points a new key at an existing blob (refcount + 1, no copy); ``pin`` protects a
+  blob from eviction; ``gc`` drops blobs no key points to.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, NotFound, StorageFull, TierUnavailable
+from cwm_plugin.store import codec
+from cwm_plugin.store.config import StoreConfig
+from cwm_plugin.store.index import BlobIndex
+from cwm_plugin.store.maintenance import GCReport, VerifyReport, collect_garbage, verify_all
+from cwm_plugin.store.metrics import StoreMetrics
+from cwm_plugin.store.tiers.disk import DiskTier
+from cwm_plugin.store.tiers.memory import MemoryTier
+from cwm_plugin.store.tiers.redis import RedisTier
+
+log = logging.getLogger(__name__)
+_LOGGED_MAX = 4096
+
+
+def blob_id_of(blob: bytes) -> str:
+    """Content address of a blob: the first 160 bits of its SHA-256, in hex."""
+    return hashlib.sha256(blob).hexdigest()[:40]
+
+
+def _done(value: object = None) -> cf.Future:
+    fut: cf.Future = cf.Future()
+    fut.set_result(value)
+    return fut
+
+
+class KVStore:
+    """Tiered, content-addressed KV block store; see the module docstring."""
+
+    def __init__(self, config: StoreConfig, *, registry=None) -> None:
+        self.config = config
+        self.metrics = StoreMetrics(registry)
+        self._lock = threading.RLock()
+        self._keys: dict[bytes, str] = {}            # memory tier: key -> blob (this process)
+        self._by_blob: dict[str, set[bytes]] = {}
+        self.memory = (MemoryTier(config.memory_bytes, on_evict=self._memory_evicted)
+                       if config.memory_bytes > 0 else None)
+        self.index: BlobIndex | None = None
+        self.disk: DiskTier | None = None
+        if config.disk_path:
+            root = Path(config.disk_path)
+            self.index = BlobIndex(root / "index.sqlite")
+            self.disk = DiskTier(root, config.disk_bytes, index=self.index,
+                                 on_evict=lambda ids: self.metrics.evictions.labels("disk")
+                                 .inc(len(ids)))
+        self.redis = (RedisTier(config.redis_url, prefix=config.redis_prefix,
+                                ttl_s=config.redis_ttl_s,
+                                max_value_bytes=config.redis_max_value_bytes)
+                      if config.redis_url else None)
+        self._pool = cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-store")
+        self._slots = threading.BoundedSemaphore(config.queue_depth)
+        self._pending: set[cf.Future] = set()
+        self._inflight: dict[bytes, cf.Future] = {}
+        self._logged: set[str] = set()
+        self._closed = False
+
+    # --- saving -------------------------------------------------------------------------------
+
+    def put(self, key: bytes, tensor: torch.Tensor, *, num_tokens: int = 0,
+            layout: str = "") -> cf.Future:
+        """Save a block in the background; the future resolves when the "through" tiers hold it."""
+        return self._submit(bytes(key), lambda k: self._save_tensor(k, tensor, num_tokens, layout))
+
+    def put_blob(self, key: bytes, blob: bytes) -> cf.Future:
+        """Save an already encoded blob (checked to be ours, not decoded)."""
+        codec.peek(blob)
+        return self._submit(bytes(key), lambda k: self._store_blob(k, bytes(blob)))
+
+    def _submit(self, key: bytes, job) -> cf.Future:
+        if self._closed:
+            raise RuntimeError("the KV store is closed")
+        with self._lock:
+            if key in self._keys:
+                self.metrics.put_skips.inc()
+                return _done()
+            if key in self._inflight:
+                return self._inflight[key]
+        self._slots.acquire()                       # backpressure: blocks at queue_depth
+        try:
+            fut = self._pool.submit(self._run_save, key, job)
+        except BaseException:
+            self._slots.release()
+            raise
+        with self._lock:
+            self._inflight[key] = fut
+            self._pending.add(fut)
+        fut.add_done_callback(lambda f: self._finished(key, f, slot=True))
+        return fut
+
+    def _finished(self, key: bytes | None, fut: cf.Future, *, slot: bool) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+            if key is not None and self._inflight.get(key) is fut:
+                del self._inflight[key]
+        if slot:
+            self._slots.release()
+
+    def _run_save(self, key: bytes, job) -> None:
+        if self._present(key):
+            self.metrics.put_skips.inc()
+            return
+        job(key)
+
+    def _present(self, key: bytes) -> bool:
+        if key in self._keys:
+            return True
+        if self.index is not None and self.index.lookup(key) is not None:
+            return True
+        if self.redis is not None and self.index is None and self.memory is None:
+            try:
+                return self.redis.exists_many([key])[0]
+            except TierUnavailable:
+                return False
+        return False
+
+    def _save_tensor(self, key: bytes, tensor: torch.Tensor, num_tokens: int, layout: str) -> None:
+        cfg = self.config
+        t0 = time.perf_counter()
+        blob = codec.encode(tensor, key=key, fingerprint=cfg.fingerprint, num_tokens=num_tokens,
+                            layout=layout, level=cfg.zstd_level, shuffle=cfg.shuffle,
+                            checksum=cfg.checksum)
+        self.metrics.encoded(tensor.numel() * tensor.element_size(), len(blob),
+                             time.perf_counter() - t0)
+        self._store_blob(key, blob)
+
+    def _store_blob(self, key: bytes, blob: bytes) -> None:
+        blob_id = blob_id_of(blob)
+        stored = self._to_memory(key, blob_id, blob)
+        for tier, mode, write in ((self.disk, self.config.disk_write, self._to_disk),
+                                  (self.redis, self.config.redis_write, self._to_redis)):
+            if tier is None:
+                continue
+            if mode == "through":
+                stored = write(key, blob_id, blob) or stored
+            else:
+                self._behind(write, key, blob_id, blob)
+                stored = True
+        if not stored:
+            raise StorageFull(f"no tier could store block {key.hex()[:16]} ({len(blob)} bytes)",
+                              hint="raise memory_bytes/disk_bytes or check the disk and Redis")
+        self.metrics.puts.inc()
+
+    def _behind(self, write, key: bytes, blob_id: str, blob: bytes) -> None:
+        fut = self._pool.submit(write, key, blob_id, blob)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(lambda f: self._finished(None, f, slot=False))
+
+    def _to_memory(self, key: bytes, blob_id: str, blob: bytes) -> bool:
+        if self.memory is None or not self.memory.put(blob_id, blob):
+            return False
+        with self._lock:
+            self._keys[key] = blob_id
+            self._by_blob.setdefault(blob_id, set()).add(key)
+        usage = self.memory.usage()
+        self.metrics.tier_usage("memory", usage.bytes, usage.blobs)
+        return True
+
+    def _to_disk(self, key: bytes, blob_id: str, blob: bytes) -> bool:
+        assert self.disk is not None and self.index is not None
+        try:
+            if not self.disk.put(blob_id, blob):
+                self.metrics.errors.labels("storage_full").inc()
+                return False
+            return self.index.map_key(key, blob_id)
+        except StorageFull as exc:
+            self.metrics.errors.labels("storage_full").inc()
+            self._log_once("disk-full", "disk tier refused a write: %s", exc)
+        except OSError as exc:
+            self.metrics.errors.labels("write_failed").inc()
+            self._log_once(f"disk-{exc.errno}", "disk tier write failed: %s", exc)
+        return False
+
+    def _to_redis(self, key: bytes, blob_id: str, blob: bytes) -> bool:
+        assert self.redis is not None
+        try:
+            self.redis.put(blob_id, blob)
+            self.redis.map_key(key, blob_id)
+            return True
+        except TierUnavailable:
+            self.metrics.errors.labels("tier_unavailable").inc()
+            return False
+
+    # --- loading ------------------------------------------------------------------------------
+
+    def _resolve(self, keys: Sequence[bytes]) -> list[str | None]:
+        out: list[str | None] = [self._keys.get(k) for k in keys]
+        rest = [k for k, b in zip(keys, out, strict=True) if b is None]
+        if rest and self.index is not None:
+            found = self.index.lookup_many(rest)
+            out = [b if b is not None else found.get(k) for k, b in zip(keys, out, strict=True)]
+            rest = [k for k, b in zip(keys, out, strict=True) if b is None]
+        if rest and self.redis is not None:
+            try:
+                found_r = dict(zip(rest, self.redis.lookup_many(rest), strict=True))
+            except TierUnavailable:
+                found_r = {}
+            out = [b if b is not None else found_r.get(k) for k, b in zip(keys, out, strict=True)]
+        return out
+
+    def _fetch(self, blob_ids: list[str]) -> dict[str, tuple[bytes, str]]:
+        """blob id -> (bytes, tier it came from), looking memory -> disk -> redis."""
+        got: dict[str, tuple[bytes, str]] = {}
+        want = list(dict.fromkeys(blob_ids))
+        tiers = [t for t in (self.memory, self.disk, self.redis) if t is not None]
+        for tier in tiers:
+            if not want:
+                break
+            try:
+                datas = tier.get_many(want)
+            except TierUnavailable:
+                self.metrics.errors.labels("tier_unavailable").inc()
+                continue
+            missing = []
+            for b, d in zip(want, datas, strict=True):
+                if d is None:
+                    missing.append(b)
+                else:
+                    got[b] = (d, tier.name)
+            self.metrics.hits.labels(tier.name).inc(len(want) - len(missing))
+            self.metrics.misses.labels(tier.name).inc(len(missing))
+            want = missing
+        return got
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """Decoded tensors (None for a miss) for ``keys``, in order."""
+        keys = [bytes(k) for k in keys]
+        ids = self._resolve(keys)
+        blobs = self._fetch([b for b in ids if b is not None])
+        out: list[torch.Tensor | None] = []
+        for key, blob_id in zip(keys, ids, strict=True):
+            if blob_id is None or blob_id not in blobs:
+                out.append(None)
+                continue
+            data, tier = blobs[blob_id]
+            t0 = time.perf_counter()
+            try:
+                decoded = codec.decode(data, fingerprint=self.config.fingerprint or None,
+                                       verify=self.config.checksum)
+            except (CorruptBlob, IncompatibleBlob) as exc:
+                self._bad_blob(key, blob_id, data, tier, exc)
+                blobs.pop(blob_id, None)
+                out.append(None)
+                continue
+            self.metrics.decode_seconds.observe(time.perf_counter() - t0)
+            self._promote(key, blob_id, data, tier)
+            out.append(decoded.tensor)
+        return out
+
+    def get_blob(self, key: bytes) -> bytes | None:
+        blob_id = self._resolve([bytes(key)])[0]
+        if blob_id is None:
+            return None
+        hit = self._fetch([blob_id]).get(blob_id)
+        return hit[0] if hit else None
+
+    def _promote(self, key: bytes, blob_id: str, data: bytes, tier: str) -> None:
+        if tier == "memory":
+            return
+        self._to_memory(key, blob_id, data)
+        if tier == "redis" and self.disk is not None and not self._closed:
+            self._behind(self._to_disk, key, blob_id, data)
+
+    def _bad_blob(self, key: bytes, blob_id: str, data: bytes, tier: str,
+                  exc: CorruptBlob | IncompatibleBlob) -> None:
+        kind = "corrupt" if isinstance(exc, CorruptBlob) else "incompatible"
+        self.metrics.errors.labels(kind).inc()
+        self._log_once(f"bad-{blob_id}", "store: %s blob %s for key %s in %s tier: %s; "
+                       "treated as a miss%s", kind, blob_id, key.hex()[:16], tier, exc,
+                       ", quarantined" if kind == "corrupt" else "")
+        if kind == "corrupt":
+            self.quarantine(blob_id, data, tier, reason=str(exc))
+
+    def quarantine(self, blob_id: str, data: bytes | None, tier: str, *, reason: str) -> None:
+        """Take a damaged blob out of service everywhere; keep its bytes under quarantine/."""
+        with self._lock:
+            for k in self._by_blob.pop(blob_id, set()):
+                self._keys.pop(k, None)
+        if self.memory is not None:
+            self.memory.delete(blob_id)
+        if self.disk is not None:
+            moved = self.disk.quarantine(blob_id, reason) if tier == "disk" else None
+            if moved is None and data is not None:
+                dst = self.disk.quarantine_dir / f"{blob_id}.{tier}.{int(time.time())}"
+                dst.write_bytes(data)
+        if self.redis is not None and tier == "redis":
+            with contextlib.suppress(TierUnavailable):
+                self.redis.delete(blob_id)
+
+    # --- lookups, links, pins -----------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Cheap presence check (no decode), valid across processes sharing the config."""
+        keys = [bytes(k) for k in keys]
+        out = [k in self._keys for k in keys]
+        rest = [k for k, hit in zip(keys, out, strict=True) if not hit]
+        found: set[bytes] = set()
+        if rest and self.index is not None:
+            found |= set(self.index.lookup_many(rest))
+            rest = [k for k in rest if k not in found]
+        if rest and self.redis is not None:
+            with contextlib.suppress(TierUnavailable):
+                found |= {k for k, e in zip(rest, self.redis.exists_many(rest), strict=True) if e}
+        return [hit or k in found for k, hit in zip(keys, out, strict=True)]
+
+    def delete(self, key: bytes) -> bool:
+        key = bytes(key)
+        found = False
+        with self._lock:
+            blob_id = self._keys.pop(key, None)
+            if blob_id is not None:
+                found = True
+                refs = self._by_blob.get(blob_id, set())
+                refs.discard(key)
+                if not refs:
+                    self._by_blob.pop(blob_id, None)
+                    if self.memory is not None:
+                        self.memory.delete(blob_id)
+        if self.index is not None:
+            b, left = self.index.unmap_key(key)
+            if b is not None:
+                found = True
+                if left == 0 and self.disk is not None:
+                    self.disk.delete(b)
+        if self.redis is not None:
+            try:
+                b, left = self.redis.unmap_key(key)
+                if b is not None:
+                    found = True
+                    if left <= 0:
+                        self.redis.delete(b)
+            except TierUnavailable as exc:
+                self._log_once("redis-delete", "store: delete could not reach redis: %s", exc)
+        return found
+
+    def link(self, new_key: bytes, existing_key: bytes) -> None:
+        """Make ``new_key`` point to ``existing_key``'s blob (no copy; refcount + 1)."""
+        new_key, existing_key = bytes(new_key), bytes(existing_key)
+        pending = self._inflight.get(existing_key)
+        if pending is not None:
+            pending.result()
+        linked = False
+        with self._lock:
+            blob_id = self._keys.get(existing_key)
+            if blob_id is not None:
+                self._keys[new_key] = blob_id
+                self._by_blob.setdefault(blob_id, set()).add(new_key)
+                linked = True
+        if self.index is not None:
+            b = self.index.lookup(existing_key)
+            if b is not None:
+                linked = self.index.map_key(new_key, b) or linked
+        if self.redis is not None:
+            try:
+                b = self.redis.lookup_many([existing_key])[0]
+                if b is not None:
+                    self.redis.map_key(new_key, b)
+                    linked = True
+            except TierUnavailable as exc:
+                self._log_once("redis-link", "store: link could not reach redis: %s", exc)
+        if not linked:
+            raise NotFound(f"cannot link: key {existing_key.hex()[:16]} is not in the store",
+                           hint="save the block first")
+
+    def pin(self, key: bytes) -> None:
+        self._set_pin(bytes(key), True)
+
+    def unpin(self, key: bytes) -> None:
+        self._set_pin(bytes(key), False)
+
+    def _set_pin(self, key: bytes, pinned: bool) -> None:
+        blob_id = self._resolve([key])[0]
+        if blob_id is None:
+            raise NotFound(f"cannot pin: key {key.hex()[:16]} is not in the store")
+        if self.memory is not None:
+            self.memory.pin(blob_id, pinned)
+        if self.index is not None:
+            self.index.set_pinned(blob_id, pinned)
+        if self.redis is not None:
+            try:
+                self.redis.pin(blob_id, key, pinned)
+            except TierUnavailable as exc:
+                self._log_once("redis-pin", "store: pin could not reach redis: %s", exc)
+
+    def _memory_evicted(self, blob_ids: list[str]) -> None:
+        self.metrics.evictions.labels("memory").inc(len(blob_ids))
+        with self._lock:
+            for b in blob_ids:
+                for k in self._by_blob.pop(b, set()):
+                    self._keys.pop(k, None)
+
+    # --- housekeeping -------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for pending saves (including write-behind) for up to ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                return
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            _, not_done = cf.wait(pending, timeout=left)
+            if not_done and deadline is not None and time.monotonic() >= deadline:
+                log.warning("store flush: %d writes still pending after %.1fs",
+                            len(not_done), timeout)
+                return
+
+    def usage(self) -> dict[str, dict[str, int | None]]:
+        out: dict[str, dict[str, int | None]] = {}
+        for tier in (self.memory, self.disk, self.redis):
+            if tier is not None:
+                u = tier.usage()
+                out[u.name] = {"bytes": u.bytes, "blobs": u.blobs, "budget": u.budget}
+                self.metrics.tier_usage(u.name, u.bytes, u.blobs)
+        return out
+
+    def verify(self, progress: bool = True) -> VerifyReport:
+        return verify_all(self, progress=progress)
+
+    def gc(self) -> GCReport:
+        return collect_garbage(self)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        for tier in (self.memory, self.disk, self.redis):
+            if tier is not None:
+                tier.close()
+
+    def _log_once(self, tag: str, msg: str, *args: object) -> None:
+        with self._lock:
+            if tag in self._logged:
+                return
+            if len(self._logged) > _LOGGED_MAX:
+                self._logged.clear()
+            self._logged.add(tag)
+        log.warning(msg, *args)
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -96,31 +96,43 @@ class KVStore:
     def _submit(self, key: bytes, job) -> cf.Future:
         if self._closed:
             raise RuntimeError("the KV store is closed")
-        with self._lock:
+        with self._lock:                            # check and claim the key atomically
             if key in self._keys:
                 self.metrics.put_skips.inc()
                 return _done()
             if key in self._inflight:
                 return self._inflight[key]
-        self._slots.acquire()                       # backpressure: blocks at queue_depth
+            outer: cf.Future = cf.Future()
+            self._inflight[key] = outer
+            self._pending.add(outer)
         try:
-            fut = self._pool.submit(self._run_save, key, job)
-        except BaseException:
-            self._slots.release()
+            self._slots.acquire()                   # backpressure: blocks at queue_depth
+            try:
+                inner = self._pool.submit(self._run_save, key, job)
+            except BaseException:
+                self._slots.release()
+                raise
+        except BaseException as exc:
+            self._finished(key, outer)
+            outer.set_exception(exc)
             raise
-        with self._lock:
-            self._inflight[key] = fut
-            self._pending.add(fut)
-        fut.add_done_callback(lambda f: self._finished(key, f, slot=True))
-        return fut
+        inner.add_done_callback(lambda f: self._chain(key, f, outer))
+        return outer
 
-    def _finished(self, key: bytes | None, fut: cf.Future, *, slot: bool) -> None:
+    def _chain(self, key: bytes, inner: cf.Future, outer: cf.Future) -> None:
+        self._slots.release()
+        self._finished(key, outer)
+        exc = inner.exception()
+        if exc is not None:
+            outer.set_exception(exc)
+        else:
+            outer.set_result(inner.result())
+
+    def _finished(self, key: bytes | None, fut: cf.Future) -> None:
         with self._lock:
             self._pending.discard(fut)
             if key is not None and self._inflight.get(key) is fut:
                 del self._inflight[key]
-        if slot:
-            self._slots.release()
 
     def _run_save(self, key: bytes, job) -> None:
         if self._present(key):
@@ -171,7 +183,7 @@ class KVStore:
         fut = self._pool.submit(write, key, blob_id, blob)
         with self._lock:
             self._pending.add(fut)
-        fut.add_done_callback(lambda f: self._finished(None, f, slot=False))
+        fut.add_done_callback(lambda f: self._finished(None, f))
 
     def _to_memory(self, key: bytes, blob_id: str, blob: bytes) -> bool:
         if self.memory is None or not self.memory.put(blob_id, blob):

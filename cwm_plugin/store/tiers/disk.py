@@ -136,7 +136,7 @@ class DiskTier(Tier):
         log.debug("disk tier: evicted %d blobs (%d bytes)", len(victims), freed)
         if self._on_evict is not None:
             self._on_evict([b for b, _ in victims])
-        return freed >= need
+        return force or freed >= need
 
     def _remove(self, blob_ids: list[str]) -> None:
         self.index.remove_blobs(blob_ids)       # index first: no reader sees a missing file

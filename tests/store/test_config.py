@@ -1,0 +1,45 @@
+"""StoreConfig: unknown keys, environment fallback, value checks, YAML files."""
+
+from __future__ import annotations
+
+import pytest
+
+from cwm_plugin.errors import ConfigError
+from cwm_plugin.store.config import StoreConfig
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_and_dict():
+    cfg = StoreConfig.from_dict({"disk_path": "/x", "zstd_level": 3}, env={})
+    assert cfg.disk_path == "/x" and cfg.zstd_level == 3 and cfg.memory_bytes == 2 << 30
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match="disk_pth"):
+        StoreConfig.from_dict({"disk_pth": "/x"}, env={})
+
+
+def test_env_fallback_and_precedence():
+    env = {"CWM_STORE_MEMORY_BYTES": "512M", "CWM_STORE_SHUFFLE": "false",
+           "CWM_STORE_REDIS_URL": "redis://h:1/0", "CWM_STORE_ZSTD_LEVEL": "5"}
+    cfg = StoreConfig.from_dict({"zstd_level": 2}, env=env)
+    assert cfg.memory_bytes == 512 << 20 and cfg.shuffle is False
+    assert cfg.redis_url == "redis://h:1/0" and cfg.zstd_level == 2
+
+
+@pytest.mark.parametrize("bad", [{"zstd_level": 30}, {"disk_write": "sometimes"},
+                                 {"io_workers": 0}, {"memory_bytes": "lots"},
+                                 {"shuffle": "maybe"}, {"queue_depth": 0}])
+def test_bad_values(bad):
+    with pytest.raises(ConfigError):
+        StoreConfig.from_dict(bad, env={})
+
+
+def test_yaml_file(tmp_path):
+    p = tmp_path / "store.yaml"
+    p.write_text("store:\n  disk_path: /data\n  disk_bytes: 1G\n  redis_ttl_s: 60\n")
+    cfg = StoreConfig.from_file(p)
+    assert cfg.disk_path == "/data" and cfg.disk_bytes == 1 << 30 and cfg.redis_ttl_s == 60
+    with pytest.raises(ConfigError):
+        StoreConfig.from_file(tmp_path / "missing.yaml")

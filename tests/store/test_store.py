@@ -1,0 +1,244 @@
+"""KVStore over local tiers: durability, promotion, links, pins, gc, corruption, concurrency."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from cwm_plugin.errors import NotFound
+from cwm_plugin.store.tiered import KVStore
+
+pytestmark = pytest.mark.unit
+
+
+def test_put_get_memory_only(make_store, kv_block):
+    s = make_store()
+    x = kv_block(1)
+    s.put(b"a", x, num_tokens=16).result()
+    assert torch.equal(s.get(b"a"), x) and s.get(b"zz") is None
+    out = s.get_many([b"zz", b"a"])
+    assert out[0] is None and torch.equal(out[1], x)
+    assert s.contains_many([b"a", b"zz"]) == [True, False]
+
+
+def test_restart_finds_everything_on_disk(make_store, tmp_path, kv_block):
+    s = make_store(disk_path=str(tmp_path / "d"))
+    blocks = {f"k{i}".encode(): kv_block(i) for i in range(12)}
+    for k, v in blocks.items():
+        s.put(k, v)
+    s.flush()
+    s.close()
+    s2 = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
+    assert all(s2.contains_many(list(blocks)))
+    got = s2.get_many(list(blocks))
+    assert all(torch.equal(g, v) for g, v in zip(got, blocks.values(), strict=True))
+
+
+def test_disk_hit_promotes_to_memory(make_store, tmp_path, kv_block):
+    s = make_store(disk_path=str(tmp_path / "d"))
+    s.put(b"a", kv_block(1)).result()
+    s.close()
+    s2 = make_store(disk_path=str(tmp_path / "d"))
+    assert s2.usage()["memory"]["blobs"] == 0
+    s2.get(b"a")
+    assert s2.usage()["memory"]["blobs"] == 1
+    s2.get(b"a")
+    assert s2.metrics.hits.labels("memory")._value.get() == 1
+    assert s2.metrics.hits.labels("disk")._value.get() == 1
+
+
+def test_put_skips_present_and_same_key_concurrently(make_store, tmp_path, kv_block):
+    s = make_store(disk_path=str(tmp_path / "d"))
+    x = kv_block(3)
+    futs = []
+    barrier = threading.Barrier(6)
+
+    def writer(i: int) -> None:
+        barrier.wait()
+        for j in range(10):
+            futs.append(s.put(b"same", x))
+            futs.append(s.put(f"k{i}-{j}".encode(), kv_block(100 * i + j)))
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for f in futs:
+        f.result()
+    s.flush()
+    assert torch.equal(s.get(b"same"), x)
+    assert s.metrics.puts._value.get() == 61
+    assert s.index.totals()[1] == 61
+    assert list(s.disk.tmp_dir.iterdir()) == []
+    for i in range(6):
+        assert torch.equal(s.get(f"k{i}-9".encode()), kv_block(100 * i + 9))
+
+
+def test_two_stores_writing_one_key_never_tear(tmp_path, make_store, kv_block):
+    a = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
+    b = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
+    x = kv_block(9, shape=(4, 3, 64, 64))
+    fa = [a.put(f"k{i}".encode(), x) for i in range(8)]
+    fb = [b.put(f"k{i}".encode(), x) for i in range(8)]
+    for f in fa + fb:
+        f.result()
+    c = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
+    assert all(torch.equal(t, x) for t in c.get_many([f"k{i}".encode() for i in range(8)]))
+    assert c.index.totals()[1] == 8 and c.verify(progress=False).clean
+
+
+def test_link_refcount_delete_and_gc(make_store, tmp_path, kv_block):
+    s = make_store(disk_path=str(tmp_path / "d"))
+    x = kv_block(4)
+    s.put(b"orig", x)
+    s.link(b"clone", b"orig")                  # waits for the pending save
+    blob = s.index.lookup(b"orig")
+    assert s.index.lookup(b"clone") == blob and s.index.refcount(blob) == 2
+    assert s.usage()["disk"]["blobs"] == 1
+    assert s.delete(b"orig")
+    assert torch.equal(s.get(b"clone"), x)
+    assert s.delete(b"clone") and not s.delete(b"clone")
+    assert s.get(b"clone") is None and s.usage()["disk"]["blobs"] == 0
+    with pytest.raises(NotFound):
+        s.link(b"x", b"nothing")
+    s.disk.put("ab" * 20, b"unreferenced")     # a blob left by a crash between writes
+    report = s.gc()
+    assert report.removed_blobs["disk"] == 1
+
+
+def test_pinned_blocks_survive_eviction(make_store, tmp_path, kv_block):
+    x = kv_block(0)
+    size = len(__import__("cwm_plugin.store.codec", fromlist=["encode"]).encode(
+        x, key=b"k00", fingerprint="test-fp"))
+    s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=3 * size + 100,
+                   disk_bytes=4 * size + 100)
+    s.put(b"k00", x).result()
+    s.pin(b"k00")
+    for i in range(1, 10):
+        s.put(f"k{i:02d}".encode(), kv_block(i)).result()
+    assert s.contains_many([b"k00"]) == [True]
+    assert torch.equal(s.get(b"k00"), x)
+    assert s.index.is_pinned(s.index.lookup(b"k00"))
+    assert s.usage()["disk"]["bytes"] <= 4 * size + 100
+    assert s.metrics.evictions.labels("disk")._value.get() > 0
+    assert s.metrics.evictions.labels("memory")._value.get() > 0
+    s.unpin(b"k00")
+    for i in range(10, 16):
+        s.put(f"k{i:02d}".encode(), kv_block(i)).result()
+    assert s.contains_many([b"k00"]) == [False]
+
+
+def test_corrupt_blob_is_counted_miss_quarantined_logged_once(make_store, tmp_path, caplog, kv_block):
+    s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
+    s.put(b"a", kv_block(1)).result()
+    s.link(b"b", b"a")
+    path = s.disk.path(s.index.lookup(b"a"))
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert s.get(b"a") is None
+        assert s.get(b"b") is None
+        assert s.get(b"a") is None
+    assert s.metrics.errors.labels("corrupt")._value.get() == 1
+    assert sum("corrupt blob" in r.getMessage() for r in caplog.records) == 1
+    assert len(list(s.disk.quarantine_dir.glob("*"))) >= 1
+    assert s.contains_many([b"a", b"b"]) == [False, False]
+
+
+def test_truncated_blob_is_a_miss(make_store, tmp_path, kv_block):
+    s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
+    s.put(b"a", kv_block(1)).result()
+    path = s.disk.path(s.index.lookup(b"a"))
+    path.write_bytes(path.read_bytes()[:100])
+    assert s.get(b"a") is None
+    report = s.verify(progress=False)
+    assert report.clean and report.checked == 0
+
+
+def test_verify_finds_and_quarantines(make_store, tmp_path, kv_block):
+    s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
+    for i in range(3):
+        s.put(f"k{i}".encode(), kv_block(i)).result()
+    path = s.disk.path(s.index.lookup(b"k1"))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1
+    path.write_bytes(bytes(data))
+    r = s.verify(progress=False)
+    assert r.checked == 3 and r.ok == 2 and len(r.corrupt) == 1
+    assert s.verify(progress=False).clean
+
+
+def test_write_behind_and_backpressure(make_store, tmp_path, kv_block):
+    s = make_store(disk_path=str(tmp_path / "d"), disk_write="behind", queue_depth=2,
+                   io_workers=1)
+    futs = [s.put(f"k{i}".encode(), kv_block(i)) for i in range(8)]
+    assert len(s._pending) <= 2 + 8        # saves are bounded; behind writes are queued
+    for f in futs:
+        f.result()
+    s.flush()
+    assert s.index.totals()[1] == 8
+
+
+def test_contains_many_from_another_process(make_store, tmp_path, kv_block):
+    s = make_store(disk_path=str(tmp_path / "d"))
+    s.put(b"\x01" * 34, kv_block(1)).result()
+    code = (
+        "import sys\n"
+        "from cwm_plugin.store.config import StoreConfig\n"
+        "from cwm_plugin.store.tiered import KVStore\n"
+        f"s = KVStore(StoreConfig(disk_path={str(tmp_path / 'd')!r}, memory_bytes=0))\n"
+        "print(s.contains_many([b'\\x01' * 34, b'\\x02' * 34]))\n"
+        "s.close()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[True, False]"
+
+
+def test_wrong_fingerprint_is_a_miss(make_store, tmp_path, kv_block):
+    a = make_store(disk_path=str(tmp_path / "d"), fingerprint="model-a")
+    a.put(b"k", kv_block(1)).result()
+    b = make_store(disk_path=str(tmp_path / "d"), fingerprint="model-b", memory_bytes=0)
+    assert b.get(b"k") is None
+    assert b.metrics.errors.labels("incompatible")._value.get() == 1
+
+
+def test_put_blob_and_get_blob(make_store, tmp_path, kv_block):
+    s = make_store(disk_path=str(tmp_path / "d"))
+    s.put(b"a", kv_block(1)).result()
+    blob = s.get_blob(b"a")
+    s.put_blob(b"b", blob).result()
+    assert torch.equal(s.get(b"b"), kv_block(1)) and s.get_blob(b"none") is None
+
+
+def test_close_is_idempotent_and_put_after_close_fails(make_store, kv_block):
+    s = make_store()
+    s.close()
+    s.close()
+    with pytest.raises(RuntimeError):
+        s.put(b"a", kv_block(1))
+
+
+def test_metrics_are_exported(make_store, kv_block):
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    s = KVStore(make_store().config, registry=reg)
+    s.put(b"a", kv_block(1)).result()
+    s.get(b"a")
+    s.usage()
+    text = generate_latest(reg).decode()
+    for name in ("cwm_store_bytes", "cwm_store_hits_total", "cwm_store_compression_ratio",
+                 "cwm_store_encode_seconds_bucket", "cwm_store_decode_seconds_count"):
+        assert name in text
+    s.close()
+    time.sleep(0)

@@ -1,14 +1,20 @@
 """Prometheus metrics of the KV block store, each defined once, registrable on any registry.
 
-Every :class:`~cwm_plugin.store.tiered.KVStore` makes one :class:`StoreMetrics` on the registry
-it is given (the worker's store gets a private one; see ``cwm_plugin/connector/stats.py``).
+Every :class:`~cwm_plugin.store.tiered.KVStore` uses the one :class:`StoreMetrics` of the
+registry it is given (:meth:`StoreMetrics.for_registry`; the worker's store gets a private
+registry, see ``cwm_plugin/connector/stats.py``). Stores sharing a registry share its counters.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 NAMESPACE = "cwm_store"
+_BY_REGISTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BY_REGISTRY_LOCK = threading.Lock()
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -38,6 +44,17 @@ class StoreMetrics:
         self.put_skips = Counter("put_skips", "Saves skipped because the key was present", **kw)
         self._raw = 0
         self._stored = 0
+
+    @classmethod
+    def for_registry(cls, registry: CollectorRegistry | None = None) -> StoreMetrics:
+        """The one StoreMetrics of ``registry`` (made on first use): several stores in one
+        process share it instead of registering every metric twice."""
+        reg = registry if registry is not None else REGISTRY
+        with _BY_REGISTRY_LOCK:
+            metrics = _BY_REGISTRY.get(reg)
+            if metrics is None:
+                metrics = _BY_REGISTRY[reg] = cls(reg)
+            return metrics
 
     def encoded(self, raw: int, stored: int, seconds: float) -> None:
         self.raw_bytes.inc(raw)

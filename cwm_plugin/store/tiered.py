@@ -56,7 +56,7 @@ class KVStore:
 
     def __init__(self, config: StoreConfig, *, registry=None) -> None:
         self.config = config
-        self.metrics = StoreMetrics(registry)
+        self.metrics = StoreMetrics.for_registry(registry)
         self._lock = threading.RLock()
         self._keys: dict[bytes, str] = {}            # memory tier: key -> blob (this process)
         self._by_blob: dict[str, set[bytes]] = {}

@@ -242,3 +242,12 @@ def test_metrics_are_exported(make_store, kv_block):
         assert name in text
     s.close()
     time.sleep(0)
+
+
+def test_two_stores_share_the_default_registry():
+    from cwm_plugin.store.config import StoreConfig
+
+    a = KVStore(StoreConfig(memory_bytes=1 << 20))
+    b = KVStore(StoreConfig(memory_bytes=1 << 20))
+    assert a.metrics is b.metrics
+    a.close(), b.close()

@@ -1,0 +1,100 @@
+"""``cwm store usage|verify|gc``: inspect and maintain a store from the command line.
+
+The store is opened with the settings of ``--config FILE.yaml`` (top-level store settings or a
+``store:`` section) or of ``--disk-path``/``--redis-url``; the memory tier is off (a fresh CLI
+process has nothing in memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from cwm_plugin.errors import ConfigError, CWMError
+from cwm_plugin.store.config import StoreConfig
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    group = subparsers.add_parser("store", help="inspect and maintain the KV block store")
+    sub = group.add_subparsers(dest="store_command", required=True)
+    for name, fn, help_ in (("usage", _usage, "bytes and blobs per tier"),
+                            ("verify", _verify, "checksum every blob; quarantine bad ones"),
+                            ("gc", _gc, "drop blobs no key points to, and orphan files")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--config", help="YAML file with the store settings")
+        p.add_argument("--disk-path", help="root of the local disk tier")
+        p.add_argument("--redis-url", help="Redis URL of the shared tier")
+        p.add_argument("--redis-prefix", help="key prefix in Redis (default: cwm)")
+        p.add_argument("--json", action="store_true", help="print JSON instead of text")
+        if name == "verify":
+            p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.set_defaults(func=fn)
+
+
+def config_from_args(args: argparse.Namespace) -> StoreConfig:
+    data: dict = {}
+    if args.config:
+        data = StoreConfig.from_file(args.config).to_dict()
+    for field, value in (("disk_path", args.disk_path), ("redis_url", args.redis_url),
+                         ("redis_prefix", getattr(args, "redis_prefix", None))):
+        if value:
+            data[field] = value
+    if not data.get("disk_path") and not data.get("redis_url"):
+        raise ConfigError("no store to open", hint="pass --config FILE.yaml or --disk-path P "
+                                                   "and/or --redis-url U")
+    data["memory_bytes"] = 0
+    return StoreConfig.from_dict(data)
+
+
+def _open(args: argparse.Namespace):
+    from prometheus_client import CollectorRegistry
+
+    from cwm_plugin.store.tiered import KVStore
+
+    return KVStore(config_from_args(args), registry=CollectorRegistry())
+
+
+def _usage(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        usage = store.usage()
+    if args.json:
+        print(json.dumps(usage, indent=2))
+        return 0
+    print(f"{'tier':8s} {'blobs':>10s} {'bytes':>16s} {'budget':>16s}")
+    for tier, u in usage.items():
+        budget = "-" if u["budget"] is None else f"{u['budget']:,}"
+        print(f"{tier:8s} {u['blobs']:>10,} {u['bytes']:>16,} {budget:>16s}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        report = store.verify(progress=not args.no_progress)
+    if args.json:
+        print(json.dumps({**asdict(report), "clean": report.clean}, indent=2))
+    else:
+        print(f"checked {report.checked} blobs ({report.bytes_checked:,} bytes): "
+              f"{report.ok} ok, {len(report.corrupt)} corrupt (quarantined), "
+              f"{len(report.incompatible)} incompatible, {len(report.missing)} missing")
+    if not report.clean:
+        raise CorruptStoreFound(f"{len(report.corrupt)} corrupt and {len(report.missing)} "
+                                "missing blobs", hint="corrupt ones were quarantined; "
+                                "their blocks will be recomputed")
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        report = store.gc()
+    if args.json:
+        print(json.dumps(asdict(report), indent=2))
+    else:
+        removed = ", ".join(f"{t}: {n}" for t, n in report.removed_blobs.items()) or "none"
+        print(f"removed blobs ({removed}), {report.orphan_files} orphan files, "
+              f"{report.dangling_keys} dangling keys; freed {report.freed_bytes:,} bytes")
+    return 0
+
+
+class CorruptStoreFound(CWMError):
+    code = "store_corrupt"

@@ -1,0 +1,40 @@
+"""``cwm store usage|verify|gc`` through the real CLI entry point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cwm_plugin.cli import main
+
+pytestmark = pytest.mark.unit
+
+
+def test_store_cli(tmp_path, make_store, kv_block, capsys):
+    root = tmp_path / "d"
+    s = make_store(disk_path=str(root))
+    for i in range(3):
+        s.put(f"k{i}".encode(), kv_block(i)).result()
+    s.disk.put("ab" * 20, b"orphan")       # unreferenced blob
+    s.close()
+    assert main(["store", "usage", "--disk-path", str(root), "--json"]) == 0
+    usage = json.loads(capsys.readouterr().out)
+    assert usage["disk"]["blobs"] == 4
+    cfg = tmp_path / "store.yaml"
+    cfg.write_text(f"store:\n  disk_path: {root}\n")
+    assert main(["store", "gc", "--config", str(cfg)]) == 0
+    assert "disk: 1" in capsys.readouterr().out
+    assert main(["store", "verify", "--disk-path", str(root), "--no-progress"]) == 0
+    assert "3 ok" in capsys.readouterr().out
+    blob = next(p for p in (root / "blobs").glob("*/*/*"))
+    data = bytearray(blob.read_bytes())
+    data[-2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    assert main(["store", "verify", "--disk-path", str(root), "--no-progress"]) == 2
+    assert "1 corrupt" in capsys.readouterr().out
+
+
+def test_store_cli_needs_a_store(capsys):
+    assert main(["store", "usage"]) == 2
+    assert "config_error" in capsys.readouterr().err

@@ -1,0 +1,118 @@
+"""The Redis tier against a real redis-server: split values, TTL, outage and reconnect,
+sharing between servers with empty local tiers."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import redis
+import torch
+
+from cwm_plugin.errors import TierUnavailable
+from cwm_plugin.store.tiers.redis import RedisTier
+from cwm_plugin.testing.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
+
+
+def test_split_values_round_trip(redis_server):
+    t = RedisTier(redis_server.url, prefix="t1", max_value_bytes=1024)
+    big = bytes(range(256)) * 40             # 10 KiB -> 10 parts
+    t.put("aa" * 20, big)
+    t.put("bb" * 20, b"small")
+    assert t.get_many(["aa" * 20, "bb" * 20, "cc" * 20]) == [big, b"small", None]
+    r = redis.Redis.from_url(redis_server.url)
+    assert r.exists(f"t1:b:{'aa' * 20}:9") and not r.exists(f"t1:b:{'aa' * 20}:10")
+    r.delete(f"t1:b:{'aa' * 20}:3")           # a lost part is a miss, never a torn blob
+    assert t.get("aa" * 20) is None
+    assert t.delete("aa" * 20) and not r.exists(f"t1:b:{'aa' * 20}:0")
+    t.close()
+
+
+def test_keys_refcounts_and_prefix(redis_server):
+    t = RedisTier(redis_server.url, prefix="ns")
+    t.put("ab" * 20, b"blob")
+    assert t.map_key(b"k1", "ab" * 20) and t.map_key(b"k2", "ab" * 20)
+    assert not t.map_key(b"k1", "ab" * 20)   # already mapped: no double count
+    assert t.refcount("ab" * 20) == 2
+    assert t.lookup_many([b"k1", b"zz"]) == ["ab" * 20, None]
+    assert t.exists_many([b"k2", b"zz"]) == [True, False]
+    assert t.unmap_key(b"k1") == ("ab" * 20, 1)
+    assert t.unmap_key(b"k2") == ("ab" * 20, 0)
+    assert t.unreferenced() == ["ab" * 20]
+    other = RedisTier(redis_server.url, prefix="other")
+    assert other.lookup_many([b"k1"]) == [None] and list(other.blob_ids()) == []
+    t.close(), other.close()
+
+
+def test_ttl_applies(redis_server):
+    t = RedisTier(redis_server.url, prefix="ttl", ttl_s=1)
+    t.put("ab" * 20, b"x" * 10)
+    t.map_key(b"k", "ab" * 20)
+    r = redis.Redis.from_url(redis_server.url)
+    assert 0 < r.ttl(f"ttl:b:{'ab' * 20}") <= 1 and 0 < r.ttl(f"ttl:k:{b'k'.hex()}") <= 1
+    t.pin("ab" * 20, b"k")
+    assert r.ttl(f"ttl:b:{'ab' * 20}") == -1
+    t.pin("ab" * 20, b"k", pinned=False)
+    deadline = time.monotonic() + 10
+    while t.get("ab" * 20) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert t.get("ab" * 20) is None and t.lookup_many([b"k"]) == [None]
+    t.close()
+
+
+def test_shared_redis_serves_a_second_server(redis_server, make_store, tmp_path, kv_block):
+    a = make_store(redis_url=redis_server.url, disk_path=str(tmp_path / "a"),
+                   redis_write="through", redis_max_value_bytes=4096)
+    blocks = {f"k{i}".encode(): kv_block(i, shape=(2, 3, 32, 64)) for i in range(5)}
+    for k, v in blocks.items():
+        a.put(k, v)
+    a.flush()
+    b = make_store(redis_url=redis_server.url, disk_path=str(tmp_path / "b"))
+    assert b.contains_many(list(blocks)) == [True] * 5
+    got = b.get_many(list(blocks))
+    assert all(torch.equal(g, v) for g, v in zip(got, blocks.values(), strict=True))
+    b.flush()                                 # promotion to b's disk happens behind
+    assert b.index.totals()[1] == 5
+    b.link(b"clone", b"k0")
+    c = make_store(redis_url=redis_server.url, memory_bytes=0)
+    assert torch.equal(c.get(b"clone"), blocks[b"k0"])
+    assert c.redis.refcount(c.redis.lookup_many([b"k0"])[0]) == 2
+
+
+def test_outage_local_tiers_keep_serving_and_reconnect(tmp_path, make_store, kv_block, caplog):
+    server = RedisServer().start()
+    try:
+        s = make_store(redis_url=server.url, disk_path=str(tmp_path / "d"),
+                       redis_write="through")
+        s.redis._max_backoff = 0.2
+        s.put(b"a", kv_block(1)).result()
+        port = server.port
+        server.stop()
+        with caplog.at_level(logging.WARNING, logger="cwm_plugin.store.tiers.redis"):
+            for i in range(20):
+                assert torch.equal(s.get(b"a"), kv_block(1))   # memory/disk keep serving
+                assert s.get(f"missing{i}".encode()) is None
+                s.put(f"new{i}".encode(), kv_block(i)).result()   # local tiers take it
+                assert s.contains_many([b"a", b"zz"]) == [True, False]
+        down = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(down) == 1, [r.getMessage() for r in caplog.records]
+        assert s.metrics.errors.labels("tier_unavailable")._value.get() >= 1
+        with pytest.raises(TierUnavailable):
+            s.redis.get("ab" * 20)
+        server = RedisServer(port=port).start()
+        deadline = time.monotonic() + 15
+        ok = False
+        while time.monotonic() < deadline and not ok:
+            try:
+                s.redis.put("cd" * 20, b"back")
+                ok = True
+            except TierUnavailable:
+                time.sleep(0.1)
+        assert ok and s.redis.get("cd" * 20) == b"back"
+        s.put(b"after", kv_block(2)).result()
+        assert s.redis.lookup_many([b"after"])[0] is not None
+    finally:
+        server.stop()

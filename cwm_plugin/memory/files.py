@@ -1,0 +1,228 @@
+"""Markdown files, the source of truth: transcripts, daily logs, durable memories, summaries.
+
+Layout under the root, one folder a tenant::
+
+    <root>/<tenant>/sessions/<session>.md     one turn appended at a time, never rewritten
+    <root>/<tenant>/daily/<YYYY-MM-DD>.md      one line a turn, for people reading along
+    <root>/<tenant>/memories.md                durable memories, one line each
+    <root>/<tenant>/summaries/<session>.md     the running summary of a session
+
+Every turn record is a visible heading plus a machine line carrying the exact byte length of
+the content, so any text (even text that looks like a header) reads back verbatim, and a torn
+tail from a crash is detected and ignored. Appends take an exclusive ``flock`` (which excludes
+other threads and other processes alike), write, flush and fsync. Files that are replaced
+(memories, summaries) are written to a temporary file, fsynced and renamed over the old one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+from cwm_plugin.errors import CorruptBlob
+from cwm_plugin.memory.models import Memory, Turn
+from cwm_plugin.memory.names import check_name
+
+TURN_MARK = b"<!-- cwm-turn "
+MEM_MARK = "<!-- cwm-mem "
+SUMMARY_MARK = "<!-- cwm-summary "
+END = " -->"
+
+
+def utc_iso(ts: datetime | None = None) -> str:
+    ts = ts or datetime.now(UTC)
+    if ts.tzinfo is None:
+        ts = ts.replace(tzinfo=UTC)
+    return ts.astimezone(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``<path>.lock`` (threads and processes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def append_durable(path: Path, data: bytes) -> None:
+    """Append under the lock, then flush and fsync (and fsync the folder of a new file)."""
+    new = not path.exists()
+    with locked(path), open(path, "ab") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if new:
+        _fsync_dir(path.parent)
+
+
+def replace_durable(path: Path, text: str) -> None:
+    """Write a temporary file, fsync it, rename it over ``path``, fsync the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def encode_turn(turn: Turn) -> bytes:
+    body = turn.content.encode("utf-8")
+    meta = json.dumps({"id": turn.turn_id, "role": turn.role, "ts": turn.ts,
+                       "bytes": len(body)}, ensure_ascii=True)
+    head = f"### {turn.role} · {turn.ts} · {turn.turn_id}\n".encode()
+    return head + TURN_MARK + meta.encode() + b" -->\n" + body + b"\n\n"
+
+
+def decode_turns(data: bytes) -> list[Turn]:
+    """Every complete turn record in ``data``; a torn or garbled record is skipped."""
+    out: list[Turn] = []
+    pos = 0
+    while True:
+        i = data.find(TURN_MARK, pos)
+        if i < 0:
+            break
+        j = data.find(b" -->\n", i)
+        if j < 0 or (i > 0 and data[i - 1:i] != b"\n"):
+            pos = i + 1
+            continue
+        try:
+            meta = json.loads(data[i + len(TURN_MARK):j])
+            n = int(meta["bytes"])
+            start = j + 5
+            body = data[start:start + n]
+            if len(body) < n:
+                break  # torn tail: the writer died mid-append
+            out.append(Turn(str(meta["id"]), str(meta["role"]), body.decode("utf-8"),
+                            str(meta["ts"])))
+            pos = start + n
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            pos = i + 1
+    return out
+
+
+class MemoryFiles:
+    """All file access of one memory root; names are validated before any path is built."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    # --- paths -----------------------------------------------------------------------------
+
+    def tenant_dir(self, tenant: str) -> Path:
+        return self.root / check_name("tenant", tenant)
+
+    def session_path(self, tenant: str, session: str) -> Path:
+        return self.tenant_dir(tenant) / "sessions" / f"{check_name('session', session)}.md"
+
+    def summary_path(self, tenant: str, session: str) -> Path:
+        return self.tenant_dir(tenant) / "summaries" / f"{check_name('session', session)}.md"
+
+    def memories_path(self, tenant: str) -> Path:
+        return self.tenant_dir(tenant) / "memories.md"
+
+    def tenants(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not
+                      p.name.startswith("."))
+
+    def sessions(self, tenant: str) -> list[str]:
+        d = self.tenant_dir(tenant) / "sessions"
+        return sorted(p.stem for p in d.glob("*.md")) if d.is_dir() else []
+
+    # --- transcripts -------------------------------------------------------------------------
+
+    def append_turn(self, tenant: str, session: str, turn: Turn) -> None:
+        path = self.session_path(tenant, session)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        append_durable(path, encode_turn(turn))
+        self._daily(tenant, session, turn)
+
+    def read_turns(self, tenant: str, session: str) -> list[Turn]:
+        path = self.session_path(tenant, session)
+        return decode_turns(path.read_bytes()) if path.exists() else []
+
+    def _daily(self, tenant: str, session: str, turn: Turn) -> None:
+        day, _, clock = turn.ts.partition("T")
+        one_line = " ".join(turn.content.split())
+        one_line = one_line[:160] + ("…" if len(one_line) > 160 else "")
+        line = f"- {clock or turn.ts} [{session}] {turn.role}: {one_line} ({turn.turn_id})\n"
+        path = self.tenant_dir(tenant) / "daily" / f"{day or 'undated'}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        append_durable(path, line.encode("utf-8"))
+
+    # --- durable memories --------------------------------------------------------------------
+
+    def read_memories(self, tenant: str) -> list[Memory]:
+        path = self.memories_path(tenant)
+        if not path.exists():
+            return []
+        out = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            i = line.find(MEM_MARK)
+            if i < 0:
+                continue
+            try:
+                meta = json.loads(line[i + len(MEM_MARK):line.rindex(END)])
+                out.append(Memory(id=meta["id"], text=meta["text"], category=meta["category"],
+                                  importance=float(meta["importance"]),
+                                  access_count=int(meta["access_count"]),
+                                  created=meta["created"]))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CorruptBlob(f"{path}:{n} is not a valid memory line: {exc}",
+                                  hint="fix or delete that line, then run `cwm memory reindex`"
+                                  ) from exc
+        return out
+
+    def update_memories(self, tenant: str, fn) -> list[Memory]:
+        """Read, change (``fn(list) -> list``) and atomically rewrite memories.md, locked."""
+        path = self.memories_path(tenant)
+        with locked(path):
+            mems = fn(self.read_memories(tenant))
+            lines = ["# Durable memories", ""]
+            for m in mems:
+                meta = json.dumps({"id": m.id, "text": m.text, "category": m.category,
+                                   "importance": round(m.importance, 4),
+                                   "access_count": m.access_count, "created": m.created},
+                                  ensure_ascii=False)
+                lines.append(f"- **{m.category}** ({m.importance:.2f}) {m.text} "
+                             f"{MEM_MARK}{meta}{END}")
+            replace_durable(path, "\n".join(lines) + "\n")
+        return mems
+
+    # --- summaries ---------------------------------------------------------------------------
+
+    def read_summary(self, tenant: str, session: str) -> tuple[str, str] | None:
+        """``(text, upto_turn)`` or ``None``."""
+        path = self.summary_path(tenant, session)
+        if not path.exists():
+            return None
+        head, _, text = path.read_text(encoding="utf-8").partition("\n")
+        if not head.startswith(SUMMARY_MARK):
+            return text.strip() or head, ""
+        meta = json.loads(head[len(SUMMARY_MARK):head.rindex(END)])
+        return text.strip(), str(meta.get("upto_turn", ""))
+
+    def write_summary(self, tenant: str, session: str, text: str, upto_turn: str) -> None:
+        meta = json.dumps({"upto_turn": upto_turn, "updated": utc_iso()})
+        replace_durable(self.summary_path(tenant, session),
+                        f"{SUMMARY_MARK}{meta}{END}\n{text.strip()}\n")

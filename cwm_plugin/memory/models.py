@@ -1,0 +1,90 @@
+"""Plain data types shared by the memory package (and by the sidecar through the façade)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CATEGORIES = ("preference", "goal", "decision", "fact")
+
+
+@dataclass
+class MemoryConfig:
+    """Knobs of the memory service; defaults are chosen on principle, see ``search.py``."""
+
+    root: Path
+    chunk_tokens: int = 400
+    chunk_overlap: int = 80
+    bm25_weight: float = 0.3
+    vector_weight: float = 0.7
+    candidate_multiplier: int = 4
+    mmr_lambda: float | None = None
+    recency_half_life_days: float | None = None
+    recent_turns: int = 6
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+
+
+@dataclass
+class Turn:
+    """One transcript turn as stored in ``sessions/<session>.md``."""
+
+    turn_id: str
+    role: str
+    content: str
+    ts: str  # ISO 8601, UTC
+
+    def as_dict(self) -> dict[str, str]:
+        return {"turn_id": self.turn_id, "id": self.turn_id, "role": self.role,
+                "content": self.content, "ts": self.ts}
+
+
+@dataclass
+class Chunk:
+    """A run of whole turns of one session; ``chunk_id`` is sha256 of session + text."""
+
+    chunk_id: str
+    session: str
+    text: str
+    turn_ids: list[str]
+    lines: list[str]  # one rendered line per turn, in order (what the vectors embed)
+    tokens: int
+    ts: str  # timestamp of the newest turn
+
+
+@dataclass
+class Hit:
+    """One search result: a chunk (or a durable memory) with its score and why."""
+
+    text: str
+    score: float
+    source: str  # "session:<name>" or "memory"
+    chunk_id: str
+    turn_ids: list[str]
+    reasons: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Memory:
+    """A durable memory from ``memories.md``."""
+
+    id: str
+    text: str
+    category: str
+    importance: float
+    access_count: int
+    created: str
+
+
+@dataclass
+class Selection:
+    """What :meth:`MemoryService.select_context` returns; ``tokens`` never exceeds the budget."""
+
+    recent: list[dict]
+    memory_block: str
+    hits: list[Hit]
+    summary: str | None
+    facts: list[Memory]
+    tokens: int
+    reasons: list[str]

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from cwm_plugin.errors import Forbidden, InvalidInput
 from cwm_plugin.sidecar.settings import TenantConfig
 
-SESSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+# The memory package stores a session as a file: the same rule as cwm_plugin.memory.names.
+SESSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_SESSION = "default"
 
 
@@ -54,10 +55,10 @@ def derive_salt(secret: bytes, tenant: str, session: str) -> str:
 
 
 def validate_session(name: str) -> str:
-    if not isinstance(name, str) or not SESSION.match(name) or ".." in name:
+    if not isinstance(name, str) or not SESSION.fullmatch(name) or ".." in name:
         raise InvalidInput(
             "invalid session id",
-            hint="use 1-128 characters of letters, digits and _ . : - (not starting with one)",
+            hint="use 1-64 letters, digits, _ . - (starting with a letter or digit, no ..)",
         )
     return name
 

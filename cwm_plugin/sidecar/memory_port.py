@@ -1,15 +1,15 @@
 """A thin async adapter over the memory package's ``MemoryService``.
 
-The memory service is synchronous (files, indexes, an embedding model). The sidecar calls it
-from the event loop through :func:`asyncio.to_thread`, one tenant at a time (a lock a tenant),
-so a slow embedding never blocks other requests and two turns of one tenant never interleave
-their writes. This module is the only place that knows the service's signatures.
+The memory service is synchronous (files, indexes, an embedding model) and serialises each
+tenant's index changes itself. The sidecar calls it from the event loop through
+:func:`asyncio.to_thread`, so a slow embedding never blocks other requests. This module is the
+only place in the sidecar that knows the service's signatures.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,10 +36,12 @@ class Selected:
 
 def _hit_dict(hit: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in ("id", "chunk_id", "score", "source", "session", "kind", "category"):
+    for name in ("chunk_id", "source", "score"):
         v = getattr(hit, name, None) if not isinstance(hit, dict) else hit.get(name)
         if v is not None:
             out[name] = round(v, 4) if isinstance(v, float) else v
+    if isinstance(out.get("chunk_id"), str):
+        out["chunk_id"] = out["chunk_id"][:12]
     return out
 
 
@@ -49,18 +51,9 @@ class MemoryPort:
     def __init__(self, service: Any, counter: Any) -> None:
         self.service = service
         self.counter = counter
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
-
-    def _lock(self, tenant: str) -> threading.Lock:
-        with self._guard:
-            return self._locks.setdefault(tenant, threading.Lock())
 
     async def _call(self, tenant: str, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        def run() -> T:
-            with self._lock(tenant):
-                return fn(*args, **kw)
-        return await asyncio.to_thread(run)
+        return await asyncio.to_thread(fn, *args, **kw)
 
     # --- counting ---------------------------------------------------------------------------
 
@@ -109,9 +102,15 @@ class MemoryPort:
 
     async def record_turns(self, tenant: str, session: str,
                            turns: list[tuple[str, str]]) -> list[str]:
+        """Append turns in order, adjacent in the file (the service's tenant lock is
+        re-entrant, so holding it keeps another request's turn from landing in between)."""
+        lock_of = getattr(self.service, "_lock", None)
+
         def run() -> list[str]:
-            return [self.service.record_turn(tenant, session, role, content)
-                    for role, content in turns]
+            lock = lock_of(tenant) if lock_of is not None else contextlib.nullcontext()
+            with lock:
+                return [self.service.record_turn(tenant, session, role, content)
+                        for role, content in turns]
         return await self._call(tenant, run)
 
     async def set_summary(self, tenant: str, session: str, text: str, upto_turn: str) -> None:

@@ -43,7 +43,7 @@ class TenantConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME.match(v) or ".." in v:
+        if not NAME.fullmatch(v) or ".." in v:
             raise ValueError(f"tenant name {v!r} must match {NAME.pattern}")
         return v
 
@@ -77,6 +77,7 @@ class EmbedderConfig(_Strict):
     kind: Literal["local", "openai", "hashing"] = "local"
     url: str | None = None
     model: str | None = None
+    api_key_env: str | None = None  # the name of an environment variable holding the key
     dims: int = 384
 
 

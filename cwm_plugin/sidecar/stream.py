@@ -2,8 +2,10 @@
 
 Events are forwarded exactly as vLLM wrote them. On the side, each ``data:`` payload is parsed
 to collect the answer text and the final ``usage``. When the sidecar itself asked for usage
-(``stream_options.include_usage``) and the client did not, the usage-only event is the one
-event withheld, so the client sees the stream it asked for. ``on_done`` runs before the
+(``stream_options.include_usage``) and the client did not, the usage-only event is withheld,
+and the one field vLLM moves onto it in that mode (``system_fingerprint``, which it otherwise
+puts on the terminal chunk) is put back at the end of the terminal chunk, so the client sees
+exactly the stream vLLM sends a client that did not ask for usage. ``on_done`` runs before the
 ``[DONE]`` event is passed on (the turn is in memory before the client learns it has ended). An
 upstream failure in mid-stream becomes one OpenAI-shaped error event; the stream never hangs
 beyond the upstream read timeout.
@@ -59,11 +61,23 @@ def _payload(event: bytes) -> bytes | None:
     return None
 
 
+def _splice_fingerprint(event: bytes, fingerprint: str) -> bytes:
+    """``event`` with ``"system_fingerprint": ...`` added as the last field of its object."""
+    end = event.rfind(b"}")
+    extra = b',"system_fingerprint":' + json.dumps(fingerprint).encode()
+    return event[:end] + extra + event[end:]
+
+
+def _terminal(obj: dict[str, Any]) -> bool:
+    return any(c.get("finish_reason") for c in obj.get("choices") or [])
+
+
 async def relay_sse(source: AsyncIterator[bytes], collected: Collected, *, chat: bool,
                     strip_usage: bool,
                     on_done: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[bytes]:
     """Yield the upstream SSE bytes (see the module docstring)."""
     buf = b""
+    held: tuple[bytes, dict[str, Any]] | None = None  # a terminal chunk awaiting the usage
     try:
         async for chunk in source:
             buf += chunk
@@ -73,25 +87,41 @@ async def relay_sse(source: AsyncIterator[bytes], collected: Collected, *, chat:
                     break
                 event, buf = buf[: cut + 2], buf[cut + 2:]
                 data = _payload(event)
-                if data == b"[DONE]":
-                    collected.done = True
-                    if on_done is not None:
-                        await on_done()
-                    yield event
-                    continue
-                if data:
+                obj = None
+                if data and data != b"[DONE]":
                     try:
                         obj = json.loads(data)
                     except ValueError:
                         obj = None
-                    if isinstance(obj, dict):
-                        collected.feed(obj, chat=chat)
-                        if strip_usage and obj.get("choices") == [] and obj.get("usage"):
-                            continue
+                if isinstance(obj, dict):
+                    collected.feed(obj, chat=chat)
+                    if strip_usage and obj.get("choices") == [] and obj.get("usage"):
+                        fp = obj.get("system_fingerprint")
+                        if held is not None:
+                            ev, hobj = held
+                            if fp and "system_fingerprint" not in hobj:
+                                ev = _splice_fingerprint(ev, fp)
+                            held = None
+                            yield ev
+                        continue
+                if held is not None:
+                    yield held[0]
+                    held = None
+                if isinstance(obj, dict) and strip_usage and _terminal(obj):
+                    held = (event, obj)
+                    continue
+                if data == b"[DONE]":
+                    collected.done = True
+                    if on_done is not None:
+                        await on_done()
                 yield event
+        if held is not None:
+            yield held[0]
         if buf:
             yield buf
     except CWMError as exc:
+        if held is not None:
+            yield held[0]
         collected.error = exc.message
         log.warning("upstream stream failed: %s", exc.message)
         yield sse_error(exc.http_status, str(exc), exc.code)

@@ -125,6 +125,27 @@ async def _wait_pending(state: SessionState) -> None:
     state.pending = None
 
 
+async def _budget(sc: Sidecar, ident: Identity, body: dict[str, Any], split: P.SplitMessages,
+                  max_len: int | None) -> int:
+    """Tokens for the memory selection: the recent turns it keeps verbatim plus the memory
+    budget, capped by what the context has left after the prefix, new message and answer."""
+    mem, cfg = sc.memory, sc.settings.memory
+    assert mem is not None
+    budget = cfg.budget_tokens
+    if max_len:
+        budget = min(budget, int(max_len * cfg.budget_fraction))
+    if cfg.recent_turns:
+        tail = split.history[-cfg.recent_turns:] if split.history else P.recent_from_transcript(
+            await mem.transcript(ident.tenant, ident.session), cfg.recent_turns)
+        budget += mem.count_messages(tail)
+    if max_len:
+        answer = body.get("max_completion_tokens") or body.get("max_tokens")
+        answer = answer if isinstance(answer, int) and answer > 0 else 256
+        left = max_len - min(answer, max_len) - mem.count_messages(split.prefix + [split.new]) - 32
+        budget = min(budget, left)
+    return max(0, budget)
+
+
 async def handle_chat(sc: Sidecar, request: Request) -> Response:
     t0 = time.perf_counter()
     tenant_cfg = sc.auth.tenant_for(bearer_key(request.headers))
@@ -148,19 +169,12 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
             state.full_history_tokens = sum(mem.count(str(t.get("content", ""))) for t in turns)
             state.turns_recorded = len(turns) // 2
             state.history_known = True
-        cfg = sc.settings.memory
-        budget = cfg.budget_tokens
-        if info.max_model_len:
-            budget = min(budget, int(info.max_model_len * cfg.budget_fraction))
+        budget = await _budget(sc, ident, body, split, info.max_model_len)
         sel = await mem.select(ident.tenant, ident.session, messages, budget,
                                query=P.text_of(split.new))
         sc.metrics.retrieval_seconds.labels(ident.tenant, model).observe(sel.seconds)
-        if not recent:  # the client sent only the new message: the server keeps the history
-            recent = sel.recent if sel.recent is not None else P.recent_from_transcript(
-                await mem.transcript(ident.tenant, ident.session), cfg.recent_turns)
-        recent = [m for m in recent if m is not split.new][-cfg.recent_turns:] \
-            if cfg.recent_turns else []
-        if state.compacted:
+        recent = sel.recent if sel.recent is not None else split.history
+        if state.compacted and not sel.summary:
             summary = await mem.summary(ident.tenant, ident.session)
     th = sc.settings.checkpoint.for_model(model)
     built = P.assemble(split, recent, sel.memory_block, mode=sc.settings.injection,

@@ -114,3 +114,16 @@ def sse_events(text: str) -> list[Any]:
             data = block[6:]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def metric_value(srv: ServerThread, sample: str, **labels: str) -> float:
+    """Sum of the sidecar's ``sample`` values whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{srv.url}/metrics", timeout=30).text
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total

@@ -82,3 +82,22 @@ def test_relay_is_byte_exact_and_withholds_only_the_injected_usage_event():
     out, col, _ = asyncio.run(run(True))
     assert b"".join(out) == events[0] + events[1] + events[3]
     assert col.usage["completion_tokens"] == 2
+
+
+def test_relay_puts_the_fingerprint_back_where_vllm_puts_it_without_usage():
+    terminal = {"id": "x", "choices": [{"index": 0, "delta": {"content": "!"},
+                                        "finish_reason": "length"}]}
+    with_usage = _sse([{"id": "x", "choices": [{"index": 0, "delta": {"content": "a"}}]},
+                       terminal, {"id": "x", "choices": [], "usage": {"prompt_tokens": 3},
+                                  "system_fingerprint": "fp-1"}])
+
+    async def source():
+        for e in with_usage:
+            yield e
+
+    async def run():
+        return [e async for e in relay_sse(source(), Collected(), chat=True, strip_usage=True)]
+
+    out = asyncio.run(run())
+    assert out[0] == with_usage[0] and out[-1] == b"data: [DONE]\n\n" and len(out) == 3
+    assert json.loads(out[1][6:]) == {**terminal, "system_fingerprint": "fp-1"}

@@ -10,7 +10,7 @@ import json
 
 import httpx
 import pytest
-from sidecar_helpers import KEYS, chat, runtime, salt, sse_events, wait_idle
+from sidecar_helpers import KEYS, chat, metric_value, runtime, salt, sse_events, wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -244,3 +244,20 @@ def test_cache_aware_injection_hits_the_prefix_cache_more(recorder, sidecar_fact
     record_property("prefix_hit_rates", rates)
     print(f"\nprefix-cache hit rate over 5 turns: {rates}")
     assert rates["cache_aware"] > rates["memory_first"]
+
+
+def test_invalid_facts_from_the_model_are_retried_once_then_refused(recorder, sidecar_factory):
+    rec, rec_srv = recorder
+    srv = sidecar_factory(rec_srv.url, memory={"extract_facts": True, "summary_every_turns": 1})
+    n_before = len(rec.bodies)
+    r = chat(srv, "acme", "I am allergic to peanuts and I live in Basel.", session="facts")
+    assert r.status_code == 200
+    wait_idle(srv)
+    # The random model never writes valid JSON: two extraction calls, then a counted refusal.
+    calls = rec.bodies[n_before:]
+    assert len(calls) == 4  # the turn, the summary, the extraction and its one retry
+    assert metric_value(srv, "cwm_sidecar_facts_refused_total", tenant="acme") == 1
+    assert metric_value(srv, "cwm_sidecar_background_tasks_total", tenant="acme",
+                        kind="summary", outcome="ok") == 1
+    assert not runtime(srv).memory.service.memories("acme")
+    assert len(runtime(srv).memory.service.transcript("acme", "facts")) == 2

@@ -74,8 +74,10 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: int = 0,
            layout: str = "", level: int = 1, shuffle: bool = True,
-           checksum: bool = True) -> bytes:
-    """Encode ``tensor`` (any shape, a supported dtype) into one self-describing blob."""
+           checksum: bool = True, transform: str | None = None) -> bytes:
+    """Encode ``tensor`` (any shape, a supported dtype) into one self-describing blob.
+
+    ``transform`` overrides the byte transform that ``shuffle`` would pick (for benchmarks)."""
     if tensor.dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype {tensor.dtype} is not supported by the blob codec")
     if not 0 <= level <= 22:
@@ -84,7 +86,8 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
-    transform = sh.best_transform(t.dtype) if (shuffle and level > 0) else "none"
+    if transform is None:
+        transform = sh.best_transform(t.dtype) if (shuffle and level > 0) else "none"
     parts = sh.split(t, transform)
     streams: list[tuple[str, str, int]] = []
     payloads: list[bytes | np.ndarray] = []
@@ -127,15 +130,10 @@ def _pack(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
         offset += n
     hj = json.dumps(header, separators=(",", ":")).encode()
     hj += b" " * (-len(hj) % 8)
-    out = bytearray(8 + len(hj) + offset)
-    out[:8] = struct.pack("<Q", len(hj))
-    out[8:8 + len(hj)] = hj
-    pos = 8 + len(hj)
-    for p in payloads:
-        mv = memoryview(p if isinstance(p, bytes) else np.ascontiguousarray(p)).cast("B")
-        out[pos:pos + len(mv)] = mv
-        pos += len(mv)
-    return bytes(out)
+    parts = [struct.pack("<Q", len(hj)), hj]
+    parts += [p if isinstance(p, bytes) else memoryview(np.ascontiguousarray(p)).cast("B")
+              for p in payloads]
+    return b"".join(parts)                  # one copy of the payload
 
 
 def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[str, Any], int]:

@@ -15,7 +15,7 @@ from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.vllm_server import VLLMServer
 
 # Development aid: CWM_SIDECAR_TEST_VLLM_PORT=P reuses a tiny-model `vllm serve` already running
-# on 127.0.0.1:P instead of starting one per module (tests of prefix-cache counters then see
+# on 127.0.0.1:P (started with --enable-prompt-tokens-details) instead of starting one per module (tests of prefix-cache counters then see
 # that server's earlier traffic too, which they tolerate: they compare deltas).
 REUSE_PORT = os.environ.get("CWM_SIDECAR_TEST_VLLM_PORT")
 
@@ -26,7 +26,9 @@ def tiny_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     if REUSE_PORT:
         yield VLLMServer(model_dir=tiny_model, port=int(REUSE_PORT))
         return
-    server = VLLMServer(model_dir=tiny_model, log_dir=tmp_path_factory.mktemp("vllm"))
+    # usage.prompt_tokens_details.cached_tokens lets the sidecar count prefix hits per tenant.
+    server = VLLMServer(model_dir=tiny_model, log_dir=tmp_path_factory.mktemp("vllm"),
+                        extra_args=["--enable-prompt-tokens-details"])
     with server:
         yield server
 

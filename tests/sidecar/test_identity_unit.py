@@ -85,3 +85,14 @@ def test_settings_validation_never_echoes_the_secret(tmp_path, monkeypatch):
     monkeypatch.setenv("CWM_SIDECAR_SECRET", "x" * 32)
     assert s.server_secret() == b"x" * 32
     assert "x" * 32 not in repr(Settings(secret="y" * 32))
+
+
+def test_the_documented_example_config_loads():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "configs" / "sidecar.yaml"
+    s = load_settings(example)
+    assert [t.name for t in s.tenants] == ["acme", "beta"]
+    assert s.injection == "cache_aware"
+    assert s.checkpoint.for_model("smollm2").checkpoint == 0.80
+    assert s.checkpoint.for_model("other").warn == 0.70

@@ -238,12 +238,16 @@ def test_cache_aware_injection_hits_the_prefix_cache_more(recorder, sidecar_fact
     rates = {}
     for mode in ("cache_aware", "memory_first"):
         srv = sidecar_factory(rec_srv.url, injection=mode)
+        hits0 = tiny_vllm.metric("vllm:prefix_cache_hits")
         for f in facts:
             runtime(srv).memory.service.add_memory("acme", f, "fact", 0.8)
         # A fresh session (so a fresh salt) each run: a reused vLLM may hold older runs' KV.
         session = f"pc-{mode}-{uuid.uuid4().hex[:8]}"
         rates[mode], blocks = _conversation_hit_rate(srv, rec, tiny_vllm, session)
         assert len(set(blocks)) > 1, "the memory block never changed; the test proves nothing"
+        # The sidecar's own per-tenant count (from usage.prompt_tokens_details) agrees.
+        assert metric_value(srv, "cwm_sidecar_cached_prompt_tokens_total", tenant="acme") == \
+            tiny_vllm.metric("vllm:prefix_cache_hits") - hits0
     record_property("prefix_hit_rates", rates)
     print(f"\nprefix-cache hit rate over 5 turns: {rates}")
     assert rates["cache_aware"] > rates["memory_first"]

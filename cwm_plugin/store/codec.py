@@ -92,7 +92,7 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
     streams: list[tuple[str, str, int]] = []
     payloads: list[bytes | np.ndarray] = []
     for name, s in zip(parts.names, parts.streams, strict=True):
-        if level > 0 and s.size >= 64:
+        if level > 0 and s.size >= 64 and _worth_trying(s, level):
             z = _compressor(level).compress(s)
             if len(z) < RAW_IF_ABOVE * s.size:
                 streams.append((name, "zstd", int(s.size)))
@@ -115,6 +115,14 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
         "checksum": _checksum_of(t) if checksum else "",
     }
     return _pack(meta, payloads)
+
+
+def _worth_trying(s: np.ndarray, level: int, sample: int = 128 << 10) -> bool:
+    """Skip zstd on a large stream whose first ``sample`` bytes do not shrink (the bf16
+    mantissa stream): compressing it in full would only cost time."""
+    if s.size <= 2 * sample:
+        return True
+    return len(_compressor(level).compress(s[:sample])) < RAW_IF_ABOVE * sample
 
 
 def _checksum_of(t: torch.Tensor) -> str:

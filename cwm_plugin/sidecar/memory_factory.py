@@ -1,34 +1,23 @@
-"""Building the memory package's ``MemoryService`` from the sidecar's settings."""
+"""Building the memory package's ``MemoryService`` from the sidecar's settings.
+
+A translation of :class:`MemorySettings` into ``cwm_plugin.memory.factory.make_service``; the
+memory package owns the embedder and counter choices.
+"""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from cwm_plugin.errors import ConfigError
-from cwm_plugin.sidecar.settings import EmbedderConfig, MemorySettings
-
-
-def make_embedder(cfg: EmbedderConfig) -> Any:
-    from cwm_plugin.memory import embeddings
-
-    if cfg.kind == "hashing":
-        return embeddings.HashingEmbedder(cfg.dims)
-    if cfg.kind == "local":
-        return embeddings.MiniLMEmbedder()
-    if not cfg.url or not cfg.model:
-        raise ConfigError("the openai embedder needs memory.embedder.url and .model")
-    key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-    return embeddings.OpenAIEmbedder(cfg.url, cfg.model, api_key=key, dims=cfg.dims)
+from cwm_plugin.sidecar.settings import MemorySettings
 
 
 def make_service(cfg: MemorySettings) -> tuple[Any, Any]:
     """``(MemoryService, TokenCounter)`` for these settings."""
-    from cwm_plugin.memory.models import MemoryConfig
-    from cwm_plugin.memory.service import MemoryService
-    from cwm_plugin.memory.tokens import make_counter
+    from cwm_plugin.memory.factory import make_service as memory_service
 
-    counter = make_counter(cfg.tokenizer)
-    config = MemoryConfig(root=cfg.root, chunk_tokens=cfg.chunk_tokens,
-                          chunk_overlap=cfg.chunk_overlap, recent_turns=cfg.recent_turns)
-    return MemoryService(config, make_embedder(cfg.embedder), counter), counter
+    emb = cfg.embedder
+    service = memory_service(
+        cfg.root, tokenizer=cfg.tokenizer, embedder=emb.kind, embedder_url=emb.url,
+        embedder_model=emb.model, dims=emb.dims, chunk_tokens=cfg.chunk_tokens,
+        chunk_overlap=cfg.chunk_overlap, recent_turns=cfg.recent_turns)
+    return service, service.counter

@@ -72,12 +72,12 @@ class UpstreamConfig(_Strict):
 
 
 class EmbedderConfig(_Strict):
-    """``local`` (MiniLM, offline), ``openai`` (an embeddings endpoint) or ``hashing`` (tests)."""
+    """``local`` (MiniLM, offline), ``openai`` (an embeddings endpoint; its API key, if any, in
+    ``$CWM_EMBEDDINGS_API_KEY``) or ``hashing`` (tests)."""
 
     kind: Literal["local", "openai", "hashing"] = "local"
     url: str | None = None
     model: str | None = None
-    api_key_env: str | None = None  # the name of an environment variable holding the key
     dims: int = 384
 
 

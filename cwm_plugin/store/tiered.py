@@ -32,6 +32,7 @@ from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.index import BlobIndex
 from cwm_plugin.store.maintenance import GCReport, VerifyReport, collect_garbage, verify_all
 from cwm_plugin.store.metrics import StoreMetrics
+from cwm_plugin.store.queue import SaveQueue
 from cwm_plugin.store.tiers.disk import DiskTier
 from cwm_plugin.store.tiers.memory import MemoryTier
 from cwm_plugin.store.tiers.redis import RedisTier
@@ -74,10 +75,7 @@ class KVStore:
                                 ttl_s=config.redis_ttl_s,
                                 max_value_bytes=config.redis_max_value_bytes)
                       if config.redis_url else None)
-        self._pool = cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-store")
-        self._slots = threading.BoundedSemaphore(config.queue_depth)
-        self._pending: set[cf.Future] = set()
-        self._inflight: dict[bytes, cf.Future] = {}
+        self._saves = SaveQueue(config.io_workers, config.queue_depth)
         self._logged: set[str] = set()
         self._closed = False
 
@@ -94,45 +92,12 @@ class KVStore:
         return self._submit(bytes(key), lambda k: self._store_blob(k, bytes(blob)))
 
     def _submit(self, key: bytes, job) -> cf.Future:
-        if self._closed:
+        if self._saves.closed:
             raise RuntimeError("the KV store is closed")
-        with self._lock:                            # check and claim the key atomically
-            if key in self._keys:
-                self.metrics.put_skips.inc()
-                return _done()
-            if key in self._inflight:
-                return self._inflight[key]
-            outer: cf.Future = cf.Future()
-            self._inflight[key] = outer
-            self._pending.add(outer)
-        try:
-            self._slots.acquire()                   # backpressure: blocks at queue_depth
-            try:
-                inner = self._pool.submit(self._run_save, key, job)
-            except BaseException:
-                self._slots.release()
-                raise
-        except BaseException as exc:
-            self._finished(key, outer)
-            outer.set_exception(exc)
-            raise
-        inner.add_done_callback(lambda f: self._chain(key, f, outer))
-        return outer
-
-    def _chain(self, key: bytes, inner: cf.Future, outer: cf.Future) -> None:
-        self._slots.release()
-        self._finished(key, outer)
-        exc = inner.exception()
-        if exc is not None:
-            outer.set_exception(exc)
-        else:
-            outer.set_result(inner.result())
-
-    def _finished(self, key: bytes | None, fut: cf.Future) -> None:
-        with self._lock:
-            self._pending.discard(fut)
-            if key is not None and self._inflight.get(key) is fut:
-                del self._inflight[key]
+        if key in self._keys:
+            self.metrics.put_skips.inc()
+            return _done()
+        return self._saves.submit(key, lambda: self._run_save(key, job))
 
     def _run_save(self, key: bytes, job) -> None:
         if self._present(key):
@@ -180,10 +145,7 @@ class KVStore:
         self.metrics.puts.inc()
 
     def _behind(self, write, key: bytes, blob_id: str, blob: bytes) -> None:
-        fut = self._pool.submit(write, key, blob_id, blob)
-        with self._lock:
-            self._pending.add(fut)
-        fut.add_done_callback(lambda f: self._finished(None, f))
+        self._saves.behind(write, key, blob_id, blob)
 
     def _to_memory(self, key: bytes, blob_id: str, blob: bytes) -> bool:
         if self.memory is None or not self.memory.put(blob_id, blob):
@@ -378,7 +340,7 @@ class KVStore:
     def link(self, new_key: bytes, existing_key: bytes) -> None:
         """Make ``new_key`` point to ``existing_key``'s blob (no copy; refcount + 1)."""
         new_key, existing_key = bytes(new_key), bytes(existing_key)
-        pending = self._inflight.get(existing_key)
+        pending = self._saves.inflight(existing_key)
         if pending is not None:
             pending.result()
         linked = False
@@ -435,18 +397,7 @@ class KVStore:
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for pending saves (including write-behind) for up to ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                pending = list(self._pending)
-            if not pending:
-                return
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            _, not_done = cf.wait(pending, timeout=left)
-            if not_done and deadline is not None and time.monotonic() >= deadline:
-                log.warning("store flush: %d writes still pending after %.1fs",
-                            len(not_done), timeout)
-                return
+        self._saves.flush(timeout)
 
     def usage(self) -> dict[str, dict[str, int | None]]:
         out: dict[str, dict[str, int | None]] = {}
@@ -468,7 +419,7 @@ class KVStore:
             return
         self.flush()
         self._closed = True
-        self._pool.shutdown(wait=True)
+        self._saves.shutdown()
         for tier in (self.memory, self.disk, self.redis):
             if tier is not None:
                 tier.close()

@@ -2,7 +2,8 @@
 
 The container is a plain safetensors file (any safetensors reader can open it): its
 ``__metadata__`` holds the format version, model fingerprint, layout, dtype, shape, key, token
-count, codec parameters and a CRC-32 of the tensor's raw bytes; its tensors are ``uint8``
+count, codec parameters, a CRC-32 of the tensor's raw bytes and one of the metadata itself;
+its tensors are ``uint8``
 *streams* made by a byte transform (:mod:`cwm_plugin.kernels.shuffle`), each compressed with
 zstd or kept raw when zstd would not shrink it.
 
@@ -114,7 +115,15 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
         "streams": json.dumps(streams),
         "checksum": _checksum_of(t) if checksum else "",
     }
+    if checksum:
+        meta["meta_crc"] = _meta_crc(meta)
     return _pack(meta, payloads)
+
+
+def _meta_crc(meta: dict[str, str]) -> str:
+    """CRC-32 of every metadata field but itself, so damage to the header is caught too."""
+    body = json.dumps({k: v for k, v in meta.items() if k != "meta_crc"}, sort_keys=True)
+    return f"{zlib.crc32(body.encode()):08x}"
 
 
 def _worth_trying(s: np.ndarray, level: int, sample: int = 128 << 10) -> bool:
@@ -178,6 +187,9 @@ def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = No
     if version != str(FORMAT_VERSION):
         raise IncompatibleBlob(f"blob format version {version!r} is not {FORMAT_VERSION}",
                                hint="written by another cwm version; recompute or upgrade")
+    if verify and "meta_crc" in meta and meta["meta_crc"] != _meta_crc(meta):
+        raise CorruptBlob("blob metadata checksum mismatch",
+                          hint="the blob header is damaged; the block will be recomputed")
     if fingerprint is not None and meta.get("fingerprint") != fingerprint:
         raise IncompatibleBlob(
             f"blob belongs to model fingerprint {meta.get('fingerprint')!r}, not {fingerprint!r}",

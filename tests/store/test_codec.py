@@ -86,6 +86,8 @@ def test_wrong_fingerprint_and_version_are_incompatible():
     header = blob[8:8 + n].replace(b'"format_version":"1"', b'"format_version":"9"')
     with pytest.raises(IncompatibleBlob, match="version"):
         codec.decode(blob[:8] + header + blob[8 + n:])
+    with pytest.raises(CorruptBlob, match="metadata checksum"):   # same length, other key
+        codec.decode(blob.replace(b'"key":"6b"', b'"key":"6c"'))
 
 
 def test_not_ours_is_corrupt():
@@ -130,10 +132,9 @@ def _decode_or_clean_error(data: bytes, check: bool, original: torch.Tensor) -> 
         out = codec.decode(data, fingerprint="fp")
     except (CorruptBlob, IncompatibleBlob):
         return
-    if check:
-        # a flip in the metadata that changes nothing the payload depends on may pass the
-        # checksum (e.g. the layout string); then the tensor must still be exact
+    if check:   # with checksums on, whatever decodes is exactly what was written
         assert same_bits(out.tensor, original)
+        assert (out.key, out.layout, out.fingerprint) == (b"key", "", "fp")
 
 
 @settings(max_examples=60, deadline=None)

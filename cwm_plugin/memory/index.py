@@ -50,7 +50,8 @@ class SessionState:
 
 class TenantIndex:
     def __init__(self, embedder: Embedder, counter: TokenCounter, chunk_tokens: int,
-                 overlap: int) -> None:
+                 overlap: int, context_lines: int = 1) -> None:
+        self.context_lines = context_lines
         self.embedder = embedder
         self.counter = counter
         self.chunk_tokens = chunk_tokens
@@ -94,7 +95,12 @@ class TenantIndex:
     def _add_vectors(self, st: SessionState, units: list[Unit]) -> None:
         if not units:
             return
-        vecs = self.embedder.embed([u.text for u in units])
+        prev = st.units[-1].text if st.units else ""
+        texts = []
+        for u in units:  # each line with the line before it (see the module docstring)
+            texts.append(f"{prev}\n{u.text}" if prev and self.context_lines else u.text)
+            prev = u.text
+        vecs = self.embedder.embed(texts)
         first = self.vectors.shape[0]
         labels = list(range(first, first + len(units)))
         self.vectors = np.concatenate([self.vectors, vecs]) if first else vecs

@@ -111,6 +111,8 @@ class HFTokenCounter(_Base):
             raise ConfigError(f"no tokenizer.json in {folder}",
                               hint="point the tokenizer setting at the served model's folder")
         self._tok = Tokenizer.from_file(str(path))
+        self._tok.no_padding()  # some tokenizer.json files pad or truncate: count everything
+        self._tok.no_truncation()
         self.name = f"hf:{Path(folder).name}"
 
     def count(self, text: str) -> int:

@@ -1,0 +1,39 @@
+"""Build embedders and services from plain settings (used by the CLI and the sidecar)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cwm_plugin.errors import ConfigError
+from cwm_plugin.memory.embeddings import Embedder, HashingEmbedder, MiniLMEmbedder, OpenAIEmbedder
+from cwm_plugin.memory.metrics import MemoryMetrics
+from cwm_plugin.memory.models import MemoryConfig
+from cwm_plugin.memory.service import MemoryService
+from cwm_plugin.memory.tokens import make_counter
+
+
+def make_embedder(kind: str = "local", *, url: str | None = None, model: str | None = None,
+                  dims: int = 384, api_key_env: str = "CWM_EMBEDDINGS_API_KEY") -> Embedder:
+    """``local`` (MiniLM from the installed package), ``openai`` (url + model), ``hashing``."""
+    if kind == "local":
+        return MiniLMEmbedder(Path(model) if model and Path(model).is_dir() else None)
+    if kind == "openai":
+        if not url or not model:
+            raise ConfigError("the openai embedder needs a url and a model name",
+                              hint="set embedder.url and embedder.model")
+        return OpenAIEmbedder(url, model, api_key=os.environ.get(api_key_env), dims=dims)
+    if kind == "hashing":
+        return HashingEmbedder(dims)
+    raise ConfigError(f"unknown embedder kind {kind!r}", hint="use local, openai or hashing")
+
+
+def make_service(root: Path, *, tokenizer: str | None = "tiktoken:cl100k_base",
+                 embedder: str = "local", embedder_url: str | None = None,
+                 embedder_model: str | None = None, dims: int = 384,
+                 metrics: MemoryMetrics | None = None, **config: object) -> MemoryService:
+    """A ``MemoryService`` from settings; extra keywords go to :class:`MemoryConfig`."""
+    cfg = MemoryConfig(root=Path(root), **config)  # type: ignore[arg-type]
+    return MemoryService(cfg, make_embedder(embedder, url=embedder_url, model=embedder_model,
+                                            dims=dims),
+                         make_counter(tokenizer), metrics)

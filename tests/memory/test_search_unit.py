@@ -1,0 +1,123 @@
+"""Search: hybrid combination on a crafted corpus, tenant isolation, rebuild from files."""
+
+from __future__ import annotations
+
+import pytest
+
+from cwm_plugin.errors import InvalidInput
+from cwm_plugin.memory.metrics import MemoryMetrics
+from cwm_plugin.memory.search import _minmax
+
+pytestmark = pytest.mark.unit
+
+CORPUS = [
+    ("c1", "My gym locker code is ZX-4417, please remember it."),
+    ("c2", "Last spring we adopted a small puppy; she loves chasing balls in the park."),
+    ("c3", "The quarterly report is due on Friday and the numbers look fine."),
+    ("c4", "I repaired the kitchen sink with a new washer this morning."),
+    ("c5", "Our flight to Lisbon leaves at seven, so we pack tonight."),
+    ("c6", "The tomato plants on the balcony finally have red fruit."),
+    ("c7", "I switched my phone plan to one with more mobile data."),
+    ("c8", "Grandma's apple pie recipe needs cinnamon and cold butter."),
+    ("c9", "The code review for the login page took the whole afternoon."),
+    ("c10", "We watched a documentary about deep sea fish yesterday."),
+]
+
+
+def fill(svc, tenant: str = "acme") -> None:
+    for tid, text in CORPUS:
+        svc.record_turn(tenant, "s1", "user", text, turn_id=tid)
+
+
+def top(hits, n: int) -> list[str]:
+    return [h.turn_ids[0] for h in hits[:n]]
+
+
+def test_hybrid_combines_both_methods(make_service, minilm) -> None:
+    svc = make_service(minilm, chunk_tokens=40, chunk_overlap=0)
+    fill(svc)
+    q = "what pet dog do we have, and what is ZX-4417 for?"
+    bm25 = svc.search("acme", q, 3, mode="bm25")
+    vec = svc.search("acme", q, 3, mode="vector")
+    hyb = svc.search("acme", q, 3, mode="hybrid")
+    assert top(bm25, 1) == ["c1"]  # the exact token
+    assert "c2" in top(vec, 2)  # the paraphrase (pet dog ~ adopted a puppy)
+    assert set(top(hyb, 2)) == {"c1", "c2"}
+    for h in hyb:  # the score is the documented weighted sum of min-max normalised scores
+        r = h.reasons
+        assert h.score == pytest.approx(0.3 * r["bm25_norm"] + 0.7 * r["vector_norm"])
+    assert hyb[0].reasons["bm25_norm"] == 1.0 or hyb[0].reasons["vector_norm"] == 1.0
+
+
+def test_weights_reduce_to_single_methods(make_service, minilm) -> None:
+    svc = make_service(minilm, chunk_tokens=40, chunk_overlap=0, bm25_weight=1.0,
+                       vector_weight=0.0)
+    fill(svc)
+    q = "ZX-4417 locker"
+    assert top(svc.search("acme", q, 1), 1) == top(svc.search("acme", q, 1, mode="bm25"), 1)
+    svc.config.bm25_weight, svc.config.vector_weight = 0.0, 1.0
+    q = "baking a dessert"
+    assert top(svc.search("acme", q, 1), 1) == top(svc.search("acme", q, 1, mode="vector"), 1)
+    with pytest.raises(InvalidInput):
+        svc.search("acme", q, 1, mode="fuzzy")
+
+
+def test_minmax() -> None:
+    assert _minmax({"a": 2.0, "b": 4.0, "c": 3.0}) == {"a": 0.0, "b": 1.0, "c": 0.5}
+    assert _minmax({"a": 0.7, "b": 0.7}) == {"a": 1.0, "b": 1.0}
+    assert _minmax({"a": 0.0}) == {"a": 0.0}
+
+
+def test_mmr_recency_and_session_filter(make_service, minilm) -> None:
+    svc = make_service(minilm, chunk_tokens=40, chunk_overlap=0, mmr_lambda=0.5,
+                       recency_half_life_days=30.0)
+    fill(svc)
+    svc.record_turn("acme", "s2", "user", "The puppy chewed my slippers.", turn_id="d1")
+    hits = svc.search("acme", "puppy", 3)
+    assert len({h.chunk_id for h in hits}) == len(hits) == 3
+    assert all("recency" in h.reasons for h in hits)
+    only = svc.search("acme", "puppy", 5, session="s2")
+    assert [h.turn_ids for h in only] == [["d1"]]
+    assert all(h.source == "session:s2" for h in only)
+
+
+def test_tenant_isolation(make_service, minilm, tmp_path) -> None:
+    svc = make_service(minilm)
+    svc.record_turn("alpha", "s1", "user", "The vault password is banana-42.")
+    svc.add_memory("alpha", "Alpha's vault password is banana-42.", "fact")
+    svc.record_turn("beta", "s1", "user", "We like hiking in the mountains.")
+    for mode in ("bm25", "vector", "hybrid"):
+        for h in svc.search("beta", "vault password banana-42", 10, mode=mode):
+            assert "banana" not in h.text
+        assert svc.search("alpha", "vault password banana-42", 1, mode=mode)
+    sel = svc.select_context("beta", "s1", [{"role": "user", "content": "vault password?"}],
+                             2000)
+    assert "banana" not in sel.memory_block and sel.facts == []
+    assert svc.memories("beta") == []
+    assert svc.search("gamma", "anything", 5) == []
+
+
+def test_reindex_and_new_process_give_identical_results(make_service, minilm, tmp_path) -> None:
+    metrics = MemoryMetrics()
+    svc = make_service(minilm, chunk_tokens=60, chunk_overlap=20)
+    svc.metrics = metrics
+    for i, (tid, text) in enumerate(CORPUS * 3):
+        svc.record_turn("acme", f"s{i % 2}", "user", text, turn_id=f"{tid}-{i}")
+    queries = ["puppy in the park", "ZX-4417", "flight to Lisbon", "report due"]
+
+    def snapshot(s):
+        return [[(h.chunk_id, round(h.score, 6), h.turn_ids) for h in s.search("acme", q, 5)]
+                for q in queries]
+
+    before = snapshot(svc)
+    n = svc.reindex(progress=False)
+    assert n == len(svc._index("acme").chunks) > 2
+    assert snapshot(svc) == before
+    fresh = make_service(minilm, root=svc.config.root, chunk_tokens=60, chunk_overlap=20)
+    assert snapshot(fresh) == before
+    # the rebuild embedded nothing new: every text came from the on-disk cache
+    hits = fresh.metrics.cache.labels("hit")._value.get()
+    misses = fresh.metrics.cache.labels("miss")._value.get()
+    assert hits > 0 and misses == 0
+    assert metrics.chunks._value.get() > 0
+    assert metrics.retrieval.labels("hybrid")._sum.get() > 0

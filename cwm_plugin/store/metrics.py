@@ -27,7 +27,8 @@ class StoreMetrics:
         self.bytes = Gauge("bytes", "Bytes of blobs held per tier", ["tier"], **kw)
         self.blobs = Gauge("blobs", "Blobs held per tier", ["tier"], **kw)
         self.hits = Counter("hits", "Blob lookups answered by a tier", ["tier"], **kw)
-        self.misses = Counter("misses", "Blob lookups a tier could not answer", ["tier"], **kw)
+        self.misses = Counter("misses", "Blob lookups a tier could not answer "
+                              "(tier=all: keys no tier could serve)", ["tier"], **kw)
         self.evictions = Counter("evictions", "Blobs evicted to stay in budget", ["tier"], **kw)
         self.raw_bytes = Counter("encoded_raw_bytes", "Tensor bytes given to the encoder", **kw)
         self.stored_bytes = Counter("encoded_bytes", "Blob bytes produced by the encoder", **kw)

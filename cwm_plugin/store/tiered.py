@@ -249,6 +249,7 @@ class KVStore:
             self.metrics.decode_seconds.observe(time.perf_counter() - t0)
             self._promote(key, blob_id, data, tier)
             out.append(decoded.tensor)
+        self.metrics.misses.labels("all").inc(sum(t is None for t in out))
         return out
 
     def get_blob(self, key: bytes) -> bytes | None:

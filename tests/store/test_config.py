@@ -43,3 +43,11 @@ def test_yaml_file(tmp_path):
     assert cfg.disk_path == "/data" and cfg.disk_bytes == 1 << 30 and cfg.redis_ttl_s == 60
     with pytest.raises(ConfigError):
         StoreConfig.from_file(tmp_path / "missing.yaml")
+
+
+def test_example_config_loads():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "store.example.yaml"
+    cfg = StoreConfig.from_file(path)
+    assert cfg.memory_bytes == 2 << 30 and cfg.disk_write == "through"

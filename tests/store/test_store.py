@@ -273,3 +273,26 @@ def test_save_queue_backpressure_and_same_key():
     t.join()
     assert q.flush(timeout=30) and q.pending() == 0
     q.shutdown()
+
+
+def test_disk_full_refuses_put_cleanly(make_store, tmp_path, kv_block, monkeypatch):
+    import errno
+    import os
+
+    from cwm_plugin.errors import StorageFull
+
+    s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
+    s.put(b"before", kv_block(0)).result()
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(StorageFull):
+        s.put(b"a", kv_block(1)).result()
+    monkeypatch.undo()
+    assert s.contains_many([b"a"]) == [False] and s.get(b"a") is None
+    assert list(s.disk.tmp_dir.iterdir()) == []
+    assert s.metrics.errors.labels("storage_full")._value.get() >= 1
+    s.put(b"a", kv_block(1)).result()                  # space is back: the save works
+    assert torch.equal(s.get(b"a"), kv_block(1))

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import secrets
 import statistics
@@ -100,7 +101,7 @@ def seed_memory(root: Path, cfg_mem: dict[str, Any], n_chunks: int) -> dict[str,
     for c in range(probe):
         write_session(c)
     per = service.reindex(TENANT, progress=False) / probe  # chunks a session
-    sessions = max(probe, int(n_chunks / per + 0.999))
+    sessions = max(probe, math.ceil(n_chunks / per * 1.03))  # chunking varies a little
     for c in range(probe, sessions):
         write_session(c)
     copy, written = sessions, sessions * per_session
@@ -210,6 +211,23 @@ async def load(sidecar: Sidecar, clients: int, turns: int, seconds: float,
             "_done": done}
 
 
+def sidecar_means(sidecar: Sidecar) -> dict[str, float]:
+    """Mean memory-selection time and mean time before forwarding, from the sidecar's metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{sidecar.url}/metrics", timeout=30).text
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            sums[smp.name] = sums.get(smp.name, 0.0) + smp.value
+    out = {}
+    for name in ("retrieval", "overhead"):
+        n = sums.get(f"cwm_sidecar_{name}_seconds_count", 0.0)
+        out[f"{name}_mean_ms"] = round(1000 * sums.get(f"cwm_sidecar_{name}_seconds_sum", 0) /
+                                       n, 2) if n else float("nan")
+    return out
+
+
 def verify_memory(root: Path, done: dict[str, list[str]]) -> dict[str, Any]:
     """Every answered user turn, and an assistant turn for each, is in the session's file."""
     from cwm_plugin.memory.files import MemoryFiles
@@ -286,6 +304,7 @@ def main() -> int:
         log.info("load: %d clients x %d turns", clients, turns)
         ld = asyncio.run(load(sidecar, clients, turns, args.load_seconds, questions))
         done = ld.pop("_done")
+        inside = sidecar_means(sidecar)
         sidecar.stop()
         sidecar = None
         check = verify_memory(root, done)
@@ -294,7 +313,8 @@ def main() -> int:
             sidecar.stop()
         if vllm is not None:
             vllm.stop()
-    result = {"quick": q, "seed": seeded, "latency": lat, "load": ld, "memory_check": check}
+    result = {"quick": q, "seed": seeded, "latency": lat, "load": ld, "memory_check": check,
+              "inside_sidecar": inside}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"\nmemory: {seeded['chunks']} chunks of <= {seeded['chunk_tokens']} tokens "
@@ -304,6 +324,8 @@ def main() -> int:
     print(f"{'direct to vLLM':24}{lat['direct_p50_ms']:>10}{lat['direct_p99_ms']:>10}")
     print(f"{'through the sidecar':24}{lat['sidecar_p50_ms']:>10}{lat['sidecar_p99_ms']:>10}")
     print(f"{'added (paired)':24}{lat['added_p50_ms']:>10}{lat['added_p99_ms']:>10}")
+    print(f"inside the sidecar (all requests): memory selection {inside['retrieval_mean_ms']} ms"
+          f" mean, everything before forwarding {inside['overhead_mean_ms']} ms mean")
     print(f"load: {ld['clients']} clients, {ld['answered']} turns in {ld['wall_s']} s "
           f"({ld['turns_per_s']}/s), errors {ld['errors']}, p50 {ld['p50_ms']} ms, "
           f"p99 {ld['p99_ms']} ms; turns missing from memory: {check['missing']}")

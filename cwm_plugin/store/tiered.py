@@ -76,6 +76,8 @@ class KVStore:
                                 max_value_bytes=config.redis_max_value_bytes)
                       if config.redis_url else None)
         self._saves = SaveQueue(config.io_workers, config.queue_depth)
+        self._decoder = (cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-decode")
+                         if config.io_workers > 1 else None)
         self._logged: set[str] = set()
         self._closed = False
 
@@ -227,30 +229,34 @@ class KVStore:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
-        """Decoded tensors (None for a miss) for ``keys``, in order."""
+        """Decoded tensors (None for a miss) for ``keys``, in order. Several blocks are decoded
+        in parallel on the store's decode threads (zstd and numpy release the GIL)."""
         keys = [bytes(k) for k in keys]
         ids = self._resolve(keys)
         blobs = self._fetch([b for b in ids if b is not None])
-        out: list[torch.Tensor | None] = []
-        for key, blob_id in zip(keys, ids, strict=True):
-            if blob_id is None or blob_id not in blobs:
-                out.append(None)
-                continue
-            data, tier = blobs[blob_id]
-            t0 = time.perf_counter()
-            try:
-                decoded = codec.decode(data, fingerprint=self.config.fingerprint or None,
-                                       verify=self.config.checksum)
-            except (CorruptBlob, IncompatibleBlob) as exc:
-                self._bad_blob(key, blob_id, data, tier, exc)
-                blobs.pop(blob_id, None)
-                out.append(None)
-                continue
-            self.metrics.decode_seconds.observe(time.perf_counter() - t0)
-            self._promote(key, blob_id, data, tier)
-            out.append(decoded.tensor)
+        work = [(i, key, blob_id, *blobs[blob_id]) for i, (key, blob_id)
+                in enumerate(zip(keys, ids, strict=True)) if blob_id in blobs]
+        if len(work) > 1 and self._decoder is not None:
+            results = list(self._decoder.map(lambda w: self._decode(*w[1:]), work))
+        else:
+            results = [self._decode(*w[1:]) for w in work]
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        for (i, *_), tensor in zip(work, results, strict=True):
+            out[i] = tensor
         self.metrics.misses.labels("all").inc(sum(t is None for t in out))
         return out
+
+    def _decode(self, key: bytes, blob_id: str, data: bytes, tier: str) -> torch.Tensor | None:
+        t0 = time.perf_counter()
+        try:
+            decoded = codec.decode(data, fingerprint=self.config.fingerprint or None,
+                                   verify=self.config.checksum)
+        except (CorruptBlob, IncompatibleBlob) as exc:
+            self._bad_blob(key, blob_id, data, tier, exc)
+            return None
+        self.metrics.decode_seconds.observe(time.perf_counter() - t0)
+        self._promote(key, blob_id, data, tier)
+        return decoded.tensor
 
     def get_blob(self, key: bytes) -> bytes | None:
         blob_id = self._resolve([bytes(key)])[0]
@@ -421,6 +427,8 @@ class KVStore:
         self.flush()
         self._closed = True
         self._saves.shutdown()
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=True)
         for tier in (self.memory, self.disk, self.redis):
             if tier is not None:
                 tier.close()

@@ -11,6 +11,7 @@ of raw tensor bytes. Redis is a real ``redis-server`` started for the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -65,24 +66,30 @@ def main() -> int:
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--quick", action="store_true", help="4 blocks, 1 round")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--kv-dir", help="folder of captured KV blocks (see bench/codec.py)")
+    ap.add_argument("--no-redis", action="store_true", help="skip the Redis tier")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    blocks = codec_bench.capture_smollm2()
+    blocks = (codec_bench.load_kv_dir(args.kv_dir) if args.kv_dir
+              else codec_bench.capture_smollm2())
     if args.quick:
         blocks, args.rounds = blocks[:4], 1
     print(f"{len(blocks)} bf16 blocks of {list(blocks[0].shape)} "
           f"({blocks[0].numel() * 2 / 1e6:.2f} MB each)")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="cwm-bench-store-") as tmp, RedisServer() as redis:
+    with tempfile.TemporaryDirectory(prefix="cwm-bench-store-") as tmp, \
+            contextlib.ExitStack() as stack:
         base = {"fingerprint": "bench", "memory_bytes": 0}
-        tiers = {
+        tiers: dict[str, dict] = {
             "memory": {**base, "memory_bytes": 4 << 30},
             "disk": {**base, "disk_path": str(Path(tmp) / "disk")},
-            "redis": {**base, "redis_url": redis.url, "redis_write": "through"},
-            "all (mem+disk+redis behind)": {**base, "memory_bytes": 4 << 30,
-                                            "disk_path": str(Path(tmp) / "all"),
-                                            "redis_url": redis.url, "redis_prefix": "all"},
         }
+        if not args.no_redis:
+            redis = stack.enter_context(RedisServer())
+            tiers["redis"] = {**base, "redis_url": redis.url, "redis_write": "through"}
+            tiers["all (mem+disk+redis behind)"] = {
+                **base, "memory_bytes": 4 << 30, "disk_path": str(Path(tmp) / "all"),
+                "redis_url": redis.url, "redis_prefix": "all"}
         for name, kw in tqdm(tiers.items(), desc="tiers"):
             rows.append(run_tier(name, StoreConfig(**kw), blocks, args.rounds))
     print(table(rows, ["tier", "put_gbps", "get_gbps", "put_blob_gbps", "get_blob_gbps",

@@ -16,7 +16,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 from cwm_plugin.sidecar.settings import ThresholdConfig
@@ -51,7 +51,6 @@ class SessionState:
     compacted: bool = False
     checkpoints: int = 0
     pending: asyncio.Task | None = None  # a checkpoint running for this session
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class ContextTracker:

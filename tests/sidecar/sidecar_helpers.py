@@ -26,7 +26,7 @@ SECRET = "sidecar-test-secret-0123456789abcdef"
 KEYS = {"acme": "key-acme-1", "beta": "key-beta-1", "gamma": "key-gamma-1"}
 
 
-def make_settings(upstream: str, root: Path, tokenizer: Path | str, **over: Any) -> Settings:
+def make_settings(upstream_url: str, root: Path, tokenizer: Path | str, **over: Any) -> Settings:
     raw: dict[str, Any] = {
         "secret": SECRET,
         "tenants": [
@@ -35,7 +35,7 @@ def make_settings(upstream: str, root: Path, tokenizer: Path | str, **over: Any)
             {"name": "gamma", "key_sha256": [hash_key(KEYS["gamma"])],
              "allow_client_cache_salt": True},
         ],
-        "upstream": {"url": upstream, "connect_timeout_s": 2.0, "read_timeout_s": 300.0,
+        "upstream": {"url": upstream_url, "connect_timeout_s": 2.0, "read_timeout_s": 300.0,
                      "connect_retries": 1},
         "memory": {"root": str(root), "tokenizer": str(tokenizer),
                    "embedder": {"kind": "hashing"}, "budget_tokens": 400,

@@ -47,6 +47,9 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if memory is not None and settings.memory.warm_on_start:
+            for tenant in settings.tenants:  # in the background: the server answers at once
+                sidecar.background.spawn(memory.warm(tenant.name), name=f"warm-{tenant.name}")
         yield
         await sidecar.background.close()
         await upstream.aclose()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 from cwm_plugin.sidecar.settings import MemorySettings
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,6 +96,13 @@ class MemoryPort:
         if s is None or isinstance(s, str):
             return s
         return getattr(s, "text", None) or str(s)
+
+    async def warm(self, tenant: str) -> None:
+        """Load the tenant's index from its files now rather than on its first request."""
+        try:
+            await self._call(tenant, self.service.search, tenant, "warm up", 1)
+        except Exception:  # a broken tenant folder must not stop the server; requests will say
+            log.exception("loading the memory index of tenant %s failed", tenant)
 
     # --- writes -------------------------------------------------------------------------------
 

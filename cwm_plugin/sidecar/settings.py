@@ -95,6 +95,7 @@ class MemorySettings(_Strict):
     summary_every_turns: int = Field(default=8, ge=0)  # 0: never
     extract_facts: bool = True
     background_max_tokens: int = 256
+    warm_on_start: bool = True  # load every tenant's index when the app starts
 
 
 class ThresholdConfig(_Strict):

@@ -39,6 +39,8 @@ def test_summary_and_facts_come_back_valid_or_are_refused_cleanly(smollm2_vllm, 
         ok = metric_value(srv, "cwm_sidecar_background_tasks_total", tenant="acme", kind="facts",
                           outcome="ok")
         refused = metric_value(srv, "cwm_sidecar_facts_refused_total", tenant="acme")
+        print(f"\nsummary: {summary_text!r}\nfacts ok={ok} refused={refused}: "
+              f"{[m.text for m in svc.memories('acme')]}")
         # Two turns, two extractions: each either stored valid facts or was refused and counted.
         assert ok + refused == 2
         if ok:

@@ -38,7 +38,7 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _scratch = threading.local()
 
 
-def _buffer(name: str, n: int, dtype: type = np.uint8) -> np.ndarray:
+def scratch(name: str, n: int, dtype: type = np.uint8) -> np.ndarray:
     """A reusable per-thread scratch array of at least ``n`` items (first ``n`` returned)."""
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
@@ -197,7 +197,7 @@ def _join_exp(streams: list[np.ndarray], shape: tuple[int, ...], out: np.ndarray
     _sized(base, g * c)
     if idx_bytes.size % 4 or idx_bytes.size // 4 != vals.size:
         raise ValueError("outlier streams disagree in length")
-    code = _buffer("code", 2 * half)
+    code = scratch("code", 2 * half)
     np.bitwise_and(packed, 0x0F, out=code[:half])
     np.right_shift(packed, 4, out=code[half:])
     exp = code[:n]
@@ -208,11 +208,13 @@ def _join_exp(streams: list[np.ndarray], shape: tuple[int, ...], out: np.ndarray
         if int(idx.max()) >= n:
             raise ValueError("outlier index out of range")
         exp[idx] = vals
-    pairs = out.reshape(n, 2)
-    pairs[:, 0] = sm                                      # word = exp:8 mantissa:7 sign:1
-    pairs[:, 1] = exp
+    # word = sign:1 exp:8 mantissa:7, built with widening 8->16-bit ufuncs (SIMD; faster than
+    # interleaving bytes with strided copies)
     words = out.view("<u2")
-    tmp = _buffer("tmp16", n, np.uint16)
-    np.right_shift(words, 1, out=tmp)                     # rotate right by one bit:
-    np.left_shift(words, 15, out=words)                   # sign:1 exp:8 mantissa:7
-    np.bitwise_or(words, tmp, out=words)
+    t8 = scratch("t8", n)
+    t16 = scratch("t16", n, np.uint16)
+    np.left_shift(exp, 7, out=words, dtype=np.uint16)
+    np.right_shift(sm, 1, out=t8)
+    np.bitwise_or(words, t8, out=words, dtype=np.uint16)
+    np.left_shift(sm, 15, out=t16, dtype=np.uint16)
+    np.bitwise_or(words, t16, out=words)

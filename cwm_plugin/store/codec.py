@@ -247,20 +247,35 @@ def _read_streams(mv: memoryview, entries: dict[str, Any], start: int,
                                   hint="damaged blob")
             out.append(np.frombuffer(chunk, np.uint8))
         elif codec == "zstd":
-            try:
-                raw = _decompressor().decompress(chunk, max_output_size=raw_len)
-            except zstandard.ZstdError as exc:
-                raise CorruptBlob(f"blob stream {name} does not decompress: {exc}",
-                                  hint="damaged blob; the block will be recomputed") from exc
-            if len(raw) != raw_len:
-                raise CorruptBlob(f"stream {name} decompressed to {len(raw)} bytes, not {raw_len}",
-                                  hint="damaged blob")
-            out.append(np.frombuffer(raw, np.uint8))
+            out.append(_decompress_into(chunk, sh.scratch(f"z{len(out)}", raw_len), name))
         else:
             raise CorruptBlob(f"unknown stream codec {codec!r}", hint="damaged blob")
     if end != len(mv):
         raise CorruptBlob(f"blob has {len(mv) - end} trailing bytes", hint="damaged blob")
     return out
+
+
+def _decompress_into(chunk: memoryview, buf: np.ndarray, name: str) -> np.ndarray:
+    """Decompress one zstd frame into ``buf`` (a reused scratch array: no page faults), which
+    it must fill exactly."""
+    want = buf.size
+    try:
+        reader = _decompressor().stream_reader(chunk, read_across_frames=False)
+        view = memoryview(buf).cast("B")
+        got = 0
+        while got < want:
+            n = reader.readinto(view[got:])
+            if n == 0:
+                break
+            got += n
+        extra = reader.read(1) if got == want else b""
+    except zstandard.ZstdError as exc:
+        raise CorruptBlob(f"blob stream {name} does not decompress: {exc}",
+                          hint="damaged blob; the block will be recomputed") from exc
+    if got != want or extra:
+        raise CorruptBlob(f"stream {name} decompressed to {'more' if extra else got} bytes, "
+                          f"not {want}", hint="damaged blob")
+    return buf
 
 
 def peek(data: bytes | bytearray | memoryview) -> dict[str, str]:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from cwm_plugin.memory.embeddings import HashingEmbedder, MiniLMEmbedder
+from cwm_plugin.memory.embeddings import CachedEmbedder, HashingEmbedder, MiniLMEmbedder
 from cwm_plugin.memory.models import MemoryConfig
 from cwm_plugin.memory.service import MemoryService
 from cwm_plugin.memory.tokens import make_counter
@@ -98,8 +98,12 @@ def evidence_ids(q: dict) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
-def replay(svc: MemoryService, tenant: str, conv: dict, budget: int, bar: tqdm) -> tuple[int, int]:
-    """Record every turn as the sidecar would; returns (tokens sent, tokens of full history)."""
+def replay(svc: MemoryService, tenant: str, conv: dict, budget: int | None,
+           bar: tqdm) -> tuple[int, int]:
+    """Record every turn as the sidecar would; returns (tokens sent, tokens of full history).
+
+    With ``budget`` None the turns are only recorded (no selection, both totals 0).
+    """
     a = conv.get("speaker_a")
     counter = svc.counter
     sent = full = history_tokens = 0
@@ -111,10 +115,11 @@ def replay(svc: MemoryService, tenant: str, conv: dict, budget: int, bar: tqdm) 
             role = "user" if speaker == a else "assistant"
             content = turn_text(t)
             new = {"role": "user", "content": f"{speaker}: {content}"}
-            sel = svc.select_context(tenant, session, [*msgs, new], budget)
             new_cost = counter.count_messages([new])
-            sent += sel.tokens + new_cost
-            full += history_tokens + new_cost
+            if budget is not None:
+                sel = svc.select_context(tenant, session, [*msgs, new], budget)
+                sent += sel.tokens + new_cost
+                full += history_tokens + new_cost
             svc.record_turn(tenant, session, re.sub(r"[^A-Za-z0-9 _.'-]", "_", speaker)[:64],
                             content, turn_id=str(t["dia_id"]), ts=when)
             msgs.append({"role": role, "content": f"{speaker}: {content}"})
@@ -155,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=400)
     ap.add_argument("--chunk-overlap", type=int, default=80)
     ap.add_argument("--root", type=Path, help="memory root (default: a temporary folder)")
+    ap.add_argument("--cache", type=Path, help="embedding cache folder to reuse across runs")
+    ap.add_argument("--context-lines", type=int, default=1)
+    ap.add_argument("--skip-sim", action="store_true",
+                    help="record turns without simulating select_context (no token_ratio)")
     args = ap.parse_args(argv)
 
     convs = load_conversations(args.data)
@@ -167,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     embedder = MiniLMEmbedder() if args.embedder == "local" else HashingEmbedder()
     root = args.root or Path(tempfile.mkdtemp(prefix="cwm-bench-memory-"))
     cfg = MemoryConfig(root=root, chunk_tokens=args.chunk_tokens,
-                       chunk_overlap=args.chunk_overlap)
+                       chunk_overlap=args.chunk_overlap, vector_context_lines=args.context_lines)
+    if args.cache:
+        embedder = CachedEmbedder(embedder, args.cache)
     svc = MemoryService(cfg, embedder, counter)
 
     t0 = time.perf_counter()
@@ -175,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     n_turns = sum(len(t) for _, c, _ in convs for _, _, t in sessions(c))
     with tqdm(total=n_turns, desc="replay", unit="turn") as bar:
         for name, conv, _ in convs:
-            s, f = replay(svc, name, conv, args.budget, bar)
+            s, f = replay(svc, name, conv, None if args.skip_sim else args.budget, bar)
             sent += s
             full += f
     replay_s = time.perf_counter() - t0
@@ -211,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     idx_stats = [svc._index(name) for name, _, _ in convs]
     chunks = [c for i in idx_stats for c in i.chunks.values()]
     result.update({
-        "token_ratio": round(sent / max(full, 1), 4),
+        "token_ratio": round(sent / full, 4) if full else None,
         "tokens_sent": sent, "tokens_full_history": full, "budget": args.budget,
         "questions": asked, "questions_skipped": skipped, "conversations": len(convs),
         "turns": n_turns, "chunks": len(chunks),
@@ -234,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'mode':8}" + "".join(f"{c:>11}" for c in cols))
     for m in MODES:
         print(f"{m:8}" + "".join(f"{result[m][c]:>11.3f}" for c in cols))
-    print(f"token_ratio {result['token_ratio']:.3f} (budget {args.budget}; {sent} sent / "
-          f"{full} full history)")
+    if full:
+        print(f"token_ratio {result['token_ratio']:.3f} (budget {args.budget}; {sent} sent / "
+              f"{full} full history)")
     svc.close()
     return 0
 

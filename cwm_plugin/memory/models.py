@@ -21,6 +21,7 @@ class MemoryConfig:
     mmr_lambda: float | None = None
     recency_half_life_days: float | None = None
     recent_turns: int = 6
+    vector_context_lines: int = 1  # each line is embedded with the line before it (index.py)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)

@@ -66,7 +66,7 @@ class MemoryService:
 
     def _new_index(self) -> TenantIndex:
         return TenantIndex(self.embedder, self.counter, self.config.chunk_tokens,
-                           self.config.chunk_overlap)
+                           self.config.chunk_overlap, self.config.vector_context_lines)
 
     def _index(self, tenant: str, bar: tqdm | None = None) -> TenantIndex:
         """The tenant's index, built from its files on first use (caller holds the lock)."""

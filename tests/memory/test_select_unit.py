@@ -1,0 +1,86 @@
+"""Selection under a budget: never over it, recent turns verbatim, reasons for every item."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cwm_plugin.memory.embeddings import HashingEmbedder
+from cwm_plugin.memory.models import MemoryConfig
+from cwm_plugin.memory.service import MemoryService
+
+pytestmark = pytest.mark.unit
+
+TOPICS = ["hiking in the alps", "the tax return", "a sourdough starter", "the new bicycle",
+          "learning Portuguese", "the leaking roof", "a trip to Kyoto", "chess openings"]
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory, counter) -> MemoryService:
+    root = tmp_path_factory.mktemp("sel")
+    svc = MemoryService(MemoryConfig(root=root, chunk_tokens=120, chunk_overlap=30),
+                        HashingEmbedder(), counter)
+    for s in range(3):
+        for i, topic in enumerate(TOPICS):
+            svc.record_turn("acme", f"s{s}", "user", f"Tell me more about {topic} ({s}-{i}).",
+                            turn_id=f"u{s}-{i}")
+            svc.record_turn("acme", f"s{s}", "assistant",
+                            f"Sure. About {topic}: " + "details and more details " * (i + 1),
+                            turn_id=f"a{s}-{i}")
+    svc.add_memory("acme", "The user is learning Portuguese for a move to Porto.", "goal", 0.9)
+    svc.add_memory("acme", "The user prefers short answers.", "preference", 0.6)
+    svc.set_summary("acme", "s2", "They discussed many hobbies and chores.", upto_turn="a2-7")
+    yield svc
+    svc.close()
+
+
+def history(n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        out.append({"role": "user", "content": f"question {i} about {TOPICS[i % 8]}"})
+        out.append({"role": "assistant", "content": f"answer {i} " + "blah " * (i * 3)})
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(budget=st.integers(0, 2500), n=st.integers(0, 12), with_system=st.booleans())
+def test_budget_never_exceeded(filled, counter, budget: int, n: int, with_system: bool) -> None:
+    msgs = ([{"role": "system", "content": "You are helpful. " * 50}] if with_system else []) \
+        + history(n) + [{"role": "user", "content": "What about Portuguese and Kyoto?"}]
+    sel = filled.select_context("acme", "s2", msgs, budget)
+    assert sel.tokens <= budget
+    block = counter.count(sel.memory_block) if sel.memory_block else 0
+    assert sel.tokens == block + counter.count_messages(sel.recent)
+    assert all(m["role"] != "system" for m in sel.recent)
+    assert sel.reasons or (n == 0 and budget == 0) or not sel.memory_block
+
+
+def test_recent_verbatim_and_memory_block(filled) -> None:
+    msgs = history(5) + [{"role": "user", "content": "Remind me about the sourdough starter"}]
+    sel = filled.select_context("acme", "s2", msgs, 4000)
+    assert sel.recent == msgs[-7:-1]  # the last six turns, the new message excluded
+    assert "sourdough" in sel.memory_block and sel.hits
+    assert sel.summary == "They discussed many hobbies and chores."
+    assert any(f.category == "goal" for f in sel.facts)
+    assert any(r.startswith("keep chunk") for r in sel.reasons)
+    assert filled.memories("acme")[0].access_count >= 1
+
+
+def test_history_from_transcript_and_recent_chunks_skipped(filled) -> None:
+    sel = filled.select_context("acme", "s1", [{"role": "user", "content": "chess openings?"}],
+                                4000)
+    turns = filled.transcript("acme", "s1")[-6:]
+    assert sel.recent == [{"role": t["role"], "content": t["content"]} for t in turns]
+    recent_ids = {t["turn_id"] for t in turns}
+    for h in sel.hits:
+        assert not recent_ids.issuperset(h.turn_ids)
+
+
+def test_small_budget_drops_with_reasons(filled, counter) -> None:
+    msgs = history(6) + [{"role": "user", "content": "the leaking roof"}]
+    sel = filled.select_context("acme", "s0", msgs, 60)
+    assert sel.tokens <= 60
+    assert any("over budget" in r for r in sel.reasons)
+    assert filled.select_context("acme", "s0", msgs, 0).tokens == 0

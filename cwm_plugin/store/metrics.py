@@ -39,7 +39,8 @@ class StoreMetrics:
         self.decode_seconds = Histogram("decode_seconds", "Seconds to decode one block",
                                         buckets=_SECONDS, **kw)
         self.errors = Counter("errors", "Store errors by kind (corrupt, incompatible, "
-                                        "tier_unavailable, storage_full, write_failed)",
+                                        "tier_unavailable, storage_full, write_failed, "
+                                        "read_failed, index)",
                               ["kind"], **kw)
         self.puts = Counter("puts", "Blocks saved (new blobs written)", **kw)
         self.put_skips = Counter("put_skips", "Saves skipped because the key was present", **kw)

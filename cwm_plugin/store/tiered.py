@@ -19,6 +19,7 @@ import concurrent.futures as cf
 import contextlib
 import hashlib
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Sequence
@@ -147,7 +148,13 @@ class KVStore:
         self.metrics.puts.inc()
 
     def _behind(self, write, key: bytes, blob_id: str, blob: bytes) -> None:
-        self._saves.behind(write, key, blob_id, blob)
+        def run() -> None:
+            try:
+                write(key, blob_id, blob)
+            except Exception as exc:   # nobody waits on a write-behind: count and log it
+                self.metrics.errors.labels("write_failed").inc()
+                self._log_once(f"behind-{type(exc).__name__}", "write-behind failed: %s", exc)
+        self._saves.behind(run)
 
     def _to_memory(self, key: bytes, blob_id: str, blob: bytes) -> bool:
         if self.memory is None or not self.memory.put(blob_id, blob):
@@ -169,9 +176,9 @@ class KVStore:
         except StorageFull as exc:
             self.metrics.errors.labels("storage_full").inc()
             self._log_once("disk-full", "disk tier refused a write: %s", exc)
-        except OSError as exc:
+        except (OSError, sqlite3.Error) as exc:
             self.metrics.errors.labels("write_failed").inc()
-            self._log_once(f"disk-{exc.errno}", "disk tier write failed: %s", exc)
+            self._log_once(f"disk-w-{type(exc).__name__}", "disk tier write failed: %s", exc)
         return False
 
     def _to_redis(self, key: bytes, blob_id: str, blob: bytes) -> bool:
@@ -180,8 +187,10 @@ class KVStore:
             self.redis.put(blob_id, blob)
             self.redis.map_key(key, blob_id)
             return True
-        except TierUnavailable:
+        except TierUnavailable as exc:
             self.metrics.errors.labels("tier_unavailable").inc()
+            if self.redis.available:       # refused, not down (the tier logs outages once)
+                self._log_once("redis-write", "redis tier write failed: %s", exc)
             return False
 
     # --- loading ------------------------------------------------------------------------------
@@ -190,7 +199,7 @@ class KVStore:
         out: list[str | None] = [self._keys.get(k) for k in keys]
         rest = [k for k, b in zip(keys, out, strict=True) if b is None]
         if rest and self.index is not None:
-            found = self.index.lookup_many(rest)
+            found = self._index_lookup(rest)
             out = [b if b is not None else found.get(k) for k, b in zip(keys, out, strict=True)]
             rest = [k for k, b in zip(keys, out, strict=True) if b is None]
         if rest and self.redis is not None:
@@ -200,6 +209,15 @@ class KVStore:
                 found_r = {}
             out = [b if b is not None else found_r.get(k) for k, b in zip(keys, out, strict=True)]
         return out
+
+    def _index_lookup(self, keys: Sequence[bytes]) -> dict[bytes, str]:
+        assert self.index is not None
+        try:
+            return self.index.lookup_many(keys)
+        except sqlite3.Error as exc:      # locked for too long, damaged: a miss, not a crash
+            self.metrics.errors.labels("index").inc()
+            self._log_once("index-read", "store index lookup failed: %s", exc)
+            return {}
 
     def _fetch(self, blob_ids: list[str]) -> dict[str, tuple[bytes, str]]:
         """blob id -> (bytes, tier it came from), looking memory -> disk -> redis."""
@@ -213,6 +231,10 @@ class KVStore:
                 datas = tier.get_many(want)
             except TierUnavailable:
                 self.metrics.errors.labels("tier_unavailable").inc()
+                continue
+            except (OSError, sqlite3.Error) as exc:
+                self.metrics.errors.labels("read_failed").inc()
+                self._log_once(f"read-{tier.name}", "%s tier read failed: %s", tier.name, exc)
                 continue
             missing = []
             for b, d in zip(want, datas, strict=True):
@@ -307,7 +329,7 @@ class KVStore:
         rest = [k for k, hit in zip(keys, out, strict=True) if not hit]
         found: set[bytes] = set()
         if rest and self.index is not None:
-            found |= set(self.index.lookup_many(rest))
+            found |= set(self._index_lookup(rest))
             rest = [k for k in rest if k not in found]
         if rest and self.redis is not None:
             with contextlib.suppress(TierUnavailable):

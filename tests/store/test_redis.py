@@ -116,3 +116,16 @@ def test_outage_local_tiers_keep_serving_and_reconnect(tmp_path, make_store, kv_
         assert s.redis.lookup_many([b"after"])[0] is not None
     finally:
         server.stop()
+
+
+def test_redis_refusing_writes_is_not_fatal(redis_server, make_store, kv_block):
+    r = redis.Redis.from_url(redis_server.url)
+    s = make_store(redis_url=redis_server.url, redis_write="through")
+    r.config_set("maxmemory", 1)                 # every write is refused with OOM
+    r.config_set("maxmemory-policy", "noeviction")
+    try:
+        s.put(b"a", kv_block(1)).result()        # memory tier takes it
+        assert torch.equal(s.get(b"a"), kv_block(1))
+        assert s.metrics.errors.labels("tier_unavailable")._value.get() >= 1
+    finally:
+        r.config_set("maxmemory", 0)

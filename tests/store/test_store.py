@@ -296,3 +296,15 @@ def test_disk_full_refuses_put_cleanly(make_store, tmp_path, kv_block, monkeypat
     assert s.metrics.errors.labels("storage_full")._value.get() >= 1
     s.put(b"a", kv_block(1)).result()                  # space is back: the save works
     assert torch.equal(s.get(b"a"), kv_block(1))
+
+
+def test_unreadable_disk_blob_is_a_counted_miss(make_store, tmp_path, kv_block, monkeypatch):
+    s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
+    s.put(b"a", kv_block(1)).result()
+
+    def broken(blob_id):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(s.disk, "get", broken)
+    assert s.get_many([b"a"]) == [None]
+    assert s.metrics.errors.labels("read_failed")._value.get() == 1

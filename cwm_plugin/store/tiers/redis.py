@@ -108,6 +108,9 @@ class RedisTier(Tier):
             self._mark_down(exc)
             raise TierUnavailable(f"redis at {self._safe_url} is unreachable: {exc}",
                                   hint="serving from local tiers; retrying with backoff") from exc
+        except redis.RedisError as exc:     # reachable but refused (OOM, READONLY, ...)
+            raise TierUnavailable(f"redis at {self._safe_url} refused the request: {exc}",
+                                  hint="check Redis' maxmemory and role") from exc
         if self._down:
             with self._lock:
                 self._down, self._backoff = False, self._backoff0

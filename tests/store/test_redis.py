@@ -25,6 +25,7 @@ def test_split_values_round_trip(redis_server):
     assert t.get_many(["aa" * 20, "bb" * 20, "cc" * 20]) == [big, b"small", None]
     r = redis.Redis.from_url(redis_server.url)
     assert r.exists(f"t1:b:{'aa' * 20}:9") and not r.exists(f"t1:b:{'aa' * 20}:10")
+    assert t.usage().bytes == len(big) + 5 and t.usage().blobs == 2
     r.delete(f"t1:b:{'aa' * 20}:3")           # a lost part is a miss, never a torn blob
     assert t.get("aa" * 20) is None
     assert t.delete("aa" * 20) and not r.exists(f"t1:b:{'aa' * 20}:0")

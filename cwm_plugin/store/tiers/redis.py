@@ -268,8 +268,16 @@ class RedisTier(Tier):
             def run() -> int:
                 pipe = self._client.pipeline(transaction=False)
                 for b in ids:
-                    pipe.memory_usage(self._b(b))
-                return sum(int(x or 0) for x in pipe.execute())
+                    pipe.strlen(self._b(b))
+                    pipe.getrange(self._b(b), 0, 127)
+                res = pipe.execute()
+                total = 0
+                for length, head in zip(res[0::2], res[1::2], strict=True):
+                    if head and head.startswith(MANIFEST):
+                        total += int(json.loads(head[len(MANIFEST):])["size"])
+                    else:
+                        total += int(length or 0)
+                return total
             size = self._call(run) if ids else 0
         except TierUnavailable:
             return TierUsage(self.name, 0, 0, None)

@@ -80,7 +80,7 @@ class Upstream:
 
     async def iter_bytes(self, resp: httpx.Response) -> AsyncIterator[bytes]:
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.aiter_bytes():  # decoded, should the server compress
                 yield chunk
         except httpx.HTTPError as exc:
             raise _translate(exc, "streaming") from None

@@ -56,6 +56,10 @@ def test_ttl_applies(redis_server):
     assert 0 < r.ttl(f"ttl:b:{'ab' * 20}") <= 1 and 0 < r.ttl(f"ttl:k:{b'k'.hex()}") <= 1
     t.pin("ab" * 20, b"k")
     assert r.ttl(f"ttl:b:{'ab' * 20}") == -1
+    split = RedisTier(redis_server.url, prefix="ttl", ttl_s=1, max_value_bytes=1024)
+    split.put("cd" * 20, b"y" * 3000)
+    split.pin("cd" * 20, None)
+    assert all(r.ttl(f"ttl:b:{'cd' * 20}{sfx}") == -1 for sfx in ("", ":0", ":1", ":2"))
     t.pin("ab" * 20, b"k", pinned=False)
     deadline = time.monotonic() + 10
     while t.get("ab" * 20) is not None and time.monotonic() < deadline:

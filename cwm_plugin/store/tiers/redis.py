@@ -223,8 +223,12 @@ class RedisTier(Tier):
 
     def pin(self, blob_id: str, key: bytes | None, pinned: bool = True) -> None:
         def run() -> None:
-            pipe = self._client.pipeline(transaction=False)
             names = [self._b(blob_id)] + ([self._k(key)] if key is not None else [])
+            head = self._client.getrange(self._b(blob_id), 0, 127)
+            if head and head.startswith(MANIFEST):      # the parts of a split blob too
+                n = json.loads(head[len(MANIFEST):])["n"]
+                names += [f"{self._b(blob_id)}:{j}" for j in range(n)]
+            pipe = self._client.pipeline(transaction=False)
             if pinned:
                 pipe.set(self._pin(blob_id), b"1")
                 for name in names:

@@ -89,14 +89,16 @@ class OpenAIEmbedder:
     """``POST {url}/v1/embeddings`` with ``{"model", "input": [...]}``, batched."""
 
     def __init__(self, url: str, model: str, *, api_key: str | None = None, dims: int = 384,
-                 batch_size: int = 64, timeout_s: float = 30.0) -> None:
+                 batch_size: int = 64, timeout_s: float = 30.0,
+                 transport: object | None = None) -> None:
         import httpx
 
         base = url.rstrip("/")
         self.endpoint = base if base.endswith("/embeddings") else (
             base + ("/embeddings" if base.endswith("/v1") else "/v1/embeddings"))
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(timeout=timeout_s, headers=headers)
+        self.client = httpx.Client(timeout=timeout_s, headers=headers,
+                                   transport=transport)  # type: ignore[arg-type]
         self.model = model
         self.dims = dims
         self.batch_size = batch_size

@@ -1,0 +1,63 @@
+"""Embedders: the OpenAI-compatible client (against a mock transport) and the on-disk cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from cwm_plugin.errors import ConfigError, UpstreamError
+from cwm_plugin.memory.embeddings import CachedEmbedder, HashingEmbedder, OpenAIEmbedder
+from cwm_plugin.memory.metrics import MemoryMetrics
+
+pytestmark = pytest.mark.unit
+
+
+def test_openai_embedder_batches_and_normalises() -> None:
+    seen: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(body)
+        assert request.url.path == "/v1/embeddings"
+        assert request.headers.get("authorization") in (None, "Bearer k")
+        data = [{"index": i, "embedding": [float(len(t)), 0.0, 3.0]}
+                for i, t in enumerate(body["input"])]
+        return httpx.Response(200, json={"data": data[::-1]})  # any order comes back sorted
+
+    emb = OpenAIEmbedder("http://x", "m", api_key="k", dims=3, batch_size=2,
+                         transport=httpx.MockTransport(handler))
+    out = emb.embed(["abcd", "a", "abc"])
+    assert [len(b["input"]) for b in seen] == [2, 1] and seen[0]["model"] == "m"
+    assert out.shape == (3, 3)
+    np.testing.assert_allclose(np.linalg.norm(out, axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(out[0], np.array([4.0, 0.0, 3.0]) / 5.0, rtol=1e-6)
+    wrong = OpenAIEmbedder("http://x/v1", "m", dims=5, transport=httpx.MockTransport(handler))
+    with pytest.raises(ConfigError):
+        wrong.embed(["a"])
+    down = OpenAIEmbedder("http://x", "m", transport=httpx.MockTransport(
+        lambda r: httpx.Response(503, text="busy")))
+    with pytest.raises(UpstreamError):
+        down.embed(["a"])
+
+
+def test_cache_hits_and_misses(tmp_path: Path) -> None:
+    m = MemoryMetrics()
+    calls: list[list[str]] = []
+    inner = HashingEmbedder(16)
+    real = inner.embed
+    inner.embed = lambda texts: (calls.append(list(texts)), real(texts))[1]  # type: ignore
+    cache = CachedEmbedder(inner, tmp_path, m)
+    a = cache.embed(["one", "two", "one"])
+    b = cache.embed(["two", "three"])
+    assert calls == [["one", "two"], ["three"]]
+    np.testing.assert_array_equal(a[1], b[0])
+    assert m.cache.labels("miss")._value.get() == 3
+    assert m.cache.labels("hit")._value.get() == 2
+    cache.close()
+    again = CachedEmbedder(HashingEmbedder(16), tmp_path)
+    np.testing.assert_array_equal(again.embed(["one"])[0], a[0])
+    assert (tmp_path / "hashing-16.sqlite").exists()

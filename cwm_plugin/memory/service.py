@@ -13,7 +13,6 @@ import secrets
 import threading
 import time
 from datetime import datetime
-from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -266,5 +265,3 @@ def _bump(m: Memory) -> Memory:
     return m
 
 
-def default_root() -> Path:
-    return Path("./cwm-memory")

@@ -117,11 +117,20 @@ def split(t: torch.Tensor, transform: str) -> Split:
 
 
 def join(streams: list[np.ndarray], transform: str, dtype: torch.dtype,
-         shape: tuple[int, ...]) -> torch.Tensor:
-    """Inverse of :func:`split`: rebuild a new tensor of ``dtype`` and ``shape``."""
+         shape: tuple[int, ...], *, into: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`split`: rebuild a tensor of ``dtype`` and ``shape``, new or written
+    into ``into`` (a contiguous CPU tensor of that dtype and shape, e.g. one row of a batch)."""
     n = int(np.prod(shape, dtype=np.int64))
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    out = np.empty(n * itemsize, np.uint8)
+    if into is not None and n:
+        if (into.dtype != dtype or tuple(into.shape) != tuple(shape)
+                or not into.is_contiguous() or into.device.type != "cpu"):
+            raise ValueError(f"cannot decode a {dtype} {list(shape)} tensor into a "
+                             f"{into.dtype} {list(into.shape)} one")
+        out = tensor_bytes(into)
+    else:
+        into = None
+        out = np.empty(n * itemsize, np.uint8)
     if transform == "none":
         _expect(streams, 1, transform)
         out[:] = _sized(streams[0], out.size)
@@ -134,10 +143,11 @@ def join(streams: list[np.ndarray], transform: str, dtype: torch.dtype,
         _join_exp(streams, shape, out)
     else:
         raise ValueError(f"unknown transform {transform!r}; known: {TRANSFORMS}")
-    flat = torch.from_numpy(out)
+    if into is not None:
+        return into
     if n == 0:
         return torch.empty(shape, dtype=dtype)
-    return flat.view(_INT_VIEW[itemsize]).view(dtype).reshape(shape)
+    return torch.from_numpy(out).view(_INT_VIEW[itemsize]).view(dtype).reshape(shape)
 
 
 def _expect(streams: list[np.ndarray], k: int, transform: str) -> None:

@@ -180,8 +180,12 @@ def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, str], d
 
 
 def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = None,
-           verify: bool = True) -> DecodedBlob:
-    """Decode a blob made by :func:`encode`; ``fingerprint`` (if given) must match the blob's."""
+           verify: bool = True, into: torch.Tensor | None = None) -> DecodedBlob:
+    """Decode a blob made by :func:`encode`; ``fingerprint`` (if given) must match the blob's.
+
+    ``into``: a contiguous CPU tensor to write the result into (saves an allocation and a
+    copy when the caller stacks blocks); used only if its dtype and shape match the blob's,
+    and left with unspecified content if decoding fails."""
     meta, entries, start = read_header(data)
     version = meta.get("format_version", "")
     if version != str(FORMAT_VERSION):
@@ -209,7 +213,10 @@ def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = No
     mv = memoryview(data)
     raw_streams = _read_streams(mv, entries, start, streams)
     try:
-        tensor = sh.join(raw_streams, transform, dtype, shape)
+        if into is not None and (into.dtype != dtype or tuple(into.shape) != shape
+                                 or not into.is_contiguous() or into.device.type != "cpu"):
+            into = None
+        tensor = sh.join(raw_streams, transform, dtype, shape, into=into)
     except (ValueError, IndexError) as exc:
         raise CorruptBlob(f"blob payload does not rebuild a {meta['dtype']} {list(shape)} "
                           f"tensor: {exc}", hint="damaged blob; recompute") from exc

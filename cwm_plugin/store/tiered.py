@@ -160,29 +160,41 @@ class KVStore(WritePath):
     def get(self, key: bytes) -> torch.Tensor | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+    def get_many(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None
+                 ) -> list[torch.Tensor | None]:
         """Decoded tensors (None for a miss) for ``keys``, in order. Several blocks are decoded
-        in parallel on the store's decode threads (zstd and numpy release the GIL)."""
+        in parallel on the store's decode threads (zstd and numpy release the GIL).
+
+        ``out`` (optional, ``[len(keys), *block]``, contiguous CPU): hits whose dtype and shape
+        match are decoded straight into ``out[i]`` and returned as that view (no extra copy);
+        rows of misses are left unspecified."""
         keys = [bytes(k) for k in keys]
         ids = self._resolve(keys)
         blobs = self._fetch([b for b in ids if b is not None])
         work = [(i, key, blob_id, *blobs[blob_id]) for i, (key, blob_id)
                 in enumerate(zip(keys, ids, strict=True)) if blob_id in blobs]
+        if out is not None and (out.dim() == 0 or out.shape[0] != len(keys)):
+            raise ValueError(f"out has {tuple(out.shape)[:1]} rows for {len(keys)} keys")
+
+        def one(w: tuple) -> torch.Tensor | None:
+            return self._decode(*w[1:], into=None if out is None else out[w[0]])
+
         if len(work) > 1 and self._decoder is not None:
-            results = list(self._decoder.map(lambda w: self._decode(*w[1:]), work))
+            results = list(self._decoder.map(one, work))
         else:
-            results = [self._decode(*w[1:]) for w in work]
+            results = [one(w) for w in work]
         out: list[torch.Tensor | None] = [None] * len(keys)
         for (i, *_), tensor in zip(work, results, strict=True):
             out[i] = tensor
         self.metrics.misses.labels("all").inc(sum(t is None for t in out))
         return out
 
-    def _decode(self, key: bytes, blob_id: str, data: bytes, tier: str) -> torch.Tensor | None:
+    def _decode(self, key: bytes, blob_id: str, data: bytes, tier: str, *,
+                into: torch.Tensor | None = None) -> torch.Tensor | None:
         t0 = time.perf_counter()
         try:
             decoded = codec.decode(data, fingerprint=self.config.fingerprint or None,
-                                   verify=self.config.checksum)
+                                   verify=self.config.checksum, into=into)
         except (CorruptBlob, IncompatibleBlob) as exc:
             self._bad_blob(key, blob_id, data, tier, exc)
             return None

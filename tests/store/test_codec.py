@@ -50,6 +50,8 @@ def test_round_trip_is_bit_exact(shape, dtype, seed, level, shuffle, check):
     out = codec.decode(blob, fingerprint="fp")
     assert same_bits(out.tensor, t)
     assert (out.key, out.num_tokens, out.layout, out.fingerprint) == (b"\x01\x02", 7, "L", "fp")
+    into = torch.empty(shape, dtype=dtype)
+    assert same_bits(codec.decode(blob, into=into).tensor, t) and same_bits(into, t)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -308,3 +308,18 @@ def test_unreadable_disk_blob_is_a_counted_miss(make_store, tmp_path, kv_block, 
     monkeypatch.setattr(s.disk, "get", broken)
     assert s.get_many([b"a"]) == [None]
     assert s.metrics.errors.labels("read_failed")._value.get() == 1
+
+
+def test_get_many_into_a_batch_tensor(make_store, kv_block):
+    s = make_store()
+    blocks = [kv_block(i) for i in range(3)]
+    for i, b in enumerate(blocks):
+        s.put(f"k{i}".encode(), b).result()
+    s.put(b"odd", kv_block(9, shape=(1, 2, 3))).result()
+    out = torch.empty(5, *blocks[0].shape, dtype=blocks[0].dtype)
+    got = s.get_many([b"k0", b"zz", b"k2", b"odd", b"k1"], out=out)
+    assert got[1] is None and torch.equal(got[3], kv_block(9, shape=(1, 2, 3)))
+    for i, j in ((0, 0), (2, 2), (4, 1)):
+        assert got[i].data_ptr() == out[i].data_ptr() and torch.equal(out[i], blocks[j])
+    with pytest.raises(ValueError):
+        s.get_many([b"k0"], out=out)

@@ -39,8 +39,12 @@ def test_sigkill_mid_write_leaves_no_partial_blob(tmp_path, delay):
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if (root / "index.sqlite").exists() and BlobIndex(root / "index.sqlite").totals()[1] >= 2:
-                break
+            if (root / "index.sqlite").exists():
+                probe = BlobIndex(root / "index.sqlite")
+                enough = probe.totals()[1] >= 2
+                probe.close()
+                if enough:
+                    break
             assert proc.poll() is None, proc.stderr.read().decode()
             time.sleep(0.05)
         time.sleep(delay)

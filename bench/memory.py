@@ -19,6 +19,20 @@ recall = fraction of the evidence dia_ids contained in the retrieved chunks, for
 and 20 chunks, and for the best chunks that fit whole in 1k, 2k and 4k tokens.
 Parameters are the library's defaults (chosen on principle, see cwm_plugin/memory/search.py);
 nothing here is tuned to particular conversations.
+
+What we saw on the three locomo-dev conversations (495 questions, MiniLM, cl100k; recall@10 /
+recall@1k for bm25, vector, hybrid):
+
+- chunks of 200/40 tokens: 0.814 0.759 0.856 / 0.760 0.666 0.799
+- chunks of 400/80 (default): 0.881 0.815 0.893 / 0.750 0.578 0.764; token_ratio 0.098 at 1024
+- chunks of 800/160: 0.906 0.871 0.919 / 0.649 0.484 0.658
+
+Bigger chunks raise recall@k (a chunk holds more turns: ten 400-token chunks are about a sixth
+of a LoCoMo conversation) and lower recall within a token budget. Hybrid beats each method at
+every size, but by less than 5 points over BM25 at 400 tokens: LoCoMo questions reuse the
+evidence's words (names, places), which is where BM25 is strong. Embedding each turn with the
+turn before it lifted vector recall@10 from 0.747 to 0.815 (a reply often only makes sense with
+the message it answers).
 """
 
 from __future__ import annotations

@@ -61,15 +61,18 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def append_durable(path: Path, data: bytes) -> None:
-    """Append under the lock, then flush and fsync (and fsync the folder of a new file)."""
+def append_durable(path: Path, data: bytes) -> tuple[int, int]:
+    """Append under the lock, flush and fsync (and the folder of a new file); (start, end)."""
     new = not path.exists()
     with locked(path), open(path, "ab") as fh:
+        start = fh.seek(0, os.SEEK_END)
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
+        end = fh.tell()
     if new:
         _fsync_dir(path.parent)
+    return start, end
 
 
 def replace_durable(path: Path, text: str) -> None:
@@ -94,8 +97,18 @@ def encode_turn(turn: Turn) -> bytes:
 
 def decode_turns(data: bytes) -> list[Turn]:
     """Every complete turn record in ``data``; a torn or garbled record is skipped."""
+    return decode_turns_at(data)[0]
+
+
+def decode_turns_at(data: bytes) -> tuple[list[Turn], int]:
+    """The complete records in ``data`` and the offset just after the last one.
+
+    A record must end with its blank line; a header whose length runs past the end of the data
+    (a writer died mid-append) stops the scan there, and one whose body is not followed by the
+    blank line (garbage, or a torn record that later appends ran into) is skipped.
+    """
     out: list[Turn] = []
-    pos = 0
+    pos = end = 0
     while True:
         i = data.find(TURN_MARK, pos)
         if i < 0:
@@ -108,15 +121,20 @@ def decode_turns(data: bytes) -> list[Turn]:
             meta = json.loads(data[i + len(TURN_MARK):j])
             n = int(meta["bytes"])
             start = j + 5
-            body = data[start:start + n]
-            if len(body) < n:
-                break  # torn tail: the writer died mid-append
-            out.append(Turn(str(meta["id"]), str(meta["role"]), body.decode("utf-8"),
-                            str(meta["ts"])))
-            pos = start + n
+            if start + n + 2 > len(data):
+                if data.find(TURN_MARK, i + 1) < 0:
+                    break  # torn tail: the writer died mid-append
+                pos = i + 1
+                continue
+            if data[start + n:start + n + 2] != b"\n\n":
+                pos = i + 1
+                continue
+            out.append(Turn(str(meta["id"]), str(meta["role"]),
+                            data[start:start + n].decode("utf-8"), str(meta["ts"])))
+            pos = end = start + n + 2
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             pos = i + 1
-    return out
+    return out, end
 
 
 class MemoryFiles:
@@ -151,15 +169,30 @@ class MemoryFiles:
 
     # --- transcripts -------------------------------------------------------------------------
 
-    def append_turn(self, tenant: str, session: str, turn: Turn) -> None:
+    def append_turn(self, tenant: str, session: str, turn: Turn) -> tuple[int, int]:
+        """Append one record; returns its (start, end) byte offsets in the session file."""
         path = self.session_path(tenant, session)
         path.parent.mkdir(parents=True, exist_ok=True)
-        append_durable(path, encode_turn(turn))
+        span = append_durable(path, encode_turn(turn))
         self._daily(tenant, session, turn)
+        return span
 
     def read_turns(self, tenant: str, session: str) -> list[Turn]:
+        return self.read_turns_from(tenant, session, 0)[0]
+
+    def read_turns_from(self, tenant: str, session: str, offset: int) -> tuple[list[Turn], int]:
+        """Complete turns from byte ``offset`` on, and the offset after the last of them."""
         path = self.session_path(tenant, session)
-        return decode_turns(path.read_bytes()) if path.exists() else []
+        if not path.exists():
+            return [], offset
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            turns, used = decode_turns_at(fh.read())
+        return turns, offset + used
+
+    def session_size(self, tenant: str, session: str) -> int:
+        path = self.session_path(tenant, session)
+        return path.stat().st_size if path.exists() else 0
 
     def _daily(self, tenant: str, session: str, turn: Turn) -> None:
         day, _, clock = turn.ts.partition("T")

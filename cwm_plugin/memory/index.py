@@ -14,6 +14,7 @@ score is therefore the best cosine similarity of any of its lines (a max-sim, la
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -34,6 +35,20 @@ out over own same she should so some such than that the their theirs them themse
 these they this those through to too under until up very was we were what when where which while
 who whom why will with would you your yours yourself yourselves s t don ll m re ve d"""
 STOPWORDS = frozenset(_STOP.split())
+
+
+class LuceneBM25(BM25Okapi):
+    """BM25 with Lucene's idf ``log(1 + (N - n + 0.5) / (n + 0.5))``: always positive.
+
+    rank-bm25's Okapi idf is zero for a term in half the documents and negative (floored to a
+    constant) above that, so a new tenant with two chunks scores every query 0, and frequent
+    words all get the same floor. Lucene's form keeps the ordering and stays positive.
+    """
+
+    def _calc_idf(self, nd: dict[str, int]) -> None:
+        for word, freq in nd.items():
+            self.idf[word] = math.log(1.0 + (self.corpus_size - freq + 0.5) / (freq + 0.5))
+        self.average_idf = sum(self.idf.values()) / max(len(self.idf), 1)
 
 
 def bm25_tokens(text: str) -> list[str]:
@@ -59,10 +74,11 @@ class TenantIndex:
         self.chunks: dict[str, Chunk] = {}
         self.chunk_labels: dict[str, list[int]] = {}
         self.sessions: dict[str, SessionState] = {}
+        self.offsets: dict[str, int] = {}  # bytes of each session file already indexed
         self.vectors = np.zeros((0, embedder.dims), dtype=np.float32)
         self._hnsw = hnswlib.Index(space="cosine", dim=embedder.dims)
         self._hnsw.init_index(max_elements=1024, ef_construction=200, M=16)
-        self._bm25: BM25Okapi | None = None
+        self._bm25: LuceneBM25 | None = None
         self._bm25_ids: list[str] = []
         self.added = 0  # chunks added since creation (for the metrics)
 
@@ -123,7 +139,7 @@ class TenantIndex:
             return {}
         if self._bm25 is None:
             self._bm25_ids = list(self.chunks)
-            self._bm25 = BM25Okapi([bm25_tokens(self.chunks[c].text) or ["_"]
+            self._bm25 = LuceneBM25([bm25_tokens(self.chunks[c].text) or ["_"]
                                     for c in self._bm25_ids])
         terms = bm25_tokens(query)
         if not terms:

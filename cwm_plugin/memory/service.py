@@ -73,11 +73,26 @@ class MemoryService:
         if idx is None:
             idx = self._new_index()
             for session in self.files.sessions(tenant):
-                idx.add_turns(session, self.files.read_turns(tenant, session))
+                self._catch_up(idx, tenant, session)
                 if bar is not None:
                     bar.update(1)
-            self.metrics.chunks.inc(len(idx.chunks))
             self._indexes[tenant] = idx
+        return idx
+
+    def _catch_up(self, idx: TenantIndex, tenant: str, session: str) -> None:
+        """Index the turns of ``session`` past what ``idx`` has read of its file."""
+        turns, end = self.files.read_turns_from(tenant, session, idx.offsets.get(session, 0))
+        before = idx.added
+        idx.add_turns(session, turns)
+        idx.offsets[session] = end
+        self.metrics.chunks.inc(idx.added - before)
+
+    def _refresh(self, tenant: str) -> TenantIndex:
+        """The tenant's index, first catching up with turns other processes appended."""
+        idx = self._index(tenant)
+        for session in self.files.sessions(tenant):
+            if self.files.session_size(tenant, session) > idx.offsets.get(session, 0):
+                self._catch_up(idx, tenant, session)
         return idx
 
     def _embed_one(self, text: str) -> np.ndarray:
@@ -101,14 +116,17 @@ class MemoryService:
         turn = Turn(turn_id=turn_id, role=role, content=content, ts=utc_iso(ts))
         with self._lock(tenant):
             loaded = tenant in self._indexes
-            self.files.append_turn(tenant, session, turn)
-            if loaded:
-                idx = self._indexes[tenant]
+            start, end = self.files.append_turn(tenant, session, turn)
+            if not loaded:
+                self._index(tenant)
+            elif self._indexes[tenant].offsets.get(session, 0) == start:
+                idx = self._indexes[tenant]  # nobody else wrote in between: index just this turn
                 before = idx.added
                 idx.add_turns(session, [turn])
+                idx.offsets[session] = end
                 self.metrics.chunks.inc(idx.added - before)
-            else:
-                self._index(tenant)
+            else:  # another process appended too: read everything new, in file order
+                self._catch_up(self._indexes[tenant], tenant, session)
         return turn_id
 
     def transcript(self, tenant: str, session: str) -> list[dict]:
@@ -125,7 +143,7 @@ class MemoryService:
         t0 = time.perf_counter()
         qvec = self._embed_one(query) if mode != "bm25" else None
         with self._lock(tenant):
-            hits = search_index(self._index(tenant), query, qvec, k, self.config, mode=mode,
+            hits = search_index(self._refresh(tenant), query, qvec, k, self.config, mode=mode,
                                 session=session)
         self.metrics.retrieval.labels(mode).observe(time.perf_counter() - t0)
         return hits

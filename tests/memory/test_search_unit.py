@@ -121,3 +121,21 @@ def test_reindex_and_new_process_give_identical_results(make_service, minilm, tm
     assert hits > 0 and misses == 0
     assert metrics.chunks._value.get() > 0
     assert metrics.retrieval.labels("hybrid")._sum.get() > 0
+
+
+def test_two_writers_on_one_root_see_each_other(make_service) -> None:
+    """Two services (as two processes would) append to one session; both indexes catch up."""
+    a = make_service()
+    b = make_service(root=a.config.root)
+    a.record_turn("acme", "s1", "user", "We adopted a puppy named Biscuit.", turn_id="a1")
+    assert b.search("acme", "Biscuit puppy", 1)[0].turn_ids == ["a1"]  # b builds from files
+    a.record_turn("acme", "s1", "user", "The locker code is ZX-4417.", turn_id="a2")
+    b.record_turn("acme", "s1", "assistant", "Noted, Biscuit and ZX-4417.", turn_id="b1")
+    a.record_turn("acme", "s2", "user", "Lisbon flight at seven.", turn_id="a3")
+    assert b.search("acme", "Lisbon flight", 1, mode="bm25")[0].turn_ids == ["a3"]
+    assert [t["turn_id"] for t in a.transcript("acme", "s1")] == ["a1", "a2", "b1"]
+    a.search("acme", "anything", 1)
+    fresh = make_service(root=a.config.root)
+    fresh.search("acme", "anything", 1)
+    ids = set(fresh._index("acme").chunks)
+    assert set(a._index("acme").chunks) == ids == set(b._index("acme").chunks)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from cwm_plugin.errors import CWMError, UpstreamError
 from cwm_plugin.sidecar.background import Maintainer
+from cwm_plugin.sidecar.context import SnapshotHook
 from cwm_plugin.sidecar.identity import Authenticator
 from cwm_plugin.sidecar.memory_port import MemoryPort, build_memory
 from cwm_plugin.sidecar.metrics import SidecarMetrics
@@ -32,8 +33,11 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings, *, memory: MemoryPort | None = None,
-               transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
-    """Build the app. ``memory`` overrides the service built from ``settings.memory``."""
+               transport: httpx.AsyncBaseTransport | None = None,
+               snapshot_hook: SnapshotHook | None = None) -> FastAPI:
+    """Build the app. ``memory`` overrides the service built from ``settings.memory``;
+    ``snapshot_hook(tenant, session, cache_salt, name)`` (sync or async) is called at each
+    automatic checkpoint to take a named snapshot of the session's KV (default: no-op)."""
     if memory is None and settings.memory_enabled:
         memory = build_memory(settings.memory)
     metrics = SidecarMetrics()
@@ -44,6 +48,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         upstream=upstream, memory=memory, metrics=metrics,
         maintainer=Maintainer(upstream, memory, metrics, settings.memory) if memory else None,
     )
+    if snapshot_hook is not None:
+        sidecar.snapshot_hook = snapshot_hook
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

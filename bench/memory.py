@@ -23,9 +23,9 @@ nothing here is tuned to particular conversations.
 What we saw on the three locomo-dev conversations (495 questions, MiniLM, cl100k; recall@10 /
 recall@1k for bm25, vector, hybrid):
 
-- chunks of 200/40 tokens: 0.814 0.759 0.856 / 0.760 0.666 0.799
-- chunks of 400/80 (default): 0.881 0.815 0.893 / 0.750 0.578 0.764; token_ratio 0.098 at 1024
-- chunks of 800/160: 0.906 0.871 0.919 / 0.649 0.484 0.658
+- chunks of 200/40 tokens: 0.813 0.759 0.862 / 0.766 0.666 0.807
+- chunks of 400/80 (default): 0.881 0.815 0.900 / 0.747 0.578 0.767; token_ratio 0.098 at 1024
+- chunks of 800/160: 0.909 0.871 0.921 / 0.649 0.484 0.660
 
 Bigger chunks raise recall@k (a chunk holds more turns: ten 400-token chunks are about a sixth
 of a LoCoMo conversation) and lower recall within a token budget. Hybrid beats each method at

@@ -3,7 +3,9 @@
 Each job runs as an asyncio task owned by :class:`Background` (drained or cancelled when the app
 stops), never on the client's path. Summaries and facts are written by the upstream model
 itself; facts must be strict JSON accepted by the memory package's ``parse_facts``: one retry,
-then the extraction is refused, counted, and nothing is written.
+then the extraction is refused, counted, and nothing is written. With ``structured_facts`` the
+request carries a JSON schema (vLLM's structured outputs), so even a small model answers valid
+JSON; an answer cut off at ``background_max_tokens`` can still fail and is handled the same way.
 """
 
 from __future__ import annotations
@@ -95,9 +97,12 @@ class Maintainer:
     async def extract_facts(self, tenant: str, model: str, salt: str, exchange: str) -> int:
         """Ask the model for facts as strict JSON; retry once; refuse and count if still bad."""
         messages = llm_prompts.facts_messages(exchange)
+        extra = ({"response_format": llm_prompts.facts_response_format()}
+                 if self.cfg.structured_facts else None)
         for attempt in range(2):
             text, _ = await self.upstream.chat_once(model, messages, salt=salt,
-                                                    max_tokens=self.cfg.background_max_tokens)
+                                                    max_tokens=self.cfg.background_max_tokens,
+                                                    extra=extra)
             try:
                 facts = llm_prompts.parse_facts(text)
             except InvalidInput as exc:

@@ -53,6 +53,22 @@ def parse_facts(text: str) -> list[dict[str, Any]]:
     return _facts().parse_facts(text)
 
 
+def facts_response_format() -> dict[str, Any]:
+    """A JSON schema for vLLM's structured outputs that matches ``parse_facts``'s rules, so a
+    small model's answer is valid JSON by construction (``parse_facts`` still checks it)."""
+    from cwm_plugin.memory.models import CATEGORIES
+
+    schema = {"type": "array", "maxItems": int(getattr(_facts(), "MAX_FACTS", 20)),
+              "items": {"type": "object", "additionalProperties": False,
+                        "required": ["text", "category", "importance"],
+                        "properties": {
+                            "text": {"type": "string", "minLength": 1, "maxLength": 500},
+                            "category": {"enum": list(CATEGORIES)},
+                            "importance": {"type": "number", "minimum": 0, "maximum": 1}}}}
+    return {"type": "json_schema", "json_schema": {"name": "facts", "schema": schema,
+                                                   "strict": True}}
+
+
 def summary_messages(previous: str | None, transcript: str) -> list[dict[str, str]]:
     user = (f"Previous summary:\n{previous}\n\n" if previous else "") + \
         f"Conversation:\n{transcript}\n\nWrite the updated summary."

@@ -94,6 +94,7 @@ class MemorySettings(_Strict):
     chunk_overlap: int = 80
     summary_every_turns: int = Field(default=8, ge=0)  # 0: never
     extract_facts: bool = True
+    structured_facts: bool = True  # ask vLLM for schema-constrained JSON (structured outputs)
     background_max_tokens: int = 256
     warm_on_start: bool = True  # load every tenant's index when the app starts
 

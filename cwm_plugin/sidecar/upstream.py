@@ -106,10 +106,11 @@ class Upstream:
         return models.get(name)
 
     async def chat_once(self, model: str, messages: list[dict[str, Any]], *, salt: str,
-                        max_tokens: int, temperature: float = 0.0) -> tuple[str, dict[str, Any]]:
+                        max_tokens: int, temperature: float = 0.0,
+                        extra: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         """A non-streamed chat for the sidecar's own work (summaries, facts)."""
         body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-                "temperature": temperature, "cache_salt": salt}
+                "temperature": temperature, "cache_salt": salt, **(extra or {})}
         resp = await self.request("POST", "/v1/chat/completions", json=body)
         if resp.status_code != 200:
             raise UpstreamError(f"upstream chat answered HTTP {resp.status_code}: "

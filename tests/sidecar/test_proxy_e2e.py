@@ -255,7 +255,8 @@ def test_cache_aware_injection_hits_the_prefix_cache_more(recorder, sidecar_fact
 
 def test_invalid_facts_from_the_model_are_retried_once_then_refused(recorder, sidecar_factory):
     rec, rec_srv = recorder
-    srv = sidecar_factory(rec_srv.url, memory={"extract_facts": True, "summary_every_turns": 1})
+    srv = sidecar_factory(rec_srv.url, memory={"extract_facts": True, "summary_every_turns": 1,
+                                               "structured_facts": False})
     n_before = len(rec.bodies)
     r = chat(srv, "acme", "I am allergic to peanuts and I live in Basel.", session="facts")
     assert r.status_code == 200
@@ -316,3 +317,19 @@ def test_cwm_serve_runs_the_sidecar_from_a_config_file(tiny_vllm, tiny_model, tm
         stop_process_group(proc)
     text = log.read_text()
     assert KEYS["acme"] not in text and "serve-test-secret" not in text
+
+
+def test_structured_outputs_make_even_the_random_model_answer_valid_facts(recorder,
+                                                                          sidecar_factory):
+    rec, rec_srv = recorder
+    srv = sidecar_factory(rec_srv.url, memory={"extract_facts": True, "structured_facts": True})
+    assert chat(srv, "acme", "I am allergic to peanuts.", session="sfacts").status_code == 200
+    wait_idle(srv)
+    assert rec.last()["response_format"]["type"] == "json_schema"
+    outcomes = {o: metric_value(srv, "cwm_sidecar_background_tasks_total", tenant="acme",
+                                kind="facts", outcome=o) for o in ("ok", "refused")}
+    # Constrained decoding gives valid JSON unless the answer is cut off at max_tokens; either
+    # way the extraction ends cleanly, and whatever was stored passed parse_facts.
+    assert outcomes["ok"] + outcomes["refused"] == 1
+    for m in runtime(srv).memory.service.memories("acme"):
+        assert m.text and m.category in ("preference", "goal", "decision", "fact")

@@ -117,3 +117,25 @@ def test_memories_and_summary_files(make_service) -> None:
     svc.set_summary("acme", "s1", "They talked about peanuts.", upto_turn="t9")
     assert svc.summary("acme", "s1") == "They talked about peanuts."
     assert svc.files.read_summary("acme", "s1") == ("They talked about peanuts.", "t9")
+
+
+def test_writer_killed_mid_append_leaves_a_readable_file(tmp_path: Path) -> None:
+    """SIGKILL a writer in full flow: every record read back is whole, and appends go on."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), "100000"])
+    path = tmp_path / "acme" / "sessions" / "s.md"
+    deadline = time.monotonic() + 60
+    while (not path.exists() or path.stat().st_size < 200_000) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    files = MemoryFiles(tmp_path)
+    turns = files.read_turns("acme", "s")
+    assert turns and all(t.content == "process " * 200 + t.turn_id[1:] for t in turns)
+    assert [t.turn_id for t in turns] == [f"p{i}" for i in range(len(turns))]
+    files.append_turn("acme", "s", Turn("after", "user", "still fine", "2024-01-01T00:00:00Z"))
+    again = files.read_turns("acme", "s")
+    assert again[-1].turn_id == "after" and again[:-1] == turns

@@ -139,3 +139,24 @@ def test_two_writers_on_one_root_see_each_other(make_service) -> None:
     fresh.search("acme", "anything", 1)
     ids = set(fresh._index("acme").chunks)
     assert set(a._index("acme").chunks) == ids == set(b._index("acme").chunks)
+
+
+def test_index_grows_past_its_initial_capacity(counter) -> None:
+    from cwm_plugin.memory.embeddings import HashingEmbedder
+    from cwm_plugin.memory.index import TenantIndex
+    from cwm_plugin.memory.models import MemoryConfig, Turn
+    from cwm_plugin.memory.search import search_index
+
+    idx = TenantIndex(HashingEmbedder(384), counter, 200, 40)
+    emb = HashingEmbedder(384)
+    turns = [Turn(f"t{i}", "user", f"note number {i} mentions word{i}", "2024-01-01T00:00:00Z")
+             for i in range(1500)]
+    for i in range(0, 1500, 100):
+        idx.add_turns("s", turns[i:i + 100])
+    assert idx.vectors.shape[0] == 1500
+    q = "note number 1234 mentions word1234"
+    for mode in ("vector", "bm25", "hybrid"):
+        hits = search_index(idx, q, emb.embed([q])[0], 3, MemoryConfig(root="unused"),
+                            mode=mode)
+        # (a line is embedded with the line before it, so t1235's vector also matches)
+        assert "t1234" in {t for h in hits[:2] for t in h.turn_ids}

@@ -101,3 +101,18 @@ def test_relay_puts_the_fingerprint_back_where_vllm_puts_it_without_usage():
     out = asyncio.run(run())
     assert out[0] == with_usage[0] and out[-1] == b"data: [DONE]\n\n" and len(out) == 3
     assert json.loads(out[1][6:]) == {**terminal, "system_fingerprint": "fp-1"}
+
+
+def test_debug_header_is_compact_ascii_and_capped():
+    from cwm_plugin.sidecar.memory_port import Selected
+    from cwm_plugin.sidecar.turn import _debug_header
+
+    sel = Selected(memory_block="x", tokens=120, reasons=["keep chunk é" * 20] * 50,
+                   hits=[{"chunk_id": f"{i:012d}", "source": "session:s", "score": 0.5}
+                         for i in range(40)])
+    full = _debug_header(sel, False, "cache_aware", 100_000, 2)
+    assert json.loads(full)["reasons"] and full.isascii() and ": " not in full
+    capped = _debug_header(sel, False, "cache_aware", 600, 2)
+    info = json.loads(capped)
+    assert len(capped) <= 600 and info["truncated"] and info["reasons"] is None
+    assert 0 < len(info["hits"]) < 40 and info["tokens"] == 120

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -57,7 +58,10 @@ class ModelSpec:
     seed: int = 0
 
     def fingerprint(self) -> str:
-        blob = json.dumps({**asdict(self), "corpus": TOKENIZER_CORPUS_VERSION}, sort_keys=True)
+        """Names the cached build: the shape, the builder's version and the text the tokenizer
+        is trained on (which differs between machines with and without ``../shared``)."""
+        blob = json.dumps({**asdict(self), "corpus": TOKENIZER_CORPUS_VERSION,
+                           "texts": corpus_digest()}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -132,6 +136,15 @@ def training_texts() -> Iterator[str]:
     for f in sorted(stdlib.glob("*.py"))[:120]:
         with contextlib.suppress(OSError):
             yield f.read_text(errors="replace")
+
+
+@functools.cache
+def corpus_digest() -> str:
+    """sha256 of the tokenizer's training text, so a cached model is rebuilt when it changes."""
+    h = hashlib.sha256()
+    for text in training_texts():
+        h.update(text.encode("utf-8", "replace") + b"\0")
+    return h.hexdigest()[:16]
 
 
 def train_tokenizer(vocab: int, out_dir: Path) -> None:

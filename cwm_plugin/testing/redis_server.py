@@ -42,8 +42,12 @@ class RedisServer:
                  "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "yes"],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
-        wait_until(self.ping, timeout=timeout, interval=0.05, alive=self.alive,
-                   what=f"redis-server on port {self.port}", log_tail=lambda: tail(log))
+        try:
+            wait_until(self.ping, timeout=timeout, interval=0.05, alive=self.alive,
+                       what=f"redis-server on port {self.port}", log_tail=lambda: tail(log))
+        except BaseException:
+            self.stop()  # never leave a half-started server behind
+            raise
         return self
 
     def alive(self) -> bool:
@@ -52,10 +56,13 @@ class RedisServer:
     def ping(self) -> bool:
         import redis
 
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
         try:
-            return bool(redis.Redis(port=self.port, socket_timeout=0.5).ping())
+            return bool(client.ping())
         except redis.RedisError:
             return False
+        finally:
+            client.close()
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

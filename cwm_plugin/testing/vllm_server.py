@@ -99,8 +99,12 @@ class VLLMServer:
                 cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
-        wait_until(self._ready, timeout=self.startup_timeout, interval=1.0, alive=self.alive,
-                   what=f"vllm serve on port {self.port}", log_tail=lambda: tail(self.log_path))
+        try:
+            wait_until(self._ready, timeout=self.startup_timeout, interval=1.0, alive=self.alive,
+                       what=f"vllm serve on port {self.port}", log_tail=lambda: tail(self.log_path))
+        except BaseException:
+            self.stop()  # a server that never became ready must not outlive the caller
+            raise
         log.info("vllm ready on %s after %.1fs", self.base_url, time.monotonic() - t0)
         return self
 

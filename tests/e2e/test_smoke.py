@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from cwm_plugin.testing.models import TINY, build_random_model
-
 pytestmark = pytest.mark.e2e
 
 
@@ -30,12 +28,6 @@ def test_tiny_model_serves_with_cache_salt_and_counts_prefix_hits(tiny_vllm):
 def test_empty_cache_salt_is_rejected(tiny_vllm):
     with pytest.raises(RuntimeError, match="400"):
         tiny_vllm.complete("hello", max_tokens=2, cache_salt="")
-
-
-def test_tiny_model_build_is_cached_and_deterministic(tiny_model):
-    assert build_random_model(TINY) == tiny_model
-    assert (tiny_model / "model.safetensors").exists()
-    assert (tiny_model / "tokenizer.json").exists()
 
 
 @pytest.mark.slow

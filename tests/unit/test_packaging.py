@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,8 +15,12 @@ ROOT = Path(__file__).parents[2]
 
 
 def test_wheel_has_only_the_cwm_plugin_package(tmp_path):
+    # Build from a copy: setuptools leaves build/ and *.egg-info/ beside the sources it builds.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+                    "-q", "-w", str(tmp_path), str(src)], check=True, capture_output=True)
     wheel = next(tmp_path.glob("cwm_plugin-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}

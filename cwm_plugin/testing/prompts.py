@@ -16,7 +16,8 @@ def conversation_lines() -> Iterator[str]:
         raise RuntimeError("no ../shared/data folder with LoCoMo conversations was found; "
                            "set CWM_SHARED_DIR to the shared folder")
     for f in sorted((shared / "data").glob("**/*.json")):
-        conv = json.loads(Path(f).read_text()).get("conversation", {})
+        data = json.loads(Path(f).read_text())
+        conv = data.get("conversation", data)     # LoCoMo files: sessions at top level
         sessions = sorted((k for k in conv if k.startswith("session_") and k[8:].isdigit()),
                           key=lambda k: int(k[8:]))
         for key in sessions:

@@ -119,17 +119,11 @@ def _build_atomically(target: Path, build) -> Path:
 
 def training_texts() -> Iterator[str]:
     """Local text to train the tokenizer on: LoCoMo conversations if present, else stdlib docs."""
+    from cwm_plugin.testing.locomo import load_conversations
+
     shared = shared_dir()
-    files = sorted((shared / "data").glob("**/*.json")) if shared else []
-    for f in files:
-        try:
-            conv = json.loads(f.read_text()).get("conversation", {})
-        except (ValueError, AttributeError):
-            continue
-        for key, turns in conv.items():
-            if key.startswith("session_") and isinstance(turns, list):
-                for t in turns:
-                    yield f"{t.get('speaker', '')}: {t.get('text', '')}"
+    for conv in load_conversations(shared / "data") if shared else []:
+        yield from conv.lines()
     # Always add some English prose and code shipped with Python itself, so the tokenizer is
     # never trained on nothing.
     stdlib = Path(sysconfig.get_paths()["stdlib"])

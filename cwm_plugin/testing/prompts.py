@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
+from cwm_plugin.testing.locomo import load_conversations
 from cwm_plugin.testing.models import shared_dir
 
 
@@ -15,14 +14,8 @@ def conversation_lines() -> Iterator[str]:
     if shared is None:
         raise RuntimeError("no ../shared/data folder with LoCoMo conversations was found; "
                            "set CWM_SHARED_DIR to the shared folder")
-    for f in sorted((shared / "data").glob("**/*.json")):
-        data = json.loads(Path(f).read_text())
-        conv = data.get("conversation", data)     # LoCoMo files: sessions at top level
-        sessions = sorted((k for k in conv if k.startswith("session_") and k[8:].isdigit()),
-                          key=lambda k: int(k[8:]))
-        for key in sessions:
-            for turn in conv[key]:
-                yield f"{turn['speaker']}: {turn['text']}"
+    for conv in load_conversations(shared / "data"):
+        yield from conv.lines()
 
 
 def conversation_prompt(tokenizer, n_tokens: int, *, skip_lines: int = 0) -> str:

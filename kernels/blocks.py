@@ -1,10 +1,12 @@
 """Whole-block gather/scatter between vLLM's paged KV tensors and contiguous staging buffers.
 
 A *block* is the layout-safe unit: whatever the attention backend does inside a block (K and V
-split in the last dimension on CPU, ISA-specific packing, a leading K/V axis on GPU), copying
-every byte of a block position keeps it intact. ``block_dim`` says which axis of each layer's
-tensor indexes blocks; it comes from the attention backend (see
-:func:`cwm_plugin.connector.layout.discover_layout`), never from a guess.
+split in the last dimension on CPU, ISA-specific packing, a physical stride order that differs
+from the logical one on GPU), copying every element of a block position keeps it intact.
+``block_dim`` says which axis of each layer's tensor indexes blocks. The connector passes the
+block-major views that :func:`cwm_plugin.connector.layout.discover_layout` makes from vLLM's
+logical ``[B, H, N, C]`` layer views (so ``block_dim`` is 0 there); the layout itself is taken
+from the attention backend, never guessed.
 
 The staging layout is ``[n_blocks, n_layers, *per_block_shape]`` on the CPU, contiguous, so one
 block of all layers is one slice ``out[i]``: that slice is what the store encodes as one blob.

@@ -1,9 +1,19 @@
 """``CWMConnector``: the vLLM KV connector class, a thin shell over the two sides.
 
 vLLM makes one instance per role: SCHEDULER (EngineCore process) and WORKER (each worker
-process). Each builds the same :class:`~cwm_plugin.connector.keys.Namespace` from the vLLM config,
-opens the store with the settings from ``kv_connector_extra_config`` and delegates to
-:class:`SchedulerSide` or :class:`WorkerSide`.
+process). Start-up, in vLLM's order:
+
+1. each worker's ``register_kv_caches``: the KV layout is taken from the attention backend
+   (:func:`~cwm_plugin.connector.layout.discover_layout`), the namespace built, the store opened
+   and a :class:`WorkerSide` made for this TP rank;
+2. vLLM collects ``get_handshake_metadata`` from every worker and hands it to the scheduler's
+   ``set_xfer_handshake_metadata``: the scheduler builds the same namespace from rank 0's layout,
+   opens its store (no memory tier: it only looks keys up) and makes its :class:`SchedulerSide`;
+3. the scheduler's first lookup runs the hashing self-check (after vLLM initialised hashing).
+
+Until step 2 the scheduler side answers "nothing stored" and plans no saves. Each store gets a
+private metrics registry, forwarded into vLLM's ``/metrics`` every step
+(:mod:`~cwm_plugin.connector.forward`).
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import logging
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -20,15 +31,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from cwm_plugin.connector.config import ConnectorConfig
-from cwm_plugin.connector.keys import build_namespace, hashes_reproducible
-from cwm_plugin.connector.metadata import CWMConnectorMetadata
-from cwm_plugin.connector.scheduler import SchedulerSide
-from cwm_plugin.connector.stats import (
-    CWMConnectorStats,
-    CWMPromMetrics,
-    RegistryDeltas,
-    StatsCollector,
-)
+from cwm_plugin.connector.forward import RegistryForwarder
+from cwm_plugin.connector.keys import Namespace, build_namespace, hashes_reproducible
+from cwm_plugin.connector.layout import discover_layout
+from cwm_plugin.connector.metadata import CWMConnectorMetadata, CWMHandshake
+from cwm_plugin.connector.prom import CWMPromMetrics
+from cwm_plugin.connector.scheduler import SchedulerSide, hit_source_of_saves
+from cwm_plugin.connector.stats import CWMConnectorStats, StatsCollector
 from cwm_plugin.connector.worker import WorkerSide
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.tiered import KVStore
@@ -41,11 +50,12 @@ class CWMConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
-        self.ns = build_namespace(vllm_config, kv_cache_config)
-        if not hashes_reproducible(self.ns.hash_algo):
+        self.store_settings = StoreConfig.from_dict(self.cfg.store)
+        self.hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        if not hashes_reproducible(self.hash_algo):
             log.error("cwm connector: vLLM's block hashes (%s) are seeded randomly per process "
                       "(set PYTHONHASHSEED or use sha256): saved KV could never be found after a "
-                      "restart, so saving is off", self.ns.hash_algo)
+                      "restart, so saving is off", self.hash_algo)
             self.cfg.save_enabled = False
         if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("cwm connector: kv_load_failure_policy is %r; set it to \"recompute\" so "
@@ -54,57 +64,96 @@ class CWMConnector(KVConnectorBase_V1):
         self.stats = StatsCollector()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._store_deltas: RegistryDeltas | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            # The scheduler only looks keys up: no memory tier of its own (the worker's memory
-            # tier reports what it holds through the worker metadata).
-            store = KVStore(self._store_config(memory_bytes=0))
-            self._scheduler = SchedulerSide(self.ns, self.cfg, store, self.stats)
-        else:
-            from prometheus_client import CollectorRegistry
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        self._forwarders: list[RegistryForwarder] = []
+        self._warned_no_layout = False
 
-            registry = CollectorRegistry()
-            store = KVStore(self._store_config(), registry=registry)
-            self._store_deltas = RegistryDeltas(registry)
-            group = kv_cache_config.kv_cache_groups[0]
-            self._worker = WorkerSide(store, self.stats, rank=get_tensor_model_parallel_rank(),
-                                      num_blocks=kv_cache_config.num_blocks,
-                                      layer_names=list(group.layer_names))
-        log.info("cwm connector (%s) ready: namespace %s, model %s, %s blocks of %d tokens",
-                 role.name, self.ns.fingerprint, self.ns.model, self.ns.dtype, self.ns.block_size)
+    def _namespace(self, layout: str) -> Namespace:
+        return build_namespace(self._vllm_config, self._kv_cache_config, layout)
 
-    def _store_config(self, **override: Any) -> StoreConfig:
-        cfg = StoreConfig.from_dict({**self.cfg.store, **override})
-        return dataclasses.replace(cfg, fingerprint=self.ns.fingerprint)
+    def _open_store(self, ns: Namespace, *, memory: bool, rank: str) -> KVStore:
+        registry = CollectorRegistry()
+        cfg = dataclasses.replace(self.store_settings, fingerprint=ns.fingerprint,
+                                  **({} if memory else {"memory_bytes": 0}))
+        store = KVStore(cfg, registry=registry)
+        # The scheduler's store forwards counters only (its gauges would repeat the workers').
+        self._forwarders.append(RegistryForwarder(registry, gauge_labels={"rank": rank},
+                                                  counters_only=not memory))
+        return store
+
+    # --- start-up -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        layout, views = discover_layout(self._vllm_config, self._kv_cache_config, kv_caches)
+        ns = self._namespace(layout.describe())
+        rank = get_tensor_model_parallel_rank()
+        store = self._open_store(ns, memory=True, rank=str(rank))
+        self._worker = WorkerSide(store, self.stats, ns=ns, rank=rank, layout=layout, layers=views)
+        log.info("cwm connector (worker, rank %d) ready: namespace %s, model %s", rank,
+                 ns.fingerprint, ns.model)
+
+    def get_handshake_metadata(self) -> CWMHandshake | None:
+        return CWMHandshake(self._worker.layout_name) if self._worker is not None else None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        layouts = {rank: m.layout for rank, m in metadata.items() if isinstance(m, CWMHandshake)}
+        if 0 not in layouts:
+            log.error("cwm connector: no KV layout from TP rank 0's worker (got ranks %s); "
+                      "loading and saving stay off", sorted(layouts))
+            return
+        if len(set(layouts.values())) > 1:
+            log.warning("cwm connector: TP ranks report different KV layouts %s; each rank keys "
+                        "its blocks by its own, lookups use rank 0's", layouts)
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        ns = self._namespace(layouts[0])
+        spec_block = ns.block_size
+        hash_block = getattr(self._kv_cache_config, "hash_block_size", None) or spec_block
+        store = self._open_store(ns, memory=False, rank="scheduler")
+        self._scheduler = SchedulerSide(
+            ns, self.cfg, store, self.stats, hash_fn=get_hash_fn_by_name(self.hash_algo),
+            hash_ratio=max(1, spec_block // hash_block),
+            stored_source=hit_source_of_saves(self.store_settings))
+        log.info("cwm connector (scheduler) ready: namespace %s, model %s, KV layout %s",
+                 ns.fingerprint, ns.model, ns.layout)
+
+    def _side(self) -> SchedulerSide | None:
+        if self._scheduler is None and not self._warned_no_layout:
+            self._warned_no_layout = True
+            log.error("cwm connector: the scheduler never received the workers' KV layout "
+                      "(handshake); nothing is loaded or saved")
+        return self._scheduler
 
     # --- scheduler side -----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        side = self._side()
+        return side.get_num_new_matched_tokens(request, num_computed_tokens) if side else (0, False)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
+        side = self._side()
+        if side is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return side.get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if (side := self._side()) is not None:
+            side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        side = self._side()
+        return side.build_connector_meta(scheduler_output) if side else CWMConnectorMetadata()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        side = self._side()
+        return side.request_finished(request, block_ids) if side else (False, None)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
 
     # --- worker side --------------------------------------------------------------------------
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -132,12 +181,14 @@ class CWMConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     # --- metrics ------------------------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> CWMConnectorStats | None:
-        if self._store_deltas is not None:
-            self.stats.merge(self._store_deltas.take())
+        for forwarder in self._forwarders:
+            self.stats.merge(forwarder.take())
         return self.stats.take()
 
     @classmethod

@@ -1,6 +1,12 @@
-"""What the scheduler-side connector tells the worker-side one each step, and back.
+"""What the two halves of the connector tell each other, as plain dataclasses.
 
-Plain dataclasses: vLLM ships them from the scheduler process to the worker process.
+vLLM ships them between processes: :class:`CWMConnectorMetadata` from the scheduler to every
+worker once a step, :class:`CWMWorkerMetadata` back (aggregated over the TP ranks), and
+:class:`CWMHandshake` once at start, from each worker to the scheduler (the KV layout the
+attention backend gave it, which the scheduler needs for the key namespace).
+
+Blocks travel as vLLM block *hashes*, never as store keys: a key carries the TP rank, so each
+worker derives its own.
 """
 
 from __future__ import annotations
@@ -8,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -15,11 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 @dataclass
 class BlockTransfer:
-    """Blocks of one request to move: ``block_ids[i]`` <-> ``keys[i]``."""
+    """Blocks of one request to move: ``block_ids[i]`` <-> ``block_hashes[i]``."""
 
     req_id: str
     block_ids: list[int]
-    keys: list[bytes]
+    block_hashes: list[bytes]
     num_tokens: int = 0  # tokens covered (block-aligned), for the blob's metadata
 
 
@@ -31,14 +38,21 @@ class CWMConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class CWMWorkerMetadata(KVConnectorWorkerMetadata):
-    """Keys the worker has stored, so the scheduler can answer lookups for blocks that live only
-    in the worker's memory tier (the durable tiers answer through their own index)."""
+    """Block hashes the worker has stored, so the scheduler can answer lookups for blocks that
+    live only in the worker's memory tier (the durable tiers answer through their own index)."""
 
-    stored_keys: set[bytes] = field(default_factory=set)
-    # Keys whose save failed or whose load found no usable blob: the scheduler forgets them.
-    failed_keys: set[bytes] = field(default_factory=set)
+    stored: set[bytes] = field(default_factory=set)
+    # Hashes whose save failed, or whose load found no usable blob, on any rank: the scheduler
+    # forgets them (a failure on one rank wins over success on another).
+    failed: set[bytes] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, CWMWorkerMetadata)
-        return CWMWorkerMetadata(self.stored_keys | other.stored_keys,
-                                 self.failed_keys | other.failed_keys)
+        return CWMWorkerMetadata(self.stored | other.stored, self.failed | other.failed)
+
+
+@dataclass
+class CWMHandshake(KVConnectorHandshakeMetadata):
+    """A worker's KV layout (``KVLayout.describe()``), sent once after ``register_kv_caches``."""
+
+    layout: str

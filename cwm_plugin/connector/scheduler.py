@@ -1,32 +1,41 @@
 """Scheduler side of the connector: which blocks to load and which to save, per step.
 
-Runs in vLLM's EngineCore process. It never touches tensors: it answers
-``get_num_new_matched_tokens`` from the store's index (durable tiers) and from what the worker
-reported storing (its memory tier), and turns each scheduler step into a
-:class:`CWMConnectorMetadata` of loads and saves.
+Runs in vLLM's EngineCore process. It never touches tensors and never makes per-rank keys: it
+plans with vLLM's (rank-free) block hashes, answers ``get_num_new_matched_tokens`` by looking up
+rank 0's keys in the store's index and Redis and what the workers reported storing (their memory
+tiers), and turns each scheduler step into a :class:`CWMConnectorMetadata`. Each worker derives
+its own rank's keys; a block another rank lacks is a load error there, and vLLM recomputes it.
 
 Saving policy: a block is saved in the step whose forward pass completes it (prompt blocks during
 prefill, chunk by chunk; generated blocks as decoding fills them). The worker copies the block
 out of the paged cache at the end of that step, before the scheduler can free or reuse it, and
 encodes and writes it in the background, so ``request_finished`` never has to hold blocks back.
+
+Hit sources for vLLM's ``prompt_tokens_cached_by_source``: blocks a worker reported storing are
+``host`` (its memory tier) when it has one, blocks in the disk index ``disk``, the rest (Redis, a
+remote store) ``external_unspecified``.
 """
 
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from cwm_plugin.connector.config import ConnectorConfig
-from cwm_plugin.connector.keys import Namespace, block_keys
+from cwm_plugin.connector.keys import Namespace, kv_block_hashes
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
+from cwm_plugin.connector.selfcheck import SelfCheck, run_selfcheck
 from cwm_plugin.connector.stats import StatsCollector
 from cwm_plugin.store.tiered import KVStore
 
 log = logging.getLogger(__name__)
 
-KNOWN_KEYS_LIMIT = 1_000_000
+KNOWN_LIMIT = 1_000_000
 
 
 @dataclass
@@ -35,20 +44,34 @@ class _RequestState:
     block_ids: list[int] = field(default_factory=list)
     handled_blocks: int = 0  # blocks [0, handled) are stored, being stored, or skipped
     lookup_start: int = 0
-    lookup_hits: int = 0
+    lookup_sources: list[CacheHitSource] = field(default_factory=list)
     load: BlockTransfer | None = None
+
+
+def hit_source_of_saves(store_settings: Any) -> CacheHitSource:
+    """Where the workers load a block they saved this run: their memory tier if they have one,
+    else the disk, else Redis (``store_settings``: the workers' StoreConfig)."""
+    if store_settings.memory_bytes > 0:
+        return CacheHitSource.HOST
+    return CacheHitSource.DISK if store_settings.disk_path else CacheHitSource.EXTERNAL_UNSPECIFIED
 
 
 class SchedulerSide:
     def __init__(self, ns: Namespace, cfg: ConnectorConfig, store: KVStore,
-                 stats: StatsCollector) -> None:
+                 stats: StatsCollector, *, hash_fn: Any = None, hash_ratio: int = 1,
+                 stored_source: CacheHitSource = CacheHitSource.HOST) -> None:
         self.ns = ns
         self.cfg = cfg
         self.store = store
         self.stats = stats
+        self.hash_fn = hash_fn
+        self.hash_ratio = hash_ratio
         self.block_size = ns.block_size
+        self.selfcheck: SelfCheck | None = None
+        # Where a block the workers reported storing is loaded from (see hit_source_of_saves).
+        self._stored_source = stored_source
         self._reqs: dict[str, _RequestState] = {}
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._known: OrderedDict[bytes, CacheHitSource] = OrderedDict()
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -58,23 +81,50 @@ class SchedulerSide:
     def _cap_blocks(self) -> int:
         return self.cfg.max_stored_tokens_per_request // self.block_size
 
-    def _present(self, keys: list[bytes]) -> list[bool]:
-        unknown = [k for k in keys if k not in self._known]
-        found = dict(zip(unknown, self.store.contains_many(unknown), strict=True)) if unknown else {}
-        return [k in self._known or found.get(k, False) for k in keys]
+    def _hashes(self, request: Any, num_blocks: int) -> list[bytes]:
+        return kv_block_hashes(request.block_hashes, num_blocks, self.hash_ratio)
 
-    def _remember(self, keys: set[bytes]) -> None:
-        for k in keys:
-            self._known[k] = None
-            self._known.move_to_end(k)
-        while len(self._known) > KNOWN_KEYS_LIMIT:
+    def _on_disk(self, keys: list[bytes]) -> set[bytes]:
+        if self.store.index is None or not keys:
+            return set()
+        try:
+            return set(self.store.index.lookup_many(keys))
+        except sqlite3.Error:
+            return set()
+
+    def _lookup(self, hashes: list[bytes]) -> list[CacheHitSource | None]:
+        """Where each block can be loaded from, None if nowhere (rank 0's keys)."""
+        unknown = [h for h in hashes if h not in self._known]
+        found: dict[bytes, CacheHitSource] = {}
+        if unknown:
+            keys = self.ns.keys(unknown, 0)
+            present = [(h, k) for h, k, hit in zip(unknown, keys, self.store.contains_many(keys),
+                                                    strict=True) if hit]
+            disk = self._on_disk([k for _, k in present])
+            found = {h: CacheHitSource.DISK if k in disk else CacheHitSource.EXTERNAL_UNSPECIFIED
+                     for h, k in present}
+        return [self._known.get(h) or found.get(h) for h in hashes]
+
+    def _remember(self, hashes: dict[bytes, CacheHitSource]) -> None:
+        for h, source in hashes.items():
+            self._known[h] = source
+            self._known.move_to_end(h)
+        while len(self._known) > KNOWN_LIMIT:
             self._known.popitem(last=False)
+
+    def _check_hashing(self) -> None:
+        if self.selfcheck is None and self.hash_fn is not None:
+            self.selfcheck = run_selfcheck(self.store, self.ns, self.hash_fn, self.block_size)
+            if self.selfcheck.status == "mismatch":
+                self.stats.add("selfcheck_failures")
 
     # --- vLLM hooks ---------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._check_hashing()
         state = self._reqs.setdefault(request.request_id, _RequestState(request))
         state.request = request
+        state.lookup_sources = []
         if not self.cfg.load_enabled or not self._eligible(request):
             return 0, False
         # Leave at least one token to compute: vLLM needs a forward pass to sample from.
@@ -82,15 +132,29 @@ class SchedulerSide:
         start = num_computed_tokens // self.block_size
         if start >= max_blocks:
             return 0, False
-        keys = block_keys(self.ns, request.block_hashes, max_blocks)[start:]
-        hits = 0
-        for present in self._present(keys):
-            if not present:
+        hashes = self._hashes(request, max_blocks)[start:]
+        sources: list[CacheHitSource] = []
+        for source in self._lookup(hashes):
+            if source is None:
                 break
-            hits += 1
-        state.lookup_start, state.lookup_hits = start, hits
-        self.stats.lookup(queried=len(keys) * self.block_size, hit=hits * self.block_size)
-        return hits * self.block_size, False
+            sources.append(source)
+        state.lookup_start, state.lookup_sources = start, sources
+        self.stats.lookup(queried=len(hashes) * self.block_size,
+                          hit=len(sources) * self.block_size)
+        return len(sources) * self.block_size, False
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        state = self._reqs.get(request.request_id)
+        n = num_external_tokens // self.block_size
+        if state is None or len(state.lookup_sources) < n or n * self.block_size != \
+                num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens} \
+                if num_external_tokens else {}
+        out: dict[CacheHitSource, int] = {}
+        for source in state.lookup_sources[:n]:
+            out[source] = out.get(source, 0) + self.block_size
+        return out
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._reqs.setdefault(request.request_id, _RequestState(request))
@@ -99,8 +163,8 @@ class SchedulerSide:
         n = num_external_tokens // self.block_size
         block_ids = blocks.get_block_ids()[0]
         start = state.lookup_start
-        keys = block_keys(self.ns, request.block_hashes, start + n)[start:]
-        state.load = BlockTransfer(request.request_id, list(block_ids[start:start + n]), keys,
+        hashes = self._hashes(request, start + n)[start:]
+        state.load = BlockTransfer(request.request_id, list(block_ids[start:start + n]), hashes,
                                    num_tokens=(start + n) * self.block_size)
 
     def build_connector_meta(self, scheduler_output: Any) -> CWMConnectorMetadata:
@@ -131,7 +195,9 @@ class SchedulerSide:
         for state in self._reqs.values():
             if state.load is not None:
                 meta.loads.append(state.load)
-                self._remember(set(state.load.keys))
+                sources = state.lookup_sources
+                self._remember({h: sources[i] if i < len(sources) else self._stored_source
+                                for i, h in enumerate(state.load.block_hashes)})
                 state.load = None
         for req_id in scheduler_output.finished_req_ids:
             self._reqs.pop(req_id, None)
@@ -146,19 +212,19 @@ class SchedulerSide:
         n_full = min(limit // self.block_size, len(state.block_ids), self._cap_blocks())
         if n_full <= state.handled_blocks:
             return
-        keys = block_keys(self.ns, state.request.block_hashes, n_full)
-        n_full = len(keys)
+        hashes = self._hashes(state.request, n_full)
+        n_full = len(hashes)
         start = state.handled_blocks
         candidates = list(range(start, n_full))
-        present = self._present([keys[i] for i in candidates]) if check_existing else (
-            [keys[i] in self._known for i in candidates])
-        todo = [i for i, p in zip(candidates, present, strict=True) if not p]
+        present = self._lookup([hashes[i] for i in candidates]) if check_existing else (
+            [self._known.get(hashes[i]) for i in candidates])
+        todo = [i for i, p in zip(candidates, present, strict=True) if p is None]
         state.handled_blocks = n_full
         if todo:
             meta.saves.append(BlockTransfer(req_id, [state.block_ids[i] for i in todo],
-                                            [keys[i] for i in todo],
+                                            [hashes[i] for i in todo],
                                             num_tokens=n_full * self.block_size))
-            self._remember({keys[i] for i in todo})
+            self._remember({hashes[i]: self._stored_source for i in todo})
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         # Saves copy blocks out at the end of the step that computed them, so nothing here
@@ -169,6 +235,9 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, CWMWorkerMetadata):
-            self._remember(meta.stored_keys)
-            for key in meta.failed_keys:
-                self._known.pop(key, None)
+            self._remember({h: self._stored_source for h in meta.stored})
+            for h in meta.failed:
+                self._known.pop(h, None)
+
+    def shutdown(self) -> None:
+        self.store.close()

@@ -1,15 +1,16 @@
 """Worker side of the connector: move whole blocks between vLLM's paged KV cache and the store.
 
-Runs in the worker process, once a step:
+Runs in each worker process (one per TP rank), once a step:
 
-* ``start_load_kv`` (before the forward pass, synchronously): fetch the planned blocks from the
-  store in one batch, check each against the expected per-block shape and dtype, and scatter the
-  good prefix into the paged cache. A block that is missing, corrupt or of the wrong layout, and
-  every later block of that request, is reported through ``get_block_ids_with_load_errors`` so
-  vLLM recomputes it (``kv_load_failure_policy: recompute``).
+* ``start_load_kv`` (before the forward pass, synchronously): derive this rank's keys from the
+  planned block hashes, fetch them from the store in one batch straight into a staging tensor
+  (the store checks each blob's KV layout against ours), and scatter the good prefix into the
+  paged cache. A block that is missing, corrupt or of another layout, and every later block of
+  that request, is reported through ``get_block_ids_with_load_errors`` so vLLM recomputes it
+  (``kv_load_failure_policy: recompute``).
 * ``wait_for_save`` (after the forward pass): copy this step's completed blocks out of the paged
-  cache into one staging tensor and hand each block to the store, which encodes and writes it in
-  its own pool. After the copy the paged blocks are no longer needed, so vLLM may free them.
+  cache into one staging tensor and hand each block to the store under this rank's key; the store
+  encodes and writes it on its own threads. After the copy vLLM may free the paged blocks.
 
 Loading is whole-request rather than layer by layer: the store holds one blob per block with all
 layers (one key, one checksum, one round trip), and on CPU the forward pass runs on the same
@@ -18,69 +19,49 @@ cores as decoding, so there is no transfer to overlap with compute.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
 import time
 from concurrent.futures import Future
 
 import torch
 
+from cwm_plugin.connector.keys import Namespace
+from cwm_plugin.connector.layout import KVLayout
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.stats import StatsCollector
-from cwm_plugin.kernels.blocks import block_shape, gather_blocks, scatter_blocks
+from cwm_plugin.errors import ConfigError
+from cwm_plugin.kernels.blocks import gather_blocks, scatter_blocks
 from cwm_plugin.store.tiered import KVStore
 
 log = logging.getLogger(__name__)
 
-
-def discover_block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
-    """The axis of a layer's KV tensor that indexes blocks.
-
-    vLLM (RFC #42082) gives each layer a logical ``[B, H, N, C]`` view whatever the physical
-    stride order, so the block axis is 0; older or foreign layouts (e.g. a leading K/V axis) are
-    found by the one axis whose size is the number of blocks, and an ambiguous shape is refused.
-    """
-    dims = [i for i, s in enumerate(tensor.shape) if s == num_blocks]
-    if 0 in dims:
-        return 0
-    if len(dims) == 1:
-        return dims[0]
-    raise RuntimeError(
-        f"cannot tell the block axis of a KV tensor of shape {tuple(tensor.shape)} with "
-        f"{num_blocks} blocks; refusing to guess (report this layout to the cwm maintainers)"
-    )
+TIER_ORDER = ("memory", "disk", "redis")   # the order the store fetches in
 
 
 class WorkerSide:
-    def __init__(self, store: KVStore, stats: StatsCollector, *, rank: int, num_blocks: int,
-                 layer_names: list[str]) -> None:
+    def __init__(self, store: KVStore, stats: StatsCollector, *, ns: Namespace, rank: int,
+                 layout: KVLayout, layers: list[torch.Tensor]) -> None:
+        if len(layers) != layout.num_layers or any(
+                tuple(t.shape[1:]) != layout.block_shape for t in layers):
+            raise ConfigError(f"KV tensors {[tuple(t.shape) for t in layers]} do not match the "
+                              f"layout {layout.describe()}")
         self.store = store
         self.stats = stats
+        self.ns = ns
         self.rank = rank
-        self.num_blocks = num_blocks
-        self.layer_names = layer_names
-        self.layers: list[torch.Tensor] = []
-        self.block_dim = 0
-        self.per_block: tuple[int, ...] = ()
-        self.dtype: torch.dtype | None = None
-        self.layout = ""
+        self.layout = layout
+        self.layout_name = layout.describe()
+        self.layers = layers
+        self.dtype = layers[0].dtype
+        self.block_bytes = math.prod(layout.per_block) * layers[0].element_size()
+        # Until the store checks layouts itself (get_many(layout=...)), shape and dtype are checked.
+        self._store_checks_layout = "layout" in inspect.signature(store.get_many).parameters
         self._load_errors: set[int] = set()
         self._pending: list[tuple[bytes, Future]] = []
         self._stored: set[bytes] = set()
         self._failed: set[bytes] = set()
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = [n for n in self.layer_names if n in kv_caches] or sorted(kv_caches)
-        missing = set(kv_caches) - set(names)
-        if missing:
-            raise RuntimeError(f"KV tensors for layers not in the KV cache group: {sorted(missing)}")
-        self.layers = [kv_caches[n] for n in names]
-        first = self.layers[0]
-        self.block_dim = discover_block_dim(first, self.num_blocks)
-        self.per_block = (len(self.layers), *block_shape(first, self.block_dim))
-        self.dtype = first.dtype
-        self.layout = f"{first.device.type}:blockdim{self.block_dim}:{list(self.per_block)}"
-        log.info("cwm connector: %d layers, block tensor %s %s, block axis %d",
-                 len(self.layers), self.per_block, self.dtype, self.block_dim)
 
     # --- loads --------------------------------------------------------------------------------
 
@@ -88,28 +69,57 @@ class WorkerSide:
         for transfer in meta.loads:
             self._load(transfer)
 
+    def _tier_hits(self) -> dict[str, float]:
+        """The store's per-tier blob hit counters (to tell which tier served a load)."""
+        out: dict[str, float] = {}
+        for family in self.store.metrics.hits.collect():
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["tier"]] = float(s.value)
+        return out
+
     def _load(self, t: BlockTransfer) -> None:
         t0 = time.perf_counter()
-        tensors = self.store.get_many(t.keys)
-        good: list[torch.Tensor] = []
-        for key, tensor in zip(t.keys, tensors, strict=True):
-            if tensor is None or tuple(tensor.shape) != self.per_block or tensor.dtype != self.dtype:
-                if tensor is not None:
-                    log.warning("cwm connector: block %s has shape %s %s, expected %s %s; recomputing",
-                                key.hex()[:16], tuple(tensor.shape), tensor.dtype, self.per_block,
-                                self.dtype)
+        keys = self.ns.keys(t.block_hashes, self.rank)
+        staging = torch.empty((len(keys), *self.layout.per_block), dtype=self.dtype)
+        before = self._tier_hits()
+        kw = {"layout": self.layout_name} if self._store_checks_layout else {}
+        tensors = self.store.get_many(keys, out=staging, **kw)
+        after = self._tier_hits()
+        good = 0
+        for i, tensor in enumerate(tensors):
+            if tensor is None:
                 break
-            good.append(tensor)
+            if tuple(tensor.shape) != self.layout.per_block or tensor.dtype != self.dtype:
+                log.warning("cwm connector: block %s has shape %s %s, expected %s %s; recomputing",
+                            keys[i].hex()[:16], tuple(tensor.shape), tensor.dtype,
+                            self.layout.per_block, self.dtype)
+                break
+            if tensor.data_ptr() != staging[i].data_ptr():
+                staging[i].copy_(tensor)
+            good += 1
         if good:
-            scatter_blocks(self.layers, self.block_dim, t.block_ids[:len(good)], torch.stack(good))
-        failed = t.block_ids[len(good):]
-        if failed:
-            self._load_errors.update(failed)
-            self.stats.add("load_errors", len(failed))
-            self._failed.update(t.keys[len(good):])
-        self.stats.add("loaded_blocks", len(good))
-        self.stats.add("loaded_bytes", sum(x.numel() * x.element_size() for x in good))
-        self.stats.add("load_seconds", time.perf_counter() - t0)
+            scatter_blocks(self.layers, 0, t.block_ids[:good], staging[:good])
+        if good < len(keys):
+            self._load_errors.update(t.block_ids[good:])
+            self._failed.add(bytes(t.block_hashes[good]))
+            self.stats.add("load_errors", len(keys) - good)
+        self._count_load(good, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
+                         time.perf_counter() - t0)
+
+    def _count_load(self, good: int, served: dict[str, float], seconds: float) -> None:
+        """Attribute the ``good`` blocks to tiers in fetch order (exact unless a fetched blob
+        then failed to decode) and the time to the slowest tier that served any."""
+        left = good
+        slowest = "none"
+        for tier in TIER_ORDER:
+            n = min(left, int(served.get(tier, 0)))
+            if n <= 0:
+                continue
+            self.stats.add("loaded_blocks", n, tier=tier)
+            self.stats.add("loaded_bytes", n * self.block_bytes, tier=tier)
+            slowest, left = tier, left - n
+        self.stats.add("load_seconds", seconds, tier=slowest)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -122,40 +132,41 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         block_ids = [b for t in meta.saves for b in t.block_ids]
-        staged = gather_blocks(self.layers, self.block_dim, block_ids)
+        staged = gather_blocks(self.layers, 0, block_ids)
         i = 0
         for t in meta.saves:
-            for key in t.keys:
+            for h in t.block_hashes:
                 block = staged[i]
                 i += 1
                 try:
-                    fut = self.store.put(key, block, num_tokens=t.num_tokens, layout=self.layout)
-                except Exception as exc:  # refused by the store (full, closed): serving goes on
+                    fut = self.store.put(self.ns.key(h, self.rank), block, num_tokens=t.num_tokens,
+                                         layout=self.layout_name)
+                except Exception as exc:  # refused by the store (closed, ...): serving goes on
                     log.warning("cwm connector: save refused: %s", exc)
-                    self.stats.add("save_errors")
-                    self._failed.add(key)
+                    self.stats.add("save_errors", reason="refused")
+                    self._failed.add(bytes(h))
                     continue
-                self._pending.append((key, fut))
-        self.stats.add("saved_blocks", i)
-        self.stats.add("saved_bytes", staged.numel() * staged.element_size())
+                self._pending.append((bytes(h), fut))
         self.stats.add("save_seconds", time.perf_counter() - t0)
 
     def take_worker_meta(self) -> CWMWorkerMetadata | None:
         still: list[tuple[bytes, Future]] = []
-        for key, fut in self._pending:
+        for h, fut in self._pending:
             if not fut.done():
-                still.append((key, fut))
+                still.append((h, fut))
             elif fut.exception() is not None:
-                self.stats.add("save_errors")
-                self._failed.add(key)
-                log.warning("cwm connector: saving block %s failed: %s", key.hex()[:16],
+                self.stats.add("save_errors", reason="failed")
+                self._failed.add(h)
+                log.warning("cwm connector: saving block %s failed: %s", h.hex()[:16],
                             fut.exception())
             else:
-                self._stored.add(key)
+                self._stored.add(h)
+                self.stats.add("saved_blocks")
+                self.stats.add("saved_bytes", self.block_bytes)
         self._pending = still
         if not self._stored and not self._failed:
             return None
-        meta = CWMWorkerMetadata(self._stored - self._failed, self._failed)
+        meta = CWMWorkerMetadata(self._stored - self._failed, set(self._failed))
         self._stored, self._failed = set(), set()
         return meta
 

@@ -4,45 +4,35 @@ from __future__ import annotations
 
 import pytest
 import torch
+from connector_helpers import BS, namespace
 from vllm import SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import Request
 
 from cwm_plugin.connector.config import ConnectorConfig
-from cwm_plugin.connector.keys import Namespace, block_keys, hash_probe
+from cwm_plugin.connector.keys import kv_block_hashes
 from cwm_plugin.connector.metadata import CWMWorkerMetadata
-from cwm_plugin.connector.scheduler import SchedulerSide
+from cwm_plugin.connector.scheduler import SchedulerSide, hit_source_of_saves
 from cwm_plugin.connector.stats import StatsCollector
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
 
 pytestmark = pytest.mark.unit
-BS = 16
-
-
-@pytest.fixture(scope="module")
-def hash_fn():
-    fn = get_hash_fn_by_name("sha256")
-    kv_cache_utils.init_none_hash(fn)
-    return fn
 
 
 @pytest.fixture
-def ns(hash_fn) -> Namespace:
-    return Namespace(model="m", model_fingerprint="f", dtype="float32", block_size=BS,
-                     hash_block_size=BS, num_kv_heads=2, head_size=8, num_layers=2,
-                     platform="cpu", tp_size=1, hash_algo="sha256",
-                     hash_probe=hash_probe(hash_fn, BS))
+def ns():
+    return namespace()
 
 
 @pytest.fixture
-def store(tmp_path, ns):
-    s = KVStore(StoreConfig(fingerprint=ns.fingerprint, disk_path=str(tmp_path / "s"),
-                            memory_bytes=0))
-    yield s
-    s.close()
+def store(open_store, ns):
+    return open_store(ns.fingerprint)
+
+
+def side_for(ns, store, **cfg) -> SchedulerSide:
+    return SchedulerSide(ns, ConnectorConfig(**cfg), store, StatsCollector())
 
 
 def make_request(hash_fn, rid: str, n_tokens: int, salt: str | None = "salt") -> Request:
@@ -51,7 +41,11 @@ def make_request(hash_fn, rid: str, n_tokens: int, salt: str | None = "salt") ->
                    block_hasher=kv_cache_utils.get_request_block_hasher(BS, hash_fn))
 
 
-def fill(store: KVStore, keys: list[bytes]) -> None:
+def hashes(req: Request, n: int) -> list[bytes]:
+    return kv_block_hashes(req.block_hashes, n)
+
+
+def fill(store, keys: list[bytes]) -> None:
     for k in keys:
         store.put(k, torch.ones(2, 2, BS, 16)).result()
     store.flush()
@@ -65,11 +59,21 @@ def step(req: Request, block_ids: list[int], computed: int, scheduled: int) -> S
     return out
 
 
+class Blocks:
+    """What update_state_after_alloc reads of vLLM's KVCacheBlocks."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int]]:
+        return (self.ids,)
+
+
 def test_lookup_counts_the_stored_prefix_and_leaves_one_token(hash_fn, ns, store):
-    side = SchedulerSide(ns, ConnectorConfig(), store, StatsCollector())
+    side = side_for(ns, store)
     req = make_request(hash_fn, "r1", 4 * BS)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
-    keys = block_keys(ns, req.block_hashes, 4)
+    keys = ns.keys(hashes(req, 4), 0)
     fill(store, keys[:2])
     assert side.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
     assert side.get_num_new_matched_tokens(req, BS) == (BS, False)  # one block cached locally
@@ -78,31 +82,39 @@ def test_lookup_counts_the_stored_prefix_and_leaves_one_token(hash_fn, ns, store
     assert side.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
 
 
+def test_lookups_use_rank_0s_keys(hash_fn, ns, store):
+    side = side_for(ns, store)
+    req = make_request(hash_fn, "r1", 3 * BS)
+    fill(store, ns.keys(hashes(req, 2), 1))                 # only rank 1 has them
+    assert side.get_num_new_matched_tokens(req, 0)[0] == 0
+    fill(store, ns.keys(hashes(req, 2), 0))
+    assert side.get_num_new_matched_tokens(req, 0)[0] == 2 * BS
+
+
 def test_a_gap_stops_the_prefix_and_salts_never_match(hash_fn, ns, store):
-    side = SchedulerSide(ns, ConnectorConfig(), store, StatsCollector())
+    side = side_for(ns, store)
     req = make_request(hash_fn, "r1", 5 * BS)
-    keys = block_keys(ns, req.block_hashes, 5)
+    keys = ns.keys(hashes(req, 5), 0)
     fill(store, [keys[0], keys[2], keys[3]])
     assert side.get_num_new_matched_tokens(req, 0)[0] == BS
     other = make_request(hash_fn, "r2", 5 * BS, salt="other")
     unsalted = make_request(hash_fn, "r3", 5 * BS, salt=None)
     assert side.get_num_new_matched_tokens(other, 0)[0] == 0
     assert side.get_num_new_matched_tokens(unsalted, 0)[0] == 0
-    salted_only = SchedulerSide(ns, ConnectorConfig(salted_only=True), store, StatsCollector())
-    fill(store, block_keys(ns, unsalted.block_hashes, 2))
+    salted_only = side_for(ns, store, salted_only=True)
+    fill(store, ns.keys(hashes(unsalted, 2), 0))
     assert salted_only.get_num_new_matched_tokens(unsalted, 0)[0] == 0
 
 
 def test_saves_cover_completed_blocks_once_and_respect_the_cap(hash_fn, ns, store):
-    side = SchedulerSide(ns, ConnectorConfig(max_stored_tokens_per_request=3 * BS), store,
-                         StatsCollector())
+    side = side_for(ns, store, max_stored_tokens_per_request=3 * BS)
     req = make_request(hash_fn, "r1", 5 * BS + 3)
     side.get_num_new_matched_tokens(req, 0)
     ids = [10, 11, 12, 13, 14, 15]
     # Chunked prefill: the first step computes 2.5 blocks -> blocks 0 and 1 are saved.
     meta = side.build_connector_meta(step(req, ids, 0, 2 * BS + 8))
     assert [s.block_ids for s in meta.saves] == [[10, 11]]
-    assert meta.saves[0].keys == block_keys(ns, req.block_hashes, 2)
+    assert meta.saves[0].block_hashes == hashes(req, 2)     # rank-free: workers make keys
     # Next step finishes the prompt: only block 2 is new, and the cap (3 blocks) stops there.
     out = SchedulerOutput.make_empty()
     out.scheduled_cached_reqs = CachedRequestData(
@@ -118,24 +130,57 @@ def test_saves_cover_completed_blocks_once_and_respect_the_cap(hash_fn, ns, stor
     assert meta.saves == []
 
 
-def test_loads_are_planned_for_allocated_blocks_and_failed_keys_are_forgotten(hash_fn, ns, store):
-    side = SchedulerSide(ns, ConnectorConfig(), store, StatsCollector())
+def test_loads_are_planned_for_allocated_blocks_and_failed_hashes_are_forgotten(hash_fn, ns, store):
+    side = side_for(ns, store)
     req = make_request(hash_fn, "r1", 4 * BS + 1)
-    keys = block_keys(ns, req.block_hashes, 4)
-    fill(store, keys)
+    hs = hashes(req, 4)
+    fill(store, ns.keys(hs, 0))
     n, _ = side.get_num_new_matched_tokens(req, BS)
     assert n == 3 * BS
-
-    class Blocks:
-        def get_block_ids(self):
-            return ([7, 8, 9, 10, 11],)
-
-    side.update_state_after_alloc(req, Blocks(), n)
+    side.update_state_after_alloc(req, Blocks([7, 8, 9, 10, 11]), n)
     meta = side.build_connector_meta(step(req, [7, 8, 9, 10, 11], 4 * BS, 1))
     assert len(meta.loads) == 1
-    assert meta.loads[0].block_ids == [8, 9, 10] and meta.loads[0].keys == keys[1:4]
-    # The worker reports a block it could not load: the scheduler stops trusting that key.
+    assert meta.loads[0].block_ids == [8, 9, 10] and meta.loads[0].block_hashes == hs[1:4]
+    # A worker reports a block it could not load: the scheduler stops trusting that hash.
     side.update_connector_output(type("Out", (), {
-        "kv_connector_worker_meta": CWMWorkerMetadata(failed_keys={keys[1]})})())
-    store.delete(keys[1])
+        "kv_connector_worker_meta": CWMWorkerMetadata(failed={hs[1]})})())
+    store.delete(ns.key(hs[1], 0))
     assert side.get_num_new_matched_tokens(make_request(hash_fn, "r9", 4 * BS + 1), 0)[0] == BS
+
+
+def test_hit_sources_name_the_tier(hash_fn, ns, store):
+    side = SchedulerSide(ns, ConnectorConfig(), store, StatsCollector(),
+                         stored_source=CacheHitSource.HOST)
+    req = make_request(hash_fn, "r1", 4 * BS + 1)
+    hs = hashes(req, 4)
+    fill(store, ns.keys(hs[:2], 0))                          # on disk (the index knows them)
+    side.update_connector_output(type("Out", (), {           # a worker holds the next two
+        "kv_connector_worker_meta": CWMWorkerMetadata(stored={hs[2], hs[3]})})())
+    n, _ = side.get_num_new_matched_tokens(req, 0)
+    assert n == 4 * BS
+    side.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), n)
+    assert side.get_external_cache_hit_sources(req, n) == {
+        CacheHitSource.DISK: 2 * BS, CacheHitSource.HOST: 2 * BS}
+    assert hit_source_of_saves(StoreConfig(memory_bytes=0, disk_path="/x")) == CacheHitSource.DISK
+    assert hit_source_of_saves(StoreConfig(memory_bytes=0, redis_url="redis://h")) == \
+        CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+@pytest.mark.redis
+def test_hits_found_only_in_redis_are_external(hash_fn, ns, open_store, redis_server):
+    store = open_store(ns.fingerprint, disk_path=None, redis_url=redis_server.url,
+                       redis_write="through")
+    side = side_for(ns, store)
+    req = make_request(hash_fn, "r1", 2 * BS + 1)
+    fill(store, ns.keys(hashes(req, 2), 0))
+    n, _ = side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, Blocks([1, 2, 3]), n)
+    assert side.get_external_cache_hit_sources(req, n) == {
+        CacheHitSource.EXTERNAL_UNSPECIFIED: 2 * BS}
+
+
+def test_shutdown_closes_the_store(ns, store):
+    side = side_for(ns, store)
+    side.shutdown()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.put(b"k" * 50, torch.ones(2))

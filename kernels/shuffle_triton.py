@@ -1,10 +1,19 @@
 """Triton GPU twin of the ``"bytes"`` transform in :mod:`cwm_plugin.kernels.shuffle`.
 
-``shuffle_planes(t)`` returns the same bytes as the CPU version's streams concatenated
-(plane 0 of every element, then plane 1, ...), computed on the tensor's GPU; ``unshuffle_planes``
-is its inverse. Triton is imported on first use, so this module imports fine on a machine
-without a GPU or without Triton. With ``TRITON_INTERPRET=1`` the kernels also run on CPU
-tensors (how the CPU-only test suite checks them).
+``shuffle_planes(t)`` returns the same bytes as the CPU version's streams concatenated (the
+high byte of every element, then the next, ...), computed on the tensor's GPU;
+``unshuffle_planes`` is its inverse. Both are checked bit-exact against the CPU code by
+``tests/kernels/test_shuffle.py`` (on a GPU when one is present, and always under Triton's
+interpreter, ``TRITON_INTERPRET=1``, in a subprocess).
+
+What the GPU path does and does not do: the codec's default for bfloat16 is ``"kvsplit"``
+(exponent residuals against per-row/column bases, sign planes, escapes), which needs
+reductions and a compaction that are not worth a kernel here: vLLM's connector copies each
+block to host memory anyway, and ``kvsplit`` runs there on the CPU. On a GPU this twin can
+produce ``"bytes"`` planes before the copy (fp16/fp32 blocks, or bf16 with
+``transform="bytes"``); a blob's streams are the same whichever side made them.
+
+Triton is imported on first use, so this module imports fine without a GPU or Triton.
 """
 
 from __future__ import annotations
@@ -14,8 +23,9 @@ from typing import Any
 
 import torch
 
+from cwm_plugin.kernels.shuffle import INT_VIEW, byte_view
+
 BLOCK = 1024
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def available() -> bool:
@@ -36,8 +46,8 @@ def _kernels() -> tuple[Any, Any]:
     def shuffle_kernel(src, dst, n, K: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        for p in tl.static_range(K):
-            v = tl.load(src + offs * K + p, mask=mask)
+        for p in tl.static_range(K):          # plane p holds byte K-1-p: high byte first
+            v = tl.load(src + offs * K + (K - 1 - p), mask=mask)
             tl.store(dst + p * n + offs, v, mask=mask)
 
     @triton.jit
@@ -46,23 +56,16 @@ def _kernels() -> tuple[Any, Any]:
         mask = offs < n
         for p in tl.static_range(K):
             v = tl.load(src + p * n + offs, mask=mask)
-            tl.store(dst + offs * K + p, v, mask=mask)
+            tl.store(dst + offs * K + (K - 1 - p), v, mask=mask)
 
     return shuffle_kernel, unshuffle_kernel
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = t.contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
-    return flat.view(_INT_VIEW[flat.element_size()]).view(torch.uint8)
-
-
 def shuffle_planes(t: torch.Tensor) -> torch.Tensor:
-    """``uint8`` tensor (same device) of ``t``'s byte planes, plane 0 first."""
+    """``uint8`` tensor (same device) of ``t``'s byte planes, high byte first."""
     k = t.element_size()
     n = t.numel()
-    src = _as_bytes(t)
+    src = byte_view(t)
     dst = torch.empty(n * k, dtype=torch.uint8, device=t.device)
     if n:
         shuffle_kernel, _ = _kernels()
@@ -83,5 +86,5 @@ def unshuffle_planes(planes: torch.Tensor, dtype: torch.dtype,
     if n:
         _, unshuffle_kernel = _kernels()
         unshuffle_kernel[(-(-n // BLOCK),)](planes.contiguous(), dst, n, K=k, BLOCK=BLOCK)
-        return dst.view(_INT_VIEW[k]).view(dtype).reshape(shape)
+        return dst.view(INT_VIEW[k]).view(dtype).reshape(shape)
     return torch.empty(shape, dtype=dtype, device=planes.device)

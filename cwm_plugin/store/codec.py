@@ -10,7 +10,13 @@ zstd or kept raw when zstd would not shrink it.
 ``level=0`` means no compression and no transform: the payload is the tensor's raw bytes, so a
 flipped payload byte with ``checksum=False`` decodes to a (wrong) tensor without an error.
 Everything else that is wrong raises :class:`CorruptBlob` (damaged, truncated, not ours) or
-:class:`IncompatibleBlob` (another model's blob, an unknown format version).
+:class:`IncompatibleBlob` (another model's or layout's blob, an unknown format version). Every
+size in the header is checked against the tensor's shape and dtype (and a zstd frame's declared
+size) before anything is allocated, so a damaged header cannot ask for gigabytes.
+
+Format 2 (this one) orders byte planes high byte first and adds the ``kvsplit`` transform.
+Format 1 blobs with the ``none`` or ``bytes`` transform are still read; format 1 ``exp`` blobs
+are :class:`IncompatibleBlob` (recomputed).
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ from cwm_plugin.errors import CorruptBlob, IncompatibleBlob
 from cwm_plugin.kernels import shuffle as sh
 
 FORMAT = "cwm-kv"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = ("1", "2")
 MAX_HEADER = 1 << 20
 RAW_IF_ABOVE = 0.97       # keep a stream raw when zstd saves less than 3%
+MAX_ZSTD_EXPANSION = 1 << 16   # no zstd frame grows more than this (RLE blocks: ~32768x)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -89,7 +97,7 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
     t = t.contiguous()
     if transform is None:
         transform = sh.best_transform(t.dtype) if (shuffle and level > 0) else "none"
-    parts = sh.split(t, transform)
+    parts = sh.split(t, transform, compressed_size=lambda a: len(_compressor(level).compress(a)))
     streams: list[tuple[str, str, int]] = []
     payloads: list[bytes | np.ndarray] = []
     for name, s in zip(parts.names, parts.streams, strict=True):
@@ -110,7 +118,7 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
         "shape": json.dumps(list(t.shape)),
         "key": bytes(key).hex(),
         "num_tokens": str(int(num_tokens)),
-        "transform": transform,
+        "transform": parts.transform,
         "level": str(level),
         "streams": json.dumps(streams),
         "checksum": _checksum_of(t) if checksum else "",
@@ -180,15 +188,17 @@ def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, str], d
 
 
 def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = None,
-           verify: bool = True, into: torch.Tensor | None = None) -> DecodedBlob:
-    """Decode a blob made by :func:`encode`; ``fingerprint`` (if given) must match the blob's.
+           layout: str | None = None, verify: bool = True,
+           into: torch.Tensor | None = None) -> DecodedBlob:
+    """Decode a blob made by :func:`encode`. ``fingerprint`` and ``layout`` (if given) must
+    match the blob's, else :class:`IncompatibleBlob`.
 
     ``into``: a contiguous CPU tensor to write the result into (saves an allocation and a
     copy when the caller stacks blocks); used only if its dtype and shape match the blob's,
     and left with unspecified content if decoding fails."""
     meta, entries, start = read_header(data)
     version = meta.get("format_version", "")
-    if version != str(FORMAT_VERSION):
+    if version not in READABLE_VERSIONS:
         raise IncompatibleBlob(f"blob format version {version!r} is not {FORMAT_VERSION}",
                                hint="written by another cwm version; recompute or upgrade")
     if verify and "meta_crc" in meta and meta["meta_crc"] != _meta_crc(meta):
@@ -198,26 +208,29 @@ def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = No
         raise IncompatibleBlob(
             f"blob belongs to model fingerprint {meta.get('fingerprint')!r}, not {fingerprint!r}",
             hint="the model or KV layout changed; the block must be recomputed")
+    if layout is not None and meta.get("layout") != layout:
+        raise IncompatibleBlob(f"blob has KV layout {meta.get('layout')!r}, not {layout!r}",
+                               hint="the KV cache layout changed; the block must be recomputed")
+    dtype, shape, streams, transform = _payload_spec(meta, version)
     try:
-        dtype = DTYPES[meta["dtype"]]
-        shape = tuple(int(x) for x in json.loads(meta["shape"]))
-        streams = [(str(a), str(b), int(c)) for a, b, c in json.loads(meta["streams"])]
-        transform = meta["transform"]
-        key = bytes.fromhex(meta["key"])
-        num_tokens = int(meta["num_tokens"])
-    except (KeyError, ValueError, TypeError) as exc:
-        raise CorruptBlob(f"blob metadata is damaged ({type(exc).__name__}: {exc})",
-                          hint="the block will be recomputed") from exc
-    if any(d < 0 for d in shape):
-        raise CorruptBlob(f"blob shape {shape} is negative", hint="damaged blob")
-    mv = memoryview(data)
-    raw_streams = _read_streams(mv, entries, start, streams)
+        sizes = sh.expected_sizes(transform, dtype, shape, [name for name, _, _ in streams])
+    except ValueError as exc:
+        raise CorruptBlob(f"blob streams do not fit its metadata: {exc}",
+                          hint="damaged blob") from exc
+    for (name, _, raw_len), (lo, hi) in zip(streams, sizes, strict=True):
+        if not lo <= raw_len <= hi:
+            raise CorruptBlob(f"blob stream {name} claims {raw_len} bytes; a {meta['dtype']} "
+                              f"{list(shape)} tensor has {lo}..{hi}", hint="damaged blob")
+    raw_streams = _read_streams(memoryview(data), entries, start, streams)
+    if version == "1" and transform == "bytes":
+        raw_streams = raw_streams[::-1]           # format 1 stored the low byte first
+    parts = sh.Split(transform, raw_streams, [name for name, _, _ in streams])
     try:
         if into is not None and (into.dtype != dtype or tuple(into.shape) != shape
                                  or not into.is_contiguous() or into.device.type != "cpu"):
             into = None
-        tensor = sh.join(raw_streams, transform, dtype, shape, into=into)
-    except (ValueError, IndexError) as exc:
+        tensor = sh.join(parts, dtype, shape, into=into)
+    except (ValueError, IndexError, MemoryError) as exc:
         raise CorruptBlob(f"blob payload does not rebuild a {meta['dtype']} {list(shape)} "
                           f"tensor: {exc}", hint="damaged blob; recompute") from exc
     expected = meta.get("checksum", "")
@@ -226,8 +239,29 @@ def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = No
         if got != expected:
             raise CorruptBlob(f"blob checksum mismatch ({got} != {expected})",
                               hint="the stored bytes are damaged; the block will be recomputed")
-    return DecodedBlob(tensor, key, num_tokens, meta.get("layout", ""),
-                       meta.get("fingerprint", ""), meta)
+    return DecodedBlob(tensor, bytes.fromhex(meta["key"]), int(meta["num_tokens"]),
+                       meta.get("layout", ""), meta.get("fingerprint", ""), meta)
+
+
+def _payload_spec(meta: dict[str, str], version: str
+                  ) -> tuple[torch.dtype, tuple[int, ...], list[tuple[str, str, int]], str]:
+    """(dtype, shape, [(stream name, codec, raw length)], transform) from checked metadata."""
+    try:
+        dtype = DTYPES[meta["dtype"]]
+        shape = tuple(int(x) for x in json.loads(meta["shape"]))
+        streams = [(str(a), str(b), int(c)) for a, b, c in json.loads(meta["streams"])]
+        transform = meta["transform"]
+        bytes.fromhex(meta["key"])
+        int(meta["num_tokens"])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CorruptBlob(f"blob metadata is damaged ({type(exc).__name__}: {exc})",
+                          hint="the block will be recomputed") from exc
+    if any(d < 0 for d in shape):
+        raise CorruptBlob(f"blob shape {shape} is negative", hint="damaged blob")
+    if version == "1" and transform not in ("none", "bytes"):
+        raise IncompatibleBlob(f"format 1 blob with transform {transform!r} is no longer read",
+                               hint="written by an older cwm; the block will be recomputed")
+    return dtype, shape, streams, transform
 
 
 def _read_streams(mv: memoryview, entries: dict[str, Any], start: int,
@@ -254,12 +288,23 @@ def _read_streams(mv: memoryview, entries: dict[str, Any], start: int,
                                   hint="damaged blob")
             out.append(np.frombuffer(chunk, np.uint8))
         elif codec == "zstd":
+            declared = _frame_size(chunk)
+            if declared != raw_len or raw_len > MAX_ZSTD_EXPANSION * len(chunk):
+                raise CorruptBlob(f"zstd stream {name} declares {declared} bytes, the header "
+                                  f"{raw_len}", hint="damaged blob")
             out.append(_decompress_into(chunk, sh.scratch(f"z{len(out)}", raw_len), name))
         else:
             raise CorruptBlob(f"unknown stream codec {codec!r}", hint="damaged blob")
     if end != len(mv):
         raise CorruptBlob(f"blob has {len(mv) - end} trailing bytes", hint="damaged blob")
     return out
+
+
+def _frame_size(chunk: memoryview) -> int:
+    try:
+        return int(zstandard.frame_content_size(chunk))
+    except zstandard.ZstdError:
+        return -1
 
 
 def _decompress_into(chunk: memoryview, buf: np.ndarray, name: str) -> np.ndarray:

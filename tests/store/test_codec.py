@@ -10,32 +10,14 @@ import safetensors.torch
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_helpers import DTYPES, kv_like, same_bits
+from kv_helpers import random_bits as random_tensor
 
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob
+from cwm_plugin.kernels import shuffle as sh
 from cwm_plugin.store import codec
 
 pytestmark = pytest.mark.unit
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
-DTYPES += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and a.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-            == b.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-
-
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Random bit patterns (NaNs, infs, subnormals included) of ``dtype``."""
-    g = torch.Generator().manual_seed(seed)
-    n = int(torch.tensor(shape).prod()) if shape else 1
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
-    if n == 0:
-        return torch.empty(shape, dtype=dtype)
-    return raw.view(dtype).reshape(shape)
-
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=4).map(tuple)
 
@@ -76,7 +58,7 @@ def test_container_is_safetensors_with_metadata():
     meta = codec.peek(blob)
     assert meta["fingerprint"] == "model-x" and meta["key"] == "ab"
     assert json.loads(meta["shape"]) == [2, 8, 16] and meta["dtype"] == "bfloat16"
-    assert meta["checksum"].startswith("crc32:") and meta["format_version"] == "1"
+    assert meta["checksum"].startswith("crc32:") and meta["format_version"] == "2"
 
 
 def test_wrong_fingerprint_and_version_are_incompatible():
@@ -85,7 +67,7 @@ def test_wrong_fingerprint_and_version_are_incompatible():
     with pytest.raises(IncompatibleBlob, match="fingerprint"):
         codec.decode(blob, fingerprint="b")
     n = struct.unpack("<Q", blob[:8])[0]
-    header = blob[8:8 + n].replace(b'"format_version":"1"', b'"format_version":"9"')
+    header = blob[8:8 + n].replace(b'"format_version":"2"', b'"format_version":"9"')
     with pytest.raises(IncompatibleBlob, match="version"):
         codec.decode(blob[:8] + header + blob[8 + n:])
     with pytest.raises(CorruptBlob, match="metadata checksum"):   # same length, other key
@@ -111,11 +93,12 @@ def test_negative_control_flipped_payload_without_checksum_decodes_wrong():
         codec.decode(bytes(checked), fingerprint="fp", verify=True)
 
 
+@pytest.mark.parametrize("verify", [True, False])
 @pytest.mark.parametrize("level,check", [(1, True), (0, True), (3, False), (0, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_any_flipped_or_truncated_byte_fails_cleanly(level, check, dtype):
-    """Every single-byte damage raises CorruptBlob/IncompatibleBlob, or (checksum off)
-    decodes to a tensor: never another exception."""
+def test_any_flipped_or_truncated_byte_fails_cleanly(level, check, dtype, verify):
+    """Every single-byte damage raises CorruptBlob/IncompatibleBlob, or (checksums not written
+    or not verified) decodes to a tensor of the right shape: never another exception."""
     t = (torch.randn(2, 16, 24) * 4).to(dtype)
     blob = codec.encode(t, key=b"key", fingerprint="fp", level=level, checksum=check)
     positions = sorted(set(range(0, len(blob), max(1, len(blob) // 300))) | {0, 7, 8, len(blob) - 1})
@@ -123,20 +106,93 @@ def test_any_flipped_or_truncated_byte_fails_cleanly(level, check, dtype):
         for flip in (0x01, 0x80, 0xFF):
             bad = bytearray(blob)
             bad[pos] ^= flip
-            _decode_or_clean_error(bytes(bad), check, t)
+            _decode_or_clean_error(bytes(bad), check and verify, t, verify)
     for cut in range(0, len(blob), max(1, len(blob) // 100)):
         with pytest.raises((CorruptBlob, IncompatibleBlob)):
-            codec.decode(blob[:cut], fingerprint="fp")
+            codec.decode(blob[:cut], fingerprint="fp", verify=verify)
 
 
-def _decode_or_clean_error(data: bytes, check: bool, original: torch.Tensor) -> None:
+def _decode_or_clean_error(data: bytes, exact: bool, original: torch.Tensor,
+                           verify: bool = True) -> None:
     try:
-        out = codec.decode(data, fingerprint="fp")
+        out = codec.decode(data, fingerprint="fp", verify=verify)
     except (CorruptBlob, IncompatibleBlob):
         return
-    if check:   # with checksums on, whatever decodes is exactly what was written
+    assert out.tensor.dtype == original.dtype and out.tensor.shape == original.shape
+    if exact:   # with checksums on, whatever decodes is exactly what was written
         assert same_bits(out.tensor, original)
         assert (out.key, out.layout, out.fingerprint) == (b"key", "", "fp")
+
+
+def _rewrite_meta(blob: bytes, **changes: str) -> bytes:
+    """The blob with metadata fields replaced (and its header re-packed), payload unchanged."""
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8:8 + n])
+    header["__metadata__"].update(changes)
+    header["__metadata__"].pop("meta_crc", None)
+    hj = json.dumps(header, separators=(",", ":")).encode()
+    hj += b" " * (-len(hj) % 8)
+    return struct.pack("<Q", len(hj)) + hj + blob[8 + n:]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_header_sizes_are_checked_before_allocating(verify):
+    import tracemalloc
+
+    t = kv_like((2, 2, 8, 16))
+    blob = codec.encode(t, key=b"k", fingerprint="fp", checksum=False)
+    streams = json.loads(codec.peek(blob)["streams"])
+    huge = [[name, c, 1 << 40] for name, c, _ in streams]
+    cases = [_rewrite_meta(blob, shape="[1099511627776, 2, 8, 16]"),      # 2^40 rows
+             _rewrite_meta(blob, streams=json.dumps(huge)),
+             _rewrite_meta(codec.encode(t, key=b"k", fingerprint="fp", level=0),
+                           shape="[4096, 4096, 4096]")]
+    tracemalloc.start()
+    try:
+        for bad in cases:
+            with pytest.raises(CorruptBlob):
+                codec.decode(bad, verify=verify)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
+
+
+def test_layout_must_match_when_given():
+    t = torch.randn(2, 4, 8).to(torch.bfloat16)
+    blob = codec.encode(t, key=b"k", fingerprint="fp", layout="cpu:blockdim0:[2, 4, 8]")
+    assert same_bits(codec.decode(blob, layout="cpu:blockdim0:[2, 4, 8]").tensor, t)
+    with pytest.raises(IncompatibleBlob, match="layout"):
+        codec.decode(blob, layout="cuda:blockdim1:[2, 4, 8]")
+
+
+def test_format_1_blobs_bytes_read_exp_refused():
+    t = torch.randn(3, 8, 16).to(torch.float16)
+    raw = codec.encode(t, key=b"k", fingerprint="fp", level=0)
+    planes = sh.split(t, "bytes").streams                   # high byte first
+    meta = {k: v for k, v in codec.peek(raw).items() if k != "meta_crc"}
+    v1 = codec._pack({**meta, "format_version": "1", "transform": "bytes",
+                      "streams": json.dumps([["plane0", "raw", t.numel()],
+                                             ["plane1", "raw", t.numel()]])},
+                     planes[::-1])                          # format 1: low byte first
+    assert same_bits(codec.decode(v1).tensor, t)
+    old_exp = _rewrite_meta(codec.encode(t.to(torch.bfloat16), key=b"k", fingerprint="fp"),
+                            format_version="1", transform="exp")
+    with pytest.raises(IncompatibleBlob, match="format 1"):
+        codec.decode(old_exp)
+
+
+def test_production_size_bf16_block():
+    """A 2.9 MB block shaped like SmolLM2's on vLLM CPU: large streams go through the
+    compress-or-not sampling; the round trip is exact and it compresses."""
+    t = kv_like((30, 3, 128, 128), seed=2)
+    blob = codec.encode(t, key=b"big", fingerprint="fp", num_tokens=128, layout="L")
+    assert same_bits(codec.decode(blob, fingerprint="fp", layout="L").tensor, t)
+    into = torch.empty_like(t)
+    assert codec.decode(blob, into=into).tensor is into and same_bits(into, t)
+    streams = {name: c for name, c, _ in json.loads(codec.peek(blob)["streams"])}
+    assert streams["exp4"] == "zstd"
+    assert len(blob) < 0.75 * t.numel() * 2
 
 
 @settings(max_examples=60, deadline=None)

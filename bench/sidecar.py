@@ -83,7 +83,7 @@ def seed_memory(root: Path, cfg_mem: dict[str, Any], n_chunks: int) -> dict[str,
     from cwm_plugin.sidecar.memory_factory import make_service
     from cwm_plugin.sidecar.settings import MemorySettings
 
-    service, _ = make_service(MemorySettings.model_validate(cfg_mem))
+    service = make_service(MemorySettings.model_validate(cfg_mem))
     lines = conversation_lines()
     per_session = 100
 

@@ -67,7 +67,9 @@ def chunk_id(session: str, text: str) -> str:
     return hashlib.sha256(f"{session}\n{text}".encode()).hexdigest()
 
 
-def make_chunk(session: str, units: list[Unit], counter: TokenCounter) -> Chunk:
+def make_chunk(session: str, units: list[Unit], counter: TokenCounter | None,
+               tokens: int | None = None) -> Chunk:
+    """The chunk of ``units``; ``tokens`` (known from a saved index) skips the counting."""
     header = f"[session {session}, {units[0].ts[:10]}]"
     text = "\n".join([header, *(u.text for u in units)])
     turn_ids: list[str] = []
@@ -76,7 +78,8 @@ def make_chunk(session: str, units: list[Unit], counter: TokenCounter) -> Chunk:
             turn_ids.append(u.turn_id)
     return Chunk(chunk_id=chunk_id(session, text), session=session, text=text,
                  turn_ids=turn_ids, lines=[u.text for u in units],
-                 tokens=counter.count(text), ts=units[-1].ts)
+                 tokens=tokens if tokens is not None else counter.count(text),  # type: ignore[union-attr]
+                 ts=units[-1].ts)
 
 
 def spans(units: list[Unit], start: int, chunk_tokens: int, overlap: int,

@@ -1,28 +1,65 @@
-"""``cwm memory``: reindex, search, add and show a tenant's file-first memory."""
+"""``cwm memory``: reindex, search, add and show a tenant's file-first memory.
+
+Settings come from ``--config`` (the sidecar's YAML: its ``memory`` section, so that an index
+written here is the one the sidecar loads) and from flags, which win over the file. Without
+``--config`` the defaults are the sidecar's defaults.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
+from cwm_plugin.errors import ConfigError
 from cwm_plugin.memory.models import CATEGORIES
+
+# flag -> MemoryConfig field, for the search and chunking settings
+TUNING = {"chunk_tokens": int, "chunk_overlap": int, "bm25_weight": float,
+          "vector_weight": float, "chunk_vector_weight": float, "candidate_multiplier": int,
+          "mmr_lambda": float, "recency_half_life_days": float, "max_facts": int}
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``make_service`` keywords: the config file's memory section, then the flags."""
+    kw: dict[str, Any] = {"tokenizer": "tiktoken:cl100k_base", "embedder": "local"}
+    if args.config:
+        from cwm_plugin.sidecar.memory_factory import service_kwargs
+        from cwm_plugin.sidecar.settings import load_settings
+
+        kw = service_kwargs(load_settings(args.config).memory)
+    if args.root is not None:
+        kw["root"] = args.root
+    if "root" not in kw:
+        raise ConfigError("no memory root", hint="pass --root or --config")
+    for flag in ("tokenizer", "embedder", "embedder_url", "embedder_model",
+                 *TUNING):
+        value = getattr(args, flag, None)
+        if value is not None:
+            kw[flag] = value
+    return kw
 
 
 def _service(args: argparse.Namespace):
     from cwm_plugin.memory.factory import make_service
 
-    return make_service(args.root, tokenizer=args.tokenizer, embedder=args.embedder,
-                        embedder_url=args.embedder_url, embedder_model=args.embedder_model)
+    kw = _settings(args)
+    return make_service(kw.pop("root"), **kw)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--root", type=Path, required=True, help="memory root folder")
-    p.add_argument("--tokenizer", default="tiktoken:cl100k_base",
-                   help="tiktoken:<encoding>, a tokenizer folder, or heuristic")
-    p.add_argument("--embedder", default="local", choices=("local", "openai", "hashing"))
+    p.add_argument("--config", type=Path, help="the sidecar's YAML (its memory section)")
+    p.add_argument("--root", type=Path, help="memory root folder (overrides --config)")
+    p.add_argument("--tokenizer", help="counts chunk sizes: tiktoken:<encoding>, a tokenizer "
+                                       "folder, or heuristic (default tiktoken:cl100k_base)")
+    p.add_argument("--embedder", choices=("local", "openai", "hashing"),
+                   help="default local (MiniLM)")
     p.add_argument("--embedder-url")
     p.add_argument("--embedder-model")
+    g = p.add_argument_group("search and chunking (default: the sidecar's defaults)")
+    for name, kind in TUNING.items():
+        g.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
 
 
 def cmd_reindex(args: argparse.Namespace) -> int:
@@ -35,6 +72,8 @@ def cmd_reindex(args: argparse.Namespace) -> int:
 def cmd_search(args: argparse.Namespace) -> int:
     svc = _service(args)
     hits = svc.search(args.tenant, args.query, args.k, mode=args.mode, session=args.session)
+    if args.memories:
+        hits = svc.search_memories(args.tenant, args.query, args.k, mode=args.mode) + hits
     if args.json:
         print(json.dumps([h.__dict__ for h in hits], indent=2))
         return 0
@@ -72,7 +111,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser("memory", help="file-first memory: reindex, search, add, show")
     sub = group.add_subparsers(dest="memory_cmd", required=True)
 
-    p = sub.add_parser("reindex", help="rebuild the indexes from the markdown files")
+    p = sub.add_parser("reindex", help="rebuild the indexes from the markdown files and save "
+                                       "them (a running sidecar on this root loads them)")
     _common(p)
     p.add_argument("--tenant")
     p.set_defaults(func=cmd_reindex)
@@ -84,6 +124,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-k", type=int, default=5)
     p.add_argument("--mode", default="hybrid", choices=("hybrid", "bm25", "vector"))
     p.add_argument("--session")
+    p.add_argument("--memories", action="store_true",
+                   help="also search the durable memories (listed first)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_search)
 

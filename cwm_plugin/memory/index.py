@@ -1,59 +1,34 @@
-"""One tenant's derived indexes: its chunks, a BM25 index over them, line vectors in hnswlib.
+"""One tenant's derived chunk index: its chunks, BM25 over them, line and chunk vectors.
 
-Everything here is rebuilt from the tenant's transcript files (``TenantIndex.build``) and kept
-up to date turn by turn (``add_turn``): chunking is incremental (only the session's last, open
-chunk changes), line vectors are appended (turns are never rewritten), and the BM25 index is
-rebuilt lazily on the next search after a change (rank-bm25 is static; a tenant's chunks number
-in the hundreds, so a rebuild costs milliseconds).
+Everything here is rebuilt from the tenant's transcript files and kept up to date turn by turn
+(``add_turns``): chunking is incremental (only the session's last, open chunk changes), line
+vectors are appended (turns are never rewritten), and BM25's statistics are updated chunk by
+chunk (``bm25.py``). A session whose file was edited by hand is dropped (``drop_session``) and
+indexed again from its file. ``persist.py`` writes and reads this state.
 
-Vectors are per *line* (one turn, or one piece of an over-long turn), not per chunk: MiniLM
-reads at most 256 word pieces, less than a 400-token chunk, so a whole-chunk vector would ignore
-its tail, and a mean over a dozen turns blurs the one turn a question is about. A chunk's vector
-score is therefore the best cosine similarity of any of its lines (a max-sim, late interaction).
+Vectors are per *line* (one turn, or one piece of an over-long turn, embedded with the line
+before it): MiniLM reads at most 256 word pieces, less than a 400-token chunk, so a whole-chunk
+vector would see only its head, and a mean over a dozen turns blurs the one turn a question is
+about. A chunk's vector score is the best cosine similarity of any of its lines (a max-sim,
+late interaction) plus ``chunk_weight`` (1 by default: the two terms weigh the same) times the
+cosine of the chunk's centroid (the normalised mean of its line vectors: what the chunk is
+about as a whole). On the LoCoMo development set the centroid term lifted vector-only recall@10
+from 0.816 to 0.830 and hybrid from 0.920 to 0.930; embedding the whole chunk text instead did
+as well (0.826 / 0.932) but cost a 256-token forward pass on every turn.
 """
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, field
 
 import hnswlib
 import numpy as np
-from rank_bm25 import BM25Okapi
 
+from cwm_plugin.memory.bm25 import BM25Corpus
 from cwm_plugin.memory.chunking import Unit, chunk_units, turn_units
 from cwm_plugin.memory.embeddings import Embedder
-from cwm_plugin.memory.models import Chunk, Turn
+from cwm_plugin.memory.models import Chunk, Hit, Turn
 from cwm_plugin.memory.tokens import TokenCounter
-
-_STOP = """a about above after again against all am an and any are as at be because
-been before being below between both but by can did do does doing down during each few for from
-further had has have having he her here hers herself him himself his how i if in into is it its
-itself just me more most my myself no nor not now of off on once only or other our ours ourselves
-out over own same she should so some such than that the their theirs them themselves then there
-these they this those through to too under until up very was we were what when where which while
-who whom why will with would you your yours yourself yourselves s t don ll m re ve d"""
-STOPWORDS = frozenset(_STOP.split())
-
-
-class LuceneBM25(BM25Okapi):
-    """BM25 with Lucene's idf ``log(1 + (N - n + 0.5) / (n + 0.5))``: always positive.
-
-    rank-bm25's Okapi idf is zero for a term in half the documents and negative (floored to a
-    constant) above that, so a new tenant with two chunks scores every query 0, and frequent
-    words all get the same floor. Lucene's form keeps the ordering and stays positive.
-    """
-
-    def _calc_idf(self, nd: dict[str, int]) -> None:
-        for word, freq in nd.items():
-            self.idf[word] = math.log(1.0 + (self.corpus_size - freq + 0.5) / (freq + 0.5))
-        self.average_idf = sum(self.idf.values()) / max(len(self.idf), 1)
-
-
-def bm25_tokens(text: str) -> list[str]:
-    """Lower-cased word tokens without English stop words (question words add only noise)."""
-    return [w for w in re.findall(r"[a-z0-9]+", text.lower()) if w not in STOPWORDS]
 
 
 @dataclass
@@ -63,23 +38,42 @@ class SessionState:
     spans: list[tuple[int, int, str]] = field(default_factory=list)  # (begin, end, chunk_id)
 
 
+def new_hnsw(dims: int, capacity: int = 1024) -> hnswlib.Index:
+    index = hnswlib.Index(space="cosine", dim=dims)
+    index.init_index(max_elements=capacity, ef_construction=200, M=16)
+    return index
+
+
+def knn_labels(index: hnswlib.Index, qvec: np.ndarray, k: int, live: int) -> set[int]:
+    """Labels of the ``k`` nearest of ``live`` undeleted items (hnswlib, approximate)."""
+    k = min(k, live)
+    if k <= 0:
+        return set()
+    index.set_ef(max(2 * k, 64))
+    labels, _ = index.knn_query(qvec.reshape(1, -1), k=k)
+    return {int(x) for x in labels[0]}
+
+
 class TenantIndex:
+    """Chunks of every session of one tenant, searchable by BM25 and vectors."""
+
     def __init__(self, embedder: Embedder, counter: TokenCounter, chunk_tokens: int,
-                 overlap: int, context_lines: int = 1) -> None:
+                 overlap: int, context_lines: int = 1, chunk_weight: float = 1.0) -> None:
         self.context_lines = context_lines
+        self.chunk_weight = chunk_weight
         self.embedder = embedder
         self.counter = counter
         self.chunk_tokens = chunk_tokens
         self.overlap = overlap
         self.chunks: dict[str, Chunk] = {}
         self.chunk_labels: dict[str, list[int]] = {}
+        self._centroids: dict[str, np.ndarray] = {}
         self.sessions: dict[str, SessionState] = {}
         self.offsets: dict[str, int] = {}  # bytes of each session file already indexed
         self.vectors = np.zeros((0, embedder.dims), dtype=np.float32)
-        self._hnsw = hnswlib.Index(space="cosine", dim=embedder.dims)
-        self._hnsw.init_index(max_elements=1024, ef_construction=200, M=16)
-        self._bm25: LuceneBM25 | None = None
-        self._bm25_ids: list[str] = []
+        self.hnsw = new_hnsw(embedder.dims)
+        self.deleted = 0  # line vectors marked deleted in hnsw (sessions dropped)
+        self._bm25 = BM25Corpus()
         self.added = 0  # chunks added since creation (for the metrics)
 
     # --- building ------------------------------------------------------------------------------
@@ -101,12 +95,31 @@ class TenantIndex:
             st.spans.append((b, e, chunk.chunk_id))
             self.chunks[chunk.chunk_id] = chunk
             self.chunk_labels[chunk.chunk_id] = st.labels[b:e]
+            self._bm25.add(chunk.chunk_id, chunk.text)
             self.added += 1
-        self._bm25 = None
+
+    def drop_session(self, session: str) -> None:
+        """Forget a session (its file was edited or removed); its line vectors are deleted."""
+        st = self.sessions.pop(session, None)
+        self.offsets.pop(session, None)
+        if st is None:
+            return
+        for _, _, cid in st.spans:
+            self._drop_chunk(cid)
+        for label in st.labels:
+            self.hnsw.mark_deleted(label)
+        self.deleted += len(st.labels)
+
+    def restore_chunk(self, chunk: Chunk) -> None:
+        """Add a chunk read back from a saved index (its lines' vectors are already there)."""
+        self.chunks[chunk.chunk_id] = chunk
+        self._bm25.add(chunk.chunk_id, chunk.text)
 
     def _drop_chunk(self, cid: str) -> None:
+        self._bm25.remove(cid)
         self.chunks.pop(cid, None)
         self.chunk_labels.pop(cid, None)
+        self._centroids.pop(cid, None)
 
     def _add_vectors(self, st: SessionState, units: list[Unit]) -> None:
         if not units:
@@ -121,50 +134,61 @@ class TenantIndex:
         labels = list(range(first, first + len(units)))
         self.vectors = np.concatenate([self.vectors, vecs]) if first else vecs
         need = first + len(units)
-        if need > self._hnsw.get_max_elements():
-            self._hnsw.resize_index(max(need, 2 * self._hnsw.get_max_elements()))
-        self._hnsw.add_items(vecs, np.asarray(labels))
+        if need > self.hnsw.get_max_elements():
+            self.hnsw.resize_index(max(need, 2 * self.hnsw.get_max_elements()))
+        self.hnsw.add_items(vecs, np.asarray(labels))
         st.labels.extend(labels)
 
-    # --- scoring -------------------------------------------------------------------------------
+    # --- the corpus protocol of search.py --------------------------------------------------------
 
-    def chunk_ids(self, session: str | None = None) -> list[str]:
+    @property
+    def n_vectors(self) -> int:
+        return int(self.vectors.shape[0])
+
+    def doc_ids(self, session: str | None = None) -> list[str]:
         if session is None:
             return list(self.chunks)
         return [c for _, _, c in self.sessions.get(session, SessionState()).spans]
 
     def bm25_scores(self, query: str) -> dict[str, float]:
         """BM25 score of every chunk (0 for chunks sharing no term with the query)."""
-        if not self.chunks:
-            return {}
-        if self._bm25 is None:
-            self._bm25_ids = list(self.chunks)
-            self._bm25 = LuceneBM25([bm25_tokens(self.chunks[c].text) or ["_"]
-                                    for c in self._bm25_ids])
-        terms = bm25_tokens(query)
-        if not terms:
-            return dict.fromkeys(self._bm25_ids, 0.0)
-        scores = self._bm25.get_scores(terms)
-        return {c: float(s) for c, s in zip(self._bm25_ids, scores, strict=True)}
+        return self._bm25.scores(query)
 
     def vector_candidates(self, qvec: np.ndarray, n_lines: int) -> list[str]:
         """Chunks holding one of the ``n_lines`` nearest lines (hnswlib, approximate)."""
-        total = self._hnsw.get_current_count()
-        if total == 0:
+        wanted = knn_labels(self.hnsw, qvec, n_lines, self.n_vectors - self.deleted)
+        if not wanted:
             return []
-        k = min(n_lines, total)
-        self._hnsw.set_ef(max(2 * k, 64))
-        labels, _ = self._hnsw.knn_query(qvec.reshape(1, -1), k=k)
-        wanted = {int(x) for x in labels[0]}
         return [c for c, labs in self.chunk_labels.items() if wanted.intersection(labs)]
 
-    def vector_score(self, qvec: np.ndarray, cid: str) -> float:
-        """Exact max cosine similarity between the query and the chunk's lines."""
+    def line_scores(self, qvec: np.ndarray, cid: str) -> np.ndarray | None:
         labs = self.chunk_labels.get(cid)
-        if not labs:
-            return 0.0
-        return float(np.max(self.vectors[labs] @ qvec))
+        return self.vectors[labs] @ qvec if labs else None
 
-    def chunk_vector(self, cid: str) -> np.ndarray:
-        v = self.vectors[self.chunk_labels[cid]].mean(0)
-        return v / max(float(np.linalg.norm(v)), 1e-12)
+    def vector_score(self, qvec: np.ndarray, cid: str) -> float:
+        """Max cosine over the chunk's lines plus ``chunk_weight`` x its centroid's cosine."""
+        lines = self.line_scores(qvec, cid)
+        if lines is None:
+            return 0.0
+        extra = float(self.doc_vector(cid) @ qvec) * self.chunk_weight if self.chunk_weight \
+            else 0.0
+        return float(np.max(lines)) + extra
+
+    def doc_vector(self, cid: str) -> np.ndarray:
+        """The chunk's centroid: the normalised mean of its line vectors (cached)."""
+        v = self._centroids.get(cid)
+        if v is None:
+            v = self.vectors[self.chunk_labels[cid]].mean(0)
+            v = self._centroids[cid] = v / max(float(np.linalg.norm(v)), 1e-12)
+        return v
+
+    def ts(self, cid: str) -> str:
+        return self.chunks[cid].ts
+
+    def prior(self, cid: str) -> float:
+        return 1.0
+
+    def hit(self, cid: str, score: float, reasons: dict[str, float]) -> Hit:
+        ch = self.chunks[cid]
+        return Hit(text=ch.text, score=score, source=f"session:{ch.session}", chunk_id=cid,
+                   turn_ids=list(ch.turn_ids), reasons=reasons)

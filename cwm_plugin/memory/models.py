@@ -10,18 +10,20 @@ CATEGORIES = ("preference", "goal", "decision", "fact")
 
 @dataclass
 class MemoryConfig:
-    """Knobs of the memory service; defaults are chosen on principle, see ``search.py``."""
+    """Knobs of the memory service; the search defaults are explained in ``search.py``."""
 
     root: Path
     chunk_tokens: int = 400
     chunk_overlap: int = 80
-    bm25_weight: float = 0.3
-    vector_weight: float = 0.7
+    bm25_weight: float = 0.5
+    vector_weight: float = 0.5
     candidate_multiplier: int = 4
     mmr_lambda: float | None = None
     recency_half_life_days: float | None = None
-    recent_turns: int = 6
+    recent_turns: int = 6  # history messages kept verbatim (a tool call stays with its results)
     vector_context_lines: int = 1  # each line is embedded with the line before it (index.py)
+    chunk_vector_weight: float = 1.0  # weight of the chunk centroid's cosine (index.py)
+    max_facts: int = 8  # durable memories offered to a selection
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -89,3 +91,4 @@ class Selection:
     facts: list[Memory]
     tokens: int
     reasons: list[str]
+    fact_hits: list[Hit] = field(default_factory=list)  # the kept memories as search hits

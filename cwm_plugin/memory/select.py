@@ -2,45 +2,54 @@
 
 Order of priority (each item is kept only if everything kept so far plus it still fits):
 
-1. the last ``recent_turns`` turns, newest first (the model needs the thread of the talk);
-2. durable facts, best first by ``0.5 * importance + 0.5 * cosine(query, fact)``, at most 8;
+1. the last ``recent_turns`` history messages, newest group first (``history.py``: a tool call
+   stays with its results), then older system/developer messages (pinned instructions);
+2. durable memories in the order hybrid search ranked them (``search.py``), at most
+   ``max_facts``;
 3. the session's running summary;
 4. retrieved chunks in score order, skipping those whose turns are all among the recent ones.
 
 A chunk that does not fit whole is trimmed to the lines nearest its best-matching line before
-it is given up. The budget is checked by counting the *assembled* text with the same
-``TokenCounter`` the caller uses, so ``Selection.tokens <= budget`` always holds.
+it is given up. Costs are added up from the counted pieces (each line, fact, header and
+separator, counted once and cached), which is cheap even when counting means asking vLLM's
+``/tokenize``; the assembled block is then counted exactly with the same ``TokenCounter`` and,
+should joining pieces have cost more than their sum, the last items are dropped until it fits,
+so ``Selection.tokens <= budget`` always holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from cwm_plugin.memory.history import window
 from cwm_plugin.memory.models import Hit, Memory, Selection
 from cwm_plugin.memory.tokens import TokenCounter
 
 FACTS_HEADER = "Known facts about the user:"
 SUMMARY_HEADER = "Summary of this conversation so far:"
 HITS_HEADER = "Relevant earlier conversation:"
-MAX_FACTS = 8
+JOIN_MARGIN = 1  # tokens allowed for each separator ("\n" or "\n\n") between pieces
 
 
 @dataclass
 class Candidates:
     facts: list[Memory]
-    fact_scores: list[float]
+    fact_hits: list[Hit]  # the memories' search hits, same order (scores and reasons)
     summary: str | None
     hits: list[Hit]
     hit_line_scores: list[np.ndarray | None]  # per hit: similarity of each line, or None
 
 
+def fact_line(m: Memory) -> str:
+    return f"- ({m.category}) {m.text}"
+
+
 def render(facts: list[Memory], summary: str | None, hits: list[tuple[Hit, str]]) -> str:
     parts = []
     if facts:
-        parts.append("\n".join([FACTS_HEADER, *(f"- ({m.category}) {m.text}" for m in facts)]))
+        parts.append("\n".join([FACTS_HEADER, *(fact_line(m) for m in facts)]))
     if summary:
         parts.append(f"{SUMMARY_HEADER}\n{summary.strip()}")
     if hits:
@@ -48,90 +57,147 @@ def render(facts: list[Memory], summary: str | None, hits: list[tuple[Hit, str]]
     return "\n\n".join(parts)
 
 
-def _trim(hit: Hit, line_scores: np.ndarray | None, fits: Callable[[str], bool]) -> str | None:
-    """The widest window of the chunk's lines around its best line that fits, or None."""
+class _Pieces:
+    """Token counts of pieces of text, each counted once."""
+
+    def __init__(self, counter: TokenCounter) -> None:
+        self.counter = counter
+        self._cache: dict[str, int] = {}
+
+    def __call__(self, text: str) -> int:
+        n = self._cache.get(text)
+        if n is None:
+            n = self._cache[text] = self.counter.count(text)
+        return n
+
+    def lines(self, lines: list[str]) -> int:
+        return sum(self(x) for x in lines) + JOIN_MARGIN * max(0, len(lines) - 1)
+
+
+def _estimate(p: _Pieces, facts: list[Memory], summary: str | None,
+              hits: list[tuple[Hit, str]]) -> int:
+    """An upper estimate of ``count(render(...))`` from the pieces' counts."""
+    parts = []
+    if facts:
+        parts.append(p.lines([FACTS_HEADER, *(fact_line(m) for m in facts)]))
+    if summary:
+        parts.append(p.lines([SUMMARY_HEADER, summary.strip()]))
+    if hits:
+        parts.append(p(HITS_HEADER) + sum(p.lines(t.split("\n")) + JOIN_MARGIN for _, t in hits))
+    return sum(parts) + JOIN_MARGIN * max(0, len(parts) - 1)
+
+
+def _trim(hit: Hit, line_scores: np.ndarray | None, p: _Pieces, room: int) -> str | None:
+    """The widest window of the chunk's lines around its best line costing <= ``room``."""
     lines = hit.text.split("\n")
     header, body = lines[0], lines[1:]
     if not body:
         return None
-    if line_scores is not None and len(line_scores) == len(body):
-        best = int(np.argmax(line_scores))
-    else:
-        best = len(body) // 2
+    best = int(np.argmax(line_scores)) if line_scores is not None and \
+        len(line_scores) == len(body) else len(body) // 2
     lo, hi = best, best + 1
-    if not fits("\n".join([header, *body[lo:hi]])):
+
+    def cost(a: int, b: int) -> int:
+        return p.lines([header, *body[a:b]]) + JOIN_MARGIN
+
+    if cost(lo, hi) > room:
         return None
     while True:
         grown = False
         for nlo, nhi in ((lo - 1, hi), (lo, hi + 1)):
-            if nlo >= 0 and nhi <= len(body) and fits("\n".join([header, *body[nlo:nhi]])):
+            if nlo >= 0 and nhi <= len(body) and cost(nlo, nhi) <= room:
                 lo, hi, grown = nlo, nhi, True
         if not grown:
             return "\n".join([header, *body[lo:hi]])
 
 
-def select(counter: TokenCounter, history: list[dict], recent_turns: int, budget: int,
-           cands: Candidates, recent_turn_ids: set[str] | None = None) -> Selection:
-    reasons: list[str] = []
-    recent: list[dict] = []
+def _recent(counter: TokenCounter, history: list[dict], n: int, budget: int,
+            reasons: list[str]) -> tuple[list[dict], int]:
+    groups, pinned = window(history, n)
+    kept: list[list[dict]] = []
     used = 0
-    for m in reversed(history[-recent_turns:] if recent_turns else []):
+    for i in range(len(groups) - 1, -1, -1):
+        g = groups[i]
+        cost = counter.count_messages(g)
+        what = "/".join(str(m.get("role")) for m in g)
+        if used + cost > budget:
+            reasons.append(f"drop recent {what} turn ({cost} tokens): over budget")
+            if i:
+                reasons.append(f"drop {i} older recent turns: over budget")
+            break
+        kept.insert(0, g)
+        used += cost
+        reasons.append(f"keep recent {what} turn ({cost} tokens)")
+    pins: list[dict] = []
+    for m in pinned:
         cost = counter.count_messages([m])
         if used + cost <= budget:
-            recent.insert(0, m)
+            pins.append(m)
             used += cost
-            reasons.append(f"keep recent {m.get('role')} turn ({cost} tokens)")
+            reasons.append(f"keep pinned {m.get('role')} message ({cost} tokens)")
         else:
-            reasons.append(f"drop recent {m.get('role')} turn ({cost} tokens): over budget")
-            break
-    dropped_older = len(history[-recent_turns:] if recent_turns else []) - len(recent)
-    if dropped_older > 1:
-        reasons.append(f"drop {dropped_older - 1} older recent turns: over budget")
+            reasons.append(f"drop pinned {m.get('role')} message ({cost} tokens): over budget")
+    return pins + [m for g in kept for m in g], used
+
+
+def select(counter: TokenCounter, history: list[dict], recent_turns: int, budget: int,
+           cands: Candidates, recent_turn_ids: set[str] | None = None,
+           max_facts: int = 8) -> Selection:
+    reasons: list[str] = []
+    recent, used = _recent(counter, history, recent_turns, budget, reasons)
     recent_text = {" ".join(str(m.get("content", "")).split()) for m in recent}
     recent_ids = recent_turn_ids or set()
-
+    p = _Pieces(counter)
+    room = budget - used
     facts: list[Memory] = []
     summary: str | None = None
     kept: list[tuple[Hit, str]] = []
 
-    def fits_with(f: list[Memory], s: str | None, h: list[tuple[Hit, str]]) -> bool:
-        return used + counter.count(render(f, s, h)) <= budget
-
-    order = sorted(range(len(cands.facts)), key=lambda i: -cands.fact_scores[i])[:MAX_FACTS]
-    for i in order:
-        m = cands.facts[i]
-        if fits_with([*facts, m], summary, kept):
+    for m, h in list(zip(cands.facts, cands.fact_hits, strict=True))[:max(0, max_facts)]:
+        if _estimate(p, [*facts, m], summary, kept) <= room:
             facts.append(m)
-            reasons.append(f"keep fact {m.id} ({m.category}, score {cands.fact_scores[i]:.2f})")
+            reasons.append(f"keep memory {m.id} ({m.category}, score {h.score:.3f})")
         else:
-            reasons.append(f"drop fact {m.id}: over budget")
+            reasons.append(f"drop memory {m.id}: over budget")
     if cands.summary:
-        if fits_with(facts, cands.summary, kept):
+        if _estimate(p, facts, cands.summary, kept) <= room:
             summary = cands.summary
             reasons.append("keep session summary")
         else:
             reasons.append("drop session summary: over budget")
     for hit, line_scores in zip(cands.hits, cands.hit_line_scores, strict=True):
         short = hit.chunk_id[:12]
-        if hit.turn_ids and recent_ids.issuperset(hit.turn_ids):
-            reasons.append(f"skip chunk {short}: its turns are all recent")
-            continue
         body = [ln.split(": ", 1)[-1] for ln in hit.text.split("\n")[1:]]
-        if body and all(" ".join(b.split()) in recent_text for b in body):
+        if (hit.turn_ids and recent_ids.issuperset(hit.turn_ids)) or \
+                (body and all(" ".join(b.split()) in recent_text for b in body)):
             reasons.append(f"skip chunk {short}: its turns are all recent")
             continue
-        if fits_with(facts, summary, [*kept, (hit, hit.text)]):
+        if _estimate(p, facts, summary, [*kept, (hit, hit.text)]) <= room:
             kept.append((hit, hit.text))
             reasons.append(f"keep chunk {short} ({hit.source}, score {hit.score:.3f})")
             continue
-        part = _trim(hit, line_scores, lambda t, h=hit: fits_with(facts, summary,
-                                                                    [*kept, (h, t)]))
+        left = room - _estimate(p, facts, summary, kept) - (0 if kept else p(HITS_HEADER)
+                                                            + JOIN_MARGIN)
+        part = _trim(hit, line_scores, p, left)
         if part is not None:
             kept.append((hit, part))
             reasons.append(f"keep part of chunk {short} ({hit.source}, score {hit.score:.3f})")
         else:
             reasons.append(f"drop chunk {short} (score {hit.score:.3f}): over budget")
     block = render(facts, summary, kept)
+    while block and counter.count(block) > room:  # the pieces cost more once joined
+        if kept:
+            h, _ = kept.pop()
+            reasons.append(f"drop chunk {h.chunk_id[:12]}: over budget once assembled")
+        elif summary:
+            summary = None
+            reasons.append("drop session summary: over budget once assembled")
+        else:
+            m = facts.pop()
+            reasons.append(f"drop memory {m.id}: over budget once assembled")
+        block = render(facts, summary, kept)
     tokens = (counter.count(block) if block else 0) + counter.count_messages(recent)
     return Selection(recent=recent, memory_block=block, hits=[h for h, _ in kept],
-                     summary=summary, facts=facts, tokens=tokens, reasons=reasons)
+                     summary=summary, facts=facts, tokens=tokens, reasons=reasons,
+                     fact_hits=[h for m, h in zip(cands.facts, cands.fact_hits, strict=True)
+                                if m in facts])

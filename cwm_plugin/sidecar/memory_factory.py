@@ -1,7 +1,8 @@
 """Building the memory package's ``MemoryService`` from the sidecar's settings.
 
-A translation of :class:`MemorySettings` into ``cwm_plugin.memory.factory.make_service``; the
-memory package owns the embedder and counter choices.
+A translation of :class:`MemorySettings` into ``cwm_plugin.memory.factory.make_service``
+keywords (``service_kwargs``, also used by ``cwm memory --config``, so the CLI builds exactly
+the index the sidecar loads); the memory package owns the embedder and counter choices.
 """
 
 from __future__ import annotations
@@ -11,13 +12,20 @@ from typing import Any
 from cwm_plugin.sidecar.settings import MemorySettings
 
 
-def make_service(cfg: MemorySettings) -> tuple[Any, Any]:
-    """``(MemoryService, TokenCounter)`` for these settings."""
+def service_kwargs(cfg: MemorySettings) -> dict[str, Any]:
+    """``root`` and the keywords of ``cwm_plugin.memory.factory.make_service``."""
+    emb = cfg.embedder
+    return {"root": cfg.root, "tokenizer": cfg.index_tokenizer, "embedder": emb.kind,
+            "embedder_url": emb.url, "embedder_model": emb.model, "dims": emb.dims,
+            "chunk_tokens": cfg.chunk_tokens, "chunk_overlap": cfg.chunk_overlap,
+            "vector_context_lines": cfg.vector_context_lines, "recent_turns": cfg.recent_turns,
+            **cfg.search.model_dump()}
+
+
+def make_service(cfg: MemorySettings, metrics: Any = None) -> Any:
+    """The ``MemoryService`` these settings describe; its metrics on ``metrics`` (a
+    ``MemoryMetrics``) when given."""
     from cwm_plugin.memory.factory import make_service as memory_service
 
-    emb = cfg.embedder
-    service = memory_service(
-        cfg.root, tokenizer=cfg.tokenizer, embedder=emb.kind, embedder_url=emb.url,
-        embedder_model=emb.model, dims=emb.dims, chunk_tokens=cfg.chunk_tokens,
-        chunk_overlap=cfg.chunk_overlap, recent_turns=cfg.recent_turns)
-    return service, service.counter
+    kw = service_kwargs(cfg)
+    return memory_service(kw.pop("root"), metrics=metrics, **kw)

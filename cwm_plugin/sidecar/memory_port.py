@@ -113,7 +113,7 @@ class MemoryPort:
                            turns: list[tuple[str, str]]) -> list[str]:
         """Append turns in order, adjacent in the file (the service's tenant lock is
         re-entrant, so holding it keeps another request's turn from landing in between)."""
-        lock_of = getattr(self.service, "_lock", None)
+        lock_of = getattr(self.service, "lock", None)
 
         def run() -> list[str]:
             lock = lock_of(tenant) if lock_of is not None else contextlib.nullcontext()
@@ -132,9 +132,11 @@ class MemoryPort:
                                 importance)
 
 
-def build_memory(cfg: MemorySettings) -> MemoryPort:
-    """Build the memory service the settings describe (imports the memory package lazily)."""
+def build_memory(cfg: MemorySettings, registry: Any = None) -> MemoryPort:
+    """Build the memory service the settings describe (imports the memory package lazily);
+    its ``cwm_memory_*`` metrics are registered on ``registry`` (the sidecar's)."""
+    from cwm_plugin.memory.metrics import MemoryMetrics
     from cwm_plugin.sidecar.memory_factory import make_service
 
-    service, counter = make_service(cfg)
-    return MemoryPort(service, counter)
+    service = make_service(cfg, MemoryMetrics(registry) if registry is not None else None)
+    return MemoryPort(service, service.counter)

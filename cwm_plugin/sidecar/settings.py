@@ -81,17 +81,41 @@ class EmbedderConfig(_Strict):
     dims: int = 384
 
 
+class SearchSettings(_Strict):
+    """Hybrid search (see ``cwm_plugin/memory/search.py`` for what each one does)."""
+
+    bm25_weight: float = Field(default=0.5, ge=0)
+    vector_weight: float = Field(default=0.5, ge=0)
+    chunk_vector_weight: float = Field(default=1.0, ge=0)  # chunk centroid's cosine, vector score
+    candidate_multiplier: int = Field(default=4, ge=1)
+    mmr_lambda: float | None = Field(default=None, ge=0, le=1)  # None: no MMR re-ranking
+    recency_half_life_days: float | None = Field(default=None, gt=0)  # None: no decay
+    max_facts: int = Field(default=8, ge=0)  # durable memories offered to a selection
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> SearchSettings:
+        if self.bm25_weight + self.vector_weight <= 0:
+            raise ValueError("bm25_weight + vector_weight must be > 0")
+        return self
+
+
 class MemorySettings(_Strict):
     """The memory package's settings plus what the sidecar decides about them."""
 
     root: Path = Path("./cwm-memory")
-    tokenizer: str = "tiktoken:cl100k_base"  # or a folder with an HF tokenizer
+    # Counts chunk sizes in the index (any local tokenizer; part of the saved index's identity).
+    index_tokenizer: str = "tiktoken:cl100k_base"
+    # Counts budgets and prompts: the served model's tokenizer (see cwm_plugin.sidecar.counting).
+    tokenizer: str = "auto"
+    tokenizers: dict[str, str] = Field(default_factory=dict)  # per served model name
     embedder: EmbedderConfig = EmbedderConfig()
+    search: SearchSettings = SearchSettings()
     budget_tokens: int = Field(default=1024, ge=0)
     budget_fraction: float = Field(default=0.25, gt=0, le=1)  # of max_model_len, the smaller wins
     recent_turns: int = Field(default=6, ge=0)
-    chunk_tokens: int = 400
-    chunk_overlap: int = 80
+    chunk_tokens: int = Field(default=400, ge=16)
+    chunk_overlap: int = Field(default=80, ge=0)
+    vector_context_lines: int = Field(default=1, ge=0, le=1)  # embed a line with the one before
     summary_every_turns: int = Field(default=8, ge=0)  # 0: never
     extract_facts: bool = True
     structured_facts: bool = True  # ask vLLM for schema-constrained JSON (structured outputs)

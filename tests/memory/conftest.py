@@ -27,9 +27,9 @@ def make_service(tmp_path: Path, counter: TiktokenCounter):
     """``make_service(embedder=None, root=None, **config)``; hashing embedder by default."""
     made: list[MemoryService] = []
 
-    def make(embedder=None, root: Path | None = None, **config) -> MemoryService:
+    def make(embedder=None, root: Path | None = None, metrics=None, **config) -> MemoryService:
         svc = MemoryService(MemoryConfig(root=root or tmp_path / "mem", **config),
-                            embedder or HashingEmbedder(), counter)
+                            embedder or HashingEmbedder(), counter, metrics)
         made.append(svc)
         return svc
 

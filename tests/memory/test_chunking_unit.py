@@ -73,5 +73,5 @@ def test_incremental_equals_full(counter, texts: list[str], split: int) -> None:
         inc.add_turns("s", turns[i:i + max(1, split)])
     full = TenantIndex(HashingEmbedder(32), counter, 120, 30)
     full.add_turns("s", turns)
-    assert inc.chunk_ids("s") == full.chunk_ids("s")
+    assert inc.doc_ids("s") == full.doc_ids("s")
     assert set(inc.chunks) == set(full.chunks)

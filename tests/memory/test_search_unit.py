@@ -43,9 +43,11 @@ def test_hybrid_combines_both_methods(make_service, minilm) -> None:
     assert top(bm25, 1) == ["c1"]  # the exact token
     assert "c2" in top(vec, 2)  # the paraphrase (pet dog ~ adopted a puppy)
     assert set(top(hyb, 2)) == {"c1", "c2"}
+    cfg = svc.config
     for h in hyb:  # the score is the documented weighted sum of min-max normalised scores
         r = h.reasons
-        assert h.score == pytest.approx(0.3 * r["bm25_norm"] + 0.7 * r["vector_norm"])
+        assert h.score == pytest.approx(cfg.bm25_weight * r["bm25_norm"]
+                                        + cfg.vector_weight * r["vector_norm"])
     assert hyb[0].reasons["bm25_norm"] == 1.0 or hyb[0].reasons["vector_norm"] == 1.0
 
 
@@ -99,8 +101,7 @@ def test_tenant_isolation(make_service, minilm, tmp_path) -> None:
 
 def test_reindex_and_new_process_give_identical_results(make_service, minilm, tmp_path) -> None:
     metrics = MemoryMetrics()
-    svc = make_service(minilm, chunk_tokens=60, chunk_overlap=20)
-    svc.metrics = metrics
+    svc = make_service(minilm, chunk_tokens=60, chunk_overlap=20, metrics=metrics)
     for i, (tid, text) in enumerate(CORPUS * 3):
         svc.record_turn("acme", f"s{i % 2}", "user", text, turn_id=f"{tid}-{i}")
     queries = ["puppy in the park", "ZX-4417", "flight to Lisbon", "report due"]
@@ -111,7 +112,7 @@ def test_reindex_and_new_process_give_identical_results(make_service, minilm, tm
 
     before = snapshot(svc)
     n = svc.reindex(progress=False)
-    assert n == len(svc._index("acme").chunks) > 2
+    assert n == len(svc.index("acme").chunks) > 2
     assert snapshot(svc) == before
     fresh = make_service(minilm, root=svc.config.root, chunk_tokens=60, chunk_overlap=20)
     assert snapshot(fresh) == before
@@ -137,8 +138,8 @@ def test_two_writers_on_one_root_see_each_other(make_service) -> None:
     a.search("acme", "anything", 1)
     fresh = make_service(root=a.config.root)
     fresh.search("acme", "anything", 1)
-    ids = set(fresh._index("acme").chunks)
-    assert set(a._index("acme").chunks) == ids == set(b._index("acme").chunks)
+    ids = set(fresh.index("acme").chunks)
+    assert set(a.index("acme").chunks) == ids == set(b.index("acme").chunks)
 
 
 def test_index_grows_past_its_initial_capacity(counter) -> None:

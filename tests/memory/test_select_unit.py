@@ -84,3 +84,44 @@ def test_small_budget_drops_with_reasons(filled, counter) -> None:
     assert sel.tokens <= 60
     assert any("over budget" in r for r in sel.reasons)
     assert filled.select_context("acme", "s0", msgs, 0).tokens == 0
+
+
+TOOL_CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function",
+     "function": {"name": "weather", "arguments": '{"city": "Basel"}'}}]}
+TOOL_REPLY = {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees, rain"}
+
+
+def test_a_tool_result_is_never_kept_without_its_call(filled) -> None:
+    msgs = [*history(3), {"role": "user", "content": "Weather in Basel?"}, TOOL_CALL,
+            TOOL_REPLY, {"role": "assistant", "content": "It rains, 12 degrees."},
+            {"role": "user", "content": "And tomorrow?"}]
+    for n in range(1, 6):  # however the window falls, call and result stay together
+        filled.config.recent_turns = n
+        try:
+            sel = filled.select_context("acme", "s2", msgs, 4000)
+        finally:
+            filled.config.recent_turns = 6
+        assert (TOOL_REPLY in sel.recent) == (TOOL_CALL in sel.recent)
+        assert len(sel.recent) >= n
+    # a budget that fits the answer but not the call group drops the group whole
+    small = filled.counter.count_messages(msgs[-2:-1]) + 1
+    sel = filled.select_context("acme", "s2", msgs, small)
+    assert TOOL_REPLY not in sel.recent and TOOL_CALL not in sel.recent
+    assert sel.recent == [msgs[-2]]
+
+
+def test_developer_prefix_not_repeated_and_mid_conversation_system_kept(filled) -> None:
+    prefix = [{"role": "system", "content": "You are helpful."},
+              {"role": "developer", "content": "Answer in French."}]
+    mid = {"role": "system", "content": "From now on, answer in German."}
+    msgs = [*prefix, *history(1), mid, *history(4),
+            {"role": "user", "content": "Wie geht's?"}]
+    sel = filled.select_context("acme", "s2", msgs, 4000)
+    assert not any(m in sel.recent for m in prefix)  # the caller keeps the prefix in place
+    assert mid in sel.recent  # older than the window, pinned as an instruction
+    assert sel.recent[0] == mid and sel.recent[1:] == msgs[-7:-1]
+    assert any(r.startswith("keep pinned system message") for r in sel.reasons)
+    tiny = filled.select_context("acme", "s2", msgs, filled.counter.count_messages(msgs[-2:-1]))
+    assert mid not in tiny.recent
+    assert any(r.startswith("drop pinned system message") for r in tiny.reasons)

@@ -1,0 +1,257 @@
+"""Each tenant's derived indexes over time: loaded from disk or built, kept in step with files.
+
+The markdown files are the truth; this module makes each tenant's ``TenantIndex`` agree with
+them. On first use the saved index (``persist.py``) is loaded if it was built with the same
+settings, else the index is built from the files and saved. Each session file then has a mark
+(bytes indexed, size, mtime, sha256 of the indexed bytes); whenever a file's size or mtime
+differs from its mark, the file is read again: if its indexed bytes are unchanged, only the
+turns appended after them are indexed (another process wrote); otherwise (edited or truncated
+by hand) the session is dropped from the index and indexed again from the file. A removed file
+drops its session. When another process (``cwm memory reindex``) makes a new saved generation
+current, it is loaded in place of the one in memory. Callers hold the tenant's lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from cwm_plugin.memory import persist
+from cwm_plugin.memory.embeddings import Embedder
+from cwm_plugin.memory.files import MemoryFiles, decode_turns_at, encode_turn
+from cwm_plugin.memory.index import TenantIndex
+from cwm_plugin.memory.memindex import MemoryIndex
+from cwm_plugin.memory.metrics import MemoryMetrics
+from cwm_plugin.memory.models import MemoryConfig, Turn
+from cwm_plugin.memory.tokens import TokenCounter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LiveMark:
+    """A ``FileMark`` with the running sha256 of the indexed bytes."""
+
+    offset: int = 0
+    size: int = -1
+    mtime_ns: int = -1
+    hasher: object = field(default_factory=hashlib.sha256)
+
+    def frozen(self) -> persist.FileMark:
+        return persist.FileMark(self.offset, self.size, self.mtime_ns,
+                                self.hasher.hexdigest())  # type: ignore[attr-defined]
+
+
+@dataclass
+class _Tenant:
+    index: TenantIndex
+    marks: dict[str, LiveMark]
+    generation: str | None
+    dirty: bool = False
+    memories: MemoryIndex | None = None
+
+
+class TenantIndexes:
+    def __init__(self, files: MemoryFiles, config: MemoryConfig, embedder: Embedder,
+                 counter: TokenCounter, metrics: MemoryMetrics) -> None:
+        self.files = files
+        self.config = config
+        self.embedder = embedder
+        self.counter = counter
+        self.metrics = metrics
+        self._tenants: dict[str, _Tenant] = {}
+
+    def _new_index(self) -> TenantIndex:
+        c = self.config
+        return TenantIndex(self.embedder, self.counter, c.chunk_tokens, c.chunk_overlap,
+                           c.vector_context_lines, c.chunk_vector_weight)
+
+    # --- loading, building, saving ---------------------------------------------------------------
+
+    def loaded(self, tenant: str) -> bool:
+        return tenant in self._tenants
+
+    def get(self, tenant: str, bar: tqdm | None = None) -> TenantIndex:
+        """The tenant's index: in memory, else loaded from disk, else built from the files."""
+        t = self._tenants.get(tenant)
+        if t is None:
+            t = self._load(tenant, bar) or self._build(tenant, bar)
+            self._tenants[tenant] = t
+        return t.index
+
+    def _load(self, tenant: str, bar: tqdm | None) -> _Tenant | None:
+        idx = self._new_index()
+        got = persist.load(idx, self.files.root, tenant)
+        if got is None:
+            return None
+        frozen, gen = got
+        t = _Tenant(idx, {}, gen)
+        for session, fm in frozen.items():
+            mark = LiveMark(fm.offset, fm.size, fm.mtime_ns)
+            mark.hasher = _Digest(fm.digest, fm.offset)  # verified when the file differs
+            t.marks[session] = mark
+        self._sync(tenant, t)
+        if bar is not None:
+            bar.update(len(self.files.sessions(tenant)))
+        return t
+
+    def _build(self, tenant: str, bar: tqdm | None) -> _Tenant:
+        t = _Tenant(self._new_index(), {}, None)
+        for session in self.files.sessions(tenant):
+            self._sync_session(tenant, t, session)
+            if bar is not None:
+                bar.update(1)
+        if t.index.chunks:
+            self._save(tenant, t)
+        return t
+
+    def rebuild(self, tenant: str, bar: tqdm | None = None) -> TenantIndex:
+        """Build the tenant's index from its files, ignoring what is saved, and save it."""
+        self._tenants.pop(tenant, None)
+        t = self._build(tenant, bar)
+        if not t.index.chunks:
+            self._save(tenant, t)
+        self._tenants[tenant] = t
+        return t.index
+
+    def _save(self, tenant: str, t: _Tenant) -> None:
+        marks = {s: m.frozen() for s, m in t.marks.items()}
+        t.generation = persist.save(t.index, marks, self.files.root, tenant)
+        t.dirty = False
+
+    def save(self, tenant: str | None = None) -> int:
+        """Save the indexes changed since they were last saved; returns how many."""
+        n = 0
+        for name, t in list(self._tenants.items()):
+            if (tenant is None or name == tenant) and t.dirty:
+                self._save(name, t)
+                n += 1
+        return n
+
+    # --- keeping up with the files -------------------------------------------------------------
+
+    def refresh(self, tenant: str) -> TenantIndex:
+        """The tenant's index after catching up with every change to its files."""
+        idx = self.get(tenant)
+        t = self._tenants[tenant]
+        gen = persist.current_generation(self.files.root, tenant)
+        if gen is not None and gen != t.generation:  # e.g. `cwm memory reindex` ran
+            fresh = self._load(tenant, None)
+            if fresh is not None:
+                self._tenants[tenant] = fresh
+                return fresh.index
+            t.generation = gen  # unusable: keep ours, do not try again
+        self._sync(tenant, t)
+        return idx
+
+    def _sync(self, tenant: str, t: _Tenant) -> None:
+        on_disk = set(self.files.sessions(tenant))
+        for session in sorted(set(t.marks) - on_disk):
+            log.info("session %s of tenant %s was removed: dropping it from the index",
+                     session, tenant)
+            t.index.drop_session(session)
+            t.marks.pop(session)
+            t.dirty = True
+        for session in sorted(on_disk):
+            self._sync_session(tenant, t, session)
+
+    def _sync_session(self, tenant: str, t: _Tenant, session: str) -> None:
+        path = self.files.session_path(tenant, session)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return
+        mark = t.marks.get(session)
+        if mark is not None and (st.st_size, st.st_mtime_ns) == (mark.size, mark.mtime_ns):
+            return
+        data = path.read_bytes()
+        before = t.index.added
+        if mark is not None and len(data) >= mark.offset and \
+                _same(mark, data[:mark.offset]):
+            turns, used = decode_turns_at(data[mark.offset:])
+        else:
+            if mark is not None:
+                log.info("session %s of tenant %s changed on disk: indexing it again",
+                         session, tenant)
+                t.index.drop_session(session)
+            mark = t.marks[session] = LiveMark()
+            turns, used = decode_turns_at(data)
+        t.index.add_turns(session, turns)
+        mark.hasher.update(data[mark.offset:mark.offset + used])  # type: ignore[attr-defined]
+        mark.offset += used
+        t.index.offsets[session] = mark.offset
+        mark.size, mark.mtime_ns = len(data), st.st_mtime_ns
+        t.dirty = True
+        self.metrics.chunks.inc(t.index.added - before)
+
+    def appended(self, tenant: str, session: str, turn: Turn, start: int, end: int) -> None:
+        """Index a turn this process just appended at ``[start, end)`` of the session file."""
+        t = self._tenants.get(tenant)
+        if t is None:
+            return
+        mark = t.marks.get(session)
+        if (mark.offset if mark else 0) != start:  # another process wrote in between
+            self._sync_session(tenant, t, session)
+            return
+        if mark is None:
+            mark = t.marks[session] = LiveMark()
+        before = t.index.added
+        t.index.add_turns(session, [turn])
+        _running(mark, self.files.session_path(tenant, session)).update(encode_turn(turn))
+        mark.offset = t.index.offsets[session] = end
+        try:
+            st = self.files.session_path(tenant, session).stat()
+            mark.size, mark.mtime_ns = (end, st.st_mtime_ns) if st.st_size == end else (-1, -1)
+        except FileNotFoundError:
+            mark.size = mark.mtime_ns = -1
+        t.dirty = True
+        self.metrics.chunks.inc(t.index.added - before)
+
+    # --- durable memories ------------------------------------------------------------------------
+
+    def memories(self, tenant: str) -> MemoryIndex:
+        """The tenant's memory index, rebuilt whenever memories.md changed."""
+        self.get(tenant)
+        t = self._tenants[tenant]
+        path = self.files.memories_path(tenant)
+        try:
+            st = path.stat()
+            sig = (st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            sig = None
+        if t.memories is None or t.memories.signature != sig or sig is None:
+            t.memories = MemoryIndex(self.embedder, self.files.read_memories(tenant), sig)
+        return t.memories
+
+
+class _Digest:
+    """A sha256 known only by its hex digest (from a saved mark) until the file is read."""
+
+    def __init__(self, digest: str, offset: int) -> None:
+        self.digest = digest
+        self.offset = offset
+
+    def hexdigest(self) -> str:
+        return self.digest
+
+
+def _same(mark: LiveMark, prefix: bytes) -> bool:
+    """Whether ``prefix`` (the file's first ``mark.offset`` bytes) is what was indexed; a
+    mark loaded from disk becomes a running sha256 of the prefix when it matches."""
+    h = hashlib.sha256(prefix)
+    if h.hexdigest() != mark.hasher.hexdigest():  # type: ignore[attr-defined]
+        return False
+    mark.hasher = h
+    return True
+
+
+def _running(mark: LiveMark, path: Path):  # noqa: ANN202 - hashlib's type is private
+    """The running sha256 of a mark; a saved digest is replaced by hashing the file's prefix."""
+    if isinstance(mark.hasher, _Digest):
+        with open(path, "rb") as fh:
+            mark.hasher = hashlib.sha256(fh.read(mark.offset))
+    return mark.hasher

@@ -1,0 +1,93 @@
+"""Durable memories go through the same hybrid search as chunks; BM25's text side."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cwm_plugin.memory.bm25 import BM25Corpus, LuceneBM25, bm25_tokens, stem
+
+pytestmark = pytest.mark.unit
+
+FACTS = [
+    ("The user's gym locker code is ZX-4417.", "fact", 0.5),
+    ("The user adopted a small puppy last spring.", "fact", 0.5),
+    ("The user prefers window seats on trains.", "preference", 0.5),
+    ("The user decided to learn Portuguese before moving to Porto.", "decision", 0.5),
+    ("The user is allergic to peanuts.", "fact", 0.9),
+]
+
+
+def test_stemming_matches_inflections() -> None:
+    assert stem("painted") == stem("painting") == "paint"
+    assert stem("hikes") == stem("hiking") == stem("hiked")
+    assert stem("stories") == "story" and stem("glass") == "glass" and stem("is") == "is"
+    assert bm25_tokens("What did she paint? Painting!") == ["paint", "paint"]
+
+
+def test_incremental_bm25_equals_a_fresh_build() -> None:
+    rng = random.Random(7)
+    words = ["apple", "pear", "plum", "fig", "kiwi", "lime", "date", "grape", "melon", "berry"]
+    docs = {f"d{i}": " ".join(rng.choices(words, k=rng.randint(1, 30))) for i in range(60)}
+    inc = BM25Corpus()
+    for d, t in docs.items():
+        inc.add(d, t)
+    for d in list(docs)[::3]:  # drop a third, as re-chunking and dropped sessions do
+        inc.remove(d)
+        del docs[d]
+    inc.add("late", "kiwi kiwi lime")
+    docs["late"] = "kiwi kiwi lime"
+    ids = list(docs)
+    fresh = LuceneBM25([bm25_tokens(docs[d]) for d in ids])
+    for q in ("kiwi", "apple lime grape", "nothing here"):
+        got = inc.scores(q)
+        want = fresh.get_scores(bm25_tokens(q)) if bm25_tokens(q) else [0.0] * len(ids)
+        assert len(got) == len(inc) == len(ids)
+        for d, w in zip(ids, want, strict=True):
+            assert got[d] == pytest.approx(float(w))
+
+
+def test_memories_are_found_by_hybrid_search(make_service, minilm) -> None:
+    svc = make_service(minilm)
+    for text, cat, imp in FACTS:
+        svc.add_memory("acme", text, cat, imp)
+    exact = svc.search_memories("acme", "what was ZX-4417 again?", 2)
+    assert exact[0].text.startswith("The user's gym locker") and exact[0].source == "memory"
+    assert {"bm25", "vector", "bm25_norm", "vector_norm", "importance"} <= set(exact[0].reasons)
+    para = svc.search_memories("acme", "which pet dog do I have?", 1, mode="vector")
+    assert "puppy" in para[0].text  # no shared word: the vectors found it
+    hyb = svc.search_memories("acme", "which pet dog do I have?", 1)
+    assert "puppy" in hyb[0].text
+    for mode in ("bm25", "vector", "hybrid"):
+        assert all(h.source == "memory" for h in svc.search_memories("acme", "user", 5,
+                                                                     mode=mode))
+    assert svc.search("acme", "ZX-4417", 5) == []  # memories are not transcript chunks
+
+
+def test_importance_weighs_in(make_service) -> None:
+    svc = make_service()
+    low = svc.add_memory("acme", "The user likes green tea in the morning.", "preference", 0.1)
+    high = svc.add_memory("acme", "The user likes green tea in the evening.", "preference",
+                          1.0)
+    hits = svc.search_memories("acme", "green tea", 2)
+    assert [h.chunk_id for h in hits] == [high.id, low.id]
+    assert hits[0].reasons["prior"] == pytest.approx(1.5)
+    assert hits[1].reasons["prior"] == pytest.approx(0.6)
+
+
+def test_selection_takes_memories_in_search_order(make_service, minilm) -> None:
+    svc = make_service(minilm, max_facts=1)
+    for text, cat, imp in FACTS:
+        svc.add_memory("acme", text, cat, imp)
+    svc.record_turn("acme", "s1", "user", "Hello!")
+    msgs = [{"role": "user", "content": "Remind me of my locker code ZX-4417?"}]
+    sel = svc.select_context("acme", "s1", msgs, 2000)
+    # the most important memory (peanuts, 0.9) loses to the one the question is about
+    assert [m.text for m in sel.facts] == ["The user's gym locker code is ZX-4417."]
+    assert [h.source for h in sel.fact_hits] == ["memory"]
+    assert "ZX-4417" in sel.memory_block
+    assert any(r.startswith("keep memory") for r in sel.reasons)
+    assert svc.memories("acme")[0].access_count == 1
+    # with no query text, the most important memories come first
+    assert svc.search_memories("acme", "  ", 1)[0].text == "The user is allergic to peanuts."

@@ -1,0 +1,149 @@
+"""The derived index on disk: saved, loaded, kept in step with hand edits, rebuilt when gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cwm_plugin.cli import main
+from cwm_plugin.memory.metrics import MemoryMetrics
+from cwm_plugin.memory.persist import current_generation, tenant_dir
+
+pytestmark = pytest.mark.unit
+
+TURNS = [
+    ("u1", "user", "Our flight to Lisbon leaves at seven, so we pack tonight."),
+    ("a1", "assistant", "Pack the passports and the charger for the flight to Lisbon."),
+    ("u2", "user", "My gym locker code is ZX-4417, please remember it."),
+    ("a2", "assistant", "Noted: locker ZX-4417."),
+    ("u3", "user", "Grandma's apple pie recipe needs cinnamon and cold butter."),
+    ("a3", "assistant", "Cold butter makes the crust flaky."),
+]
+QUERIES = ["flight to Lisbon", "locker code", "apple pie butter", "Madrid"]
+
+
+def fill(svc) -> None:
+    for i, (tid, role, text) in enumerate(TURNS):
+        svc.record_turn("acme", f"s{i // 4}", role, text, turn_id=tid)
+
+
+def snapshot(svc) -> list:
+    return [[(h.chunk_id, round(h.score, 6), h.turn_ids) for h in svc.search("acme", q, 4)]
+            for q in QUERIES]
+
+
+def test_saved_index_is_loaded_without_indexing_again(make_service) -> None:
+    svc = make_service(chunk_tokens=40, chunk_overlap=10)
+    fill(svc)
+    before = snapshot(svc)
+    svc.close()  # saves what changed
+    root = svc.config.root
+    assert current_generation(root, "acme") is not None
+    metrics = MemoryMetrics()
+    fresh = make_service(root=root, chunk_tokens=40, chunk_overlap=10, metrics=metrics)
+    assert snapshot(fresh) == before
+    assert metrics.chunks._value.get() == 0  # nothing chunked or embedded again
+    looked_up = sum(metrics.cache.labels(r)._value.get() for r in ("hit", "miss"))
+    assert looked_up == len(QUERIES)  # only the queries were embedded
+
+
+def test_hand_edits_show_in_the_next_search(make_service) -> None:
+    svc = make_service(chunk_tokens=40, chunk_overlap=10)
+    fill(svc)
+    assert svc.search("acme", "Lisbon", 1, mode="bm25")[0].turn_ids[0] in ("u1", "a1")
+    path = svc.files.session_path("acme", "s0")
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b"Lisbon", b"Madrid"))  # same length: records stay valid
+    hits = svc.search("acme", "Madrid flight", 2, mode="bm25")
+    assert {"u1", "a1"} & {t for h in hits for t in h.turn_ids}
+    assert all("Lisbon" not in h.text for h in svc.search("acme", "Lisbon", 5, mode="bm25"))
+    # truncated by hand to its first record: the later turns are gone from the index too
+    first = data.replace(b"Lisbon", b"Madrid")
+    first = first[:first.index(b"\n\n### ") + 2]
+    path.write_bytes(first)
+    ids = {t for h in svc.search("acme", "locker ZX-4417 code", 5) for t in h.turn_ids}
+    assert "u2" not in ids and "a2" not in ids
+    # a session file removed by hand drops its chunks
+    svc.files.session_path("acme", "s1").unlink()
+    assert all(h.source != "session:s1" for h in svc.search("acme", "apple pie", 5))
+    # memories.md edited by hand: the memory search sees the new text
+    svc.add_memory("acme", "The user's cat is called Biscuit.", "fact", 0.7)
+    assert svc.search_memories("acme", "Biscuit cat", 1)[0].text.endswith("Biscuit.")
+    mpath = svc.files.memories_path("acme")
+    mpath.write_text(mpath.read_text().replace("Biscuit", "Pretzel"))
+    hit = svc.search_memories("acme", "Pretzel cat", 1)[0]
+    assert hit.source == "memory" and "Pretzel" in hit.text
+
+
+def test_deleted_index_folder_is_rebuilt_identically(make_service) -> None:
+    svc = make_service(chunk_tokens=40, chunk_overlap=10)
+    fill(svc)
+    svc.close()
+    root = svc.config.root
+    first = make_service(root=root, chunk_tokens=40, chunk_overlap=10)
+    before = snapshot(first)
+    shutil.rmtree(root / ".index")
+    metrics = MemoryMetrics()
+    rebuilt = make_service(root=root, chunk_tokens=40, chunk_overlap=10, metrics=metrics)
+    assert snapshot(rebuilt) == before
+    assert metrics.chunks._value.get() > 0  # it really was built again from the files
+    assert current_generation(root, "acme") is not None  # and saved once built
+
+
+def test_unusable_or_foreign_index_is_rebuilt(make_service) -> None:
+    svc = make_service(chunk_tokens=40, chunk_overlap=10)
+    fill(svc)
+    svc.close()
+    root = svc.config.root
+    folder = tenant_dir(root, "acme") / current_generation(root, "acme")
+    (folder / "sessions.json").write_text("{not json")
+    fresh = make_service(root=root, chunk_tokens=40, chunk_overlap=10)
+    assert fresh.search("acme", "locker", 1)[0].turn_ids
+    # an index saved with other chunk settings is not used either
+    other = make_service(root=root, chunk_tokens=80, chunk_overlap=10)
+    assert max(c.tokens for c in other.index("acme").chunks.values()) > 40
+
+
+def test_reindex_elsewhere_is_picked_up_by_a_running_service(make_service) -> None:
+    running = make_service(chunk_tokens=40, chunk_overlap=10)
+    fill(running)
+    running.search("acme", "x", 1)
+    other = make_service(root=running.config.root, chunk_tokens=40, chunk_overlap=10)
+    other.reindex("acme", progress=False)
+    gen = current_generation(running.config.root, "acme")
+    running.search("acme", "x", 1)
+    assert running.indexes._tenants["acme"].generation == gen
+
+
+def test_cli_reindex_writes_the_index_and_shows_progress(make_service, capsys) -> None:
+    svc = make_service(chunk_tokens=40, chunk_overlap=10)
+    fill(svc)
+    root = svc.config.root
+    shutil.rmtree(root / ".index", ignore_errors=True)
+    assert main(["memory", "reindex", "--root", str(root), "--embedder", "hashing",
+                 "--chunk-tokens", "40", "--chunk-overlap", "10"]) == 0
+    out = capsys.readouterr()
+    assert "chunks indexed" in out.out
+    assert "reindex" in out.err and "2/2" in out.err and "session" in out.err  # tqdm's bar
+    gen = current_generation(root, "acme")
+    manifest = json.loads((tenant_dir(root, "acme") / gen / "manifest.json").read_text())
+    assert set(manifest["marks"]) == {"s0", "s1"}
+    size = os.path.getsize(svc.files.session_path("acme", "s0"))
+    assert manifest["marks"]["s0"]["offset"] == manifest["marks"]["s0"]["size"] == size
+
+
+def test_index_save_is_atomic_generation_swap(make_service) -> None:
+    svc = make_service(chunk_tokens=40, chunk_overlap=10)
+    fill(svc)
+    svc.reindex("acme", progress=False)
+    first = current_generation(svc.config.root, "acme")
+    svc.record_turn("acme", "s0", "user", "One more line.", turn_id="u9")
+    assert svc.save() == 1
+    second = current_generation(svc.config.root, "acme")
+    assert second != first
+    names = sorted(p.name for p in Path(tenant_dir(svc.config.root, "acme")).iterdir())
+    assert names == sorted(["CURRENT", second])  # the old generation is gone, no leftovers

@@ -113,10 +113,16 @@ class SchedulerSide:
             self._known.popitem(last=False)
 
     def _check_hashing(self) -> None:
-        if self.selfcheck is None and self.hash_fn is not None:
+        if self.selfcheck is not None or self.hash_fn is None:
+            return
+        try:
             self.selfcheck = run_selfcheck(self.store, self.ns, self.hash_fn, self.block_size)
-            if self.selfcheck.status == "mismatch":
-                self.stats.add("selfcheck_failures")
+        except Exception as exc:  # a check must never take the engine down
+            log.error("cwm connector: the hashing self-check could not run (%s); serving goes "
+                      "on, it runs again at the next start", exc)
+            self.selfcheck = SelfCheck("error", "")
+        if self.selfcheck.status == "mismatch":
+            self.stats.add("selfcheck_failures")
 
     # --- vLLM hooks ---------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ of two fixed token blocks) and compares it with the record kept in the store und
   with the same settings is quiet.
 * ``written``: first start for this namespace (or the record was unreadable).
 * ``skipped``: the store has no disk or Redis tier (nothing outlives the process).
+* ``error``: the check itself failed (logged; serving goes on).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ RECORD_LAYOUT = "cwm-namespace-record"
 
 @dataclass(frozen=True)
 class SelfCheck:
-    status: str                # "match", "mismatch", "written", "skipped"
+    status: str                # "match", "mismatch", "written", "skipped", "error"
     probe: str
     stored: dict[str, Any] | None = None
 

@@ -100,3 +100,18 @@ def test_no_durable_tier_means_nothing_to_check(open_store):
     side.get_num_new_matched_tokens(request("a"), 0)
     assert side.selfcheck.status == "skipped"
     assert store.get(record_key(ns)) is None
+
+
+def test_a_failing_check_never_takes_the_engine_down(vllm_hashing, open_store, monkeypatch, caplog):
+    ns = namespace()
+    store = open_store(ns.fingerprint)
+    vllm_hashing(None)
+
+    def broken(key):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(store, "get", broken)
+    side = start(ns, store)
+    with caplog.at_level(logging.ERROR):
+        assert side.get_num_new_matched_tokens(request("a"), 0) == (0, False)
+    assert side.selfcheck.status == "error" and "disk gone" in caplog.text

@@ -166,6 +166,19 @@ class VLLMServer:
         m = self.metrics()
         return m.get(name, m.get(name + "_total", 0.0))
 
+    def metric_where(self, name: str, **labels: str) -> float:
+        """``name`` (or ``name_total``) summed over the samples carrying all of ``labels``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10.0).text
+        return sum(float(s.value) for fam in text_string_to_metric_families(text)
+                   for s in fam.samples if s.name in (name, name + "_total")
+                   and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def reset_prefix_cache(self) -> None:
+        """Drop vLLM's own prefix cache (needs ``VLLM_SERVER_DEV_MODE=1`` in ``env``)."""
+        httpx.post(f"{self.base_url}/reset_prefix_cache", timeout=60).raise_for_status()
+
     def __enter__(self) -> VLLMServer:
         return self.start()
 

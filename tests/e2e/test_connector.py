@@ -7,17 +7,23 @@ corrupted KV would have changed the output.
 
 from __future__ import annotations
 
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from cwm_plugin.testing.procs import wait_until
+from cwm_plugin.testing.redis_server import RedisServer
 from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
 pytestmark = pytest.mark.e2e
 
 HITS = "vllm:external_prefix_cache_hits"
+CONFIGS = Path(__file__).parents[2] / "configs"
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # enables /reset_prefix_cache
+KV_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # tiny model: layers x KV heads x (K, V) x head dim x fp32
 WORDS = ["memory", "context", "window", "token", "cache", "block", "restore", "save", "model", "vector", "salt", "tenant", "session", "question", "answer", "river", "mountain", "coffee", "garden", "letter", "window"]
 
 
@@ -40,8 +46,10 @@ def chat_ids(server: VLLMServer, text: str, salt: str | None, max_tokens: int = 
     return out["choices"][0]["token_ids"]
 
 
-def serve(vllm_factory, model: Path, store: dict, *extra: str, **connector) -> VLLMServer:
-    return vllm_factory(model, extra_args=[*cwm_connector_args(store, **connector), *extra])
+def serve(vllm_factory, model: Path, store: dict, *extra: str, env: dict | None = None,
+          **connector) -> VLLMServer:
+    return vllm_factory(model, extra_args=[*cwm_connector_args(store, **connector), *extra],
+                        env=env or {})
 
 
 def corrupt_blobs(root: Path) -> int:
@@ -59,9 +67,18 @@ def corrupt_blobs(root: Path) -> int:
     return n
 
 
+def shipped_config(name: str, disk_path: Path) -> list[str]:
+    """A ``configs/`` file as vLLM's ``--kv-transfer-config``, its disk path moved to a test dir."""
+    cfg = json.loads((CONFIGS / name).read_text())
+    cfg["kv_connector_extra_config"]["store"]["disk_path"] = str(disk_path)
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
 def test_restore_after_restart_is_token_identical_and_salts_stay_apart(tiny_model, vllm_factory, tmp_path):
-    store = {"disk_path": str(tmp_path / "store")}
-    server = serve(vllm_factory, tiny_model, store).start()
+    # configs/connector-cpu.json as shipped (memory + disk tiers), only its disk path moved.
+    server = vllm_factory(tiny_model, env=DEV_MODE,
+                          extra_args=shipped_config("connector-cpu.json", tmp_path / "store"))
+    server.start()
     prompt = long_text(1, 700)
     chat_text = long_text(2, 600)
     cold_completion = complete_ids(server, prompt, "salt-A")
@@ -79,10 +96,25 @@ def test_restore_after_restart_is_token_identical_and_salts_stay_apart(tiny_mode
     hits_after_completion = server.metric(HITS)
     assert hits_after_completion >= 512, "the completion prompt was not restored from the store"
     assert chat_ids(server, chat_text, "salt-A") == cold_chat
-    assert server.metric(HITS) > hits_after_completion, "the chat prompt was not restored"
-    m = server.metrics()
-    assert m.get("cwm:connector_loaded_blocks_total", 0) > 0
-    assert m.get("cwm:connector_load_errors_total", 0) == 0
+    hits = server.metric(HITS)
+    assert hits > hits_after_completion, "the chat prompt was not restored"
+    # The restores came from the disk tier, and vLLM's /metrics says so.
+    assert server.metric_where("vllm:prompt_tokens_cached_by_source", source="disk") == hits
+    assert server.metric_where("cwm:connector_loaded_bytes", tier="disk") == hits * KV_PER_TOKEN
+    assert server.metric_where("cwm:connector_loaded_blocks", tier="disk") == hits // 128
+    assert server.metric_where("cwm:store_decode_seconds_count") >= hits // 128
+    assert server.metric("cwm:connector_load_errors") == 0
+
+    # Same server: a new prompt is saved to the memory tier; without vLLM's own prefix cache
+    # it comes back from there.
+    fresh = long_text(11, 500)
+    cold_fresh = complete_ids(server, fresh, "salt-A")
+    server.reset_prefix_cache()
+    assert complete_ids(server, fresh, "salt-A") == cold_fresh
+    assert server.metric_where("cwm:connector_loaded_bytes", tier="memory") > 0
+    assert server.metric_where("vllm:prompt_tokens_cached_by_source", source="host") >= 256
+    assert server.metric_where("cwm:store_bytes", tier="memory") > 0
+    assert server.metric("cwm:connector_saved_bytes") > 0
 
 
 def test_corrupted_kv_changes_output_unless_the_checksum_catches_it(tiny_model, vllm_factory, tmp_path):
@@ -148,17 +180,54 @@ def test_second_server_restores_through_shared_redis(tiny_model, vllm_factory, t
 
 
 @pytest.mark.redis
-def test_serving_goes_on_when_redis_is_down_or_the_store_is_full(
-        tiny_model, vllm_factory, tmp_path, redis_server):
+def test_serving_goes_on_when_redis_stops_mid_run_and_saves_resume_when_it_is_back(
+        tiny_model, vllm_factory, tmp_path):
+    import redis
+
+    (tmp_path / "redis").mkdir()
+    redis_server = RedisServer(workdir=tmp_path / "redis").start()
+    try:
+        client = redis.Redis(port=redis_server.port)
+        store = {"disk_path": str(tmp_path / "store"), "redis_url": redis_server.url}
+        server = serve(vllm_factory, tiny_model, store, env=DEV_MODE).start()
+        before = long_text(20, 600)
+        cold_before = complete_ids(server, before, "s")
+        wait_until(lambda: client.dbsize() > 0, timeout=30, what="blocks saved to redis")
+
+        redis_server.stop()                                   # Redis goes away mid-run
+        server.reset_prefix_cache()
+        assert complete_ids(server, before, "s") == cold_before   # restored from local tiers
+        assert server.metric(HITS) >= 512
+        during = long_text(21, 600)
+        cold_during = complete_ids(server, during, "s")        # saved locally, Redis refused
+        server.reset_prefix_cache()
+        assert complete_ids(server, during, "s") == cold_during
+        assert server.metric_where("cwm:store_errors", kind="tier_unavailable") > 0
+
+        redis_server.start()                                  # back, empty (no persistence)
+        client = redis.Redis(port=redis_server.port)
+        after = [long_text(22 + i, 300) for i in range(30)]
+
+        def saved_after_outage() -> bool:
+            complete_ids(server, after.pop(), "s", max_tokens=1)
+            return client.dbsize() > 0
+
+        wait_until(saved_after_outage, timeout=90, interval=1.0, what="saves to redis resuming")
+        assert server.alive()
+    finally:
+        redis_server.stop()
+
+
+def test_serving_goes_on_when_the_store_is_full(tiny_model, vllm_factory, tmp_path):
+    # No memory tier and a disk budget smaller than one block: every save is refused.
+    store = {"disk_path": str(tmp_path / "full"), "disk_bytes": 4096, "memory_bytes": 0}
+    server = serve(vllm_factory, tiny_model, store, env=DEV_MODE).start()
     prompt = long_text(5, 700)
-    url = redis_server.url
-    redis_server.stop()  # Redis is down before vLLM even starts
-    tiny_store = {"disk_path": str(tmp_path / "full"), "disk_bytes": 4096, "memory_bytes": 4096,
-                  "redis_url": url}
-    server = serve(vllm_factory, tiny_model, tiny_store).start()
     first = complete_ids(server, prompt, "s")
-    second = complete_ids(server, prompt, "s")
-    other = complete_ids(server, long_text(6, 500), "s")
-    assert first == second and other
-    server.restart()
-    assert complete_ids(server, prompt, "s") == first
+    server.reset_prefix_cache()
+    assert complete_ids(server, prompt, "s") == first         # recomputed, same tokens
+    assert complete_ids(server, long_text(6, 500), "s")
+    assert server.metric(HITS) == 0
+    assert server.metric_where("cwm:store_errors", kind="storage_full") > 0
+    assert server.metric_where("cwm:connector_save_errors", reason="failed") > 0
+    assert server.metric("cwm:connector_saved_blocks") == 0

@@ -29,6 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--json", action="store_true", help="print JSON instead of text")
         if name == "verify":
             p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        if name == "gc":
+            p.add_argument("--min-age", type=float, default=None, metavar="SECONDS",
+                           help="only collect blobs older than this (default: the store's "
+                                "gc_min_age_s, 600); blobs younger may be mid-save")
         p.set_defaults(func=fn)
 
 
@@ -86,7 +90,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     with _open(args) as store:
-        report = store.gc()
+        report = store.gc(args.min_age)
     if args.json:
         print(json.dumps(asdict(report), indent=2))
     else:

@@ -41,12 +41,15 @@ class StoreConfig:
     redis_write: str = "behind"
     io_workers: int = 2
     queue_depth: int = 256           # bounded pending saves (backpressure)
+    behind_bytes: int = 256 << 20    # blob bytes waiting for write-behind (then backpressure)
+    gc_min_age_s: int = 600          # gc leaves unreferenced blobs younger than this alone
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("memory_bytes", "disk_bytes", "zstd_level", "queue_depth"):
+        for name in ("memory_bytes", "disk_bytes", "zstd_level", "queue_depth", "behind_bytes",
+                     "gc_min_age_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"store setting {name} must be >= 0, got {getattr(self, name)}")
         if self.zstd_level > 22:

@@ -1,4 +1,10 @@
-"""Store maintenance: verify every blob's checksum, collect blobs no key points to."""
+"""Store maintenance: verify every blob's checksum, collect blobs no key points to.
+
+``gc`` never races a writer: memory blobs are checked and dropped under the store's lock (a
+write puts blob and key under it too), disk blobs must also be older than ``min_age_s`` (a
+writer in another process, or one between writing a file and mapping its key), and Redis adds a
+blob and maps its key in one script, so a Redis blob is never unreferenced while being saved.
+"""
 
 from __future__ import annotations
 
@@ -89,27 +95,27 @@ def verify_all(store: KVStore, *, progress: bool = True) -> VerifyReport:
     return report
 
 
-def collect_garbage(store: KVStore) -> GCReport:
-    """Drop blobs that no key points to (unpinned), orphan files and stale temp files."""
+def collect_garbage(store: KVStore, min_age_s: float = 600.0) -> GCReport:
+    """Drop blobs that no key points to, orphan files and stale temp files; on disk only those
+    older than ``min_age_s``."""
     report = GCReport()
     if store.memory is not None:
-        with store._lock:
-            referenced = set(store._by_blob)
         n = 0
-        for blob_id in store.memory.ids():
-            if blob_id not in referenced:
-                data = store.memory.get(blob_id)
-                if store.memory.delete(blob_id):
-                    n += 1
-                    report.freed_bytes += len(data or b"")
+        with store._lock:
+            for blob_id in store.memory.ids():
+                if blob_id not in store._by_blob:
+                    data = store.memory.get(blob_id)
+                    if store.memory.delete(blob_id):
+                        n += 1
+                        report.freed_bytes += len(data or b"")
         report.removed_blobs["memory"] = n
     if store.disk is not None and store.index is not None:
-        dead = store.index.unreferenced()
+        dead = store.index.unreferenced(min_age_s)
         for blob_id, size in dead:
             store.disk.delete(blob_id)
             report.freed_bytes += size
         report.removed_blobs["disk"] = len(dead)
-        for path in store.disk.orphans():
+        for path in store.disk.orphans(max(min_age_s, 60.0)):   # files mid-rename
             try:
                 size = path.stat().st_size
                 path.unlink()
@@ -128,4 +134,5 @@ def collect_garbage(store: KVStore) -> GCReport:
             report.removed_blobs["redis"] = len(dead_r)
         except TierUnavailable as exc:
             log.warning("gc: skipping the redis tier: %s", exc)
+    store._gauges()
     return report

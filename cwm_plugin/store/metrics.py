@@ -24,11 +24,14 @@ class StoreMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         reg = registry if registry is not None else REGISTRY
         kw = {"namespace": NAMESPACE, "registry": reg}
-        self.bytes = Gauge("bytes", "Bytes of blobs held per tier", ["tier"], **kw)
+        self.bytes = Gauge("bytes", "Bytes of blobs held per tier (updated on every put, "
+                           "eviction and delete)", ["tier"], **kw)
         self.blobs = Gauge("blobs", "Blobs held per tier", ["tier"], **kw)
-        self.hits = Counter("hits", "Blob lookups answered by a tier", ["tier"], **kw)
-        self.misses = Counter("misses", "Blob lookups a tier could not answer "
-                              "(tier=all: keys no tier could serve)", ["tier"], **kw)
+        self.hits = Counter("hits", "Blob lookups a tier answered with a blob that decoded",
+                            ["tier"], **kw)
+        self.misses = Counter("misses", "Blob lookups a tier could not answer, or answered "
+                              "with a damaged blob (tier=all: keys no tier could serve)",
+                              ["tier"], **kw)
         self.evictions = Counter("evictions", "Blobs evicted to stay in budget", ["tier"], **kw)
         self.raw_bytes = Counter("encoded_raw_bytes", "Tensor bytes given to the encoder", **kw)
         self.stored_bytes = Counter("encoded_bytes", "Blob bytes produced by the encoder", **kw)
@@ -40,7 +43,8 @@ class StoreMetrics:
                                         buckets=_SECONDS, **kw)
         self.errors = Counter("errors", "Store errors by kind (corrupt, incompatible, "
                                         "tier_unavailable, storage_full, write_failed, "
-                                        "read_failed, index)",
+                                        "read_failed, index, behind_dropped, "
+                                        "quarantine_failed)",
                               ["kind"], **kw)
         self.puts = Counter("puts", "Blocks saved (new blobs written)", **kw)
         self.put_skips = Counter("put_skips", "Saves skipped because the key was present", **kw)

@@ -2,9 +2,14 @@
 
 ``submit(key, fn)`` runs ``fn()`` on the pool and returns a future; a second submit of a key
 whose save is still running gets the same future. At most ``depth`` submitted saves are pending:
-the next ``submit`` blocks until one finishes (backpressure on the caller). ``behind(fn)``
-queues follow-up work (write-behind to slower tiers) that does not hold a slot; ``flush`` waits
-for everything.
+the next ``submit`` blocks until one finishes (backpressure on the caller).
+
+``behind(fn, key=..., nbytes=...)`` queues follow-up work (write-behind to slower tiers) on a
+pool of its own, bounded in bytes: at most ``behind_bytes`` of blobs wait there. When it is
+full, ``wait=True`` blocks the submitter (a save worker, so backpressure reaches ``submit``'s
+callers through the save slots) and ``wait=False`` drops the job and counts it (promotions on
+the read path must never block a read). ``wait_key`` waits for a key's save and its
+write-behinds; ``flush`` waits for everything.
 """
 
 from __future__ import annotations
@@ -20,12 +25,20 @@ log = logging.getLogger(__name__)
 
 
 class SaveQueue:
-    def __init__(self, workers: int, depth: int, *, name: str = "cwm-store") -> None:
+    def __init__(self, workers: int, depth: int, *, behind_bytes: int = 256 << 20,
+                 name: str = "cwm-store") -> None:
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=name)
+        self._behind_pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=f"{name}-behind")
         self._slots = threading.BoundedSemaphore(depth)
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
         self._pending: set[cf.Future] = set()
         self._inflight: dict[bytes, cf.Future] = {}
+        self._behind_of: dict[bytes, set[cf.Future]] = {}
+        self.behind_limit = behind_bytes
+        self.behind_bytes = 0          # blob bytes held by queued or running write-behinds
+        self.behind_peak = 0
+        self.dropped = 0               # write-behinds dropped because the queue was full
         self.closed = False
 
     def inflight(self, key: bytes) -> cf.Future | None:
@@ -59,11 +72,56 @@ class SaveQueue:
         inner.add_done_callback(lambda f: self._chain(key, f, outer))
         return outer
 
-    def behind(self, fn: Callable[..., Any], *args: Any) -> None:
-        fut = self._pool.submit(fn, *args)
+    def behind(self, fn: Callable[[], Any], *, key: bytes | None = None, nbytes: int = 0,
+               wait: bool = True) -> bool:
+        """Queue ``fn`` after the current work; False if it was dropped (queue full and
+        ``wait`` False)."""
+        with self._room:
+            while self.behind_bytes and self.behind_bytes + nbytes > self.behind_limit:
+                if not wait:
+                    self.dropped += 1
+                    return False
+                self._room.wait()
+            self.behind_bytes += nbytes
+            self.behind_peak = max(self.behind_peak, self.behind_bytes)
+        try:
+            fut = self._behind_pool.submit(fn)
+        except BaseException:
+            self._release(nbytes)
+            raise
         with self._lock:
             self._pending.add(fut)
-        fut.add_done_callback(lambda f: self._finished(None, f))
+            if key is not None:
+                self._behind_of.setdefault(key, set()).add(fut)
+        fut.add_done_callback(lambda f: self._behind_done(key, f, nbytes))
+        return True
+
+    def _behind_done(self, key: bytes | None, fut: cf.Future, nbytes: int) -> None:
+        with self._lock:
+            if key is not None:
+                futs = self._behind_of.get(key)
+                if futs is not None:
+                    futs.discard(fut)
+                    if not futs:
+                        del self._behind_of[key]
+        self._finished(None, fut)
+        self._release(nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        with self._room:
+            self.behind_bytes -= nbytes
+            self._room.notify_all()
+
+    def wait_key(self, key: bytes, timeout: float | None = None) -> None:
+        """Wait until ``key``'s save and its write-behinds are done (their errors are the
+        save's business: counted and logged there, not raised here)."""
+        fut = self.inflight(key)
+        if fut is not None:
+            cf.wait([fut], timeout=timeout)
+        with self._lock:
+            behind = list(self._behind_of.get(key, ()))
+        if behind:
+            cf.wait(behind, timeout=timeout)
 
     def _chain(self, key: bytes, inner: cf.Future, outer: cf.Future) -> None:
         self._slots.release()
@@ -98,3 +156,4 @@ class SaveQueue:
     def shutdown(self) -> None:
         self.closed = True
         self._pool.shutdown(wait=True)
+        self._behind_pool.shutdown(wait=True)

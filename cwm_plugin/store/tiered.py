@@ -1,16 +1,18 @@
 """The KV block store: keys -> content-addressed blobs over CPU memory, local disk and Redis.
 
 * ``put`` hands the tensor to a small thread pool (encoding happens there) and returns a
-  future at once; it blocks only when ``queue_depth`` saves are pending (backpressure). Keys
-  already present are skipped. Disk and Redis writes are "through" (the future waits for them)
-  or "behind" (queued after the future completes), per tier.
+  future at once; it blocks only when ``queue_depth`` saves are pending, or the write-behind
+  queue holds ``behind_bytes`` (backpressure). Keys already present are skipped. Disk and Redis
+  writes are "through" (the future waits for them) or "behind" (queued after the future
+  completes), per tier.
 * ``get``/``get_many`` resolve keys (this process' map, the SQLite index, Redis), fetch blobs in
-  the order memory -> disk -> Redis, promote hits to the faster tiers, and decode. A damaged
-  blob is a counted miss: it is moved to the quarantine folder (or dropped) and logged once.
-* ``contains_many`` never decodes: it asks this process' map, the on-disk index (so vLLM's
-  scheduler process sees what the worker process wrote) and Redis (pipelined EXISTS).
-* ``link`` points a new key at an existing blob (refcount + 1, no copy); ``pin`` protects a
-  blob from eviction; ``gc`` drops blobs no key points to.
+  the order memory -> disk -> Redis, decode, count a tier's hit only for a blob that decoded,
+  and promote hits to the faster tiers. A damaged blob is a counted miss: it is moved to the
+  quarantine folder (or dropped) and logged once; a blob of another model or KV layout is an
+  incompatible miss.
+* ``contains_many``, ``link``, ``pin``/``unpin``, ``delete``: :mod:`.keyops` (pins are per key;
+  link re-points an existing key). ``gc`` drops blobs no key points to (older than
+  ``gc_min_age_s``), ``verify`` checks every blob: :mod:`.maintenance`.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from pathlib import Path
 
 import torch
 
-from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, NotFound, TierUnavailable
+from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, TierUnavailable
 from cwm_plugin.store import codec
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.index import BlobIndex
+from cwm_plugin.store.keyops import KeyOps
 from cwm_plugin.store.maintenance import GCReport, VerifyReport, collect_garbage, verify_all
 from cwm_plugin.store.metrics import StoreMetrics
 from cwm_plugin.store.queue import SaveQueue
@@ -48,7 +51,7 @@ def _done(value: object = None) -> cf.Future:
     return fut
 
 
-class KVStore(WritePath):
+class KVStore(KeyOps, WritePath):
     """Tiered, content-addressed KV block store; see the module docstring."""
 
     def __init__(self, config: StoreConfig, *, registry=None) -> None:
@@ -57,6 +60,7 @@ class KVStore(WritePath):
         self._lock = threading.RLock()
         self._keys: dict[bytes, str] = {}            # memory tier: key -> blob (this process)
         self._by_blob: dict[str, set[bytes]] = {}
+        self._pinned: set[bytes] = set()             # pinned keys known to this process
         self.memory = (MemoryTier(config.memory_bytes, on_evict=self._memory_evicted)
                        if config.memory_bytes > 0 else None)
         self.index: BlobIndex | None = None
@@ -67,11 +71,13 @@ class KVStore(WritePath):
             self.disk = DiskTier(root, config.disk_bytes, index=self.index,
                                  on_evict=lambda ids: self.metrics.evictions.labels("disk")
                                  .inc(len(ids)))
+            self.metrics.tier_usage("disk", *self.index.totals())
         self.redis = (RedisTier(config.redis_url, prefix=config.redis_prefix,
                                 ttl_s=config.redis_ttl_s,
                                 max_value_bytes=config.redis_max_value_bytes)
                       if config.redis_url else None)
-        self._saves = SaveQueue(config.io_workers, config.queue_depth)
+        self._saves = SaveQueue(config.io_workers, config.queue_depth,
+                                behind_bytes=config.behind_bytes)
         self._decoder = (cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-decode")
                          if config.io_workers > 1 else None)
         self._logged: set[str] = set()
@@ -151,8 +157,7 @@ class KVStore(WritePath):
                 if d is None:
                     missing.append(b)
                 else:
-                    got[b] = (d, tier.name)
-            self.metrics.hits.labels(tier.name).inc(len(want) - len(missing))
+                    got[b] = (d, tier.name)     # a hit is counted once it decodes
             self.metrics.misses.labels(tier.name).inc(len(missing))
             want = missing
         return got
@@ -160,14 +165,16 @@ class KVStore(WritePath):
     def get(self, key: bytes) -> torch.Tensor | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None
-                 ) -> list[torch.Tensor | None]:
+    def get_many(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None,
+                 layout: str | None = None) -> list[torch.Tensor | None]:
         """Decoded tensors (None for a miss) for ``keys``, in order. Several blocks are decoded
         in parallel on the store's decode threads (zstd and numpy release the GIL).
 
         ``out`` (optional, ``[len(keys), *block]``, contiguous CPU): hits whose dtype and shape
         match are decoded straight into ``out[i]`` and returned as that view (no extra copy);
-        rows of misses are left unspecified."""
+        rows of misses are left unspecified. ``layout`` (optional): the KV layout string the
+        blobs must carry (the connector's worker layout); another layout is an incompatible,
+        counted miss."""
         keys = [bytes(k) for k in keys]
         ids = self._resolve(keys)
         blobs = self._fetch([b for b in ids if b is not None])
@@ -177,28 +184,31 @@ class KVStore(WritePath):
             raise ValueError(f"out has {tuple(out.shape)[:1]} rows for {len(keys)} keys")
 
         def one(w: tuple) -> torch.Tensor | None:
-            return self._decode(*w[1:], into=None if out is None else out[w[0]])
+            return self._decode(*w[1:], into=None if out is None else out[w[0]], layout=layout)
 
         if len(work) > 1 and self._decoder is not None:
             results = list(self._decoder.map(one, work))
         else:
             results = [one(w) for w in work]
-        out: list[torch.Tensor | None] = [None] * len(keys)
+        found: list[torch.Tensor | None] = [None] * len(keys)
         for (i, *_), tensor in zip(work, results, strict=True):
-            out[i] = tensor
-        self.metrics.misses.labels("all").inc(sum(t is None for t in out))
-        return out
+            found[i] = tensor
+        self.metrics.misses.labels("all").inc(sum(t is None for t in found))
+        return found
 
     def _decode(self, key: bytes, blob_id: str, data: bytes, tier: str, *,
-                into: torch.Tensor | None = None) -> torch.Tensor | None:
+                into: torch.Tensor | None = None, layout: str | None = None
+                ) -> torch.Tensor | None:
         t0 = time.perf_counter()
         try:
             decoded = codec.decode(data, fingerprint=self.config.fingerprint or None,
-                                   verify=self.config.checksum, into=into)
+                                   layout=layout, verify=self.config.checksum, into=into)
         except (CorruptBlob, IncompatibleBlob) as exc:
+            self.metrics.misses.labels(tier).inc()
             self._bad_blob(key, blob_id, data, tier, exc)
             return None
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
+        self.metrics.hits.labels(tier).inc()
         self._promote(key, blob_id, data, tier)
         return decoded.tensor
 
@@ -207,14 +217,21 @@ class KVStore(WritePath):
         if blob_id is None:
             return None
         hit = self._fetch([blob_id]).get(blob_id)
-        return hit[0] if hit else None
+        if hit is None:
+            return None
+        self.metrics.hits.labels(hit[1]).inc()           # raw bytes: nothing to decode
+        return hit[0]
 
     def _promote(self, key: bytes, blob_id: str, data: bytes, tier: str) -> None:
         if tier == "memory":
             return
-        self._to_memory(key, blob_id, data)
-        if tier == "redis" and self.disk is not None and not self._closed:
-            self._behind(self._to_disk, key, blob_id, data)
+        pinned = False
+        if tier == "disk" and self.index is not None and key not in self._pinned:
+            with contextlib.suppress(sqlite3.Error):
+                pinned = self.index.is_key_pinned(key)
+        self._to_memory(key, blob_id, data, pinned=pinned)
+        if tier == "redis" and not self._closed:
+            self._behind(self._promote_from_redis, key, blob_id, data, wait=False)
 
     def _bad_blob(self, key: bytes, blob_id: str, data: bytes, tier: str,
                   exc: CorruptBlob | IncompatibleBlob) -> None:
@@ -234,115 +251,19 @@ class KVStore(WritePath):
         if self.memory is not None:
             self.memory.delete(blob_id)
         if self.disk is not None:
-            moved = self.disk.quarantine(blob_id, reason) if tier == "disk" else None
-            if moved is None and data is not None:
-                dst = self.disk.quarantine_dir / f"{blob_id}.{tier}.{int(time.time())}"
-                dst.write_bytes(data)
+            try:
+                moved = self.disk.quarantine(blob_id, reason) if tier == "disk" else None
+                if moved is None and data is not None:
+                    dst = self.disk.quarantine_dir / f"{blob_id}.{tier}.{int(time.time())}"
+                    dst.write_bytes(data)
+            except (OSError, sqlite3.Error) as exc:   # full or read-only disk: still out of use
+                self.metrics.errors.labels("quarantine_failed").inc()
+                self._log_once("quarantine", "store: could not keep a damaged blob under "
+                               "quarantine/: %s", exc)
         if self.redis is not None and tier == "redis":
             with contextlib.suppress(TierUnavailable):
                 self.redis.delete(blob_id)
-
-    # --- lookups, links, pins -----------------------------------------------------------------
-
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Cheap presence check (no decode), valid across processes sharing the config."""
-        keys = [bytes(k) for k in keys]
-        out = [k in self._keys for k in keys]
-        rest = [k for k, hit in zip(keys, out, strict=True) if not hit]
-        found: set[bytes] = set()
-        if rest and self.index is not None:
-            found |= set(self._index_lookup(rest))
-            rest = [k for k in rest if k not in found]
-        if rest and self.redis is not None:
-            with contextlib.suppress(TierUnavailable):
-                found |= {k for k, e in zip(rest, self.redis.exists_many(rest), strict=True) if e}
-        return [hit or k in found for k, hit in zip(keys, out, strict=True)]
-
-    def delete(self, key: bytes) -> bool:
-        key = bytes(key)
-        found = False
-        with self._lock:
-            blob_id = self._keys.pop(key, None)
-            if blob_id is not None:
-                found = True
-                refs = self._by_blob.get(blob_id, set())
-                refs.discard(key)
-                if not refs:
-                    self._by_blob.pop(blob_id, None)
-                    if self.memory is not None:
-                        self.memory.delete(blob_id)
-        if self.index is not None:
-            b, left = self.index.unmap_key(key)
-            if b is not None:
-                found = True
-                if left == 0 and self.disk is not None:
-                    self.disk.delete(b)
-        if self.redis is not None:
-            try:
-                b, left = self.redis.unmap_key(key)
-                if b is not None:
-                    found = True
-                    if left <= 0:
-                        self.redis.delete(b)
-            except TierUnavailable as exc:
-                self._log_once("redis-delete", "store: delete could not reach redis: %s", exc)
-        return found
-
-    def link(self, new_key: bytes, existing_key: bytes) -> None:
-        """Make ``new_key`` point to ``existing_key``'s blob (no copy; refcount + 1)."""
-        new_key, existing_key = bytes(new_key), bytes(existing_key)
-        pending = self._saves.inflight(existing_key)
-        if pending is not None:
-            pending.result()
-        linked = False
-        with self._lock:
-            blob_id = self._keys.get(existing_key)
-            if blob_id is not None:
-                self._keys[new_key] = blob_id
-                self._by_blob.setdefault(blob_id, set()).add(new_key)
-                linked = True
-        if self.index is not None:
-            b = self.index.lookup(existing_key)
-            if b is not None:
-                linked = self.index.map_key(new_key, b) or linked
-        if self.redis is not None:
-            try:
-                b = self.redis.lookup_many([existing_key])[0]
-                if b is not None:
-                    self.redis.map_key(new_key, b)
-                    linked = True
-            except TierUnavailable as exc:
-                self._log_once("redis-link", "store: link could not reach redis: %s", exc)
-        if not linked:
-            raise NotFound(f"cannot link: key {existing_key.hex()[:16]} is not in the store",
-                           hint="save the block first")
-
-    def pin(self, key: bytes) -> None:
-        self._set_pin(bytes(key), True)
-
-    def unpin(self, key: bytes) -> None:
-        self._set_pin(bytes(key), False)
-
-    def _set_pin(self, key: bytes, pinned: bool) -> None:
-        blob_id = self._resolve([key])[0]
-        if blob_id is None:
-            raise NotFound(f"cannot pin: key {key.hex()[:16]} is not in the store")
-        if self.memory is not None:
-            self.memory.pin(blob_id, pinned)
-        if self.index is not None:
-            self.index.set_pinned(blob_id, pinned)
-        if self.redis is not None:
-            try:
-                self.redis.pin(blob_id, key, pinned)
-            except TierUnavailable as exc:
-                self._log_once("redis-pin", "store: pin could not reach redis: %s", exc)
-
-    def _memory_evicted(self, blob_ids: list[str]) -> None:
-        self.metrics.evictions.labels("memory").inc(len(blob_ids))
-        with self._lock:
-            for b in blob_ids:
-                for k in self._by_blob.pop(b, set()):
-                    self._keys.pop(k, None)
+        self._gauges()
 
     # --- housekeeping -------------------------------------------------------------------------
 
@@ -351,6 +272,7 @@ class KVStore(WritePath):
         self._saves.flush(timeout)
 
     def usage(self) -> dict[str, dict[str, int | None]]:
+        """Bytes and blobs per tier; Redis is recounted (SCAN), so this is for the CLI."""
         out: dict[str, dict[str, int | None]] = {}
         for tier in (self.memory, self.disk, self.redis):
             if tier is not None:
@@ -362,8 +284,10 @@ class KVStore(WritePath):
     def verify(self, progress: bool = True) -> VerifyReport:
         return verify_all(self, progress=progress)
 
-    def gc(self) -> GCReport:
-        return collect_garbage(self)
+    def gc(self, min_age_s: float | None = None) -> GCReport:
+        """Drop unreferenced blobs older than ``min_age_s`` (default: ``gc_min_age_s``)."""
+        return collect_garbage(self, self.config.gc_min_age_s if min_age_s is None
+                               else min_age_s)
 
     def close(self) -> None:
         if self._closed:

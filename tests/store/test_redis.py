@@ -34,37 +34,85 @@ def test_split_values_round_trip(redis_server):
 
 def test_keys_refcounts_and_prefix(redis_server):
     t = RedisTier(redis_server.url, prefix="ns")
-    t.put("ab" * 20, b"blob")
-    assert t.map_key(b"k1", "ab" * 20) and t.map_key(b"k2", "ab" * 20)
-    assert not t.map_key(b"k1", "ab" * 20)   # already mapped: no double count
+    t.put("ab" * 20, b"blob", key=b"k1")                       # blob and key in one script
+    assert t.map_key(b"k2", "ab" * 20) == (1, None, 0)
+    assert t.map_key(b"k1", "ab" * 20)[0] == 1                 # already there: no double count
+    assert t.map_key(b"k1", "cd" * 20)[0] == 0                 # points elsewhere: kept
+    assert t.map_key(b"k3", "ef" * 20)[0] == -1                # no such blob
     assert t.refcount("ab" * 20) == 2
     assert t.lookup_many([b"k1", b"zz"]) == ["ab" * 20, None]
     assert t.exists_many([b"k2", b"zz"]) == [True, False]
+    assert t.stats() == (4, 1)
     assert t.unmap_key(b"k1") == ("ab" * 20, 1)
     assert t.unmap_key(b"k2") == ("ab" * 20, 0)
     assert t.unreferenced() == ["ab" * 20]
+    assert t.delete("ab" * 20) and t.stats() == (0, 0)
     other = RedisTier(redis_server.url, prefix="other")
     assert other.lookup_many([b"k1"]) == [None] and list(other.blob_ids()) == []
     t.close(), other.close()
 
 
-def test_ttl_applies(redis_server):
+def test_repoint_moves_refcounts_and_pins(redis_server):
+    t = RedisTier(redis_server.url, prefix="rp", ttl_s=100)
+    t.put("aa" * 20, b"old", key=b"k")
+    t.put("bb" * 20, b"new", key=b"other")
+    t.pin("aa" * 20, b"k")
+    assert t.map_key(b"k", "bb" * 20, replace=True) == (1, "aa" * 20, 0)
+    assert t.refcount("bb" * 20) == 2 and t.refcount("aa" * 20) == 0
+    assert t.is_pinned(b"k", "bb" * 20) and not t.is_pinned(b"k", "aa" * 20)
+    r = redis.Redis.from_url(redis_server.url)
+    assert r.ttl(f"rp:b:{'bb' * 20}") == -1                    # the pin came along
+    assert 0 < r.ttl(f"rp:b:{'aa' * 20}") <= 100               # and left the old blob
+    assert t.unreferenced() == ["aa" * 20]
+    t.close()
+
+
+def test_unmap_of_an_expired_refcount_leaves_no_negative_key(redis_server):
+    t = RedisTier(redis_server.url, prefix="neg", ttl_s=100)
+    t.put("ab" * 20, b"x", key=b"k")
+    r = redis.Redis.from_url(redis_server.url)
+    r.delete(f"neg:r:{'ab' * 20}")                             # the refcount expired first
+    assert t.unmap_key(b"k") == ("ab" * 20, 0)
+    assert not r.exists(f"neg:r:{'ab' * 20}")
+    t.close()
+
+
+def test_ttl_applies_and_pins_persist_per_key(redis_server):
     t = RedisTier(redis_server.url, prefix="ttl", ttl_s=1)
-    t.put("ab" * 20, b"x" * 10)
-    t.map_key(b"k", "ab" * 20)
+    t.put("ab" * 20, b"x" * 10, key=b"k")
+    t.map_key(b"k2", "ab" * 20)
     r = redis.Redis.from_url(redis_server.url)
     assert 0 < r.ttl(f"ttl:b:{'ab' * 20}") <= 1 and 0 < r.ttl(f"ttl:k:{b'k'.hex()}") <= 1
     t.pin("ab" * 20, b"k")
+    t.pin("ab" * 20, b"k2")
+    assert r.ttl(f"ttl:b:{'ab' * 20}") == -1 and r.ttl(f"ttl:r:{'ab' * 20}") == -1
+    t.put("ab" * 20, b"x" * 10, key=b"k3")      # a re-put never undoes the pin's PERSIST
     assert r.ttl(f"ttl:b:{'ab' * 20}") == -1
+    t.pin("ab" * 20, b"k2", pinned=False)       # the other pinned key still protects it
+    assert r.ttl(f"ttl:b:{'ab' * 20}") == -1 and r.ttl(f"ttl:k:{b'k'.hex()}") == -1
     split = RedisTier(redis_server.url, prefix="ttl", ttl_s=1, max_value_bytes=1024)
-    split.put("cd" * 20, b"y" * 3000)
-    split.pin("cd" * 20, None)
+    split.put("cd" * 20, b"y" * 3000, key=b"s")
+    split.pin("cd" * 20, b"s")
     assert all(r.ttl(f"ttl:b:{'cd' * 20}{sfx}") == -1 for sfx in ("", ":0", ":1", ":2"))
     t.pin("ab" * 20, b"k", pinned=False)
     deadline = time.monotonic() + 10
     while t.get("ab" * 20) is not None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert t.get("ab" * 20) is None and t.lookup_many([b"k"]) == [None]
+    assert split.get("cd" * 20) == b"y" * 3000                  # still pinned
+    t.close(), split.close()
+
+
+def test_split_blobs_of_one_read_share_a_round_trip(redis_server):
+    t = RedisTier(redis_server.url, prefix="mget", max_value_bytes=1024)
+    blobs = {f"{i:02d}" * 20: bytes([i]) * (1500 + 700 * i) for i in range(4)}
+    for b, v in blobs.items():
+        t.put(b, v)
+    calls = []
+    real = t._client.mget
+    t._client.mget = lambda names: calls.append(len(names)) or real(names)
+    assert t.get_many(list(blobs)) == list(blobs.values())
+    assert len(calls) == 2                       # the heads, then every part at once
     t.close()
 
 

@@ -109,9 +109,11 @@ def test_link_refcount_delete_and_gc(make_store, tmp_path, kv_block):
     assert s.get(b"clone") is None and s.usage()["disk"]["blobs"] == 0
     with pytest.raises(NotFound):
         s.link(b"x", b"nothing")
-    s.disk.put("ab" * 20, b"unreferenced")     # a blob left by a crash between writes
-    report = s.gc()
-    assert report.removed_blobs["disk"] == 1
+    s.disk.put("ab" * 20, b"unreferenced")     # a writer between its blob and its key
+    assert s.gc().removed_blobs["disk"] == 0     # younger than gc_min_age_s: left alone
+    assert s.disk.contains("ab" * 20)
+    assert s.gc(min_age_s=0).removed_blobs["disk"] == 1
+    assert not s.disk.contains("ab" * 20)
 
 
 def test_pinned_blocks_survive_eviction(make_store, tmp_path, kv_block):

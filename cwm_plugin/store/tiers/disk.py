@@ -4,7 +4,7 @@ A blob is written to ``tmp/`` under a unique name, fsynced, renamed to
 ``blobs/<ab>/<cd>/<blob_id>`` and only then entered in the SQLite index; so a writer killed at
 any point leaves at most an invisible temp file or an unindexed file (``gc`` removes both), and
 two writers of one blob rename identical bytes over each other. Over budget, the least recently
-used unpinned blobs go first; a write that still does not fit (or hits ENOSPC) is refused
+used blobs that no pinned key protects go first; a write that still does not fit (or hits ENOSPC) is refused
 cleanly with :class:`StorageFull`.
 """
 
@@ -70,10 +70,12 @@ class DiskTier(Tier):
 
     # --- writes -------------------------------------------------------------------------------
 
-    def put(self, blob_id: str, data: bytes) -> bool:
+    def put(self, blob_id: str, data: bytes, *, key: bytes | None = None) -> bool:
+        """Store a blob; with ``key``, map it in the same index transaction that records the
+        blob (False: refused, nothing written, ``key`` not mapped)."""
         final = self.path(blob_id)
         if self.index.has_blob(blob_id) and final.exists():
-            return True
+            return key is None or self.index.map_key(key, blob_id)
         if len(data) > self.budget:
             return False
         with self._lock:
@@ -96,7 +98,7 @@ class DiskTier(Tier):
                 except OSError as exc2:
                     raise StorageFull(f"disk tier write failed: {exc2.strerror}",
                                       hint="free space under the store's disk_path") from exc2
-            self.index.add_blob(blob_id, len(data))
+            self.index.add_blob(blob_id, len(data), key=key)
         return True
 
     def _write_atomic(self, final: Path, data: bytes) -> None:

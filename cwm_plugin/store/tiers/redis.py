@@ -1,4 +1,4 @@
-"""Shared Redis tier: blobs, key -> blob mappings and refcounts, all in Redis.
+"""Shared Redis tier: blobs, key -> blob mappings, refcounts and per-key pins, all in Redis.
 
 Redis is this tier's own index, so a second server with empty local tiers that shares the Redis
 finds and loads the blocks. Layout under ``<prefix>:``:
@@ -6,11 +6,18 @@ finds and loads the blocks. Layout under ``<prefix>:``:
 * ``k:<key hex>`` -> blob id; ``r:<blob id>`` -> number of keys pointing to the blob;
 * ``b:<blob id>`` -> the blob, or for blobs over ``max_value_bytes`` a small manifest naming
   the parts ``b:<blob id>:<i>`` (written before the manifest, so a reader never sees a
-  manifest without its parts); ``pin:<blob id>`` -> pinned marker.
+  manifest without its parts);
+* ``pins:<blob id>`` -> the set of pinned keys (hex) pointing to the blob: while it is not
+  empty the blob, its parts, its refcount and those keys carry no TTL;
+* ``stats`` -> hash of ``bytes`` and ``blobs``, kept by the same scripts that add and delete
+  blobs (TTL expiries are not seen: ``usage()`` recounts and corrects it).
 
-Reads and writes are pipelined. While Redis is unreachable every call fails fast with
-:class:`TierUnavailable` (the store then serves from local tiers); reconnection is retried with
-exponential backoff, and the outage is logged once, not once per request.
+A save is one round trip: the parts (``SET NX``) and one script that adds the blob if it is
+new (never touching an existing blob's TTL, so a pin's PERSIST survives a re-put) and maps the
+key, atomically, so ``gc`` never sees a new blob without its key. Reads are one ``MGET`` for the
+blobs and one for the parts of all split blobs. While Redis is unreachable every call fails
+fast with :class:`TierUnavailable` (the store then serves from local tiers); reconnection is
+retried with exponential backoff, and the outage is logged once, not once per request.
 """
 
 from __future__ import annotations
@@ -29,29 +36,18 @@ from redis.retry import Retry
 
 from cwm_plugin.errors import TierUnavailable
 from cwm_plugin.store.tiers.base import Tier, TierUsage
+from cwm_plugin.store.tiers.redis_scripts import SCRIPTS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MANIFEST = b"\x00CWMPARTS"
 
-_MAP = """
-local ok
-if ARGV[2] ~= '' then ok = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
-else ok = redis.call('SET', KEYS[1], ARGV[1], 'NX') end
-if ok then
-  local n = redis.call('INCR', KEYS[2])
-  if ARGV[2] ~= '' then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
-  return n
-end
-return 0
-"""
-_UNMAP = """
-local b = redis.call('GET', KEYS[1])
-if not b then return false end
-redis.call('DEL', KEYS[1])
-local n = redis.call('DECR', ARGV[1] .. b)
-return {b, n}
-"""
+def parse_manifest(head: bytes | None) -> tuple[int, int] | None:
+    """(parts, size) if ``head`` is a split blob's manifest, else None."""
+    if not head or not head.startswith(MANIFEST):
+        return None
+    info = json.loads(head[len(MANIFEST):])
+    return int(info["n"]), int(info["size"])
 
 
 class RedisTier(Tier):
@@ -67,8 +63,8 @@ class RedisTier(Tier):
             url, socket_timeout=timeout_s, socket_connect_timeout=min(timeout_s, 2.0),
             retry=Retry(NoBackoff(), 0), health_check_interval=30)
         self._safe_url = _redact(url)
-        self._map = self._client.register_script(_MAP)
-        self._unmap = self._client.register_script(_UNMAP)
+        self._scripts = {name: self._client.register_script(src)
+                         for name, src in SCRIPTS.items()}
         self._lock = threading.Lock()
         self._backoff0 = backoff_s
         self._max_backoff = max_backoff_s
@@ -76,6 +72,7 @@ class RedisTier(Tier):
         self._down_until = 0.0
         self._down = False
         self.failures = 0
+        self.totals: tuple[int, int] | None = None     # (bytes, blobs) from the last write
 
     # --- key names ----------------------------------------------------------------------------
 
@@ -88,8 +85,19 @@ class RedisTier(Tier):
     def _r(self, blob_id: str) -> str:
         return f"{self.prefix}:r:{blob_id}"
 
-    def _pin(self, blob_id: str) -> str:
-        return f"{self.prefix}:pin:{blob_id}"
+    def _pins(self, blob_id: str) -> str:
+        return f"{self.prefix}:pins:{blob_id}"
+
+    @property
+    def _stats(self) -> str:
+        return f"{self.prefix}:stats"
+
+    def _parts(self, blob_id: str, n: int) -> list[str]:
+        return [f"{self._b(blob_id)}:{j}" for j in range(n)]
+
+    @property
+    def _ttl(self) -> str:
+        return str(self.ttl_s) if self.ttl_s else ""
 
     # --- availability -------------------------------------------------------------------------
 
@@ -140,37 +148,42 @@ class RedisTier(Tier):
         return self._call(lambda: self._get_many(blob_ids))
 
     def _get_many(self, blob_ids: Sequence[str]) -> list[bytes | None]:
-        values = self._client.mget([self._b(b) for b in blob_ids])
-        out: list[bytes | None] = list(values)
-        split = [i for i, v in enumerate(values) if v is not None and v.startswith(MANIFEST)]
-        for i in split:
-            info = json.loads(values[i][len(MANIFEST):])
-            parts = self._client.mget([f"{self._b(blob_ids[i])}:{j}" for j in range(info["n"])])
-            if any(p is None for p in parts):
+        out: list[bytes | None] = list(self._client.mget([self._b(b) for b in blob_ids]))
+        split = [(i, m) for i, v in enumerate(out) if (m := parse_manifest(v)) is not None]
+        names = [p for i, (n, _) in split for p in self._parts(blob_ids[i], n)]
+        parts = iter(self._client.mget(names) if names else [])
+        for i, (n, size) in split:
+            mine = [next(parts) for _ in range(n)]
+            if any(p is None for p in mine):
                 out[i] = None        # a part expired or was evicted: a miss, not a torn blob
                 continue
-            data = b"".join(parts)
-            out[i] = data if len(data) == info["size"] else None
+            data = b"".join(mine)
+            out[i] = data if len(data) == size else None
         return out
 
-    def put(self, blob_id: str, data: bytes) -> bool:
-        self._call(lambda: self._put(blob_id, data))
+    def put(self, blob_id: str, data: bytes, *, key: bytes | None = None) -> bool:
+        """Store a blob (kept as it is if present) and, with ``key``, map the key to it in the
+        same script. One round trip."""
+        self._call(lambda: self._put(blob_id, data, key))
         return True
 
-    def _put(self, blob_id: str, data: bytes) -> None:
+    def _put(self, blob_id: str, data: bytes, key: bytes | None) -> None:
         pipe = self._client.pipeline(transaction=False)
         ex = self.ttl_s
-        if len(data) <= self.max_value:
-            pipe.set(self._b(blob_id), data, ex=ex)
-        else:
+        value: bytes = data
+        if len(data) > self.max_value:
             n = (len(data) + self.max_value - 1) // self.max_value
             mv = memoryview(data)
-            for j in range(n):
-                pipe.set(f"{self._b(blob_id)}:{j}",
-                         bytes(mv[j * self.max_value:(j + 1) * self.max_value]), ex=ex)
-            manifest = MANIFEST + json.dumps({"n": n, "size": len(data)}).encode()
-            pipe.set(self._b(blob_id), manifest, ex=ex)
-        pipe.execute()
+            for j, name in enumerate(self._parts(blob_id, n)):
+                pipe.set(name, bytes(mv[j * self.max_value:(j + 1) * self.max_value]),
+                         ex=ex, nx=True)
+            value = MANIFEST + json.dumps({"n": n, "size": len(data)}).encode()
+        keys = [self._b(blob_id), self._stats]
+        if key is not None:
+            keys += [self._k(key), self._r(blob_id), self._pins(blob_id)]
+        self._scripts["put"](keys=keys, args=[value, self._ttl, blob_id, len(data)], client=pipe)
+        res = pipe.execute()[-1]
+        self.totals = (int(res[2] or 0), int(res[3] or 0))
 
     def contains(self, blob_id: str) -> bool:
         return bool(self._call(lambda: self._client.exists(self._b(blob_id))))
@@ -179,12 +192,13 @@ class RedisTier(Tier):
         return self._call(lambda: self._delete(blob_id))
 
     def _delete(self, blob_id: str) -> bool:
-        head = self._client.get(self._b(blob_id))
-        names = [self._b(blob_id), self._r(blob_id), self._pin(blob_id)]
-        if head is not None and head.startswith(MANIFEST):
-            n = json.loads(head[len(MANIFEST):])["n"]
-            names += [f"{self._b(blob_id)}:{j}" for j in range(n)]
-        return bool(self._client.delete(*names)) and head is not None
+        head = self._client.getrange(self._b(blob_id), 0, 127)
+        manifest = parse_manifest(head)
+        size = manifest[1] if manifest else int(self._client.strlen(self._b(blob_id)))
+        keys = [self._b(blob_id), self._r(blob_id), self._pins(blob_id),
+                f"{self.prefix}:pin:{blob_id}", self._stats]
+        keys += self._parts(blob_id, manifest[0]) if manifest else []
+        return bool(self._scripts["delete"](keys=keys, args=[size]))
 
     # --- keys (Redis is this tier's index) ----------------------------------------------------
 
@@ -195,51 +209,68 @@ class RedisTier(Tier):
         return [v.decode() if v is not None else None for v in vals]
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        if not keys:
-            return []
+        return [b is not None for b in self.lookup_many(keys)]
 
-        def run() -> list[bool]:
-            pipe = self._client.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(self._k(k))
-            return [bool(x) for x in pipe.execute()]
-        return self._call(run)
-
-    def map_key(self, key: bytes, blob_id: str) -> bool:
-        """Point ``key`` at ``blob_id`` unless it already points somewhere; counts the ref."""
-        ttl = str(self.ttl_s) if self.ttl_s else ""
-        return bool(self._call(lambda: self._map(keys=[self._k(key), self._r(blob_id)],
-                                                 args=[blob_id, ttl])))
+    def map_key(self, key: bytes, blob_id: str, *, replace: bool = False
+                ) -> tuple[int, str | None, int]:
+        """Point ``key`` at ``blob_id`` (counting the reference). A key that points elsewhere
+        keeps its blob unless ``replace`` (then its old blob loses a reference, and a pin on
+        the key moves with it). Returns (status, previous blob if replaced, refs left to it):
+        status 1 mapped, 0 kept elsewhere, -1 the blob is gone."""
+        def run() -> list:
+            return self._scripts["map"](
+                keys=[self._k(key), self._b(blob_id), self._r(blob_id), self._pins(blob_id)],
+                args=[blob_id, self._ttl, f"{self.prefix}:", key.hex(), "1" if replace else ""])
+        status, old, left, moved = self._call(run)
+        old_id = old.decode() if old else None
+        if moved and old_id:                # the pin followed the key: fix both blobs' TTLs
+            self.pin(blob_id, key, True)
+            self._call(lambda: self._expire_if_unpinned(old_id))
+        return int(status), old_id, int(left)
 
     def unmap_key(self, key: bytes) -> tuple[str | None, int]:
-        res = self._call(lambda: self._unmap(keys=[self._k(key)], args=[f"{self.prefix}:r:"]))
+        res = self._call(lambda: self._scripts["unmap"](keys=[self._k(key)],
+                                                        args=[f"{self.prefix}:", key.hex()]))
         if not res:
             return None, 0
-        return res[0].decode(), int(res[1])
+        blob_id, left, unpinned = res[0].decode(), int(res[1]), int(res[2])
+        if unpinned and left > 0:
+            self._call(lambda: self._expire_if_unpinned(blob_id))
+        return blob_id, left
 
     def refcount(self, blob_id: str) -> int:
         v = self._call(lambda: self._client.get(self._r(blob_id)))
         return int(v or 0)
 
-    def pin(self, blob_id: str, key: bytes | None, pinned: bool = True) -> None:
+    # --- pins (per key) -----------------------------------------------------------------------
+
+    def pin(self, blob_id: str, key: bytes, pinned: bool = True) -> None:
+        """Pin or unpin ``key`` (which points to ``blob_id``). The blob keeps no TTL while any
+        of its keys is pinned."""
         def run() -> None:
-            names = [self._b(blob_id)] + ([self._k(key)] if key is not None else [])
-            head = self._client.getrange(self._b(blob_id), 0, 127)
-            if head and head.startswith(MANIFEST):      # the parts of a split blob too
-                n = json.loads(head[len(MANIFEST):])["n"]
-                names += [f"{self._b(blob_id)}:{j}" for j in range(n)]
-            pipe = self._client.pipeline(transaction=False)
-            if pinned:
-                pipe.set(self._pin(blob_id), b"1")
-                for name in names:
-                    pipe.persist(name)
-            else:
-                pipe.delete(self._pin(blob_id))
-                if self.ttl_s:
-                    for name in names:
-                        pipe.expire(name, self.ttl_s)
-            pipe.execute()
+            manifest = parse_manifest(self._client.getrange(self._b(blob_id), 0, 127))
+            keys = [self._pins(blob_id), self._k(key), self._b(blob_id), self._r(blob_id)]
+            keys += self._parts(blob_id, manifest[0]) if manifest else []
+            self._scripts["pin"](keys=keys, args=[key.hex(), "1" if pinned else "", self._ttl])
+            if not pinned:
+                self._client.delete(f"{self.prefix}:pin:{blob_id}")     # format 1 marker
         self._call(run)
+
+    def _expire_if_unpinned(self, blob_id: str) -> None:
+        if not self.ttl_s or self._client.scard(self._pins(blob_id)):
+            return
+        manifest = parse_manifest(self._client.getrange(self._b(blob_id), 0, 127))
+        names = [self._b(blob_id), self._r(blob_id)]
+        names += self._parts(blob_id, manifest[0]) if manifest else []
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.expire(name, self.ttl_s)
+        pipe.execute()
+
+    def is_pinned(self, key: bytes, blob_id: str) -> bool:
+        return bool(self._call(lambda: self._client.sismember(self._pins(blob_id), key.hex())))
+
+    # --- maintenance --------------------------------------------------------------------------
 
     def blob_ids(self) -> Iterator[str]:
         """Every blob id under the prefix (SCAN; for maintenance, not the request path)."""
@@ -259,13 +290,20 @@ class RedisTier(Tier):
             pipe = self._client.pipeline(transaction=False)
             for b in ids:
                 pipe.get(self._r(b))
-                pipe.exists(self._pin(b))
+                pipe.exists(self._pins(b), f"{self.prefix}:pin:{b}")
             res = pipe.execute()
             return [b for i, b in enumerate(ids) if int(res[2 * i] or 0) <= 0
                     and not res[2 * i + 1]]
         return self._call(run)
 
+    def stats(self) -> tuple[int, int]:
+        """(bytes, blobs) as kept by the write and delete scripts (one round trip)."""
+        vals = self._call(lambda: self._client.hmget(self._stats, ["bytes", "blobs"]))
+        self.totals = (int(vals[0] or 0), int(vals[1] or 0))
+        return self.totals
+
     def usage(self) -> TierUsage:
+        """Recount every blob (SCAN) and correct the kept totals (TTL expiries)."""
         try:
             ids = list(self.blob_ids())
 
@@ -277,14 +315,14 @@ class RedisTier(Tier):
                 res = pipe.execute()
                 total = 0
                 for length, head in zip(res[0::2], res[1::2], strict=True):
-                    if head and head.startswith(MANIFEST):
-                        total += int(json.loads(head[len(MANIFEST):])["size"])
-                    else:
-                        total += int(length or 0)
+                    manifest = parse_manifest(head)
+                    total += manifest[1] if manifest else int(length or 0)
+                self._client.hset(self._stats, mapping={"bytes": total, "blobs": len(ids)})
                 return total
-            size = self._call(run) if ids else 0
+            size = self._call(run)
         except TierUnavailable:
             return TierUsage(self.name, 0, 0, None)
+        self.totals = (size, len(ids))
         return TierUsage(self.name, size, len(ids), None)
 
     def close(self) -> None:

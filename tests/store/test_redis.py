@@ -135,6 +135,35 @@ def test_shared_redis_serves_a_second_server(redis_server, make_store, tmp_path,
     assert c.redis.refcount(c.redis.lookup_many([b"k0"])[0]) == 2
 
 
+def test_pin_survives_promotion_from_redis_to_disk(redis_server, make_store, tmp_path, kv_block):
+    a = make_store(redis_url=redis_server.url, redis_write="through", memory_bytes=0)
+    a.put(b"win", kv_block(0)).result()
+    a.pin(b"win")
+    size = len(a.get_blob(b"win"))
+    b = make_store(redis_url=redis_server.url, disk_path=str(tmp_path / "b"), memory_bytes=0,
+                   disk_bytes=4 * size + 100, redis_prefix="cwm")
+    assert torch.equal(b.get(b"win"), kv_block(0))       # a Redis hit, promoted behind
+    b.flush()
+    assert b.index.lookup(b"win") is not None and b.index.is_key_pinned(b"win")
+    for i in range(10):
+        b.put(f"f{i}".encode(), kv_block(10 + i)).result()
+    assert b.index.lookup(b"win") is not None            # never evicted from b's disk
+
+
+def test_link_repoints_in_every_tier(redis_server, make_store, tmp_path, kv_block):
+    s = make_store(redis_url=redis_server.url, disk_path=str(tmp_path / "d"),
+                   redis_write="through")
+    s.put(b"a", kv_block(1)).result()
+    s.put(b"b", kv_block(2)).result()
+    old = s.redis.lookup_many([b"b"])[0]
+    s.link(b"b", b"a")
+    new = s.redis.lookup_many([b"a"])[0]
+    assert s.redis.lookup_many([b"b"]) == [new] and s.index.lookup(b"b") == s.index.lookup(b"a")
+    assert s.redis.refcount(new) == 2 and s.redis.get(old) is None
+    c = make_store(redis_url=redis_server.url, memory_bytes=0)
+    assert torch.equal(c.get(b"b"), kv_block(1))
+
+
 def test_outage_local_tiers_keep_serving_and_reconnect(tmp_path, make_store, kv_block, caplog):
     server = RedisServer().start()
     try:

@@ -156,16 +156,6 @@ def test_corrupt_blob_is_counted_miss_quarantined_logged_once(make_store, tmp_pa
     assert s.contains_many([b"a", b"b"]) == [False, False]
 
 
-def test_truncated_blob_is_a_miss(make_store, tmp_path, kv_block):
-    s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
-    s.put(b"a", kv_block(1)).result()
-    path = s.disk.path(s.index.lookup(b"a"))
-    path.write_bytes(path.read_bytes()[:100])
-    assert s.get(b"a") is None
-    report = s.verify(progress=False)
-    assert report.clean and report.checked == 0
-
-
 def test_verify_finds_and_quarantines(make_store, tmp_path, kv_block):
     s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
     for i in range(3):
@@ -177,16 +167,6 @@ def test_verify_finds_and_quarantines(make_store, tmp_path, kv_block):
     r = s.verify(progress=False)
     assert r.checked == 3 and r.ok == 2 and len(r.corrupt) == 1
     assert s.verify(progress=False).clean
-
-
-def test_write_behind_and_backpressure(make_store, tmp_path, kv_block):
-    s = make_store(disk_path=str(tmp_path / "d"), disk_write="behind", queue_depth=2,
-                   io_workers=1)
-    futs = [s.put(f"k{i}".encode(), kv_block(i)) for i in range(8)]
-    for f in futs:
-        f.result()
-    s.flush()
-    assert s.index.totals()[1] == 8
 
 
 def test_contains_many_from_another_process(make_store, tmp_path, kv_block):

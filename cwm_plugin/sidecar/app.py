@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from cwm_plugin.errors import CWMError, UpstreamError
 from cwm_plugin.sidecar.background import Maintainer
 from cwm_plugin.sidecar.context import SnapshotHook
+from cwm_plugin.sidecar.counting import ModelCounters
 from cwm_plugin.sidecar.identity import Authenticator
 from cwm_plugin.sidecar.memory_port import MemoryPort, build_memory
 from cwm_plugin.sidecar.metrics import SidecarMetrics
@@ -47,6 +48,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         auth=Authenticator(settings.tenants, settings.server_secret()),
         upstream=upstream, memory=memory, metrics=metrics,
         maintainer=Maintainer(upstream, memory, metrics, settings.memory) if memory else None,
+        counters=ModelCounters(settings.memory, upstream.base_url),
     )
     if snapshot_hook is not None:
         sidecar.snapshot_hook = snapshot_hook
@@ -58,6 +60,9 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
                 sidecar.background.spawn(memory.warm(tenant.name), name=f"warm-{tenant.name}")
         yield
         await sidecar.background.close()
+        if memory is not None:
+            await memory.close()  # saves the indexes that changed
+        sidecar.counters.close()
         await upstream.aclose()
 
     app = FastAPI(title="cwm sidecar", lifespan=lifespan, docs_url=None, redoc_url=None,

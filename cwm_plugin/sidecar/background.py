@@ -1,8 +1,11 @@
 """Work done after the answer has gone out: running summaries, fact extraction, checkpoints.
 
 Each job runs as an asyncio task owned by :class:`Background` (drained or cancelled when the app
-stops), never on the client's path. Summaries and facts are written by the upstream model
-itself; facts must be strict JSON accepted by the memory package's ``parse_facts``: one retry,
+stops), never on the client's path; the jobs of one session run one at a time. Summaries and
+facts are written by the upstream model itself. The running summary is incremental: the stored
+summary records the last turn it covers (``upto_turn``), and an update sends only the previous
+summary and the turns after that one (in batches that fit half the model's context, oldest
+first, each batch moving ``upto_turn`` on, so no turn is skipped however long the backlog); facts must be strict JSON accepted by the memory package's ``parse_facts``: one retry,
 then the extraction is refused, counted, and nothing is written. With ``structured_facts`` the
 request carries a JSON schema (vLLM's structured outputs), so even a small model answers valid
 JSON; an answer cut off at ``background_max_tokens`` can still fail and is handled the same way.
@@ -24,6 +27,7 @@ from cwm_plugin.sidecar.settings import MemorySettings
 from cwm_plugin.sidecar.upstream import Upstream
 
 log = logging.getLogger(__name__)
+MAX_SUMMARY_BATCHES = 8  # one update summarises at most this many batches of backlog
 
 
 class Background:
@@ -68,31 +72,39 @@ class Maintainer:
 
     async def summarize(self, tenant: str, session: str, model: str, salt: str,
                         max_model_len: int | None) -> str | None:
-        """Summarise the session (previous summary + recent transcript) and store it."""
+        """Bring the session's summary up to date (previous summary + the turns after the
+        last one it covers); returns the summary, or None if nothing could be written."""
         turns = await self.memory.transcript(tenant, session)
-        if not turns:
-            return None
-        previous = await self.memory.summary(tenant, session)
+        previous, upto = await self.memory.summary_state(tenant, session)
+        ids = [_turn_id(t) for t in turns]
+        start = ids.index(upto) + 1 if upto and upto in ids else 0
         budget = int((max_model_len or 2048) * 0.5) - self.cfg.background_max_tokens
-        lines: list[str] = []
-        used = self.memory.count(previous or "")
-        for t in reversed(turns):  # newest first until the budget is spent
-            line = f"{t.get('role')}: {t.get('content', '')}"
-            cost = self.memory.count(line) + 2
-            if used + cost > budget:
+        for _ in range(MAX_SUMMARY_BATCHES):
+            if start >= len(turns):
                 break
-            lines.append(line)
-            used += cost
-        messages = llm_prompts.summary_messages(previous, "\n".join(reversed(lines)))
-        text, _ = await self.upstream.chat_once(model, messages, salt=salt,
-                                                max_tokens=self.cfg.background_max_tokens)
-        text = text.strip()
-        if not text:
-            self.metrics.background.labels(tenant, "summary", "empty").inc()
-            return None
-        await self.memory.set_summary(tenant, session, text, upto_turn=_turn_id(turns[-1]))
-        self.metrics.background.labels(tenant, "summary", "ok").inc()
-        return text
+            lines: list[str] = []
+            used = self.memory.count_messages(llm_prompts.summary_messages(previous, ""))
+            end = start
+            while end < len(turns):  # oldest first, at least one turn
+                t = turns[end]
+                line = f"{t.get('role')}: {t.get('content', '')}"
+                cost = self.memory.count(line) + 2
+                if lines and used + cost > budget:
+                    break
+                lines.append(line)
+                used += cost
+                end += 1
+            messages = llm_prompts.summary_messages(previous, "\n".join(lines))
+            text, _ = await self.upstream.chat_once(model, messages, salt=salt,
+                                                    max_tokens=self.cfg.background_max_tokens)
+            text = text.strip()
+            if not text:
+                self.metrics.background.labels(tenant, "summary", "empty").inc()
+                return previous
+            await self.memory.set_summary(tenant, session, text, upto_turn=ids[end - 1])
+            self.metrics.background.labels(tenant, "summary", "ok").inc()
+            previous, start = text, end
+        return previous
 
     async def extract_facts(self, tenant: str, model: str, salt: str, exchange: str) -> int:
         """Ask the model for facts as strict JSON; retry once; refuse and count if still bad."""
@@ -123,14 +135,20 @@ class Maintainer:
                          state: SessionState, exchange: str, max_model_len: int | None,
                          checkpoint: bool, hook: SnapshotHook) -> None:
         """Everything due after one turn, in order; failures are logged and counted."""
+        async with state.lock:  # one job of this session at a time, in turn order
+            await self._after_turn(tenant, session, model, salt, state, exchange,
+                                   max_model_len, checkpoint, hook)
+
+    async def _after_turn(self, tenant: str, session: str, model: str, salt: str,
+                          state: SessionState, exchange: str, max_model_len: int | None,
+                          checkpoint: bool, hook: SnapshotHook) -> None:
         summary_due = (self.cfg.summary_every_turns
                        and state.turns_since_summary >= self.cfg.summary_every_turns)
         try:
             if checkpoint or summary_due:
-                summary = await self.summarize(tenant, session, model, salt, max_model_len)
                 state.turns_since_summary = 0
-                if checkpoint and summary:
-                    state.compacted = True
+                await self.summarize(tenant, session, model, salt, max_model_len)
+                if checkpoint:
                     state.checkpoints += 1
                     self.metrics.checkpoints.labels(tenant, model).inc()
                     await call_hook(hook, tenant, session, salt,

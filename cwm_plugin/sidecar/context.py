@@ -1,10 +1,15 @@
 """Per-session context accounting: how full the model's window is, and when to checkpoint.
 
-Each turn's real prompt size comes from vLLM's ``usage.prompt_tokens``; before a turn is sent
-the sidecar only has its own estimate, so the warning header uses the larger of the estimate
-and the last real figure. At ``warn`` (70 % by default) the turn gets ``X-CWM-Context-Warning``;
-at ``checkpoint`` (85 %) the session's state is summarised into memory after the answer and the
-session is *compacted* (summary + last ``keep_turns`` messages) from the next turn on.
+Before a turn is sent the sidecar counts the prompt it assembled with the served model's
+tokenizer (exact with the model's chat template or vLLM's ``/tokenize``); after it, vLLM's
+``usage.prompt_tokens`` is the real figure. The warning header uses this turn's count times the
+session's *calibration* (last real figure / last count: 1 with an exact counter, and it
+corrects an approximate one), so it follows the prompt down after a compaction instead of
+repeating the last large figure. At ``warn`` (70 % by default) the turn gets
+``X-CWM-Context-Warning``; at ``checkpoint`` (85 %) the session is *compacted* from the next
+turn on (summary + memory + the last ``keep_turns`` user/assistant exchanges) and its state is
+summarised into memory in the background: the client never waits for it. Background work of
+one session (summaries, checkpoints) runs one job at a time (``SessionState.lock``).
 
 The state lives in the app (one tracker per app), keyed by (tenant, session); it is advisory:
 after a restart a session starts uncompacted and is checkpointed again if it grows.
@@ -16,7 +21,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from cwm_plugin.sidecar.settings import ThresholdConfig
@@ -44,13 +49,25 @@ def level_for(tokens: int, max_len: int | None, th: ThresholdConfig) -> Level:
 @dataclass
 class SessionState:
     last_prompt_tokens: int = 0
+    calibration: float = 1.0  # real prompt tokens / our count, from the last turn
     turns_recorded: int = 0
     turns_since_summary: int = 0
     full_history_tokens: int = 0  # what replaying every turn verbatim would cost
     history_known: bool = False
     compacted: bool = False
     checkpoints: int = 0
-    pending: asyncio.Task | None = None  # a checkpoint running for this session
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one background job at a time
+
+    def estimate(self, counted: int) -> int:
+        """This turn's prompt size for the thresholds: our count, calibrated."""
+        return round(counted * self.calibration)
+
+    def observe(self, counted: int, real: int | None) -> None:
+        """After a turn: remember vLLM's figure and how far our count was from it."""
+        if real:
+            self.last_prompt_tokens = int(real)
+            if counted > 0:
+                self.calibration = min(4.0, max(0.25, real / counted))
 
 
 class ContextTracker:

@@ -3,8 +3,12 @@
 * Keys are stored as sha256 hex digests and compared with :func:`hmac.compare_digest` against
   every configured digest (no early exit, so timing does not tell which tenant came close).
 * The session comes from the ``X-Session-Id`` header, else the request's ``user`` field, else
-  ``"default"``; tenant and session names are folder names under the memory root, so they are
-  validated (letters, digits, ``_ . -``; no ``..``; bounded length).
+  ``"default"``. Session names are file names under the memory root: ``X-Session-Id`` must
+  already be one (letters, digits, ``_ . -``; no ``..``; at most 64; else 400), while ``user``
+  is OpenAI's free-form end-user id (an e-mail address, say), so any non-empty ``user`` string
+  is mapped to ``u-`` + 32 hex digits of HMAC-SHA256(server secret, tenant NUL user): stable,
+  safe as a file name, and it does not reveal the user (a plain hash of an address could be
+  reversed by guessing).
 * ``cache_salt`` = HMAC-SHA256(server secret, tenant + NUL + session), 64 hex digits: stable
   for a session, unguessable without the secret, and different for every (tenant, session).
 """
@@ -100,12 +104,21 @@ class Authenticator:
                  body: Mapping[str, object] | None) -> Identity:
         """The identity of an authenticated request (``tenant`` from :meth:`tenant_for`)."""
         session = headers.get("x-session-id")
-        if not session and body is not None and isinstance(body.get("user"), str):
-            session = str(body["user"])
+        if not session and body is not None and body.get("user") is not None:
+            user = body["user"]
+            if not isinstance(user, str) or not user or len(user) > 1024:
+                raise InvalidInput("`user` must be a non-empty string of at most 1024 "
+                                   "characters")
+            session = self.user_session(tenant.name, user)
         session = validate_session(session or DEFAULT_SESSION)
         return Identity(tenant=tenant.name, session=session,
                         cache_salt=derive_salt(self._secret, tenant.name, session),
                         allow_client_cache_salt=tenant.allow_client_cache_salt)
+
+    def user_session(self, tenant: str, user: str) -> str:
+        """The session name for an OpenAI ``user`` value (see the module docstring)."""
+        mac = hmac.new(self._secret, f"user\x00{tenant}\x00{user}".encode(), hashlib.sha256)
+        return "u-" + mac.hexdigest()[:32]
 
     def salt_for(self, identity: Identity, body: Mapping[str, object]) -> str:
         """The salt to forward: ours, or the client's where the tenant may set it (else 403)."""

@@ -2,8 +2,11 @@
 
 The memory service is synchronous (files, indexes, an embedding model) and serialises each
 tenant's index changes itself. The sidecar calls it from the event loop through
-:func:`asyncio.to_thread`, so a slow embedding never blocks other requests. This module is the
-only place in the sidecar that knows the service's signatures.
+:func:`asyncio.to_thread`, so a slow embedding never blocks other requests; code that already
+runs on a worker thread (``plan.py``) calls the service directly through ``port.now``.
+``count``/``count_messages`` use the index's local counter (chunk-sized estimates for the
+background prompts); budgets and prompts are counted with the served model's counter
+(``counting.py``).
 """
 
 from __future__ import annotations
@@ -48,10 +51,11 @@ def _hit_dict(hit: Any) -> dict[str, Any]:
 
 
 class MemoryPort:
-    """Async calls into one ``MemoryService`` plus its token counter."""
+    """Async calls into one ``MemoryService`` plus its (index) token counter."""
 
     def __init__(self, service: Any, counter: Any) -> None:
         self.service = service
+        self.now = service  # synchronous access, for code on a worker thread
         self.counter = counter
 
     async def _call(self, tenant: str, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
@@ -70,12 +74,11 @@ class MemoryPort:
 
     # --- reads --------------------------------------------------------------------------------
 
-    async def select(self, tenant: str, session: str, messages: list[dict[str, Any]],
-                     budget_tokens: int, query: str | None) -> Selected:
-        t0 = time.perf_counter()
-        sel = await self._call(tenant, self.service.select_context, tenant, session, messages,
-                               budget_tokens, query=query)
-        hits = list(getattr(sel, "hits", None) or [])
+    @staticmethod
+    def selected(sel: Any, seconds: float) -> Selected:
+        """What the sidecar keeps of a ``Selection`` (memory hits listed first)."""
+        hits = list(getattr(sel, "fact_hits", None) or []) + list(getattr(sel, "hits", None)
+                                                                  or [])
         facts = getattr(sel, "facts", None)
         return Selected(
             memory_block=getattr(sel, "memory_block", "") or "",
@@ -85,8 +88,15 @@ class MemoryPort:
             hits=[_hit_dict(h) for h in hits],
             facts=len(facts) if isinstance(facts, list | tuple) else int(bool(facts)),
             reasons=getattr(sel, "reasons", None),
-            seconds=time.perf_counter() - t0,
+            seconds=seconds,
         )
+
+    async def select(self, tenant: str, session: str, messages: list[dict[str, Any]],
+                     budget_tokens: int, query: str | None, counter: Any = None) -> Selected:
+        t0 = time.perf_counter()
+        sel = await self._call(tenant, self.service.select_context, tenant, session, messages,
+                               budget_tokens, query=query, counter=counter)
+        return self.selected(sel, time.perf_counter() - t0)
 
     async def transcript(self, tenant: str, session: str) -> list[dict[str, Any]]:
         return await self._call(tenant, self.service.transcript, tenant, session)
@@ -121,6 +131,14 @@ class MemoryPort:
                 return [self.service.record_turn(tenant, session, role, content)
                         for role, content in turns]
         return await self._call(tenant, run)
+
+    async def summary_state(self, tenant: str, session: str) -> tuple[str | None, str]:
+        """``(summary or None, id of the last turn it covers or "")``."""
+        return await self._call(tenant, self.service.summary_state, tenant, session)
+
+    async def close(self) -> None:
+        """Save what changed in the indexes and close the embedding cache."""
+        await self._call("", self.service.close)
 
     async def set_summary(self, tenant: str, session: str, text: str, upto_turn: str) -> None:
         await self._call(tenant, self.service.set_summary, tenant, session, text,

@@ -2,7 +2,8 @@
 
 A request's messages split into the **stable prefix** (the leading system/developer messages,
 unchanged turn to turn), the **history** the client sent, and the **new message** (the last
-one). The prompt sent upstream is, in order::
+one); the rule is the memory package's (``cwm_plugin.memory.history``), so the selection never
+repeats a prefix message. The prompt sent upstream is, in order::
 
     stable prefix | memory block (one system message) | recent turns verbatim | new message
 
@@ -10,7 +11,8 @@ so vLLM's prefix cache keeps hitting on the stable prefix whatever memory is sel
 ``memory_first`` layout (memory block before the stable prefix) exists only to measure what
 cache-awareness buys; it breaks the cached prefix whenever the memory changes.
 After an automatic checkpoint the session is *compacted*: the summary joins the memory block and
-only the last ``keep`` history messages stay.
+only the last ``keep`` user/assistant exchanges of the recent history stay (an exchange starts
+at a user message; pinned system/developer messages before it stay too).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cwm_plugin.errors import InvalidInput
+from cwm_plugin.memory.history import PREFIX_ROLES, prefix_length
 
-PREFIX_ROLES = {"system", "developer"}
 MEMORY_HEADER = "Relevant memory from earlier conversations (may be incomplete):"
 SUMMARY_HEADER = "Summary of this conversation so far:"
 
@@ -51,9 +53,7 @@ def validate_messages(messages: object) -> list[Message]:
 
 
 def split(messages: list[Message]) -> SplitMessages:
-    n = 0
-    while n < len(messages) - 1 and messages[n]["role"] in PREFIX_ROLES:
-        n += 1
+    n = prefix_length(messages)
     return SplitMessages(prefix=messages[:n], history=messages[n:-1], new=messages[-1])
 
 
@@ -77,12 +77,23 @@ def memory_text(memory_block: str, summary: str | None) -> str:
     return "\n\n".join(parts)
 
 
+def last_exchanges(recent: list[Message], n: int) -> list[Message]:
+    """The last ``n`` exchanges of ``recent`` (each from a user message on), plus the
+    system/developer messages before them."""
+    starts = [i for i, m in enumerate(recent) if m.get("role") == "user"]
+    if len(starts) <= n:
+        return recent
+    cut = starts[-n] if n > 0 else len(recent)
+    return [m for m in recent[:cut] if m.get("role") in PREFIX_ROLES] + recent[cut:]
+
+
 def assemble(split_msgs: SplitMessages, recent: list[Message], memory_block: str, *,
              mode: Literal["cache_aware", "memory_first"] = "cache_aware",
              summary: str | None = None, keep: int | None = None) -> Prompt:
-    """The messages to forward. ``keep`` (after a checkpoint) bounds the recent messages."""
+    """The messages to forward. ``keep`` (after a checkpoint) bounds the recent history to
+    that many user/assistant exchanges."""
     if keep is not None:
-        recent = recent[-keep:] if keep else []
+        recent = last_exchanges(recent, keep)
     text = memory_text(memory_block, summary)
     mem = {"role": "system", "content": text} if text else None
     block = [mem] if mem else []

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from cwm_plugin.errors import UpstreamError
 from cwm_plugin.sidecar.background import Background, Maintainer
 from cwm_plugin.sidecar.context import ContextTracker, SnapshotHook, noop_snapshot
+from cwm_plugin.sidecar.counting import ModelCounters
 from cwm_plugin.sidecar.identity import Authenticator
 from cwm_plugin.sidecar.memory_port import MemoryPort
 from cwm_plugin.sidecar.metrics import SidecarMetrics
@@ -23,6 +24,7 @@ class Sidecar:
     memory: MemoryPort | None
     metrics: SidecarMetrics
     maintainer: Maintainer | None
+    counters: ModelCounters
     tracker: ContextTracker = field(default_factory=ContextTracker)
     background: Background = field(default_factory=Background)
     snapshot_hook: SnapshotHook = noop_snapshot

@@ -124,7 +124,8 @@ class MemorySettings(_Strict):
 
 
 class ThresholdConfig(_Strict):
-    """Fractions of ``max_model_len``; ``keep_turns`` messages survive a compaction."""
+    """Fractions of ``max_model_len``; the last ``keep_turns`` user/assistant exchanges (a
+    user message and everything up to the next one) survive a compaction."""
 
     warn: float = Field(default=0.70, gt=0, le=1)
     checkpoint: float = Field(default=0.85, gt=0, le=1)

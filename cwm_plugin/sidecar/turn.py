@@ -1,12 +1,14 @@
 """One chat turn through the sidecar (``POST /v1/chat/completions``).
 
 1. authenticate (key -> tenant), read the bounded body, resolve the session, derive the salt;
-2. check the model (404) and wait for a checkpoint of this session still running;
-3. select memory under the budget and assemble the cache-aware prompt (:mod:`prompt`);
+2. check the model (404) and get its token counter (``counting.py``);
+3. select memory under the budget, assemble the cache-aware prompt and count it (``plan.py``,
+   on a worker thread);
 4. forward with the salt, stream or not;
-5. before the client sees the end, append the user's message and the answer to memory;
-6. after the response: usage metrics, context thresholds, summary/facts/checkpoint in the
-   background.
+5. before the client sees the end, append the user's message and the answer to memory, count
+   usage and thresholds, and start what is due (summary, facts, checkpoint) as background
+   tasks: never awaited by a client (a checkpoint compacts the session at once and its summary
+   is written while the next turns go on).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 
 from cwm_plugin.errors import UpstreamError
 from cwm_plugin.sidecar import prompt as P
@@ -29,11 +30,11 @@ from cwm_plugin.sidecar.context import Level, SessionState, level_for
 from cwm_plugin.sidecar.identity import Identity, bearer_key
 from cwm_plugin.sidecar.memory_port import Selected
 from cwm_plugin.sidecar.openai_errors import upstream_error_response
+from cwm_plugin.sidecar.plan import Plan, history_tokens, plan_turn
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.stream import Collected, relay_sse
 
 log = logging.getLogger(__name__)
-CHECKPOINT_WAIT_S = 120.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -48,9 +49,8 @@ class Turn:
     salt: str
     split: P.SplitMessages
     state: SessionState
-    sent_estimate: int
-    full_estimate: int
-    injected: int
+    plan: Plan
+    counter: Any
 
     async def record(self, answer: str) -> None:
         """Append the new message and the answer to the session's memory (never raises)."""
@@ -60,22 +60,25 @@ class Turn:
         turns = [(new["role"], P.text_of(new)), ("assistant", answer)]
         try:
             await sc.memory.record_turns(self.ident.tenant, self.ident.session, turns)
+            cost = await asyncio.to_thread(history_tokens, self.counter, [
+                {"role": r, "content": t} for r, t in turns])
         except Exception:
             sc.metrics.background.labels(self.ident.tenant, "record_turn", "error").inc()
             log.exception("recording a turn failed for tenant %s", self.ident.tenant)
             return
         self.state.turns_recorded += 1
         self.state.turns_since_summary += 1
-        self.state.full_history_tokens += sum(sc.memory.count(t) for _, t in turns)
+        self.state.full_history_tokens += cost
 
     async def finish(self, usage: dict[str, Any] | None, answer: str) -> None:
         """After the response: metrics, thresholds, and the background work that is due."""
-        sc, tenant = self.sc, self.ident.tenant
+        sc, tenant, plan = self.sc, self.ident.tenant, self.plan
         sc.metrics.observe_usage(tenant, self.model, usage)
-        sc.metrics.saved_tokens.labels(tenant, self.model).inc(
-            max(0, self.full_estimate - self.sent_estimate))
-        prompt_tokens = int((usage or {}).get("prompt_tokens") or self.sent_estimate)
-        self.state.last_prompt_tokens = prompt_tokens
+        if sc.memory is not None:
+            sc.metrics.saved_tokens.labels(tenant, self.model).inc(max(0, plan.full - plan.sent))
+        real = (usage or {}).get("prompt_tokens")
+        self.state.observe(plan.prompt_tokens, real)
+        prompt_tokens = int(real or plan.prompt_tokens)
         th = sc.settings.checkpoint.for_model(self.model)
         level = level_for(prompt_tokens, self.max_len, th)
         if self.max_len:
@@ -85,24 +88,26 @@ class Turn:
             sc.metrics.context_warnings.labels(tenant, self.model, level.value).inc()
         if sc.maintainer is None or sc.memory is None:
             return
+        checkpoint = level is Level.CHECKPOINT
+        if checkpoint:
+            self.state.compacted = True  # from the next turn on, whatever the summary does
         cfg = sc.settings.memory
         summary_due = bool(cfg.summary_every_turns) and \
             self.state.turns_since_summary >= cfg.summary_every_turns
-        if not (level is Level.CHECKPOINT or summary_due or cfg.extract_facts):
+        if not (checkpoint or summary_due or cfg.extract_facts):
             return
         exchange = f"user: {P.text_of(self.split.new)}\nassistant: {answer}"
-        task = sc.background.spawn(sc.maintainer.after_turn(
+        sc.background.spawn(sc.maintainer.after_turn(
             tenant=tenant, session=self.ident.session, model=self.model, salt=self.salt,
             state=self.state, exchange=exchange, max_model_len=self.max_len,
-            checkpoint=level is Level.CHECKPOINT, hook=sc.snapshot_hook,
+            checkpoint=checkpoint, hook=sc.snapshot_hook,
         ), name=f"after-turn-{tenant}")
-        if level is Level.CHECKPOINT:
-            self.state.pending = task  # the next turn of this session waits for it
 
 
 def _debug_header(sel: Selected, compacted: bool, mode: str, cap: int,
-                  recent: int) -> str:
+                  recent: int, prompt_tokens: int | None = None) -> str:
     info: dict[str, Any] = {"mode": mode, "tokens": sel.tokens, "recent": recent,
+                            "prompt_tokens": prompt_tokens,
                             "compacted": compacted, "facts": sel.facts,
                             "retrieval_ms": round(sel.seconds * 1000, 2),
                             "hits": sel.hits, "reasons": sel.reasons}
@@ -118,34 +123,6 @@ def _debug_header(sel: Selected, compacted: bool, mode: str, cap: int,
     return json.dumps({"truncated": True, "tokens": sel.tokens})
 
 
-async def _wait_pending(state: SessionState) -> None:
-    task = state.pending
-    if task is not None and not task.done():
-        await asyncio.wait({task}, timeout=CHECKPOINT_WAIT_S)
-    state.pending = None
-
-
-async def _budget(sc: Sidecar, ident: Identity, body: dict[str, Any], split: P.SplitMessages,
-                  max_len: int | None) -> int:
-    """Tokens for the memory selection: the recent turns it keeps verbatim plus the memory
-    budget, capped by what the context has left after the prefix, new message and answer."""
-    mem, cfg = sc.memory, sc.settings.memory
-    assert mem is not None
-    budget = cfg.budget_tokens
-    if max_len:
-        budget = min(budget, int(max_len * cfg.budget_fraction))
-    if cfg.recent_turns:
-        tail = split.history[-cfg.recent_turns:] if split.history else P.recent_from_transcript(
-            await mem.transcript(ident.tenant, ident.session), cfg.recent_turns)
-        budget += mem.count_messages(tail)
-    if max_len:
-        answer = body.get("max_completion_tokens") or body.get("max_tokens")
-        answer = answer if isinstance(answer, int) and answer > 0 else 256
-        left = max_len - min(answer, max_len) - mem.count_messages(split.prefix + [split.new]) - 32
-        budget = min(budget, left)
-    return max(0, budget)
-
-
 async def handle_chat(sc: Sidecar, request: Request) -> Response:
     t0 = time.perf_counter()
     tenant_cfg = sc.auth.tenant_for(bearer_key(request.headers))
@@ -157,49 +134,28 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     info = await sc.model_info(model)
     split = P.split(messages)
     state = sc.tracker.get(ident.tenant, ident.session)
-    await _wait_pending(state)
-
-    sel = Selected()
-    recent = split.history
-    summary = None
-    mem = sc.memory
-    if mem is not None:
-        if not state.history_known:
-            turns = await mem.transcript(ident.tenant, ident.session)
-            state.full_history_tokens = sum(mem.count(str(t.get("content", ""))) for t in turns)
-            state.turns_recorded = len(turns) // 2
-            state.history_known = True
-        budget = await _budget(sc, ident, body, split, info.max_model_len)
-        sel = await mem.select(ident.tenant, ident.session, messages, budget,
-                               query=P.text_of(split.new))
-        sc.metrics.retrieval_seconds.labels(ident.tenant, model).observe(sel.seconds)
-        recent = sel.recent if sel.recent is not None else split.history
-        if state.compacted and not sel.summary:
-            summary = await mem.summary(ident.tenant, ident.session)
-    th = sc.settings.checkpoint.for_model(model)
-    built = P.assemble(split, recent, sel.memory_block, mode=sc.settings.injection,
-                       summary=summary, keep=th.keep_turns if state.compacted else None)
-    forward = {**body, "messages": built.messages, "cache_salt": salt}
+    counter = None
+    if sc.memory is not None:
+        counter = await sc.counters.get(model, info)
+        plan = await asyncio.to_thread(plan_turn, sc.settings, sc.memory, counter, ident, body,
+                                       messages, split, state, model, info.max_model_len)
+        sc.metrics.retrieval_seconds.labels(ident.tenant, model).observe(plan.sel.seconds)
+        sc.metrics.injected_tokens.labels(ident.tenant, model).inc(plan.injected)
+    else:
+        plan = Plan(built=P.assemble(split, split.history, ""), sel=Selected())
+    forward = {**body, "messages": plan.built.messages, "cache_salt": salt}
 
     headers: dict[str, str] = {}
-    sent_est = full_est = injected = 0
-    if mem is not None:
-        injected = mem.count(built.memory_message["content"]) if built.memory_message else 0
-        sent_est = mem.count_messages(built.messages)
-        full_est = max(mem.count_messages(messages),
-                       mem.count_messages(split.prefix + [split.new])
-                       + state.full_history_tokens)
-        sc.metrics.injected_tokens.labels(ident.tenant, model).inc(injected)
-    level = level_for(max(sent_est, state.last_prompt_tokens), info.max_model_len, th)
+    th = sc.settings.checkpoint.for_model(model)
+    used = state.estimate(plan.prompt_tokens)
+    level = level_for(used, info.max_model_len, th)
     if level is not Level.OK and info.max_model_len:
-        frac = max(sent_est, state.last_prompt_tokens) / info.max_model_len
-        headers["X-CWM-Context-Warning"] = f"{level.value}; used={frac:.2f}"
+        headers["X-CWM-Context-Warning"] = f"{level.value}; used={used / info.max_model_len:.2f}"
     if request.headers.get("x-cwm-debug") == "1":
-        headers["X-CWM-Memory"] = _debug_header(sel, state.compacted, sc.settings.injection,
+        headers["X-CWM-Memory"] = _debug_header(plan.sel, state.compacted, sc.settings.injection,
                                                 sc.settings.debug_header_max_bytes,
-                                                len(built.recent))
-    turn = Turn(sc, ident, model, info.max_model_len, salt, split, state, sent_est, full_est,
-                injected)
+                                                len(plan.built.recent), plan.prompt_tokens)
+    turn = Turn(sc, ident, model, info.max_model_len, salt, split, state, plan, counter)
     sc.metrics.overhead_seconds.labels(ident.tenant, model).observe(time.perf_counter() - t0)
     if body.get("stream"):
         return await _stream(turn, forward, headers)
@@ -220,8 +176,8 @@ async def _once(turn: Turn, forward: dict[str, Any], headers: dict[str, str]) ->
     choices = data.get("choices") or [{}]
     answer = (choices[0].get("message") or {}).get("content") or ""
     await turn.record(answer)
-    return JSONResponse(data, headers=headers,
-                        background=BackgroundTask(turn.finish, data.get("usage"), answer))
+    await turn.finish(data.get("usage"), answer)  # quick: the work it starts runs later
+    return JSONResponse(data, headers=headers)
 
 
 async def _stream(turn: Turn, forward: dict[str, Any], headers: dict[str, str]) -> Response:
@@ -244,8 +200,9 @@ async def _stream(turn: Turn, forward: dict[str, Any], headers: dict[str, str]) 
         return upstream_error_response(resp.status_code, content)
     collected = Collected()
 
-    async def on_done() -> None:
+    async def on_done() -> None:  # before the client sees [DONE] (usage came just before)
         await turn.record(collected.text)
+        await turn.finish(collected.usage, collected.text)
 
     async def body():
         try:
@@ -255,9 +212,5 @@ async def _stream(turn: Turn, forward: dict[str, Any], headers: dict[str, str]) 
         finally:
             await ctx.__aexit__(None, None, None)
 
-    async def after() -> None:
-        if collected.done:
-            await turn.finish(collected.usage, collected.text)
-
     return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={**SSE_HEADERS, **headers}, background=BackgroundTask(after))
+                             headers={**SSE_HEADERS, **headers})

@@ -26,6 +26,7 @@ from cwm_plugin.sidecar.settings import UpstreamConfig
 class ModelInfo:
     id: str
     max_model_len: int | None
+    root: str | None = None  # where vLLM loaded the model from (a folder, or a hub name)
 
 
 def _translate(exc: httpx.HTTPError, what: str) -> UpstreamError:
@@ -95,7 +96,8 @@ class Upstream:
             if resp.status_code != 200:
                 raise UpstreamError(f"upstream /v1/models answered HTTP {resp.status_code}")
             data = resp.json().get("data", [])
-            self._models = {m["id"]: ModelInfo(m["id"], m.get("max_model_len")) for m in data}
+            self._models = {m["id"]: ModelInfo(m["id"], m.get("max_model_len"), m.get("root"))
+                            for m in data}
             self._models_at = time.monotonic()
             return self._models
 

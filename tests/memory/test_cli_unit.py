@@ -34,3 +34,28 @@ def test_cli_add_show_reindex_search(tmp_path: Path, counter, capsys) -> None:
     assert "t1 user: We planted basil" in capsys.readouterr().out
     assert main(["memory", "search", *common, "--tenant", "../x", "q"]) == 2
     assert "invalid_input" in capsys.readouterr().err
+
+
+def test_cli_takes_search_settings_from_the_sidecar_config_and_flags(tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    import argparse
+
+    from cwm_plugin.memory import cli
+
+    config = tmp_path / "sidecar.yaml"
+    config.write_text("memory:\n  root: mem\n  embedder: {kind: hashing}\n  chunk_tokens: 150\n"
+                      "  search: {bm25_weight: 0.9, vector_weight: 0.1, mmr_lambda: 0.5}\n")
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    cli.register(sub)
+    args = parser.parse_args(["memory", "search", "--config", str(config), "--tenant", "a",
+                              "--vector-weight", "0.3", "--recency-half-life-days", "7", "q"])
+    svc = cli._service(args)
+    c = svc.config
+    assert c.root == (tmp_path / "mem").resolve() and c.chunk_tokens == 150
+    assert (c.bm25_weight, c.vector_weight, c.mmr_lambda, c.recency_half_life_days) == \
+        (0.9, 0.3, 0.5, 7.0)  # the flag wins over the file
+    svc.close()
+    args = parser.parse_args(["memory", "reindex", "--embedder", "hashing"])
+    with pytest.raises(Exception, match="no memory root"):
+        cli._service(args)

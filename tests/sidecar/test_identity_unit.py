@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 
 import pytest
 
@@ -42,7 +43,7 @@ def test_salt_is_hmac_of_tenant_and_session_and_differs_per_session():
     assert ident.cache_salt == want and len(want) == 64
     assert ident.cache_salt not in repr(ident)
     other = a.identify(t, {}, {"user": "s1-other"})
-    assert other.session == "s1-other" and other.cache_salt != want
+    assert other.session == a.user_session("acme", "s1-other") and other.cache_salt != want
     assert a.identify(t, {}, {}).session == "default"
     # The same session name under another tenant gets another salt.
     b = a.identify(a.tenant_for("key-b"), {"x-session-id": "s1"}, {})
@@ -50,11 +51,35 @@ def test_salt_is_hmac_of_tenant_and_session_and_differs_per_session():
 
 
 @pytest.mark.parametrize("session", ["../etc", "a/b", "..", "x" * 65, "-x", "a\x00b", "a:b", "ok\n"])
-def test_bad_session_names_are_refused(session):
+def test_bad_session_ids_are_refused(session):
     a = auth()
-    with pytest.raises(InvalidInput):
-        a.identify(a.tenant_for("key-a"), {"x-session-id": session} if session else {},
-                   {"user": session})
+    with pytest.raises(InvalidInput) as exc:
+        a.identify(a.tenant_for("key-a"), {"x-session-id": session}, {})
+    assert "session id" in str(exc.value) and exc.value.hint
+
+
+@pytest.mark.parametrize("user", ["alice@example.com", "../etc", "a/b", "x" * 300,
+                                  "Ünïcode user", "a\x00b", "ok\n"])
+def test_any_user_string_maps_to_a_safe_stable_private_session(user):
+    a = auth()
+    acme = a.tenant_for("key-a")
+    ident = a.identify(acme, {}, {"user": user})
+    assert re.fullmatch(r"u-[0-9a-f]{32}", ident.session)
+    assert a.identify(acme, {}, {"user": user}) == ident  # stable
+    assert a.identify(acme, {}, {"user": user + "!"}).session != ident.session
+    assert a.identify(a.tenant_for("key-b"), {}, {"user": user}).session != ident.session
+    plain = hashlib.sha256(user.encode()).hexdigest()
+    assert plain[:32] not in ident.session  # keyed: the address cannot be guessed back
+    # X-Session-Id wins over user
+    assert a.identify(acme, {"x-session-id": "s1"}, {"user": user}).session == "s1"
+
+
+@pytest.mark.parametrize("user", ["", 42, ["x"], "x" * 1025])
+def test_a_user_that_is_not_a_string_is_refused(user):
+    a = auth()
+    with pytest.raises(InvalidInput) as exc:
+        a.identify(a.tenant_for("key-a"), {}, {"user": user})
+    assert "`user`" in str(exc.value)
 
 
 def test_client_cache_salt_needs_permission():
@@ -96,3 +121,31 @@ def test_the_documented_example_config_loads():
     assert s.injection == "cache_aware"
     assert s.checkpoint.for_model("smollm2").checkpoint == 0.80
     assert s.checkpoint.for_model("other").warn == 0.70
+
+
+def test_search_settings_from_yaml_reach_the_memory_service(tmp_path, monkeypatch):
+    from cwm_plugin.sidecar.app import create_app
+
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text(f"""
+secret: "{'s' * 32}"
+tenants: [{{name: acme, key_sha256: ['{hash_key('k')}']}}]
+memory:
+  root: mem
+  embedder: {{kind: hashing}}
+  chunk_tokens: 120
+  chunk_overlap: 20
+  search: {{bm25_weight: 0.2, vector_weight: 0.8, chunk_vector_weight: 0.0,
+            candidate_multiplier: 7, mmr_lambda: 0.6, recency_half_life_days: 10,
+            max_facts: 3}}
+""")
+    app = create_app(load_settings(cfg))
+    c = app.state.sidecar.memory.service.config
+    assert (c.bm25_weight, c.vector_weight, c.chunk_vector_weight, c.candidate_multiplier,
+            c.mmr_lambda, c.recency_half_life_days, c.max_facts) == (0.2, 0.8, 0.0, 7, 0.6,
+                                                                    10.0, 3)
+    assert (c.chunk_tokens, c.chunk_overlap) == (120, 20)
+    cfg.write_text(cfg.read_text().replace("max_facts: 3", "max_facts: 3, typo: 1"))
+    with pytest.raises(ConfigError) as exc:
+        load_settings(cfg)
+    assert "memory.search.typo" in str(exc.value)

@@ -31,13 +31,35 @@ def test_cache_aware_order_keeps_the_stable_prefix_first():
     assert P.assemble(sp, sp.history, "", mode="cache_aware").messages == msgs
 
 
-def test_compaction_keeps_summary_and_last_turns():
+def test_compaction_keeps_summary_and_the_last_exchanges():
     msgs = [SYS] + [{"role": r, "content": f"{r}{i}"} for i in range(4)
                     for r in ("user", "assistant")] + [{"role": "user", "content": "new"}]
     sp = P.split(msgs)
     out = P.assemble(sp, sp.history, "", summary="They talked.", keep=2).messages
     assert out[0] == SYS and P.SUMMARY_HEADER in out[1]["content"]
-    assert [m["content"] for m in out[2:]] == ["user3", "assistant3", "new"]
+    # keep_turns=2: two user/assistant exchanges, not two messages
+    assert [m["content"] for m in out[2:]] == ["user2", "assistant2", "user3", "assistant3",
+                                               "new"]
+    assert [m["content"] for m in P.assemble(sp, sp.history, "", keep=0).messages] == \
+        ["You are helpful.", "new"]
+    # an exchange holds a tool call and its results; a pinned instruction before it stays
+    tool = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+            {"role": "assistant", "content": "It rains."}]
+    pinned = {"role": "system", "content": "Answer in German."}
+    recent = [pinned, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hey"},
+              *tool]
+    kept = P.last_exchanges(recent, 1)
+    assert kept == [pinned, *tool]
+
+
+def test_developer_messages_are_the_prefix_like_system_ones():
+    dev = {"role": "developer", "content": "Be terse."}
+    sp = P.split([SYS, dev, {"role": "user", "content": "u1"}])
+    assert sp.prefix == [SYS, dev] and sp.history == []
+    only = P.split([dev])  # the last message is always the new one
+    assert only.prefix == [] and only.new == dev
 
 
 def test_bad_messages_are_refused():

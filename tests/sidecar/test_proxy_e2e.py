@@ -182,10 +182,24 @@ def test_context_warning_then_checkpoint_compacts_and_calls_the_hook(recorder, s
     history = [{"role": "system", "content": "Be brief."}]
     line = "We discussed the route from Chur to Tirano over the Bernina pass in winter. "
     warned = None
+    max_len = 2048
+    over: list[float] = []  # the turns vLLM saw at or above the warn threshold
+
+    def used(r) -> None:  # the header tells this turn's prompt, not an older one
+        header = r.headers.get("X-CWM-Context-Warning")
+        real = r.json()["usage"]["prompt_tokens"] / max_len
+        if header:
+            assert float(header.split("used=")[1]) == pytest.approx(real, abs=0.006)
+        else:
+            assert real < 0.05
+        if real >= 0.05:
+            over.append(real)
+
     for i in range(6):
         history.append({"role": "user", "content": f"({i}) " + line * 4})
         r = chat(srv, "acme", history, session="cp")
         assert r.status_code == 200, r.text
+        used(r)
         warned = warned or r.headers.get("X-CWM-Context-Warning")
         history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]
                          ["content"]})
@@ -195,12 +209,19 @@ def test_context_warning_then_checkpoint_compacts_and_calls_the_hook(recorder, s
     assert warned and warned.split(";")[0] in ("warn", "checkpoint")
     assert snaps and snaps[0][:3] == ("acme", "cp", salt("acme", "cp"))
     assert runtime(srv).memory.service.summary("acme", "cp")
-    # The next turn is compacted: system, summary/memory block, the last 2 messages, new one.
+    assert metric_value(srv, "cwm_sidecar_checkpoints_total", tenant="acme") == 1
+    levels = {lv: metric_value(srv, "cwm_sidecar_context_warnings_total", tenant="acme",
+                               level=lv) for lv in ("warn", "checkpoint")}
+    assert levels["checkpoint"] == 1 and sum(levels.values()) == len(over)
+    # The next turn is compacted: system, summary/memory block, the last 2 exchanges (user and
+    # assistant messages), the new message.
     history.append({"role": "user", "content": "And in summer?"})
-    assert chat(srv, "acme", history, session="cp").status_code == 200
+    r = chat(srv, "acme", history, session="cp")
+    assert r.status_code == 200
+    used(r)
     sent = rec.last()["messages"]
     assert sent[0] == history[0] and "Summary of this conversation" in sent[1]["content"]
-    assert sent[2:] == history[-3:]
+    assert sent[2:] == history[-5:]
 
 
 def _conversation_hit_rate(srv, rec, tiny_vllm, session: str) -> tuple[float, list[str]]:
@@ -279,7 +300,7 @@ def test_cwm_serve_runs_the_sidecar_from_a_config_file(tiny_vllm, tiny_model, tm
 
     import yaml
 
-    from cwm_plugin.sidecar.identity import hash_key
+    from cwm_plugin.sidecar.identity import Authenticator, hash_key
     from cwm_plugin.testing.procs import free_port, stop_process_group, tail, wait_until
 
     config = tmp_path / "sidecar.yaml"
@@ -307,12 +328,16 @@ def test_cwm_serve_runs_the_sidecar_from_a_config_file(tiny_vllm, tiny_model, tm
     try:
         wait_until(up, timeout=120, alive=lambda: proc.poll() is None, what="cwm serve",
                    log_tail=lambda: tail(log))
-        r = httpx.post(f"{url}/v1/chat/completions", timeout=300,
-                       headers={"Authorization": f"Bearer {KEYS['acme']}"},
-                       json={"model": "tiny", "max_tokens": 4, "temperature": 0,
-                             "messages": [{"role": "user", "content": "hello"}], "user": "u1"})
-        assert r.status_code == 200, r.text
-        assert (tmp_path / "mem" / "acme" / "sessions" / "u1.md").exists()
+        for user in ("u1", "alice.smith+tag@example.com"):  # any OpenAI `user`, no 400
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=300,
+                           headers={"Authorization": f"Bearer {KEYS['acme']}"},
+                           json={"model": "tiny", "max_tokens": 4, "temperature": 0,
+                                 "messages": [{"role": "user", "content": "hello"}],
+                                 "user": user})
+            assert r.status_code == 200, r.text
+            session = Authenticator([], env["CWM_SIDECAR_SECRET"].encode()).user_session(
+                "acme", user)
+            assert (tmp_path / "mem" / "acme" / "sessions" / f"{session}.md").exists()
     finally:
         stop_process_group(proc)
     text = log.read_text()

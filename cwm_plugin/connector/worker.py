@@ -19,7 +19,6 @@ cores as decoding, so there is no transfer to overlap with compute.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
@@ -56,8 +55,6 @@ class WorkerSide:
         self.layers = layers
         self.dtype = layers[0].dtype
         self.block_bytes = math.prod(layout.per_block) * layers[0].element_size()
-        # Until the store checks layouts itself (get_many(layout=...)), shape and dtype are checked.
-        self._store_checks_layout = "layout" in inspect.signature(store.get_many).parameters
         self._load_errors: set[int] = set()
         self._pending: list[tuple[bytes, Future]] = []
         self._stored: set[bytes] = set()
@@ -83,8 +80,7 @@ class WorkerSide:
         keys = self.ns.keys(t.block_hashes, self.rank)
         staging = torch.empty((len(keys), *self.layout.per_block), dtype=self.dtype)
         before = self._tier_hits()
-        kw = {"layout": self.layout_name} if self._store_checks_layout else {}
-        tensors = self.store.get_many(keys, out=staging, **kw)
+        tensors = self.store.get_many(keys, out=staging, layout=self.layout_name)
         after = self._tier_hits()
         good = 0
         for i, tensor in enumerate(tensors):
@@ -108,8 +104,9 @@ class WorkerSide:
                          time.perf_counter() - t0)
 
     def _count_load(self, good: int, served: dict[str, float], seconds: float) -> None:
-        """Attribute the ``good`` blocks to tiers in fetch order (exact unless a fetched blob
-        then failed to decode) and the time to the slowest tier that served any."""
+        """Attribute the ``good`` blocks to the tiers that served them (the store counts a hit
+        once the blob decoded; blocks after a break in the prefix go uncounted, in fetch order)
+        and the time to the slowest tier that served any."""
         left = good
         slowest = "none"
         for tier in TIER_ORDER:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 from connector_helpers import fill_random, kv_allocation, namespace, vllm_config_for
@@ -12,7 +10,6 @@ from cwm_plugin.connector.layout import discover_layout
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata
 from cwm_plugin.connector.stats import StatsCollector
 from cwm_plugin.connector.worker import WorkerSide
-from cwm_plugin.store.tiered import KVStore
 
 pytestmark = pytest.mark.unit
 NB = 16
@@ -121,11 +118,6 @@ def test_a_blob_of_another_shape_is_a_load_error_not_a_crash(open_store):
     assert torch.count_nonzero(block(worker, 2)) == 0
 
 
-STORE_CHECKS_LAYOUT = "layout" in inspect.signature(KVStore.get_many).parameters
-
-
-@pytest.mark.xfail(not STORE_CHECKS_LAYOUT, strict=True,
-                   reason="the store checks layouts on load once KVStore.get_many(layout=) lands")
 def test_a_blob_of_another_layout_with_the_same_shape_is_a_load_error(open_store):
     worker = make_worker(open_store)
     same_shape = torch.ones(worker.layout.per_block)

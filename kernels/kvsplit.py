@@ -8,10 +8,11 @@ block's tokens) and the second half V token-major. So the transform
 * views the tensor as matrices ``[rows, cols]`` (the last two axes) and cuts each in two halves
   of rows when the row count is even: K and V apart;
 * splits every bfloat16 value into sign, 8 exponent bits and 7 mantissa bits;
-* codes the exponent as a 4-bit residual against a per-row plus a per-column base of its
-  half-matrix (a K row is a channel, a V column is a channel: the two-way base fits both
-  without knowing which is which), two residuals a byte (neighbours along the row), code 15
-  an escape whose exponent is stored in ``escapes`` in order (no positions needed);
+* codes the exponent as a 4-bit residual (-8..7) against a per-row plus a per-column base of
+  its half-matrix (a K row is a channel, a V column is a channel: the two-way base fits both
+  without knowing which is which), two residuals a byte (neighbours along the row); the rare
+  exponents outside that range (~0.1%) are stored whole in ``escapes``, their positions as
+  gaps in ``escidx`` (so decoding never scans for them);
 * keeps, per half, the signs as a packed bit plane with the 7-bit mantissas in their own
   stream (``sign<h>``, ``mant<h>``: zstd squeezes the mantissa's free bit and K's signs, which
   run in long same-sign stretches along a channel), or, when that half's signs do not
@@ -21,18 +22,16 @@ Entropy of what is left (bits a value, measured): exponent residual 2.4 (K) / 2.
 0.73 (K) / 0.99 (V), mantissa 6.96; the transform gets within ~0.1 bit of that with zstd.
 
 Decoding uses only whole-array ufuncs on reused scratch buffers; byte shifts go through 64-bit
-views (numpy has no SIMD shift for uint8) and the escapes are found eight codes at a time.
+views (numpy has no SIMD shift for uint8), and a sign+mantissa byte becomes its 16-bit place
+with one multiply by 0x0101 and a mask.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-ESCAPE = 15
-_BIAS = 8            # residual r is coded as r + 8 in 0..14
-_NIBBLE_ONES = np.uint64(0x1111111111111111)
+_BIAS = 8            # residual r is coded as r + 8 in 0..15
 _LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
-_LOW7 = np.uint64(0x7F7F7F7F7F7F7F7F)
 _BIT = [np.uint64(i) for i in range(9)]
 SIGN_COMPRESSES = 0.9   # keep signs apart when their packed plane zstd's below 90%
 
@@ -56,7 +55,7 @@ def expected_sizes(shape: tuple[int, ...], names: list[str]) -> dict[str, tuple[
     n = g * h * r * c
     per_half = g * r * c
     out = {"exp4": ((n + 1) // 2,) * 2, "rowbase": (g * h * r,) * 2,
-           "colbase": (g * h * c,) * 2, "escapes": (0, n)}
+           "colbase": (g * h * c,) * 2, "escidx": (0, 4 * n), "escapes": (0, n)}
     for i in range(h):
         out[f"sign{i}"] = ((per_half + 7) // 8,) * 2
         out[f"mant{i}"] = (per_half,) * 2
@@ -83,14 +82,17 @@ def split(raw: np.ndarray, shape: tuple[int, ...], *, signs: str = "auto",
         col = np.zeros((g * h, c), np.int16)
         code = np.zeros((g * h, r, c), np.int16)
     code = code.reshape(-1)
-    esc = code.view(np.uint16) >= ESCAPE                     # negatives wrap to large
+    esc = np.flatnonzero(code.view(np.uint16) > 15)          # negatives wrap to large
     escapes = exp[esc]
-    code8 = np.where(esc, ESCAPE, code).astype(np.uint8)
+    gaps = np.diff(esc, prepend=0).astype("<u4")
+    code[esc] = 0
+    code8 = code.astype(np.uint8)
     if n % 2:
         code8 = np.append(code8, np.uint8(0))
     packed = code8[0::2] | (code8[1::2] << 4)
-    streams = [packed, row.reshape(-1), col.astype(np.int8).view(np.uint8).reshape(-1), escapes]
-    names = ["exp4", "rowbase", "colbase", "escapes"]
+    streams = [packed, row.reshape(-1), col.astype(np.int8).view(np.uint8).reshape(-1),
+               gaps.view(np.uint8), escapes]
+    names = ["exp4", "rowbase", "colbase", "escidx", "escapes"]
     sign = (words >> 15).astype(np.uint8).reshape(g, h, -1)
     mant = (words & 0x7F).astype(np.uint8).reshape(g, h, -1)
     for i in range(h):
@@ -130,39 +132,31 @@ def join(streams: dict[str, np.ndarray], shape: tuple[int, ...], out: np.ndarray
     packed[half:] = 0
     codes = _unpack_codes(packed, pad, scratch)   # >= n codes, 8-aligned, zero padded
     code = codes[:n]
-    where = _escape_positions(packed.view(np.uint64), scratch)
-    vals = streams["escapes"]
-    if where.size != vals.size or (where.size and int(where[-1]) >= n):
-        raise ValueError(f"{where.size} escape codes for {vals.size} escaped exponents")
+    gaps, vals = streams["escidx"], streams["escapes"]
+    if gaps.size != 4 * vals.size:
+        raise ValueError(f"{gaps.size // 4} escape positions for {vals.size} escaped exponents")
+    where = np.cumsum(gaps.view("<u4"), dtype=np.int64)
+    if where.size and int(where[-1]) >= n:
+        raise ValueError(f"escape position {int(where[-1])} is outside {n} values")
     e3 = code.reshape(g * h, r, c)
     row = streams["rowbase"].reshape(g * h, r) - np.uint8(_BIAS)      # uint8 wrap-around
     np.add(e3, row[:, :, None], out=e3)
     np.add(e3, streams["colbase"].reshape(g * h, 1, c), out=e3)
     code[where] = vals
-    npad = -(-n // 8) * 8
-    hib = scratch("kv-hi", npad)                   # exponent >> 1, then | sign << 7
-    lob = scratch("kv-lo", npad)                   # exponent << 7, then | mantissa
-    codes = codes[:npad]
-    np.right_shift(codes.view(np.uint64), _BIT[1], out=hib.view(np.uint64))
-    np.bitwise_and(hib.view(np.uint64), _LOW7, out=hib.view(np.uint64))
-    np.multiply(codes, np.uint8(128), out=lob)
-    hi3, lo3 = hib[:n].reshape(g, h, -1), lob[:n].reshape(g, h, -1)
+    words = out.view("<u2")                        # sign:1 exponent:8 mantissa:7
+    np.left_shift(code, 7, out=words, dtype=np.uint16)
+    w3 = words.reshape(g, h, -1)
+    t = scratch("kv-t", g * r * c, np.uint16).reshape(g, -1)
     for i in range(h):
-        if f"sm{i}" in streams:
-            sm = streams[f"sm{i}"].reshape(g, -1)
-            t = scratch("kv-t", sm.size).reshape(sm.shape)
-            np.bitwise_and(sm, np.uint8(0x80), out=t)
-            np.bitwise_or(hi3[:, i], t, out=hi3[:, i])
-            np.bitwise_and(sm, np.uint8(0x7F), out=t)
-            np.bitwise_or(lo3[:, i], t, out=lo3[:, i])
+        if f"sm{i}" in streams:                    # byte s:1 m:7 -> s at bit 15, m at 0..6
+            np.multiply(streams[f"sm{i}"].reshape(g, -1), np.uint16(0x0101), out=t,
+                        dtype=np.uint16)
+            np.bitwise_and(t, np.uint16(0x807F), out=t)
         else:
             bits = np.unpackbits(streams[f"sign{i}"], count=g * r * c).reshape(g, -1)
-            np.multiply(bits, np.uint8(128), out=bits)
-            np.bitwise_or(hi3[:, i], bits, out=hi3[:, i])
-            np.bitwise_or(lo3[:, i], streams[f"mant{i}"].reshape(g, -1), out=lo3[:, i])
-    words = out.view("<u2")
-    np.left_shift(hib[:n], 8, out=words, dtype=np.uint16)
-    np.bitwise_or(words, lob[:n], out=words, dtype=np.uint16)
+            np.multiply(bits, np.uint16(0x8000), out=t, dtype=np.uint16)
+            np.bitwise_or(t, streams[f"mant{i}"].reshape(g, -1), out=t, dtype=np.uint16)
+        np.bitwise_or(w3[:, i], t, out=w3[:, i])
 
 
 def _unpack_codes(packed: np.ndarray, pad: int, scratch) -> np.ndarray:
@@ -177,20 +171,3 @@ def _unpack_codes(packed: np.ndarray, pad: int, scratch) -> np.ndarray:
     np.left_shift(hi, 8, out=pairs, dtype=np.uint16)
     np.bitwise_or(pairs, lo, out=pairs, dtype=np.uint16)
     return pairs.view(np.uint8)
-
-
-def _escape_positions(p64: np.ndarray, scratch) -> np.ndarray:
-    """Sorted positions of the codes equal to 15 in the packed stream, found per 64-bit word."""
-    m = scratch("kv-esc", p64.size, np.uint64)
-    t = scratch("kv-esc-t", p64.size, np.uint64)
-    np.right_shift(p64, _BIT[1], out=t)
-    np.bitwise_and(p64, t, out=m)
-    np.right_shift(m, _BIT[2], out=t)
-    np.bitwise_and(m, t, out=m)
-    np.bitwise_and(m, _NIBBLE_ONES, out=m)     # bit 4k set: nibble k of the word is 0xF
-    hits = np.flatnonzero(m)
-    if hits.size == 0:
-        return hits
-    bits = (m[hits][:, None] >> (np.arange(16, dtype=np.uint64) * _BIT[4])) & _BIT[1]
-    word, nib = np.nonzero(bits)
-    return hits[word] * 16 + nib                # nibble k of word w is code 16 w + k

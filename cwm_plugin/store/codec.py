@@ -2,10 +2,16 @@
 
 The container is a plain safetensors file (any safetensors reader can open it): its
 ``__metadata__`` holds the format version, model fingerprint, layout, dtype, shape, key, token
-count, codec parameters, a CRC-32 of the tensor's raw bytes and one of the metadata itself;
-its tensors are ``uint8``
-*streams* made by a byte transform (:mod:`cwm_plugin.kernels.shuffle`), each compressed with
-zstd or kept raw when zstd would not shrink it.
+count, codec parameters, the payload checksum and a CRC-32 of the metadata itself; its tensors
+are ``uint8`` *streams* made by a byte transform (:mod:`cwm_plugin.kernels.shuffle`), each
+compressed with zstd or kept raw when zstd would not shrink it.
+
+The payload checksum covers every stored byte and is verified on every decode: each zstd
+stream is a frame with its content checksum (XXH64 of the decompressed stream, checked by zstd
+while it decompresses), and the raw streams' bytes carry a CRC-32 (``checksum:
+"crc32-raw:<hex>"``). That costs about half of a CRC-32 over the decoded tensor, which format 1
+used (``"crc32:<hex>"``, still verified when read); the transform is a deterministic, exactly
+inverted function of the checked streams.
 
 ``level=0`` means no compression and no transform: the payload is the tensor's raw bytes, so a
 flipped payload byte with ``checksum=False`` decodes to a (wrong) tensor without an error.
@@ -65,13 +71,13 @@ class DecodedBlob:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
+def _compressor(level: int, checksum: bool = False) -> zstandard.ZstdCompressor:
     cache = getattr(_local, "c", None)
     if cache is None:
         cache = _local.c = {}
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level)
-    return cache[level]
+    if (level, checksum) not in cache:
+        cache[level, checksum] = zstandard.ZstdCompressor(level=level, write_checksum=checksum)
+    return cache[level, checksum]
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -102,7 +108,7 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
     payloads: list[bytes | np.ndarray] = []
     for name, s in zip(parts.names, parts.streams, strict=True):
         if level > 0 and s.size >= 64 and _worth_trying(s, level):
-            z = _compressor(level).compress(s)
+            z = _compressor(level, checksum).compress(s)
             if len(z) < RAW_IF_ABOVE * s.size:
                 streams.append((name, "zstd", int(s.size)))
                 payloads.append(z)
@@ -121,7 +127,8 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
         "transform": parts.transform,
         "level": str(level),
         "streams": json.dumps(streams),
-        "checksum": _checksum_of(t) if checksum else "",
+        "checksum": _raw_crc([p for (_, c, _), p in zip(streams, payloads, strict=True)
+                              if c == "raw"]) if checksum else "",
     }
     if checksum:
         meta["meta_crc"] = _meta_crc(meta)
@@ -143,7 +150,15 @@ def _worth_trying(s: np.ndarray, level: int, sample: int = 128 << 10) -> bool:
 
 
 def _checksum_of(t: torch.Tensor) -> str:
+    """Format 1's checksum: CRC-32 of the tensor's bytes."""
     return f"crc32:{zlib.crc32(sh.tensor_bytes(t)):08x}"
+
+
+def _raw_crc(raw: list) -> str:
+    crc = 0
+    for p in raw:
+        crc = zlib.crc32(p, crc)
+    return f"crc32-raw:{crc:08x}"
 
 
 def _pack(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
@@ -221,7 +236,17 @@ def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = No
         if not lo <= raw_len <= hi:
             raise CorruptBlob(f"blob stream {name} claims {raw_len} bytes; a {meta['dtype']} "
                               f"{list(shape)} tensor has {lo}..{hi}", hint="damaged blob")
-    raw_streams = _read_streams(memoryview(data), entries, start, streams)
+    expected = meta.get("checksum", "") if verify else ""
+    if expected and not expected.startswith(("crc32:", "crc32-raw:")):
+        raise CorruptBlob(f"unknown blob checksum {expected[:20]!r}", hint="damaged blob")
+    raw_streams = _read_streams(memoryview(data), entries, start, streams,
+                                stream_checks=expected.startswith("crc32-raw:"))
+    if expected.startswith("crc32-raw:"):
+        got = _raw_crc([a for a, (_, c, _) in zip(raw_streams, streams, strict=True)
+                        if c == "raw"])
+        if got != expected:
+            raise CorruptBlob(f"blob checksum mismatch ({got} != {expected})",
+                              hint="the stored bytes are damaged; the block will be recomputed")
     if version == "1" and transform == "bytes":
         raw_streams = raw_streams[::-1]           # format 1 stored the low byte first
     parts = sh.Split(transform, raw_streams, [name for name, _, _ in streams])
@@ -233,8 +258,7 @@ def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = No
     except (ValueError, IndexError, MemoryError) as exc:
         raise CorruptBlob(f"blob payload does not rebuild a {meta['dtype']} {list(shape)} "
                           f"tensor: {exc}", hint="damaged blob; recompute") from exc
-    expected = meta.get("checksum", "")
-    if verify and expected:
+    if expected.startswith("crc32:"):
         got = _checksum_of(tensor)
         if got != expected:
             raise CorruptBlob(f"blob checksum mismatch ({got} != {expected})",
@@ -265,7 +289,10 @@ def _payload_spec(meta: dict[str, str], version: str
 
 
 def _read_streams(mv: memoryview, entries: dict[str, Any], start: int,
-                  streams: list[tuple[str, str, int]]) -> list[np.ndarray]:
+                  streams: list[tuple[str, str, int]], *, stream_checks: bool = False
+                  ) -> list[np.ndarray]:
+    """The streams, zstd ones decompressed (into scratch buffers). ``stream_checks``: every
+    zstd frame must carry its content checksum (zstd verifies it while decompressing)."""
     names = [f"s{i:02d}" for i in range(len(streams))]
     if sorted(entries) != names:
         raise CorruptBlob("blob streams do not match its metadata", hint="damaged blob")
@@ -288,10 +315,13 @@ def _read_streams(mv: memoryview, entries: dict[str, Any], start: int,
                                   hint="damaged blob")
             out.append(np.frombuffer(chunk, np.uint8))
         elif codec == "zstd":
-            declared = _frame_size(chunk)
+            declared, has_checksum = _frame_info(chunk)
             if declared != raw_len or raw_len > MAX_ZSTD_EXPANSION * len(chunk):
                 raise CorruptBlob(f"zstd stream {name} declares {declared} bytes, the header "
                                   f"{raw_len}", hint="damaged blob")
+            if stream_checks and not has_checksum:
+                raise CorruptBlob(f"zstd stream {name} has lost its checksum",
+                                  hint="damaged blob")
             out.append(_decompress_into(chunk, sh.scratch(f"z{len(out)}", raw_len), name))
         else:
             raise CorruptBlob(f"unknown stream codec {codec!r}", hint="damaged blob")
@@ -300,11 +330,13 @@ def _read_streams(mv: memoryview, entries: dict[str, Any], start: int,
     return out
 
 
-def _frame_size(chunk: memoryview) -> int:
+def _frame_info(chunk: memoryview) -> tuple[int, bool]:
+    """(declared content size or -1, whether the frame carries a content checksum)."""
     try:
-        return int(zstandard.frame_content_size(chunk))
+        params = zstandard.get_frame_parameters(chunk)
     except zstandard.ZstdError:
-        return -1
+        return -1, False
+    return int(params.content_size), bool(params.has_checksum)
 
 
 def _decompress_into(chunk: memoryview, buf: np.ndarray, name: str) -> np.ndarray:

@@ -53,11 +53,11 @@ def test_kvsplit_streams_escapes_and_sign_choice():
     t = kv_like((2, 3, 16, 32), seed=5)
     t.view(-1)[7] = 1e-38                       # exponent far from its row and column
     s = sh.split(t, "kvsplit", compressed_size=lambda a: a.size)       # signs never compress
-    assert s.names == ["exp4", "rowbase", "colbase", "escapes", "sm0", "sm1"]
-    assert s.streams[3].size >= 2               # the planted extremes are escaped
+    assert s.names == ["exp4", "rowbase", "colbase", "escidx", "escapes", "sm0", "sm1"]
+    assert s.streams[4].size >= 2 and s.streams[3].size == 4 * s.streams[4].size   # escaped
     apart = sh.split(t, "kvsplit", compressed_size=lambda a: 0)
-    assert apart.names[4:] == ["sign0", "mant0", "sign1", "mant1"]
-    assert apart.streams[4].size == 2 * 3 * 8 * 32 // 8
+    assert apart.names[5:] == ["sign0", "mant0", "sign1", "mant1"]
+    assert apart.streams[5].size == 2 * 3 * 8 * 32 // 8
     g, h, r, c = kvsplit.matrices((2, 3, 16, 32))
     assert (g, h, r, c) == (6, 2, 8, 32)
 
@@ -86,7 +86,7 @@ def test_damaged_streams_raise_value_error():
     short = [s.streams[0][:-1], *s.streams[1:]]
     with pytest.raises(ValueError):
         sh.join(sh.Split("kvsplit", short, s.names), t.dtype, (2, 2, 8, 8))
-    wrong_escapes = [*s.streams[:3], np.zeros(s.streams[3].size + 1, np.uint8), *s.streams[4:]]
+    wrong_escapes = [*s.streams[:4], np.zeros(s.streams[4].size + 1, np.uint8), *s.streams[5:]]
     with pytest.raises(ValueError, match="escape"):
         sh.join(sh.Split("kvsplit", wrong_escapes, s.names), t.dtype, (2, 2, 8, 8))
     with pytest.raises(ValueError):

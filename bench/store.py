@@ -1,17 +1,21 @@
 """Store benchmark: put/get throughput per tier (memory, disk, Redis) on real KV blocks.
 
-Each tier is measured alone (the others disabled), then all three together as a server would
-run them. ``put`` includes encoding (on the store's pool); ``put_blob``/``get_blob`` move
-encoded bytes only; ``get`` includes decoding with checksum verification. Throughput is in GB/s
-of raw tensor bytes. Redis is a real ``redis-server`` started for the run.
+The blocks are SmolLM2-135M's bf16 KV captured from vLLM's paged cache (see ``bench/codec.py``;
+cached, or ``--kv-dir``). Each tier is measured alone (the others disabled), then all three
+together as a server would run them. ``put`` includes encoding (on the store's pool, io_workers
+threads); ``put_blob``/``get_blob`` move encoded bytes only; ``get`` includes decoding with
+checksum verification. Throughput is in GB/s of raw tensor bytes, the best of ``--rounds``;
+the ratio is raw over stored bytes over all rounds. Redis is a real ``redis-server`` started
+for the run (cwm_plugin.testing.redis_server).
 
-    python bench/store.py --json out/store.json [--quick]
+    python bench/store.py --json bench/results/store.json [--quick] [--no-redis]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 import tempfile
 import time
@@ -31,6 +35,7 @@ from cwm_plugin.testing.redis_server import RedisServer
 def run_tier(name: str, cfg: StoreConfig, blocks: list[torch.Tensor], rounds: int) -> dict:
     raw = sum(b.numel() * b.element_size() for b in blocks)
     best: dict[str, float] = {}
+    raw_total = stored_total = 0
     for r in range(rounds):
         store = KVStore(cfg, registry=CollectorRegistry())
         keys = [f"{name}-{r}-{i}".encode() for i in range(len(blocks))]
@@ -52,13 +57,15 @@ def run_tier(name: str, cfg: StoreConfig, blocks: list[torch.Tensor], rounds: in
             store.put_blob(k, blob)
         store.flush()
         t_put_blob = time.perf_counter() - t0
-        stored = sum(len(b) for b in blobs)
+        raw_total += raw
+        stored_total += sum(len(b) for b in blobs)
         store.close()
         for label, t in (("put", t_put), ("get", t_get), ("put_blob", t_put_blob),
                          ("get_blob", t_get_blob)):
             best[label] = max(best.get(label, 0.0), raw / t / 1e9)
     return {"tier": name, **{f"{k}_gbps": v for k, v in best.items()},
-            "ratio": raw / stored, "blocks": len(blocks), "raw_bytes": raw}
+            "ratio": raw_total / stored_total, "rounds": rounds, "blocks": len(blocks),
+            "raw_bytes": raw}
 
 
 def main() -> int:
@@ -70,12 +77,13 @@ def main() -> int:
     ap.add_argument("--no-redis", action="store_true", help="skip the Redis tier")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     blocks = (codec_bench.load_kv_dir(args.kv_dir) if args.kv_dir
-              else codec_bench.capture_smollm2())
+              else codec_bench.capture_vllm("bfloat16"))
     if args.quick:
         blocks, args.rounds = blocks[:4], 1
-    print(f"{len(blocks)} bf16 blocks of {list(blocks[0].shape)} "
-          f"({blocks[0].numel() * 2 / 1e6:.2f} MB each)")
+    print(f"{len(blocks)} {blocks[0].dtype} blocks of {list(blocks[0].shape)} "
+          f"({blocks[0].numel() * blocks[0].element_size() / 1e6:.2f} MB each)")
     rows = []
     with tempfile.TemporaryDirectory(prefix="cwm-bench-store-") as tmp, \
             contextlib.ExitStack() as stack:
@@ -95,7 +103,7 @@ def main() -> int:
     print(table(rows, ["tier", "put_gbps", "get_gbps", "put_blob_gbps", "get_blob_gbps",
                        "ratio"]))
     write_json(args.json, {"blocks": len(blocks), "block_shape": list(blocks[0].shape),
-                           "dtype": "bfloat16", "machine": machine(), "rows": rows,
+                           "dtype": str(blocks[0].dtype), "machine": machine(), "rows": rows,
                            "note": "GB/s of raw tensor bytes; put includes encode, get decode"})
     return 0
 

@@ -1,26 +1,34 @@
-"""What the memory sidecar costs: added latency with 10k chunks indexed, and a loopback load test.
+"""What the memory sidecar costs and buys: added latency with 10k chunks indexed, a loopback
+load test, and the prefix-cache hit rate with and without cache-aware injection.
 
-    python bench/sidecar.py --json results/sidecar.json [--quick] [--upstream URL]
+    python bench/sidecar.py --json results/sidecar.json [--quick] [--upstream URL] [--data DIR]
 
 * A tiny random-weight model served by ``vllm serve`` on CPU (or ``--upstream``, which must
   serve a model named ``tiny``).
 * Memory: one tenant's index is seeded with ``--chunks`` (10,000; ``--quick`` 2,000) chunks of
-  real LoCoMo conversation text before the sidecar starts.
+  about ``--chunk-tokens`` (400, with 80 overlap: the sidecar's defaults) tokens of real LoCoMo
+  conversation text (``--data``: any folder of LoCoMo files, flat or lists of samples like
+  locomo10.json; default ``../shared/data``), embedded with MiniLM (``--quick``: the hashing
+  embedder). The index is built and saved before the sidecar starts, which loads it.
 * The sidecar runs as its own process (``cwm serve``), like in production.
 * **Latency**: the same non-streamed one-token chat, alternately straight to vLLM and through
   the sidecar (which selects memory, injects it, forwards, and records the turn before
   answering); p50/p99 of both and of the paired difference.
 * **Load**: ``--clients`` concurrent clients, each with its own session, ``--turns`` turns each
   (bounded by ``--load-seconds``); afterwards every answered turn must be in the memory files.
+* **Prefix cache**: the same conversation (a long system prompt, then ``--prefix-turns``
+  questions, the client sending its whole history each time) replayed through a sidecar with
+  ``injection: cache_aware`` (memory after the stable prefix) and one with ``memory_first``
+  (memory before it), each in a fresh session; vLLM's ``prefix_cache_hits / queries`` over each
+  replay, and their ratio.
 
-Prints a short table and writes JSON.
+Prints tables and writes JSON (``latency``, ``load``, ``memory_check``, ``prefix_cache``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
 import os
@@ -35,8 +43,11 @@ from typing import Any
 
 import httpx
 import yaml
+from _common import machine, table, write_json
+from memory import load_conversations, sessions, turn_text
 
 from cwm_plugin.sidecar.identity import hash_key
+from cwm_plugin.sidecar.metrics import upstream_counters
 from cwm_plugin.testing.models import TINY, build_random_model, shared_dir
 from cwm_plugin.testing.procs import free_port, stop_process_group, tail, wait_until
 from cwm_plugin.testing.vllm_server import VLLMServer
@@ -46,20 +57,23 @@ KEY = "bench-key-" + secrets.token_hex(8)
 TENANT = "bench"
 
 
-def conversation_lines() -> list[str]:
-    """``speaker: text`` lines of the LoCoMo conversations in ``../shared/data``."""
-    shared = shared_dir()
-    if shared is None:
-        raise SystemExit("no ../shared/data with LoCoMo conversations; set CWM_SHARED_DIR")
+def conversation_lines(data: Path | None = None) -> list[str]:
+    """``speaker: text`` lines of the LoCoMo conversations under ``data`` (every folder in it;
+    default ``../shared/data``), in any layout ``bench/memory.py`` reads."""
+    if data is None:
+        shared = shared_dir()
+        if shared is None:
+            raise SystemExit("no ../shared/data with LoCoMo conversations; pass --data or set "
+                             "CWM_SHARED_DIR")
+        data = shared / "data"
     out: list[str] = []
-    for f in sorted((shared / "data").glob("**/*.json")):
-        data = json.loads(f.read_text())
-        conv = data.get("conversation", data)  # both layouts: nested or top-level sessions
-        keys = sorted((k for k in conv if k.startswith("session_") and k[8:].isdigit()),
-                      key=lambda k: int(k[8:]))
-        for k in keys:
-            out.extend(f"{t.get('speaker', '?')}: {t.get('text', '')}" for t in conv[k]
-                       if isinstance(t, dict))
+    for folder in [data, *sorted(p for p in data.rglob("*") if p.is_dir())]:
+        for _, conv, _ in load_conversations(folder):
+            for _, _, turns in sessions(conv):
+                out.extend(f"{t.get('speaker', '?')}: {turn_text(t)}" for t in turns
+                           if isinstance(t, dict))
+    if not out:
+        raise SystemExit(f"no LoCoMo conversations under {data}")
     return out
 
 
@@ -71,12 +85,13 @@ def pct(xs: list[float], p: float) -> float:
     return xs[k]
 
 
-def seed_memory(root: Path, cfg_mem: dict[str, Any], n_chunks: int) -> dict[str, Any]:
+def seed_memory(root: Path, cfg_mem: dict[str, Any], n_chunks: int,
+                lines: list[str]) -> dict[str, Any]:
     """Write session files for the bench tenant until its index holds ``n_chunks`` chunks.
 
     Files are written in bulk (one durable write a session, in the memory package's own turn
-    format) rather than turn by turn, then the index is built once, as the sidecar will on its
-    first request (embeddings land in the on-disk cache the sidecar reuses).
+    format) rather than turn by turn, then the index is built once and saved under the memory
+    root (``cwm memory reindex`` does the same); the sidecar loads it when it starts.
     """
     from cwm_plugin.memory.files import encode_turn, replace_durable, utc_iso
     from cwm_plugin.memory.models import Turn
@@ -84,7 +99,6 @@ def seed_memory(root: Path, cfg_mem: dict[str, Any], n_chunks: int) -> dict[str,
     from cwm_plugin.sidecar.settings import MemorySettings
 
     service = make_service(MemorySettings.model_validate(cfg_mem))
-    lines = conversation_lines()
     per_session = 100
 
     def write_session(copy: int) -> None:
@@ -244,28 +258,70 @@ def verify_memory(root: Path, done: dict[str, list[str]]) -> dict[str, Any]:
             "missing": missing}
 
 
+SYSTEM = ("You are the assistant of a travel desk that remembers its customers' earlier "
+          "conversations. Answer briefly and precisely; when the relevant memory does not say, "
+          "say that you do not know rather than guessing. Keep names, dates and numbers exact. "
+          "Prefer the customer's stated preferences; mention prices only when asked. ") * 4
+
+
+def prefix_cache(config: Path, upstream: str, work: Path, secret: str, questions: list[str],
+                 mode: str) -> dict[str, Any]:
+    """Replay one conversation through a sidecar with ``injection: mode``; vLLM's prefix-cache
+    counters over the replay (a fresh session, so a fresh salt: no earlier KV can hit)."""
+    raw = yaml.safe_load(config.read_text())
+    path = work / f"sidecar-{mode}.yaml"
+    path.write_text(yaml.safe_dump({**raw, "injection": mode}))
+    sidecar = Sidecar(path, upstream, work, secret)
+    headers = {"Authorization": f"Bearer {KEY}", "X-Session-Id": f"prefix-{mode}"}
+    history = [{"role": "system", "content": SYSTEM}]
+    try:
+        before = upstream_counters(httpx.get(f"{upstream}/metrics", timeout=30).text)
+        with httpx.Client(timeout=300) as client:
+            for q in questions:
+                history.append({"role": "user", "content": q})
+                r = client.post(f"{sidecar.url}/v1/chat/completions", headers=headers,
+                                json={"model": "tiny", "messages": history, "max_tokens": 4,
+                                      "temperature": 0.0})
+                r.raise_for_status()
+                history.append({"role": "assistant",
+                                "content": r.json()["choices"][0]["message"]["content"]})
+        after = upstream_counters(httpx.get(f"{upstream}/metrics", timeout=30).text)
+    finally:
+        sidecar.stop()
+    hits = after.get("vllm:prefix_cache_hits", 0) - before.get("vllm:prefix_cache_hits", 0)
+    queries = after.get("vllm:prefix_cache_queries", 0) - \
+        before.get("vllm:prefix_cache_queries", 0)
+    return {"turns": len(questions), "hits": int(hits), "queries": int(queries),
+            "hit_rate": round(hits / queries, 4) if queries else None}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True, type=Path)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--upstream", help="reuse a vLLM that serves the tiny model as `tiny`")
+    ap.add_argument("--data", type=Path, help="folder of LoCoMo conversations")
     ap.add_argument("--chunks", type=int)
     ap.add_argument("--requests", type=int)
     ap.add_argument("--clients", type=int)
     ap.add_argument("--turns", type=int)
+    ap.add_argument("--prefix-turns", type=int)
     ap.add_argument("--load-seconds", type=float, default=240.0)
     ap.add_argument("--embedder", default=None,
                     help="hashing | local (default: local, quick: hashing)")
-    ap.add_argument("--chunk-tokens", type=int, default=64,
-                    help="chunk size of the seeded index (small, so 10k chunks stay quick)")
+    ap.add_argument("--chunk-tokens", type=int, default=400,
+                    help="chunk size of the seeded index (the sidecar's default)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     q = args.quick
     chunks = args.chunks or (2000 if q else 10_000)
     n_req = args.requests or (40 if q else 200)
     clients = args.clients or (4 if q else 8)
     turns = args.turns or (5 if q else 10)
+    prefix_turns = args.prefix_turns or (8 if q else 20)
     embedder = args.embedder or ("hashing" if q else "local")
+    lines = conversation_lines(args.data)
 
     work = Path(tempfile.mkdtemp(prefix="cwm-bench-sidecar-"))
     model = build_random_model(TINY)
@@ -282,25 +338,26 @@ def main() -> int:
                    "summary_every_turns": 0, "extract_facts": False}
         log.info("seeding %d chunks (%s embeddings, %d-token chunks)", chunks, embedder,
                  args.chunk_tokens)
-        seeded = seed_memory(root, cfg_mem, chunks)
+        seeded = seed_memory(root, cfg_mem, chunks, lines)
         log.info("seeded: %s", seeded)
         secret = secrets.token_hex(32)
         config = work / "sidecar.yaml"
         config.write_text(yaml.safe_dump({
             "tenants": [{"name": TENANT, "key_sha256": [hash_key(KEY)]}], "memory": cfg_mem}))
-        sidecar = Sidecar(config, upstream, work, secret)
-        lines = conversation_lines()
-        questions = [ln.partition(": ")[2] or ln for ln in lines[::7]]
-        system = "You are a helpful assistant that remembers the user's conversations."
         t0 = time.perf_counter()
-        warm = httpx.post(f"{sidecar.url}/v1/chat/completions", json=chat_body("hello", system),
+        sidecar = Sidecar(config, upstream, work, secret)
+        start_s = round(time.perf_counter() - t0, 2)
+        questions = [ln.partition(": ")[2] or ln for ln in lines[::7]]
+        t0 = time.perf_counter()
+        warm = httpx.post(f"{sidecar.url}/v1/chat/completions",
+                          json=chat_body("hello", SYSTEM),
                           headers={"Authorization": f"Bearer {KEY}", "X-Session-Id": "warm"},
                           timeout=600)
         warm.raise_for_status()
-        first_request_s = round(time.perf_counter() - t0, 2)  # loads the index from the files
+        first_request_s = round(time.perf_counter() - t0, 2)
         log.info("latency: %d paired requests (first request %.1fs)", n_req, first_request_s)
-        lat = latency(sidecar, upstream, questions[: n_req + 3], system)
-        lat["first_request_s"] = first_request_s
+        lat = latency(sidecar, upstream, questions[: n_req + 3], SYSTEM)
+        lat.update(first_request_s=first_request_s, sidecar_start_s=start_s)
         log.info("load: %d clients x %d turns", clients, turns)
         ld = asyncio.run(load(sidecar, clients, turns, args.load_seconds, questions))
         done = ld.pop("_done")
@@ -308,27 +365,40 @@ def main() -> int:
         sidecar.stop()
         sidecar = None
         check = verify_memory(root, done)
+        log.info("prefix cache: %d turns, cache_aware vs memory_first", prefix_turns)
+        convo = questions[-prefix_turns:]
+        prefix = {mode: prefix_cache(config, upstream, work, secret, convo, mode)
+                  for mode in ("cache_aware", "memory_first")}
+        aware, first = (prefix[m]["hit_rate"] for m in ("cache_aware", "memory_first"))
+        prefix["ratio"] = round(aware / first, 3) if aware and first else None
     finally:
         if sidecar is not None:
             sidecar.stop()
         if vllm is not None:
             vllm.stop()
-    result = {"quick": q, "seed": seeded, "latency": lat, "load": ld, "memory_check": check,
-              "inside_sidecar": inside}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    result = {"quick": q, "machine": machine(), "seed": seeded, "latency": lat, "load": ld,
+              "memory_check": check, "inside_sidecar": inside, "prefix_cache": prefix}
     print(f"\nmemory: {seeded['chunks']} chunks of <= {seeded['chunk_tokens']} tokens "
-          f"({seeded['turns']} turns, {seeded['embedder']} embeddings), written and indexed in "
-          f"{seeded['seed_and_index_seconds']} s; sidecar's first request {lat['first_request_s']} s")
-    print(f"{'':24}{'p50 ms':>10}{'p99 ms':>10}")
-    print(f"{'direct to vLLM':24}{lat['direct_p50_ms']:>10}{lat['direct_p99_ms']:>10}")
-    print(f"{'through the sidecar':24}{lat['sidecar_p50_ms']:>10}{lat['sidecar_p99_ms']:>10}")
-    print(f"{'added (paired)':24}{lat['added_p50_ms']:>10}{lat['added_p99_ms']:>10}")
+          f"({seeded['turns']} turns, {seeded['embedder']} embeddings), written, indexed and "
+          f"saved in {seeded['seed_and_index_seconds']} s; sidecar ready in "
+          f"{lat['sidecar_start_s']} s (loads the saved index), first request "
+          f"{lat['first_request_s']} s")
+    print(table([{"": "direct to vLLM", "p50 ms": lat["direct_p50_ms"],
+                  "p99 ms": lat["direct_p99_ms"]},
+                 {"": "through the sidecar", "p50 ms": lat["sidecar_p50_ms"],
+                  "p99 ms": lat["sidecar_p99_ms"]},
+                 {"": "added (paired)", "p50 ms": lat["added_p50_ms"],
+                  "p99 ms": lat["added_p99_ms"]}], ["", "p50 ms", "p99 ms"]))
     print(f"inside the sidecar (all requests): memory selection {inside['retrieval_mean_ms']} ms"
           f" mean, everything before forwarding {inside['overhead_mean_ms']} ms mean")
     print(f"load: {ld['clients']} clients, {ld['answered']} turns in {ld['wall_s']} s "
           f"({ld['turns_per_s']}/s), errors {ld['errors']}, p50 {ld['p50_ms']} ms, "
           f"p99 {ld['p99_ms']} ms; turns missing from memory: {check['missing']}")
+    print(table([{"injection": m, "hits": prefix[m]["hits"], "queries": prefix[m]["queries"],
+                  "hit rate": prefix[m]["hit_rate"]} for m in ("cache_aware", "memory_first")],
+                ["injection", "hits", "queries", "hit rate"]))
+    print(f"prefix-cache hit rate, cache_aware / memory_first: {prefix['ratio']}")
+    write_json(args.json, result)
     return 0 if check["missing"] == 0 and ld["errors"] == 0 else 1
 
 

@@ -75,6 +75,7 @@ class BM25Corpus:
         self._ids: list[str] = []
         self._row: dict[str, int] = {}
         self._df: Counter[str] = Counter()
+        self._postings: dict[str, dict[str, int]] = {}
         self._total = 0
         self._stale = False
 
@@ -91,6 +92,8 @@ class BM25Corpus:
         bm.doc_freqs.append(freqs)
         bm.doc_len.append(sum(freqs.values()))
         self._df.update(freqs.keys())
+        for term, tf in freqs.items():
+            self._postings.setdefault(term, {})[doc_id] = tf
         self._total += bm.doc_len[-1]
         self._stale = True
 
@@ -100,6 +103,11 @@ class BM25Corpus:
             return
         bm = self._bm25
         self._df.subtract(bm.doc_freqs[row].keys())
+        for term in bm.doc_freqs[row]:
+            docs = self._postings[term]
+            del docs[doc_id]
+            if not docs:
+                del self._postings[term]
         self._total -= bm.doc_len[row]
         last = len(self._ids) - 1
         if row != last:  # move the last document into the hole
@@ -125,8 +133,12 @@ class BM25Corpus:
             return {}
         if self._stale:
             self._refresh()
-        terms = bm25_tokens(query)
-        if not terms:
-            return dict.fromkeys(self._ids, 0.0)
-        return {d: float(s) for d, s in zip(self._ids, self._bm25.get_scores(terms),
-                                            strict=True)}
+        bm = self._bm25
+        out = dict.fromkeys(self._ids, 0.0)
+        k1, b, avgdl = bm.k1, bm.b, bm.avgdl
+        for term in bm25_tokens(query):  # a repeated query term counts again, as in rank-bm25
+            idf = bm.idf.get(term) or 0.0
+            for doc, tf in self._postings.get(term, {}).items():
+                dl = bm.doc_len[self._row[doc]]
+                out[doc] += idf * (tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / avgdl)))
+        return out

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cwm_plugin.errors import CorruptBlob
 from cwm_plugin.memory.models import Memory, Turn
-from cwm_plugin.memory.names import check_name
+from cwm_plugin.memory.names import NAME, check_name
 
 TURN_MARK = b"<!-- cwm-turn "
 MEM_MARK = "<!-- cwm-mem "
@@ -189,6 +189,24 @@ class MemoryFiles:
             fh.seek(offset)
             turns, used = decode_turns_at(fh.read())
         return turns, offset + used
+
+    def session_stats(self, tenant: str) -> dict[str, tuple[int, int]]:
+        """``{session: (size, mtime_ns)}`` of the tenant's session files (one directory scan)."""
+        d = self.tenant_dir(tenant) / "sessions"
+        out: dict[str, tuple[int, int]] = {}
+        try:
+            entries = list(os.scandir(d))
+        except FileNotFoundError:
+            return out
+        for e in entries:
+            if e.name.endswith(".md") and NAME.match(e.name[:-3]) and ".." not in e.name \
+                    and e.is_file():  # files named otherwise by hand are not sessions
+                try:
+                    st = e.stat()
+                except FileNotFoundError:
+                    continue
+                out[e.name[:-3]] = (st.st_size, st.st_mtime_ns)
+        return out
 
     def session_size(self, tenant: str, session: str) -> int:
         path = self.session_path(tenant, session)

@@ -70,7 +70,8 @@ class TenantIndex:
         self._centroids: dict[str, np.ndarray] = {}
         self.sessions: dict[str, SessionState] = {}
         self.offsets: dict[str, int] = {}  # bytes of each session file already indexed
-        self.vectors = np.zeros((0, embedder.dims), dtype=np.float32)
+        self._vecs = np.zeros((1024, embedder.dims), dtype=np.float32)  # grows by doubling
+        self._n = 0
         self.hnsw = new_hnsw(embedder.dims)
         self.deleted = 0  # line vectors marked deleted in hnsw (sessions dropped)
         self._bm25 = BM25Corpus()
@@ -130,10 +131,16 @@ class TenantIndex:
             texts.append(f"{prev}\n{u.text}" if prev and self.context_lines else u.text)
             prev = u.text
         vecs = self.embedder.embed(texts)
-        first = self.vectors.shape[0]
+        first = self._n
         labels = list(range(first, first + len(units)))
-        self.vectors = np.concatenate([self.vectors, vecs]) if first else vecs
         need = first + len(units)
+        if need > self._vecs.shape[0]:
+            grown = np.zeros((max(need, 2 * self._vecs.shape[0]), self._vecs.shape[1]),
+                             dtype=np.float32)
+            grown[:first] = self._vecs[:first]
+            self._vecs = grown
+        self._vecs[first:need] = vecs
+        self._n = need
         if need > self.hnsw.get_max_elements():
             self.hnsw.resize_index(max(need, 2 * self.hnsw.get_max_elements()))
         self.hnsw.add_items(vecs, np.asarray(labels))
@@ -142,8 +149,18 @@ class TenantIndex:
     # --- the corpus protocol of search.py --------------------------------------------------------
 
     @property
+    def vectors(self) -> np.ndarray:
+        """The line vectors, row = hnsw label."""
+        return self._vecs[:self._n]
+
+    @vectors.setter
+    def vectors(self, value: np.ndarray) -> None:
+        self._vecs = np.ascontiguousarray(value, dtype=np.float32)
+        self._n = value.shape[0]
+
+    @property
     def n_vectors(self) -> int:
-        return int(self.vectors.shape[0])
+        return self._n
 
     def doc_ids(self, session: str | None = None) -> list[str]:
         if session is None:

@@ -149,15 +149,17 @@ class TenantIndexes:
         return idx
 
     def _sync(self, tenant: str, t: _Tenant) -> None:
-        on_disk = set(self.files.sessions(tenant))
-        for session in sorted(set(t.marks) - on_disk):
+        on_disk = self.files.session_stats(tenant)  # one scan, no per-file path checks
+        for session in sorted(set(t.marks) - set(on_disk)):
             log.info("session %s of tenant %s was removed: dropping it from the index",
                      session, tenant)
             t.index.drop_session(session)
             t.marks.pop(session)
             t.dirty = True
-        for session in sorted(on_disk):
-            self._sync_session(tenant, t, session)
+        for session, seen in sorted(on_disk.items()):
+            mark = t.marks.get(session)
+            if mark is None or seen != (mark.size, mark.mtime_ns):
+                self._sync_session(tenant, t, session)
 
     def _sync_session(self, tenant: str, t: _Tenant, session: str) -> None:
         path = self.files.session_path(tenant, session)

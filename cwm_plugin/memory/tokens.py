@@ -53,10 +53,31 @@ class TokenCounter(Protocol):
 
 
 class _Base:
+    """Counts cached by text (bounded, least recently used out): the lines of a chunk are
+    counted again turn after turn when they are retrieved again."""
+
     name = "base"
 
-    def count(self, text: str) -> int:  # pragma: no cover - overridden
+    def __init__(self, cache_size: int = 20_000) -> None:
+        self.cache_size = cache_size
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._counts_lock = threading.Lock()
+
+    def _count(self, text: str) -> int:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def count(self, text: str) -> int:
+        with self._counts_lock:
+            n = self._counts.get(text)
+            if n is not None:
+                self._counts.move_to_end(text)
+                return n
+        n = self._count(text) if text else 0
+        with self._counts_lock:
+            self._counts[text] = n
+            while len(self._counts) > self.cache_size:
+                self._counts.popitem(last=False)
+        return n
 
     def count_messages(self, messages: list[dict[str, Any]]) -> int:
         """Content tokens plus a fixed overhead a message (the OpenAI chat convention)."""
@@ -104,6 +125,7 @@ class TiktokenCounter(_Base):
     def __init__(self, encoding: str = "cl100k_base", cache_dir: Path | None = None) -> None:
         import tiktoken
 
+        super().__init__()
         offline_tiktoken(cache_dir)
         try:
             self._enc = tiktoken.get_encoding(encoding)
@@ -118,7 +140,7 @@ class TiktokenCounter(_Base):
                       "served model's folder (tokenizer.json)")) from exc
         self.name = f"tiktoken:{encoding}"
 
-    def count(self, text: str) -> int:
+    def _count(self, text: str) -> int:
         return len(self._enc.encode(text, disallowed_special=()))
 
 
@@ -129,6 +151,7 @@ class HFTokenCounter(_Base):
     def __init__(self, folder: Path) -> None:
         from tokenizers import Tokenizer
 
+        super().__init__()
         self.folder = Path(folder)
         path = self.folder / "tokenizer.json"
         if not path.exists():
@@ -141,7 +164,7 @@ class HFTokenCounter(_Base):
         self._chat: Any = None  # transformers tokenizer, loaded on first count_chat
         self._lock = threading.Lock()
 
-    def count(self, text: str) -> int:
+    def _count(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False).ids)
 
     def count_chat(self, messages: list[dict[str, Any]]) -> int:
@@ -183,13 +206,11 @@ class VLLMCounter(_Base):
                  cache_size: int = 50_000, transport: Any = None) -> None:
         import httpx
 
+        super().__init__(cache_size)
         self.url = base_url.rstrip("/") + "/tokenize"
         self.model = model
         self.name = f"vllm:{model}"
         self._client = httpx.Client(timeout=timeout_s, transport=transport)
-        self._cache: OrderedDict[str, int] = OrderedDict()
-        self._size = cache_size
-        self._lock = threading.Lock()
 
     def _post(self, body: dict[str, Any]) -> int:
         import httpx
@@ -203,18 +224,8 @@ class VLLMCounter(_Base):
                                 hint="check that vLLM is up and serves this model, or set "
                                      "memory.tokenizers to a local tokenizer") from exc
 
-    def count(self, text: str) -> int:
-        with self._lock:
-            n = self._cache.get(text)
-            if n is not None:
-                self._cache.move_to_end(text)
-                return n
-        n = self._post({"prompt": text, "add_special_tokens": False}) if text else 0
-        with self._lock:
-            self._cache[text] = n
-            while len(self._cache) > self._size:
-                self._cache.popitem(last=False)
-        return n
+    def _count(self, text: str) -> int:
+        return self._post({"prompt": text, "add_special_tokens": False})
 
     def count_chat(self, messages: list[dict[str, Any]]) -> int:
         return self._post({"messages": messages, "add_generation_prompt": True})
@@ -229,9 +240,10 @@ class HeuristicCounter(_Base):
     name = "heuristic"
 
     def __init__(self) -> None:
+        super().__init__()
         log.warning("no tokenizer configured: counting tokens as len(text)/4, an estimate")
 
-    def count(self, text: str) -> int:
+    def _count(self, text: str) -> int:
         return (len(text) + 3) // 4
 
 

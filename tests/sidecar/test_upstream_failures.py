@@ -79,3 +79,17 @@ def test_a_stalled_upstream_is_a_504_and_a_failing_one_a_502(sidecar_on_bad_upst
     r = chat(srv, "acme", "fail", session="fail")
     assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
     assert runtime(srv).memory.service.transcript("acme", "stall") == []
+
+
+def test_an_upstream_without_tokenize_is_a_clear_502_and_loses_nothing(tmp_path):
+    """tokenizer `vllm` (or `auto` without a local model folder) needs vLLM's /tokenize."""
+    with ServerThread(bad_upstream()) as up:
+        settings = make_settings(up.url, tmp_path, "vllm")
+        with ServerThread(create_app(settings)) as srv:
+            svc = runtime(srv).memory.service
+            svc.record_turn("acme", "tok", "user", "kept from before")
+            r = chat(srv, "acme", "hello", session="tok")
+            assert r.status_code == 502
+            err = r.json()["error"]
+            assert "/tokenize" in err["message"] and "memory.tokenizers" in err["message"]
+            assert [t["content"] for t in svc.transcript("acme", "tok")] == ["kept from before"]

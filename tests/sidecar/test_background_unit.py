@@ -1,6 +1,6 @@
-"""Background work against a scripted upstream on loopback: the running summary is
-incremental, a checkpoint never holds up the client, one session's jobs never overlap, and
-connect errors are retried. The upstream is a small real HTTP server that answers like vLLM
+"""The sidecar against a scripted upstream on loopback: the running summary is incremental, a
+checkpoint never holds up the client, one session's jobs never overlap, connect errors are
+retried, and the prompt keeps its prefix once and its mid-conversation instructions. The upstream is a small real HTTP server that answers like vLLM
 (the model's wisdom is not under test here, what the sidecar sends it is)."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Scripted:
     def __init__(self, summary_delay: float = 0.0) -> None:
         self.summary_delay = summary_delay
         self.summaries: list[dict] = []
+        self.chats: list[dict] = []
         self.spans: list[tuple[float, float]] = []
         self.app = FastAPI()
 
@@ -48,6 +49,8 @@ class Scripted:
                 self.summaries.append(body)
                 self.spans.append((t0, time.monotonic()))
                 text = f"SUMMARY {len(self.summaries)}"
+            else:
+                self.chats.append(body)
             usage = {"prompt_tokens": COUNTER.count_chat(msgs), "completion_tokens": 1,
                      "total_tokens": 0}
             return JSONResponse({"id": "x", "object": "chat.completion", "choices": [
@@ -144,3 +147,21 @@ def test_connect_errors_are_retried_until_the_upstream_is_up(tmp_path):
             late.stop()
     assert [t["content"] for t in runtime(srv).memory.service.transcript("acme", "r1")] == \
         ["hello", "ok"]
+
+
+def test_prefix_messages_are_sent_once_and_instructions_mid_conversation_are_kept(tmp_path):
+    up = Scripted()
+    prefix = [{"role": "system", "content": "You are a travel desk."},
+              {"role": "developer", "content": "Answer in one sentence."}]
+    mid = {"role": "system", "content": "The user now prefers answers in German."}
+    talk = [{"role": r, "content": f"{r} message {i}"} for i in range(6)
+            for r in ("user", "assistant")]
+    messages = [*prefix, *talk[:2], mid, *talk[2:], {"role": "user", "content": "Und jetzt?"}]
+    with ServerThread(up.app) as u, sidecar(u.url, tmp_path) as srv:
+        r = chat(srv, "acme", messages, session="dev")
+        assert r.status_code == 200, r.text
+    sent = up.chats[-1]["messages"]
+    assert sent[:2] == prefix  # the stable prefix, once, in place
+    assert sum(m == prefix[1] for m in sent) == 1 and sum(m == prefix[0] for m in sent) == 1
+    assert mid in sent  # older than the recent window, but an instruction: pinned
+    assert sent[-7:] == messages[-7:]  # the last six history messages and the new one

@@ -10,11 +10,36 @@ KV source:
 * ``--kv-dir DIR``: safetensors files or cwm blobs (e.g. a connector's disk tier) to reuse.
 
 Baselines measured in the same run: raw safetensors (save/load bytes) and torch.save/load.
-Everything runs on one core (``torch.set_num_threads(1)``, one thread). Every configuration is
-checked bit-exact before it is timed.
+Everything runs on one core (``torch.set_num_threads(1)``, one thread) and is timed by that
+thread's CPU time (``--clock wall`` for wall-clock), best of ``--repeat``. Every configuration
+is checked bit-exact before it is timed.
 
-What was tried on bf16 (real vLLM KV of SmolLM2, 15 blocks of 2.9 MB, one core; see
-``TRIED`` below for the table this run reproduces)::
+What was tried on bf16 (real vLLM KV of SmolLM2 over LoCoMo text, 16 blocks of 2.95 MB; ratio
+= raw / stored; the rows marked * are what this script prints, with speeds)::
+
+    zstd-1 on the raw bytes *                                        1.258
+    byte planes, high byte first: zstd-1 * / zstd-3 * / zstd-19      1.474 / 1.431 / 1.493
+    format 1 "exp": one exponent base per column of the whole        1.460  (the real interior is
+      [128 x 128] interior, sign+mantissa byte raw                           K channel-major, V
+                                                                             token-major: wrong
+                                                                             grouping)
+    with signs and mantissas as their own streams, 4-bit exponent
+    residuals two a byte against a base per ...
+      column of each half (K and V apart)                            1.509
+      row of each half                                               1.527
+      row + column of each half (two-way: fits K and V alike)        1.527
+    pairs of residuals: i and i+n/2 / neighbours / rows 2i, 2i+1     1.522 / 1.527 / 1.523
+    kvsplit:apart  (both halves' signs as bit planes) *              1.534
+    kvsplit:folded (sign+mantissa bytes raw, no entropy decoding) *  1.509
+    kvsplit, signs apart where they compress (K), folded (V) *       1.528  <- default
+    the same streams at zstd-3 * / -9 / -19 / -3 with a long window  1.532 / 1.532 / 1.538 / 1.532
+    V's sign+mantissa bytes through zstd as well                     +0.4%, one more Huffman
+                                                                     pass over 0.7 MB a block
+
+Entropy of what is left (bits a value): K exponent residual 2.42 (2.35 given the previous
+token), V 2.63; K sign 0.73 (same-sign runs along a channel), V sign 0.99; mantissa 6.97 (6.92
+given the exponent). Even an ideal coder of these contexts needs ~10.3 bits a value (ratio
+~1.55), so byte transforms + zstd end near 1.53. vLLM's fp16 and fp32 KV use byte planes.
 
     python bench/codec.py --json bench/results/codec.json [--quick] [--kv-dir DIR]
 """
@@ -126,7 +151,11 @@ def load_kv_dir(path: str) -> list[torch.Tensor]:
 
 # --- measuring --------------------------------------------------------------------------------
 
-def measure(blocks: list[torch.Tensor], enc, dec, repeat: int) -> dict[str, float]:
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
+def measure(blocks: list[torch.Tensor], enc, dec, repeat: int,
+            clock=time.thread_time) -> dict[str, float]:
     """Ratio and one-core speeds; ``decode_gbps`` decodes into a reused output tensor per
     block (as ``KVStore.get_many(out=...)`` does), ``decode_alloc_gbps`` into fresh tensors
     that are kept (page faults included)."""
@@ -137,15 +166,15 @@ def measure(blocks: list[torch.Tensor], enc, dec, repeat: int) -> dict[str, floa
     for b, x, o in zip(blocks, blobs, outs, strict=True):   # every configuration must be exact
         got = dec(x, o)
         assert got.dtype == b.dtype and torch.equal(got.view(torch.uint8), b.view(torch.uint8))
-    t_enc = best_time(lambda: [enc(b) for b in blocks], repeat)
-    t_dec = best_time(lambda: [dec(x, o) for x, o in zip(blobs, outs, strict=True)], repeat)
-    t_alloc = best_time(lambda: [dec(x, None) for x in blobs], repeat)
+    t_enc = best_time(lambda: [enc(b) for b in blocks], repeat, clock)
+    t_dec = best_time(lambda: [dec(x, o) for x, o in zip(blobs, outs, strict=True)], repeat, clock)
+    t_alloc = best_time(lambda: [dec(x, None) for x in blobs], repeat, clock)
     out = {"ratio": raw / stored, "encode_gbps": raw / t_enc / 1e9,
            "decode_gbps": raw / t_dec / 1e9, "decode_alloc_gbps": raw / t_alloc / 1e9,
            "raw_bytes": raw, "stored_bytes": stored}
     if dec is _dec:        # what the checksum costs: decode without verifying it
         t_nv = best_time(lambda: [_dec(x, o, verify=False)
-                                  for x, o in zip(blobs, outs, strict=True)], repeat)
+                                  for x, o in zip(blobs, outs, strict=True)], repeat, clock)
         out["decode_noverify_gbps"] = raw / t_nv / 1e9
     return out
 
@@ -172,14 +201,15 @@ def default_name(dtype: torch.dtype) -> str:
     return f"codec zstd{level} {t}" if t != "none" else f"codec zstd{level} no-shuffle"
 
 
-def bench_dtype(name: str, blocks: list[torch.Tensor], repeat: int) -> dict:
+def bench_dtype(name: str, blocks: list[torch.Tensor], repeat: int,
+                clock=time.thread_time) -> dict:
     dtype = blocks[0].dtype
     todo = [("safetensors raw", lambda t: save({"t": t}), lambda x, _: load(x)["t"]),
             ("torch.save", _torch_save, _torch_load)]
     todo += [(label, _enc(kw), _dec) for label, kw in configs(dtype)]
     rows = []
     for label, enc, dec in tqdm(todo, desc=name, leave=False):
-        rows.append({"config": label, **measure(blocks, enc, dec, repeat)})
+        rows.append({"config": label, **measure(blocks, enc, dec, repeat, clock)})
     base = {r["config"]: r for r in rows}
     for r in rows:
         r["ratio_vs_safetensors"] = base["safetensors raw"]["stored_bytes"] / r["stored_bytes"]
@@ -215,10 +245,13 @@ def main() -> int:
                                      "instead of serving SmolLM2")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma list of bf16,fp16,fp32")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
+                    help="cpu: this thread's CPU time (default); wall: wall-clock")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    result: dict = {"threads": 1, "machine": machine(), "dtypes": {}, "refused": {}}
+    result: dict = {"threads": 1, "clock": args.clock, "machine": machine(), "dtypes": {},
+                    "refused": {}}
     given = load_kv_dir(args.kv_dir) if args.kv_dir else None
     for name in tqdm(args.dtypes.split(","), desc="dtypes"):
         if given is not None:
@@ -235,7 +268,8 @@ def main() -> int:
             source = f"vllm serve SmolLM2-135M --dtype {DTYPES[name]} (paged cache, connector)"
         if args.quick:
             blocks, args.repeat = blocks[:4], 1
-        result["dtypes"][name] = {"source": source, **bench_dtype(name, blocks, args.repeat)}
+        result["dtypes"][name] = {"source": source, **bench_dtype(name, blocks, args.repeat,
+                                                                     CLOCKS[args.clock])}
     summary = [{"dtype": k, **{m: v[m] for m in ("default", "ratio", "encode_gbps",
                                                   "decode_gbps", "decode_alloc_gbps",
                                                   "bytes_per_token", "vs_lmcache_raw")}}

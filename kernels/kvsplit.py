@@ -72,39 +72,41 @@ def split(raw: np.ndarray, shape: tuple[int, ...], *, signs: str = "auto",
     words = raw.view("<u2")
     exp = (words >> 7).astype(np.uint8)                      # the sign bit drops off
     e3 = exp.reshape(g * h, r, c)
-    if n:
-        row = np.rint(e3.mean(axis=2, dtype=np.float32)).astype(np.uint8)          # [G, r]
-        d = e3.astype(np.int16) - row[:, :, None]
-        col = np.clip(np.rint(d.mean(axis=1, dtype=np.float32)), -128, 127).astype(np.int16)
-        code = d - col[:, None, :] + _BIAS
+    if n:                       # bases: rounded means (a residual is exact mod 256 anyway)
+        rows = np.add.reduce(e3, axis=2, dtype=np.uint32)                       # [G, r]
+        row = ((rows + c // 2) // c).astype(np.uint8)
+        cols = np.add.reduce(e3, axis=1, dtype=np.int64)                        # [G, c]
+        shift = cols - row.sum(axis=1, dtype=np.int64)[:, None]
+        col = np.clip(np.floor(shift / r + 0.5), -128, 127).astype(np.int8)
     else:
         row = np.zeros((g * h, r), np.uint8)
-        col = np.zeros((g * h, c), np.int16)
-        code = np.zeros((g * h, r, c), np.int16)
-    code = code.reshape(-1)
-    esc = np.flatnonzero(code.view(np.uint16) > 15)          # negatives wrap to large
+        col = np.zeros((g * h, c), np.int8)
+    code = np.empty(n + n % 2, np.uint8)                     # e - row - col + 8, mod 256
+    c3 = code[:n].reshape(g * h, r, c)
+    np.subtract(e3, (row - np.uint8(_BIAS))[:, :, None], out=c3)
+    np.subtract(c3, col.view(np.uint8)[:, None, :], out=c3)
+    esc = np.flatnonzero(code[:n] > 15)
     escapes = exp[esc]
     gaps = np.diff(esc, prepend=0).astype("<u4")
     code[esc] = 0
-    code8 = code.astype(np.uint8)
-    if n % 2:
-        code8 = np.append(code8, np.uint8(0))
-    packed = code8[0::2] | (code8[1::2] << 4)
-    streams = [packed, row.reshape(-1), col.astype(np.int8).view(np.uint8).reshape(-1),
-               gaps.view(np.uint8), escapes]
+    code[n:] = 0
+    pairs = code.view("<u2")                                 # low nibble: the even element
+    packed = ((pairs & 0x0F) | ((pairs >> 4) & 0xF0)).astype(np.uint8)
+    streams = [packed, row.reshape(-1), col.view(np.uint8).reshape(-1), gaps.view(np.uint8),
+               escapes]
     names = ["exp4", "rowbase", "colbase", "escidx", "escapes"]
     sign = (words >> 15).astype(np.uint8).reshape(g, h, -1)
-    mant = (words & 0x7F).astype(np.uint8).reshape(g, h, -1)
+    sm = (((words >> 8) & 0x80) | (words & 0x7F)).astype(np.uint8).reshape(g, h, -1)
     for i in range(h):
         plane = np.packbits(sign[:, i])
         apart = signs == "apart" or (
             signs == "auto" and compressed_size is not None and plane.size
             and compressed_size(plane) < SIGN_COMPRESSES * plane.size)
         if apart:
-            streams += [plane, np.ascontiguousarray(mant[:, i]).reshape(-1)]
+            streams += [plane, (sm[:, i] & 0x7F).reshape(-1)]
             names += [f"sign{i}", f"mant{i}"]
         else:
-            streams.append((mant[:, i] | (sign[:, i] << 7)).reshape(-1))
+            streams.append(np.ascontiguousarray(sm[:, i]).reshape(-1))
             names.append(f"sm{i}")
     return streams, names
 

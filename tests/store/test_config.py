@@ -26,11 +26,15 @@ def test_env_fallback_and_precedence():
     cfg = StoreConfig.from_dict({"zstd_level": 2}, env=env)
     assert cfg.memory_bytes == 512 << 20 and cfg.shuffle is False
     assert cfg.redis_url == "redis://h:1/0" and cfg.zstd_level == 2
+    cfg = StoreConfig.from_dict({}, env={"CWM_STORE_BEHIND_BYTES": "64M",
+                                         "CWM_STORE_GC_MIN_AGE_S": "0"})
+    assert cfg.behind_bytes == 64 << 20 and cfg.gc_min_age_s == 0
 
 
 @pytest.mark.parametrize("bad", [{"zstd_level": 30}, {"disk_write": "sometimes"},
                                  {"io_workers": 0}, {"memory_bytes": "lots"},
-                                 {"shuffle": "maybe"}, {"queue_depth": 0}])
+                                 {"shuffle": "maybe"}, {"queue_depth": 0},
+                                 {"behind_bytes": -1}, {"gc_min_age_s": -5}])
 def test_bad_values(bad):
     with pytest.raises(ConfigError):
         StoreConfig.from_dict(bad, env={})

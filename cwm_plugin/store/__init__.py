@@ -2,7 +2,8 @@
 
 * ``config.StoreConfig``: the settings (dict / YAML / ``CWM_STORE_*`` environment).
 * ``codec``: tensor <-> self-describing, checksummed safetensors+zstd blob.
-* ``tiered.KVStore``: the store the connector and the windows engine use.
+* ``tiered.KVStore``: the store the connector and the windows engine use (its write path in
+  ``writes``, its key operations -- presence, delete, link, per-key pins -- in ``keyops``).
 * ``tiers/``: memory (LRU), disk (atomic files), redis (shared); ``index``: SQLite catalog.
 * ``metrics``, ``maintenance`` (verify, gc), ``queue`` (bounded saves), ``cli`` (``cwm store``).
 

@@ -76,6 +76,9 @@ class KVStore(KeyOps, WritePath):
                                 ttl_s=config.redis_ttl_s,
                                 max_value_bytes=config.redis_max_value_bytes)
                       if config.redis_url else None)
+        if self.redis is not None:
+            with contextlib.suppress(TierUnavailable):      # down now: gauges after a write
+                self.metrics.tier_usage("redis", *self.redis.stats())
         self._saves = SaveQueue(config.io_workers, config.queue_depth,
                                 behind_bytes=config.behind_bytes)
         self._decoder = (cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-decode")

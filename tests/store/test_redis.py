@@ -160,6 +160,8 @@ def test_link_repoints_in_every_tier(redis_server, make_store, tmp_path, kv_bloc
     new = s.redis.lookup_many([b"a"])[0]
     assert s.redis.lookup_many([b"b"]) == [new] and s.index.lookup(b"b") == s.index.lookup(b"a")
     assert s.redis.refcount(new) == 2 and s.redis.get(old) is None
+    assert s.metrics.blobs.labels("redis")._value.get() == 1      # gauge kept by the scripts
+    assert s.metrics.bytes.labels("redis")._value.get() == len(s.redis.get(new))
     c = make_store(redis_url=redis_server.url, memory_bytes=0)
     assert torch.equal(c.get(b"b"), kv_block(1))
 

@@ -198,7 +198,9 @@ class RedisTier(Tier):
         keys = [self._b(blob_id), self._r(blob_id), self._pins(blob_id),
                 f"{self.prefix}:pin:{blob_id}", self._stats]
         keys += self._parts(blob_id, manifest[0]) if manifest else []
-        return bool(self._scripts["delete"](keys=keys, args=[size]))
+        existed, total, blobs = self._scripts["delete"](keys=keys, args=[size])
+        self.totals = (int(total or 0), int(blobs or 0))
+        return bool(existed)
 
     # --- keys (Redis is this tier's index) ----------------------------------------------------
 

@@ -64,17 +64,17 @@ if redis.call('EXISTS', r) == 1 then
 end
 return {b, n, unpinned}
 """
-# KEYS: b, r, pins, legacy pin, stats, parts...; ARGV: size -> 1 if the blob existed
+# KEYS: b, r, pins, legacy pin, stats, parts...; ARGV: size
+# -> {1 if the blob existed, total bytes, total blobs}
 _DELETE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
-  return 0
-end
+local existed = redis.call('EXISTS', KEYS[1])
 redis.call('DEL', unpack(KEYS, 1, 4))
-for i = 6, #KEYS do redis.call('DEL', KEYS[i]) end
-redis.call('HINCRBY', KEYS[5], 'bytes', -tonumber(ARGV[1]))
-redis.call('HINCRBY', KEYS[5], 'blobs', -1)
-return 1
+if existed == 1 then
+  for i = 6, #KEYS do redis.call('DEL', KEYS[i]) end
+  redis.call('HINCRBY', KEYS[5], 'bytes', -tonumber(ARGV[1]))
+  redis.call('HINCRBY', KEYS[5], 'blobs', -1)
+end
+return {existed, redis.call('HGET', KEYS[5], 'bytes'), redis.call('HGET', KEYS[5], 'blobs')}
 """
 # KEYS: pins, k, b, r, parts...; ARGV: key hex, '1' pin / '' unpin, ttl
 _PIN = """

@@ -17,6 +17,7 @@ import hashlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -39,11 +40,10 @@ class LiveMark:
     offset: int = 0
     size: int = -1
     mtime_ns: int = -1
-    hasher: object = field(default_factory=hashlib.sha256)
+    hasher: Any = field(default_factory=hashlib.sha256)  # or a _Digest until verified
 
     def frozen(self) -> persist.FileMark:
-        return persist.FileMark(self.offset, self.size, self.mtime_ns,
-                                self.hasher.hexdigest())  # type: ignore[attr-defined]
+        return persist.FileMark(self.offset, self.size, self.mtime_ns, self.hasher.hexdigest())
 
 
 @dataclass
@@ -183,7 +183,7 @@ class TenantIndexes:
             mark = t.marks[session] = LiveMark()
             turns, used = decode_turns_at(data)
         t.index.add_turns(session, turns)
-        mark.hasher.update(data[mark.offset:mark.offset + used])  # type: ignore[attr-defined]
+        mark.hasher.update(data[mark.offset:mark.offset + used])
         mark.offset += used
         t.index.offsets[session] = mark.offset
         mark.size, mark.mtime_ns = len(data), st.st_mtime_ns
@@ -245,13 +245,13 @@ def _same(mark: LiveMark, prefix: bytes) -> bool:
     """Whether ``prefix`` (the file's first ``mark.offset`` bytes) is what was indexed; a
     mark loaded from disk becomes a running sha256 of the prefix when it matches."""
     h = hashlib.sha256(prefix)
-    if h.hexdigest() != mark.hasher.hexdigest():  # type: ignore[attr-defined]
+    if h.hexdigest() != mark.hasher.hexdigest():
         return False
     mark.hasher = h
     return True
 
 
-def _running(mark: LiveMark, path: Path):  # noqa: ANN202 - hashlib's type is private
+def _running(mark: LiveMark, path: Path) -> Any:
     """The running sha256 of a mark; a saved digest is replaced by hashing the file's prefix."""
     if isinstance(mark.hasher, _Digest):
         with open(path, "rb") as fh:

@@ -7,8 +7,9 @@ process). Start-up, in vLLM's order:
    (:func:`~cwm_plugin.connector.layout.discover_layout`), the namespace built, the store opened
    and a :class:`WorkerSide` made for this TP rank;
 2. vLLM collects ``get_handshake_metadata`` from every worker and hands it to the scheduler's
-   ``set_xfer_handshake_metadata``: the scheduler builds the same namespace from rank 0's layout,
-   opens its store (no memory tier: it only looks keys up) and makes its :class:`SchedulerSide`;
+   ``set_xfer_handshake_metadata_pp_aware``: the scheduler builds the same namespace from the
+   first worker's layout (pipeline stage 0, TP rank 0), opens its store (no memory tier: it only
+   looks keys up) and makes its :class:`SchedulerSide`;
 3. the scheduler's first lookup runs the hashing self-check (after vLLM initialised hashing).
 
 Until step 2 the scheduler side answers "nothing stored" and plans no saves. Each store gets a
@@ -96,18 +97,26 @@ class CWMConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> CWMHandshake | None:
         return CWMHandshake(self._worker.layout_name) if self._worker is not None else None
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        layouts = {rank: m.layout for rank, m in metadata.items() if isinstance(m, CWMHandshake)}
-        if 0 not in layouts:
-            log.error("cwm connector: no KV layout from TP rank 0's worker (got ranks %s); "
-                      "loading and saving stay off", sorted(layouts))
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Layouts keyed by (pipeline rank, TP rank); lookups use stage 0, rank 0's."""
+        layouts = {ranks: m.layout for ranks, m in metadata.items() if isinstance(m, CWMHandshake)}
+        if (0, 0) not in layouts:
+            log.error("cwm connector: no KV layout from the first worker (got %s); loading and "
+                      "saving stay off", sorted(layouts))
             return
         if len(set(layouts.values())) > 1:
-            log.warning("cwm connector: TP ranks report different KV layouts %s; each rank keys "
-                        "its blocks by its own, lookups use rank 0's", layouts)
+            log.info("cwm connector: workers report %d KV layouts (pipeline stages or ranks "
+                     "differ); each keys its blocks by its own, lookups use the first's",
+                     len(set(layouts.values())))
+        self._adopt_layout(layouts[(0, 0)])
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
+
+    def _adopt_layout(self, layout: str) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
 
-        ns = self._namespace(layouts[0])
+        ns = self._namespace(layout)
         spec_block = ns.block_size
         hash_block = getattr(self._kv_cache_config, "hash_block_size", None) or spec_block
         store = self._open_store(ns, memory=False, rank="scheduler")

@@ -10,13 +10,15 @@ LBNHC for NHD GPU kernels, ...). When a backend splits a manager block into kern
 What a block *means* inside is the backend's business: the CPU backend keeps K and V in the last
 axis and packs them for its ISA (``vec``, ``vec16``, ``amx``, ``neon``, ...), a GPU backend has
 its own encoding. So a :class:`KVLayout` names the backend, its ISA, vLLM's resolved layout,
-the KV dtype and the per-block shape; :meth:`KVLayout.describe` goes into the key namespace
-(two hosts with different ISAs sharing Redis never exchange blocks) and into every blob, where
+the KV dtype, the per-block shape and which layers (a pipeline stage holds only some);
+:meth:`KVLayout.describe` goes into the key namespace (two hosts with different ISAs sharing
+Redis never exchange blocks, two pipeline stages never share keys) and into every blob, where
 the store checks it on load.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ class KVLayout:
     num_layers: int
     block_shape: tuple[int, ...]  # one manager block of one layer, logical axis order
     device: str                  # "cpu", "cuda", ...
+    layers: str = ""             # digest of the layer names (pipeline stages never share keys)
 
     @property
     def per_block(self) -> tuple[int, ...]:
@@ -48,7 +51,7 @@ class KVLayout:
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.per_block)
         return (f"{self.backend}/{self.isa or '-'}/{self.physical}/{self.kv_cache_dtype}/"
-                f"{self.dtype}/{shape}/{self.device}")
+                f"{self.dtype}/{shape}/{self.device}/{self.layers or '-'}")
 
 
 def block_views(kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str],
@@ -124,7 +127,8 @@ def discover_layout(vllm_config: Any, kv_cache_config: Any,
     layout = KVLayout(backend=backends.pop(), isa=isas.pop(), physical=str(physical),
                       kv_cache_dtype=cache_dtypes.pop(),
                       dtype=str(first.dtype).removeprefix("torch."), num_layers=len(views),
-                      block_shape=tuple(first.shape[1:]), device=first.device.type)
+                      block_shape=tuple(first.shape[1:]), device=first.device.type,
+                      layers=hashlib.sha256("\n".join(names).encode()).hexdigest()[:8])
     log.info("cwm connector: KV layout %s (%d layers, %d blocks)", layout.describe(),
              len(views), kv_cache_config.num_blocks)
     return layout, views

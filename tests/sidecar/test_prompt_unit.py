@@ -138,3 +138,15 @@ def test_debug_header_is_compact_ascii_and_capped():
     info = json.loads(capped)
     assert len(capped) <= 600 and info["truncated"] and info["reasons"] is None
     assert 0 < len(info["hits"]) < 40 and info["tokens"] == 120
+
+
+def test_debug_hits_carry_a_short_one_line_preview():
+    from cwm_plugin.memory.models import Hit
+    from cwm_plugin.sidecar.memory_port import PREVIEW_CHARS, _hit_dict
+
+    hit = Hit(text="user: my hive\n  is called   Honeycomb Hall" + " x" * 200, score=0.81234,
+              source="session:monday", chunk_id="c" * 64, turn_ids=["t1"])
+    out = _hit_dict(hit)
+    assert out["preview"].startswith("user: my hive is called Honeycomb Hall")
+    assert len(out["preview"]) == PREVIEW_CHARS and "\n" not in out["preview"]
+    assert out["chunk_id"] == "c" * 12 and out["score"] == 0.8123

@@ -63,6 +63,7 @@ from cwm_plugin.memory.tokens import make_counter
 from cwm_plugin.sidecar import prompt as P
 from cwm_plugin.sidecar.budget import DEFAULT_ANSWER_TOKENS, memory_budget, recent_tail
 from cwm_plugin.sidecar.settings import MemorySettings
+from cwm_plugin.testing import locomo
 
 MODES = ("bm25", "vector", "hybrid")
 KS = (5, 10, 20)
@@ -70,24 +71,9 @@ BUDGETS = {"1k": 1000, "2k": 2000, "4k": 4000}
 
 
 def load_conversations(folder: Path) -> list[tuple[str, dict, list[dict]]]:
-    """``(name, conversation, qa)`` for every LoCoMo conversation found in ``folder``."""
-    out = []
-    for path in sorted(folder.glob("*.json")):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        samples = data if isinstance(data, list) else [data]
-        for i, s in enumerate(samples):
-            if not isinstance(s, dict) or "qa" not in s:
-                continue
-            conv = s.get("conversation", s)
-            if not any(re.fullmatch(r"session_\d+", k) for k in conv):
-                continue
-            name = str(s.get("sample_id") or (path.stem if len(samples) == 1 else
-                                              f"{path.stem}-{i}"))
-            out.append((re.sub(r"[^A-Za-z0-9_.-]", "_", name), conv, s["qa"]))
-    return out
+    """``(name, conversation, qa)`` for every LoCoMo conversation with questions under
+    ``folder`` (any layout :mod:`cwm_plugin.testing.locomo` reads)."""
+    return [(c.name, c.sessions, c.qa) for c in locomo.load_conversations(folder) if c.qa]
 
 
 def sessions(conv: dict) -> list[tuple[int, datetime | None, list[dict]]]:

@@ -44,10 +44,11 @@ from typing import Any
 import httpx
 import yaml
 from _common import machine, table, write_json
-from memory import load_conversations, sessions, turn_text
+from memory import sessions, turn_text
 
 from cwm_plugin.sidecar.identity import hash_key
 from cwm_plugin.sidecar.metrics import upstream_counters
+from cwm_plugin.testing import locomo
 from cwm_plugin.testing.models import TINY, build_random_model, shared_dir
 from cwm_plugin.testing.procs import free_port, stop_process_group, tail, wait_until
 from cwm_plugin.testing.vllm_server import VLLMServer
@@ -67,11 +68,10 @@ def conversation_lines(data: Path | None = None) -> list[str]:
                              "CWM_SHARED_DIR")
         data = shared / "data"
     out: list[str] = []
-    for folder in [data, *sorted(p for p in data.rglob("*") if p.is_dir())]:
-        for _, conv, _ in load_conversations(folder):
-            for _, _, turns in sessions(conv):
-                out.extend(f"{t.get('speaker', '?')}: {turn_text(t)}" for t in turns
-                           if isinstance(t, dict))
+    for conv in locomo.load_conversations(data):
+        for _, _, turns in sessions(conv.sessions):
+            out.extend(f"{t.get('speaker', '?')}: {turn_text(t)}" for t in turns
+                       if isinstance(t, dict))
     if not out:
         raise SystemExit(f"no LoCoMo conversations under {data}")
     return out
@@ -115,8 +115,11 @@ def seed_memory(root: Path, cfg_mem: dict[str, Any], n_chunks: int,
     for c in range(probe):
         write_session(c)
     per = service.reindex(TENANT, progress=False) / probe  # chunks a session
-    copy = probe
-    chunks = int(per * probe)
+    copy = max(probe, math.ceil(n_chunks / per * 1.02))
+    for c in range(probe, copy):
+        write_session(c)
+    log.info("indexing %d sessions (embedding every line: minutes with MiniLM)", copy)
+    chunks = service.reindex(TENANT, progress=True)
     while chunks < n_chunks:  # chunking varies a little: top up until there are enough
         more = max(1, math.ceil((n_chunks - chunks) / per * 1.02))
         for c in range(copy, copy + more):

@@ -20,9 +20,11 @@ Everything else that is wrong raises :class:`CorruptBlob` (damaged, truncated, n
 size in the header is checked against the tensor's shape and dtype (and a zstd frame's declared
 size) before anything is allocated, so a damaged header cannot ask for gigabytes.
 
-Format 2 (this one) orders byte planes high byte first and adds the ``kvsplit`` transform.
-Format 1 blobs with the ``none`` or ``bytes`` transform are still read; format 1 ``exp`` blobs
-are :class:`IncompatibleBlob` (recomputed).
+Format 2 ordered byte planes high byte first and added the ``kvsplit`` transform; format 3
+(this one) pairs ``kvsplit``'s exponent nibbles far apart and bit-packs its 7-bit mantissas
+(both decode with whole-word shifts instead of byte interleaving and entropy decoding). Blobs
+with the ``none`` or ``bytes`` transform of every format are still read; older ``exp`` and
+``kvsplit`` blobs are :class:`IncompatibleBlob` (recomputed).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ from cwm_plugin.errors import CorruptBlob, IncompatibleBlob
 from cwm_plugin.kernels import shuffle as sh
 
 FORMAT = "cwm-kv"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = ("1", "2")
+FORMAT_VERSION = 3
+READABLE_VERSIONS = ("1", "2", "3")
 MAX_HEADER = 1 << 20
 RAW_IF_ABOVE = 0.97       # keep a stream raw when zstd saves less than 3%
 MAX_ZSTD_EXPANSION = 1 << 16   # no zstd frame grows more than this (RLE blocks: ~32768x)
@@ -282,8 +284,9 @@ def _payload_spec(meta: dict[str, str], version: str
                           hint="the block will be recomputed") from exc
     if any(d < 0 for d in shape):
         raise CorruptBlob(f"blob shape {shape} is negative", hint="damaged blob")
-    if version == "1" and transform not in ("none", "bytes"):
-        raise IncompatibleBlob(f"format 1 blob with transform {transform!r} is no longer read",
+    if version in ("1", "2") and transform not in ("none", "bytes"):
+        raise IncompatibleBlob(f"format {version} blob with transform {transform!r} is no "
+                               "longer read",
                                hint="written by an older cwm; the block will be recomputed")
     return dtype, shape, streams, transform
 

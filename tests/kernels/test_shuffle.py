@@ -56,7 +56,7 @@ def test_kvsplit_streams_escapes_and_sign_choice():
     assert s.names == ["exp4", "rowbase", "colbase", "escidx", "escapes", "sm0", "sm1"]
     assert s.streams[4].size >= 2 and s.streams[3].size == 4 * s.streams[4].size   # escaped
     apart = sh.split(t, "kvsplit", compressed_size=lambda a: 0)
-    assert apart.names[5:] == ["sign0", "mant0", "sign1", "mant1"]
+    assert apart.names[5:] == ["sign0", "mant70", "sign1", "mant71"]
     assert apart.streams[5].size == 2 * 3 * 8 * 32 // 8
     g, h, r, c = kvsplit.matrices((2, 3, 16, 32))
     assert (g, h, r, c) == (6, 2, 8, 32)
@@ -132,3 +132,12 @@ def test_triton_matches_cpu_interpreted():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and "triton-interpreted-ok" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 65, 1000, 4096 * 9])
+def test_seven_bit_packing_round_trips_at_any_length(n):
+    rng = np.random.default_rng(n)
+    values = rng.integers(0, 128, n, dtype=np.uint8)
+    packed = kvsplit.pack7(values)
+    assert packed.size == 7 * ((n + 7) // 8)
+    assert np.array_equal(kvsplit.unpack7(packed, n, sh.scratch), values)

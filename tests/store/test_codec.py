@@ -58,7 +58,7 @@ def test_container_is_safetensors_with_metadata():
     meta = codec.peek(blob)
     assert meta["fingerprint"] == "model-x" and meta["key"] == "ab"
     assert json.loads(meta["shape"]) == [2, 8, 16] and meta["dtype"] == "bfloat16"
-    assert meta["checksum"].startswith("crc32-raw:") and meta["format_version"] == "2"
+    assert meta["checksum"].startswith("crc32-raw:") and meta["format_version"] == "3"
 
 
 def test_wrong_fingerprint_and_version_are_incompatible():
@@ -67,7 +67,7 @@ def test_wrong_fingerprint_and_version_are_incompatible():
     with pytest.raises(IncompatibleBlob, match="fingerprint"):
         codec.decode(blob, fingerprint="b")
     n = struct.unpack("<Q", blob[:8])[0]
-    header = blob[8:8 + n].replace(b'"format_version":"2"', b'"format_version":"9"')
+    header = blob[8:8 + n].replace(b'"format_version":"3"', b'"format_version":"9"')
     with pytest.raises(IncompatibleBlob, match="version"):
         codec.decode(blob[:8] + header + blob[8 + n:])
     with pytest.raises(CorruptBlob, match="metadata checksum"):   # same length, other key
@@ -197,6 +197,17 @@ def test_format_1_blobs_bytes_read_exp_refused():
                             format_version="1", transform="exp")
     with pytest.raises(IncompatibleBlob, match="format 1"):
         codec.decode(old_exp)
+
+
+def test_format_2_kvsplit_blobs_are_refused_not_misread():
+    # Format 2 paired exponent nibbles as neighbours and zstd'ed whole mantissa bytes; read
+    # with format 3's layout its streams would fit and decode to a wrong tensor.
+    t = torch.randn(4, 8, 16).to(torch.bfloat16)
+    v2 = _rewrite_meta(codec.encode(t, key=b"k", fingerprint="fp"), format_version="2")
+    with pytest.raises(IncompatibleBlob, match="format 2"):
+        codec.decode(v2)
+    planes = codec.encode(t, key=b"k", fingerprint="fp", transform="bytes")
+    assert same_bits(codec.decode(_rewrite_meta(planes, format_version="2")).tensor, t)
 
 
 def test_production_size_bf16_block():

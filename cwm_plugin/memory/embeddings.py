@@ -163,6 +163,9 @@ class CachedEmbedder:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
+        # A cache: a crash may lose its newest entries (they are recomputed), never corrupt it
+        # (WAL); without a sync on every commit a query's embedding costs no fsync.
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT PRIMARY KEY, vec BLOB)")
         self._db.commit()
 

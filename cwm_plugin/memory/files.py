@@ -171,10 +171,15 @@ class MemoryFiles:
 
     def append_turn(self, tenant: str, session: str, turn: Turn) -> tuple[int, int]:
         """Append one record; returns its (start, end) byte offsets in the session file."""
+        return self.append_turns(tenant, session, [turn])
+
+    def append_turns(self, tenant: str, session: str, turns: list[Turn]) -> tuple[int, int]:
+        """Append records in one durable write (one fsync for an exchange, not one a turn);
+        returns their (start, end) byte offsets in the session file."""
         path = self.session_path(tenant, session)
         path.parent.mkdir(parents=True, exist_ok=True)
-        span = append_durable(path, encode_turn(turn))
-        self._daily(tenant, session, turn)
+        span = append_durable(path, b"".join(encode_turn(t) for t in turns))
+        self._daily(tenant, session, turns)
         return span
 
     def read_turns(self, tenant: str, session: str) -> list[Turn]:
@@ -212,14 +217,18 @@ class MemoryFiles:
         path = self.session_path(tenant, session)
         return path.stat().st_size if path.exists() else 0
 
-    def _daily(self, tenant: str, session: str, turn: Turn) -> None:
-        day, _, clock = turn.ts.partition("T")
-        one_line = " ".join(turn.content.split())
-        one_line = one_line[:160] + ("…" if len(one_line) > 160 else "")
-        line = f"- {clock or turn.ts} [{session}] {turn.role}: {one_line} ({turn.turn_id})\n"
-        path = self.tenant_dir(tenant) / "daily" / f"{day or 'undated'}.md"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        append_durable(path, line.encode("utf-8"))
+    def _daily(self, tenant: str, session: str, turns: list[Turn]) -> None:
+        by_day: dict[str, list[str]] = {}
+        for turn in turns:
+            day, _, clock = turn.ts.partition("T")
+            one_line = " ".join(turn.content.split())
+            one_line = one_line[:160] + ("…" if len(one_line) > 160 else "")
+            by_day.setdefault(day or "undated", []).append(
+                f"- {clock or turn.ts} [{session}] {turn.role}: {one_line} ({turn.turn_id})\n")
+        for day, lines in by_day.items():
+            path = self.tenant_dir(tenant) / "daily" / f"{day}.md"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            append_durable(path, "".join(lines).encode("utf-8"))
 
     # --- durable memories --------------------------------------------------------------------
 

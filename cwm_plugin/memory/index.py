@@ -67,6 +67,9 @@ class TenantIndex:
         self.overlap = overlap
         self.chunks: dict[str, Chunk] = {}
         self.chunk_labels: dict[str, list[int]] = {}
+        self._label_chunks: dict[int, list[str]] = {}  # line vector -> chunks holding it
+        self._seq: dict[str, int] = {}                  # chunk -> insertion order
+        self._next_seq = 0
         self._centroids: dict[str, np.ndarray] = {}
         self.sessions: dict[str, SessionState] = {}
         self.offsets: dict[str, int] = {}  # bytes of each session file already indexed
@@ -95,9 +98,17 @@ class TenantIndex:
                                        self.overlap, start):
             st.spans.append((b, e, chunk.chunk_id))
             self.chunks[chunk.chunk_id] = chunk
-            self.chunk_labels[chunk.chunk_id] = st.labels[b:e]
+            self.set_chunk_labels(chunk.chunk_id, st.labels[b:e])
             self._bm25.add(chunk.chunk_id, chunk.text)
             self.added += 1
+
+    def set_chunk_labels(self, cid: str, labels: list[int]) -> None:
+        """Record which line vectors a chunk holds (both ways)."""
+        self.chunk_labels[cid] = labels
+        for label in labels:
+            self._label_chunks.setdefault(label, []).append(cid)
+        self._seq[cid] = self._next_seq
+        self._next_seq += 1
 
     def drop_session(self, session: str) -> None:
         """Forget a session (its file was edited or removed); its line vectors are deleted."""
@@ -119,7 +130,13 @@ class TenantIndex:
     def _drop_chunk(self, cid: str) -> None:
         self._bm25.remove(cid)
         self.chunks.pop(cid, None)
-        self.chunk_labels.pop(cid, None)
+        for label in self.chunk_labels.pop(cid, ()):
+            holders = self._label_chunks.get(label)
+            if holders is not None and cid in holders:
+                holders.remove(cid)
+                if not holders:
+                    del self._label_chunks[label]
+        self._seq.pop(cid, None)
         self._centroids.pop(cid, None)
 
     def _add_vectors(self, st: SessionState, units: list[Unit]) -> None:
@@ -176,7 +193,8 @@ class TenantIndex:
         wanted = knn_labels(self.hnsw, qvec, n_lines, self.n_vectors - self.deleted)
         if not wanted:
             return []
-        return [c for c, labs in self.chunk_labels.items() if wanted.intersection(labs)]
+        found = {c for label in wanted for c in self._label_chunks.get(label, ())}
+        return sorted(found, key=self._seq.__getitem__)  # in the order chunks were added
 
     def line_scores(self, qvec: np.ndarray, cid: str) -> np.ndarray | None:
         labs = self.chunk_labels.get(cid)

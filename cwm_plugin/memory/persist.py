@@ -130,7 +130,7 @@ def load(idx: TenantIndex, root: Path, tenant: str) -> tuple[dict[str, FileMark]
                     raise ValueError(f"chunk {cid[:12]} of {name} does not match its lines")
                 st.spans.append((b, e, cid))
                 idx.restore_chunk(chunk)
-                idx.chunk_labels[cid] = st.labels[b:e]
+                idx.set_chunk_labels(cid, st.labels[b:e])
             idx.sessions[name] = st
         if any(max(labs, default=-1) >= n for labs in idx.chunk_labels.values()):
             raise ValueError("the chunk table names vectors that are not there")

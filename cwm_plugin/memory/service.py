@@ -81,25 +81,40 @@ class MemoryService:
     def record_turn(self, tenant: str, session: str, role: str, content: str, *,
                     turn_id: str | None = None, ts: datetime | None = None) -> str:
         """Append one turn to the session's file (durably), then index it; returns its id."""
+        return self.record_turns(tenant, session, [(role, content)], turn_ids=[turn_id],
+                                 ts=ts)[0]
+
+    def record_turns(self, tenant: str, session: str, turns: list[tuple[str, str]], *,
+                     turn_ids: list[str | None] | None = None,
+                     ts: datetime | None = None) -> list[str]:
+        """Append ``(role, content)`` turns to the session's file in one durable write
+        (adjacent, one fsync), then index them; returns their ids."""
         check_name("tenant", tenant)
         check_name("session", session)
-        check_role(role)
-        if not isinstance(content, str):
-            raise InvalidInput("turn content must be a string")
-        if turn_id is None:
-            turn_id = f"t{int(time.time() * 1000):x}-{secrets.token_hex(3)}"
-        elif not TURN_ID.match(turn_id):
-            raise InvalidInput(f"turn id {turn_id!r} is not allowed",
-                               hint="use 1-64 letters, digits, '_', '.', ':' or '-'")
-        turn = Turn(turn_id=turn_id, role=role, content=content, ts=utc_iso(ts))
+        ids = list(turn_ids or [None] * len(turns))
+        if len(ids) != len(turns):
+            raise InvalidInput(f"{len(ids)} turn ids for {len(turns)} turns")
+        records = []
+        for (role, content), turn_id in zip(turns, ids, strict=True):
+            check_role(role)
+            if not isinstance(content, str):
+                raise InvalidInput("turn content must be a string")
+            if turn_id is None:
+                turn_id = f"t{int(time.time() * 1000):x}-{secrets.token_hex(3)}"
+            elif not TURN_ID.match(turn_id):
+                raise InvalidInput(f"turn id {turn_id!r} is not allowed",
+                                   hint="use 1-64 letters, digits, '_', '.', ':' or '-'")
+            records.append(Turn(turn_id=turn_id, role=role, content=content, ts=utc_iso(ts)))
+        if not records:
+            return []
         with self.lock(tenant):
             loaded = self.indexes.loaded(tenant)
-            start, end = self.files.append_turn(tenant, session, turn)
+            start, end = self.files.append_turns(tenant, session, records)
             if loaded:
-                self.indexes.appended(tenant, session, turn, start, end)
+                self.indexes.appended(tenant, session, records, start, end)
             else:
-                self.indexes.get(tenant)  # loads or builds, this turn included
-        return turn_id
+                self.indexes.get(tenant)  # loads or builds, these turns included
+        return [t.turn_id for t in records]
 
     def transcript(self, tenant: str, session: str) -> list[dict]:
         """Turns read back from the file: ``turn_id`` (also ``id``), role, content, ts."""

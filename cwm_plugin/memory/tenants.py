@@ -190,8 +190,9 @@ class TenantIndexes:
         t.dirty = True
         self.metrics.chunks.inc(t.index.added - before)
 
-    def appended(self, tenant: str, session: str, turn: Turn, start: int, end: int) -> None:
-        """Index a turn this process just appended at ``[start, end)`` of the session file."""
+    def appended(self, tenant: str, session: str, turns: list[Turn], start: int,
+                 end: int) -> None:
+        """Index turns this process just appended at ``[start, end)`` of the session file."""
         t = self._tenants.get(tenant)
         if t is None:
             return
@@ -202,8 +203,9 @@ class TenantIndexes:
         if mark is None:
             mark = t.marks[session] = LiveMark()
         before = t.index.added
-        t.index.add_turns(session, [turn])
-        _running(mark, self.files.session_path(tenant, session)).update(encode_turn(turn))
+        t.index.add_turns(session, turns)
+        _running(mark, self.files.session_path(tenant, session)).update(
+            b"".join(encode_turn(turn) for turn in turns))
         mark.offset = t.index.offsets[session] = end
         try:
             st = self.files.session_path(tenant, session).stat()
@@ -225,7 +227,7 @@ class TenantIndexes:
             sig = (st.st_size, st.st_mtime_ns)
         except FileNotFoundError:
             sig = None
-        if t.memories is None or t.memories.signature != sig or sig is None:
+        if t.memories is None or t.memories.signature != sig:
             t.memories = MemoryIndex(self.embedder, self.files.read_memories(tenant), sig)
         return t.memories
 

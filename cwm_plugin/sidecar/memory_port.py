@@ -12,7 +12,6 @@ background prompts); budgets and prompts are counted with the served model's cou
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -127,16 +126,8 @@ class MemoryPort:
 
     async def record_turns(self, tenant: str, session: str,
                            turns: list[tuple[str, str]]) -> list[str]:
-        """Append turns in order, adjacent in the file (the service's tenant lock is
-        re-entrant, so holding it keeps another request's turn from landing in between)."""
-        lock_of = getattr(self.service, "lock", None)
-
-        def run() -> list[str]:
-            lock = lock_of(tenant) if lock_of is not None else contextlib.nullcontext()
-            with lock:
-                return [self.service.record_turn(tenant, session, role, content)
-                        for role, content in turns]
-        return await self._call(tenant, run)
+        """Append turns in order, adjacent in the file, in one durable write."""
+        return await self._call(tenant, self.service.record_turns, tenant, session, turns)
 
     async def summary_state(self, tenant: str, session: str) -> tuple[str | None, str]:
         """``(summary or None, id of the last turn it covers or "")``."""

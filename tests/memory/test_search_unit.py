@@ -161,3 +161,41 @@ def test_index_grows_past_its_initial_capacity(counter) -> None:
                             mode=mode)
         # (a line is embedded with the line before it, so t1235's vector also matches)
         assert "t1234" in {t for h in hits[:2] for t in h.turn_ids}
+
+
+def test_an_exchange_is_one_durable_append_and_indexed_at_once(make_service, monkeypatch) -> None:
+    from datetime import UTC, datetime
+
+    from cwm_plugin.memory import files as files_mod
+
+    when = datetime(2026, 5, 1, 12, tzinfo=UTC)  # one daily file for every turn here
+    svc = make_service()
+    svc.record_turn("acme", "s", "user", "warm up the index", ts=when)
+    syncs: list[int] = []
+    real_fsync = files_mod.os.fsync
+    monkeypatch.setattr(files_mod.os, "fsync", lambda fd: (syncs.append(fd), real_fsync(fd)))
+    ids = svc.record_turns("acme", "s", [("user", "my kayak is teal"),
+                                         ("assistant", "a teal kayak, noted")], ts=when)
+    assert len(syncs) == 2          # the session file and the daily log, once each
+    assert [t["turn_id"] for t in svc.transcript("acme", "s")][-2:] == ids
+    assert "teal kayak" in svc.search("acme", "teal kayak", 1, mode="bm25")[0].text
+
+
+def test_vector_candidates_follow_adds_and_drops(make_service) -> None:
+    svc = make_service(chunk_tokens=40, chunk_overlap=8)
+    for i in range(30):
+        svc.record_turn("acme", f"s{i % 3}", "user", f"line {i} about topic {i % 7} " * 3)
+    idx = svc.index("acme")
+    idx.drop_session("s1")
+
+    def brute(q) -> list[str]:  # every chunk holding one of the nearest lines, in index order
+        from cwm_plugin.memory.index import knn_labels
+
+        wanted = knn_labels(idx.hnsw, q, 12, idx.n_vectors - idx.deleted)
+        return [c for c, labs in idx.chunk_labels.items() if wanted.intersection(labs)]
+
+    for text in ("topic 3", "line 17", "about topic 5"):
+        q = svc.embedder.embed([text])[0]
+        got = idx.vector_candidates(q, 12)
+        assert got == brute(q) and got
+        assert not any(idx.chunks[c].session == "s1" for c in got)

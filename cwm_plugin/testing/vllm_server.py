@@ -118,8 +118,10 @@ class VLLMServer:
         return self._proc is not None and self._proc.poll() is None
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL after a minute: a clean shutdown lets the KV connector finish
+        its pending saves (seconds on a busy 2-core machine), which restore tests rely on."""
         if self._proc is not None:
-            stop_process_group(self._proc)
+            stop_process_group(self._proc, grace=60.0)
             self._proc = None
 
     def restart(self) -> VLLMServer:

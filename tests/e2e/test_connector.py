@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -115,6 +116,14 @@ def test_restore_after_restart_is_token_identical_and_salts_stay_apart(tiny_mode
     assert server.metric_where("vllm:prompt_tokens_cached_by_source", source="host") >= 256
     assert server.metric_where("cwm:store_bytes", tier="memory") > 0
     assert server.metric("cwm:connector_saved_bytes") > 0
+    # Every connector/store series the Grafana dashboard plots is on vLLM's /metrics (error
+    # counters appear with their first error).
+    exported = {re.sub(r"_(total|bucket|count|sum|created)$", "", n) for n in server.metrics()}
+    dashboard = json.loads((CONFIGS / "grafana-dashboard.json").read_text())
+    plotted = {re.sub(r"_(total|bucket)$", "", n) for panel in dashboard["panels"]
+               for t in panel["targets"] for n in re.findall(r"\bcwm:[a-z_]+", t["expr"])}
+    missing = {n for n in plotted if "error" not in n} - exported
+    assert plotted and not missing, missing
 
 
 def test_corrupted_kv_changes_output_unless_the_checksum_catches_it(tiny_model, vllm_factory, tmp_path):

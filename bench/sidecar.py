@@ -31,10 +31,8 @@ import argparse
 import asyncio
 import logging
 import math
-import os
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +48,7 @@ from cwm_plugin.sidecar.identity import hash_key
 from cwm_plugin.sidecar.metrics import upstream_counters
 from cwm_plugin.testing import locomo
 from cwm_plugin.testing.models import TINY, build_random_model, shared_dir
-from cwm_plugin.testing.procs import free_port, stop_process_group, tail, wait_until
+from cwm_plugin.testing.sidecar_process import SidecarProcess
 from cwm_plugin.testing.vllm_server import VLLMServer
 
 log = logging.getLogger("bench.sidecar")
@@ -133,39 +131,13 @@ def seed_memory(root: Path, cfg_mem: dict[str, Any], n_chunks: int,
             "chunk_tokens": cfg_mem["chunk_tokens"], "embedder": cfg_mem["embedder"]["kind"]}
 
 
-class Sidecar:
-    """``cwm serve`` as a subprocess."""
-
-    def __init__(self, config: Path, upstream: str, work: Path, secret: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = work / "sidecar.log"
-        cmd = [sys.executable, "-m", "cwm_plugin.cli", "serve", "--config", str(config),
-               "--upstream", upstream, "--port", str(self.port), "--log-level", "warning"]
-        env = {**os.environ, "CWM_SIDECAR_SECRET": secret, "HF_HUB_OFFLINE": "1"}
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        wait_until(self._ready, timeout=180, alive=lambda: self.proc.poll() is None,
-                   what="cwm serve", log_tail=lambda: tail(self.log))
-
-    def _ready(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> None:
-        stop_process_group(self.proc)
-
-
 def chat_body(question: str, system: str) -> dict[str, Any]:
     return {"model": "tiny", "max_tokens": 1, "temperature": 0.0,
             "messages": [{"role": "system", "content": system},
                          {"role": "user", "content": question}]}
 
 
-def latency(sidecar: Sidecar, upstream: str, questions: list[str], system: str) -> dict[str, Any]:
+def latency(sidecar: SidecarProcess, upstream: str, questions: list[str], system: str) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {KEY}", "X-Session-Id": "latency"}
     direct: list[float] = []
     proxied: list[float] = []
@@ -192,7 +164,7 @@ def latency(sidecar: Sidecar, upstream: str, questions: list[str], system: str) 
             "added_mean_ms": round(statistics.fmean(diffs) * 1000, 2)}
 
 
-async def load(sidecar: Sidecar, clients: int, turns: int, seconds: float,
+async def load(sidecar: SidecarProcess, clients: int, turns: int, seconds: float,
                questions: list[str]) -> dict[str, Any]:
     deadline = time.monotonic() + seconds
     done: dict[str, list[str]] = {}
@@ -231,7 +203,7 @@ async def load(sidecar: Sidecar, clients: int, turns: int, seconds: float,
             "_done": done}
 
 
-def sidecar_means(sidecar: Sidecar) -> dict[str, float]:
+def sidecar_means(sidecar: SidecarProcess) -> dict[str, float]:
     """Mean memory-selection time and mean time before forwarding, from the sidecar's metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -277,7 +249,7 @@ def prefix_cache(config: Path, upstream: str, work: Path, secret: str, questions
     raw = yaml.safe_load(config.read_text())
     path = work / f"sidecar-{mode}.yaml"
     path.write_text(yaml.safe_dump({**raw, "injection": mode}))
-    sidecar = Sidecar(path, upstream, work, secret)
+    sidecar = SidecarProcess(path, upstream, work, secret).start()
     headers = {"Authorization": f"Bearer {KEY}", "X-Session-Id": f"prefix-{mode}"}
     history = [{"role": "system", "content": SYSTEM}]
     try:
@@ -351,7 +323,7 @@ def main() -> int:
         config.write_text(yaml.safe_dump({
             "tenants": [{"name": TENANT, "key_sha256": [hash_key(KEY)]}], "memory": cfg_mem}))
         t0 = time.perf_counter()
-        sidecar = Sidecar(config, upstream, work, secret)
+        sidecar = SidecarProcess(config, upstream, work, secret).start()
         start_s = round(time.perf_counter() - t0, 2)
         questions = [ln.partition(": ")[2] or ln for ln in lines[::7]]
         t0 = time.perf_counter()

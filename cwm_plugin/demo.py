@@ -24,11 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import secrets
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,8 +34,8 @@ import httpx
 import yaml
 
 from cwm_plugin.testing.models import build_smollm2
-from cwm_plugin.testing.procs import free_port, stop_process_group, tail, wait_until
 from cwm_plugin.testing.prompts import conversation_prompt
+from cwm_plugin.testing.sidecar_process import SidecarProcess
 from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
 log = logging.getLogger("cwm.demo")
@@ -101,33 +98,6 @@ def sidecar_config(work: Path, upstream: str, key: str) -> Path:
     return path
 
 
-def start_sidecar(config: Path, upstream: str, work: Path) -> tuple[subprocess.Popen, str]:
-    """``cwm serve`` in its own process, as a deployment would run it."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = work / "sidecar.log"
-    env = {**os.environ, "CWM_SIDECAR_SECRET": secrets.token_hex(32), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "cwm_plugin.cli", "serve", "--config", str(config),
-           "--upstream", upstream, "--port", str(port), "--log-level", "warning"]
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(ready, timeout=120, interval=0.5, alive=lambda: proc.poll() is None,
-                   what="cwm serve", log_tail=lambda: tail(log_path))
-    except BaseException:
-        stop_process_group(proc)
-        raise
-    return proc, url
-
-
 def chat(url: str, key: str, session: str, text: str) -> httpx.Response:
     r = httpx.post(f"{url}/v1/chat/completions", timeout=300, headers={
         "Authorization": f"Bearer {key}", "X-Session-Id": session, "X-CWM-Debug": "1"},
@@ -143,8 +113,9 @@ def act_sidecar(server: VLLMServer, work: Path) -> bool:
     """Tell, then ask in a new session: returns whether the old turn was retrieved."""
     print("\n== act 2: the memory sidecar (cwm serve) in front of the same vLLM ==")
     key = "demo-" + secrets.token_urlsafe(16)
-    proc, url = start_sidecar(sidecar_config(work, server.base_url, key), server.base_url, work)
-    try:
+    config = sidecar_config(work, server.base_url, key)
+    with SidecarProcess(config, server.base_url, work, secrets.token_hex(32)) as sidecar:
+        url = sidecar.url
         for text in TELL:
             r = chat(url, key, "monday", text)
             print(f"[monday]  user: {text}\n          assistant: "
@@ -165,8 +136,6 @@ def act_sidecar(server: VLLMServer, work: Path) -> bool:
         files = sorted(p.relative_to(work) for p in (work / "memory").rglob("*.md"))
         print(f"memory files (the source of truth): {', '.join(map(str, files))}")
         return any(h.get("source") == "session:monday" for h in info.get("hits") or [])
-    finally:
-        stop_process_group(proc)
 
 
 def main() -> int:

@@ -294,14 +294,11 @@ def test_invalid_facts_from_the_model_are_retried_once_then_refused(recorder, si
 
 def test_cwm_serve_runs_the_sidecar_from_a_config_file(tiny_vllm, tiny_model, tmp_path):
     """`cwm serve --config FILE --upstream URL` in its own process, secret from the env."""
-    import os
-    import subprocess
-    import sys
 
     import yaml
 
     from cwm_plugin.sidecar.identity import Authenticator, hash_key
-    from cwm_plugin.testing.procs import free_port, stop_process_group, tail, wait_until
+    from cwm_plugin.testing.sidecar_process import SidecarProcess
 
     config = tmp_path / "sidecar.yaml"
     config.write_text(yaml.safe_dump({
@@ -309,38 +306,19 @@ def test_cwm_serve_runs_the_sidecar_from_a_config_file(tiny_vllm, tiny_model, tm
         "memory": {"root": "mem", "tokenizer": str(tiny_model), "embedder": {"kind": "hashing"},
                    "extract_facts": False, "summary_every_turns": 0},
     }))
-    port = free_port()
-    log = tmp_path / "serve.log"
-    env = {**os.environ, "CWM_SIDECAR_SECRET": "serve-test-secret-0123456789"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "cwm_plugin.cli", "serve", "--config",
-                                 str(config), "--upstream", tiny_vllm.base_url, "--port",
-                                 str(port)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(up, timeout=120, alive=lambda: proc.poll() is None, what="cwm serve",
-                   log_tail=lambda: tail(log))
+    secret = "serve-test-secret-0123456789"
+    sidecar = SidecarProcess(config, tiny_vllm.base_url, tmp_path, secret, log_level="info")
+    with sidecar:
         for user in ("u1", "alice.smith+tag@example.com"):  # any OpenAI `user`, no 400
-            r = httpx.post(f"{url}/v1/chat/completions", timeout=300,
+            r = httpx.post(f"{sidecar.url}/v1/chat/completions", timeout=300,
                            headers={"Authorization": f"Bearer {KEYS['acme']}"},
                            json={"model": "tiny", "max_tokens": 4, "temperature": 0,
                                  "messages": [{"role": "user", "content": "hello"}],
                                  "user": user})
             assert r.status_code == 200, r.text
-            session = Authenticator([], env["CWM_SIDECAR_SECRET"].encode()).user_session(
-                "acme", user)
+            session = Authenticator([], secret.encode()).user_session("acme", user)
             assert (tmp_path / "mem" / "acme" / "sessions" / f"{session}.md").exists()
-    finally:
-        stop_process_group(proc)
-    text = log.read_text()
+    text = sidecar.log_path.read_text()
     assert KEYS["acme"] not in text and "serve-test-secret" not in text
 
 

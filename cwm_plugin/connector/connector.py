@@ -46,9 +46,24 @@ from cwm_plugin.store.tiered import KVStore
 log = logging.getLogger(__name__)
 
 
+def use_vllm_log_handlers() -> None:
+    """Send ``cwm_plugin``'s logs through vLLM's handlers (its format, its stream, its level),
+    unless the application set up ``cwm_plugin`` logging itself. Without this the connector's
+    INFO lines (ready, self-check, shutdown flush) would be dropped: vLLM configures only the
+    ``vllm`` logger, and Python's root logger shows warnings only."""
+    ours, theirs = logging.getLogger("cwm_plugin"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
 class CWMConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        use_vllm_log_handlers()
         ktc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
         self.store_settings = StoreConfig.from_dict(self.cfg.store)
@@ -62,6 +77,10 @@ class CWMConnector(KVConnectorBase_V1):
             log.warning("cwm connector: kv_load_failure_policy is %r; set it to \"recompute\" so "
                         "a corrupt or missing block is recomputed instead of failing the request",
                         ktc.kv_load_failure_policy)
+        if role == KVConnectorRole.SCHEDULER and not getattr(vllm_config, "shutdown_timeout", 0):
+            log.warning("cwm connector: vLLM's --shutdown-timeout is 0, so on SIGTERM it kills its "
+                        "workers at once and saves still being written are lost (those blocks "
+                        "are recomputed later); start vLLM with --shutdown-timeout 30")
         self.stats = StatsCollector()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

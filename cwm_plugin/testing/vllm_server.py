@@ -118,8 +118,10 @@ class VLLMServer:
         return self._proc is not None and self._proc.poll() is None
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after a minute: a clean shutdown lets the KV connector finish
-        its pending saves (seconds on a busy 2-core machine), which restore tests rely on."""
+        """SIGTERM, then SIGKILL after a minute. With ``--shutdown-timeout`` > 0 (see
+        :func:`cwm_connector_args`) vLLM shuts its workers down in order, and the KV connector
+        finishes its pending saves, which restore tests rely on; with vLLM's default of 0 the
+        workers are killed at once."""
         if self._proc is not None:
             stop_process_group(self._proc, grace=60.0)
             self._proc = None
@@ -200,7 +202,12 @@ def kv_transfer_config(connector: str, module: str | None, extra: dict[str, Any]
     return json.dumps(cfg)
 
 
+SHUTDOWN_TIMEOUT_S = 30  # vLLM's default, 0, SIGKILLs the workers with saves still in flight
+
+
 def cwm_connector_args(store: dict[str, Any], **connector: Any) -> list[str]:
-    """``vllm serve`` arguments that load our connector with the given store settings."""
+    """``vllm serve`` arguments that load our connector with the given store settings, and give
+    it time on SIGTERM to finish its saves (``--shutdown-timeout``)."""
     extra = {"store": store, **connector}
-    return ["--kv-transfer-config", kv_transfer_config("CWMConnector", "cwm_plugin.connector", extra)]
+    return ["--kv-transfer-config", kv_transfer_config("CWMConnector", "cwm_plugin.connector", extra),
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]

@@ -17,7 +17,7 @@ import pytest
 
 from cwm_plugin.testing.procs import wait_until
 from cwm_plugin.testing.redis_server import RedisServer
-from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
+from cwm_plugin.testing.vllm_server import SHUTDOWN_TIMEOUT_S, VLLMServer, cwm_connector_args
 
 pytestmark = pytest.mark.e2e
 
@@ -72,7 +72,7 @@ def shipped_config(name: str, disk_path: Path) -> list[str]:
     """A ``configs/`` file as vLLM's ``--kv-transfer-config``, its disk path moved to a test dir."""
     cfg = json.loads((CONFIGS / name).read_text())
     cfg["kv_connector_extra_config"]["store"]["disk_path"] = str(disk_path)
-    return ["--kv-transfer-config", json.dumps(cfg)]
+    return ["--kv-transfer-config", json.dumps(cfg), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
 
 
 def test_restore_after_restart_is_token_identical_and_salts_stay_apart(tiny_model, vllm_factory, tmp_path):
@@ -166,6 +166,9 @@ def test_chunked_prefill_and_concurrent_salted_requests_restore_identically(
 
     cold = run_all()
     server.restart()
+    # vLLM shut the worker down in order and the connector flushed what was still in flight.
+    first_log = (server.log_dir / f"vllm-{server.port}-1.log").read_text(errors="replace")
+    assert "cwm connector: store flushed and closed" in first_log
     assert run_all() == cold
     # Every request but the shortest spans several 32-token blocks restored from the store.
     assert server.metric(HITS) >= 32 * sum(len(j[0].split()) // 40 for j in jobs[1:])

@@ -1,0 +1,47 @@
+"""The connector's log lines reach vLLM's log (vLLM configures only its own ``vllm`` logger)."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from cwm_plugin.connector.connector import use_vllm_log_handlers
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def loggers(monkeypatch):
+    ours, theirs = logging.getLogger("cwm_plugin"), logging.getLogger("vllm")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))
+    monkeypatch.setattr(theirs, "handlers", [handler])
+    monkeypatch.setattr(theirs, "level", logging.INFO)
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "level", logging.NOTSET)
+    monkeypatch.setattr(ours, "propagate", True)
+    return ours, stream
+
+
+def test_info_lines_of_the_connector_go_through_vllms_handlers(loggers):
+    ours, stream = loggers
+    logging.getLogger("cwm_plugin.connector.worker").info("lost without the handlers")
+    assert stream.getvalue() == ""  # before: dropped (root shows warnings only)
+    use_vllm_log_handlers()
+    use_vllm_log_handlers()  # idempotent: one line a record, not two
+    logging.getLogger("cwm_plugin.connector.worker").info("store flushed")
+    assert stream.getvalue() == "INFO cwm_plugin.connector.worker store flushed\n"
+    assert ours.propagate is False
+
+
+def test_logging_the_application_set_up_is_left_alone(loggers):
+    ours, stream = loggers
+    own = logging.StreamHandler(io.StringIO())
+    ours.handlers = [own]
+    use_vllm_log_handlers()
+    assert ours.handlers == [own]
+    logging.getLogger("cwm_plugin.connector").warning("x")
+    assert stream.getvalue() == ""

@@ -103,6 +103,25 @@ def test_ttl_applies_and_pins_persist_per_key(redis_server):
     t.close(), split.close()
 
 
+def test_a_new_key_on_a_shared_blob_renews_the_blobs_ttl(redis_server):
+    # The same content saved under another key (another salt) must not leave that key pointing
+    # at a blob that expires first: every name the save touches gets the full TTL again.
+    t = RedisTier(redis_server.url, prefix="renew", ttl_s=1000, max_value_bytes=1024)
+    r = redis.Redis.from_url(redis_server.url)
+    blob = "ef" * 20
+    names = [f"renew:b:{blob}{sfx}" for sfx in ("", ":0", ":1", ":2")] + [f"renew:r:{blob}"]
+    t.put(blob, b"z" * 3000, key=b"first")
+    for name in names:
+        r.expire(name, 5)                       # as if saved long ago
+    t.put(blob, b"z" * 3000, key=b"second")
+    assert all(r.ttl(name) > 500 for name in names), [r.ttl(n) for n in names]
+    assert r.ttl(f"renew:k:{b'second'.hex()}") > 500 and t.refcount(blob) == 2
+    t.pin(blob, b"second")                      # a pinned blob stays without a TTL
+    t.put(blob, b"z" * 3000, key=b"third")
+    assert all(r.ttl(name) == -1 for name in names[:4])
+    t.close()
+
+
 def test_split_blobs_of_one_read_share_a_round_trip(redis_server):
     t = RedisTier(redis_server.url, prefix="mget", max_value_bytes=1024)
     blobs = {f"{i:02d}" * 20: bytes([i]) * (1500 + 700 * i) for i in range(4)}

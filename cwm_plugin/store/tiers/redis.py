@@ -162,8 +162,8 @@ class RedisTier(Tier):
         return out
 
     def put(self, blob_id: str, data: bytes, *, key: bytes | None = None) -> bool:
-        """Store a blob (kept as it is if present) and, with ``key``, map the key to it in the
-        same script. One round trip."""
+        """Store a blob (kept as it is if present, its TTL renewed) and, with ``key``, map the
+        key to it in the same script. One round trip."""
         self._call(lambda: self._put(blob_id, data, key))
         return True
 
@@ -174,9 +174,12 @@ class RedisTier(Tier):
         if len(data) > self.max_value:
             n = (len(data) + self.max_value - 1) // self.max_value
             mv = memoryview(data)
-            for j, name in enumerate(self._parts(blob_id, n)):
+            parts = self._parts(blob_id, n)
+            for j, name in enumerate(parts):
                 pipe.set(name, bytes(mv[j * self.max_value:(j + 1) * self.max_value]),
                          ex=ex, nx=True)
+            if ex:  # parts already there keep their bytes; renew their TTL like the blob's
+                self._scripts["touch"](keys=parts, args=[self._ttl], client=pipe)
             value = MANIFEST + json.dumps({"n": n, "size": len(data)}).encode()
         keys = [self._b(blob_id), self._stats]
         if key is not None:

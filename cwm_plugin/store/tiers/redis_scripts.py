@@ -3,8 +3,16 @@ the key layout). Dynamic names (``<prefix>r:<old blob>``) are built inside the s
 they suit a single Redis, not Redis Cluster.
 """
 
+# Renew the TTL of names that have one (TTL >= 0); a pinned, PERSISTed name keeps none.
+_TOUCH_FN = """
+local function touch(name, ttl)
+  if ttl ~= '' and redis.call('TTL', name) >= 0 then redis.call('EXPIRE', name, ttl) end
+end
+"""
 # KEYS: b, stats, [k, r, pins]; ARGV: value, ttl, blob id, size, [replace]
-_PUT = """
+# A blob that is already there is kept and its TTL renewed: a new key mapped onto it must not
+# outlive it (shared content: the same prefix under another salt).
+_PUT = _TOUCH_FN + """
 local ttl = ARGV[2]
 local created = 0
 if redis.call('EXISTS', KEYS[1]) == 0 then
@@ -13,16 +21,28 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HINCRBY', KEYS[2], 'bytes', ARGV[4])
   redis.call('HINCRBY', KEYS[2], 'blobs', 1)
   created = 1
+else
+  touch(KEYS[1], ttl)
 end
 local mapped = 0
-if #KEYS >= 5 and redis.call('EXISTS', KEYS[3]) == 0 then
-  if ttl ~= '' then redis.call('SET', KEYS[3], ARGV[3], 'EX', ttl)
-  else redis.call('SET', KEYS[3], ARGV[3]) end
-  redis.call('INCR', KEYS[4])
-  if ttl ~= '' and redis.call('EXISTS', KEYS[5]) == 0 then redis.call('EXPIRE', KEYS[4], ttl) end
-  mapped = 1
+if #KEYS >= 5 then
+  if redis.call('EXISTS', KEYS[3]) == 0 then
+    if ttl ~= '' then redis.call('SET', KEYS[3], ARGV[3], 'EX', ttl)
+    else redis.call('SET', KEYS[3], ARGV[3]) end
+    redis.call('INCR', KEYS[4])
+    if ttl ~= '' and redis.call('EXISTS', KEYS[5]) == 0 then redis.call('EXPIRE', KEYS[4], ttl) end
+    mapped = 1
+  else
+    touch(KEYS[3], ttl)
+    touch(KEYS[4], ttl)
+  end
 end
 return {created, mapped, redis.call('HGET', KEYS[2], 'bytes'), redis.call('HGET', KEYS[2], 'blobs')}
+"""
+# KEYS: the parts of a split blob; ARGV: ttl. Renews the TTL of those that have one.
+_TOUCH = _TOUCH_FN + """
+for i = 1, #KEYS do touch(KEYS[i], ARGV[1]) end
+return 0
 """
 # KEYS: k, b, r, pins; ARGV: blob id, ttl, prefix, key hex, replace
 # -> {status, previous blob or '', refs left to it, pin moved}; status 1 mapped, 0 the key
@@ -94,4 +114,5 @@ return 0
 """
 
 
-SCRIPTS = {"put": _PUT, "map": _MAP, "unmap": _UNMAP, "delete": _DELETE, "pin": _PIN}
+SCRIPTS = {"put": _PUT, "touch": _TOUCH, "map": _MAP, "unmap": _UNMAP, "delete": _DELETE,
+           "pin": _PIN}

@@ -1,1 +1,0 @@
-"""cwm_plugin.windows"""

@@ -64,8 +64,14 @@ def _read(store: KVStore, key: bytes) -> dict[str, Any] | None:
 def _write(store: KVStore, key: bytes, record: dict[str, Any]) -> None:
     data = torch.frombuffer(bytearray(json.dumps(record, sort_keys=True).encode()),
                             dtype=torch.uint8)
+    def done(fut: Any) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("cwm connector: could not save the namespace record (checked again at "
+                        "the next start): %s", fut.exception())
+
+    # Not waited for: this runs inside vLLM's scheduling step, which a slow tier must not stall.
     try:
-        store.put(key, data, layout=RECORD_LAYOUT).result(timeout=30)
+        store.put(key, data, layout=RECORD_LAYOUT).add_done_callback(done)
     except Exception as exc:  # a store that cannot take it now: checked again next start
         log.warning("cwm connector: could not save the namespace record: %s", exc)
 

@@ -37,6 +37,7 @@ from cwm_plugin.store.tiered import KVStore
 log = logging.getLogger(__name__)
 
 TIER_ORDER = ("memory", "disk", "redis")   # the order the store fetches in
+SHUTDOWN_FLUSH_S = 30                      # the longest a shutdown waits for pending saves
 
 
 class WorkerSide:
@@ -98,7 +99,9 @@ class WorkerSide:
             scatter_blocks(self.layers, 0, t.block_ids[:good], staging[:good])
         if good < len(keys):
             self._load_errors.update(t.block_ids[good:])
-            self._failed.add(bytes(t.block_hashes[good]))
+            # The scheduler forgets all of them (the first failed; the rest were not tried), so
+            # its next lookup asks the store again and saves the ones that are really gone.
+            self._failed.update(bytes(h) for h in t.block_hashes[good:])
             self.stats.add("load_errors", len(keys) - good)
         self._count_load(good, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
                          time.perf_counter() - t0)
@@ -174,6 +177,8 @@ class WorkerSide:
         pending = sum(1 for _, fut in self._pending if not fut.done())
         t0 = time.perf_counter()
         log.info("cwm connector: shutting down, %d saves in flight", pending)
-        self.store.flush(timeout=30)
-        self.store.close()
-        log.info("cwm connector: store flushed and closed in %.2fs", time.perf_counter() - t0)
+        if self.store.close(timeout=SHUTDOWN_FLUSH_S):
+            log.info("cwm connector: store flushed and closed in %.2fs", time.perf_counter() - t0)
+        else:
+            log.warning("cwm connector: saves not finished after %ds were dropped (those blocks "
+                        "will be recomputed)", SHUTDOWN_FLUSH_S)

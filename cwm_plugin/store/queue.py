@@ -126,6 +126,9 @@ class SaveQueue:
     def _chain(self, key: bytes, inner: cf.Future, outer: cf.Future) -> None:
         self._slots.release()
         self._finished(key, outer)
+        if inner.cancelled():                       # dropped by shutdown(drop_queued=True)
+            outer.cancel()
+            return
         exc = inner.exception()
         if exc is not None:
             outer.set_exception(exc)
@@ -153,7 +156,9 @@ class SaveQueue:
                             len(not_done), timeout)
                 return False
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, drop_queued: bool = False) -> None:
+        """Stop taking work and wait for the writes running now; with ``drop_queued`` the ones
+        not started yet are cancelled (their futures say so) instead of run."""
         self.closed = True
-        self._pool.shutdown(wait=True)
-        self._behind_pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=drop_queued)
+        self._behind_pool.shutdown(wait=True, cancel_futures=drop_queued)

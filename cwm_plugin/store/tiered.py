@@ -292,17 +292,21 @@ class KVStore(KeyOps, WritePath):
         return collect_garbage(self, self.config.gc_min_age_s if min_age_s is None
                                else min_age_s)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish pending saves, then close the tiers. With ``timeout``, saves not started
+        after that many seconds are dropped (logged; a dropped block is recomputed later,
+        never half-written). True if every save finished."""
         if self._closed:
-            return
-        self.flush()
+            return True
+        done = self._saves.flush(timeout)
         self._closed = True
-        self._saves.shutdown()
+        self._saves.shutdown(drop_queued=not done)
         if self._decoder is not None:
             self._decoder.shutdown(wait=True)
         for tier in (self.memory, self.disk, self.redis):
             if tier is not None:
                 tier.close()
+        return done
 
     def _log_once(self, tag: str, msg: str, *args: object) -> None:
         with self._lock:

@@ -75,6 +75,7 @@ def test_a_changed_hash_seed_is_detected_and_stale_blocks_are_never_served(
     assert "PYTHONHASHSEED" in error.getMessage() and "Fix:" in error.getMessage()
     assert "4242" not in error.getMessage()                       # the seed itself stays secret
 
+    store.flush()                                # the record is written off the step
     fourth = start(ns, store)                                     # the new settings stay: quiet
     fourth.get_num_new_matched_tokens(request("d"), 0)
     assert fourth.selfcheck.status == "match"

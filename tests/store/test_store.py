@@ -257,6 +257,23 @@ def test_save_queue_backpressure_and_same_key():
     q.shutdown()
 
 
+def test_shutdown_with_a_stuck_write_drops_the_queued_ones_after_its_timeout():
+    from concurrent.futures import CancelledError
+
+    from cwm_plugin.store.queue import SaveQueue
+
+    q = SaveQueue(workers=1, depth=4)
+    release = threading.Event()
+    stuck = q.submit(b"a", release.wait)
+    queued = q.submit(b"b", lambda: None)
+    assert not q.flush(timeout=0.2)                         # bounded: it gives up
+    threading.Timer(0.3, release.set).start()              # the running write ends on its own
+    q.shutdown(drop_queued=True)
+    assert stuck.done() and queued.cancelled()
+    with pytest.raises(CancelledError):
+        queued.result()
+
+
 def test_disk_full_refuses_put_cleanly(make_store, tmp_path, kv_block, monkeypatch):
     import errno
     import os

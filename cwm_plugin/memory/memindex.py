@@ -1,8 +1,9 @@
 """Durable memories as a search corpus: BM25 over their texts and their vectors in hnswlib.
 
 ``memories.md`` is rewritten as a whole (a memory is added, its importance or access count
-changes), so this index is rebuilt whenever the file's signature (size, mtime) changes; the
-vectors come from the embedding cache, so a rebuild of a few hundred memories embeds only new
+changes), so this index is rebuilt whenever the file's signature (size, mtime) changes and the
+memories it indexes differ (a rewrite that only bumped access counts, as every selection of a
+memory does, just refreshes them in place); the vectors come from the embedding cache, so a rebuild of a few hundred memories embeds only new
 texts. Memories are searched with the same hybrid code as chunks (``search.py``) in a corpus of
 their own, with ``0.5 + importance`` as the prior: a memory's score is its normalised hybrid
 relevance scaled by how important it was judged (0.5x to 1.5x).
@@ -35,6 +36,18 @@ class MemoryIndex:
         self._bm25 = BM25Corpus()
         for m in memories:
             self._bm25.add(m.id, m.text)
+
+    def same_corpus(self, memories: list[Memory]) -> bool:
+        """Whether ``memories`` index exactly as these do (ids, texts, importance in order):
+        a rewrite that only bumped access counts needs no rebuild."""
+        return [m.id for m in memories] == self._ids and all(
+            (m.text, m.importance) == (self.memories[m.id].text, self.memories[m.id].importance)
+            for m in memories)
+
+    def refresh(self, memories: list[Memory], signature: tuple[int, int] | None) -> None:
+        """Take the file's new signature and the memories' new bookkeeping (same corpus)."""
+        self.memories = {m.id: m for m in memories}
+        self.signature = signature
 
     @property
     def n_vectors(self) -> int:

@@ -11,8 +11,9 @@ Layout: ``<root>/.index/<tenant>/CURRENT`` names a generation folder next to it 
 - ``vectors.npy`` (line vectors) and ``lines.hnsw`` (hnswlib over them).
 
 A generation is written completely (files fsynced) before ``CURRENT`` is replaced atomically
-(temporary file + rename), and older generations are removed afterwards: a reader sees the old
-index or the new one, never a mix, and a crash leaves at worst an unused folder. ``load``
+(temporary file + rename), and older generations are removed afterwards, under a lock that
+writers of one tenant share: a reader sees the old index or the new one, never a mix, and a
+crash leaves at worst an unused folder (removed by a later save once an hour old). ``load``
 returns ``None`` when there is nothing usable (no index, other settings, unreadable files): the
 caller rebuilds from the markdown files, which stay the truth. Whether each session file still
 matches its mark is checked by the caller (``tenants.py``).
@@ -33,12 +34,13 @@ import hnswlib
 import numpy as np
 
 from cwm_plugin.memory.chunking import Unit, make_chunk
-from cwm_plugin.memory.files import replace_durable
+from cwm_plugin.memory.files import locked, replace_durable
 from cwm_plugin.memory.index import SessionState, TenantIndex
 
 log = logging.getLogger(__name__)
 FORMAT = 1
 INDEX_DIR = ".index"
+STALE_TMP_S = 3600  # an unfinished generation this old belongs to a writer that died
 
 
 @dataclass
@@ -95,11 +97,20 @@ def save(idx: TenantIndex, marks: dict[str, FileMark], root: Path, tenant: str) 
     for name in ("vectors.npy", "lines.hnsw"):
         with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
-    os.replace(tmp, base / gen)
-    replace_durable(base / "CURRENT", gen + "\n")
-    for old in base.iterdir():
-        if old.name not in (gen, "CURRENT") and old.is_dir() and not old.name.startswith("."):
-            shutil.rmtree(old, ignore_errors=True)
+    # Two savers of one tenant (the sidecar and `cwm memory reindex`) take turns here, so
+    # CURRENT always names a folder that exists; each removes the generations before its own
+    # and unfinished ones a crashed writer left (hidden, older than STALE_TMP_S).
+    with locked(base / "CURRENT"):
+        os.replace(tmp, base / gen)
+        replace_durable(base / "CURRENT", gen + "\n")
+        now = time.time()
+        for old in base.iterdir():
+            if not old.is_dir() or old.name == gen:
+                continue
+            hidden = old.name.startswith(".")
+            if not hidden or (old.name.endswith(".tmp")
+                              and now - old.stat().st_mtime > STALE_TMP_S):
+                shutil.rmtree(old, ignore_errors=True)
     return gen
 
 

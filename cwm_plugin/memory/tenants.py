@@ -228,7 +228,11 @@ class TenantIndexes:
         except FileNotFoundError:
             sig = None
         if t.memories is None or t.memories.signature != sig:
-            t.memories = MemoryIndex(self.embedder, self.files.read_memories(tenant), sig)
+            mems = self.files.read_memories(tenant)
+            if t.memories is not None and t.memories.same_corpus(mems):
+                t.memories.refresh(mems, sig)   # only access counts moved: no re-index
+            else:
+                t.memories = MemoryIndex(self.embedder, mems, sig)
         return t.memories
 
 

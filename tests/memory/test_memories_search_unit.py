@@ -91,3 +91,20 @@ def test_selection_takes_memories_in_search_order(make_service, minilm) -> None:
     assert svc.memories("acme")[0].access_count == 1
     # with no query text, the most important memories come first
     assert svc.search_memories("acme", "  ", 1)[0].text == "The user is allergic to peanuts."
+
+
+def test_a_selection_bumps_access_counts_without_re_indexing(make_service, minilm) -> None:
+    svc = make_service(minilm, max_facts=1)
+    for text, cat, imp in FACTS:
+        svc.add_memory("acme", text, cat, imp)
+    svc.record_turn("acme", "s1", "user", "Hello!")
+    msgs = [{"role": "user", "content": "Remind me of my locker code ZX-4417?"}]
+    svc.select_context("acme", "s1", msgs, 2000)
+    index = svc.indexes.memories("acme")
+    svc.select_context("acme", "s1", msgs, 2000)             # memories.md rewritten (count 2)
+    again = svc.indexes.memories("acme")
+    assert again is index, "an access-count bump rebuilt the memory index"
+    assert again.memories[again.doc_ids()[0]].access_count == 2
+    svc.add_memory("acme", "The user's bike is a red Cinelli.", "fact", 0.5)
+    assert svc.indexes.memories("acme") is not index       # a new memory is indexed
+    assert "Cinelli" in svc.search_memories("acme", "which bike?", 1)[0].text

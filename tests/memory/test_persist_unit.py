@@ -145,5 +145,43 @@ def test_index_save_is_atomic_generation_swap(make_service) -> None:
     assert svc.save() == 1
     second = current_generation(svc.config.root, "acme")
     assert second != first
-    names = sorted(p.name for p in Path(tenant_dir(svc.config.root, "acme")).iterdir())
+    names = sorted(p.name for p in Path(tenant_dir(svc.config.root, "acme")).iterdir()
+                   if not p.name.endswith(".lock"))
     assert names == sorted(["CURRENT", second])  # the old generation is gone, no leftovers
+
+
+def test_concurrent_savers_leave_current_naming_a_whole_generation(make_service) -> None:
+    import threading
+    import time
+
+    from cwm_plugin.memory import persist
+
+    svc = make_service(chunk_tokens=40, chunk_overlap=10)
+    fill(svc)
+    svc.reindex("acme", progress=False)
+    base = Path(tenant_dir(svc.config.root, "acme"))
+    crashed = base / ".g0-dead.tmp"                # a writer that died mid-save, long ago
+    crashed.mkdir()
+    os.utime(crashed, (time.time() - 2 * persist.STALE_TMP_S,) * 2)
+    young = base / ".g1-busy.tmp"                  # one being written right now
+    young.mkdir()
+    t = svc.indexes._tenants["acme"]
+    marks = {s: m.frozen() for s, m in t.marks.items()}
+
+    def saver() -> None:
+        for _ in range(5):
+            persist.save(t.index, marks, svc.config.root, "acme")
+
+    threads = [threading.Thread(target=saver) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    gen = current_generation(svc.config.root, "acme")
+    dirs = sorted(p.name for p in base.iterdir() if p.is_dir())
+    assert dirs == sorted([gen, young.name]), dirs  # the stale one went, the young one stays
+    metrics = MemoryMetrics()
+    fresh = make_service(root=svc.config.root, chunk_tokens=40, chunk_overlap=10,
+                         metrics=metrics)
+    assert snapshot(fresh) == snapshot(svc)          # and it loads whole:
+    assert metrics.chunks._value.get() == 0          # nothing chunked again

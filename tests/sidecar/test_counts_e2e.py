@@ -31,7 +31,11 @@ def test_counts_match_the_prompt_tokens_vllm_reports(tiny_vllm, tiny_model):
         comp = httpx.post(f"{tiny_vllm.base_url}/v1/completions", timeout=120,
                           json={"model": "tiny", "prompt": text, "max_tokens": 1}).json()
         assert remote.count(text) == local.count(text) == comp["usage"]["prompt_tokens"]
-        assert remote.count(text) == remote.count(text)  # the second one from the cache
+        calls: list[str] = []
+        real = remote._count
+        remote._count = lambda t: calls.append(t) or real(t)
+        assert remote.count(text) == comp["usage"]["prompt_tokens"] and calls == []  # cached
+        assert remote.count(text + " Again.") > 0 and calls == [text + " Again."]
     finally:
         remote.close()
 

@@ -17,7 +17,6 @@ from cwm_plugin.errors import CWMError
 # (module, group name): a group whose module is missing its optional dependencies is skipped.
 COMMAND_GROUPS = [
     "cwm_plugin.store.cli",
-    "cwm_plugin.windows.cli",
     "cwm_plugin.memory.cli",
     "cwm_plugin.sidecar.cli",
 ]

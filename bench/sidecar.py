@@ -348,7 +348,7 @@ def main() -> int:
         prefix = {mode: prefix_cache(config, upstream, work, secret, convo, mode)
                   for mode in ("cache_aware", "memory_first")}
         aware, first = (prefix[m]["hit_rate"] for m in ("cache_aware", "memory_first"))
-        prefix["ratio"] = round(aware / first, 3) if aware and first else None
+        prefix["ratio"] = round(aware / first, 3) if aware and first else None  # JSON: no inf
     finally:
         if sidecar is not None:
             sidecar.stop()
@@ -375,7 +375,11 @@ def main() -> int:
     print(table([{"injection": m, "hits": prefix[m]["hits"], "queries": prefix[m]["queries"],
                   "hit rate": prefix[m]["hit_rate"]} for m in ("cache_aware", "memory_first")],
                 ["injection", "hits", "queries", "hit rate"]))
-    print(f"prefix-cache hit rate, cache_aware / memory_first: {prefix['ratio']}")
+    if prefix["ratio"] is not None:
+        print(f"prefix-cache hit rate, cache_aware / memory_first: {prefix['ratio']}")
+    else:  # a zero rate on either side: no finite ratio, the rates say it all
+        print(f"prefix-cache hit rate: cache_aware {prefix['cache_aware']['hit_rate']}, "
+              f"memory_first {prefix['memory_first']['hit_rate']} (no finite ratio)")
     write_json(args.json, result)
     return 0 if check["missing"] == 0 and ld["errors"] == 0 else 1
 

@@ -76,13 +76,21 @@ def test_importance_weighs_in(make_service) -> None:
     assert hits[1].reasons["prior"] == pytest.approx(0.6)
 
 
-def test_selection_takes_memories_in_search_order(make_service, minilm) -> None:
+LOCKER_QUESTION = [{"role": "user", "content": "Remind me of my locker code ZX-4417?"}]
+
+
+def facts_service(make_service, minilm):
+    """A service whose tenant ``acme`` holds FACTS and one turn of session ``s1``."""
     svc = make_service(minilm, max_facts=1)
     for text, cat, imp in FACTS:
         svc.add_memory("acme", text, cat, imp)
     svc.record_turn("acme", "s1", "user", "Hello!")
-    msgs = [{"role": "user", "content": "Remind me of my locker code ZX-4417?"}]
-    sel = svc.select_context("acme", "s1", msgs, 2000)
+    return svc
+
+
+def test_selection_takes_memories_in_search_order(make_service, minilm) -> None:
+    svc = facts_service(make_service, minilm)
+    sel = svc.select_context("acme", "s1", LOCKER_QUESTION, 2000)
     # the most important memory (peanuts, 0.9) loses to the one the question is about
     assert [m.text for m in sel.facts] == ["The user's gym locker code is ZX-4417."]
     assert [h.source for h in sel.fact_hits] == ["memory"]
@@ -94,14 +102,10 @@ def test_selection_takes_memories_in_search_order(make_service, minilm) -> None:
 
 
 def test_a_selection_bumps_access_counts_without_re_indexing(make_service, minilm) -> None:
-    svc = make_service(minilm, max_facts=1)
-    for text, cat, imp in FACTS:
-        svc.add_memory("acme", text, cat, imp)
-    svc.record_turn("acme", "s1", "user", "Hello!")
-    msgs = [{"role": "user", "content": "Remind me of my locker code ZX-4417?"}]
-    svc.select_context("acme", "s1", msgs, 2000)
+    svc = facts_service(make_service, minilm)
+    svc.select_context("acme", "s1", LOCKER_QUESTION, 2000)
     index = svc.indexes.memories("acme")
-    svc.select_context("acme", "s1", msgs, 2000)             # memories.md rewritten (count 2)
+    svc.select_context("acme", "s1", LOCKER_QUESTION, 2000)  # memories.md rewritten (count 2)
     again = svc.indexes.memories("acme")
     assert again is index, "an access-count bump rebuilt the memory index"
     assert again.memories[again.doc_ids()[0]].access_count == 2

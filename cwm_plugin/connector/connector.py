@@ -48,16 +48,16 @@ log = logging.getLogger(__name__)
 
 def use_vllm_log_handlers() -> None:
     """Send ``cwm_plugin``'s logs through vLLM's handlers (its format, its stream, its level),
-    unless the application set up ``cwm_plugin`` logging itself. Without this the connector's
-    INFO lines (ready, self-check, shutdown flush) would be dropped: vLLM configures only the
-    ``vllm`` logger, and Python's root logger shows warnings only."""
+    unless the application set up logging itself (handlers on ``cwm_plugin`` or on the root
+    logger, which our records reach anyway). Without this the connector's INFO lines (ready,
+    self-check, shutdown flush) would be dropped: vLLM configures only the ``vllm`` logger, and
+    with no handler anywhere Python shows warnings only."""
     ours, theirs = logging.getLogger("cwm_plugin"), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
         return
     for handler in theirs.handlers:
         ours.addHandler(handler)
     ours.setLevel(theirs.level or logging.INFO)
-    ours.propagate = False
 
 
 class CWMConnector(KVConnectorBase_V1):

@@ -3,8 +3,8 @@
 ``memories.md`` is rewritten as a whole (a memory is added, its importance or access count
 changes), so this index is rebuilt whenever the file's signature (size, mtime) changes and the
 memories it indexes differ (a rewrite that only bumped access counts, as every selection of a
-memory does, just refreshes them in place); the vectors come from the embedding cache, so a rebuild of a few hundred memories embeds only new
-texts. Memories are searched with the same hybrid code as chunks (``search.py``) in a corpus of
+memory does, just refreshes them in place); the vectors come from the embedding cache, so a
+rebuild of a few hundred memories embeds only new texts. Memories are searched with the same hybrid code as chunks (``search.py``) in a corpus of
 their own, with ``0.5 + importance`` as the prior: a memory's score is its normalised hybrid
 relevance scaled by how important it was judged (0.5x to 1.5x).
 """

@@ -22,26 +22,33 @@ def loggers(monkeypatch):
     monkeypatch.setattr(theirs, "level", logging.INFO)
     monkeypatch.setattr(ours, "handlers", [])
     monkeypatch.setattr(ours, "level", logging.NOTSET)
-    monkeypatch.setattr(ours, "propagate", True)
     return ours, stream
 
 
-def test_info_lines_of_the_connector_go_through_vllms_handlers(loggers):
+def bare_root(monkeypatch) -> None:
+    """No handler on the root logger, as in vLLM's processes (pytest adds its own during a
+    test's call, so this runs in the test body, not in a fixture)."""
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+
+
+def test_info_lines_of_the_connector_go_through_vllms_handlers(loggers, monkeypatch):
     ours, stream = loggers
+    bare_root(monkeypatch)
     logging.getLogger("cwm_plugin.connector.worker").info("lost without the handlers")
     assert stream.getvalue() == ""  # before: dropped (root shows warnings only)
     use_vllm_log_handlers()
     use_vllm_log_handlers()  # idempotent: one line a record, not two
     logging.getLogger("cwm_plugin.connector.worker").info("store flushed")
     assert stream.getvalue() == "INFO cwm_plugin.connector.worker store flushed\n"
-    assert ours.propagate is False
 
 
-def test_logging_the_application_set_up_is_left_alone(loggers):
+@pytest.mark.parametrize("where", ["cwm_plugin", ""])
+def test_logging_the_application_set_up_is_left_alone(loggers, monkeypatch, where):
     ours, stream = loggers
+    bare_root(monkeypatch)
     own = logging.StreamHandler(io.StringIO())
-    ours.handlers = [own]
+    logging.getLogger(where or None).handlers = [own]
     use_vllm_log_handlers()
-    assert ours.handlers == [own]
+    assert ours.handlers == ([own] if where else [])
     logging.getLogger("cwm_plugin.connector").warning("x")
-    assert stream.getvalue() == ""
+    assert stream.getvalue() == ""                        # never twice, never vLLM's stream

@@ -9,60 +9,38 @@ Example ``--kv-transfer-config``::
 
 Everything under ``store`` is a :class:`cwm_plugin.store.config.StoreConfig` field (its own
 environment fallback, ``CWM_STORE_<FIELD>``, applies). The connector's own fields fall back to
-``CWM_CONNECTOR_<FIELD>``.
+``CWM_CONNECTOR_<FIELD>``. Every value is typed and range-checked (``"false"`` is false,
+``"32k"`` is 32768, ``"lots"`` is an error naming the field).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from cwm_plugin.errors import ConfigError
-
-
-def _env_bool(value: str) -> bool:
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+from cwm_plugin.typed_config import check_fields, limits, load
 
 
 @dataclass
 class ConnectorConfig:
     store: dict[str, Any] = field(default_factory=dict)
     # Never store more than this many tokens of one request (whole blocks, from the start).
-    max_stored_tokens_per_request: int = 65536
+    max_stored_tokens_per_request: int = field(default=65536, metadata=limits(min=0))
     # Save blocks of generated tokens too, so the next turn of a conversation hits them.
     save_decode_blocks: bool = True
     # Only requests that carry a cache_salt are saved and loaded.
     salted_only: bool = False
     load_enabled: bool = True
     save_enabled: bool = True
+    # Write a context record per finished salted request (what windows freeze).
+    context_records: bool = True
+    # How long the scheduler trusts a lookup of the durable tiers (seconds).
+    lookup_cache_s: float = field(default=2.0, metadata=limits(min=0, max=3600))
+
+    def __post_init__(self) -> None:
+        check_fields(self, "kv_connector_extra_config")
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
-        extra = dict(extra or {})
-        names = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - set(names))
-        if unknown:
-            raise ConfigError(
-                f"unknown kv_connector_extra_config key(s) {unknown}",
-                hint=f"known keys: {sorted(names)}",
-            )
-        values: dict[str, Any] = {}
-        for name, f in names.items():
-            if name in extra:
-                values[name] = extra[name]
-                continue
-            env = os.environ.get(f"CWM_CONNECTOR_{name.upper()}")
-            if env is None or name == "store":
-                continue
-            if f.type in ("bool", bool):
-                values[name] = _env_bool(env)
-            elif f.type in ("int", int):
-                values[name] = int(env)
-        cfg = cls(**values)
-        if not isinstance(cfg.store, dict):
-            raise ConfigError("kv_connector_extra_config.store must be an object of store settings")
-        if cfg.max_stored_tokens_per_request < 0:
-            raise ConfigError("max_stored_tokens_per_request must be >= 0")
-        return cfg
+        return load(cls, extra, env_prefix="CWM_CONNECTOR_", section="kv_connector_extra_config",
+                    skip_env=("store",))

@@ -7,9 +7,10 @@ process). Start-up, in vLLM's order:
    (:func:`~cwm_plugin.connector.layout.discover_layout`), the namespace built, the store opened
    and a :class:`WorkerSide` made for this TP rank;
 2. vLLM collects ``get_handshake_metadata`` from every worker and hands it to the scheduler's
-   ``set_xfer_handshake_metadata_pp_aware``: the scheduler builds the same namespace from the
-   first worker's layout (pipeline stage 0, TP rank 0), opens its store (no memory tier: it only
-   looks keys up) and makes its :class:`SchedulerSide`;
+   ``set_xfer_handshake_metadata_pp_aware``: the scheduler builds every worker's namespace from
+   its layout (pipeline stages differ), opens its store (no memory tier: it only looks keys up,
+   with Redis' short lookup timeout) and makes its :class:`SchedulerSide`, which counts a block
+   as stored only when every worker holds it;
 3. the scheduler's first lookup runs the hashing self-check (after vLLM initialised hashing).
 
 Until step 2 the scheduler side answers "nothing stored" and plans no saves. Each store gets a
@@ -92,8 +93,10 @@ class CWMConnector(KVConnectorBase_V1):
 
     def _open_store(self, ns: Namespace, *, memory: bool, rank: str) -> KVStore:
         registry = CollectorRegistry()
-        cfg = dataclasses.replace(self.store_settings, fingerprint=ns.fingerprint,
-                                  **({} if memory else {"memory_bytes": 0}))
+        s = self.store_settings
+        scheduler = {} if memory else {"memory_bytes": 0,
+                                       "redis_timeout_ms": s.redis_lookup_timeout_ms}
+        cfg = dataclasses.replace(s, fingerprint=ns.fingerprint, **scheduler)
         store = KVStore(cfg, registry=registry)
         # The scheduler's store forwards counters only (its gauges would repeat the workers').
         self._forwarders.append(RegistryForwarder(registry, gauge_labels={"rank": rank},
@@ -103,48 +106,50 @@ class CWMConnector(KVConnectorBase_V1):
     # --- start-up -----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         layout, views = discover_layout(self._vllm_config, self._kv_cache_config, kv_caches)
         ns = self._namespace(layout.describe())
         rank = get_tensor_model_parallel_rank()
+        stage = get_pp_group().rank_in_group
         store = self._open_store(ns, memory=True, rank=str(rank))
-        self._worker = WorkerSide(store, self.stats, ns=ns, rank=rank, layout=layout, layers=views)
-        log.info("cwm connector (worker, rank %d) ready: namespace %s, model %s", rank,
-                 ns.fingerprint, ns.model)
+        self._worker = WorkerSide(store, self.stats, ns=ns, rank=rank, layout=layout,
+                                  layers=views, index=stage * ns.tp_size + rank)
+        log.info("cwm connector (worker, stage %d rank %d) ready: namespace %s, model %s",
+                 stage, rank, ns.fingerprint, ns.model)
 
     def get_handshake_metadata(self) -> CWMHandshake | None:
-        return CWMHandshake(self._worker.layout_name) if self._worker is not None else None
+        if self._worker is None:
+            return None
+        return CWMHandshake(self._worker.layout_name, self._worker.rank)
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
-        """Layouts keyed by (pipeline rank, TP rank); lookups use stage 0, rank 0's."""
+        """Layouts keyed by (pipeline rank, TP rank): every worker's namespace is looked up."""
         layouts = {ranks: m.layout for ranks, m in metadata.items() if isinstance(m, CWMHandshake)}
-        if (0, 0) not in layouts:
-            log.error("cwm connector: no KV layout from the first worker (got %s); loading and "
-                      "saving stay off", sorted(layouts))
+        if (0, 0) not in layouts or len(layouts) != len(metadata):
+            log.error("cwm connector: not every worker sent its KV layout (got %s of %d); "
+                      "loading and saving stay off", sorted(layouts), len(metadata))
             return
-        if len(set(layouts.values())) > 1:
-            log.info("cwm connector: workers report %d KV layouts (pipeline stages or ranks "
-                     "differ); each keys its blocks by its own, lookups use the first's",
-                     len(set(layouts.values())))
-        self._adopt_layout(layouts[(0, 0)])
+        self._adopt_layouts(layouts)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
 
-    def _adopt_layout(self, layout: str) -> None:
+    def _adopt_layouts(self, layouts: dict[tuple[int, int], str]) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
 
-        ns = self._namespace(layout)
+        namespaces = {lay: self._namespace(lay) for lay in set(layouts.values())}
+        workers = [(namespaces[layouts[ranks]], ranks[1]) for ranks in sorted(layouts)]
+        ns = workers[0][0]
         spec_block = ns.block_size
         hash_block = getattr(self._kv_cache_config, "hash_block_size", None) or spec_block
         store = self._open_store(ns, memory=False, rank="scheduler")
         self._scheduler = SchedulerSide(
             ns, self.cfg, store, self.stats, hash_fn=get_hash_fn_by_name(self.hash_algo),
             hash_ratio=max(1, spec_block // hash_block),
-            stored_source=hit_source_of_saves(self.store_settings))
-        log.info("cwm connector (scheduler) ready: namespace %s, model %s, KV layout %s",
-                 ns.fingerprint, ns.model, ns.layout)
+            stored_source=hit_source_of_saves(self.store_settings), workers=workers)
+        log.info("cwm connector (scheduler) ready: namespace %s, model %s, KV layout %s, "
+                 "%d worker(s)", ns.fingerprint, ns.model, ns.layout, len(workers))
 
     def _side(self) -> SchedulerSide | None:
         if self._scheduler is None and not self._warned_no_layout:
@@ -180,6 +185,9 @@ class CWMConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
 
     # --- worker side --------------------------------------------------------------------------
 

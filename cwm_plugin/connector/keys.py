@@ -1,11 +1,14 @@
 """Store keys for vLLM blocks: a namespace digest, the TP rank, and vLLM's salted block hash.
 
 The namespace binds a key to everything that must match for a block to be loadable: the weights
-(:mod:`~cwm_plugin.connector.fingerprint`), the model and KV dtypes, vLLM's version (its kernels
-decide the KV's numerics), the KV layout reported by the attention backend
-(:mod:`~cwm_plugin.connector.layout`), block sizes, head counts, layers and the tensor-parallel
-size. The rank is part of each key, not of the namespace: the scheduler plans with rank-free block
-hashes and every worker derives its own keys, so rank ``r`` only ever loads rank ``r``'s shard.
+(:mod:`~cwm_plugin.connector.fingerprint`), the model and KV dtypes, the quantization method,
+``--hf-overrides`` and the RoPE settings in effect, vLLM's version (its kernels decide the KV's
+numerics), the KV layout reported by the attention backend (:mod:`~cwm_plugin.connector.layout`,
+which names the KV cache dtype and a pipeline stage's layers), block sizes, head counts, layers,
+the tensor- and pipeline-parallel sizes and the hash algorithm. A LoRA adapter's *content*
+(vLLM hashes only its name and path) is mixed in per request: :func:`lora_extra`. The rank is
+part of each key, not of the namespace: the scheduler plans with rank-free block hashes and
+every worker derives its own keys, so rank ``r`` only ever loads rank ``r``'s shard.
 
 The hash seed is not in the namespace because vLLM's block hashes already carry it: they chain
 from ``NONE_HASH``, which the seed (``PYTHONHASHSEED`` or vLLM's fixed default) determines, so
@@ -45,6 +48,10 @@ class Namespace:
     layout: str                # KVLayout.describe(), from the attention backend
     tp_size: int
     hash_algo: str
+    quantization: str = ""
+    hf_overrides: str = ""     # canonical JSON of --hf-overrides
+    rope: str = ""             # canonical JSON of the RoPE settings in the model config
+    pp_size: int = 1
 
     @property
     def digest(self) -> bytes:
@@ -56,11 +63,19 @@ class Namespace:
         """What the store writes into every blob and checks on decode."""
         return self.digest.hex()
 
-    def key(self, block_hash: bytes, rank: int) -> bytes:
-        return self.digest + rank.to_bytes(RANK_BYTES, "big") + bytes(block_hash)
+    def scoped(self, extra: bytes = b"") -> bytes:
+        """The digest for one request: the namespace's, or mixed with ``extra`` (a LoRA
+        adapter's content digest)."""
+        if not extra:
+            return self.digest
+        return hashlib.sha256(self.digest + bytes(extra)).digest()[:NAMESPACE_BYTES]
 
-    def keys(self, block_hashes: Sequence[bytes], rank: int) -> list[bytes]:
-        return [self.key(h, rank) for h in block_hashes]
+    def key(self, block_hash: bytes, rank: int, extra: bytes = b"") -> bytes:
+        return self.scoped(extra) + rank.to_bytes(RANK_BYTES, "big") + bytes(block_hash)
+
+    def keys(self, block_hashes: Sequence[bytes], rank: int, extra: bytes = b"") -> list[bytes]:
+        scope = self.scoped(extra) + rank.to_bytes(RANK_BYTES, "big")
+        return [scope + bytes(h) for h in block_hashes]
 
 
 def kv_block_hashes(block_hashes: Sequence[bytes], num_blocks: int, ratio: int = 1) -> list[bytes]:
@@ -95,6 +110,49 @@ def hashes_reproducible(hash_algo: str) -> bool:
     return hash_algo not in NON_CRYPTO_HASHES or os.environ.get("PYTHONHASHSEED") is not None
 
 
+def canonical(value: Any) -> str:
+    """Canonical JSON of a config value ("" for none; a callable by its qualified name)."""
+    if value is None or value == {}:
+        return ""
+    if callable(value):
+        return f"callable:{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+ROPE_FIELDS = ("rope_scaling", "rope_theta", "rope_parameters", "partial_rotary_factor",
+               "rotary_emb_base", "max_position_embeddings")
+
+
+def rope_settings(hf_config: Any) -> str:
+    if hf_config is None:
+        return ""
+    found = {name: getattr(hf_config, name) for name in ROPE_FIELDS
+             if getattr(hf_config, name, None) is not None}
+    return canonical(found)
+
+
+def lora_extra(lora_request: Any) -> bytes:
+    """The content digest of a request's LoRA adapter (b"" for none): vLLM's block hashes
+    carry the adapter's name and path, not its weights, so a changed adapter at the same path
+    must not load the old one's KV."""
+    if not lora_request:
+        return b""
+    from pathlib import Path
+
+    from cwm_plugin.connector.fingerprint import file_digest
+
+    path = Path(str(getattr(lora_request, "lora_path", "") or ""))
+    h = hashlib.sha256(f"lora:{getattr(lora_request, 'lora_name', '')}".encode())
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else (
+        [path] if path.is_file() else [])
+    for p in files:
+        h.update(f"{p.relative_to(path) if path.is_dir() else p.name}:{file_digest(p)}\n"
+                 .encode())
+    if not files:
+        h.update(f"path:{path}".encode())
+    return h.digest()[:NAMESPACE_BYTES]
+
+
 def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: str) -> Namespace:
     """The namespace of this engine, given the KV layout its workers reported."""
     import vllm
@@ -120,4 +178,8 @@ def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: str) -> Name
         layout=layout,
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         hash_algo=str(cache.prefix_caching_hash_algo),
+        quantization=str(getattr(mc, "quantization", None) or ""),
+        hf_overrides=canonical(getattr(mc, "hf_overrides", None)),
+        rope=rope_settings(getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)),
+        pp_size=int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1),
     )

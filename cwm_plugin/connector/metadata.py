@@ -28,31 +28,42 @@ class BlockTransfer:
     block_ids: list[int]
     block_hashes: list[bytes]
     num_tokens: int = 0  # tokens covered (block-aligned), for the blob's metadata
+    salt: str | None = None   # the request's cache_salt (opens blobs sealed at rest)
+    extra: bytes = b""        # per-request namespace scope (a LoRA adapter's content)
 
 
 @dataclass
 class CWMConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    reset: bool = False     # vLLM's reset_cache: drop the workers' memory tiers
 
 
 @dataclass
 class CWMWorkerMetadata(KVConnectorWorkerMetadata):
-    """Block hashes the worker has stored, so the scheduler can answer lookups for blocks that
-    live only in the worker's memory tier (the durable tiers answer through their own index)."""
+    """What the workers' stores did since the last step, for the scheduler's cache of stored
+    blocks. ``stored`` holds (block hash, worker index): a block counts as stored once every
+    worker (TP rank x pipeline stage) reported it."""
 
-    stored: set[bytes] = field(default_factory=set)
-    # Hashes whose save failed, or whose load found no usable blob, on any rank: the scheduler
-    # forgets them (a failure on one rank wins over success on another).
+    stored: set[tuple[bytes, int]] = field(default_factory=set)
+    # Hashes whose save failed, or whose load found no usable blob, on any worker: the
+    # scheduler forgets them (a failure on one worker wins over success on another).
     failed: set[bytes] = field(default_factory=set)
+    # Hashes whose blocks a worker's store dropped (evicted, expired, found dangling, ...).
+    dropped: set[bytes] = field(default_factory=set)
+    # A worker dropped more than it could list: forget every block believed stored.
+    overflow: bool = False
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, CWMWorkerMetadata)
-        return CWMWorkerMetadata(self.stored | other.stored, self.failed | other.failed)
+        return CWMWorkerMetadata(self.stored | other.stored, self.failed | other.failed,
+                                 self.dropped | other.dropped, self.overflow or other.overflow)
 
 
 @dataclass
 class CWMHandshake(KVConnectorHandshakeMetadata):
-    """A worker's KV layout (``KVLayout.describe()``), sent once after ``register_kv_caches``."""
+    """A worker's KV layout (``KVLayout.describe()``) and TP rank, sent once after
+    ``register_kv_caches``."""
 
     layout: str
+    tp_rank: int = 0

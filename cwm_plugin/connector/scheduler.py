@@ -1,33 +1,37 @@
 """Scheduler side of the connector: which blocks to load and which to save, per step.
 
-Runs in vLLM's EngineCore process. It never touches tensors and never makes per-rank keys: it
-plans with vLLM's (rank-free) block hashes, answers ``get_num_new_matched_tokens`` by looking up
-rank 0's keys in the store's index and Redis and what the workers reported storing (their memory
-tiers), and turns each scheduler step into a :class:`CWMConnectorMetadata`. Each worker derives
-its own rank's keys; a block another rank lacks is a load error there, and vLLM recomputes it.
+Runs in vLLM's EngineCore process. It never touches tensors: it plans with vLLM's (rank-free)
+block hashes and turns each scheduler step into a :class:`CWMConnectorMetadata`; each worker
+derives its own keys. A block is loadable only when *every* worker (TP rank x pipeline stage)
+holds its key: lookups ask the durable tiers for all of them, and the workers' reports of what
+they stored, dropped or failed to load feed :class:`~cwm_plugin.connector.known.KnownBlocks`,
+which never promises a block for longer than it can vouch for it.
 
 Saving policy: a block is saved in the step whose forward pass completes it (prompt blocks during
 prefill, chunk by chunk; generated blocks as decoding fills them). The worker copies the block
 out of the paged cache at the end of that step, before the scheduler can free or reuse it, and
 encodes and writes it in the background, so ``request_finished`` never has to hold blocks back.
+When a salted request whose blocks were saved finishes, a context record is written for the
+window engine (:mod:`~cwm_plugin.connector.records`).
 
-Hit sources for vLLM's ``prompt_tokens_cached_by_source``: blocks a worker reported storing are
-``host`` (its memory tier) when it has one, blocks in the disk index ``disk``, the rest (Redis, a
-remote store) ``external_unspecified``.
+Hit sources for vLLM's ``prompt_tokens_cached_by_source``: blocks the workers reported storing
+are ``host`` (their memory tier) when they have one, blocks in the disk index ``disk``, the rest
+(Redis) ``external_unspecified``.
 """
 
 from __future__ import annotations
 
 import logging
-import sqlite3
-from collections import OrderedDict
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from cwm_plugin.connector import records
 from cwm_plugin.connector.config import ConnectorConfig
-from cwm_plugin.connector.keys import Namespace, kv_block_hashes
+from cwm_plugin.connector.keys import Namespace, kv_block_hashes, lora_extra
+from cwm_plugin.connector.known import KnownBlocks
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.selfcheck import SelfCheck, run_selfcheck
 from cwm_plugin.connector.stats import StatsCollector
@@ -35,14 +39,18 @@ from cwm_plugin.store.tiered import KVStore
 
 log = logging.getLogger(__name__)
 
-KNOWN_LIMIT = 1_000_000
+SOURCE_OF_TIER = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
+                  "redis": CacheHitSource.EXTERNAL_UNSPECIFIED}
+_RANK = {CacheHitSource.HOST: 0, CacheHitSource.DISK: 1, CacheHitSource.EXTERNAL_UNSPECIFIED: 2}
 
 
 @dataclass
 class _RequestState:
     request: Any  # vllm.v1.request.Request, live: its block_hashes grow as it decodes
+    extra: bytes = b""
     block_ids: list[int] = field(default_factory=list)
     handled_blocks: int = 0  # blocks [0, handled) are stored, being stored, or skipped
+    saved_blocks: int = 0    # blocks planned for saving or found stored (the record's span)
     lookup_start: int = 0
     lookup_sources: list[CacheHitSource] = field(default_factory=list)
     load: BlockTransfer | None = None
@@ -59,7 +67,8 @@ def hit_source_of_saves(store_settings: Any) -> CacheHitSource:
 class SchedulerSide:
     def __init__(self, ns: Namespace, cfg: ConnectorConfig, store: KVStore,
                  stats: StatsCollector, *, hash_fn: Any = None, hash_ratio: int = 1,
-                 stored_source: CacheHitSource = CacheHitSource.HOST) -> None:
+                 stored_source: CacheHitSource = CacheHitSource.HOST,
+                 workers: list[tuple[Namespace, int]] | None = None) -> None:
         self.ns = ns
         self.cfg = cfg
         self.store = store
@@ -68,10 +77,12 @@ class SchedulerSide:
         self.hash_ratio = hash_ratio
         self.block_size = ns.block_size
         self.selfcheck: SelfCheck | None = None
-        # Where a block the workers reported storing is loaded from (see hit_source_of_saves).
-        self._stored_source = stored_source
+        # (namespace of the worker's pipeline stage, its TP rank), in worker-index order
+        self.workers = workers or [(ns, 0)]
+        self.known = KnownBlocks(len(self.workers), lookup_ttl_s=cfg.lookup_cache_s,
+                                 stored_source=stored_source)
         self._reqs: dict[str, _RequestState] = {}
-        self._known: OrderedDict[bytes, CacheHitSource] = OrderedDict()
+        self._reset_pending = False
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -84,33 +95,34 @@ class SchedulerSide:
     def _hashes(self, request: Any, num_blocks: int) -> list[bytes]:
         return kv_block_hashes(request.block_hashes, num_blocks, self.hash_ratio)
 
-    def _on_disk(self, keys: list[bytes]) -> set[bytes]:
-        if self.store.index is None or not keys:
-            return set()
-        try:
-            return set(self.store.index.lookup_many(keys))
-        except sqlite3.Error:
-            return set()
+    def _state(self, request: Any) -> _RequestState:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _RequestState(
+                request, lora_extra(getattr(request, "lora_request", None)))
+        state.request = request
+        return state
 
-    def _lookup(self, hashes: list[bytes]) -> list[CacheHitSource | None]:
-        """Where each block can be loaded from, None if nowhere (rank 0's keys)."""
-        unknown = [h for h in hashes if h not in self._known]
+    def _lookup(self, hashes: list[bytes], extra: bytes = b"") -> list[CacheHitSource | None]:
+        """Where each block can be loaded from (None: not on every worker). Blocks of a
+        LoRA request (``extra``) are not cached: their keys differ by adapter content."""
+        out: list[CacheHitSource | None] = [None if extra else self.known.get(h)
+                                            for h in hashes]
+        unknown = [h for h, s in zip(hashes, out, strict=True) if s is None]
+        if not unknown:
+            return out
+        n = len(unknown)
+        where = self.store.where_many([k for ns, rank in self.workers
+                                       for k in ns.keys(unknown, rank, extra)])
         found: dict[bytes, CacheHitSource] = {}
-        if unknown:
-            keys = self.ns.keys(unknown, 0)
-            present = [(h, k) for h, k, hit in zip(unknown, keys, self.store.contains_many(keys),
-                                                    strict=True) if hit]
-            disk = self._on_disk([k for _, k in present])
-            found = {h: CacheHitSource.DISK if k in disk else CacheHitSource.EXTERNAL_UNSPECIFIED
-                     for h, k in present}
-        return [self._known.get(h) or found.get(h) for h in hashes]
-
-    def _remember(self, hashes: dict[bytes, CacheHitSource]) -> None:
-        for h, source in hashes.items():
-            self._known[h] = source
-            self._known.move_to_end(h)
-        while len(self._known) > KNOWN_LIMIT:
-            self._known.popitem(last=False)
+        for j, h in enumerate(unknown):
+            tiers = [where[w * n + j] for w in range(len(self.workers))]
+            if all(tiers):
+                found[h] = max((SOURCE_OF_TIER.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED)
+                                for t in tiers), key=lambda s: _RANK.get(s, 2))
+        if not extra:
+            self.known.found(found)
+        return [s or found.get(h) for s, h in zip(out, hashes, strict=True)]
 
     def _check_hashing(self) -> None:
         if self.selfcheck is not None or self.hash_fn is None:
@@ -128,8 +140,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self._check_hashing()
-        state = self._reqs.setdefault(request.request_id, _RequestState(request))
-        state.request = request
+        state = self._state(request)
         state.lookup_sources = []
         if not self.cfg.load_enabled or not self._eligible(request):
             return 0, False
@@ -140,7 +151,7 @@ class SchedulerSide:
             return 0, False
         hashes = self._hashes(request, max_blocks)[start:]
         sources: list[CacheHitSource] = []
-        for source in self._lookup(hashes):
+        for source in self._lookup(hashes, state.extra):
             if source is None:
                 break
             sources.append(source)
@@ -163,7 +174,7 @@ class SchedulerSide:
         return out
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        state = self._reqs.setdefault(request.request_id, _RequestState(request))
+        state = self._state(request)
         if num_external_tokens <= 0:
             return
         n = num_external_tokens // self.block_size
@@ -171,10 +182,13 @@ class SchedulerSide:
         start = state.lookup_start
         hashes = self._hashes(request, start + n)[start:]
         state.load = BlockTransfer(request.request_id, list(block_ids[start:start + n]), hashes,
-                                   num_tokens=(start + n) * self.block_size)
+                                   num_tokens=(start + n) * self.block_size,
+                                   salt=getattr(request, "cache_salt", None), extra=state.extra)
+        state.saved_blocks = max(state.saved_blocks, start + n)
 
     def build_connector_meta(self, scheduler_output: Any) -> CWMConnectorMetadata:
-        meta = CWMConnectorMetadata()
+        meta = CWMConnectorMetadata(reset=self._reset_pending)
+        self._reset_pending = False
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:
@@ -201,9 +215,6 @@ class SchedulerSide:
         for state in self._reqs.values():
             if state.load is not None:
                 meta.loads.append(state.load)
-                sources = state.lookup_sources
-                self._remember({h: sources[i] if i < len(sources) else self._stored_source
-                                for i, h in enumerate(state.load.block_hashes)})
                 state.load = None
         for req_id in scheduler_output.finished_req_ids:
             self._reqs.pop(req_id, None)
@@ -221,29 +232,65 @@ class SchedulerSide:
         hashes = self._hashes(state.request, n_full)
         n_full = len(hashes)
         start = state.handled_blocks
-        candidates = list(range(start, n_full))
-        present = self._lookup([hashes[i] for i in candidates]) if check_existing else (
-            [self._known.get(hashes[i]) for i in candidates])
+        candidates = [i for i in range(start, n_full)
+                      if state.extra or not self.known.planned(hashes[i])]
+        present = self._lookup([hashes[i] for i in candidates], state.extra) if check_existing \
+            else [None if state.extra else self.known.get(hashes[i]) for i in candidates]
         todo = [i for i, p in zip(candidates, present, strict=True) if p is None]
         state.handled_blocks = n_full
+        state.saved_blocks = max(state.saved_blocks, n_full)
         if todo:
             meta.saves.append(BlockTransfer(req_id, [state.block_ids[i] for i in todo],
                                             [hashes[i] for i in todo],
-                                            num_tokens=n_full * self.block_size))
-            self._remember({hashes[i]: self._stored_source for i in todo})
+                                            num_tokens=n_full * self.block_size,
+                                            salt=getattr(state.request, "cache_salt", None),
+                                            extra=state.extra))
+            if not state.extra:
+                self.known.plan(hashes[i] for i in todo)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         # Saves copy blocks out at the end of the step that computed them, so nothing here
         # needs the blocks any longer.
-        self._reqs.pop(request.request_id, None)
+        state = self._reqs.pop(request.request_id, None)
+        salt = getattr(request, "cache_salt", None)
+        if state is not None and salt and state.saved_blocks and self.cfg.context_records:
+            self._write_record(state, salt)
         return False, None
+
+    def _write_record(self, state: _RequestState, salt: str) -> None:
+        req = state.request
+        lora = getattr(req, "lora_request", None)
+        rec = records.ContextRecord(
+            tokens=list(req.all_token_ids),
+            block_hashes=[h.hex() for h in self._hashes(req, state.saved_blocks)],
+            workers=[(ns.scoped(state.extra).hex(), rank) for ns, rank in self.workers],
+            block_size=self.block_size, hash_block_size=self.block_size // self.hash_ratio,
+            hash_algo=self.ns.hash_algo, namespace=asdict(self.ns),
+            lora=[lora.lora_name, str(lora.lora_path)] if lora else None, created=time.time())
+        try:
+            self.store.put(records.record_key(salt), rec.to_tensor(), salt=salt,
+                           layout=records.RECORD_LAYOUT, replace=True)
+        except Exception as exc:  # a closed or full store: windows just cannot freeze this one
+            log.warning("cwm connector: could not save a context record: %s", exc)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, CWMWorkerMetadata):
-            self._remember({h: self._stored_source for h in meta.stored})
-            for h in meta.failed:
-                self._known.pop(h, None)
+        if not isinstance(meta, CWMWorkerMetadata):
+            return
+        if meta.overflow:
+            self.known.clear()
+        self.known.report_stored(meta.stored)
+        self.known.forget(meta.failed | meta.dropped)
+        if meta.dropped:
+            self.stats.add("dropped_blocks", len(meta.dropped))
+
+    def reset_cache(self) -> bool:
+        """vLLM's reset of the connector's cache: forget every block believed stored and have
+        the workers drop their memory tiers (durable tiers are left: ``cwm store``)."""
+        self.known.clear()
+        self._reset_pending = True
+        log.info("cwm connector: cache reset (scheduler beliefs cleared, memory tiers dropped)")
+        return True
 
     def shutdown(self) -> None:
         self.store.close()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -71,7 +71,7 @@ def _write(store: KVStore, key: bytes, record: dict[str, Any]) -> None:
 
     # Not waited for: this runs inside vLLM's scheduling step, which a slow tier must not stall.
     try:
-        store.put(key, data, layout=RECORD_LAYOUT).add_done_callback(done)
+        store.put(key, data, layout=RECORD_LAYOUT, replace=True).add_done_callback(done)
     except Exception as exc:  # a store that cannot take it now: checked again next start
         log.warning("cwm connector: could not save the namespace record: %s", exc)
 
@@ -82,7 +82,9 @@ def run_selfcheck(store: KVStore, ns: Namespace, hash_fn: Any, block_size: int) 
     if not store.config.disk_path and not store.config.redis_url:
         return SelfCheck("skipped", probe)
     key = record_key(ns)
-    record = {"probe": probe, "hash_algo": ns.hash_algo, "seed": _seed_source()}
+    # the namespace's fields too: the window engine names what differs on a thaw elsewhere
+    record = {"probe": probe, "hash_algo": ns.hash_algo, "seed": _seed_source(),
+              "namespace": asdict(ns)}
     stored = _read(store, key)
     if stored is None:
         _write(store, key, record)
@@ -103,6 +105,5 @@ def run_selfcheck(store: KVStore, ns: Namespace, hash_fn: Any, block_size: int) 
         "and reclaim the space of the old blocks (cwm store gc / eviction).",
         ns.model, ns.layout, stored.get("hash_algo"), stored.get("seed"), ns.hash_algo,
         _seed_source())
-    store.delete(key)
     _write(store, key, record)
     return SelfCheck("mismatch", probe, stored)

@@ -42,7 +42,7 @@ SHUTDOWN_FLUSH_S = 30                      # the longest a shutdown waits for pe
 
 class WorkerSide:
     def __init__(self, store: KVStore, stats: StatsCollector, *, ns: Namespace, rank: int,
-                 layout: KVLayout, layers: list[torch.Tensor]) -> None:
+                 layout: KVLayout, layers: list[torch.Tensor], index: int = 0) -> None:
         if len(layers) != layout.num_layers or any(
                 tuple(t.shape[1:]) != layout.block_shape for t in layers):
             raise ConfigError(f"KV tensors {[tuple(t.shape) for t in layers]} do not match the "
@@ -51,6 +51,7 @@ class WorkerSide:
         self.stats = stats
         self.ns = ns
         self.rank = rank
+        self.index = index          # pipeline stage x TP size + TP rank, for the scheduler
         self.layout = layout
         self.layout_name = layout.describe()
         self.layers = layers
@@ -58,12 +59,14 @@ class WorkerSide:
         self.block_bytes = math.prod(layout.per_block) * layers[0].element_size()
         self._load_errors: set[int] = set()
         self._pending: list[tuple[bytes, Future]] = []
-        self._stored: set[bytes] = set()
+        self._stored: set[tuple[bytes, int]] = set()
         self._failed: set[bytes] = set()
 
     # --- loads --------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: CWMConnectorMetadata) -> None:
+        if meta.reset:
+            self.store.reset_memory()
         for transfer in meta.loads:
             self._load(transfer)
 
@@ -78,10 +81,10 @@ class WorkerSide:
 
     def _load(self, t: BlockTransfer) -> None:
         t0 = time.perf_counter()
-        keys = self.ns.keys(t.block_hashes, self.rank)
+        keys = self.ns.keys(t.block_hashes, self.rank, t.extra)
         staging = torch.empty((len(keys), *self.layout.per_block), dtype=self.dtype)
         before = self._tier_hits()
-        tensors = self.store.get_many(keys, out=staging, layout=self.layout_name)
+        tensors = self.store.get_many(keys, out=staging, layout=self.layout_name, salt=t.salt)
         after = self._tier_hits()
         good = 0
         for i, tensor in enumerate(tensors):
@@ -139,14 +142,18 @@ class WorkerSide:
                 block = staged[i]
                 i += 1
                 try:
-                    fut = self.store.put(self.ns.key(h, self.rank), block, num_tokens=t.num_tokens,
-                                         layout=self.layout_name)
+                    fut = self.store.put(self.ns.key(h, self.rank, t.extra), block,
+                                         num_tokens=t.num_tokens, layout=self.layout_name,
+                                         salt=t.salt)
                 except Exception as exc:  # refused by the store (closed, ...): serving goes on
                     log.warning("cwm connector: save refused: %s", exc)
                     self.stats.add("save_errors", reason="refused")
                     self._failed.add(bytes(h))
                     continue
-                self._pending.append((bytes(h), fut))
+                if not t.extra:       # LoRA blocks are looked up, never cached as stored
+                    self._pending.append((bytes(h), fut))
+                else:
+                    self._pending.append((b"", fut))
         self.stats.add("save_seconds", time.perf_counter() - t0)
 
     def take_worker_meta(self) -> CWMWorkerMetadata | None:
@@ -154,19 +161,24 @@ class WorkerSide:
         for h, fut in self._pending:
             if not fut.done():
                 still.append((h, fut))
-            elif fut.exception() is not None:
+            elif fut.cancelled() or fut.exception() is not None:
                 self.stats.add("save_errors", reason="failed")
-                self._failed.add(h)
+                if h:
+                    self._failed.add(h)
                 log.warning("cwm connector: saving block %s failed: %s", h.hex()[:16],
-                            fut.exception())
+                            "cancelled" if fut.cancelled() else fut.exception())
             else:
-                self._stored.add(h)
+                if h:
+                    self._stored.add((h, self.index))
                 self.stats.add("saved_blocks")
                 self.stats.add("saved_bytes", self.block_bytes)
         self._pending = still
-        if not self._stored and not self._failed:
+        dropped_keys, overflow = self.store.take_dropped()
+        dropped = {k[-32:] for k in dropped_keys if len(k) > 32}
+        if not (self._stored or self._failed or dropped or overflow):
             return None
-        meta = CWMWorkerMetadata(self._stored - self._failed, set(self._failed))
+        meta = CWMWorkerMetadata({(h, i) for h, i in self._stored if h not in self._failed},
+                                 set(self._failed), dropped, overflow)
         self._stored, self._failed = set(), set()
         return meta
 

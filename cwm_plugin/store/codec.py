@@ -178,6 +178,13 @@ def _pack(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
     return b"".join(parts)                  # one copy of the payload
 
 
+def pack_raw(meta: dict[str, str], payload: bytes) -> bytes:
+    """A container of ``meta`` (its CRC added) and one opaque payload (sealed blobs)."""
+    meta = {**meta, "meta_crc": ""}
+    meta["meta_crc"] = _meta_crc(meta)
+    return _pack(meta, [payload])
+
+
 def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[str, Any], int]:
     """Parse and check the container header: (metadata, tensor entries, data start)."""
     mv = memoryview(data)
@@ -214,6 +221,9 @@ def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = No
     copy when the caller stacks blocks); used only if its dtype and shape match the blob's,
     and left with unspecified content if decoding fails."""
     meta, entries, start = read_header(data)
+    if "sealed" in meta:
+        raise IncompatibleBlob("blob is encrypted at rest", hint="the store opens it with the "
+                               "request's cache_salt; without it the block is recomputed")
     version = meta.get("format_version", "")
     if version not in READABLE_VERSIONS:
         raise IncompatibleBlob(f"blob format version {version!r} is not {FORMAT_VERSION}",

@@ -32,7 +32,10 @@ class StoreMetrics:
         self.misses = Counter("misses", "Blob lookups a tier could not answer, or answered "
                               "with a damaged blob (tier=all: keys no tier could serve)",
                               ["tier"], **kw)
-        self.evictions = Counter("evictions", "Blobs evicted to stay in budget", ["tier"], **kw)
+        self.evictions = Counter("evictions", "Keys whose blob was evicted to stay in budget",
+                                 ["tier"], **kw)
+        self.drops = Counter("drops", "Keys a tier dropped on its own, by reason (evicted, "
+                             "expired, dangling, quarantined, reset)", ["tier", "reason"], **kw)
         self.raw_bytes = Counter("encoded_raw_bytes", "Tensor bytes given to the encoder", **kw)
         self.stored_bytes = Counter("encoded_bytes", "Blob bytes produced by the encoder", **kw)
         self.ratio = Gauge("compression_ratio",
@@ -43,8 +46,8 @@ class StoreMetrics:
                                         buckets=_SECONDS, **kw)
         self.errors = Counter("errors", "Store errors by kind (corrupt, incompatible, "
                                         "tier_unavailable, storage_full, write_failed, "
-                                        "read_failed, index, behind_dropped, "
-                                        "quarantine_failed)",
+                                        "read_failed, index, index_rebuilt, "
+                                        "behind_dropped, quarantine_failed)",
                               ["kind"], **kw)
         self.puts = Counter("puts", "Blocks saved (new blobs written)", **kw)
         self.put_skips = Counter("put_skips", "Saves skipped because the key was present", **kw)

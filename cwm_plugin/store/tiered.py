@@ -1,18 +1,22 @@
-"""The KV block store: keys -> content-addressed blobs over CPU memory, local disk and Redis.
+"""The KV block store: keys -> content-addressed blobs, composed over tiers.
 
-* ``put`` hands the tensor to a small thread pool (encoding happens there) and returns a
-  future at once; it blocks only when ``queue_depth`` saves are pending, or the write-behind
-  queue holds ``behind_bytes`` (backpressure). Keys already present are skipped. Disk and Redis
-  writes are "through" (the future waits for them) or "behind" (queued after the future
-  completes), per tier.
-* ``get``/``get_many`` resolve keys (this process' map, the SQLite index, Redis), fetch blobs in
-  the order memory -> disk -> Redis, decode, count a tier's hit only for a blob that decoded,
-  and promote hits to the faster tiers. A damaged blob is a counted miss: it is moved to the
-  quarantine folder (or dropped) and logged once; a blob of another model or KV layout is an
-  incompatible miss.
-* ``contains_many``, ``link``, ``pin``/``unpin``, ``delete``: :mod:`.keyops` (pins are per key;
-  link re-points an existing key). ``gc`` drops blobs no key points to (older than
-  ``gc_min_age_s``), ``verify`` checks every blob: :mod:`.maintenance`.
+:class:`KVStore` only composes :class:`~cwm_plugin.store.tiers.base.Tier` objects, each of
+which owns its blobs *and* its key index (memory: this process; disk: SQLite; Redis: Redis):
+
+* order: lookups go memory -> disk -> Redis; a hit is promoted to the faster tiers;
+* writes: ``put`` encodes on a small pool and returns a future; memory is written at once,
+  disk and Redis "through" (before the future resolves) or "behind" (queued after it, bounded
+  in bytes: backpressure). A key the durable tiers already hold is not saved again;
+* batch key operations (``link_many``, ``pin_many``, ``unpin_many``, ``delete_many``) are one
+  atomic step per tier (one SQLite transaction, one Lua script per key group);
+* what a tier drops by itself (eviction, expiry, dangling, quarantine) reaches
+  :meth:`take_dropped`, so the connector's scheduler stops promising those blocks.
+
+A tier that cannot be opened (unwritable directory, ...) is logged once and left out; a tier
+failing at run time is counted and the store goes on with the others. A damaged blob is a
+counted miss, quarantined; a blob of another model, layout, or sealed under another salt is an
+incompatible miss. With ``encryption_key`` every blob is sealed under its request's salt
+(:mod:`.crypto`).
 """
 
 from __future__ import annotations
@@ -24,25 +28,22 @@ import sqlite3
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
-from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, TierUnavailable
-from cwm_plugin.store import codec
+from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, NotFound, StorageFull, TierUnavailable
+from cwm_plugin.store import codec, crypto
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.index import BlobIndex
-from cwm_plugin.store.keyops import KeyOps
-from cwm_plugin.store.maintenance import GCReport, VerifyReport, collect_garbage, verify_all
+from cwm_plugin.store.hashing import blob_id_of
 from cwm_plugin.store.metrics import StoreMetrics
+from cwm_plugin.store.opening import open_tiers
 from cwm_plugin.store.queue import SaveQueue
-from cwm_plugin.store.tiers.disk import DiskTier
-from cwm_plugin.store.tiers.memory import MemoryTier
-from cwm_plugin.store.tiers.redis import RedisTier
-from cwm_plugin.store.writes import WritePath
+from cwm_plugin.store.tiers.base import KeyInfo, Tier
 
 log = logging.getLogger(__name__)
-_LOGGED_MAX = 4096
+TIER_ERRORS = (TierUnavailable, OSError, sqlite3.Error)
+DROPS_KEPT = 200_000
 
 
 def _done(value: object = None) -> cf.Future:
@@ -51,246 +52,463 @@ def _done(value: object = None) -> cf.Future:
     return fut
 
 
-class KVStore(KeyOps, WritePath):
+@dataclass
+class _Hit:
+    index: int
+    key: bytes
+    blob_id: str
+    data: bytes
+    tier: Tier
+
+
+class KVStore:
     """Tiered, content-addressed KV block store; see the module docstring."""
 
     def __init__(self, config: StoreConfig, *, registry=None) -> None:
         self.config = config
         self.metrics = StoreMetrics.for_registry(registry)
-        self._lock = threading.RLock()
-        self._keys: dict[bytes, str] = {}            # memory tier: key -> blob (this process)
-        self._by_blob: dict[str, set[bytes]] = {}
-        self._pinned: set[bytes] = set()             # pinned keys known to this process
-        self.memory = (MemoryTier(config.memory_bytes, on_evict=self._memory_evicted)
-                       if config.memory_bytes > 0 else None)
-        self.index: BlobIndex | None = None
-        self.disk: DiskTier | None = None
-        if config.disk_path:
-            root = Path(config.disk_path)
-            self.index = BlobIndex(root / "index.sqlite")
-            self.disk = DiskTier(root, config.disk_bytes, index=self.index,
-                                 on_evict=lambda ids: self.metrics.evictions.labels("disk")
-                                 .inc(len(ids)))
-            self.metrics.tier_usage("disk", *self.index.totals())
-        self.redis = (RedisTier(config.redis_url, prefix=config.redis_prefix,
-                                ttl_s=config.redis_ttl_s,
-                                max_value_bytes=config.redis_max_value_bytes)
-                      if config.redis_url else None)
-        if self.redis is not None:
-            with contextlib.suppress(TierUnavailable):      # down now: gauges after a write
-                self.metrics.tier_usage("redis", *self.redis.stats())
+        self._lock = threading.Lock()
+        self._logged: set[str] = set()
+        self.tiers: list[Tier] = open_tiers(config, self.metrics, self._log_once)
+        for tier in self.tiers:
+            tier.set_drop_listener(lambda keys, why, t=tier.name: self._on_drop(t, keys, why))
+        self.memory = self._tier("memory")
+        self.disk = self._tier("disk")
+        self.redis = self._tier("redis")
+        self.durable = [t for t in self.tiers if t.durable]
+        self._ciphers = (crypto.Ciphers(crypto.parse_master_key(config.encryption_key))
+                         if config.encryption_key else None)
+        self._dropped: set[bytes] = set()
+        self._drops_overflow = False
         self._saves = SaveQueue(config.io_workers, config.queue_depth,
                                 behind_bytes=config.behind_bytes)
         self._decoder = (cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-decode")
                          if config.io_workers > 1 else None)
-        self._logged: set[str] = set()
         self._closed = False
+        self._gauges()
+
+    def _tier(self, name: str):
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def _cipher(self, salt: str | None) -> crypto.BlobCipher | None:
+        return self._ciphers.for_salt(salt) if self._ciphers is not None else None
 
     # --- saving -------------------------------------------------------------------------------
 
-    def put(self, key: bytes, tensor: torch.Tensor, *, num_tokens: int = 0,
-            layout: str = "") -> cf.Future:
-        """Save a block in the background; the future resolves when the "through" tiers hold it."""
-        return self._submit(bytes(key), lambda k: self._save_tensor(k, tensor, num_tokens, layout))
+    def put(self, key: bytes, tensor: torch.Tensor, *, num_tokens: int = 0, layout: str = "",
+            salt: str | None = None, replace: bool = False) -> cf.Future:
+        """Save a block in the background; the future resolves when the "through" tiers hold
+        it. ``salt``: the request's cache_salt (the blob is sealed under it when encryption at
+        rest is on). A key already stored is skipped, unless ``replace`` (records that are
+        rewritten: the key is re-pointed and its old blob freed)."""
+        def job(k: bytes) -> None:
+            cfg = self.config
+            t0 = time.perf_counter()
+            blob = codec.encode(tensor, key=k, fingerprint=cfg.fingerprint, num_tokens=num_tokens,
+                                layout=layout, level=cfg.zstd_level, shuffle=cfg.shuffle,
+                                checksum=cfg.checksum)
+            raw = tensor.numel() * tensor.element_size()
+            cipher = self._cipher(salt)
+            if cipher is not None:
+                blob = cipher.seal(blob)
+            self.metrics.encoded(raw, len(blob), time.perf_counter() - t0)
+            self._store_blob(k, blob, replace=replace)
+        return self._submit(bytes(key), job, replace=replace)
 
     def put_blob(self, key: bytes, blob: bytes) -> cf.Future:
-        """Save an already encoded blob (checked to be ours, not decoded)."""
+        """Save an already encoded (or sealed) blob, checked to be ours, not decoded."""
         codec.peek(blob)
         return self._submit(bytes(key), lambda k: self._store_blob(k, bytes(blob)))
 
-    def _submit(self, key: bytes, job) -> cf.Future:
+    def _submit(self, key: bytes, job, *, replace: bool = False) -> cf.Future:
         if self._saves.closed:
             raise RuntimeError("the KV store is closed")
-        if key in self._keys:
-            self.metrics.put_skips.inc()
-            return _done()
-        return self._saves.submit(key, lambda: self._run_save(key, job))
+        return self._saves.submit(key, lambda: self._run_save(key, job, replace))
 
-    def _run_save(self, key: bytes, job) -> None:
-        if self._present(key):
+    def _run_save(self, key: bytes, job, replace: bool = False) -> None:
+        target = (self.durable or self.tiers or [None])[0]
+        if not replace and target is not None and self._exists_in(target, key):
             self.metrics.put_skips.inc()
             return
         job(key)
 
+    def _store_blob(self, key: bytes, blob: bytes, *, replace: bool = False) -> None:
+        blob_id = blob_id_of(blob)
+        stored = False
+        for tier in self.tiers:
+            mode = {"disk": self.config.disk_write, "redis": self.config.redis_write}.get(
+                tier.name, "through")
+            if mode == "through" or replace:
+                stored = self._write(tier, key, blob_id, blob, replace=replace) or stored
+            else:
+                stored = self._behind(tier, key, blob_id, blob) or stored
+        if not stored:
+            raise StorageFull(f"no tier could store block {key.hex()[:16]} ({len(blob)} bytes)",
+                              hint="raise memory_bytes/disk_bytes or check the disk and Redis")
+        self.metrics.puts.inc()
+
+    def _write(self, tier: Tier, key: bytes, blob_id: str, blob: bytes, *,
+               replace: bool = False) -> bool:
+        try:
+            ok = tier.put(blob_id, blob, key, replace=replace)
+            if not ok:
+                self.metrics.errors.labels("storage_full").inc()
+            return ok
+        except StorageFull as exc:
+            self.metrics.errors.labels("storage_full").inc()
+            self._log_once(f"full-{tier.name}", "%s tier refused a write: %s", tier.name, exc)
+        except TIER_ERRORS as exc:
+            self._tier_failed(tier, "write", exc, "write_failed")
+        finally:
+            self._gauge(tier)
+        return False
+
+    def _behind(self, tier: Tier, key: bytes, blob_id: str, blob: bytes, *,
+                wait: bool = True) -> bool:
+        """Queue a write after the current work. ``wait`` False (promotions on the read path):
+        drop it, counted and logged once, when the write-behind queue is full."""
+        queued = self._saves.behind(lambda: self._write(tier, key, blob_id, blob), key=key,
+                                    nbytes=len(blob), wait=wait)
+        if not queued:
+            self.metrics.errors.labels("behind_dropped").inc()
+            self._log_once("behind-full", "store: write-behind queue full (%d bytes); "
+                           "dropping promotions until it drains", self._saves.behind_limit)
+        return queued
+
     # --- loading ------------------------------------------------------------------------------
 
-    def _resolve(self, keys: Sequence[bytes]) -> list[str | None]:
-        out: list[str | None] = [self._keys.get(k) for k in keys]
-        rest = [k for k, b in zip(keys, out, strict=True) if b is None]
-        if rest and self.index is not None:
-            found = self._index_lookup(rest)
-            out = [b if b is not None else found.get(k) for k, b in zip(keys, out, strict=True)]
-            rest = [k for k, b in zip(keys, out, strict=True) if b is None]
-        if rest and self.redis is not None:
-            try:
-                found_r = dict(zip(rest, self.redis.lookup_many(rest), strict=True))
-            except TierUnavailable:
-                found_r = {}
-            out = [b if b is not None else found_r.get(k) for k, b in zip(keys, out, strict=True)]
-        return out
-
-    def _index_lookup(self, keys: Sequence[bytes]) -> dict[bytes, str]:
-        assert self.index is not None
+    def _exists_in(self, tier: Tier, key: bytes) -> bool:
         try:
-            return self.index.lookup_many(keys)
-        except sqlite3.Error as exc:      # locked for too long, damaged: a miss, not a crash
-            self.metrics.errors.labels("index").inc()
-            self._log_once("index-read", "store index lookup failed: %s", exc)
-            return {}
+            return tier.exists_many([key])[0]
+        except TIER_ERRORS:
+            return False
 
-    def _fetch(self, blob_ids: list[str]) -> dict[str, tuple[bytes, str]]:
-        """blob id -> (bytes, tier it came from), looking memory -> disk -> redis."""
-        got: dict[str, tuple[bytes, str]] = {}
-        want = list(dict.fromkeys(blob_ids))
-        tiers = [t for t in (self.memory, self.disk, self.redis) if t is not None]
-        for tier in tiers:
-            if not want:
-                break
-            try:
-                datas = tier.get_many(want)
-            except TierUnavailable:
-                self.metrics.errors.labels("tier_unavailable").inc()
-                continue
-            except (OSError, sqlite3.Error) as exc:
-                self.metrics.errors.labels("read_failed").inc()
-                self._log_once(f"read-{tier.name}", "%s tier read failed: %s", tier.name, exc)
-                continue
-            missing = []
-            for b, d in zip(want, datas, strict=True):
-                if d is None:
-                    missing.append(b)
-                else:
-                    got[b] = (d, tier.name)     # a hit is counted once it decodes
-            self.metrics.misses.labels(tier.name).inc(len(missing))
-            want = missing
-        return got
+    def _lookup_in(self, tier: Tier, keys: Sequence[bytes]) -> list[str | None]:
+        try:
+            return tier.lookup_many(keys)
+        except TIER_ERRORS as exc:
+            self._tier_failed(tier, "lookup", exc, "index")
+            return [None] * len(keys)
 
-    def get(self, key: bytes) -> torch.Tensor | None:
-        return self.get_many([key])[0]
+    def get(self, key: bytes, *, salt: str | None = None) -> torch.Tensor | None:
+        return self.get_many([key], salt=salt)[0]
 
     def get_many(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None,
-                 layout: str | None = None) -> list[torch.Tensor | None]:
-        """Decoded tensors (None for a miss) for ``keys``, in order. Several blocks are decoded
-        in parallel on the store's decode threads (zstd and numpy release the GIL).
-
-        ``out`` (optional, ``[len(keys), *block]``, contiguous CPU): hits whose dtype and shape
-        match are decoded straight into ``out[i]`` and returned as that view (no extra copy);
-        rows of misses are left unspecified. ``layout`` (optional): the KV layout string the
-        blobs must carry (the connector's worker layout); another layout is an incompatible,
-        counted miss."""
+                 layout: str | None = None, salt: str | None = None
+                 ) -> list[torch.Tensor | None]:
+        """Decoded tensors (None for a miss) for ``keys``, in order, decoded in parallel on
+        the store's threads. ``out`` (optional, ``[len(keys), *block]``, contiguous CPU): hits
+        whose dtype and shape match are decoded straight into ``out[i]``. ``layout``: the KV
+        layout the blobs must carry (another is an incompatible, counted miss). ``salt``: the
+        request's cache_salt (opens sealed blobs)."""
         keys = [bytes(k) for k in keys]
-        ids = self._resolve(keys)
-        blobs = self._fetch([b for b in ids if b is not None])
-        work = [(i, key, blob_id, *blobs[blob_id]) for i, (key, blob_id)
-                in enumerate(zip(keys, ids, strict=True)) if blob_id in blobs]
         if out is not None and (out.dim() == 0 or out.shape[0] != len(keys)):
             raise ValueError(f"out has {tuple(out.shape)[:1]} rows for {len(keys)} keys")
-
-        def one(w: tuple) -> torch.Tensor | None:
-            return self._decode(*w[1:], into=None if out is None else out[w[0]], layout=layout)
-
-        if len(work) > 1 and self._decoder is not None:
-            results = list(self._decoder.map(one, work))
-        else:
-            results = [one(w) for w in work]
         found: list[torch.Tensor | None] = [None] * len(keys)
-        for (i, *_), tensor in zip(work, results, strict=True):
-            found[i] = tensor
-        self.metrics.misses.labels("all").inc(sum(t is None for t in found))
+        cipher = self._cipher(salt)
+
+        def one(h: _Hit) -> torch.Tensor | None:
+            return self._decode(h, into=None if out is None else out[h.index], layout=layout,
+                                cipher=cipher)
+
+        todo = list(range(len(keys)))
+        for tier in self.tiers:
+            if not todo:
+                break
+            hits = self._fetch(tier, [keys[i] for i in todo], todo)
+            if len(hits) > 1 and self._decoder is not None:
+                results = list(self._decoder.map(one, hits))
+            else:
+                results = [one(h) for h in hits]
+            for h, tensor in zip(hits, results, strict=True):
+                found[h.index] = tensor
+            todo = [i for i in todo if found[i] is None]
+        self.metrics.misses.labels("all").inc(len(todo))
         return found
 
-    def _decode(self, key: bytes, blob_id: str, data: bytes, tier: str, *,
-                into: torch.Tensor | None = None, layout: str | None = None
-                ) -> torch.Tensor | None:
+    def _fetch(self, tier: Tier, keys: list[bytes], idx: list[int]) -> list[_Hit]:
+        ids = self._lookup_in(tier, keys)
+        want = list(dict.fromkeys(b for b in ids if b is not None))
+        if not want:
+            return []
+        try:
+            datas = dict(zip(want, tier.get_many(want), strict=True))
+        except TIER_ERRORS as exc:
+            self._tier_failed(tier, "read", exc, "read_failed")
+            return []
+        hits: list[_Hit] = []
+        dangling: list[tuple[bytes, str]] = []
+        for i, key, b in zip(idx, keys, ids, strict=True):
+            if b is None:
+                continue
+            if datas.get(b) is None:
+                dangling.append((key, b))
+            else:
+                hits.append(_Hit(i, key, b, datas[b], tier))
+        self.metrics.misses.labels(tier.name).inc(len(keys) - len(hits))
+        if dangling:      # the index outlived the bytes (expiry, eviction, a lost file)
+            with contextlib.suppress(*TIER_ERRORS):
+                tier.forget_blobs([b for _, b in dangling], "dangling",
+                                  keys=[k for k, _ in dangling])
+        return hits
+
+    def _decode(self, h: _Hit, *, into: torch.Tensor | None, layout: str | None,
+                cipher: crypto.BlobCipher | None) -> torch.Tensor | None:
         t0 = time.perf_counter()
         try:
-            decoded = codec.decode(data, fingerprint=self.config.fingerprint or None,
+            plain = crypto.unseal(h.data, cipher) if self._ciphers is not None else h.data
+            decoded = codec.decode(plain, fingerprint=self.config.fingerprint or None,
                                    layout=layout, verify=self.config.checksum, into=into)
         except (CorruptBlob, IncompatibleBlob) as exc:
-            self.metrics.misses.labels(tier).inc()
-            self._bad_blob(key, blob_id, data, tier, exc)
+            self.metrics.misses.labels(h.tier.name).inc()
+            self._bad_blob(h, exc)
             return None
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
-        self.metrics.hits.labels(tier).inc()
-        self._promote(key, blob_id, data, tier)
+        self.metrics.hits.labels(h.tier.name).inc()
+        self._promote(h)
         return decoded.tensor
 
     def get_blob(self, key: bytes) -> bytes | None:
-        blob_id = self._resolve([bytes(key)])[0]
-        if blob_id is None:
-            return None
-        hit = self._fetch([blob_id]).get(blob_id)
-        if hit is None:
-            return None
-        self.metrics.hits.labels(hit[1]).inc()           # raw bytes: nothing to decode
-        return hit[0]
+        """The stored bytes of ``key`` (not decoded, still sealed if encrypted)."""
+        for tier in self.tiers:
+            hits = self._fetch(tier, [bytes(key)], [0])
+            if hits:
+                self.metrics.hits.labels(tier.name).inc()
+                return hits[0].data
+        return None
 
-    def _promote(self, key: bytes, blob_id: str, data: bytes, tier: str) -> None:
-        if tier == "memory":
+    def _promote(self, h: _Hit) -> None:
+        if self._closed:
             return
-        pinned = False
-        if tier == "disk" and self.index is not None and key not in self._pinned:
-            with contextlib.suppress(sqlite3.Error):
-                pinned = self.index.is_key_pinned(key)
-        self._to_memory(key, blob_id, data, pinned=pinned)
-        if tier == "redis" and not self._closed:
-            self._behind(self._promote_from_redis, key, blob_id, data, wait=False)
+        for tier in self.tiers:
+            if tier is h.tier:
+                break
+            if tier.name == "memory":
+                self._write(tier, h.key, h.blob_id, h.data)
+            else:
+                self._behind(tier, h.key, h.blob_id, h.data, wait=False)
 
-    def _bad_blob(self, key: bytes, blob_id: str, data: bytes, tier: str,
-                  exc: CorruptBlob | IncompatibleBlob) -> None:
+    def _bad_blob(self, h: _Hit, exc: CorruptBlob | IncompatibleBlob) -> None:
         kind = "corrupt" if isinstance(exc, CorruptBlob) else "incompatible"
         self.metrics.errors.labels(kind).inc()
-        self._log_once(f"bad-{blob_id}", "store: %s blob %s for key %s in %s tier: %s; "
-                       "treated as a miss%s", kind, blob_id, key.hex()[:16], tier, exc,
-                       ", quarantined" if kind == "corrupt" else "")
+        self._log_once(f"bad-{h.blob_id}", "store: %s blob %s for key %s in %s tier: %s; "
+                       "treated as a miss%s", kind, h.blob_id, h.key.hex()[:16], h.tier.name,
+                       exc, ", quarantined" if kind == "corrupt" else "")
         if kind == "corrupt":
-            self.quarantine(blob_id, data, tier, reason=str(exc))
+            self.quarantine(h.tier, h.blob_id, h.data, key=h.key, reason=str(exc))
 
-    def quarantine(self, blob_id: str, data: bytes | None, tier: str, *, reason: str) -> None:
-        """Take a damaged blob out of service everywhere; keep its bytes under quarantine/."""
-        with self._lock:
-            for k in self._by_blob.pop(blob_id, set()):
-                self._keys.pop(k, None)
-        if self.memory is not None:
-            self.memory.delete(blob_id)
-        if self.disk is not None:
-            try:
-                moved = self.disk.quarantine(blob_id, reason) if tier == "disk" else None
-                if moved is None and data is not None:
-                    dst = self.disk.quarantine_dir / f"{blob_id}.{tier}.{int(time.time())}"
-                    dst.write_bytes(data)
-            except (OSError, sqlite3.Error) as exc:   # full or read-only disk: still out of use
-                self.metrics.errors.labels("quarantine_failed").inc()
-                self._log_once("quarantine", "store: could not keep a damaged blob under "
-                               "quarantine/: %s", exc)
-        if self.redis is not None and tier == "redis":
-            with contextlib.suppress(TierUnavailable):
-                self.redis.delete(blob_id)
+    def quarantine(self, tier: Tier, blob_id: str, data: bytes | None, *, key: bytes = b"",
+                   reason: str) -> None:
+        """Take a damaged blob out of ``tier``; keep its bytes under the disk's quarantine/."""
+        try:
+            if tier is self.disk:
+                self.disk.quarantine(blob_id, reason)
+                return
+            if self.disk is not None and data is not None:
+                (self.disk.quarantine_dir / f"{blob_id}.{tier.name}.{int(time.time())}"
+                 ).write_bytes(data)
+        except TIER_ERRORS as exc:     # full or read-only disk: still out of use
+            self.metrics.errors.labels("quarantine_failed").inc()
+            self._log_once("quarantine", "store: could not keep a damaged blob under "
+                           "quarantine/: %s", exc)
+        with contextlib.suppress(*TIER_ERRORS):
+            tier.forget_blobs([blob_id], "quarantined", keys=[key] if key else ())
         self._gauges()
+
+    # --- presence and key operations ----------------------------------------------------------
+
+    def where_many(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The first tier (in lookup order) holding each key, None if none. Redis answers
+        only for keys whose bytes are there (dangling keys are removed on the way)."""
+        keys = [bytes(k) for k in keys]
+        out: list[str | None] = [None] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, w in enumerate(out) if w is None]
+            if not todo:
+                break
+            sub = [keys[i] for i in todo]
+            try:
+                there = tier.exists_many(sub)
+            except TIER_ERRORS as exc:
+                self._tier_failed(tier, "lookup", exc, "index")
+                continue
+            for i, hit in zip(todo, there, strict=True):
+                if hit:
+                    out[i] = tier.name
+        return out
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [w is not None for w in self.where_many(keys)]
+
+    def _each_tier(self, op: str, tiers: Sequence[Tier], fn) -> dict[str, list[bytes]]:
+        out: dict[str, list[bytes]] = {}
+        for tier in tiers:
+            try:
+                out[tier.name] = fn(tier)
+            except TIER_ERRORS as exc:
+                self._tier_failed(tier, op, exc, "index")
+        self._gauges()
+        return out
+
+    def link_many(self, pairs: Sequence[tuple[bytes, bytes]]) -> dict[str, list[bytes]]:
+        """Point each ``new_key`` at ``existing_key``'s blob in every tier that holds it (no
+        copy; a new key that points elsewhere is re-pointed). One atomic step per tier; a tier
+        without ``existing_key`` drops its own stale ``new_key`` (the tiers never disagree on
+        what a key means). Returns tier -> new keys linked there."""
+        pairs = [(bytes(n), bytes(e)) for n, e in pairs]
+        for n, e in pairs:
+            self._saves.wait_key(e)
+            self._saves.wait_key(n)
+
+        sources = {t.name: self._lookup_in(t, [e for _, e in pairs]) for t in self.tiers}
+        somewhere = [any(sources[t][i] for t in sources) for i in range(len(pairs))]
+
+        def link(tier: Tier) -> list[bytes]:
+            blobs = sources[tier.name]
+            stale = [n for (n, _), b, any_ in zip(pairs, blobs, somewhere, strict=True)
+                     if b is None and any_]
+            if stale:
+                tier.delete_many(stale)
+            return tier.link_many([(n, b) for (n, _), b in zip(pairs, blobs, strict=True)
+                                   if b is not None])
+        return self._each_tier("link", self.tiers, link)
+
+    def link(self, new_key: bytes, existing_key: bytes) -> None:
+        if not any(self.link_many([(new_key, existing_key)]).values()):
+            raise NotFound(f"cannot link: key {bytes(existing_key).hex()[:16]} is not in the "
+                           "store", hint="save the block first")
+
+    def pin_tiers(self) -> list[Tier]:
+        """Where pins live: the durable tiers (memory only when there is none)."""
+        return self.durable or self.tiers
+
+    def pin_many(self, keys: Sequence[bytes], *, ttl_s: float | None = None
+                 ) -> dict[str, list[bytes]]:
+        """Pin keys on the durable tiers (after their pending saves), each tier atomically
+        under its pin quota (:class:`~cwm_plugin.store.tiers.base.QuotaExceeded`)."""
+        keys = [bytes(k) for k in keys]
+        for k in keys:
+            self._saves.wait_key(k)
+        return self._each_tier("pin", self.pin_tiers(), lambda t: t.pin_many(
+            keys, ttl_s=ttl_s, quota_bytes=self.config.pin_quota_for(t.name)))
+
+    def unpin_many(self, keys: Sequence[bytes]) -> dict[str, list[bytes]]:
+        keys = [bytes(k) for k in keys]
+        return self._each_tier("unpin", self.tiers, lambda t: t.unpin_many(keys))
+
+    def delete_many(self, keys: Sequence[bytes]) -> dict[str, list[bytes]]:
+        """Drop keys and their pins everywhere; blobs no key points to any more are freed."""
+        keys = [bytes(k) for k in keys]
+        for k in keys:
+            self._saves.wait_key(k)
+        return self._each_tier("delete", self.tiers, lambda t: t.delete_many(keys))
+
+    def pin(self, key: bytes) -> None:
+        if not any(self.pin_many([key]).values()):
+            raise NotFound(f"cannot pin: key {bytes(key).hex()[:16]} is not in the store",
+                           hint="save the block first")
+
+    def unpin(self, key: bytes) -> None:
+        self.unpin_many([key])
+
+    def delete(self, key: bytes) -> bool:
+        return any(self.delete_many([key]).values())
+
+    def pinned(self, key: bytes) -> bool:
+        return any(info.pinned for info in self.key_info(key).values())
+
+    def key_info(self, key: bytes) -> dict[str, KeyInfo]:
+        """tier -> what that tier's index holds for ``key``."""
+        key = bytes(key)
+        out: dict[str, KeyInfo] = {}
+        for tier in self.tiers:
+            with contextlib.suppress(*TIER_ERRORS):
+                rows = tier.list_keys(key, limit=1)
+                if rows and rows[0].key == key:
+                    out[tier.name] = rows[0]
+        return out
+
+    def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None, limit: int = 1000
+                  ) -> dict[str, list[KeyInfo]]:
+        """tier -> keys starting with ``prefix`` (byte order, paginated by ``after``)."""
+        out: dict[str, list[KeyInfo]] = {}
+        for tier in self.tiers:
+            try:
+                out[tier.name] = tier.list_keys(prefix, after=after, limit=limit)
+            except TIER_ERRORS as exc:
+                self._tier_failed(tier, "list", exc, "index")
+        return out
+
+    # --- drops --------------------------------------------------------------------------------
+
+    def _on_drop(self, tier: str, keys: list[bytes], reason: str) -> None:
+        self.metrics.drops.labels(tier, reason).inc(len(keys))
+        if reason == "evicted":
+            self.metrics.evictions.labels(tier).inc(len(keys))
+        with self._lock:
+            if len(self._dropped) + len(keys) > DROPS_KEPT:
+                self._drops_overflow = True
+                self._dropped.clear()
+            else:
+                self._dropped.update(keys)
+
+    def take_dropped(self) -> tuple[set[bytes], bool]:
+        """Keys any tier dropped since the last call, and whether some were not kept (too
+        many: the caller should forget everything it believed stored)."""
+        with self._lock:
+            dropped, overflow = self._dropped, self._drops_overflow
+            self._dropped, self._drops_overflow = set(), False
+        return dropped, overflow
+
+    def reset_memory(self) -> None:
+        """Drop this process's memory tier (unpinned blobs); the keys are reported dropped."""
+        if self.memory is not None:
+            self.memory.reset()
+            self._gauges()
 
     # --- housekeeping -------------------------------------------------------------------------
 
-    def flush(self, timeout: float | None = None) -> None:
+    def flush(self, timeout: float | None = None) -> bool:
         """Wait for pending saves (including write-behind) for up to ``timeout`` seconds."""
-        self._saves.flush(timeout)
+        return self._saves.flush(timeout)
+
+    def wait_keys(self, keys: Sequence[bytes], timeout: float | None = None) -> None:
+        for k in keys:
+            self._saves.wait_key(bytes(k), timeout)
 
     def usage(self) -> dict[str, dict[str, int | None]]:
-        """Bytes and blobs per tier; Redis is recounted (SCAN), so this is for the CLI."""
+        """Bytes, blobs, keys and pinned bytes per tier (Redis is recounted: for the CLI)."""
         out: dict[str, dict[str, int | None]] = {}
-        for tier in (self.memory, self.disk, self.redis):
-            if tier is not None:
-                u = tier.usage()
-                out[u.name] = {"bytes": u.bytes, "blobs": u.blobs, "budget": u.budget}
-                self.metrics.tier_usage(u.name, u.bytes, u.blobs)
+        for tier in self.tiers:
+            u = tier.usage()
+            out[u.name] = {"bytes": u.bytes, "blobs": u.blobs, "budget": u.budget,
+                           "keys": u.keys, "pinned_bytes": u.pinned_bytes}
+            self.metrics.tier_usage(u.name, u.bytes, u.blobs)
         return out
 
-    def verify(self, progress: bool = True) -> VerifyReport:
+    def verify(self, progress: bool = True):
+        from cwm_plugin.store.maintenance import verify_all
         return verify_all(self, progress=progress)
 
-    def gc(self, min_age_s: float | None = None) -> GCReport:
-        """Drop unreferenced blobs older than ``min_age_s`` (default: ``gc_min_age_s``)."""
+    def gc(self, min_age_s: float | None = None):
+        """Drop unreferenced blobs older than ``min_age_s`` (default: ``gc_min_age_s``),
+        dangling keys and orphan files."""
+        from cwm_plugin.store.maintenance import collect_garbage
         return collect_garbage(self, self.config.gc_min_age_s if min_age_s is None
                                else min_age_s)
+
+    def _gauge(self, tier: Tier) -> None:
+        with contextlib.suppress(*TIER_ERRORS):
+            if tier.name == "redis":
+                if tier.totals is not None:
+                    self.metrics.tier_usage("redis", *tier.totals)
+            else:
+                u = tier.usage()
+                self.metrics.tier_usage(u.name, u.bytes, u.blobs)
+
+    def _gauges(self) -> None:
+        for tier in self.tiers:
+            self._gauge(tier)
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish pending saves, then close the tiers. With ``timeout``, saves not started
@@ -303,16 +521,24 @@ class KVStore(KeyOps, WritePath):
         self._saves.shutdown(drop_queued=not done)
         if self._decoder is not None:
             self._decoder.shutdown(wait=True)
-        for tier in (self.memory, self.disk, self.redis):
-            if tier is not None:
+        for tier in self.tiers:
+            with contextlib.suppress(Exception):
                 tier.close()
         return done
+
+    def _tier_failed(self, tier: Tier, op: str, exc: BaseException, kind: str) -> None:
+        """Count a tier's failure; log it once, unless it is an outage the tier logs itself."""
+        outage = isinstance(exc, TierUnavailable)
+        self.metrics.errors.labels("tier_unavailable" if outage else kind).inc()
+        if not outage or getattr(tier, "available", True):
+            self._log_once(f"{op}-{tier.name}-{type(exc).__name__}", "store: %s on the %s tier "
+                           "failed: %s", op, tier.name, exc)
 
     def _log_once(self, tag: str, msg: str, *args: object) -> None:
         with self._lock:
             if tag in self._logged:
                 return
-            if len(self._logged) > _LOGGED_MAX:
+            if len(self._logged) > 4096:
                 self._logged.clear()
             self._logged.add(tag)
         log.warning(msg, *args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -16,7 +17,8 @@ def test_store_cli(tmp_path, make_store, kv_block, capsys):
     s = make_store(disk_path=str(root))
     for i in range(3):
         s.put(f"k{i}".encode(), kv_block(i)).result()
-    s.disk.put("ab" * 20, b"orphan")       # unreferenced blob
+    # an index rebuild that found a blob whose key was saved again meanwhile: unreferenced
+    s.disk.index.insert_rebuilt([("ab" * 20, 6, b"k0", time.time())])
     s.close()
     assert main(["store", "usage", "--disk-path", str(root), "--json"]) == 0
     usage = json.loads(capsys.readouterr().out)

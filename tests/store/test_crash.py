@@ -1,5 +1,5 @@
-"""A writer killed with SIGKILL in the middle of writing never leaves a visible partial blob,
-and the index stays consistent."""
+"""Real processes killed with SIGKILL, and two processes racing on one disk store: a blob is
+never partial, a batch key operation is all or nothing, a row never outlives its file."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from cwm_plugin.store import codec
-from cwm_plugin.store.index import BlobIndex
+from cwm_plugin.store.tiers.disk_index import DiskIndex
 
 pytestmark = pytest.mark.unit
 
@@ -31,21 +32,13 @@ while True:   # ~4 MiB blocks of incompressible bytes: each write takes a while
 """
 
 
-@pytest.mark.parametrize("delay", [0.3, 1.1])
-def test_sigkill_mid_write_leaves_no_partial_blob(tmp_path, delay):
-    root = tmp_path / "d"
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _run_until(cmd: list[str], ready, delay: float) -> None:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if (root / "index.sqlite").exists():
-                probe = BlobIndex(root / "index.sqlite")
-                enough = probe.totals()[1] >= 2
-                probe.close()
-                if enough:
-                    break
-            assert proc.poll() is None, proc.stderr.read().decode()
+        while not ready(proc):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the child never got going"
             time.sleep(0.05)
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGKILL)
@@ -54,20 +47,103 @@ def test_sigkill_mid_write_leaves_no_partial_blob(tmp_path, delay):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    index = BlobIndex(root / "index.sqlite")
-    blobs = dict(index.all_blobs())
+
+
+def _indexed_blobs(root: Path) -> int:
+    if not (root / "index.sqlite").exists():
+        return 0
+    probe = DiskIndex(root / "index.sqlite")
+    try:
+        return probe.totals()[1]
+    finally:
+        probe.close()
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.1])
+def test_sigkill_mid_write_leaves_no_partial_blob(tmp_path, delay):
+    root = tmp_path / "d"
+    _run_until([sys.executable, "-c", WRITER, str(root)],
+               lambda p: _indexed_blobs(root) >= 2, delay)
+    index = DiskIndex(root / "index.sqlite")
+    blobs = set(index.all_blobs())
     assert len(blobs) >= 2
-    blob_dir = root / "blobs"
-    on_disk = {p.name: p for p in blob_dir.glob("*/*/*")}
-    for blob_id, size in blobs.items():                     # every indexed blob is whole
-        data = on_disk[blob_id].read_bytes()
-        assert len(data) == size
-        out = codec.decode(data, fingerprint="crash", verify=True)
+    on_disk = {p.name: p for p in (root / "blobs").glob("*/*/*")}
+    for blob_id in blobs:                                   # every indexed blob is whole
+        out = codec.decode(on_disk[blob_id].read_bytes(), fingerprint="crash", verify=True)
         assert out.tensor.numel() == 4 << 20
     for name, path in on_disk.items():                      # unindexed files are whole too
         if name not in blobs:
             codec.decode(path.read_bytes(), verify=True)
     keys = index.lookup_many([i.to_bytes(8, "big") for i in range(10_000)])
-    assert set(keys.values()) <= set(blobs) and len(keys) == len(blobs)
+    assert set(keys.values()) <= blobs and len(keys) == len(blobs)
     assert index.dangling_keys() == []
     index.close()
+
+
+BATCHER = r"""
+import sys, itertools
+from cwm_plugin.store.tiers.disk import DiskTier
+from cwm_plugin.store.tiers.redis import RedisTier
+kind, where = sys.argv[1], sys.argv[2]
+t = DiskTier(where, 1 << 30) if kind == "disk" else RedisTier(where, prefix="kill")
+G = b"B" * 18
+t.put("ab" * 20, b"x" * 64, G + b"base")
+batch = [G + i.to_bytes(4, "big") for i in range(3000)]
+for n in itertools.count():
+    t.link_many([(k, "ab" * 20) for k in batch])
+    t.pin_many(batch)
+    print(n, flush=True)
+    t.delete_many(batch)
+"""
+
+
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+@pytest.mark.parametrize("delay", [0.05, 0.4])
+def test_sigkill_mid_batch_leaves_the_old_state_or_the_new(tmp_path, kind, delay, request):
+    where = str(tmp_path / "d") if kind == "disk" else request.getfixturevalue("redis_server").url
+    _run_until([sys.executable, "-c", BATCHER, kind, where],
+               lambda p: p.stdout.readline().strip() != "", delay)
+    from cwm_plugin.store.tiers.disk import DiskTier
+    from cwm_plugin.store.tiers.redis import RedisTier
+    t = DiskTier(where, 1 << 30) if kind == "disk" else RedisTier(where, prefix="kill")
+    rows = t.list_keys(b"B" * 18, limit=10_000)
+    batch = [r for r in rows if r.key != b"B" * 18 + b"base"]
+    assert len(batch) in (0, 3000), len(batch)             # a batch is whole or absent
+    assert len({r.pinned for r in batch}) <= 1             # pinned as a whole, or not at all
+    if kind == "disk":                                      # counters match the rows
+        (refs, pins), = t.index._read("SELECT refs, pins FROM blobs")
+        assert refs == len(rows) and pins == sum(r.pinned for r in rows)
+    else:
+        names = t._gkeys(b"B" * 18)
+        refs = t._call(lambda c: c.hget(names[0], "ab" * 20))
+        assert int(refs) == len(rows)
+    t.close()
+
+
+RACER = r"""
+import sys, time
+from cwm_plugin.store.tiers.disk import DiskTier
+root, me, stop = sys.argv[1], sys.argv[2].encode(), float(sys.argv[3])
+t = DiskTier(root, 1 << 30, fsync=False)
+key = b"R" * 18 + me
+while time.time() < stop:
+    t.put("cd" * 20, b"same bytes" * 100, key)
+    t.delete_many([key])
+"""
+
+
+def test_two_processes_removing_and_re_adding_a_blob_never_leave_a_row_without_its_file(
+        tmp_path):
+    root = tmp_path / "d"
+    from cwm_plugin.store.tiers.disk import DiskTier
+    DiskTier(root, 1 << 30).close()
+    stop = time.time() + 4
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(root), me, str(stop)],
+                              stderr=subprocess.PIPE) for me in ("a", "b")]
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read().decode()
+    t = DiskTier(root, 1 << 30)
+    for blob_id in t.index.all_blobs():
+        assert t.path(blob_id).exists(), "an index row outlived its file"
+    assert t.dangling_keys() == []
+    t.close()

@@ -1,9 +1,12 @@
-"""The Redis tier against a real redis-server: split values, TTL, outage and reconnect,
-sharing between servers with empty local tiers."""
+"""The Redis tier against a real redis-server: split values, TTL and pins, dangling keys after
+expiry or eviction, chunked reads, outage and reconnect, a black-holed server, sharing between
+servers with empty local tiers."""
 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
 
 import pytest
@@ -16,173 +19,150 @@ from cwm_plugin.testing.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
+G = b"R" * 16 + b"\x00\x00"
 
-def test_split_values_round_trip(redis_server):
+
+def k(name: bytes) -> bytes:
+    return G + name
+
+
+def bid(c: str) -> str:
+    return c * 40
+
+
+def test_split_values_round_trip_and_a_lost_part_is_a_miss(redis_server):
     t = RedisTier(redis_server.url, prefix="t1", max_value_bytes=1024)
     big = bytes(range(256)) * 40             # 10 KiB -> 10 parts
-    t.put("aa" * 20, big)
-    t.put("bb" * 20, b"small")
-    assert t.get_many(["aa" * 20, "bb" * 20, "cc" * 20]) == [big, b"small", None]
+    t.put(bid("a"), big, k(b"1"))
+    t.put(bid("b"), b"small", k(b"2"))
+    assert t.get_many([bid("a"), bid("b"), bid("c")]) == [big, b"small", None]
     r = redis.Redis.from_url(redis_server.url)
-    assert r.exists(f"t1:b:{'aa' * 20}:9") and not r.exists(f"t1:b:{'aa' * 20}:10")
+    assert r.exists(f"t1:{{b:{bid('a')}}}:9") and not r.exists(f"t1:{{b:{bid('a')}}}:10")
     assert t.usage().bytes == len(big) + 5 and t.usage().blobs == 2
-    r.delete(f"t1:b:{'aa' * 20}:3")           # a lost part is a miss, never a torn blob
-    assert t.get("aa" * 20) is None
-    assert t.delete("aa" * 20) and not r.exists(f"t1:b:{'aa' * 20}:0")
+    r.delete(f"t1:{{b:{bid('a')}}}:3")        # a lost part is a miss, never a torn blob
+    assert t.get(bid("a")) is None
     t.close()
 
 
-def test_keys_refcounts_and_prefix(redis_server):
-    t = RedisTier(redis_server.url, prefix="ns")
-    t.put("ab" * 20, b"blob", key=b"k1")                       # blob and key in one script
-    assert t.map_key(b"k2", "ab" * 20) == (1, None, 0)
-    assert t.map_key(b"k1", "ab" * 20)[0] == 1                 # already there: no double count
-    assert t.map_key(b"k1", "cd" * 20)[0] == 0                 # points elsewhere: kept
-    assert t.map_key(b"k3", "ef" * 20)[0] == -1                # no such blob
-    assert t.refcount("ab" * 20) == 2
-    assert t.lookup_many([b"k1", b"zz"]) == ["ab" * 20, None]
-    assert t.exists_many([b"k2", b"zz"]) == [True, False]
-    assert t.stats() == (4, 1)
-    assert t.unmap_key(b"k1") == ("ab" * 20, 1)
-    assert t.unmap_key(b"k2") == ("ab" * 20, 0)
-    assert t.unreferenced() == ["ab" * 20]
-    assert t.delete("ab" * 20) and t.stats() == (0, 0)
-    other = RedisTier(redis_server.url, prefix="other")
-    assert other.lookup_many([b"k1"]) == [None] and list(other.blob_ids()) == []
-    t.close(), other.close()
-
-
-def test_repoint_moves_refcounts_and_pins(redis_server):
-    t = RedisTier(redis_server.url, prefix="rp", ttl_s=100)
-    t.put("aa" * 20, b"old", key=b"k")
-    t.put("bb" * 20, b"new", key=b"other")
-    t.pin("aa" * 20, b"k")
-    assert t.map_key(b"k", "bb" * 20, replace=True) == (1, "aa" * 20, 0)
-    assert t.refcount("bb" * 20) == 2 and t.refcount("aa" * 20) == 0
-    assert t.is_pinned(b"k", "bb" * 20) and not t.is_pinned(b"k", "aa" * 20)
+def test_ttl_pins_persist_the_bytes_and_unpin_gives_the_ttl_back(redis_server):
+    t = RedisTier(redis_server.url, prefix="ttl", ttl_s=100, max_value_bytes=1024)
     r = redis.Redis.from_url(redis_server.url)
-    assert r.ttl(f"rp:b:{'bb' * 20}") == -1                    # the pin came along
-    assert 0 < r.ttl(f"rp:b:{'aa' * 20}") <= 100               # and left the old blob
-    assert t.unreferenced() == ["aa" * 20]
+    t.put(bid("a"), b"y" * 3000, k(b"1"))
+    t.link_many([(k(b"2"), bid("a"))])
+    data = [f"ttl:{{b:{bid('a')}}}{sfx}" for sfx in ("", ":0", ":1", ":2")]
+    key1 = t._kname(k(b"1"))
+    assert all(0 < r.ttl(n) <= 100 for n in [*data, key1])
+    t.pin_many([k(b"1"), k(b"2")])
+    assert all(r.ttl(n) == -1 for n in [*data, key1])
+    t.put(bid("a"), b"y" * 3000, k(b"3"))     # a new key on the blob never undoes the pin
+    assert all(r.ttl(n) == -1 for n in data)
+    t.unpin_many([k(b"2")])                   # the other pinned key still protects it
+    assert all(r.ttl(n) == -1 for n in data)
+    t.unpin_many([k(b"1")])
+    assert all(0 < r.ttl(n) <= 100 for n in [*data, key1])
     t.close()
 
 
-def test_unmap_of_an_expired_refcount_leaves_no_negative_key(redis_server):
-    t = RedisTier(redis_server.url, prefix="neg", ttl_s=100)
-    t.put("ab" * 20, b"x", key=b"k")
+def test_a_new_key_on_a_shared_blob_renews_its_ttl(redis_server):
+    t = RedisTier(redis_server.url, prefix="renew", ttl_s=1000)
     r = redis.Redis.from_url(redis_server.url)
-    r.delete(f"neg:r:{'ab' * 20}")                             # the refcount expired first
-    assert t.unmap_key(b"k") == ("ab" * 20, 0)
-    assert not r.exists(f"neg:r:{'ab' * 20}")
+    t.put(bid("e"), b"z" * 30, k(b"first"))
+    r.expire(f"renew:{{b:{bid('e')}}}", 5)    # as if saved long ago
+    t.link_many([(k(b"second"), bid("e"))])
+    assert r.ttl(f"renew:{{b:{bid('e')}}}") > 500
     t.close()
 
 
-def test_ttl_applies_and_pins_persist_per_key(redis_server):
-    t = RedisTier(redis_server.url, prefix="ttl", ttl_s=1)
-    t.put("ab" * 20, b"x" * 10, key=b"k")
-    t.map_key(b"k2", "ab" * 20)
+@pytest.mark.parametrize("how", ["expired", "evicted"])
+def test_a_key_whose_bytes_are_gone_answers_absent_is_removed_and_reported(
+        redis_server, make_store, kv_block, how):
+    s = make_store(redis_url=redis_server.url, memory_bytes=0, redis_write="through",
+                   redis_ttl_s=1 if how == "expired" else None)
+    drops = []
+    s.redis.set_drop_listener(lambda keys, why: drops.append((keys, why)))
+    s.put(k(b"a"), kv_block(1)).result()
+    s.put(k(b"b"), kv_block(2)).result()
     r = redis.Redis.from_url(redis_server.url)
-    assert 0 < r.ttl(f"ttl:b:{'ab' * 20}") <= 1 and 0 < r.ttl(f"ttl:k:{b'k'.hex()}") <= 1
-    t.pin("ab" * 20, b"k")
-    t.pin("ab" * 20, b"k2")
-    assert r.ttl(f"ttl:b:{'ab' * 20}") == -1 and r.ttl(f"ttl:r:{'ab' * 20}") == -1
-    t.put("ab" * 20, b"x" * 10, key=b"k3")      # a re-put never undoes the pin's PERSIST
-    assert r.ttl(f"ttl:b:{'ab' * 20}") == -1
-    t.pin("ab" * 20, b"k2", pinned=False)       # the other pinned key still protects it
-    assert r.ttl(f"ttl:b:{'ab' * 20}") == -1 and r.ttl(f"ttl:k:{b'k'.hex()}") == -1
-    split = RedisTier(redis_server.url, prefix="ttl", ttl_s=1, max_value_bytes=1024)
-    split.put("cd" * 20, b"y" * 3000, key=b"s")
-    split.pin("cd" * 20, b"s")
-    assert all(r.ttl(f"ttl:b:{'cd' * 20}{sfx}") == -1 for sfx in ("", ":0", ":1", ":2"))
-    t.pin("ab" * 20, b"k", pinned=False)
-    deadline = time.monotonic() + 10
-    while t.get("ab" * 20) is not None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert t.get("ab" * 20) is None and t.lookup_many([b"k"]) == [None]
-    assert split.get("cd" * 20) == b"y" * 3000                  # still pinned
-    t.close(), split.close()
+    if how == "expired":
+        r.persist(s.redis._kname(k(b"a")))   # the index outlives the bytes
+        time.sleep(1.5)
+    else:                                     # maxmemory eviction of the bytes alone
+        r.delete(f"cwm:{{b:{s.redis.lookup_many([k(b'a')])[0]}}}")
+    assert s.contains_many([k(b"a")]) == [False]           # never promised
+    assert drops and drops[0] == ([k(b"a")], "dangling")
+    assert s.redis.lookup_many([k(b"a")]) == [None]        # removed on the way
+    s.put(k(b"a"), kv_block(1)).result()                   # and saved again
+    assert torch.equal(s.get(k(b"a")), kv_block(1))
 
 
-def test_a_new_key_on_a_shared_blob_renews_the_blobs_ttl(redis_server):
-    # The same content saved under another key (another salt) must not leave that key pointing
-    # at a blob that expires first: every name the save touches gets the full TTL again.
-    t = RedisTier(redis_server.url, prefix="renew", ttl_s=1000, max_value_bytes=1024)
+def test_gc_removes_dangling_keys_and_orphan_bytes(redis_server):
+    t = RedisTier(redis_server.url, prefix="gc")
     r = redis.Redis.from_url(redis_server.url)
-    blob = "ef" * 20
-    names = [f"renew:b:{blob}{sfx}" for sfx in ("", ":0", ":1", ":2")] + [f"renew:r:{blob}"]
-    t.put(blob, b"z" * 3000, key=b"first")
-    for name in names:
-        r.expire(name, 5)                       # as if saved long ago
-    t.put(blob, b"z" * 3000, key=b"second")
-    assert all(r.ttl(name) > 500 for name in names), [r.ttl(n) for n in names]
-    assert r.ttl(f"renew:k:{b'second'.hex()}") > 500 and t.refcount(blob) == 2
-    t.pin(blob, b"second")                      # a pinned blob stays without a TTL
-    t.put(blob, b"z" * 3000, key=b"third")
-    assert all(r.ttl(name) == -1 for name in names[:4])
+    t.put(bid("a"), b"a", k(b"1"))
+    t.put(bid("b"), b"b", k(b"2"))
+    r.delete(f"gc:{{b:{bid('a')}}}")           # key 1 dangles
+    r.set(f"gc:{{b:{bid('c')}}}", b"c")        # a writer died before mapping its key
+    assert t.dangling_keys() == [k(b"1")]
+    assert t.unreferenced(min_age_s=3600) == [] and t.unreferenced() == [bid("c")]
+    from cwm_plugin.store.maintenance import collect_garbage
+
+    class Store:                               # the two things gc needs of a KVStore
+        tiers, disk = [t], None
+
+        def _gauges(self):
+            pass
+    report = collect_garbage(Store(), min_age_s=0)
+    assert report.dangling_keys == 1 and report.removed_blobs == {"redis": 1}
+    assert t.lookup_many([k(b"1"), k(b"2")]) == [None, bid("b")]
+    assert sorted(t.blob_ids()) == [bid("b")]
     t.close()
 
 
-def test_split_blobs_of_one_read_share_a_round_trip(redis_server):
-    t = RedisTier(redis_server.url, prefix="mget", max_value_bytes=1024)
-    blobs = {f"{i:02d}" * 20: bytes([i]) * (1500 + 700 * i) for i in range(4)}
-    for b, v in blobs.items():
-        t.put(b, v)
-    calls = []
-    real = t._client.mget
-    t._client.mget = lambda names: calls.append(len(names)) or real(names)
-    assert t.get_many(list(blobs)) == list(blobs.values())
-    assert len(calls) == 2                       # the heads, then every part at once
+def test_reads_go_in_bounded_chunks(redis_server):
+    t = RedisTier(redis_server.url, prefix="chunk", max_value_bytes=1 << 20,
+                  read_chunk_bytes=2 << 20)
+    ids = [f"{i:02d}" * 20 for i in range(5)]
+    for i, b in enumerate(ids):
+        t.put(b, bytes([i]) * 1000, k(bytes([i])))
+    rounds = []
+    real = t._get_chunk
+    t._get_chunk = lambda c, part: rounds.append(len(part)) or real(c, part)
+    assert t.get_many(ids) == [bytes([i]) * 1000 for i in range(5)]
+    assert rounds == [2, 2, 1]               # at most 2 MiB of blobs a round trip
     t.close()
 
 
 def test_shared_redis_serves_a_second_server(redis_server, make_store, tmp_path, kv_block):
     a = make_store(redis_url=redis_server.url, disk_path=str(tmp_path / "a"),
                    redis_write="through", redis_max_value_bytes=4096)
-    blocks = {f"k{i}".encode(): kv_block(i, shape=(2, 3, 32, 64)) for i in range(5)}
-    for k, v in blocks.items():
-        a.put(k, v)
+    blocks = {k(f"k{i}".encode()): kv_block(i, shape=(2, 3, 32, 64)) for i in range(5)}
+    for key, v in blocks.items():
+        a.put(key, v)
     a.flush()
     b = make_store(redis_url=redis_server.url, disk_path=str(tmp_path / "b"))
     assert b.contains_many(list(blocks)) == [True] * 5
     got = b.get_many(list(blocks))
     assert all(torch.equal(g, v) for g, v in zip(got, blocks.values(), strict=True))
     b.flush()                                 # promotion to b's disk happens behind
-    assert b.index.totals()[1] == 5
-    b.link(b"clone", b"k0")
+    assert b.disk.index.totals()[1] == 5
+    b.link(k(b"clone"), k(b"k0"))
     c = make_store(redis_url=redis_server.url, memory_bytes=0)
-    assert torch.equal(c.get(b"clone"), blocks[b"k0"])
-    assert c.redis.refcount(c.redis.lookup_many([b"k0"])[0]) == 2
-
-
-def test_pin_survives_promotion_from_redis_to_disk(redis_server, make_store, tmp_path, kv_block):
-    a = make_store(redis_url=redis_server.url, redis_write="through", memory_bytes=0)
-    a.put(b"win", kv_block(0)).result()
-    a.pin(b"win")
-    size = len(a.get_blob(b"win"))
-    b = make_store(redis_url=redis_server.url, disk_path=str(tmp_path / "b"), memory_bytes=0,
-                   disk_bytes=4 * size + 100, redis_prefix="cwm")
-    assert torch.equal(b.get(b"win"), kv_block(0))       # a Redis hit, promoted behind
-    b.flush()
-    assert b.index.lookup(b"win") is not None and b.index.is_key_pinned(b"win")
-    for i in range(10):
-        b.put(f"f{i}".encode(), kv_block(10 + i)).result()
-    assert b.index.lookup(b"win") is not None            # never evicted from b's disk
+    assert torch.equal(c.get(k(b"clone")), blocks[k(b"k0")])
 
 
 def test_link_repoints_in_every_tier(redis_server, make_store, tmp_path, kv_block):
     s = make_store(redis_url=redis_server.url, disk_path=str(tmp_path / "d"),
                    redis_write="through")
-    s.put(b"a", kv_block(1)).result()
-    s.put(b"b", kv_block(2)).result()
-    old = s.redis.lookup_many([b"b"])[0]
-    s.link(b"b", b"a")
-    new = s.redis.lookup_many([b"a"])[0]
-    assert s.redis.lookup_many([b"b"]) == [new] and s.index.lookup(b"b") == s.index.lookup(b"a")
-    assert s.redis.refcount(new) == 2 and s.redis.get(old) is None
-    assert s.metrics.blobs.labels("redis")._value.get() == 1      # gauge kept by the scripts
-    assert s.metrics.bytes.labels("redis")._value.get() == len(s.redis.get(new))
+    s.put(k(b"a"), kv_block(1)).result()
+    s.put(k(b"b"), kv_block(2)).result()
+    old = s.redis.lookup_many([k(b"b")])[0]
+    s.link(k(b"b"), k(b"a"))
+    new = s.redis.lookup_many([k(b"a")])[0]
+    assert s.redis.lookup_many([k(b"b")]) == [new]
+    assert s.disk.lookup_many([k(b"b")]) == s.disk.lookup_many([k(b"a")])
+    assert s.redis.get(old) is None and s.redis.get(new) is not None
     c = make_store(redis_url=redis_server.url, memory_bytes=0)
-    assert torch.equal(c.get(b"b"), kv_block(1))
+    assert torch.equal(c.get(k(b"b")), kv_block(1))
 
 
 def test_outage_local_tiers_keep_serving_and_reconnect(tmp_path, make_store, kv_block, caplog):
@@ -191,32 +171,31 @@ def test_outage_local_tiers_keep_serving_and_reconnect(tmp_path, make_store, kv_
         s = make_store(redis_url=server.url, disk_path=str(tmp_path / "d"),
                        redis_write="through")
         s.redis._max_backoff = 0.2
-        s.put(b"a", kv_block(1)).result()
+        s.put(k(b"a"), kv_block(1)).result()
         port = server.port
         server.stop()
-        with caplog.at_level(logging.WARNING, logger="cwm_plugin.store.tiers.redis"):
+        with caplog.at_level(logging.WARNING):
             for i in range(20):
-                assert torch.equal(s.get(b"a"), kv_block(1))   # memory/disk keep serving
-                assert s.get(f"missing{i}".encode()) is None
-                s.put(f"new{i}".encode(), kv_block(i)).result()   # local tiers take it
-                assert s.contains_many([b"a", b"zz"]) == [True, False]
-        down = [r for r in caplog.records if "unreachable" in r.getMessage()]
+                assert torch.equal(s.get(k(b"a")), kv_block(1))  # memory/disk keep serving
+                assert s.get(k(f"missing{i}".encode())) is None
+                s.put(k(f"new{i}".encode()), kv_block(i)).result()   # local tiers take it
+                assert s.contains_many([k(b"a"), k(b"zz")]) == [True, False]
+        down = [r for r in caplog.records if "redis" in r.getMessage()]
         assert len(down) == 1, [r.getMessage() for r in caplog.records]
         assert s.metrics.errors.labels("tier_unavailable")._value.get() >= 1
         with pytest.raises(TierUnavailable):
-            s.redis.get("ab" * 20)
+            s.redis.get(bid("a"))
         server = RedisServer(port=port).start()
         deadline = time.monotonic() + 15
-        ok = False
-        while time.monotonic() < deadline and not ok:
+        while time.monotonic() < deadline:
             try:
-                s.redis.put("cd" * 20, b"back")
-                ok = True
+                s.redis.put(bid("c"), b"back", k(b"c"))
+                break
             except TierUnavailable:
                 time.sleep(0.1)
-        assert ok and s.redis.get("cd" * 20) == b"back"
-        s.put(b"after", kv_block(2)).result()
-        assert s.redis.lookup_many([b"after"])[0] is not None
+        assert s.redis.get(bid("c")) == b"back"
+        s.put(k(b"after"), kv_block(2)).result()
+        assert s.redis.lookup_many([k(b"after")])[0] is not None
     finally:
         server.stop()
 
@@ -227,8 +206,88 @@ def test_redis_refusing_writes_is_not_fatal(redis_server, make_store, kv_block):
     r.config_set("maxmemory", 1)                 # every write is refused with OOM
     r.config_set("maxmemory-policy", "noeviction")
     try:
-        s.put(b"a", kv_block(1)).result()        # memory tier takes it
-        assert torch.equal(s.get(b"a"), kv_block(1))
+        s.put(k(b"a"), kv_block(1)).result()     # memory tier takes it
+        assert torch.equal(s.get(k(b"a")), kv_block(1))
         assert s.metrics.errors.labels("tier_unavailable")._value.get() >= 1
     finally:
         r.config_set("maxmemory", 0)
+
+
+def test_under_allkeys_lru_pressure_reads_are_right_or_misses(redis_server, make_store,
+                                                              kv_block):
+    # allkeys-lru may evict any name: bytes, keys, refcounts. Content addressing and checksums
+    # keep every read right (a block is the saved one, or a miss); nothing raises.
+    r = redis.Redis.from_url(redis_server.url)
+    r.config_set("maxmemory", 2 << 20)
+    r.config_set("maxmemory-policy", "allkeys-lru")
+    s = make_store(redis_url=redis_server.url, memory_bytes=0, redis_write="through",
+                   zstd_level=0)
+    blocks = {k(f"{i}".encode()): kv_block(i, shape=(4, 8, 64, 64)) for i in range(40)}
+    for key, v in blocks.items():
+        s.put(key, v).result()
+    got = s.get_many(list(blocks))
+    assert 0 < sum(g is None for g in got) < len(blocks)
+    assert all(g is None or torch.equal(g, v) for g, v in zip(got, blocks.values(),
+                                                              strict=True))
+    there = s.contains_many(list(blocks))
+    assert all(torch.equal(s.get(key), v) for (key, v), ok in zip(blocks.items(), there,
+                                                                  strict=True) if ok)
+
+
+class BlackHole:
+    """A loopback TCP server that accepts connections and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self._stop = True
+        for c in self.conns:
+            c.close()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)     # wakes the accepting thread
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def test_a_black_holed_redis_costs_a_lookup_tens_of_ms_and_comes_back(make_store, kv_block):
+    hole = BlackHole()
+    try:
+        # the scheduler's store: lookups only, with the short lookup timeout
+        s = make_store(redis_url=f"redis://127.0.0.1:{hole.port}/0", memory_bytes=0,
+                       redis_timeout_ms=50)
+        s.redis._backoff0 = s.redis._backoff = 0.3
+        t0 = time.perf_counter()
+        for _ in range(20):
+            assert s.contains_many([k(b"x")]) == [False]
+        spent = time.perf_counter() - t0
+        assert spent < 2.0, spent       # 20 lookups: one waits out the timeout, the rest skip
+        assert s.redis.failures >= 1 and not s.redis.available and len(hole.conns) <= 2
+    finally:
+        hole.close()
+    server = RedisServer(port=hole.port).start()
+    try:
+        deadline = time.monotonic() + 15
+        while not s.redis.available and time.monotonic() < deadline:
+            s.contains_many([k(b"x")])
+            time.sleep(0.05)
+        assert s.redis.available                         # the tier came back by itself
+        s.redis.put(bid("d"), b"ok", k(b"x"))
+        assert s.contains_many([k(b"x")]) == [True]
+    finally:
+        server.stop()

@@ -1,14 +1,16 @@
-"""Single tiers: memory LRU and pins, disk atomic writes, budget, ENOSPC, the SQLite index."""
+"""Single tiers beyond the shared contract: memory LRU and pins, disk atomic writes, budget,
+ENOSPC, evictions reported, a damaged or old index rebuilt, an unusable directory."""
 
 from __future__ import annotations
 
 import errno
 import os
+import sqlite3
 
 import pytest
 
-from cwm_plugin.errors import StorageFull
-from cwm_plugin.store.index import BlobIndex
+from cwm_plugin.errors import StorageFull, TierUnavailable
+from cwm_plugin.store import codec
 from cwm_plugin.store.tiers.disk import DiskTier
 from cwm_plugin.store.tiers.memory import MemoryTier
 
@@ -19,49 +21,78 @@ def bid(i: int) -> str:
     return f"{i:040x}"
 
 
-def test_memory_lru_budget_and_pins():
-    evicted: list[str] = []
-    m = MemoryTier(300, on_evict=evicted.extend)
+def k(i: int) -> bytes:
+    return b"G" * 18 + i.to_bytes(2, "big")
+
+
+def recording(tier):
+    drops: list[tuple[list[bytes], str]] = []
+    tier.set_drop_listener(lambda keys, why: drops.append((keys, why)))
+    return drops
+
+
+def test_memory_lru_reports_evictions_and_keeps_pins_out_of_the_lru():
+    m = MemoryTier(300)
+    drops = recording(m)
     for i in range(3):
-        assert m.put(bid(i), bytes(100))
-    m.pin(bid(0))
-    m.get(bid(1))                       # 1 is now more recent than 2
-    assert m.put(bid(3), bytes(100))
-    assert evicted == [bid(2)]
-    assert m.contains(bid(0)) and m.contains(bid(1)) and not m.contains(bid(2))
-    assert not m.put(bid(4), bytes(301))        # larger than the whole budget
-    m.pin(bid(1)), m.pin(bid(3))
-    assert not m.put(bid(5), bytes(100))        # everything pinned: refused, nothing lost
-    assert m.usage().bytes == 300 and m.usage().blobs == 3
+        assert m.put(bid(i), bytes(100), k(i))
+    m.pin_many([k(0)])
+    m.get(bid(1))                                  # 1 is now more recent than 2
+    assert m.put(bid(3), bytes(100), k(3))
+    assert drops == [([k(2)], "evicted")] and m.lookup_many([k(2)]) == [None]
+    assert bid(0) not in m._lru                    # eviction never walks past pins
+    assert not m.put(bid(4), bytes(301), k(4))     # larger than the whole budget
 
 
-def test_disk_atomic_layout_and_budget(tmp_path):
+def test_memory_refuses_before_evicting_when_pins_leave_no_room():
+    # budget 300, 200 bytes pinned, 50 unpinned, put 150: refused, and the 50 stay mapped
+    m = MemoryTier(300)
+    drops = recording(m)
+    m.put(bid(1), bytes(200), k(1))
+    m.pin_many([k(1)])
+    m.put(bid(2), bytes(50), k(2))
+    assert not m.put(bid(3), bytes(150), k(3))
+    assert m.lookup_many([k(2), k(3)]) == [bid(2), None] and m.get(bid(2)) == bytes(50)
+    assert drops == [] and m.usage().bytes == 250
+
+
+def test_disk_atomic_layout_budget_and_reported_evictions(tmp_path):
     d = DiskTier(tmp_path, budget=1000)
-    assert d.put(bid(1), b"a" * 400, key=b"k1") and d.put(bid(2), b"b" * 400)
-    assert d.get(bid(1)) == b"a" * 400 and d.index.lookup(b"k1") == bid(1)
+    drops = recording(d)
+    assert d.put(bid(1), b"a" * 400, k(1)) and d.put(bid(2), b"b" * 400, k(2))
+    assert d.get(bid(1)) == b"a" * 400 and d.lookup_many([k(1)]) == [bid(1)]
     assert d.path(bid(1)).parent.parent.parent == d.blob_dir
-    d.index.pin_key(b"k1")
-    d.get_many([bid(2)])
-    assert d.put(bid(3), b"c" * 400)            # evicts 2 (1 is pinned)
+    d.pin_many([k(1)])
+    assert d.put(bid(3), b"c" * 400, k(3))         # evicts 2 (1 is pinned)
+    assert drops == [([k(2)], "evicted")]
     assert d.get(bid(2)) is None and d.get(bid(1)) is not None
-    assert d.usage().bytes == 800 and d.evictions == 1
-    assert not d.put(bid(4), b"x" * 1001)
+    assert d.usage().bytes == 800 and d.usage().pinned_bytes == 400 and d.evictions == 1
+    assert not d.put(bid(4), b"x" * 1001, k(4))
     assert list(d.tmp_dir.iterdir()) == []
     d.close()
 
 
 def test_disk_refuses_when_only_pinned_left(tmp_path):
     d = DiskTier(tmp_path, budget=500)
-    d.put(bid(1), b"a" * 400, key=b"k1")
-    d.index.pin_key(b"k1")
-    assert not d.put(bid(2), b"b" * 400)
+    d.put(bid(1), b"a" * 400, k(1))
+    d.pin_many([k(1)])
+    assert not d.put(bid(2), b"b" * 400, k(2))
     assert d.get(bid(1)) == b"a" * 400 and d.get(bid(2)) is None
+    d.close()
+
+
+def test_disk_eviction_reads_an_index_of_unpinned_blobs_only(tmp_path):
+    # eviction cost must not grow with the number of pins: the planner uses the partial index
+    d = DiskTier(tmp_path, budget=1 << 20)
+    plan = d.index._read("EXPLAIN QUERY PLAN SELECT blob_id, size FROM blobs WHERE pins = 0 "
+                         "ORDER BY last_access")
+    assert any("blobs_evictable" in str(row) for row in plan), plan
     d.close()
 
 
 def test_disk_enospc_evicts_and_retries(tmp_path, monkeypatch):
     d = DiskTier(tmp_path, budget=10_000)
-    d.put(bid(1), b"a" * 1000)
+    d.put(bid(1), b"a" * 1000, k(1))
     real_write = os.write
     calls = {"n": 0}
 
@@ -72,7 +103,7 @@ def test_disk_enospc_evicts_and_retries(tmp_path, monkeypatch):
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", full_once)
-    assert d.put(bid(2), b"b" * 1000)
+    assert d.put(bid(2), b"b" * 1000, k(2))
     assert d.get(bid(1)) is None and d.get(bid(2)) == b"b" * 1000   # 1 was evicted for room
     assert list(d.tmp_dir.iterdir()) == []
     d.close()
@@ -86,69 +117,64 @@ def test_disk_enospc_with_nothing_to_evict_is_storage_full(tmp_path, monkeypatch
 
     monkeypatch.setattr(os, "write", always_full)
     with pytest.raises(StorageFull):
-        d.put(bid(2), b"b" * 1000)
-    assert d.get(bid(2)) is None and not d.contains(bid(2))
+        d.put(bid(2), b"b" * 1000, k(2))
+    assert d.get(bid(2)) is None and not d.has_blob(bid(2))
     assert list(d.tmp_dir.iterdir()) == [] and d.usage().blobs == 0
     d.close()
 
 
-def test_index_refcounts_and_pins(tmp_path):
-    ix = BlobIndex(tmp_path / "i.sqlite")
-    assert not ix.map_key(b"k", bid(1))          # no such blob yet
-    ix.add_blob(bid(1), 10)
-    assert ix.map_key(b"k1", bid(1)) and ix.map_key(b"k2", bid(1))
-    assert ix.refcount(bid(1)) == 2
-    assert ix.lookup_many([b"k1", b"k2", b"zz"]) == {b"k1": bid(1), b"k2": bid(1)}
-    ix.pin_key(b"k1")
-    assert ix.is_pinned(bid(1)) and ix.is_key_pinned(b"k1") and not ix.is_key_pinned(b"k2")
-    ix.pin_key(b"k2")
-    ix.pin_key(b"k2", False)                     # unpinning one key leaves the other's pin
-    assert ix.is_pinned(bid(1)) and ix.eviction_candidates(100) == []
-    assert ix.unmap_key(b"k1") == (bid(1), 1)    # deleting a key drops its pin
-    assert not ix.is_key_pinned(b"k1") and not ix.is_pinned(bid(1))
-    assert ix.eviction_candidates(100) == [(bid(1), 10)]
-    assert ix.unmap_key(b"k2") == (bid(1), 0)
-    assert ix.unreferenced() == [(bid(1), 10)]
-    assert ix.unreferenced(min_age_s=3600) == []  # too young to collect
-    ix2 = BlobIndex(tmp_path / "i.sqlite")      # a second opener sees the same catalog
-    assert ix2.totals() == (10, 1)
-    ix.close(), ix2.close()
+def blob_for(key: bytes, seed: int) -> tuple[str, bytes]:
+    import torch
+
+    from cwm_plugin.store.hashing import blob_id_of
+    t = torch.randn(2, 8, generator=torch.Generator().manual_seed(seed))
+    data = codec.encode(t, key=key, fingerprint="fp")
+    return blob_id_of(data), data
 
 
-def test_index_pin_before_mapping_and_repoint(tmp_path):
-    ix = BlobIndex(tmp_path / "i.sqlite")
-    ix.pin_key(b"late")                          # write-behind: the pin lands first
-    ix.add_blob(bid(1), 10, key=b"late")
-    assert ix.is_pinned(bid(1))
-    ix.add_blob(bid(2), 20, key=b"other")
-    assert ix.repoint(b"late", bid(2)) == (True, bid(1), 0)
-    assert ix.is_pinned(bid(2)) and not ix.is_pinned(bid(1))
-    assert ix.repoint(b"late", bid(2)) == (True, None, 0)
-    assert ix.repoint(b"x", bid(9)) == (False, None, 0)
-    assert ix.map_key(b"other", bid(1)) and ix.lookup(b"other") == bid(2)   # first one wins
-    assert ix.totals() == (30, 2)
-    ix.remove_blobs([bid(1)])
-    assert ix.totals() == (20, 1)
-    ix.close()
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "old-format"])
+def test_a_damaged_index_is_moved_aside_and_rebuilt_from_the_blob_files(tmp_path, damage):
+    d = DiskTier(tmp_path, budget=1 << 20)
+    blobs = [blob_for(k(i), i) for i in range(3)]
+    for i, (b, data) in enumerate(blobs):
+        d.put(b, data, k(i))
+    d.close()
+    index = tmp_path / "index.sqlite"
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / f"index.sqlite{suffix}").unlink(missing_ok=True)
+    if damage == "garbage":
+        raw = bytearray(index.read_bytes())
+        raw[100:4096] = os.urandom(3996)           # the schema page and beyond
+        index.write_bytes(bytes(raw))
+    elif damage == "truncated":
+        index.write_bytes(index.read_bytes()[:1500])
+    else:                                          # an index written by format 1
+        index.unlink()
+        db = sqlite3.connect(index)
+        db.executescript("CREATE TABLE blobs (blob_id TEXT PRIMARY KEY, size INTEGER, "
+                         "pinned INTEGER, last_access REAL); CREATE TABLE keys (key BLOB, "
+                         "blob_id TEXT);")
+        db.close()
+    d2 = DiskTier(tmp_path, budget=1 << 20, rebuild_in_background=False)
+    assert d2.recovered is not None
+    assert list(tmp_path.glob("index.sqlite.damaged-*"))
+    assert d2.lookup_many([k(i) for i in range(3)]) == [b for b, _ in blobs]
+    assert d2.get(blobs[1][0]) == blobs[1][1] and d2.usage().blobs == 3
+    d2.close()
 
 
-def test_index_migrates_format_1_pins_and_totals(tmp_path):
-    import sqlite3
-
-    db = sqlite3.connect(tmp_path / "old.sqlite")
-    a, b = bid(1), bid(2)
-    db.executescript(f"""
-        CREATE TABLE blobs (blob_id TEXT PRIMARY KEY, size INTEGER NOT NULL,
-                            pinned INTEGER NOT NULL DEFAULT 0, last_access REAL NOT NULL);
-        CREATE TABLE keys (key BLOB PRIMARY KEY, blob_id TEXT NOT NULL);
-        INSERT INTO blobs VALUES ('{a}', 5, 1, 0), ('{b}', 7, 0, 0);
-        INSERT INTO keys VALUES (x'01', '{a}'), (x'02', '{a}'), (x'03', '{b}');
-    """)
-    db.commit()
-    db.close()
-    ix = BlobIndex(tmp_path / "old.sqlite")
-    assert ix.totals() == (12, 2)
-    assert ix.is_key_pinned(b"\x01") and ix.is_key_pinned(b"\x02")
-    assert not ix.is_key_pinned(b"\x03") and ix.is_pinned(bid(1))
-    assert ix.unreferenced() == []
-    ix.close()
+def test_an_unusable_directory_is_tier_unavailable(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(TierUnavailable, match="disk_path"):
+        DiskTier(blocker / "store", budget=1 << 20)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):     # root writes anywhere; the not-a-directory case above
+            pytest.skip("running as a user that ignores directory permissions")
+        with pytest.raises(TierUnavailable, match="writable"):
+            DiskTier(ro, budget=1 << 20)
+    finally:
+        ro.chmod(0o700)

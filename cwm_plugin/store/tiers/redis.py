@@ -1,23 +1,26 @@
-"""Shared Redis tier: blobs, key -> blob mappings, refcounts and per-key pins, all in Redis.
+"""Shared Redis tier (single node, Redis Cluster or Valkey): blobs and their key index.
 
 Redis is this tier's own index, so a second server with empty local tiers that shares the Redis
-finds and loads the blocks. Layout under ``<prefix>:``:
+finds and loads the blocks. Layout under ``<prefix>:`` (format 2):
 
-* ``k:<key hex>`` -> blob id; ``r:<blob id>`` -> number of keys pointing to the blob;
-* ``b:<blob id>`` -> the blob, or for blobs over ``max_value_bytes`` a small manifest naming
-  the parts ``b:<blob id>:<i>`` (written before the manifest, so a reader never sees a
-  manifest without its parts);
-* ``pins:<blob id>`` -> the set of pinned keys (hex) pointing to the blob: while it is not
-  empty the blob, its parts, its refcount and those keys carry no TTL;
-* ``stats`` -> hash of ``bytes`` and ``blobs``, kept by the same scripts that add and delete
-  blobs (TTL expiries are not seen: ``usage()`` recounts and corrects it).
+* per key *group* (namespace + rank, hash tag ``{g}`` = the group's hex, one cluster slot):
+  ``{g}:k:<rest>`` -> blob id (string with the TTL, none while pinned), and the hashes
+  ``{g}:refs`` (blob -> keys), ``{g}:sizes`` (blob -> bytes), ``{g}:pins`` (rest -> expiry),
+  ``{g}:pinned`` (blob -> pinned keys), the counter ``{g}:pinbytes`` and the sorted set
+  ``{g}:pinexp`` of pin expiries. Batch key operations are one Lua script per group
+  (:mod:`.redis_scripts`), atomic.
+* ``{b:<blob id>}`` -> the blob, or for blobs over ``max_value_bytes`` a small manifest naming
+  the parts ``{b:<blob id>}:<i>`` (same slot; written before the manifest). Blob bytes are
+  written before the script that maps a key to them and deleted after the script that frees
+  them; with ``ttl_s`` they expire unless a pinned key points to them.
+* ``stats`` -> hash of ``bytes`` and ``blobs`` (approximate; ``usage()`` recounts).
 
-A save is one round trip: the parts (``SET NX``) and one script that adds the blob if it is
-new (never touching an existing blob's TTL, so a pin's PERSIST survives a re-put) and maps the
-key, atomically, so ``gc`` never sees a new blob without its key. Reads are one ``MGET`` for the
-blobs and one for the parts of all split blobs. While Redis is unreachable every call fails
-fast with :class:`TierUnavailable` (the store then serves from local tiers); reconnection is
-retried with exponential backoff, and the outage is logged once, not once per request.
+A key whose bytes are gone (TTL expiry, ``maxmemory`` eviction) answers present in the index;
+reads find it *dangling*, remove it and report it dropped (``exists_many`` checks the bytes
+too), and ``gc`` removes the rest. Reads fetch blobs in chunks of at most ``read_chunk_bytes``.
+Every call is bounded by ``timeout_s``; while Redis is unreachable calls fail fast with
+:class:`TierUnavailable` (the store then serves from local tiers), reconnection is retried
+with exponential backoff, and the outage is logged once.
 """
 
 from __future__ import annotations
@@ -27,20 +30,28 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cwm_plugin.errors import TierUnavailable
-from cwm_plugin.store.tiers.base import Tier, TierUsage
+from cwm_plugin.store.tiers.base import (
+    GROUP_BYTES,
+    KeyInfo,
+    QuotaExceeded,
+    Tier,
+    TierUsage,
+    group_of,
+)
 from cwm_plugin.store.tiers.redis_scripts import SCRIPTS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MANIFEST = b"\x00CWMPARTS"
+
 
 def parse_manifest(head: bytes | None) -> tuple[int, int] | None:
     """(parts, size) if ``head`` is a split blob's manifest, else None."""
@@ -50,21 +61,29 @@ def parse_manifest(head: bytes | None) -> tuple[int, int] | None:
     return int(info["n"]), int(info["size"])
 
 
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 class RedisTier(Tier):
     name = "redis"
+    durable = True
 
     def __init__(self, url: str, *, prefix: str = "cwm", ttl_s: int | None = None,
                  max_value_bytes: int = 8 << 20, timeout_s: float = 5.0,
+                 cluster: bool = False, read_chunk_bytes: int = 64 << 20,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
+        super().__init__()
+        self.url = url
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.max_value = max_value_bytes
-        self._client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=min(timeout_s, 2.0),
-            retry=Retry(NoBackoff(), 0), health_check_interval=30)
+        self.timeout_s = timeout_s
+        self.cluster = cluster
+        self.read_chunk = max(1, read_chunk_bytes // max_value_bytes)
         self._safe_url = _redact(url)
-        self._scripts = {name: self._client.register_script(src)
-                         for name, src in SCRIPTS.items()}
+        self._conn: Any = None
+        self._scripts: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._backoff0 = backoff_s
         self._max_backoff = max_backoff_s
@@ -72,53 +91,44 @@ class RedisTier(Tier):
         self._down_until = 0.0
         self._down = False
         self.failures = 0
-        self.totals: tuple[int, int] | None = None     # (bytes, blobs) from the last write
+        self.totals: tuple[int, int] | None = None     # (bytes, blobs), approximate
 
-    # --- key names ----------------------------------------------------------------------------
+    # --- connection ---------------------------------------------------------------------------
 
-    def _k(self, key: bytes) -> str:
-        return f"{self.prefix}:k:{key.hex()}"
-
-    def _b(self, blob_id: str) -> str:
-        return f"{self.prefix}:b:{blob_id}"
-
-    def _r(self, blob_id: str) -> str:
-        return f"{self.prefix}:r:{blob_id}"
-
-    def _pins(self, blob_id: str) -> str:
-        return f"{self.prefix}:pins:{blob_id}"
-
-    @property
-    def _stats(self) -> str:
-        return f"{self.prefix}:stats"
-
-    def _parts(self, blob_id: str, n: int) -> list[str]:
-        return [f"{self._b(blob_id)}:{j}" for j in range(n)]
-
-    @property
-    def _ttl(self) -> str:
-        return str(self.ttl_s) if self.ttl_s else ""
-
-    # --- availability -------------------------------------------------------------------------
+    def _client(self) -> Any:
+        if self._conn is None:
+            kw = dict(socket_timeout=self.timeout_s,
+                      socket_connect_timeout=min(self.timeout_s, 2.0))
+            if self.cluster:
+                from redis.cluster import RedisCluster
+                conn = RedisCluster.from_url(self.url, cluster_error_retry_attempts=1, **kw)
+            else:
+                conn = redis.Redis.from_url(self.url, retry=Retry(NoBackoff(), 0),
+                                            health_check_interval=30, **kw)
+            self._scripts = {n: conn.register_script(src) for n, src in SCRIPTS.items()}
+            self._conn = conn
+        return self._conn
 
     @property
     def available(self) -> bool:
         return not self._down
 
-    def _call(self, fn: Callable[[], T]) -> T:
+    def _call(self, fn: Callable[[Any], T]) -> T:
         with self._lock:
             if self._down and time.monotonic() < self._down_until:
                 raise TierUnavailable(f"redis at {self._safe_url} is unreachable",
                                       hint="serving from local tiers; retrying with backoff")
         try:
-            out = fn()
+            out = fn(self._client())
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             self._mark_down(exc)
             raise TierUnavailable(f"redis at {self._safe_url} is unreachable: {exc}",
                                   hint="serving from local tiers; retrying with backoff") from exc
         except redis.RedisError as exc:     # reachable but refused (OOM, READONLY, ...)
+            if "cluster" in str(exc).lower() or "slots" in str(exc).lower():
+                self._mark_down(exc)
             raise TierUnavailable(f"redis at {self._safe_url} refused the request: {exc}",
-                                  hint="check Redis' maxmemory and role") from exc
+                                  hint="check Redis' maxmemory, role and cluster state") from exc
         if self._down:
             with self._lock:
                 self._down, self._backoff = False, self._backoff0
@@ -137,192 +147,346 @@ class RedisTier(Tier):
             log.warning("redis tier: %s unreachable (%s); serving from local tiers, retrying "
                         "with backoff up to %.0fs", self._safe_url, exc, self._max_backoff)
 
-    # --- blobs --------------------------------------------------------------------------------
+    # --- names --------------------------------------------------------------------------------
 
-    def get(self, blob_id: str) -> bytes | None:
-        return self.get_many([blob_id])[0]
+    def _data(self, blob_id: str) -> str:
+        return f"{self.prefix}:{{b:{blob_id}}}"
 
-    def get_many(self, blob_ids: Sequence[str]) -> list[bytes | None]:
-        if not blob_ids:
-            return []
-        return self._call(lambda: self._get_many(blob_ids))
+    def _parts(self, blob_id: str, n: int) -> list[str]:
+        return [f"{self._data(blob_id)}:{j}" for j in range(n)]
 
-    def _get_many(self, blob_ids: Sequence[str]) -> list[bytes | None]:
-        out: list[bytes | None] = list(self._client.mget([self._b(b) for b in blob_ids]))
-        split = [(i, m) for i, v in enumerate(out) if (m := parse_manifest(v)) is not None]
-        names = [p for i, (n, _) in split for p in self._parts(blob_ids[i], n)]
-        parts = iter(self._client.mget(names) if names else [])
-        for i, (n, size) in split:
-            mine = [next(parts) for _ in range(n)]
-            if any(p is None for p in mine):
-                out[i] = None        # a part expired or was evicted: a miss, not a torn blob
-                continue
-            data = b"".join(mine)
-            out[i] = data if len(data) == size else None
+    def _kprefix(self, group: bytes) -> str:
+        return f"{self.prefix}:{{{group.hex()}}}:k:"
+
+    def _kname(self, key: bytes) -> str:
+        return self._kprefix(group_of(key)) + bytes(key[GROUP_BYTES:]).hex()
+
+    def _gkeys(self, group: bytes) -> list[str]:
+        base = f"{self.prefix}:{{{group.hex()}}}:"
+        return [base + n for n in ("refs", "sizes", "pins", "pinned", "pinbytes", "pinexp")]
+
+    @property
+    def _stats(self) -> str:
+        return f"{self.prefix}:stats"
+
+    @property
+    def _ttl(self) -> str:
+        return str(self.ttl_s) if self.ttl_s else ""
+
+    @staticmethod
+    def _by_group(keys: Iterable[bytes]) -> dict[bytes, list[bytes]]:
+        out: dict[bytes, list[bytes]] = {}
+        for k in keys:
+            out.setdefault(group_of(k), []).append(bytes(k))
         return out
 
-    def put(self, blob_id: str, data: bytes, *, key: bytes | None = None) -> bool:
-        """Store a blob (kept as it is if present, its TTL renewed) and, with ``key``, map the
-        key to it in the same script. One round trip."""
-        self._call(lambda: self._put(blob_id, data, key))
+    def _script(self, name: str, group: bytes, keys: Sequence[bytes], args: Sequence) -> Any:
+        names = self._gkeys(group) + [self._kname(k) for k in keys]
+        argv = [self._ttl, f"{time.time():.3f}", self._kprefix(group), *args]
+        return self._call(lambda c: self._scripts[name](keys=names, args=argv, client=c))
+
+    # --- blobs --------------------------------------------------------------------------------
+
+    def get_many(self, blob_ids: Sequence[str]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for i in range(0, len(blob_ids), self.read_chunk):
+            out += self._call(lambda c, part=blob_ids[i:i + self.read_chunk]:
+                              self._get_chunk(c, part))
+        return out
+
+    def _get_chunk(self, c: Any, blob_ids: Sequence[str]) -> list[bytes | None]:
+        pipe = c.pipeline(transaction=False)
+        for b in blob_ids:
+            pipe.get(self._data(b))
+        out: list[bytes | None] = list(pipe.execute())
+        split = [(i, m) for i, v in enumerate(out) if (m := parse_manifest(v)) is not None]
+        if split:
+            pipe = c.pipeline(transaction=False)
+            for i, (n, _) in split:
+                for name in self._parts(blob_ids[i], n):
+                    pipe.get(name)
+            parts = iter(pipe.execute())
+            for i, (n, size) in split:
+                mine = [next(parts) for _ in range(n)]
+                data = None if any(p is None for p in mine) else b"".join(mine)
+                out[i] = data if data is not None and len(data) == size else None
+        return out
+
+    def has_blob(self, blob_id: str) -> bool:
+        return bool(self._call(lambda c: c.exists(self._data(blob_id))))
+
+    def put(self, blob_id: str, data: bytes, key: bytes, *, replace: bool = False) -> bool:
+        """Write the blob's bytes (kept if present, TTL renewed), then map ``key`` to it in
+        the key's group (one script)."""
+        created = self._call(lambda c: self._put_data(c, blob_id, data))
+        group = group_of(key)
+        status, freed = self._script("map", group, [key], [blob_id, len(data),
+                                                           "1" if replace else ""])
+        if int(status) == 0 and created:       # the key kept another writer's blob
+            self._delete_data([blob_id])
+        self._delete_data([_s(b) for b in freed])
         return True
 
-    def _put(self, blob_id: str, data: bytes, key: bytes | None) -> None:
-        pipe = self._client.pipeline(transaction=False)
-        ex = self.ttl_s
+    def _put_data(self, c: Any, blob_id: str, data: bytes) -> bool:
+        ex = self.ttl_s or None
+        name = self._data(blob_id)
+        pipe = c.pipeline(transaction=False)
         value: bytes = data
         if len(data) > self.max_value:
             n = (len(data) + self.max_value - 1) // self.max_value
             mv = memoryview(data)
-            parts = self._parts(blob_id, n)
-            for j, name in enumerate(parts):
-                pipe.set(name, bytes(mv[j * self.max_value:(j + 1) * self.max_value]),
+            for j, part in enumerate(self._parts(blob_id, n)):
+                pipe.set(part, bytes(mv[j * self.max_value:(j + 1) * self.max_value]),
                          ex=ex, nx=True)
-            if ex:  # parts already there keep their bytes; renew their TTL like the blob's
-                self._scripts["touch"](keys=parts, args=[self._ttl], client=pipe)
             value = MANIFEST + json.dumps({"n": n, "size": len(data)}).encode()
-        keys = [self._b(blob_id), self._stats]
-        if key is not None:
-            keys += [self._k(key), self._r(blob_id), self._pins(blob_id)]
-        self._scripts["put"](keys=keys, args=[value, self._ttl, blob_id, len(data)], client=pipe)
-        res = pipe.execute()[-1]
-        self.totals = (int(res[2] or 0), int(res[3] or 0))
+        pipe.set(name, value, ex=ex, nx=True)
+        created = bool(pipe.execute()[-1])
+        if created:
+            c.hincrby(self._stats, "bytes", len(data))
+            c.hincrby(self._stats, "blobs", 1)
+        elif ex:
+            self._expire_data(c, [blob_id], only_if_ttl=True)
+        return created
 
-    def contains(self, blob_id: str) -> bool:
-        return bool(self._call(lambda: self._client.exists(self._b(blob_id))))
+    def _data_names(self, c: Any, blob_ids: Sequence[str]) -> list[str]:
+        pipe = c.pipeline(transaction=False)
+        for b in blob_ids:
+            pipe.getrange(self._data(b), 0, 127)
+        names: list[str] = []
+        for b, head in zip(blob_ids, pipe.execute(), strict=True):
+            m = parse_manifest(head)
+            names += [self._data(b), *(self._parts(b, m[0]) if m else [])]
+        return names
 
-    def delete(self, blob_id: str) -> bool:
-        return self._call(lambda: self._delete(blob_id))
-
-    def _delete(self, blob_id: str) -> bool:
-        head = self._client.getrange(self._b(blob_id), 0, 127)
-        manifest = parse_manifest(head)
-        size = manifest[1] if manifest else int(self._client.strlen(self._b(blob_id)))
-        keys = [self._b(blob_id), self._r(blob_id), self._pins(blob_id),
-                f"{self.prefix}:pin:{blob_id}", self._stats]
-        keys += self._parts(blob_id, manifest[0]) if manifest else []
-        existed, total, blobs = self._scripts["delete"](keys=keys, args=[size])
-        self.totals = (int(total or 0), int(blobs or 0))
-        return bool(existed)
-
-    # --- keys (Redis is this tier's index) ----------------------------------------------------
-
-    def lookup_many(self, keys: Sequence[bytes]) -> list[str | None]:
-        if not keys:
-            return []
-        vals = self._call(lambda: self._client.mget([self._k(k) for k in keys]))
-        return [v.decode() if v is not None else None for v in vals]
-
-    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return [b is not None for b in self.lookup_many(keys)]
-
-    def map_key(self, key: bytes, blob_id: str, *, replace: bool = False
-                ) -> tuple[int, str | None, int]:
-        """Point ``key`` at ``blob_id`` (counting the reference). A key that points elsewhere
-        keeps its blob unless ``replace`` (then its old blob loses a reference, and a pin on
-        the key moves with it). Returns (status, previous blob if replaced, refs left to it):
-        status 1 mapped, 0 kept elsewhere, -1 the blob is gone."""
-        def run() -> list:
-            return self._scripts["map"](
-                keys=[self._k(key), self._b(blob_id), self._r(blob_id), self._pins(blob_id)],
-                args=[blob_id, self._ttl, f"{self.prefix}:", key.hex(), "1" if replace else ""])
-        status, old, left, moved = self._call(run)
-        old_id = old.decode() if old else None
-        if moved and old_id:                # the pin followed the key: fix both blobs' TTLs
-            self.pin(blob_id, key, True)
-            self._call(lambda: self._expire_if_unpinned(old_id))
-        return int(status), old_id, int(left)
-
-    def unmap_key(self, key: bytes) -> tuple[str | None, int]:
-        res = self._call(lambda: self._scripts["unmap"](keys=[self._k(key)],
-                                                        args=[f"{self.prefix}:", key.hex()]))
-        if not res:
-            return None, 0
-        blob_id, left, unpinned = res[0].decode(), int(res[1]), int(res[2])
-        if unpinned and left > 0:
-            self._call(lambda: self._expire_if_unpinned(blob_id))
-        return blob_id, left
-
-    def refcount(self, blob_id: str) -> int:
-        v = self._call(lambda: self._client.get(self._r(blob_id)))
-        return int(v or 0)
-
-    # --- pins (per key) -----------------------------------------------------------------------
-
-    def pin(self, blob_id: str, key: bytes, pinned: bool = True) -> None:
-        """Pin or unpin ``key`` (which points to ``blob_id``). The blob keeps no TTL while any
-        of its keys is pinned."""
-        def run() -> None:
-            manifest = parse_manifest(self._client.getrange(self._b(blob_id), 0, 127))
-            keys = [self._pins(blob_id), self._k(key), self._b(blob_id), self._r(blob_id)]
-            keys += self._parts(blob_id, manifest[0]) if manifest else []
-            self._scripts["pin"](keys=keys, args=[key.hex(), "1" if pinned else "", self._ttl])
-            if not pinned:
-                self._client.delete(f"{self.prefix}:pin:{blob_id}")     # format 1 marker
-        self._call(run)
-
-    def _expire_if_unpinned(self, blob_id: str) -> None:
-        if not self.ttl_s or self._client.scard(self._pins(blob_id)):
+    def _expire_data(self, c: Any, blob_ids: Sequence[str], *, only_if_ttl: bool = False,
+                     persist: bool = False) -> None:
+        if not blob_ids or (not self.ttl_s and not persist):
             return
-        manifest = parse_manifest(self._client.getrange(self._b(blob_id), 0, 127))
-        names = [self._b(blob_id), self._r(blob_id)]
-        names += self._parts(blob_id, manifest[0]) if manifest else []
-        pipe = self._client.pipeline(transaction=False)
-        for name in names:
-            pipe.expire(name, self.ttl_s)
+        names = self._data_names(c, blob_ids)
+        if only_if_ttl:
+            pipe = c.pipeline(transaction=False)
+            for n in names:
+                pipe.ttl(n)
+            names = [n for n, t in zip(names, pipe.execute(), strict=True) if t >= 0]
+        pipe = c.pipeline(transaction=False)
+        for n in names:
+            if persist:
+                pipe.persist(n)
+            else:
+                pipe.expire(n, self.ttl_s)
         pipe.execute()
 
-    def is_pinned(self, key: bytes, blob_id: str) -> bool:
-        return bool(self._call(lambda: self._client.sismember(self._pins(blob_id), key.hex())))
+    def _delete_data(self, blob_ids: Sequence[str]) -> None:
+        if not blob_ids:
+            return
+
+        def run(c: Any) -> None:
+            names = self._data_names(c, blob_ids)
+            pipe = c.pipeline(transaction=False)
+            for b in blob_ids:
+                pipe.strlen(self._data(b))
+            sizes = pipe.execute()
+            pipe = c.pipeline(transaction=False)
+            for n in names:
+                pipe.delete(n)
+            gone = sum(pipe.execute()[:len(names)])
+            if gone:
+                c.hincrby(self._stats, "blobs", -len(blob_ids))
+                c.hincrby(self._stats, "bytes", -sum(int(s or 0) for s in sizes))
+        self._call(run)
+
+    def _after(self, res: Sequence) -> None:
+        """Apply a script's blob lists: (.., freed, protect, release) -> delete, PERSIST, EXPIRE."""
+        freed, protect, release = ([_s(b) for b in part] for part in res[-3:])
+        self._delete_data(freed)
+        if protect:
+            self._call(lambda c: self._expire_data(c, protect, persist=True))
+        if release:
+            self._call(lambda c: self._expire_data(c, release))
+
+    def forget_blobs(self, blob_ids: Sequence[str], reason: str,
+                     keys: Sequence[bytes] = ()) -> list[bytes]:
+        """Delete blobs' bytes and the given keys if they still point to them (other keys of
+        a blob are found dangling later)."""
+        dropped: list[bytes] = []
+        if keys:
+            found = self.lookup_many(keys)
+            dropped = self._unmap_if([(k, b) for k, b in zip(keys, found, strict=True)
+                                      if b is not None and b in set(blob_ids)])
+        self._delete_data(list(blob_ids))
+        self._dropped(dropped, reason)
+        return dropped
+
+    def _unmap_if(self, pairs: Sequence[tuple[bytes, str | None]]) -> list[bytes]:
+        """Delete keys that still point to the given blob (any blob for None)."""
+        out: list[bytes] = []
+        groups: dict[bytes, list[tuple[bytes, str | None]]] = {}
+        for k, b in pairs:
+            groups.setdefault(group_of(k), []).append((bytes(k), b))
+        for g, items in groups.items():
+            args = [x for k, b in items for x in (k[GROUP_BYTES:].hex(), b or "")]
+            res = self._script("delete_many", g, [k for k, _ in items], args)
+            out += [g + bytes.fromhex(_s(r)) for r in res[0]]
+            self._after(res)
+        return out
+
+    # --- keys ---------------------------------------------------------------------------------
+
+    def lookup_many(self, keys: Sequence[bytes]) -> list[str | None]:
+        found: dict[bytes, str | None] = {}
+        for ks in self._by_group(keys).values():
+            vals = self._call(lambda c, ks=ks: c.mget([self._kname(k) for k in ks]))
+            found.update({k: _s(v) if v is not None else None
+                          for k, v in zip(ks, vals, strict=True)})
+        return [found.get(bytes(k)) for k in keys]
+
+    def _with_bytes(self, keys: Sequence[bytes]) -> tuple[list[str | None], list[bool]]:
+        """(the blob of each key, whether that blob's bytes are there)."""
+        blobs = self.lookup_many(keys)
+        held = [b for b in dict.fromkeys(blobs) if b is not None]
+
+        def run(c: Any) -> list[int]:
+            pipe = c.pipeline(transaction=False)
+            for b in held:
+                pipe.exists(self._data(b))
+            return pipe.execute()
+        there = dict(zip(held, self._call(run), strict=True)) if held else {}
+        return blobs, [b is not None and bool(there.get(b)) for b in blobs]
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is mapped *and* its blob's bytes are there; dangling keys found
+        on the way are removed and reported dropped."""
+        blobs, ok = self._with_bytes(keys)
+        dangling = [(bytes(k), b) for k, b, good in zip(keys, blobs, ok, strict=True)
+                    if b is not None and not good]
+        if dangling:
+            self._dropped(self._unmap_if(dangling), "dangling")
+        return ok
+
+    def forget_dangling(self, pairs: Sequence[tuple[bytes, str]]) -> None:
+        """Keys a read found pointing to missing bytes: remove and report them."""
+        self._dropped(self._unmap_if(pairs), "dangling")
+
+    def link_many(self, links: Sequence[tuple[bytes, str]]) -> list[bytes]:
+        out: list[bytes] = []
+        groups: dict[bytes, list[tuple[bytes, str]]] = {}
+        for k, b in links:
+            groups.setdefault(group_of(k), []).append((bytes(k), b))
+        for g, items in groups.items():
+            args = [x for k, b in items for x in (k[GROUP_BYTES:].hex(), b)]
+            res = self._script("link_many", g, [k for k, _ in items], args)
+            out += [g + bytes.fromhex(_s(r)) for r in res[0]]
+            self._after(res)
+            if self.ttl_s:          # a blob lives as long as its newest key (pinned: no TTL)
+                ids = sorted({b for _, b in items})
+                self._call(lambda c, ids=ids: self._expire_data(c, ids, only_if_ttl=True))
+        return out
+
+    def delete_many(self, keys: Sequence[bytes]) -> list[bytes]:
+        return self._unmap_if([(bytes(k), None) for k in keys])
+
+    def pin_many(self, keys: Sequence[bytes], *, ttl_s: float | None = None,
+                 quota_bytes: int | None = None) -> list[bytes]:
+        expires = 0 if ttl_s is None else time.time() + ttl_s
+        out: list[bytes] = []
+        for g, ks in self._by_group(keys).items():
+            args = [f"{expires:.3f}", "" if quota_bytes is None else str(quota_bytes),
+                    *(k[GROUP_BYTES:].hex() for k in ks)]
+            res = self._script("pin_many", g, ks, args)
+            if res and not isinstance(res[0], list) and int(res[0]) == -1:
+                raise QuotaExceeded(f"pinning {len(ks)} keys would hold {int(res[1]):,} pinned "
+                                    f"bytes in Redis for one model and rank, over the quota of "
+                                    f"{quota_bytes:,}",
+                                    hint="delete or unpin windows, or raise pin_quota_bytes")
+            out += [g + bytes.fromhex(_s(r)) for r in res[0]]
+            self._after([[], *res[1:]])
+        return out
+
+    def unpin_many(self, keys: Sequence[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        for g, ks in self._by_group(keys).items():
+            res = self._script("unpin_many", g, ks, [k[GROUP_BYTES:].hex() for k in ks])
+            out += [g + bytes.fromhex(_s(r)) for r in res[0]]
+            self._after([[], *res[1:]])
+        return out
+
+    def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None,
+                  limit: int = 1000) -> list[KeyInfo]:
+        pattern = (self._kprefix(group_of(prefix)) + prefix[GROUP_BYTES:].hex() + "*"
+                   if len(prefix) >= GROUP_BYTES else f"{self.prefix}:{{*}}:k:*")
+        names = self._call(lambda c: [_s(n) for n in c.scan_iter(match=pattern, count=1000)])
+        found: list[tuple[bytes, str]] = []
+        for n in names:
+            head, _, rest = n.rpartition(":k:")
+            key = bytes.fromhex(head[head.index("{") + 1:-1]) + bytes.fromhex(rest)
+            if key.startswith(prefix) and (after is None or key > after):
+                found.append((key, n))
+        found.sort()
+        found = found[:limit]
+        rows = [(k, b) for (k, _), b in zip(found, self.lookup_many([k for k, _ in found]),
+                                             strict=True) if b is not None]
+
+        def details(c: Any) -> list:
+            pipe = c.pipeline(transaction=False)
+            for key, b in rows:
+                names = self._gkeys(group_of(key))
+                pipe.hget(names[2], key[GROUP_BYTES:].hex())
+                pipe.hget(names[1], b)
+            return pipe.execute()
+        res = self._call(details) if rows else []
+        return [KeyInfo(key, b, exp is not None, (float(exp) or None) if exp is not None
+                        else None, int(size) if size is not None else None)
+                for (key, b), exp, size in zip(rows, res[0::2], res[1::2], strict=True)]
 
     # --- maintenance --------------------------------------------------------------------------
 
-    def blob_ids(self) -> Iterator[str]:
-        """Every blob id under the prefix (SCAN; for maintenance, not the request path)."""
-        plen = len(self._b(""))
-        for name in self._call(lambda: list(self._client.scan_iter(f"{self.prefix}:b:*",
-                                                                      count=1000))):
-            rest = name.decode()[plen:]
-            if ":" not in rest:
-                yield rest
+    def blob_ids(self) -> list[str]:
+        names = self._call(lambda c: [_s(n) for n in c.scan_iter(
+            match=f"{self.prefix}:{{b:*}}", count=1000)])
+        return [n[n.index("{b:") + 3:-1] for n in names if n.endswith("}")]
 
-    def unreferenced(self) -> list[str]:
-        ids = list(self.blob_ids())
-        if not ids:
-            return []
-
-        def run() -> list[str]:
-            pipe = self._client.pipeline(transaction=False)
-            for b in ids:
-                pipe.get(self._r(b))
-                pipe.exists(self._pins(b), f"{self.prefix}:pin:{b}")
-            res = pipe.execute()
-            return [b for i, b in enumerate(ids) if int(res[2 * i] or 0) <= 0
-                    and not res[2 * i + 1]]
+    def _referenced(self) -> set[str]:
+        def run(c: Any) -> set[str]:
+            out: set[str] = set()
+            for name in c.scan_iter(match=f"{self.prefix}:{{*}}:refs", count=1000):
+                out |= {_s(b) for b in c.hkeys(name)}
+            return out
         return self._call(run)
 
+    def unreferenced(self, min_age_s: float = 0.0) -> list[str]:
+        refs = self._referenced()
+        cands = [b for b in self.blob_ids() if b not in refs]
+
+        def idle(c: Any) -> list[str]:
+            return [b for b in cands if (c.object("idletime", self._data(b)) or 0) >= min_age_s]
+        return self._call(idle) if cands else []
+
+    def dangling_keys(self) -> list[bytes]:
+        keys = [i.key for i in self.list_keys(limit=1 << 30)]
+        blobs, ok = self._with_bytes(keys)
+        return [k for k, b, good in zip(keys, blobs, ok, strict=True) if b and not good]
+
     def stats(self) -> tuple[int, int]:
-        """(bytes, blobs) as kept by the write and delete scripts (one round trip)."""
-        vals = self._call(lambda: self._client.hmget(self._stats, ["bytes", "blobs"]))
+        vals = self._call(lambda c: c.hmget(self._stats, ["bytes", "blobs"]))
         self.totals = (int(vals[0] or 0), int(vals[1] or 0))
         return self.totals
 
     def usage(self) -> TierUsage:
         """Recount every blob (SCAN) and correct the kept totals (TTL expiries)."""
         try:
-            ids = list(self.blob_ids())
+            ids = self.blob_ids()
 
-            def run() -> int:
-                pipe = self._client.pipeline(transaction=False)
+            def run(c: Any) -> int:
+                pipe = c.pipeline(transaction=False)
                 for b in ids:
-                    pipe.strlen(self._b(b))
-                    pipe.getrange(self._b(b), 0, 127)
-                res = pipe.execute()
+                    pipe.strlen(self._data(b))
+                    pipe.getrange(self._data(b), 0, 127)
+                res = pipe.execute() if ids else []
                 total = 0
                 for length, head in zip(res[0::2], res[1::2], strict=True):
                     manifest = parse_manifest(head)
                     total += manifest[1] if manifest else int(length or 0)
-                self._client.hset(self._stats, mapping={"bytes": total, "blobs": len(ids)})
+                c.hset(self._stats, mapping={"bytes": total, "blobs": len(ids)})
                 return total
             size = self._call(run)
         except TierUnavailable:
@@ -331,8 +495,9 @@ class RedisTier(Tier):
         return TierUsage(self.name, size, len(ids), None)
 
     def close(self) -> None:
-        with contextlib.suppress(redis.RedisError):
-            self._client.close()
+        if self._conn is not None:
+            with contextlib.suppress(redis.RedisError):
+                self._conn.close()
 
 
 def _redact(url: str) -> str:

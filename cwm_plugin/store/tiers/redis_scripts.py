@@ -1,118 +1,175 @@
-"""Lua scripts of the Redis tier: each keeps one multi-key change atomic (see ``redis.py`` for
-the key layout). Dynamic names (``<prefix>r:<old blob>``) are built inside the scripts, so
-they suit a single Redis, not Redis Cluster.
+"""Lua scripts of the Redis tier's key index: one script a batch operation, one hash slot.
+
+Every script works inside one key *group* (namespace + rank), whose names share the hash tag
+``{<group hex>}`` and so one slot of a Redis Cluster (see ``redis.py`` for the layout). The
+common ``KEYS`` are ``refs, sizes, pins, pinned, pinbytes, pinexp`` followed by the key names
+``k:<rest>``; ``ARGV`` starts with the TTL ('' for none) and the current time. A script checks
+everything before it writes, so an error (a quota) leaves nothing half-done; Redis runs it
+atomically. Blob bytes live in their own slots and are written before, and deleted after, the
+script that references or frees them (a crash between leaves an orphan that ``gc`` removes,
+never a key pointing to bytes that were not written).
+
+Returned blob lists tell the client what to do with blob bytes: ``freed`` (no key left: delete
+the bytes), ``protect`` (first pinned key: PERSIST the bytes), ``release`` (last pin gone:
+give the bytes their TTL back).
 """
 
-# Renew the TTL of names that have one (TTL >= 0); a pinned, PERSISTed name keeps none.
-_TOUCH_FN = """
-local function touch(name, ttl)
-  if ttl ~= '' and redis.call('TTL', name) >= 0 then redis.call('EXPIRE', name, ttl) end
-end
-"""
-# KEYS: b, stats, [k, r, pins]; ARGV: value, ttl, blob id, size, [replace]
-# A blob that is already there is kept and its TTL renewed: a new key mapped onto it must not
-# outlive it (shared content: the same prefix under another salt).
-_PUT = _TOUCH_FN + """
-local ttl = ARGV[2]
-local created = 0
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  if ttl ~= '' then redis.call('SET', KEYS[1], ARGV[1], 'EX', ttl)
-  else redis.call('SET', KEYS[1], ARGV[1]) end
-  redis.call('HINCRBY', KEYS[2], 'bytes', ARGV[4])
-  redis.call('HINCRBY', KEYS[2], 'blobs', 1)
-  created = 1
-else
-  touch(KEYS[1], ttl)
-end
-local mapped = 0
-if #KEYS >= 5 then
-  if redis.call('EXISTS', KEYS[3]) == 0 then
-    if ttl ~= '' then redis.call('SET', KEYS[3], ARGV[3], 'EX', ttl)
-    else redis.call('SET', KEYS[3], ARGV[3]) end
-    redis.call('INCR', KEYS[4])
-    if ttl ~= '' and redis.call('EXISTS', KEYS[5]) == 0 then redis.call('EXPIRE', KEYS[4], ttl) end
-    mapped = 1
-  else
-    touch(KEYS[3], ttl)
-    touch(KEYS[4], ttl)
+_COMMON = """
+local REFS, SIZES, PINS, PINNED, PINBYTES, PINEXP = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local TTL, NOW = ARGV[1], tonumber(ARGV[2])
+local function size_of(b) return tonumber(redis.call('HGET', SIZES, b) or '0') end
+local function pin_ref(b, delta, protect, release)
+  local n = redis.call('HINCRBY', PINNED, b, delta)
+  if delta > 0 and n == 1 then
+    redis.call('INCRBY', PINBYTES, size_of(b)); table.insert(protect, b)
+  elseif delta < 0 and n <= 0 then
+    redis.call('HDEL', PINNED, b); redis.call('DECRBY', PINBYTES, size_of(b))
+    table.insert(release, b)
   end
 end
-return {created, mapped, redis.call('HGET', KEYS[2], 'bytes'), redis.call('HGET', KEYS[2], 'blobs')}
+local function unref(b, freed)
+  local n = redis.call('HINCRBY', REFS, b, -1)
+  if n <= 0 then
+    redis.call('HDEL', REFS, b); redis.call('HDEL', SIZES, b); redis.call('HDEL', PINNED, b)
+    table.insert(freed, b)
+  end
+end
+-- drop the pin of key name k (rest r) pointing to blob b
+local function unpin_key(k, r, b, protect, release)
+  if redis.call('HDEL', PINS, r) == 1 then
+    redis.call('ZREM', PINEXP, r)
+    if b then
+      pin_ref(b, -1, protect, release)
+      if TTL ~= '' then redis.call('EXPIRE', k, TTL) end
+    end
+    return true
+  end
+  return false
+end
+-- pins whose expiry passed (their key names are rebuilt from the k: name of KEYS[7]'s form)
+local function expire_pins(kprefix, protect, release)
+  for _, r in ipairs(redis.call('ZRANGEBYSCORE', PINEXP, '-inf', NOW)) do
+    local k = kprefix .. r
+    unpin_key(k, r, redis.call('GET', k), protect, release)
+  end
+end
 """
-# KEYS: the parts of a split blob; ARGV: ttl. Renews the TTL of those that have one.
-_TOUCH = _TOUCH_FN + """
-for i = 1, #KEYS do touch(KEYS[i], ARGV[1]) end
-return 0
-"""
-# KEYS: k, b, r, pins; ARGV: blob id, ttl, prefix, key hex, replace
-# -> {status, previous blob or '', refs left to it, pin moved}; status 1 mapped, 0 the key
-# points elsewhere (replace off), -1 the blob is gone
-_MAP = """
-local old = redis.call('GET', KEYS[1])
-if old == ARGV[1] then return {1, '', 0, 0} end
-if old and ARGV[5] ~= '1' then return {0, '', 0, 0} end
-if redis.call('EXISTS', KEYS[2]) == 0 then return {-1, '', 0, 0} end
-local left, moved = 0, 0
+
+# ARGV: ttl, now, kprefix, blob, size, replace ('1': re-point a key that points elsewhere)
+# KEYS[7]: k -> {1 mapped | 0 the key kept another blob, freed}
+MAP = _COMMON + """
+local k, b = KEYS[7], ARGV[4]
+local old = redis.call('GET', k)
+if old == b then
+  if TTL ~= '' and redis.call('TTL', k) >= 0 then redis.call('EXPIRE', k, TTL) end
+  return {1, {}}
+end
+if old and ARGV[6] ~= '1' then return {0, {}} end
+local protect, release, freed = {}, {}, {}
+redis.call('HSET', SIZES, b, ARGV[5])
+redis.call('HINCRBY', REFS, b, 1)
 if old then
-  local r = ARGV[3] .. 'r:' .. old
-  if redis.call('EXISTS', r) == 1 then
-    left = redis.call('DECR', r)
-    if left <= 0 then redis.call('DEL', r) end
+  local r = string.sub(k, #ARGV[3] + 1)
+  if redis.call('HEXISTS', PINS, r) == 1 then
+    pin_ref(b, 1, protect, release)
+    pin_ref(old, -1, protect, release)
   end
-  if redis.call('SREM', ARGV[3] .. 'pins:' .. old, ARGV[4]) == 1 then
-    redis.call('SADD', KEYS[4], ARGV[4])
-    moved = 1
-  end
-  redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL')
-elseif ARGV[2] ~= '' then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-else redis.call('SET', KEYS[1], ARGV[1]) end
-redis.call('INCR', KEYS[3])
-if ARGV[2] ~= '' and redis.call('EXISTS', KEYS[4]) == 0 then redis.call('EXPIRE', KEYS[3], ARGV[2]) end
-return {1, old or '', left, moved}
-"""
-# KEYS: k; ARGV: prefix, key hex -> {blob, refs left, was pinned} or nil
-_UNMAP = """
-local b = redis.call('GET', KEYS[1])
-if not b then return false end
-redis.call('DEL', KEYS[1])
-local unpinned = redis.call('SREM', ARGV[1] .. 'pins:' .. b, ARGV[2])
-local r = ARGV[1] .. 'r:' .. b
-local n = 0
-if redis.call('EXISTS', r) == 1 then
-  n = redis.call('DECR', r)
-  if n <= 0 then redis.call('DEL', r) end
-end
-return {b, n, unpinned}
-"""
-# KEYS: b, r, pins, legacy pin, stats, parts...; ARGV: size
-# -> {1 if the blob existed, total bytes, total blobs}
-_DELETE = """
-local existed = redis.call('EXISTS', KEYS[1])
-redis.call('DEL', unpack(KEYS, 1, 4))
-if existed == 1 then
-  for i = 6, #KEYS do redis.call('DEL', KEYS[i]) end
-  redis.call('HINCRBY', KEYS[5], 'bytes', -tonumber(ARGV[1]))
-  redis.call('HINCRBY', KEYS[5], 'blobs', -1)
-end
-return {existed, redis.call('HGET', KEYS[5], 'bytes'), redis.call('HGET', KEYS[5], 'blobs')}
-"""
-# KEYS: pins, k, b, r, parts...; ARGV: key hex, '1' pin / '' unpin, ttl
-_PIN = """
-if ARGV[2] == '1' then
-  redis.call('SADD', KEYS[1], ARGV[1])
-  for i = 2, #KEYS do redis.call('PERSIST', KEYS[i]) end
-  return 1
-end
-redis.call('SREM', KEYS[1], ARGV[1])
-if ARGV[3] ~= '' then
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
-  if redis.call('SCARD', KEYS[1]) == 0 then
-    for i = 3, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
-  end
-end
-return 0
+  unref(old, freed)
+  redis.call('SET', k, b, 'KEEPTTL')
+elseif TTL ~= '' then redis.call('SET', k, b, 'EX', TTL)
+else redis.call('SET', k, b) end
+return {1, freed}
 """
 
+# ARGV: ttl, now, kprefix, then pairs (rest, blob); KEYS[7..]: k names in pair order
+# -> {linked rests, freed, protect, release}
+LINK_MANY = _COMMON + """
+local linked, freed, protect, release = {}, {}, {}, {}
+for i = 7, #KEYS do
+  local k = KEYS[i]
+  local r, b = ARGV[4 + (i - 7) * 2], ARGV[5 + (i - 7) * 2]
+  if redis.call('HEXISTS', SIZES, b) == 1 then
+    local old = redis.call('GET', k)
+    if old ~= b then
+      local pinned = redis.call('HEXISTS', PINS, r) == 1
+      redis.call('HINCRBY', REFS, b, 1)
+      if pinned then pin_ref(b, 1, protect, release) end
+      if old then
+        if pinned then pin_ref(old, -1, protect, release) end
+        unref(old, freed)
+        redis.call('SET', k, b, 'KEEPTTL')
+      elseif TTL ~= '' and not pinned then redis.call('SET', k, b, 'EX', TTL)
+      else redis.call('SET', k, b) end
+    end
+    table.insert(linked, r)
+  end
+end
+return {linked, freed, protect, release}
+"""
 
-SCRIPTS = {"put": _PUT, "touch": _TOUCH, "map": _MAP, "unmap": _UNMAP, "delete": _DELETE,
-           "pin": _PIN}
+# ARGV: ttl, now, kprefix, then per key: rest, expected blob ('' = any)
+# -> {deleted rests, freed, protect, release}
+DELETE_MANY = _COMMON + """
+local found, freed, protect, release = {}, {}, {}, {}
+for i = 7, #KEYS do
+  local k = KEYS[i]
+  local r, want = ARGV[4 + (i - 7) * 2], ARGV[5 + (i - 7) * 2]
+  local b = redis.call('GET', k)
+  if b and (want == '' or want == b) then
+    unpin_key(k, r, b, protect, release)
+    redis.call('DEL', k)
+    unref(b, freed)
+    table.insert(found, r)
+  end
+end
+return {found, freed, protect, release}
+"""
+
+# ARGV: ttl, now, kprefix, expires (0 = never), quota ('' = none), then rests
+# -> {pinned rests, protect, release} or {-1, pinned bytes it would take}
+PIN_MANY = _COMMON + """
+local protect, release = {}, {}
+expire_pins(ARGV[3], protect, release)
+local expires, quota = tonumber(ARGV[4]), ARGV[5]
+local blobs, add, seen = {}, 0, {}
+for i = 7, #KEYS do
+  local b = redis.call('GET', KEYS[i])
+  blobs[i] = b
+  if b and not seen[b] and redis.call('HEXISTS', PINS, ARGV[i - 1]) == 0
+      and tonumber(redis.call('HGET', PINNED, b) or '0') == 0 then
+    seen[b] = true
+    add = add + size_of(b)
+  end
+end
+local now_bytes = tonumber(redis.call('GET', PINBYTES) or '0')
+if quota ~= '' and add > 0 and now_bytes + add > tonumber(quota) then
+  return {-1, now_bytes + add}
+end
+local pinned = {}
+for i = 7, #KEYS do
+  local k, r, b = KEYS[i], ARGV[i - 1], blobs[i]
+  if b then
+    if redis.call('HEXISTS', PINS, r) == 0 then pin_ref(b, 1, protect, release) end
+    redis.call('HSET', PINS, r, expires)
+    if expires > 0 then redis.call('ZADD', PINEXP, expires, r)
+    else redis.call('ZREM', PINEXP, r) end
+    redis.call('PERSIST', k)
+    table.insert(pinned, r)
+  end
+end
+return {pinned, protect, release}
+"""
+
+# ARGV: ttl, now, kprefix, then rests -> {unpinned rests, protect, release}
+UNPIN_MANY = _COMMON + """
+local protect, release, done = {}, {}, {}
+expire_pins(ARGV[3], protect, release)
+for i = 7, #KEYS do
+  local k, r = KEYS[i], ARGV[i - 3]
+  if unpin_key(k, r, redis.call('GET', k), protect, release) then table.insert(done, r) end
+end
+return {done, protect, release}
+"""
+
+SCRIPTS = {"map": MAP, "link_many": LINK_MANY, "delete_many": DELETE_MANY,
+           "pin_many": PIN_MANY, "unpin_many": UNPIN_MANY}

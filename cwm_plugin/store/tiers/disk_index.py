@@ -1,0 +1,456 @@
+"""The disk tier's key index in SQLite: keys -> blobs, reference counts, pins, usage.
+
+``<disk_path>/index.sqlite`` in WAL mode, shared by every process of a server (vLLM's
+scheduler looks keys up while its workers write). Invariants, kept inside SQLite:
+
+* A ``blobs`` row means the blob's file is complete (renamed into place *before* the row is
+  committed; the row deleted *before* the file is unlinked).
+* ``blobs.refs`` and ``blobs.pins`` (keys, and pinned unexpired keys, pointing to the blob),
+  ``group_pins`` (pinned blob bytes per key group) and ``stats`` are maintained by triggers in
+  the same transaction as the rows they count, so they cannot drift, and eviction reads the
+  partial index ``blobs(last_access) WHERE pins = 0``: its cost does not grow with pins.
+* Every batch operation is one ``BEGIN IMMEDIATE`` transaction: a process killed in the middle
+  leaves the old state or the new one.
+
+A busy database is waited for (SQLite's busy timeout) and, when SQLite returns "locked"
+without waiting (a WAL-mode journal change or recovery racing another process), retried with
+backoff until ``timeout_s``. A file that is not a database or fails its integrity check raises
+:class:`IndexDamaged`; the disk tier then moves it aside and rebuilds from the blob files.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from cwm_plugin.errors import CWMError
+
+T = TypeVar("T")
+Unlink = Callable[[Sequence[str]], None] | None
+SCHEMA_VERSION = "2"
+CHUNK = 500   # SQLite host-parameter batches
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS blobs (
+    blob_id TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    grp BLOB NOT NULL DEFAULT x'',
+    last_access REAL NOT NULL,
+    created REAL NOT NULL,
+    refs INTEGER NOT NULL DEFAULT 0,
+    pins INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS blobs_evictable ON blobs(last_access) WHERE pins = 0;
+CREATE INDEX IF NOT EXISTS blobs_unreferenced ON blobs(created) WHERE refs = 0;
+CREATE TABLE IF NOT EXISTS keys (
+    key BLOB PRIMARY KEY,
+    blob_id TEXT NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    pin_expires REAL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS keys_by_blob ON keys(blob_id);
+CREATE INDEX IF NOT EXISTS keys_pin_expiry ON keys(pin_expires) WHERE pin_expires IS NOT NULL;
+CREATE TABLE IF NOT EXISTS group_pins (grp BLOB PRIMARY KEY, bytes INTEGER NOT NULL)
+    WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS stats (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    bytes INTEGER NOT NULL DEFAULT 0,
+    blobs INTEGER NOT NULL DEFAULT 0
+);
+INSERT OR IGNORE INTO stats(id, bytes, blobs) VALUES (0, 0, 0);
+CREATE TRIGGER IF NOT EXISTS blob_added AFTER INSERT ON blobs BEGIN
+    UPDATE stats SET bytes = bytes + NEW.size, blobs = blobs + 1 WHERE id = 0;
+END;
+CREATE TRIGGER IF NOT EXISTS blob_removed AFTER DELETE ON blobs BEGIN
+    UPDATE stats SET bytes = bytes - OLD.size, blobs = blobs - 1 WHERE id = 0;
+    UPDATE group_pins SET bytes = bytes - OLD.size WHERE grp = OLD.grp AND OLD.pins > 0;
+END;
+CREATE TRIGGER IF NOT EXISTS blob_pinned AFTER UPDATE OF pins ON blobs
+    WHEN (OLD.pins > 0) != (NEW.pins > 0) BEGIN
+    INSERT INTO group_pins(grp, bytes) VALUES (NEW.grp, 0) ON CONFLICT(grp) DO NOTHING;
+    UPDATE group_pins SET bytes = bytes + CASE WHEN NEW.pins > 0 THEN NEW.size
+        ELSE -NEW.size END WHERE grp = NEW.grp;
+END;
+CREATE TRIGGER IF NOT EXISTS key_added AFTER INSERT ON keys BEGIN
+    UPDATE blobs SET refs = refs + 1, pins = pins + NEW.pinned WHERE blob_id = NEW.blob_id;
+END;
+CREATE TRIGGER IF NOT EXISTS key_removed AFTER DELETE ON keys BEGIN
+    UPDATE blobs SET refs = refs - 1, pins = pins - OLD.pinned WHERE blob_id = OLD.blob_id;
+END;
+CREATE TRIGGER IF NOT EXISTS key_changed AFTER UPDATE OF blob_id, pinned ON keys BEGIN
+    UPDATE blobs SET refs = refs - 1, pins = pins - OLD.pinned WHERE blob_id = OLD.blob_id;
+    UPDATE blobs SET refs = refs + 1, pins = pins + NEW.pinned WHERE blob_id = NEW.blob_id;
+END;
+"""
+
+
+class IndexDamaged(CWMError):
+    """The index file is not a usable SQLite database (damaged disk, foreign file)."""
+
+    code = "index_damaged"
+
+
+def _chunks(items: Sequence, n: int = CHUNK) -> Iterator[Sequence]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+def _qs(n: int) -> str:
+    return ",".join("?" * n)
+
+
+def _locked(exc: sqlite3.OperationalError) -> bool:
+    msg = str(exc).lower()
+    return "locked" in msg or "busy" in msg
+
+
+class DiskIndex:
+    """Thread-safe (one connection behind a lock), multi-process-safe (WAL, retries)."""
+
+    def __init__(self, path: str | Path, *, timeout_s: float = 30.0) -> None:
+        self.path = Path(path)
+        self.timeout_s = timeout_s
+        self._lock = threading.RLock()
+        try:
+            self._db = self._retry(self._connect)
+            self._retry(self._init_schema)
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and _locked(exc):
+                raise
+            raise IndexDamaged(f"store index {self.path} is unusable: {exc}",
+                               hint="it is moved aside and rebuilt from the blob files") from exc
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(str(self.path), timeout=self.timeout_s, isolation_level=None,
+                             check_same_thread=False)
+        try:
+            db.execute(f"PRAGMA busy_timeout={int(self.timeout_s * 1000)}")
+            if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _init_schema(self) -> None:
+        with self._write() as db:
+            version = None
+            if db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
+                row = db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
+                version = row[0] if row else None
+            elif db.execute("SELECT 1 FROM sqlite_master WHERE name='blobs'").fetchone():
+                version = "1"
+            if version not in (None, SCHEMA_VERSION):
+                raise sqlite3.DatabaseError(f"index schema {version}, this version reads "
+                                            f"{SCHEMA_VERSION}")
+            for stmt in _statements(SCHEMA):
+                db.execute(stmt)
+            db.execute("INSERT OR REPLACE INTO meta(name, value) VALUES('schema', ?)",
+                       (SCHEMA_VERSION,))
+
+    def _retry(self, fn: Callable[[], T]) -> T:
+        """Run ``fn``, retrying "database is locked" that SQLite returned without waiting."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.005
+        while True:
+            try:
+                return fn()
+            except sqlite3.OperationalError as exc:
+                if not _locked(exc) or time.monotonic() > deadline:
+                    raise
+            time.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 0.25)
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._retry(lambda: self._db.execute("BEGIN IMMEDIATE"))
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._retry(lambda: self._db.execute("COMMIT"))
+
+    def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """One write transaction, retried whole if SQLite reports the database locked."""
+        def once() -> T:
+            with self._write() as db:
+                return fn(db)
+        return self._retry(once)
+
+    def _read(self, sql: str, args: Sequence = ()) -> list[tuple]:
+        with self._lock:
+            return self._retry(lambda: self._db.execute(sql, tuple(args)).fetchall())
+
+    # --- keys ---------------------------------------------------------------------------------
+
+    def lookup_many(self, keys: Sequence[bytes]) -> dict[bytes, str]:
+        out: dict[bytes, str] = {}
+        for part in _chunks([bytes(k) for k in keys]):
+            for key, blob in self._read(
+                    f"SELECT key, blob_id FROM keys WHERE key IN ({_qs(len(part))})", part):
+                out[bytes(key)] = blob
+        return out
+
+    def add_blob(self, blob_id: str, size: int, key: bytes, *,
+                 ensure: Callable[[], None] | None = None, replace: bool = False,
+                 unlink: Unlink = None) -> bool:
+        """Record a complete blob file and map ``key`` to it in one transaction. A key that
+        points to another recorded blob keeps it (first writer wins): False then; with
+        ``replace`` it is re-pointed (the old blob freed as in :meth:`link_many`). ``ensure``
+        runs inside the transaction before the row is written (the disk tier checks there
+        that the file is in place)."""
+        now = time.time()
+        key = bytes(key)
+
+        def tx(db: sqlite3.Connection) -> bool:
+            row = db.execute("SELECT blob_id FROM keys WHERE key=?", (key,)).fetchone()
+            if not replace and row is not None and row[0] != blob_id and db.execute(
+                    "SELECT 1 FROM blobs WHERE blob_id=?", row).fetchone():
+                return False
+            if ensure is not None:
+                ensure()
+            db.execute("INSERT OR IGNORE INTO blobs(blob_id, size, grp, last_access, created) "
+                       "VALUES(?, ?, ?, ?, ?)", (blob_id, size, key[:18], now, now))
+            db.execute("UPDATE blobs SET last_access=? WHERE blob_id=?", (now, blob_id))
+            if row is None:
+                db.execute("INSERT INTO keys(key, blob_id) VALUES(?, ?)", (key, blob_id))
+            elif row[0] != blob_id:
+                db.execute("UPDATE keys SET blob_id=? WHERE key=?", (blob_id, key))
+                self._free_unreferenced(db, {row[0]}, unlink)
+            return True
+        return self._tx(tx)
+
+    def link_many(self, links: Sequence[tuple[bytes, str]], *, unlink: Unlink = None
+                  ) -> list[bytes]:
+        """Point keys at recorded blobs (one transaction); returns the keys linked. Blobs left
+        without references lose their rows and ``unlink(blob_ids)`` runs inside the
+        transaction."""
+        def tx(db: sqlite3.Connection) -> list[bytes]:
+            done: list[bytes] = []
+            old: set[str] = set()
+            for key, blob_id in links:
+                key = bytes(key)
+                if db.execute("SELECT 1 FROM blobs WHERE blob_id=?", (blob_id,)).fetchone() \
+                        is None:
+                    continue
+                row = db.execute("SELECT blob_id FROM keys WHERE key=?", (key,)).fetchone()
+                if row is None:
+                    db.execute("INSERT INTO keys(key, blob_id) VALUES(?, ?)", (key, blob_id))
+                elif row[0] != blob_id:
+                    db.execute("UPDATE keys SET blob_id=? WHERE key=?", (blob_id, key))
+                    old.add(row[0])
+                done.append(key)
+            self._free_unreferenced(db, old, unlink)
+            return done
+        return self._tx(tx)
+
+    def delete_many(self, keys: Sequence[bytes], *, unlink: Unlink = None) -> list[bytes]:
+        """Drop keys (and pins); returns the keys that were there. Blobs left without
+        references are removed as in :meth:`link_many`."""
+        def tx(db: sqlite3.Connection) -> list[bytes]:
+            found: list[bytes] = []
+            blobs: set[str] = set()
+            for part in _chunks([bytes(k) for k in keys]):
+                rows = db.execute(f"SELECT key, blob_id FROM keys WHERE key IN "
+                                  f"({_qs(len(part))})", part).fetchall()
+                found += [bytes(k) for k, _ in rows]
+                blobs |= {b for _, b in rows}
+                db.execute(f"DELETE FROM keys WHERE key IN ({_qs(len(part))})", part)
+            self._free_unreferenced(db, blobs, unlink)
+            return found
+        return self._tx(tx)
+
+    @staticmethod
+    def _free_unreferenced(db: sqlite3.Connection, blob_ids: set[str], unlink: Unlink) -> None:
+        freed: list[str] = []
+        for part in _chunks(sorted(blob_ids)):
+            freed += [b for (b,) in db.execute(
+                f"SELECT blob_id FROM blobs WHERE refs <= 0 AND blob_id IN ({_qs(len(part))})",
+                part)]
+        for part in _chunks(freed):
+            db.execute(f"DELETE FROM blobs WHERE blob_id IN ({_qs(len(part))})", part)
+        if freed and unlink is not None:
+            unlink(freed)
+
+    # --- pins ---------------------------------------------------------------------------------
+
+    def pin_many(self, keys: Sequence[bytes], *, ttl_s: float | None = None,
+                 quota_bytes: int | None = None) -> list[bytes]:
+        """Pin present keys; with ``quota_bytes``, roll back and raise if a group's pinned
+        bytes would exceed it. Returns the keys pinned."""
+        from cwm_plugin.store.tiers.base import QuotaExceeded
+
+        expires = None if ttl_s is None else time.time() + ttl_s
+
+        def tx(db: sqlite3.Connection) -> list[bytes]:
+            self._expire(db)
+            done: list[bytes] = []
+            for part in _chunks([bytes(k) for k in keys]):
+                q = _qs(len(part))
+                done += [bytes(k) for (k,) in db.execute(
+                    f"SELECT key FROM keys WHERE key IN ({q})", part)]
+                db.execute(f"UPDATE keys SET pinned=1, pin_expires=? WHERE key IN ({q})",
+                           (expires, *part))
+            if quota_bytes is not None:
+                groups = {k[:18] for k in done}
+                for g in groups:
+                    row = db.execute("SELECT bytes FROM group_pins WHERE grp=?", (g,)).fetchone()
+                    if row is not None and row[0] > quota_bytes:
+                        raise QuotaExceeded(
+                            f"pinning {len(done)} keys would hold {row[0]:,} pinned bytes on "
+                            f"disk for one model and rank, over the quota of {quota_bytes:,}",
+                            hint="delete or unpin windows, or raise pin_quota_bytes")
+            return done
+        return self._tx(tx)
+
+    def unpin_many(self, keys: Sequence[bytes]) -> list[bytes]:
+        def tx(db: sqlite3.Connection) -> list[bytes]:
+            done: list[bytes] = []
+            for part in _chunks([bytes(k) for k in keys]):
+                q = _qs(len(part))
+                done += [bytes(k) for (k,) in db.execute(
+                    f"SELECT key FROM keys WHERE pinned=1 AND key IN ({q})", part)]
+                db.execute(f"UPDATE keys SET pinned=0, pin_expires=NULL WHERE key IN ({q})",
+                           part)
+            return done
+        return self._tx(tx)
+
+    @staticmethod
+    def _expire(db: sqlite3.Connection) -> None:
+        db.execute("UPDATE keys SET pinned=0, pin_expires=NULL WHERE pin_expires IS NOT NULL "
+                   "AND pin_expires <= ?", (time.time(),))
+
+    def expire_pins(self) -> None:
+        if self._read("SELECT 1 FROM keys WHERE pin_expires IS NOT NULL AND pin_expires <= ? "
+                      "LIMIT 1", (time.time(),)):
+            self._tx(self._expire)
+
+    def list_keys(self, prefix: bytes, after: bytes | None, limit: int
+                  ) -> list[tuple[bytes, str, bool, float | None, int | None]]:
+        lo = max(prefix, after + b"\0") if after is not None else prefix
+        sql = ("SELECT k.key, k.blob_id, k.pinned, k.pin_expires, b.size FROM keys k LEFT JOIN "
+               "blobs b ON b.blob_id = k.blob_id WHERE k.key >= ?")
+        args: list = [lo]
+        if prefix:
+            sql += " AND substr(k.key, 1, ?) = ?"
+            args += [len(prefix), prefix]
+        rows = self._read(sql + " ORDER BY k.key LIMIT ?", (*args, limit))
+        return [(bytes(k), b, bool(p), e, s) for k, b, p, e, s in rows]
+
+    # --- blobs --------------------------------------------------------------------------------
+
+    def has_blob(self, blob_id: str) -> bool:
+        return bool(self._read("SELECT 1 FROM blobs WHERE blob_id=?", (blob_id,)))
+
+    def remove_blobs(self, blob_ids: Sequence[str], *, unlink: Unlink = None) -> list[bytes]:
+        """Drop blob rows and every key pointing to them, ``unlink(blob_ids)`` inside the
+        transaction; returns the keys dropped."""
+        def tx(db: sqlite3.Connection) -> list[bytes]:
+            dropped: list[bytes] = []
+            for part in _chunks(list(blob_ids)):
+                q = _qs(len(part))
+                dropped += [bytes(k) for (k,) in db.execute(
+                    f"SELECT key FROM keys WHERE blob_id IN ({q})", part)]
+                db.execute(f"DELETE FROM keys WHERE blob_id IN ({q})", part)
+                db.execute(f"DELETE FROM blobs WHERE blob_id IN ({q})", part)
+            if unlink is not None:
+                unlink(blob_ids)
+            return dropped
+        return self._tx(tx)
+
+    def touch(self, blob_ids: Sequence[str]) -> None:
+        if not blob_ids:
+            return
+        now = time.time()
+
+        def tx(db: sqlite3.Connection) -> None:
+            for part in _chunks(list(blob_ids)):
+                db.execute(f"UPDATE blobs SET last_access=? WHERE blob_id IN ({_qs(len(part))})",
+                           (now, *part))
+        self._tx(tx)
+
+    def refcount(self, blob_id: str) -> int:
+        rows = self._read("SELECT refs FROM blobs WHERE blob_id=?", (blob_id,))
+        return int(rows[0][0]) if rows else 0
+
+    def totals(self) -> tuple[int, int]:
+        """(bytes, blobs) of every recorded blob (one row, kept by triggers)."""
+        size, count = self._read("SELECT bytes, blobs FROM stats WHERE id=0")[0]
+        return int(size), int(count)
+
+    def counts(self) -> tuple[int, int]:
+        """(keys, pinned blob bytes)."""
+        (keys,) = self._read("SELECT COUNT(*) FROM keys")[0]
+        (pinned,) = self._read("SELECT COALESCE(SUM(bytes), 0) FROM group_pins")[0]
+        return int(keys), int(pinned)
+
+    def eviction_candidates(self, need: int) -> list[tuple[str, int]]:
+        """Least recently used unpinned blobs whose sizes add up to at least ``need``."""
+        out: list[tuple[str, int]] = []
+        got = 0
+        with self._lock:
+            cur = self._db.execute("SELECT blob_id, size FROM blobs WHERE pins = 0 "
+                                   "ORDER BY last_access")
+            for blob_id, size in cur:
+                if got >= need:
+                    break
+                out.append((blob_id, int(size)))
+                got += int(size)
+            cur.close()
+        return out
+
+    def unreferenced(self, min_age_s: float = 0.0) -> list[str]:
+        return [b for (b,) in self._read("SELECT blob_id FROM blobs WHERE refs <= 0 AND "
+                                         "created <= ?", (time.time() - min_age_s,))]
+
+    def all_blobs(self) -> list[str]:
+        return [b for (b,) in self._read("SELECT blob_id FROM blobs")]
+
+    def dangling_keys(self) -> list[bytes]:
+        return [bytes(k) for (k,) in self._read(
+            "SELECT key FROM keys WHERE blob_id NOT IN (SELECT blob_id FROM blobs)")]
+
+    def insert_rebuilt(self, rows: Sequence[tuple[str, int, bytes, float]]) -> None:
+        """Rebuild from blob files: (blob id, size, key, mtime); a key already mapped (a
+        save since the rebuild began) keeps its blob."""
+        def tx(db: sqlite3.Connection) -> None:
+            for blob_id, size, key, mtime in rows:
+                db.execute("INSERT OR IGNORE INTO blobs(blob_id, size, grp, last_access, "
+                           "created) VALUES(?, ?, ?, ?, ?)", (blob_id, size, key[:18], mtime,
+                                                              mtime))
+                db.execute("INSERT OR IGNORE INTO keys(key, blob_id) VALUES(?, ?)",
+                           (key, blob_id))
+        self._tx(tx)
+
+    def check(self) -> None:
+        """Raise :class:`IndexDamaged` if SQLite's quick check finds damage."""
+        try:
+            res = self._read("PRAGMA quick_check")
+        except sqlite3.DatabaseError as exc:
+            raise IndexDamaged(f"store index {self.path} is damaged: {exc}") from exc
+        if res != [("ok",)]:
+            raise IndexDamaged(f"store index {self.path} is damaged: {res[:3]}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _statements(script: str) -> Iterator[str]:
+    """Split the schema into statements (triggers keep their inner semicolons)."""
+    buf = ""
+    for line in script.strip().splitlines():
+        buf += line + "\n"
+        if sqlite3.complete_statement(buf):
+            yield buf.strip()
+            buf = ""

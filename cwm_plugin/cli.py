@@ -19,6 +19,8 @@ COMMAND_GROUPS = [
     "cwm_plugin.store.cli",
     "cwm_plugin.memory.cli",
     "cwm_plugin.sidecar.cli",
+    "cwm_plugin.windows.cli",
+    "cwm_plugin.mcp.cli",
 ]
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2
+from cwm_plugin.testing.redis_cluster import RedisCluster
 from cwm_plugin.testing.redis_server import RedisServer
 from cwm_plugin.testing.vllm_server import VLLMServer
 
@@ -32,6 +33,13 @@ def redis_server() -> Iterator[RedisServer]:
     """A real redis-server on a free loopback port, no persistence, stopped after the test."""
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A real 3-master Redis Cluster on loopback (shared: use a distinct key prefix)."""
+    with RedisCluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture

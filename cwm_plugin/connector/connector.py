@@ -38,6 +38,7 @@ from cwm_plugin.connector.keys import Namespace, build_namespace, hashes_reprodu
 from cwm_plugin.connector.layout import discover_layout
 from cwm_plugin.connector.metadata import CWMConnectorMetadata, CWMHandshake
 from cwm_plugin.connector.prom import CWMPromMetrics
+from cwm_plugin.connector.records import SERVED_LAYOUT, served_key, write_record
 from cwm_plugin.connector.scheduler import SchedulerSide, hit_source_of_saves
 from cwm_plugin.connector.stats import CWMConnectorStats, StatsCollector
 from cwm_plugin.connector.worker import WorkerSide
@@ -148,6 +149,12 @@ class CWMConnector(KVConnectorBase_V1):
             ns, self.cfg, store, self.stats, hash_fn=get_hash_fn_by_name(self.hash_algo),
             hash_ratio=max(1, spec_block // hash_block),
             stored_source=hit_source_of_saves(self.store_settings), workers=workers)
+        served = getattr(self._vllm_config.model_config, "served_model_name", None) or ns.model
+        served = str(served[0] if isinstance(served, list | tuple) else served)
+        write_record(store, served_key(served), {
+            "model": served, "namespace": dataclasses.asdict(ns),
+            "workers": [(n.digest.hex(), r) for n, r in workers]}, SERVED_LAYOUT,
+            what="the served-model record")
         log.info("cwm connector (scheduler) ready: namespace %s, model %s, KV layout %s, "
                  "%d worker(s)", ns.fingerprint, ns.model, ns.layout, len(workers))
 

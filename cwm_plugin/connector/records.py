@@ -16,12 +16,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 PREFIX = b"cwm-ctx\0"
 RECORD_LAYOUT = "cwm-context-record"
+SERVED_LAYOUT = "cwm-served-record"
+
+
+SERVED_PREFIX = b"cwm-srv\0"
+
+
+def served_key(model: str) -> bytes:
+    """Where a server leaves the namespace it serves ``model`` under (replaced at each start),
+    so a window thawed for ``model`` can name what differs from the one it was frozen on."""
+    return SERVED_PREFIX + hashlib.sha256(model.encode()).digest()[:10] + b"latest"
 
 
 def salt_group(salt: str) -> bytes:
@@ -59,11 +73,35 @@ class ContextRecord:
                 for d, r in self.workers]
 
     def to_tensor(self) -> torch.Tensor:
-        data = json.dumps(asdict(self), separators=(",", ":")).encode()
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return json_tensor(asdict(self))
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> ContextRecord:
-        d = json.loads(bytes(tensor.numpy().tobytes()).decode())
+        d = tensor_json(tensor)
         d["workers"] = [tuple(w) for w in d["workers"]]
         return cls(**d)
+
+
+def write_record(store: Any, key: bytes, obj: object, layout: str, *, what: str,
+                 salt: str | None = None) -> None:
+    """Save a JSON record under ``key`` (replacing an older one) in the background; a failure
+    is logged, never raised (records are recomputable; serving goes on)."""
+    def done(fut: Any) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("cwm connector: could not save %s: %s", what, fut.exception())
+
+    try:
+        store.put(key, json_tensor(obj), layout=layout, salt=salt,
+                  replace=True).add_done_callback(done)
+    except Exception as exc:  # a closed or full store
+        log.warning("cwm connector: could not save %s: %s", what, exc)
+
+
+def json_tensor(obj: object) -> torch.Tensor:
+    """A JSON document as a uint8 tensor (how records travel through the block store)."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def tensor_json(tensor: torch.Tensor) -> dict:
+    return json.loads(bytes(tensor.numpy().tobytes()).decode())

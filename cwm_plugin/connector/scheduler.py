@@ -267,11 +267,8 @@ class SchedulerSide:
             block_size=self.block_size, hash_block_size=self.block_size // self.hash_ratio,
             hash_algo=self.ns.hash_algo, namespace=asdict(self.ns),
             lora=[lora.lora_name, str(lora.lora_path)] if lora else None, created=time.time())
-        try:
-            self.store.put(records.record_key(salt), rec.to_tensor(), salt=salt,
-                           layout=records.RECORD_LAYOUT, replace=True)
-        except Exception as exc:  # a closed or full store: windows just cannot freeze this one
-            log.warning("cwm connector: could not save a context record: %s", exc)
+        records.write_record(self.store, records.record_key(salt), asdict(rec),
+                             records.RECORD_LAYOUT, what="a context record", salt=salt)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

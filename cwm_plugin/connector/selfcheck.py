@@ -25,9 +25,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-
 from cwm_plugin.connector.keys import Namespace, hash_probe
+from cwm_plugin.connector.records import write_record
 from cwm_plugin.store.tiered import KVStore
 
 log = logging.getLogger(__name__)
@@ -62,18 +61,8 @@ def _read(store: KVStore, key: bytes) -> dict[str, Any] | None:
 
 
 def _write(store: KVStore, key: bytes, record: dict[str, Any]) -> None:
-    data = torch.frombuffer(bytearray(json.dumps(record, sort_keys=True).encode()),
-                            dtype=torch.uint8)
-    def done(fut: Any) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
-            log.warning("cwm connector: could not save the namespace record (checked again at "
-                        "the next start): %s", fut.exception())
-
     # Not waited for: this runs inside vLLM's scheduling step, which a slow tier must not stall.
-    try:
-        store.put(key, data, layout=RECORD_LAYOUT, replace=True).add_done_callback(done)
-    except Exception as exc:  # a store that cannot take it now: checked again next start
-        log.warning("cwm connector: could not save the namespace record: %s", exc)
+    write_record(store, key, record, RECORD_LAYOUT, what="the namespace record")
 
 
 def run_selfcheck(store: KVStore, ns: Namespace, hash_fn: Any, block_size: int) -> SelfCheck:

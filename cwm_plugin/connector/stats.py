@@ -41,6 +41,8 @@ CONNECTOR_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
                     ("reason",)),
     "selfcheck_failures": ("Start-up self-checks that found vLLM's block hashes changed since "
                            "the store was filled", ()),
+    "dropped_blocks": ("Blocks the workers' stores reported dropped (evicted, expired, "
+                       "dangling), so the scheduler stopped promising them", ()),
 }
 STORE_KINDS = ("c:", "g:", "h:", "hs:")
 

@@ -102,18 +102,41 @@ class KVStore:
         rest is on). A key already stored is skipped, unless ``replace`` (records that are
         rewritten: the key is re-pointed and its old blob freed)."""
         def job(k: bytes) -> None:
-            cfg = self.config
-            t0 = time.perf_counter()
-            blob = codec.encode(tensor, key=k, fingerprint=cfg.fingerprint, num_tokens=num_tokens,
-                                layout=layout, level=cfg.zstd_level, shuffle=cfg.shuffle,
-                                checksum=cfg.checksum)
-            raw = tensor.numel() * tensor.element_size()
-            cipher = self._cipher(salt)
-            if cipher is not None:
-                blob = cipher.seal(blob)
-            self.metrics.encoded(raw, len(blob), time.perf_counter() - t0)
-            self._store_blob(k, blob, replace=replace)
+            self._store_blob(k, self._encode(k, tensor, num_tokens, layout, salt),
+                             replace=replace)
         return self._submit(bytes(key), job, replace=replace)
+
+    def _encode(self, key: bytes, tensor: torch.Tensor, num_tokens: int, layout: str,
+                salt: str | None) -> bytes:
+        cfg = self.config
+        t0 = time.perf_counter()
+        blob = codec.encode(tensor, key=key, fingerprint=cfg.fingerprint, num_tokens=num_tokens,
+                            layout=layout, level=cfg.zstd_level, shuffle=cfg.shuffle,
+                            checksum=cfg.checksum)
+        cipher = self._cipher(salt)
+        if cipher is not None:
+            blob = cipher.seal(blob)
+        self.metrics.encoded(tensor.numel() * tensor.element_size(), len(blob),
+                             time.perf_counter() - t0)
+        return blob
+
+    def claim(self, key: bytes, tensor: torch.Tensor, *, layout: str = "",
+              salt: str | None = None) -> bool:
+        """Save ``tensor`` under ``key`` unless someone did first, now (not in the background):
+        the *primary* tier decides (Redis when configured, so servers sharing it agree; else
+        disk; else memory), then the other tiers follow. False: another writer holds it."""
+        key = bytes(key)
+        blob = self._encode(key, tensor, 0, layout, salt)
+        blob_id = blob_id_of(blob)
+        primary = (self.redis or self.disk or self.memory)
+        if primary is None:
+            raise StorageFull("the store has no tier", hint="configure memory, disk or Redis")
+        if not primary.put(blob_id, blob, key) or primary.lookup_many([key])[0] != blob_id:
+            return False
+        for tier in self.tiers:
+            if tier is not primary:
+                self._write(tier, key, blob_id, blob, replace=True)
+        return True
 
     def put_blob(self, key: bytes, blob: bytes) -> cf.Future:
         """Save an already encoded (or sealed) blob, checked to be ours, not decoded."""
@@ -419,13 +442,17 @@ class KVStore:
 
     def key_info(self, key: bytes) -> dict[str, KeyInfo]:
         """tier -> what that tier's index holds for ``key``."""
-        key = bytes(key)
-        out: dict[str, KeyInfo] = {}
+        return {t: infos[0] for t, infos in self.info_many([key]).items() if infos[0]}
+
+    def info_many(self, keys: Sequence[bytes]) -> dict[str, list[KeyInfo | None]]:
+        """tier -> what that tier's index holds for each key (None: absent there)."""
+        keys = [bytes(k) for k in keys]
+        out: dict[str, list[KeyInfo | None]] = {}
         for tier in self.tiers:
-            with contextlib.suppress(*TIER_ERRORS):
-                rows = tier.list_keys(key, limit=1)
-                if rows and rows[0].key == key:
-                    out[tier.name] = rows[0]
+            try:
+                out[tier.name] = tier.info_many(keys)
+            except TIER_ERRORS as exc:
+                self._tier_failed(tier, "info", exc, "index")
         return out
 
     def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None, limit: int = 1000

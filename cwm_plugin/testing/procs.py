@@ -38,27 +38,43 @@ def wait_until(
     raise TimeoutError(f"{what}: not ready after {timeout:.0f}s\n{log_tail()}")
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group, read from /proc."""
+    out: list[int] = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()   # after "pid (comm)": state ppid pgrp ...
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(entry.name))
+    return out
+
+
 def stop_process_group(proc: subprocess.Popen, *, grace: float = 20.0) -> None:
-    """SIGTERM the leader of ``proc``'s process group (its own session), then SIGKILL the group.
+    """SIGTERM the leader of ``proc``'s process group (its own session), wait up to ``grace``
+    seconds for the *whole group* to exit, then SIGKILL what is left.
 
     Only the leader gets SIGTERM, so that it shuts its children down in order (vLLM's API
     server stops the engine, which shuts the workers and their KV connector down cleanly).
+    The leader may exit before its children have finished (a worker still flushing its
+    saves): the group is waited for, not just the leader, so nothing is killed mid-flush.
     """
-    if proc.poll() is not None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
+    deadline = time.monotonic() + grace
+    if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    # Children (vLLM's engine core, workers) live in the same group; make sure none linger.
+            proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
 
 
 def tail(path: str | os.PathLike[str], n: int = 60) -> str:

@@ -18,6 +18,7 @@ class RedisServer:
     port: int = 0
     workdir: Path | None = None
     binary: str = "redis-server"
+    extra_args: tuple[str, ...] = ()
     _own_dir: bool = field(default=False, init=False)
     _proc: subprocess.Popen | None = field(default=None, init=False)
 
@@ -39,7 +40,8 @@ class RedisServer:
         with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
             self._proc = subprocess.Popen(
                 [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-                 "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "yes"],
+                 "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "yes",
+                 *self.extra_args],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
         try:

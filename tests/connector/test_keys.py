@@ -9,7 +9,13 @@ from connector_helpers import namespace
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 
-from cwm_plugin.connector.keys import hash_probe, hashes_reproducible, kv_block_hashes
+from cwm_plugin.connector.keys import (
+    build_namespace,
+    hash_probe,
+    hashes_reproducible,
+    kv_block_hashes,
+    lora_extra,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -18,7 +24,9 @@ pytestmark = pytest.mark.unit
     ("model_fingerprint", "g"), ("model_dtype", "bfloat16"), ("vllm_version", "0.33.0"),
     ("dtype", "bfloat16"), ("block_size", 64), ("num_layers", 29), ("tp_size", 1),
     ("hash_algo", "sha256_cbor"), ("platform", "cuda"),
-    ("layout", "CPU_ATTN/amx/LBHNC/auto/float32/2x2x16x16/cpu")])
+    ("layout", "CPU_ATTN/amx/LBHNC/auto/float32/2x2x16x16/cpu"), ("quantization", "fp8"),
+    ("hf_overrides", '{"rope_theta": 20000}'), ("rope", '{"rope_theta": 10000.0}'),
+    ("pp_size", 2)])
 def test_every_namespace_field_changes_the_keys(field, value):
     h = bytes(32)
     assert namespace().key(h, 0) != namespace(**{field: value}).key(h, 0)
@@ -60,3 +68,53 @@ def test_reproducibility_follows_vllms_seed_rule(monkeypatch):
     assert not hashes_reproducible("xxhash") and not hashes_reproducible("xxhash_cbor")
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     assert hashes_reproducible("xxhash")
+
+
+def engine_config(tmp_path, **change):
+    """The parts of vLLM's config the namespace reads, with one input changed."""
+    from types import SimpleNamespace as NS
+
+    (tmp_path / "config.json").write_text("{}")
+    v = dict(quantization=None, hf_overrides={}, rope_theta=10000.0, rope_scaling=None,
+             kv_dtype="float32", block_size=16, tp=1, pp=1, hash_algo="sha256",
+             dtype="float32", layers=4)
+    v.update(change)
+    spec = NS(dtype=v["kv_dtype"], block_size=v["block_size"], num_kv_heads=2, head_size=64)
+    kv = NS(kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=[f"l{i}" for i in
+                                                                 range(v["layers"])])])
+    hf = NS(rope_theta=v["rope_theta"], rope_scaling=v["rope_scaling"],
+            max_position_embeddings=2048)
+    mc = NS(model=str(tmp_path), revision=None, dtype=v["dtype"], quantization=v["quantization"],
+            hf_overrides=v["hf_overrides"], hf_text_config=hf)
+    cfg = NS(model_config=mc, cache_config=NS(prefix_caching_hash_algo=v["hash_algo"]),
+             parallel_config=NS(tensor_parallel_size=v["tp"], pipeline_parallel_size=v["pp"]),
+             load_config=NS(download_dir=None))
+    return cfg, kv
+
+
+@pytest.mark.parametrize("change", [
+    {"quantization": "fp8"}, {"hf_overrides": {"rope_theta": 20000}},
+    {"rope_theta": 20000.0}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    {"kv_dtype": "float8_e4m3fn"}, {"block_size": 32}, {"tp": 2}, {"pp": 2},
+    {"hash_algo": "sha256_cbor"}, {"dtype": "bfloat16"}, {"layers": 5}])
+def test_what_changes_kv_for_the_same_weights_changes_the_namespace(tmp_path, change):
+    base = build_namespace(*engine_config(tmp_path), "LAYOUT")
+    assert build_namespace(*engine_config(tmp_path), "LAYOUT").digest == base.digest
+    assert build_namespace(*engine_config(tmp_path, **change), "LAYOUT").digest != base.digest
+    assert build_namespace(*engine_config(tmp_path), "OTHER-LAYOUT").digest != base.digest
+
+
+def test_a_lora_adapters_content_scopes_its_keys(tmp_path):
+    from types import SimpleNamespace as NS
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights v1")
+    req = NS(lora_name="a", lora_path=str(adapter))
+    first = lora_extra(req)
+    assert first and lora_extra(None) == b"" and lora_extra(req) == first
+    h = bytes(32)
+    assert namespace().key(h, 0, first) != namespace().key(h, 0)
+    assert namespace().key(h, 0, first)[16:] == namespace().key(h, 0)[16:]   # rank + hash
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights v2, same path and name")
+    assert lora_extra(req) != first

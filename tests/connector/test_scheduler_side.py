@@ -82,13 +82,18 @@ def test_lookup_counts_the_stored_prefix_and_leaves_one_token(hash_fn, ns, store
     assert side.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
 
 
-def test_lookups_use_rank_0s_keys(hash_fn, ns, store):
-    side = side_for(ns, store)
+def test_a_block_is_stored_only_when_every_rank_holds_it(hash_fn, ns, store):
+    # TP=2: rank 1's blob of a prefix is gone. The scheduler must neither promise the block
+    # (rank 1 would fail to load it on every request) nor skip saving it again.
+    side = SchedulerSide(ns, ConnectorConfig(lookup_cache_s=0), store, StatsCollector(),
+                         workers=[(ns, 0), (ns, 1)])
     req = make_request(hash_fn, "r1", 3 * BS)
-    fill(store, ns.keys(hashes(req, 2), 1))                 # only rank 1 has them
+    fill(store, ns.keys(hashes(req, 2), 0))                 # only rank 0 has them
     assert side.get_num_new_matched_tokens(req, 0)[0] == 0
-    fill(store, ns.keys(hashes(req, 2), 0))
-    assert side.get_num_new_matched_tokens(req, 0)[0] == 2 * BS
+    meta = side.build_connector_meta(step(req, [1, 2, 3], 0, 3 * BS))
+    assert [s.block_hashes for s in meta.saves] == [hashes(req, 3)]   # saved again
+    fill(store, ns.keys(hashes(req, 2), 1))
+    assert side.get_num_new_matched_tokens(make_request(hash_fn, "r2", 3 * BS), 0)[0] == 2 * BS
 
 
 def test_a_gap_stops_the_prefix_and_salts_never_match(hash_fn, ns, store):
@@ -155,7 +160,7 @@ def test_hit_sources_name_the_tier(hash_fn, ns, store):
     hs = hashes(req, 4)
     fill(store, ns.keys(hs[:2], 0))                          # on disk (the index knows them)
     side.update_connector_output(type("Out", (), {           # a worker holds the next two
-        "kv_connector_worker_meta": CWMWorkerMetadata(stored={hs[2], hs[3]})})())
+        "kv_connector_worker_meta": CWMWorkerMetadata(stored={(hs[2], 0), (hs[3], 0)})})())
     n, _ = side.get_num_new_matched_tokens(req, 0)
     assert n == 4 * BS
     side.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), n)

@@ -49,7 +49,7 @@ def test_saved_blocks_load_bit_exactly_into_other_block_ids(open_store):
     src = make_worker(open_store, seed=1)
     save(src, [1, 2, 3], [h(1), h(2), h(3)])
     meta = src.take_worker_meta()
-    assert meta.stored == {h(1), h(2), h(3)} and not meta.failed
+    assert meta.stored == {(h(1), 0), (h(2), 0), (h(3), 0)} and not meta.failed
     assert src.stats.snapshot()["saved_blocks"] == 3
     assert src.stats.snapshot()["saved_bytes"] == 3 * src.block_bytes
 

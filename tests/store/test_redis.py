@@ -4,6 +4,7 @@ servers with empty local tiers."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -258,10 +259,8 @@ class BlackHole:
         self._stop = True
         for c in self.conns:
             c.close()
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)     # wakes the accepting thread
-        except OSError:
-            pass
         self.sock.close()
 
 

@@ -4,6 +4,7 @@ Redis (a real redis-server). Keys of one group share their first 18 bytes (names
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -24,15 +25,19 @@ def bid(i: int) -> str:
     return f"{i:040x}"
 
 
-@pytest.fixture(params=["memory", "disk", "redis"])
+@pytest.fixture(params=["memory", "disk", "redis", "redis-cluster"])
 def tier(request, tmp_path) -> Iterator[Tier]:
     if request.param == "memory":
         t: Tier = MemoryTier(1 << 20)
     elif request.param == "disk":
         t = DiskTier(tmp_path / "d", 1 << 20, rebuild_in_background=False)
-    else:
+    elif request.param == "redis":
         server = request.getfixturevalue("redis_server")
         t = RedisTier(server.url, prefix="c", max_value_bytes=1024)
+    else:                                     # a shared cluster: a prefix of the test's own
+        cluster = request.getfixturevalue("redis_cluster")
+        t = RedisTier(cluster.url, prefix=f"c{uuid.uuid4().hex[:8]}", max_value_bytes=1024,
+                      cluster=True)
     drops: list[tuple[list[bytes], str]] = []
     t.set_drop_listener(lambda keys, why: drops.append((keys, why)))
     t.drops = drops  # type: ignore[attr-defined]

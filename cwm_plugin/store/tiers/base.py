@@ -144,6 +144,10 @@ class Tier(ABC):
         """Unpin keys; returns those that were pinned."""
 
     @abstractmethod
+    def info_many(self, keys: Sequence[bytes]) -> list[KeyInfo | None]:
+        """What the index holds for each key (None: absent)."""
+
+    @abstractmethod
     def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None,
                   limit: int = 1000) -> list[KeyInfo]:
         """Keys starting with ``prefix``, in byte order, after ``after`` (pagination)."""

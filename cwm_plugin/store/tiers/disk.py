@@ -286,6 +286,11 @@ class DiskTier(Tier):
     def unpin_many(self, keys: Sequence[bytes]) -> list[bytes]:
         return self.index.unpin_many(keys)
 
+    def info_many(self, keys: Sequence[bytes]) -> list[KeyInfo | None]:
+        self.index.expire_pins()
+        found = {row[0]: KeyInfo(*row) for row in self.index.info_many(keys)}
+        return [found.get(bytes(k)) for k in keys]
+
     def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None,
                   limit: int = 1000) -> list[KeyInfo]:
         self.index.expire_pins()

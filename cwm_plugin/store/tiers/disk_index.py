@@ -335,6 +335,15 @@ class DiskIndex:
                       "LIMIT 1", (time.time(),)):
             self._tx(self._expire)
 
+    def info_many(self, keys: Sequence[bytes]
+                  ) -> list[tuple[bytes, str, bool, float | None, int | None]]:
+        out = []
+        for part in _chunks([bytes(k) for k in keys]):
+            out += [(bytes(k), b, bool(p), e, s) for k, b, p, e, s in self._read(
+                "SELECT k.key, k.blob_id, k.pinned, k.pin_expires, b.size FROM keys k LEFT JOIN "
+                f"blobs b ON b.blob_id = k.blob_id WHERE k.key IN ({_qs(len(part))})", part)]
+        return out
+
     def list_keys(self, prefix: bytes, after: bytes | None, limit: int
                   ) -> list[tuple[bytes, str, bool, float | None, int | None]]:
         lo = max(prefix, after + b"\0") if after is not None else prefix

@@ -245,14 +245,23 @@ class MemoryTier(Tier):
                 if k in self._keys:
                     self._pin_ref(k, self._keys[k], -1)
 
+    def info_many(self, keys: Sequence[bytes]) -> list[KeyInfo | None]:
+        with self._lock:
+            self._expire_pins()
+            return [self._info(bytes(k)) if bytes(k) in self._keys else None for k in keys]
+
+    def _info(self, k: bytes) -> KeyInfo:
+        b = self._keys[k]
+        size = len(self._lru.get(b) or self._held.get(b) or b"")
+        return KeyInfo(k, b, k in self._pins, self._pins.get(k), size)
+
     def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None,
                   limit: int = 1000) -> list[KeyInfo]:
         with self._lock:
             self._expire_pins()
             keys = sorted(k for k in self._keys if k.startswith(prefix)
                           and (after is None or k > after))[:limit]
-            return [KeyInfo(k, self._keys[k], k in self._pins, self._pins.get(k),
-                            len(self._data(self._keys[k]) or b"")) for k in keys]
+            return [self._info(k) for k in keys]
 
     # --- maintenance --------------------------------------------------------------------------
 

@@ -101,7 +101,7 @@ class RedisTier(Tier):
                       socket_connect_timeout=min(self.timeout_s, 2.0))
             if self.cluster:
                 from redis.cluster import RedisCluster
-                conn = RedisCluster.from_url(self.url, cluster_error_retry_attempts=1, **kw)
+                conn = RedisCluster.from_url(self.url, retry=Retry(NoBackoff(), 1), **kw)
             else:
                 conn = redis.Redis.from_url(self.url, retry=Retry(NoBackoff(), 0),
                                             health_check_interval=30, **kw)
@@ -163,7 +163,8 @@ class RedisTier(Tier):
 
     def _gkeys(self, group: bytes) -> list[str]:
         base = f"{self.prefix}:{{{group.hex()}}}:"
-        return [base + n for n in ("refs", "sizes", "pins", "pinned", "pinbytes", "pinexp")]
+        return [base + n for n in ("refs", "sizes", "pins", "pinned", "pinbytes", "pinexp",
+                                   "index")]
 
     @property
     def _stats(self) -> str:
@@ -412,19 +413,19 @@ class RedisTier(Tier):
 
     def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None,
                   limit: int = 1000) -> list[KeyInfo]:
-        pattern = (self._kprefix(group_of(prefix)) + prefix[GROUP_BYTES:].hex() + "*"
-                   if len(prefix) >= GROUP_BYTES else f"{self.prefix}:{{*}}:k:*")
-        names = self._call(lambda c: [_s(n) for n in c.scan_iter(match=pattern, count=1000)])
-        found: list[tuple[bytes, str]] = []
-        for n in names:
-            head, _, rest = n.rpartition(":k:")
-            key = bytes.fromhex(head[head.index("{") + 1:-1]) + bytes.fromhex(rest)
-            if key.startswith(prefix) and (after is None or key > after):
-                found.append((key, n))
-        found.sort()
-        found = found[:limit]
-        rows = [(k, b) for (k, _), b in zip(found, self.lookup_many([k for k, _ in found]),
-                                             strict=True) if b is not None]
+        """Keys by prefix: within one group (a prefix of 18+ bytes) an ordered range of the
+        group's index; shorter prefixes SCAN every group (maintenance only)."""
+        if len(prefix) >= GROUP_BYTES:
+            found = self._list_group(prefix, after, limit)
+        else:
+            found = sorted(k for k in self._scan_keys() if k.startswith(prefix)
+                           and (after is None or k > after))[:limit]
+        return [i for i in self.info_many(found) if i is not None]
+
+    def info_many(self, keys: Sequence[bytes]) -> list[KeyInfo | None]:
+        keys = [bytes(k) for k in keys]
+        rows = [(k, b) for k, b in zip(keys, self.lookup_many(keys), strict=True)
+                if b is not None]
 
         def details(c: Any) -> list:
             pipe = c.pipeline(transaction=False)
@@ -434,9 +435,33 @@ class RedisTier(Tier):
                 pipe.hget(names[1], b)
             return pipe.execute()
         res = self._call(details) if rows else []
-        return [KeyInfo(key, b, exp is not None, (float(exp) or None) if exp is not None
-                        else None, int(size) if size is not None else None)
-                for (key, b), exp, size in zip(rows, res[0::2], res[1::2], strict=True)]
+        now = time.time()
+        expiry = [None if e is None else float(e) for e in res[0::2]]
+        found = {key: KeyInfo(key, b, e is not None and not 0 < e <= now, e or None,
+                              int(size) if size is not None else None)
+                 for (key, b), e, size in zip(rows, expiry, res[1::2], strict=True)}
+        return [found.get(k) for k in keys]
+
+    def _list_group(self, prefix: bytes, after: bytes | None, limit: int) -> list[bytes]:
+        group, rest = group_of(prefix), prefix[GROUP_BYTES:].hex()
+        lo = f"[{rest}"
+        if after is not None and after[:GROUP_BYTES] == group and after[GROUP_BYTES:].hex() >= rest:
+            lo = f"({after[GROUP_BYTES:].hex()}"
+        elif after is not None and after[:GROUP_BYTES] > group:
+            return []
+        index = self._gkeys(group)[6]
+        rests = self._call(lambda c: c.zrangebylex(index, lo, f"[{rest}\xff", start=0,
+                                                   num=limit))
+        return [group + bytes.fromhex(_s(r)) for r in rests]
+
+    def _scan_keys(self) -> list[bytes]:
+        names = self._call(lambda c: [_s(n) for n in c.scan_iter(
+            match=f"{self.prefix}:{{*}}:k:*", count=1000)])
+        out = []
+        for n in names:
+            head, _, rest = n.rpartition(":k:")
+            out.append(bytes.fromhex(head[head.index("{") + 1:-1]) + bytes.fromhex(rest))
+        return out
 
     # --- maintenance --------------------------------------------------------------------------
 
@@ -462,7 +487,7 @@ class RedisTier(Tier):
         return self._call(idle) if cands else []
 
     def dangling_keys(self) -> list[bytes]:
-        keys = [i.key for i in self.list_keys(limit=1 << 30)]
+        keys = self._scan_keys()
         blobs, ok = self._with_bytes(keys)
         return [k for k, b, good in zip(keys, blobs, ok, strict=True) if b and not good]
 

@@ -2,8 +2,8 @@
 
 Every script works inside one key *group* (namespace + rank), whose names share the hash tag
 ``{<group hex>}`` and so one slot of a Redis Cluster (see ``redis.py`` for the layout). The
-common ``KEYS`` are ``refs, sizes, pins, pinned, pinbytes, pinexp`` followed by the key names
-``k:<rest>``; ``ARGV`` starts with the TTL ('' for none) and the current time. A script checks
+common ``KEYS`` are ``refs, sizes, pins, pinned, pinbytes, pinexp, index`` followed by the key
+names ``k:<rest>`` (``index`` is a sorted set of the group's rests, for ordered listing); ``ARGV`` starts with the TTL ('' for none) and the current time. A script checks
 everything before it writes, so an error (a quota) leaves nothing half-done; Redis runs it
 atomically. Blob bytes live in their own slots and are written before, and deleted after, the
 script that references or frees them (a crash between leaves an orphan that ``gc`` removes,
@@ -16,6 +16,7 @@ give the bytes their TTL back).
 
 _COMMON = """
 local REFS, SIZES, PINS, PINNED, PINBYTES, PINEXP = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local INDEX = KEYS[7]
 local TTL, NOW = ARGV[1], tonumber(ARGV[2])
 local function size_of(b) return tonumber(redis.call('HGET', SIZES, b) or '0') end
 local function pin_ref(b, delta, protect, release)
@@ -46,7 +47,7 @@ local function unpin_key(k, r, b, protect, release)
   end
   return false
 end
--- pins whose expiry passed (their key names are rebuilt from the k: name of KEYS[7]'s form)
+-- pins whose expiry passed (their key names are rebuilt from the k: prefix)
 local function expire_pins(kprefix, protect, release)
   for _, r in ipairs(redis.call('ZRANGEBYSCORE', PINEXP, '-inf', NOW)) do
     local k = kprefix .. r
@@ -56,9 +57,9 @@ end
 """
 
 # ARGV: ttl, now, kprefix, blob, size, replace ('1': re-point a key that points elsewhere)
-# KEYS[7]: k -> {1 mapped | 0 the key kept another blob, freed}
+# KEYS[8]: k -> {1 mapped | 0 the key kept another blob, freed}
 MAP = _COMMON + """
-local k, b = KEYS[7], ARGV[4]
+local k, b = KEYS[8], ARGV[4]
 local old = redis.call('GET', k)
 if old == b then
   if TTL ~= '' and redis.call('TTL', k) >= 0 then redis.call('EXPIRE', k, TTL) end
@@ -78,16 +79,17 @@ if old then
   redis.call('SET', k, b, 'KEEPTTL')
 elseif TTL ~= '' then redis.call('SET', k, b, 'EX', TTL)
 else redis.call('SET', k, b) end
+redis.call('ZADD', INDEX, 0, string.sub(k, #ARGV[3] + 1))
 return {1, freed}
 """
 
-# ARGV: ttl, now, kprefix, then pairs (rest, blob); KEYS[7..]: k names in pair order
+# ARGV: ttl, now, kprefix, then pairs (rest, blob); KEYS[8..]: k names in pair order
 # -> {linked rests, freed, protect, release}
 LINK_MANY = _COMMON + """
 local linked, freed, protect, release = {}, {}, {}, {}
-for i = 7, #KEYS do
+for i = 8, #KEYS do
   local k = KEYS[i]
-  local r, b = ARGV[4 + (i - 7) * 2], ARGV[5 + (i - 7) * 2]
+  local r, b = ARGV[4 + (i - 8) * 2], ARGV[5 + (i - 8) * 2]
   if redis.call('HEXISTS', SIZES, b) == 1 then
     local old = redis.call('GET', k)
     if old ~= b then
@@ -100,6 +102,7 @@ for i = 7, #KEYS do
         redis.call('SET', k, b, 'KEEPTTL')
       elseif TTL ~= '' and not pinned then redis.call('SET', k, b, 'EX', TTL)
       else redis.call('SET', k, b) end
+      redis.call('ZADD', INDEX, 0, r)
     end
     table.insert(linked, r)
   end
@@ -111,13 +114,15 @@ return {linked, freed, protect, release}
 # -> {deleted rests, freed, protect, release}
 DELETE_MANY = _COMMON + """
 local found, freed, protect, release = {}, {}, {}, {}
-for i = 7, #KEYS do
+for i = 8, #KEYS do
   local k = KEYS[i]
-  local r, want = ARGV[4 + (i - 7) * 2], ARGV[5 + (i - 7) * 2]
+  local r, want = ARGV[4 + (i - 8) * 2], ARGV[5 + (i - 8) * 2]
   local b = redis.call('GET', k)
+  if not b then redis.call('ZREM', INDEX, r) end
   if b and (want == '' or want == b) then
     unpin_key(k, r, b, protect, release)
     redis.call('DEL', k)
+    redis.call('ZREM', INDEX, r)
     unref(b, freed)
     table.insert(found, r)
   end
@@ -132,10 +137,10 @@ local protect, release = {}, {}
 expire_pins(ARGV[3], protect, release)
 local expires, quota = tonumber(ARGV[4]), ARGV[5]
 local blobs, add, seen = {}, 0, {}
-for i = 7, #KEYS do
+for i = 8, #KEYS do
   local b = redis.call('GET', KEYS[i])
   blobs[i] = b
-  if b and not seen[b] and redis.call('HEXISTS', PINS, ARGV[i - 1]) == 0
+  if b and not seen[b] and redis.call('HEXISTS', PINS, ARGV[i - 2]) == 0
       and tonumber(redis.call('HGET', PINNED, b) or '0') == 0 then
     seen[b] = true
     add = add + size_of(b)
@@ -146,8 +151,8 @@ if quota ~= '' and add > 0 and now_bytes + add > tonumber(quota) then
   return {-1, now_bytes + add}
 end
 local pinned = {}
-for i = 7, #KEYS do
-  local k, r, b = KEYS[i], ARGV[i - 1], blobs[i]
+for i = 8, #KEYS do
+  local k, r, b = KEYS[i], ARGV[i - 2], blobs[i]
   if b then
     if redis.call('HEXISTS', PINS, r) == 0 then pin_ref(b, 1, protect, release) end
     redis.call('HSET', PINS, r, expires)
@@ -164,8 +169,8 @@ return {pinned, protect, release}
 UNPIN_MANY = _COMMON + """
 local protect, release, done = {}, {}, {}
 expire_pins(ARGV[3], protect, release)
-for i = 7, #KEYS do
-  local k, r = KEYS[i], ARGV[i - 3]
+for i = 8, #KEYS do
+  local k, r = KEYS[i], ARGV[i - 4]
   if unpin_key(k, r, redis.call('GET', k), protect, release) then table.insert(done, r) end
 end
 return {done, protect, release}

@@ -1,0 +1,141 @@
+"""``cwm window freeze|thaw|clone|ls|status|rm``: context windows from the command line.
+
+By default the commands talk to a running sidecar (``--url``, ``--api-key`` or the
+``CWM_SIDECAR_URL`` / ``CWM_API_KEY`` environment): the tenant is the key's. With
+``--store FILE.yaml --tenant NAME`` they open the KV store directly (the sidecar's secret from
+``$CWM_SIDECAR_SECRET`` derives the sessions' salts, as the sidecar does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from cwm_plugin.errors import ConfigError
+from cwm_plugin.windows.client import HttpWindows, LocalWindows, WindowsClient
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    group = subparsers.add_parser("window", help="freeze, thaw, clone and inspect context "
+                                                 "windows")
+    sub = group.add_subparsers(dest="window_command", required=True)
+
+    def cmd(name: str, help_: str, fn) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--url", default=os.environ.get("CWM_SIDECAR_URL",
+                                                       "http://127.0.0.1:8080"))
+        p.add_argument("--api-key", default=os.environ.get("CWM_API_KEY"))
+        p.add_argument("--store", help="open this KV store (YAML settings) directly")
+        p.add_argument("--tenant", help="the tenant, with --store")
+        p.add_argument("--secret-env", default="CWM_SIDECAR_SECRET",
+                       help="environment variable holding the sidecar's secret (--store)")
+        p.add_argument("--json", action="store_true", help="print JSON")
+        p.set_defaults(func=fn)
+        return p
+
+    p = cmd("freeze", "freeze a session's context under a name", _freeze)
+    p.add_argument("name")
+    p.add_argument("--session", required=True)
+    p.add_argument("--tag", action="append", default=[])
+    p.add_argument("--description", default="")
+    p = cmd("thaw", "restore a window into a session (default: its own)", _thaw)
+    p.add_argument("name")
+    p.add_argument("--into", dest="session")
+    p.add_argument("--warm", action="store_true", help="prefill through vLLM now")
+    p.add_argument("--model", help="refuse unless the window fits this served model")
+    p = cmd("clone", "branch a window under a new name (no KV copied)", _clone)
+    p.add_argument("name")
+    p.add_argument("new_name")
+    p = cmd("ls", "list windows", _ls)
+    p.add_argument("--tag")
+    p.add_argument("--model")
+    p.add_argument("--session")
+    p.add_argument("-q", "--query", dest="q")
+    p.add_argument("--sort", default="created", choices=("created", "updated", "name", "tokens"))
+    p.add_argument("--limit", type=int, default=50)
+    p = cmd("status", "blocks, bytes and restorable tokens of a window", _status)
+    p.add_argument("name")
+    p = cmd("rm", "delete a window (blobs a clone still uses stay)", _rm)
+    p.add_argument("name")
+
+
+def client_from_args(args: argparse.Namespace) -> WindowsClient:
+    if args.store:
+        from prometheus_client import CollectorRegistry
+
+        from cwm_plugin.sidecar.identity import derive_salt
+        from cwm_plugin.store.config import StoreConfig
+        from cwm_plugin.store.tiered import KVStore
+        from cwm_plugin.windows.engine import WindowEngine
+
+        if not args.tenant:
+            raise ConfigError("--store needs --tenant")
+        secret = os.environ.get(args.secret_env, "")
+        if not secret:
+            raise ConfigError(f"${args.secret_env} is not set",
+                              hint="export the sidecar's secret to derive session salts")
+        cfg = StoreConfig.from_file(args.store)
+        cfg.memory_bytes = 0
+        store = KVStore(cfg, registry=CollectorRegistry())
+        return LocalWindows(WindowEngine(store), args.tenant,
+                            lambda t, s: derive_salt(secret.encode(), t, s))
+    if not args.api_key:
+        raise ConfigError("no API key", hint="pass --api-key or set CWM_API_KEY (or use "
+                                             "--store FILE --tenant NAME)")
+    return HttpWindows(args.url, args.api_key)
+
+
+def _out(args: argparse.Namespace, data: dict[str, Any], line: str) -> int:
+    print(json.dumps(data, indent=2) if args.json else line)
+    return 0
+
+
+def _freeze(args: argparse.Namespace) -> int:
+    w = client_from_args(args).freeze(args.name, args.session, tags=args.tag,
+                                      description=args.description)
+    return _out(args, w, f"frozen {w['name']}: {w['pinned_tokens']} of {w['tokens']} tokens "
+                         f"pinned in {w['blocks']} blocks (session {w['session']})")
+
+
+def _thaw(args: argparse.Namespace) -> int:
+    r = client_from_args(args).thaw(args.name, args.session, warm=args.warm, model=args.model)
+    warm = f"; vLLM restored {r['warm'].get('hits')} tokens" if r.get("warm") else ""
+    return _out(args, r, f"thawed {r['name']} into session {r['session']}: "
+                         f"{r['restorable_tokens']} of {r['tokens']} tokens restorable{warm}")
+
+
+def _clone(args: argparse.Namespace) -> int:
+    w = client_from_args(args).clone(args.name, args.new_name)
+    return _out(args, w, f"cloned {args.name} -> {w['name']} ({w['blocks']} blocks shared)")
+
+
+def _ls(args: argparse.Namespace) -> int:
+    res = client_from_args(args).list(tag=args.tag, model=args.model, session=args.session,
+                                      q=args.q, sort=args.sort, limit=args.limit)
+    if args.json:
+        return _out(args, res, "")
+    print(f"{'name':32s} {'session':20s} {'tokens':>8s} {'model':16s} {'created':19s} tags")
+    for w in res["data"]:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(w["created"]))
+        print(f"{w['name']:32s} {w['session']:20s} {w['tokens']:>8d} {w['model'][:16]:16s} "
+              f"{created} {','.join(w['tags'])}")
+    print(f"{res['total']} window(s)", file=sys.stderr)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    s = client_from_args(args).status(args.name)
+    tiers = ", ".join(f"{t}: {v['blocks']} blocks ({v['pinned']} pinned, {v['bytes']:,} B)"
+                      for t, v in s["tiers"].items())
+    return _out(args, s, f"{s['name']}: {s['restorable_tokens']} of {s['tokens']} tokens "
+                         f"restorable; {tiers}; ratio {s['compression_ratio']}; parent "
+                         f"{s['parent'] or '-'}; children {', '.join(s['children']) or '-'}")
+
+
+def _rm(args: argparse.Namespace) -> int:
+    client_from_args(args).delete(args.name)
+    return _out(args, {"deleted": args.name}, f"deleted {args.name}")

@@ -1,0 +1,114 @@
+"""Context windows through a real ``vllm serve`` (tiny model: token identity is strict).
+
+A 3-turn conversation is frozen, vLLM restarted, the window thawed into a new session and the
+conversation continued: the answer equals the same request recomputed cold under a fresh salt,
+and vLLM's external hits show the frozen prefix was restored. Clones branch without disturbing
+each other, survive their parent, and eviction pressure never takes a window's blocks. A window
+frozen on one server thaws on another through a shared Redis.
+"""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+from test_connector import HITS, long_text, serve
+
+from cwm_plugin.store.config import StoreConfig
+from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.windows.engine import WindowEngine
+
+pytestmark = pytest.mark.e2e
+SYSTEM = {"role": "system", "content": "You are a careful assistant."}
+
+
+def ask(server, messages: list[dict], salt: str, max_tokens: int = 12) -> tuple[str, list[int]]:
+    out = server.chat(messages, max_tokens=max_tokens, return_token_ids=True, cache_salt=salt)
+    choice = out["choices"][0]
+    return choice["message"]["content"], choice["token_ids"]
+
+
+def conversation(server, salt: str) -> list[dict]:
+    """Three turns under ``salt``; the history a client would hold afterwards."""
+    msgs = [SYSTEM]
+    for i in range(3):
+        msgs.append({"role": "user", "content": long_text(70 + i, 160)})
+        text, _ = ask(server, msgs, salt)
+        msgs.append({"role": "assistant", "content": text})
+    return msgs
+
+
+def engine_on(settings: dict) -> WindowEngine:
+    return WindowEngine(KVStore(StoreConfig(**{**settings, "memory_bytes": 0}),
+                                registry=CollectorRegistry()))
+
+
+def test_freeze_restart_thaw_clone_and_branches_restore_exactly(tiny_model, vllm_factory,
+                                                                tmp_path):
+    # a disk budget small enough that the flood below must evict (~430 KB a block)
+    store = {"disk_path": str(tmp_path / "store"), "disk_bytes": 24 << 20,
+             "pin_quota_bytes": 20 << 20}
+    server = serve(vllm_factory, tiny_model, store, env={"VLLM_SERVER_DEV_MODE": "1"}).start()
+    history = conversation(server, "salt-alice")
+    eng = engine_on(store)
+    window = eng.freeze("acme", "trip", session="alice", salt="salt-alice",
+                        messages=history)
+    assert window.pinned_tokens >= 3 * 128
+
+    server.restart()
+    turn4 = [*history, {"role": "user", "content": "And what should we pack?"}]
+    expected = ask(server, turn4, "fresh-salt-1")               # recomputed cold
+    assert server.metric(HITS) == 0
+    thawed = eng.thaw("acme", "trip", session="bob", salt="salt-bob")
+    assert thawed.restorable_tokens == window.pinned_tokens and thawed.messages == history
+    assert ask(server, turn4, "salt-bob") == expected           # token-identical ...
+    hits = server.metric(HITS)
+    assert hits >= 3 * 128 and hits <= window.pinned_tokens     # ... from the frozen prefix
+
+    # Two branches with different continuations; neither disturbs the other.
+    eng.clone("acme", "trip", "trip-b")
+    eng.thaw("acme", "trip", session="carol", salt="salt-carol")
+    eng.thaw("acme", "trip-b", session="dave", salt="salt-dave")
+    branch_c = [*history, {"role": "user", "content": "Tell me about the river."}]
+    branch_d = [*history, {"role": "user", "content": "Tell me about the mountain."}]
+    want_c, want_d = ask(server, branch_c, "fresh-2"), ask(server, branch_d, "fresh-3")
+    before = server.metric(HITS)
+    assert ask(server, branch_d, "salt-dave") == want_d
+    assert ask(server, branch_c, "salt-carol") == want_c
+    assert server.metric(HITS) - before >= 2 * 3 * 128
+
+    # The parent goes; its clone still thaws. Eviction pressure never takes pinned blocks.
+    eng.delete("acme", "trip")
+    for i in range(8):
+        ask(server, [SYSTEM, {"role": "user", "content": long_text(90 + i, 600)}],
+            f"flood-{i}", max_tokens=1)
+    assert server.metric_where("cwm:store_drops", tier="disk", reason="evicted") > 0
+    st = eng.status("acme", "trip-b")
+    assert st["restorable_tokens"] == window.pinned_tokens and st["parent"] == "trip"
+    server.reset_prefix_cache()
+    eng.thaw("acme", "trip-b", session="erin", salt="salt-erin")
+    before = server.metric(HITS)
+    assert ask(server, turn4, "salt-erin") == expected
+    assert server.metric(HITS) - before >= 3 * 128
+    eng.store.close()
+
+
+@pytest.mark.redis
+def test_a_window_frozen_on_one_server_thaws_on_another_through_redis(
+        tiny_model, vllm_factory, tmp_path, redis_server):
+    shared = {"redis_url": redis_server.url, "redis_write": "through"}
+    a = serve(vllm_factory, tiny_model, {**shared, "disk_path": str(tmp_path / "a")}).start()
+    history = conversation(a, "salt-a")
+    eng_a = engine_on({**shared, "disk_path": str(tmp_path / "a")})
+    w = eng_a.freeze("acme", "handover", session="a", salt="salt-a")
+    eng_a.store.close()
+    a.stop()
+    b = serve(vllm_factory, tiny_model, {**shared, "disk_path": str(tmp_path / "b")}).start()
+    eng_b = engine_on(shared)                      # server B's side: Redis only
+    assert [m.name for m in eng_b.list("acme")[0]] == ["handover"]
+    eng_b.thaw("acme", "handover", session="b", salt="salt-b", model="tiny")
+    turn = [*history, {"role": "user", "content": "Where were we?"}]
+    expected = ask(b, turn, "fresh")
+    before = b.metric(HITS)
+    assert ask(b, turn, "salt-b") == expected
+    assert b.metric(HITS) - before >= min(3 * 128, w.pinned_tokens)
+    eng_b.store.close()

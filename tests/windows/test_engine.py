@@ -1,0 +1,182 @@
+"""The window engine over a real store, with blocks and a context record laid out exactly as the
+connector leaves them (vLLM's own hashing, per-worker keys); the vLLM end-to-end tests are in
+test_windows_e2e.py."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from cwm_plugin.connector import records
+from cwm_plugin.errors import AlreadyExists, InvalidInput, NotFound
+from cwm_plugin.store.config import StoreConfig
+from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.tiers.base import QuotaExceeded
+from cwm_plugin.windows import hashing
+from cwm_plugin.windows.engine import ModelMismatch, WindowEngine, WindowIncomplete
+
+pytestmark = pytest.mark.unit
+BS = 16
+WORKERS = [("ab" * 16, 0), ("ab" * 16, 1)]       # one namespace, TP=2
+NS = {"model": "tiny", "model_fingerprint": "f", "num_layers": 2, "num_kv_heads": 1,
+      "head_size": 8, "dtype": "float32", "block_size": BS}
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
+                registry=CollectorRegistry())
+    yield s
+    s.close()
+
+
+def block(i: int, rank: int) -> torch.Tensor:
+    return torch.full((2, 1, BS, 16), float(i * 10 + rank))
+
+
+def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = None) -> list[int]:
+    """What the connector leaves after a salted request: blocks per worker and a record."""
+    tokens = [(7 * i) % 4000 + 5 for i in range(n_tokens)]
+    n = n_tokens // BS if save is None else save
+    hs = hashing.chain(tokens, salt=salt, block_size=BS, hash_block_size=BS,
+                       hash_algo="sha256", lora=None, num_blocks=n)
+    rec = records.ContextRecord(tokens=tokens, block_hashes=[h.hex() for h in hs],
+                                workers=WORKERS, block_size=BS, hash_block_size=BS,
+                                hash_algo="sha256", namespace=NS)
+    for d, rank in WORKERS:
+        for i, h in enumerate(hs):
+            store.put(bytes.fromhex(d) + rank.to_bytes(2, "big") + h, block(i, rank)).result()
+    store.put(records.record_key(salt), records.json_tensor(asdict(rec)), salt=salt,
+              replace=True).result()
+    return tokens
+
+
+def session_blocks(store: KVStore, tokens: list[int], salt: str, n: int) -> list[list]:
+    hs = hashing.chain(tokens, salt=salt, block_size=BS, hash_block_size=BS,
+                       hash_algo="sha256", lora=None, num_blocks=n)
+    return [store.get_many([bytes.fromhex(d) + r.to_bytes(2, "big") + h for h in hs])
+            for d, r in WORKERS]
+
+
+def test_freeze_thaw_into_a_new_session_restores_every_rank(store):
+    tokens = converse(store, "salt-a", 5 * BS + 3)
+    eng = WindowEngine(store)
+    m = eng.freeze("t1", "plan", session="a", salt="salt-a", tags=["x"],
+                   messages=[{"role": "user", "content": "hi"}])
+    assert m.num_blocks == 5 and m.public()["tokens"] == 5 * BS + 3
+    assert "salt" not in str(m.public()) and "tokens" in m.public()
+    r = eng.thaw("t1", "plan", session="b", salt="salt-b")
+    assert r.restorable_tokens == 5 * BS and r.messages == [{"role": "user", "content": "hi"}]
+    for rank, got in enumerate(session_blocks(store, tokens, "salt-b", 5)):
+        assert all(torch.equal(t, block(i, rank)) for i, t in enumerate(got))
+    assert store.usage()["disk"]["blobs"] == 10 + 2       # no tensor copy (+ record, manifest)
+    assert eng.status("t1", "plan")["last_thaw"]["session"] == "b"
+
+
+def test_a_window_survives_its_session_being_evicted_and_clones_survive_the_parent(store):
+    tokens = converse(store, "s", 3 * BS)
+    eng = WindowEngine(store)
+    eng.freeze("t1", "w", session="a", salt="s")
+    eng.clone("t1", "w", "w2")
+    eng.clone("t1", "w", "w3")
+    for ks in [[bytes.fromhex(d) + r.to_bytes(2, "big") + h for h in hashing.chain(
+            tokens, salt="s", block_size=BS, hash_block_size=BS, hash_algo="sha256",
+            lora=None, num_blocks=3)] for d, r in WORKERS]:
+        store.delete_many(ks)                              # the session's cache went
+    eng.delete("t1", "w")                                  # and the parent
+    assert eng.status("t1", "w2")["restorable_tokens"] == 3 * BS
+    eng.thaw("t1", "w2", session="c", salt="salt-c")
+    assert all(t is not None for ts in session_blocks(store, tokens, "salt-c", 3) for t in ts)
+    st = eng.status("t1", "w3")
+    assert st["parent"] == "w" and st["tiers"]["disk"]["pinned"] == 6
+    assert st["compression_ratio"] and st["raw_bytes"] == 6 * 2 * 2 * 1 * 8 * BS * 4
+    eng.delete("t1", "w2")
+    eng.delete("t1", "w3")
+    assert store.usage()["disk"]["blobs"] == 6 + 1          # session c's keys still use them
+    store.delete_many([k.key for ks in store.list_keys().values() for k in ks])
+    assert store.usage()["disk"]["blobs"] == 0              # last reference gone: freed
+
+
+def test_errors_are_clear_and_tenants_never_see_each_other(store):
+    converse(store, "s", 2 * BS)
+    eng = WindowEngine(store, wait_s=0)
+    eng.freeze("t1", "w", session="a", salt="s")
+    with pytest.raises(AlreadyExists):
+        eng.freeze("t1", "w", session="a", salt="s")
+    with pytest.raises(InvalidInput, match="invalid window name"):
+        eng.freeze("t1", "../etc/passwd", session="a", salt="s")
+    with pytest.raises(NotFound, match="no saved context"):
+        eng.freeze("t1", "w9", session="zz", salt="unknown-salt")
+    for op in (lambda: eng.thaw("t2", "w", session="x", salt="y"),
+               lambda: eng.clone("t2", "w", "mine"), lambda: eng.delete("t2", "w"),
+               lambda: eng.status("t2", "w")):
+        with pytest.raises(NotFound, match="no window named 'w'"):
+            op()
+    assert eng.list("t2") == ([], 0) and [m.name for m in eng.list("t1")[0]] == ["w"]
+    with pytest.raises(ModelMismatch, match="frozen on model 'tiny'"):
+        eng.thaw("t1", "w", session="b", salt="b", model="other-model")
+
+
+def test_missing_blocks_refuse_freeze_and_say_what_is_restorable(store):
+    tokens = converse(store, "s", 4 * BS)
+    hs = hashing.chain(tokens, salt="s", block_size=BS, hash_block_size=BS,
+                       hash_algo="sha256", lora=None, num_blocks=4)
+    store.delete_many([bytes.fromhex(WORKERS[1][0]) + (1).to_bytes(2, "big") + hs[2]])
+    with pytest.raises(WindowIncomplete, match="2 of 4 blocks .* 32 of 64 tokens are restorable"):
+        WindowEngine(store, wait_s=0.3).freeze("t1", "w", session="a", salt="s")
+    assert WindowEngine(store).list("t1")[1] == 0 and store.usage()["disk"]["keys"] == 7 + 1
+
+
+def test_the_pin_quota_refuses_and_leaves_nothing_behind(tmp_path):
+    store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0,
+                                pin_quota_bytes=1000), registry=CollectorRegistry())
+    try:
+        converse(store, "s", 3 * BS)
+        keys_before = store.usage()["disk"]["keys"]
+        with pytest.raises(QuotaExceeded, match="quota"):
+            WindowEngine(store).freeze("t1", "w", session="a", salt="s")
+        assert store.usage()["disk"]["keys"] == keys_before
+        assert WindowEngine(store).list("t1")[1] == 0
+    finally:
+        store.close()
+
+
+def test_two_freezes_of_one_name_at_once_one_wins(store):
+    converse(store, "s", 2 * BS)
+    results: list[object] = []
+
+    def freeze() -> None:
+        try:
+            results.append(WindowEngine(store).freeze("t1", "same", session="a", salt="s"))
+        except AlreadyExists as exc:
+            results.append(exc)
+    threads = [threading.Thread(target=freeze) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(isinstance(r, AlreadyExists) for r in results) == 3
+    assert WindowEngine(store).status("t1", "same")["tiers"]["disk"]["pinned"] == 4
+    assert store.usage()["disk"]["keys"] == 4 + 4 + 1 + 1   # session, window, record, manifest
+
+
+def test_hashing_elsewhere_is_caught_before_any_key_is_made(store, monkeypatch):
+    converse(store, "s", 2 * BS)
+    monkeypatch.setattr(hashing, "chain", lambda *a, **k: [bytes(32), bytes(32)])
+    with pytest.raises(hashing.HashingMismatch, match="PYTHONHASHSEED"):
+        WindowEngine(store).freeze("t1", "w", session="a", salt="s")
+
+
+def test_list_filters_sorts_and_pages(store):
+    converse(store, "s", 2 * BS)
+    eng = WindowEngine(store)
+    for i, tag in enumerate(["a", "b", "a"]):
+        eng.freeze("t1", f"w{i}", session="a", salt="s", tags=[tag], description=f"plan {i}")
+    page, total = eng.list("t1", tag="a", sort="name", descending=False)
+    assert [m.name for m in page] == ["w0", "w2"] and total == 2
+    assert [m.name for m in eng.list("t1", text="PLAN 1")[0]] == ["w1"]
+    assert [m.name for m in eng.list("t1", sort="name", limit=1, offset=1)[0]] == ["w1"]

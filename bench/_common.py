@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import time
@@ -38,11 +39,28 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (figures vary with it: kernels, AVX2 vs AVX-512)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine() -> dict[str, Any]:
     import os
 
+    flags = ""
+    with contextlib.suppress(OSError):
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("flags")), "")
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
     return {"python": platform.python_version(), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "processor": platform.processor()}
+            "cpus": os.cpu_count(), "processor": platform.processor(), "cpu": cpu_model(),
+            "isa": isa}
 
 
 def write_json(path: str | Path | None, data: dict[str, Any]) -> None:

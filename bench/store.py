@@ -8,6 +8,11 @@ checksum verification. Throughput is in GB/s of raw tensor bytes, the best of ``
 the ratio is raw over stored bytes over all rounds. Redis is a real ``redis-server`` started
 for the run (cwm_plugin.testing.redis_server).
 
+Key operations (store v2): ``link_many``, ``pin_many``, ``unpin_many`` and ``delete_many`` of
+``--keys`` (10k) keys in one call per tier, as keys/s; and a fill curve: put latency (p50/p99
+of 200 puts of a small block, through encode and every write) as a tier grows to ``--fill``
+(100k) blobs -- it should stay flat, not grow with the number of stored blobs.
+
     python bench/store.py --json bench/results/store.json [--quick] [--no-redis]
 """
 
@@ -68,6 +73,56 @@ def run_tier(name: str, cfg: StoreConfig, blocks: list[torch.Tensor], rounds: in
             "raw_bytes": raw}
 
 
+def keyop_rates(name: str, cfg: StoreConfig, n: int) -> dict:
+    """keys/s of one batch call of each key operation over ``n`` keys of one group."""
+    store = KVStore(cfg, registry=CollectorRegistry())
+    group = b"K" * 18
+    store.put(group + b"base", torch.ones(64)).result()
+    keys = [group + i.to_bytes(4, "big") for i in range(n)]
+    out: dict = {"tier": name, "keys": n}
+    for op, call in (("link_many", lambda: store.link_many([(k, group + b"base")
+                                                            for k in keys])),
+                     ("pin_many", lambda: store.pin_many(keys)),
+                     ("unpin_many", lambda: store.unpin_many(keys)),
+                     ("delete_many", lambda: store.delete_many(keys))):
+        t0 = time.perf_counter()
+        done = call()
+        out[f"{op}_keys_per_s"] = n / (time.perf_counter() - t0)
+        assert any(len(v) == n for v in done.values()), (op, {t: len(v) for t, v in done.items()})
+    store.close()
+    return out
+
+
+def fill_curve(name: str, cfg: StoreConfig, total: int, marks: list[int], sample: int = 200
+               ) -> list[dict]:
+    """Put latency of ``sample`` small blocks each time the tier holds ``marks`` blobs."""
+    store = KVStore(cfg, registry=CollectorRegistry())
+    rows: list[dict] = []
+    g = torch.Generator().manual_seed(0)
+    stored = 0
+    with tqdm(total=total, desc=f"fill {name}", unit="blob") as bar:
+        for mark in marks:
+            while stored < mark - sample:
+                futs = [store.put(f"f{stored + i}".encode(), torch.randn(256, generator=g))
+                        for i in range(min(500, mark - sample - stored))]
+                for f in futs:
+                    f.result()
+                bar.update(len(futs))
+                stored += len(futs)
+            lat = []
+            for _ in range(sample):
+                t0 = time.perf_counter()
+                store.put(f"f{stored}".encode(), torch.randn(256, generator=g)).result()
+                lat.append(time.perf_counter() - t0)
+                stored += 1
+            bar.update(sample)
+            lat.sort()
+            rows.append({"tier": name, "blobs": stored, "put_p50_ms": lat[len(lat) // 2] * 1e3,
+                         "put_p99_ms": lat[int(len(lat) * 0.99) - 1] * 1e3})
+    store.close()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write results here")
@@ -75,16 +130,25 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kv-dir", help="folder of captured KV blocks (see bench/codec.py)")
     ap.add_argument("--no-redis", action="store_true", help="skip the Redis tier")
+    ap.add_argument("--keys", type=int, default=10_000, help="keys per batch key operation")
+    ap.add_argument("--fill", type=int, default=100_000, help="blobs to fill each tier to")
+    ap.add_argument("--no-throughput", action="store_true", help="key ops and fill only")
     args = ap.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    blocks = (codec_bench.load_kv_dir(args.kv_dir) if args.kv_dir
-              else codec_bench.capture_vllm("bfloat16"))
     if args.quick:
-        blocks, args.rounds = blocks[:4], 1
-    print(f"{len(blocks)} {blocks[0].dtype} blocks of {list(blocks[0].shape)} "
-          f"({blocks[0].numel() * blocks[0].element_size() / 1e6:.2f} MB each)")
-    rows = []
+        args.rounds, args.keys, args.fill = 1, 2000, 5000
+    blocks: list[torch.Tensor] = []
+    if not args.no_throughput:
+        blocks = (codec_bench.load_kv_dir(args.kv_dir) if args.kv_dir
+                  else codec_bench.capture_vllm("bfloat16"))
+        blocks = blocks[:4] if args.quick else blocks
+        print(f"{len(blocks)} {blocks[0].dtype} blocks of {list(blocks[0].shape)} "
+              f"({blocks[0].numel() * blocks[0].element_size() / 1e6:.2f} MB each)")
+    rows: list[dict] = []
+    keyops: list[dict] = []
+    fill: list[dict] = []
+    marks = sorted({m for m in (1000, 10_000, 50_000, args.fill) if m <= args.fill})
     with tempfile.TemporaryDirectory(prefix="cwm-bench-store-") as tmp, \
             contextlib.ExitStack() as stack:
         base = {"fingerprint": "bench", "memory_bytes": 0}
@@ -99,12 +163,31 @@ def main() -> int:
                 **base, "memory_bytes": 4 << 30, "disk_path": str(Path(tmp) / "all"),
                 "redis_url": redis.url, "redis_prefix": "all"}
         for name, kw in tqdm(tiers.items(), desc="tiers"):
-            rows.append(run_tier(name, StoreConfig(**kw), blocks, args.rounds))
-    print(table(rows, ["tier", "put_gbps", "get_gbps", "put_blob_gbps", "get_blob_gbps",
-                       "ratio"]))
-    write_json(args.json, {"blocks": len(blocks), "block_shape": list(blocks[0].shape),
-                           "dtype": str(blocks[0].dtype), "machine": machine(), "rows": rows,
-                           "note": "GB/s of raw tensor bytes; put includes encode, get decode"})
+            if blocks:
+                rows.append(run_tier(name, StoreConfig(**kw), blocks, args.rounds))
+            if name in ("memory", "disk", "redis"):
+                for tag in ("k", "f"):     # a fresh store for each measurement
+                    fresh = {**kw, "redis_prefix": f"{tag}{name}"}
+                    if "disk_path" in kw:
+                        fresh["disk_path"] = f"{kw['disk_path']}-{tag}"
+                    if tag == "k":
+                        keyops.append(keyop_rates(name, StoreConfig(**fresh), args.keys))
+                    else:
+                        fill += fill_curve(name, StoreConfig(**fresh), args.fill, marks)
+    if rows:
+        print(table(rows, ["tier", "put_gbps", "get_gbps", "put_blob_gbps", "get_blob_gbps",
+                           "ratio"]))
+    print(table(keyops, ["tier", "keys", "link_many_keys_per_s", "pin_many_keys_per_s",
+                         "unpin_many_keys_per_s", "delete_many_keys_per_s"]))
+    print(table(fill, ["tier", "blobs", "put_p50_ms", "put_p99_ms"]))
+    write_json(args.json, {"blocks": len(blocks),
+                           "block_shape": list(blocks[0].shape) if blocks else None,
+                           "dtype": str(blocks[0].dtype) if blocks else None,
+                           "machine": machine(), "rows": rows, "keyops": keyops,
+                           "fill": fill,
+                           "note": "GB/s of raw tensor bytes; put includes encode, get decode; "
+                                   "key ops in keys/s of one batch call; fill: put latency as "
+                                   "the tier grows"})
     return 0
 
 

@@ -23,14 +23,13 @@ then, ``--samples`` times each (the median is reported):
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from _common import machine, write_json
 from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 from ttft import HITS, stream_ttft
@@ -49,16 +48,6 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
@@ -73,8 +62,7 @@ def run(args: argparse.Namespace) -> dict:
     samples: dict[str, list[float]] = {k: [] for k in (
         "freeze_s", "thaw_s", "clone_s", "delete_s", "ttft_thawed_s", "ttft_recompute_s",
         "ttft_prefix_cache_s")}
-    out: dict = {"machine": {"cpu": cpu_model(), "cores": __import__("os").cpu_count()},
-                 "tokens": args.tokens, "samples": args.samples}
+    out: dict = {"machine": machine(), "tokens": args.tokens, "samples": args.samples}
     with server:
         stream_ttft(server, "warm-up: " + prompt[:2000], "warm-up", max_tokens=1)
         cold_s, cold_ids, n_prompt = stream_ttft(server, prompt, "session-0")
@@ -124,7 +112,7 @@ def table(r: dict) -> str:
             ("first token, thawed window", r["ttft_thawed_s"]),
             ("first token, vLLM prefix cache (floor)", r["ttft_prefix_cache_s"])]
     lines = [f"{r['prompt_tokens']}-token window on {r['machine']['cpu']} "
-             f"({r['machine']['cores']} cores), median of {r['samples']}:",
+             f"({r['machine']['cpus']} cores), median of {r['samples']}:",
              f"{'operation':42s} {'seconds':>9s} {'vs recompute':>13s}"]
     for name, s in rows:
         lines.append(f"{name:42s} {s:9.3f} {r['ttft_recompute_s'] / s:12.1f}x")
@@ -140,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     result = run(args)
     print(table(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 0
 
 

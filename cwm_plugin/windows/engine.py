@@ -97,10 +97,16 @@ class WindowEngine:
         return m
 
     def _claim(self, m: Manifest) -> None:
-        if not self.store.claim(manifest_key(m.tenant, m.name), m.to_tensor(),
-                                layout=MANIFEST_LAYOUT, salt=manifest_salt(m.tenant)):
+        key = manifest_key(m.tenant, m.name)
+        if not self.store.claim(key, m.to_tensor(), layout=MANIFEST_LAYOUT,
+                                salt=manifest_salt(m.tenant)):
             raise AlreadyExists(f"a window named {m.name!r} already exists",
                                 hint="choose another name or delete that window first")
+        try:
+            self.store.pin_many([key])    # as safe from eviction as the window's blocks
+        except BaseException:
+            self.store.delete_many([key])
+            raise
 
     def _update(self, m: Manifest) -> None:
         m.updated = time.time()

@@ -180,3 +180,23 @@ def test_list_filters_sorts_and_pages(store):
     assert [m.name for m in page] == ["w0", "w2"] and total == 2
     assert [m.name for m in eng.list("t1", text="PLAN 1")[0]] == ["w1"]
     assert [m.name for m in eng.list("t1", sort="name", limit=1, offset=1)[0]] == ["w1"]
+
+
+def test_eviction_pressure_never_takes_a_windows_blocks_or_manifest(tmp_path):
+    store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0,
+                                disk_bytes=60_000, pin_quota_bytes=30_000),
+                    registry=CollectorRegistry())
+    try:
+        tokens = converse(store, "s", 3 * BS)
+        eng = WindowEngine(store)
+        eng.freeze("t1", "w", session="a", salt="s")
+        for i in range(40):                                  # other sessions' blocks
+            store.put(b"F" * 18 + i.to_bytes(4, "big"),
+                      torch.randn(2, 1, BS, 16, generator=torch.Generator().manual_seed(i))
+                      ).result()
+        assert store.metrics.evictions.labels("disk")._value.get() > 0
+        assert eng.status("t1", "w")["restorable_tokens"] == 3 * BS
+        eng.thaw("t1", "w", session="b", salt="b")
+        assert all(t is not None for ts in session_blocks(store, tokens, "b", 3) for t in ts)
+    finally:
+        store.close()

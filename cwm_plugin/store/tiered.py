@@ -24,25 +24,23 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import logging
-import sqlite3
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, NotFound, StorageFull, TierUnavailable
+from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, StorageFull
 from cwm_plugin.store import codec, crypto
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.hashing import blob_id_of
+from cwm_plugin.store.keyspace import TIER_ERRORS, KeySpace
 from cwm_plugin.store.metrics import StoreMetrics
 from cwm_plugin.store.opening import open_tiers
 from cwm_plugin.store.queue import SaveQueue
-from cwm_plugin.store.tiers.base import KeyInfo, Tier
+from cwm_plugin.store.tiers.base import Tier
 
 log = logging.getLogger(__name__)
-TIER_ERRORS = (TierUnavailable, OSError, sqlite3.Error)
 DROPS_KEPT = 200_000
 
 
@@ -61,15 +59,16 @@ class _Hit:
     tier: Tier
 
 
-class KVStore:
-    """Tiered, content-addressed KV block store; see the module docstring."""
+class KVStore(KeySpace):
+    """Tiered, content-addressed KV block store; see the module docstring (the batch key
+    operations come from :class:`~cwm_plugin.store.keyspace.KeySpace`)."""
 
     def __init__(self, config: StoreConfig, *, registry=None) -> None:
-        self.config = config
-        self.metrics = StoreMetrics.for_registry(registry)
-        self._lock = threading.Lock()
-        self._logged: set[str] = set()
-        self.tiers: list[Tier] = open_tiers(config, self.metrics, self._log_once)
+        metrics = StoreMetrics.for_registry(registry)
+        saves = SaveQueue(config.io_workers, config.queue_depth,
+                          behind_bytes=config.behind_bytes)
+        super().__init__(config, metrics, saves)
+        self.tiers = open_tiers(config, self.metrics, self._log_once)
         for tier in self.tiers:
             tier.set_drop_listener(lambda keys, why, t=tier.name: self._on_drop(t, keys, why))
         self.memory = self._tier("memory")
@@ -80,8 +79,6 @@ class KVStore:
                          if config.encryption_key else None)
         self._dropped: set[bytes] = set()
         self._drops_overflow = False
-        self._saves = SaveQueue(config.io_workers, config.queue_depth,
-                                behind_bytes=config.behind_bytes)
         self._decoder = (cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-decode")
                          if config.io_workers > 1 else None)
         self._closed = False
@@ -205,13 +202,6 @@ class KVStore:
             return tier.exists_many([key])[0]
         except TIER_ERRORS:
             return False
-
-    def _lookup_in(self, tier: Tier, keys: Sequence[bytes]) -> list[str | None]:
-        try:
-            return tier.lookup_many(keys)
-        except TIER_ERRORS as exc:
-            self._tier_failed(tier, "lookup", exc, "index")
-            return [None] * len(keys)
 
     def get(self, key: bytes, *, salt: str | None = None) -> torch.Tensor | None:
         return self.get_many([key], salt=salt)[0]
@@ -338,134 +328,6 @@ class KVStore:
             tier.forget_blobs([blob_id], "quarantined", keys=[key] if key else ())
         self._gauges()
 
-    # --- presence and key operations ----------------------------------------------------------
-
-    def where_many(self, keys: Sequence[bytes]) -> list[str | None]:
-        """The first tier (in lookup order) holding each key, None if none. Redis answers
-        only for keys whose bytes are there (dangling keys are removed on the way)."""
-        keys = [bytes(k) for k in keys]
-        out: list[str | None] = [None] * len(keys)
-        for tier in self.tiers:
-            todo = [i for i, w in enumerate(out) if w is None]
-            if not todo:
-                break
-            sub = [keys[i] for i in todo]
-            try:
-                there = tier.exists_many(sub)
-            except TIER_ERRORS as exc:
-                self._tier_failed(tier, "lookup", exc, "index")
-                continue
-            for i, hit in zip(todo, there, strict=True):
-                if hit:
-                    out[i] = tier.name
-        return out
-
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return [w is not None for w in self.where_many(keys)]
-
-    def _each_tier(self, op: str, tiers: Sequence[Tier], fn) -> dict[str, list[bytes]]:
-        out: dict[str, list[bytes]] = {}
-        for tier in tiers:
-            try:
-                out[tier.name] = fn(tier)
-            except TIER_ERRORS as exc:
-                self._tier_failed(tier, op, exc, "index")
-        self._gauges()
-        return out
-
-    def link_many(self, pairs: Sequence[tuple[bytes, bytes]]) -> dict[str, list[bytes]]:
-        """Point each ``new_key`` at ``existing_key``'s blob in every tier that holds it (no
-        copy; a new key that points elsewhere is re-pointed). One atomic step per tier; a tier
-        without ``existing_key`` drops its own stale ``new_key`` (the tiers never disagree on
-        what a key means). Returns tier -> new keys linked there."""
-        pairs = [(bytes(n), bytes(e)) for n, e in pairs]
-        for n, e in pairs:
-            self._saves.wait_key(e)
-            self._saves.wait_key(n)
-
-        sources = {t.name: self._lookup_in(t, [e for _, e in pairs]) for t in self.tiers}
-        somewhere = [any(sources[t][i] for t in sources) for i in range(len(pairs))]
-
-        def link(tier: Tier) -> list[bytes]:
-            blobs = sources[tier.name]
-            stale = [n for (n, _), b, any_ in zip(pairs, blobs, somewhere, strict=True)
-                     if b is None and any_]
-            if stale:
-                tier.delete_many(stale)
-            return tier.link_many([(n, b) for (n, _), b in zip(pairs, blobs, strict=True)
-                                   if b is not None])
-        return self._each_tier("link", self.tiers, link)
-
-    def link(self, new_key: bytes, existing_key: bytes) -> None:
-        if not any(self.link_many([(new_key, existing_key)]).values()):
-            raise NotFound(f"cannot link: key {bytes(existing_key).hex()[:16]} is not in the "
-                           "store", hint="save the block first")
-
-    def pin_tiers(self) -> list[Tier]:
-        """Where pins live: the durable tiers (memory only when there is none)."""
-        return self.durable or self.tiers
-
-    def pin_many(self, keys: Sequence[bytes], *, ttl_s: float | None = None
-                 ) -> dict[str, list[bytes]]:
-        """Pin keys on the durable tiers (after their pending saves), each tier atomically
-        under its pin quota (:class:`~cwm_plugin.store.tiers.base.QuotaExceeded`)."""
-        keys = [bytes(k) for k in keys]
-        for k in keys:
-            self._saves.wait_key(k)
-        return self._each_tier("pin", self.pin_tiers(), lambda t: t.pin_many(
-            keys, ttl_s=ttl_s, quota_bytes=self.config.pin_quota_for(t.name)))
-
-    def unpin_many(self, keys: Sequence[bytes]) -> dict[str, list[bytes]]:
-        keys = [bytes(k) for k in keys]
-        return self._each_tier("unpin", self.tiers, lambda t: t.unpin_many(keys))
-
-    def delete_many(self, keys: Sequence[bytes]) -> dict[str, list[bytes]]:
-        """Drop keys and their pins everywhere; blobs no key points to any more are freed."""
-        keys = [bytes(k) for k in keys]
-        for k in keys:
-            self._saves.wait_key(k)
-        return self._each_tier("delete", self.tiers, lambda t: t.delete_many(keys))
-
-    def pin(self, key: bytes) -> None:
-        if not any(self.pin_many([key]).values()):
-            raise NotFound(f"cannot pin: key {bytes(key).hex()[:16]} is not in the store",
-                           hint="save the block first")
-
-    def unpin(self, key: bytes) -> None:
-        self.unpin_many([key])
-
-    def delete(self, key: bytes) -> bool:
-        return any(self.delete_many([key]).values())
-
-    def pinned(self, key: bytes) -> bool:
-        return any(info.pinned for info in self.key_info(key).values())
-
-    def key_info(self, key: bytes) -> dict[str, KeyInfo]:
-        """tier -> what that tier's index holds for ``key``."""
-        return {t: infos[0] for t, infos in self.info_many([key]).items() if infos[0]}
-
-    def info_many(self, keys: Sequence[bytes]) -> dict[str, list[KeyInfo | None]]:
-        """tier -> what that tier's index holds for each key (None: absent there)."""
-        keys = [bytes(k) for k in keys]
-        out: dict[str, list[KeyInfo | None]] = {}
-        for tier in self.tiers:
-            try:
-                out[tier.name] = tier.info_many(keys)
-            except TIER_ERRORS as exc:
-                self._tier_failed(tier, "info", exc, "index")
-        return out
-
-    def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None, limit: int = 1000
-                  ) -> dict[str, list[KeyInfo]]:
-        """tier -> keys starting with ``prefix`` (byte order, paginated by ``after``)."""
-        out: dict[str, list[KeyInfo]] = {}
-        for tier in self.tiers:
-            try:
-                out[tier.name] = tier.list_keys(prefix, after=after, limit=limit)
-            except TIER_ERRORS as exc:
-                self._tier_failed(tier, "list", exc, "index")
-        return out
-
     # --- drops --------------------------------------------------------------------------------
 
     def _on_drop(self, tier: str, keys: list[bytes], reason: str) -> None:
@@ -552,23 +414,6 @@ class KVStore:
             with contextlib.suppress(Exception):
                 tier.close()
         return done
-
-    def _tier_failed(self, tier: Tier, op: str, exc: BaseException, kind: str) -> None:
-        """Count a tier's failure; log it once, unless it is an outage the tier logs itself."""
-        outage = isinstance(exc, TierUnavailable)
-        self.metrics.errors.labels("tier_unavailable" if outage else kind).inc()
-        if not outage or getattr(tier, "available", True):
-            self._log_once(f"{op}-{tier.name}-{type(exc).__name__}", "store: %s on the %s tier "
-                           "failed: %s", op, tier.name, exc)
-
-    def _log_once(self, tag: str, msg: str, *args: object) -> None:
-        with self._lock:
-            if tag in self._logged:
-                return
-            if len(self._logged) > 4096:
-                self._logged.clear()
-            self._logged.add(tag)
-        log.warning(msg, *args)
 
     def __enter__(self) -> KVStore:
         return self

@@ -171,7 +171,7 @@ def test_outage_local_tiers_keep_serving_and_reconnect(tmp_path, make_store, kv_
     try:
         s = make_store(redis_url=server.url, disk_path=str(tmp_path / "d"),
                        redis_write="through")
-        s.redis._max_backoff = 0.2
+        s.redis.conn.max_backoff = 0.2
         s.put(k(b"a"), kv_block(1)).result()
         port = server.port
         server.stop()
@@ -270,13 +270,13 @@ def test_a_black_holed_redis_costs_a_lookup_tens_of_ms_and_comes_back(make_store
         # the scheduler's store: lookups only, with the short lookup timeout
         s = make_store(redis_url=f"redis://127.0.0.1:{hole.port}/0", memory_bytes=0,
                        redis_timeout_ms=50)
-        s.redis._backoff0 = s.redis._backoff = 0.3
+        s.redis.conn.backoff0 = s.redis.conn._backoff = 0.3
         t0 = time.perf_counter()
         for _ in range(20):
             assert s.contains_many([k(b"x")]) == [False]
         spent = time.perf_counter() - t0
         assert spent < 2.0, spent       # 20 lookups: one waits out the timeout, the rest skip
-        assert s.redis.failures >= 1 and not s.redis.available and len(hole.conns) <= 2
+        assert s.redis.conn.failures >= 1 and not s.redis.available and len(hole.conns) <= 2
     finally:
         hole.close()
     server = RedisServer(port=hole.port).start()

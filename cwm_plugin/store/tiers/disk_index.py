@@ -30,66 +30,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from cwm_plugin.errors import CWMError
+from cwm_plugin.store.tiers.disk_schema import SCHEMA, SCHEMA_VERSION, statements
 
 T = TypeVar("T")
 Unlink = Callable[[Sequence[str]], None] | None
-SCHEMA_VERSION = "2"
 CHUNK = 500   # SQLite host-parameter batches
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS blobs (
-    blob_id TEXT PRIMARY KEY,
-    size INTEGER NOT NULL,
-    grp BLOB NOT NULL DEFAULT x'',
-    last_access REAL NOT NULL,
-    created REAL NOT NULL,
-    refs INTEGER NOT NULL DEFAULT 0,
-    pins INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS blobs_evictable ON blobs(last_access) WHERE pins = 0;
-CREATE INDEX IF NOT EXISTS blobs_unreferenced ON blobs(created) WHERE refs = 0;
-CREATE TABLE IF NOT EXISTS keys (
-    key BLOB PRIMARY KEY,
-    blob_id TEXT NOT NULL,
-    pinned INTEGER NOT NULL DEFAULT 0,
-    pin_expires REAL
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS keys_by_blob ON keys(blob_id);
-CREATE INDEX IF NOT EXISTS keys_pin_expiry ON keys(pin_expires) WHERE pin_expires IS NOT NULL;
-CREATE TABLE IF NOT EXISTS group_pins (grp BLOB PRIMARY KEY, bytes INTEGER NOT NULL)
-    WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS stats (
-    id INTEGER PRIMARY KEY CHECK (id = 0),
-    bytes INTEGER NOT NULL DEFAULT 0,
-    blobs INTEGER NOT NULL DEFAULT 0
-);
-INSERT OR IGNORE INTO stats(id, bytes, blobs) VALUES (0, 0, 0);
-CREATE TRIGGER IF NOT EXISTS blob_added AFTER INSERT ON blobs BEGIN
-    UPDATE stats SET bytes = bytes + NEW.size, blobs = blobs + 1 WHERE id = 0;
-END;
-CREATE TRIGGER IF NOT EXISTS blob_removed AFTER DELETE ON blobs BEGIN
-    UPDATE stats SET bytes = bytes - OLD.size, blobs = blobs - 1 WHERE id = 0;
-    UPDATE group_pins SET bytes = bytes - OLD.size WHERE grp = OLD.grp AND OLD.pins > 0;
-END;
-CREATE TRIGGER IF NOT EXISTS blob_pinned AFTER UPDATE OF pins ON blobs
-    WHEN (OLD.pins > 0) != (NEW.pins > 0) BEGIN
-    INSERT INTO group_pins(grp, bytes) VALUES (NEW.grp, 0) ON CONFLICT(grp) DO NOTHING;
-    UPDATE group_pins SET bytes = bytes + CASE WHEN NEW.pins > 0 THEN NEW.size
-        ELSE -NEW.size END WHERE grp = NEW.grp;
-END;
-CREATE TRIGGER IF NOT EXISTS key_added AFTER INSERT ON keys BEGIN
-    UPDATE blobs SET refs = refs + 1, pins = pins + NEW.pinned WHERE blob_id = NEW.blob_id;
-END;
-CREATE TRIGGER IF NOT EXISTS key_removed AFTER DELETE ON keys BEGIN
-    UPDATE blobs SET refs = refs - 1, pins = pins - OLD.pinned WHERE blob_id = OLD.blob_id;
-END;
-CREATE TRIGGER IF NOT EXISTS key_changed AFTER UPDATE OF blob_id, pinned ON keys BEGIN
-    UPDATE blobs SET refs = refs - 1, pins = pins - OLD.pinned WHERE blob_id = OLD.blob_id;
-    UPDATE blobs SET refs = refs + 1, pins = pins + NEW.pinned WHERE blob_id = NEW.blob_id;
-END;
-"""
-
 
 class IndexDamaged(CWMError):
     """The index file is not a usable SQLite database (damaged disk, foreign file)."""
@@ -151,7 +96,7 @@ class DiskIndex:
             if version not in (None, SCHEMA_VERSION):
                 raise sqlite3.DatabaseError(f"index schema {version}, this version reads "
                                             f"{SCHEMA_VERSION}")
-            for stmt in _statements(SCHEMA):
+            for stmt in statements(SCHEMA):
                 db.execute(stmt)
             db.execute("INSERT OR REPLACE INTO meta(name, value) VALUES('schema', ?)",
                        (SCHEMA_VERSION,))
@@ -453,13 +398,3 @@ class DiskIndex:
     def close(self) -> None:
         with self._lock:
             self._db.close()
-
-
-def _statements(script: str) -> Iterator[str]:
-    """Split the schema into statements (triggers keep their inner semicolons)."""
-    buf = ""
-    for line in script.strip().splitlines():
-        buf += line + "\n"
-        if sqlite3.complete_statement(buf):
-            yield buf.strip()
-            buf = ""

@@ -25,17 +25,11 @@ with exponential backoff, and the outage is logged once.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
-
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from cwm_plugin.errors import TierUnavailable
 from cwm_plugin.store.tiers.base import (
@@ -46,10 +40,10 @@ from cwm_plugin.store.tiers.base import (
     TierUsage,
     group_of,
 )
+from cwm_plugin.store.tiers.redis_conn import RedisConnection
 from cwm_plugin.store.tiers.redis_scripts import SCRIPTS
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 MANIFEST = b"\x00CWMPARTS"
 
 
@@ -74,78 +68,18 @@ class RedisTier(Tier):
                  cluster: bool = False, read_chunk_bytes: int = 64 << 20,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
         super().__init__()
-        self.url = url
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.max_value = max_value_bytes
-        self.timeout_s = timeout_s
-        self.cluster = cluster
         self.read_chunk = max(1, read_chunk_bytes // max_value_bytes)
-        self._safe_url = _redact(url)
-        self._conn: Any = None
-        self._scripts: dict[str, Any] = {}
-        self._lock = threading.Lock()
-        self._backoff0 = backoff_s
-        self._max_backoff = max_backoff_s
-        self._backoff = backoff_s
-        self._down_until = 0.0
-        self._down = False
-        self.failures = 0
+        self.conn = RedisConnection(url, timeout_s=timeout_s, cluster=cluster, scripts=SCRIPTS,
+                                    backoff_s=backoff_s, max_backoff_s=max_backoff_s)
+        self._call = self.conn.call
         self.totals: tuple[int, int] | None = None     # (bytes, blobs), approximate
-
-    # --- connection ---------------------------------------------------------------------------
-
-    def _client(self) -> Any:
-        if self._conn is None:
-            kw = dict(socket_timeout=self.timeout_s,
-                      socket_connect_timeout=min(self.timeout_s, 2.0))
-            if self.cluster:
-                from redis.cluster import RedisCluster
-                conn = RedisCluster.from_url(self.url, retry=Retry(NoBackoff(), 1), **kw)
-            else:
-                conn = redis.Redis.from_url(self.url, retry=Retry(NoBackoff(), 0),
-                                            health_check_interval=30, **kw)
-            self._scripts = {n: conn.register_script(src) for n, src in SCRIPTS.items()}
-            self._conn = conn
-        return self._conn
 
     @property
     def available(self) -> bool:
-        return not self._down
-
-    def _call(self, fn: Callable[[Any], T]) -> T:
-        with self._lock:
-            if self._down and time.monotonic() < self._down_until:
-                raise TierUnavailable(f"redis at {self._safe_url} is unreachable",
-                                      hint="serving from local tiers; retrying with backoff")
-        try:
-            out = fn(self._client())
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            self._mark_down(exc)
-            raise TierUnavailable(f"redis at {self._safe_url} is unreachable: {exc}",
-                                  hint="serving from local tiers; retrying with backoff") from exc
-        except redis.RedisError as exc:     # reachable but refused (OOM, READONLY, ...)
-            if "cluster" in str(exc).lower() or "slots" in str(exc).lower():
-                self._mark_down(exc)
-            raise TierUnavailable(f"redis at {self._safe_url} refused the request: {exc}",
-                                  hint="check Redis' maxmemory, role and cluster state") from exc
-        if self._down:
-            with self._lock:
-                self._down, self._backoff = False, self._backoff0
-            log.warning("redis tier: reconnected to %s", self._safe_url)
-        return out
-
-    def _mark_down(self, exc: BaseException) -> None:
-        with self._lock:
-            self.failures += 1
-            first = not self._down
-            if not first:
-                self._backoff = min(self._backoff * 2, self._max_backoff)
-            self._down = True
-            self._down_until = time.monotonic() + self._backoff
-        if first:
-            log.warning("redis tier: %s unreachable (%s); serving from local tiers, retrying "
-                        "with backoff up to %.0fs", self._safe_url, exc, self._max_backoff)
+        return self.conn.available
 
     # --- names --------------------------------------------------------------------------------
 
@@ -184,7 +118,7 @@ class RedisTier(Tier):
     def _script(self, name: str, group: bytes, keys: Sequence[bytes], args: Sequence) -> Any:
         names = self._gkeys(group) + [self._kname(k) for k in keys]
         argv = [self._ttl, f"{time.time():.3f}", self._kprefix(group), *args]
-        return self._call(lambda c: self._scripts[name](keys=names, args=argv, client=c))
+        return self._call(lambda c: self.conn.scripts[name](keys=names, args=argv, client=c))
 
     # --- blobs --------------------------------------------------------------------------------
 
@@ -520,14 +454,4 @@ class RedisTier(Tier):
         return TierUsage(self.name, size, len(ids), None)
 
     def close(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(redis.RedisError):
-                self._conn.close()
-
-
-def _redact(url: str) -> str:
-    """The URL without a password, for log lines."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+        self.conn.close()

@@ -325,3 +325,24 @@ def test_get_many_into_a_batch_tensor(make_store, kv_block):
         assert got[i].data_ptr() == out[i].data_ptr() and torch.equal(out[i], blocks[j])
     with pytest.raises(ValueError):
         s.get_many([b"k0"], out=out)
+
+
+def test_an_unusable_disk_path_leaves_the_tier_out_and_the_store_serving(tmp_path, caplog,
+                                                                         kv_block):
+    from prometheus_client import CollectorRegistry
+
+    from cwm_plugin.store.config import StoreConfig
+
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the store's folder should be")
+    with caplog.at_level(logging.ERROR):
+        s = KVStore(StoreConfig(disk_path=str(blocker / "kv"), memory_bytes=1 << 20),
+                    registry=CollectorRegistry())
+    try:
+        assert s.disk is None and [t.name for t in s.tiers] == ["memory"]
+        assert any("disk_path" in r.getMessage() for r in caplog.records)
+        assert s.metrics.errors.labels("tier_unavailable")._value.get() == 1
+        s.put(b"a", kv_block(1)).result()
+        assert torch.equal(s.get(b"a"), kv_block(1))
+    finally:
+        s.close()

@@ -179,6 +179,10 @@ class TenantIndex:
     def n_vectors(self) -> int:
         return self._n
 
+    @property
+    def n_docs(self) -> int:
+        return len(self.chunks)
+
     def doc_ids(self, session: str | None = None) -> list[str]:
         if session is None:
             return list(self.chunks)

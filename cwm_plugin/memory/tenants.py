@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ class _Tenant:
     generation: str | None
     dirty: bool = False
     memories: MemoryIndex | None = None
+    synced_at: float = -1e9  # monotonic time of the last look at the files
 
 
 class TenantIndexes:
@@ -138,6 +140,10 @@ class TenantIndexes:
         """The tenant's index after catching up with every change to its files."""
         idx = self.get(tenant)
         t = self._tenants[tenant]
+        now = time.monotonic()
+        if now - t.synced_at < self.config.sync_interval_s:
+            return idx  # this process's own appends are indexed as they happen
+        t.synced_at = now
         gen = persist.current_generation(self.files.root, tenant)
         if gen is not None and gen != t.generation:  # e.g. `cwm memory reindex` ran
             fresh = self._load(tenant, None)

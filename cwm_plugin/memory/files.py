@@ -100,16 +100,18 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def append_durable(path: Path, data: bytes) -> tuple[int, int]:
-    """Append under the lock, flush and fsync (and the folder of a new file); (start, end)."""
+def append_durable(path: Path, data: bytes, *, sync: bool = True) -> tuple[int, int]:
+    """Append under the lock, flush and fsync (and the folder of a new file); (start, end).
+    ``sync=False`` only flushes (a derived file whose tail may be lost in a crash)."""
     new = not path.exists()
     with locked(path), open(path, "ab") as fh:
         start = fh.seek(0, os.SEEK_END)
         fh.write(data)
         fh.flush()
-        os.fsync(fh.fileno())
+        if sync:
+            os.fsync(fh.fileno())
         end = fh.tell()
-    if new:
+    if new and sync:
         _fsync_dir(path.parent)
     return start, end
 
@@ -267,7 +269,8 @@ class MemoryFiles:
         for day, lines in by_day.items():
             path = self.tenant_dir(tenant) / "daily" / f"{day}.md"
             path.parent.mkdir(parents=True, exist_ok=True)
-            append_durable(path, "".join(lines).encode("utf-8"))
+            # the daily log is for people reading along: no fsync (the session file has one)
+            append_durable(path, "".join(lines).encode("utf-8"), sync=False)
 
     # --- durable memories --------------------------------------------------------------------
 

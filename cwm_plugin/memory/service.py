@@ -60,6 +60,8 @@ class MemoryService:
         self.indexes = TenantIndexes(self.files, config, embedder, counter, self.metrics)
         self._locks: dict[str, threading.RLock] = {}
         self._guard = threading.Lock()
+        # turns appended with defer_index, not indexed yet: tenant -> [(session, turns, span)]
+        self._pending: dict[str, list[tuple[str, list[Turn], int, int]]] = {}
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -72,6 +74,7 @@ class MemoryService:
         """The tenant's chunk index, caught up with its files."""
         check_name("tenant", tenant)
         with self.lock(tenant):
+            self.index_pending(tenant)
             return self.indexes.refresh(tenant)
 
     def _embed_one(self, text: str) -> np.ndarray:
@@ -87,9 +90,11 @@ class MemoryService:
 
     def record_turns(self, tenant: str, session: str, turns: list[tuple[str, str]], *,
                      turn_ids: list[str | None] | None = None,
-                     ts: datetime | None = None) -> list[str]:
+                     ts: datetime | None = None, defer_index: bool = False) -> list[str]:
         """Append ``(role, content)`` turns to the session's file in one durable write
-        (adjacent, one fsync), then index them; returns their ids."""
+        (adjacent, one fsync), then index them; returns their ids. ``defer_index`` leaves the
+        indexing (embedding the new lines) to :meth:`index_pending`, which the next search of
+        the tenant runs first anyway: a caller answering a client can do it afterwards."""
         check_name("tenant", tenant)
         check_name("session", session)
         ids = list(turn_ids or [None] * len(turns))
@@ -111,11 +116,21 @@ class MemoryService:
         with self.lock(tenant):
             loaded = self.indexes.loaded(tenant)
             start, end = self.files.append_turns(tenant, session, records)
-            if loaded:
+            if loaded and defer_index:
+                self._pending.setdefault(tenant, []).append((session, records, start, end))
+            elif loaded:
                 self.indexes.appended(tenant, session, records, start, end)
             else:
                 self.indexes.get(tenant)  # loads or builds, these turns included
         return [t.turn_id for t in records]
+
+    def index_pending(self, tenant: str) -> int:
+        """Index the turns appended with ``defer_index``, in order; returns how many batches."""
+        with self.lock(tenant):
+            todo = self._pending.pop(tenant, [])
+            for session, records, start, end in todo:
+                self.indexes.appended(tenant, session, records, start, end)
+        return len(todo)
 
     def transcript(self, tenant: str, session: str) -> list[dict]:
         """Turns read back from the file: ``turn_id`` (also ``id``), role, content, ts."""
@@ -132,6 +147,7 @@ class MemoryService:
         t0 = time.perf_counter()
         qvec = self._embed_one(query) if mode != "bm25" else None
         with self.lock(tenant):
+            self.index_pending(tenant)
             hits = search_index(self.indexes.refresh(tenant), query, qvec, k, self.config,
                                 mode=mode, session=session)
         self.metrics.retrieval.labels(mode).observe(time.perf_counter() - t0)
@@ -162,6 +178,7 @@ class MemoryService:
                        budget_tokens: int, *, query: str | None = None,
                        counter: TokenCounter | None = None, recent_turns: int | None = None,
                        summary: bool = True, bump: bool = True,
+                       present: list[dict] | None = None,
                        stages: Stages | None = None) -> Selection:
         """Recent turns verbatim plus memories, summary and hits, within ``budget_tokens``.
 
@@ -174,7 +191,8 @@ class MemoryService:
         transcript. ``session=None`` is a stateless caller (no transcript, no summary).
         ``summary=False`` leaves the session summary out; ``bump=False`` leaves the memories'
         access counts to a later :meth:`bump` (a rewrite of memories.md, off the request's
-        path). ``counter`` counts the budget (the served model's tokenizer; default: the
+        path). ``present``: more messages the caller sends anyway (its whole history): chunks
+        made only of their text are skipped. ``counter`` counts the budget (the served model's tokenizer; default: the
         service's); time spent is added to ``stages``.
         """
         check_name("tenant", tenant)
@@ -197,7 +215,7 @@ class MemoryService:
         cands = self._candidates(tenant, session if summary else None, query or "", stages)
         with stages("count"):
             sel = select(counter or self.counter, history, n, budget_tokens, cands, recent_ids,
-                         self.config.max_facts, present=current)
+                         self.config.max_facts, present=[*current, *(present or [])])
         if sel.facts and bump:
             self.bump(tenant, [m.id for m in sel.facts])
         return sel
@@ -223,6 +241,7 @@ class MemoryService:
             by_id = self.indexes.memories(tenant).memories
             fact_hits = [h for h in fact_hits if h.chunk_id in by_id]
             with stages("files"):
+                self.index_pending(tenant)
                 idx = self.indexes.refresh(tenant)
             hits = search_index(idx, query, qvec, SEARCH_K, self.config,
                                 stages=stages) if qvec is not None else []
@@ -310,6 +329,10 @@ class MemoryService:
         return n
 
     def close(self) -> None:
+        with self._guard:
+            pending = list(self._pending)
+        for tenant in pending:
+            self.index_pending(tenant)
         self.save()
         if isinstance(self.embedder, CachedEmbedder):
             self.embedder.close()

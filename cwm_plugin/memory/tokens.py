@@ -87,6 +87,10 @@ class _Base:
         """The prompt tokens of ``messages`` (here: ``count_messages``, an estimate)."""
         return self.count_messages(messages)
 
+    def system_role(self) -> bool:
+        """Whether the model's chat template accepts a system message (assumed without one)."""
+        return True
+
 
 def content_text(m: dict[str, Any]) -> str:
     """A message's text (text parts of a content list joined by newlines)."""
@@ -179,6 +183,29 @@ class HFTokenCounter(_Base):
             ids = ids["input_ids"]
         return len(ids)
 
+    def system_role(self) -> bool:
+        """Whether the folder's chat template renders a system message (a Gemma-style template
+        raises on one); True without a template."""
+        with self._lock:
+            if self._chat is None:
+                self._chat = _chat_tokenizer(self.folder) or False
+        if not self._chat:
+            return True
+        return _renders(lambda m: self._chat.apply_chat_template(
+            m, add_generation_prompt=True, tokenize=False))
+
+
+PROBE = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
+
+
+def _renders(render: Any) -> bool:
+    """Whether ``render(PROBE)`` works (a template may raise on a system message)."""
+    try:
+        render(PROBE)
+    except Exception:  # jinja's TemplateError, vLLM's 400: the role is refused
+        return False
+    return True
+
 
 def _chat_tokenizer(folder: Path) -> Any:
     """transformers' tokenizer of ``folder`` if it has a chat template, else None."""
@@ -197,8 +224,8 @@ class VLLMCounter(_Base):
 
     ``count`` sends ``{"model", "prompt", "add_special_tokens": false}``; ``count_chat`` sends
     ``{"model", "messages", "add_generation_prompt": true}``, which vLLM renders with the
-    model's chat template, so it equals the ``prompt_tokens`` of that chat request. Counts are
-    cached by text (bounded, least recently used out), so a line is sent once; a failure is an
+    model's chat template, so it equals the ``prompt_tokens`` of that chat request (the first
+    time; see :meth:`count_chat`). Counts are cached by text (bounded, least recently used out), so a line is sent once; a failure is an
     :class:`UpstreamError` (the model server is down or refuses: the turn cannot proceed).
     """
 
@@ -211,6 +238,8 @@ class VLLMCounter(_Base):
         self.model = model
         self.name = f"vllm:{model}"
         self._client = httpx.Client(timeout=timeout_s, transport=transport)
+        self._template_extra: int | None = None
+        self._system_role: bool | None = None
 
     def _post(self, body: dict[str, Any]) -> int:
         import httpx
@@ -228,7 +257,32 @@ class VLLMCounter(_Base):
         return self._post({"prompt": text, "add_special_tokens": False})
 
     def count_chat(self, messages: list[dict[str, Any]]) -> int:
-        return self._post({"messages": messages, "add_generation_prompt": True})
+        """Exact the first time (vLLM renders the chat template); later prompts are counted
+        from their cached message counts plus the template's extra tokens learned then, so a
+        request costs no ``/tokenize`` round trip for text already seen."""
+        base = self.count_messages(messages)
+        if self._template_extra is None:
+            real = self._post({"messages": messages, "add_generation_prompt": True})
+            self._template_extra = real - base
+            return real
+        return base + self._template_extra
+
+    def system_role(self) -> bool:
+        """vLLM renders a system message (200) or refuses the template's roles (400)."""
+        import httpx
+
+        if self._system_role is None:
+            try:
+                r = self._client.post(self.url, json={"model": self.model, "messages": PROBE,
+                                                      "add_generation_prompt": True})
+            except httpx.HTTPError as exc:
+                raise UpstreamError(f"asking {self.url} about the chat template failed: {exc}",
+                                    hint="check that vLLM is up") from exc
+            if r.status_code not in (200, 400):
+                raise UpstreamError(f"{self.url} answered HTTP {r.status_code}",
+                                    hint="check that vLLM serves /tokenize for this model")
+            self._system_role = r.status_code == 200
+        return self._system_role
 
     def close(self) -> None:
         self._client.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,11 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
+
+
+def new_turn_id() -> str:
+    """A fresh turn id: the time in milliseconds (hex) and a random suffix."""
+    return f"t{int(time.time() * 1000):x}-{secrets.token_hex(3)}"
 
 
 @dataclass

@@ -31,6 +31,7 @@ from cwm_plugin.memory.models import (
     MemoryConfig,
     Selection,
     Turn,
+    new_turn_id,
 )
 from cwm_plugin.memory.names import check_name, check_role
 from cwm_plugin.memory.search import search_index
@@ -106,7 +107,7 @@ class MemoryService:
             if not isinstance(content, str):
                 raise InvalidInput("turn content must be a string")
             if turn_id is None:
-                turn_id = f"t{int(time.time() * 1000):x}-{secrets.token_hex(3)}"
+                turn_id = new_turn_id()
             elif not TURN_ID.match(turn_id):
                 raise InvalidInput(f"turn id {turn_id!r} is not allowed",
                                    hint="use 1-64 letters, digits, '_', '.', ':' or '-'")
@@ -116,8 +117,9 @@ class MemoryService:
         with self.lock(tenant):
             loaded = self.indexes.loaded(tenant)
             start, end = self.files.append_turns(tenant, session, records)
-            if loaded and defer_index:
-                self._pending.setdefault(tenant, []).append((session, records, start, end))
+            if defer_index:  # (an index loaded later reads these turns from the file)
+                if loaded:
+                    self._pending.setdefault(tenant, []).append((session, records, start, end))
             elif loaded:
                 self.indexes.appended(tenant, session, records, start, end)
             else:
@@ -128,8 +130,12 @@ class MemoryService:
         """Index the turns appended with ``defer_index``, in order; returns how many batches."""
         with self.lock(tenant):
             todo = self._pending.pop(tenant, [])
-            for session, records, start, end in todo:
-                self.indexes.appended(tenant, session, records, start, end)
+            for n, (session, records, start, end) in enumerate(todo):
+                try:
+                    self.indexes.appended(tenant, session, records, start, end)
+                except Exception:  # the embedder is down, say: try again next time
+                    self._pending[tenant] = todo[n:] + self._pending.get(tenant, [])
+                    raise
         return len(todo)
 
     def transcript(self, tenant: str, session: str) -> list[dict]:

@@ -197,8 +197,9 @@ class TenantIndexes:
         self.metrics.chunks.inc(t.index.added - before)
 
     def appended(self, tenant: str, session: str, turns: list[Turn], start: int,
-                 end: int) -> None:
-        """Index turns this process just appended at ``[start, end)`` of the session file."""
+                 end: int, prepared: Any = None) -> None:
+        """Index turns this process just appended at ``[start, end)`` of the session file
+        (``prepared``: their units and vectors, see ``TenantIndex.add_turns``)."""
         t = self._tenants.get(tenant)
         if t is None:
             return
@@ -209,7 +210,7 @@ class TenantIndexes:
         if mark is None:
             mark = t.marks[session] = LiveMark()
         before = t.index.added
-        t.index.add_turns(session, turns)
+        t.index.add_turns(session, turns, prepared)
         _running(mark, self.files.session_path(tenant, session)).update(
             b"".join(encode_turn(turn) for turn in turns))
         mark.offset = t.index.offsets[session] = end

@@ -135,14 +135,11 @@ class MemoryPort:
 
     async def after_record(self, tenant: str, sel: Selected) -> None:
         """Off the client's path: index the turns just recorded and count the use of the
-        durable memories the turn's selection took (never raises: logged)."""
-        try:
-            await self._call(tenant, self.service.index_pending, tenant)
-            if sel.fact_ids:
-                await self._call(tenant, self.service.bump, tenant, sel.fact_ids)
-        except Exception:
-            log.exception("indexing the new turns of tenant %s failed; the next search "
-                          "tries again", tenant)
+        durable memories the turn's selection took. A failure leaves the turns to the next
+        look at the files (they are in the session file already)."""
+        await self._call(tenant, self.service.index_pending, tenant)
+        if sel.fact_ids:
+            await self._call(tenant, self.service.bump, tenant, sel.fact_ids)
 
     async def summary_state(self, tenant: str, session: str) -> tuple[str | None, str]:
         """``(summary or None, id of the last turn it covers or "")``."""

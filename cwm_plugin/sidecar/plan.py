@@ -3,9 +3,10 @@
 Synchronous on purpose: it runs in a worker thread (``asyncio.to_thread``), because selecting
 memory embeds the query; the event loop never waits on it. Two modes (``PromptSettings``):
 
-- ``full`` (default): every message the client sent, in order; a client that sends only its
-  new message gets the session's recorded turns in front of it. Memory is selected once per
-  conversation (``refresh: conversation``; again after each compaction) and reused verbatim,
+- ``full`` (default): every message the client sent, in order, and nothing else but the
+  memory (the session's earlier turns reach the prompt through memory search, never prepended:
+  a client starting a new conversation in an old session gets what it sent). Memory is
+  selected once per conversation (``refresh: conversation``; again after each compaction) and reused verbatim,
   so the prompt only grows at its end and vLLM's prefix cache serves it like a client talking
   to vLLM directly. History is left out only from a compaction on (``Compaction``: the cut
   and the summary fixed until the next one), or when it would not fit the context at all.
@@ -132,15 +133,14 @@ def plan_turn(t: TurnInput) -> Plan:
 
 def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
     st, cfg, prompt_cfg = t.state, t.settings.memory, t.settings.prompt
+    history = parts.history
     with t.stages("history"):
-        source, history = "client", parts.history
-        if not history and len(parts.current) == 1 and t.ident.session is not None:
-            source, history = "transcript", _transcript(t)
-        comp = _compaction(t, history, source)
+        comp = _compaction(t, history, "client")
         cut = comp.cut if comp else 0
         kept = P.drop_front(history, cut)
         base = parts.prefix + kept + parts.current
-    key = f"{source}:{digest((history or parts.current)[0])}:{comp.generation if comp else 0}"
+    # one conversation: the same first message (a new one starts a new conversation)
+    key = f"{digest((history or parts.current)[0])}:{comp.generation if comp else 0}"
     pinned = st.pinned if prompt_cfg.refresh == "conversation" else None
     if pinned is not None and pinned.key == key:
         sel = pinned.sel
@@ -161,13 +161,12 @@ def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
                 cut = more
                 kept = P.drop_front(history, cut)
                 if t.ident.session is not None:
-                    st.compaction = Compaction(cut, digest(history[cut - 1]), source,
+                    st.compaction = Compaction(cut, digest(history[cut - 1]), "client",
                                                comp.summary if comp else None,
                                                comp.generation if comp else 0)
         out = P.merge(parts.prefix + kept + parts.current, text, prompt_cfg.placement,
                       system_role=t.system_role)
-        full = t.counter.count_messages(parts.prefix + history + parts.current)
-        return _counted(t, out, sel, text, full)
+        return _counted(t, out, sel, text, t.counter.count_messages(t.messages))
 
 
 def _plan_recent(t: TurnInput, parts: P.Parts) -> Plan:

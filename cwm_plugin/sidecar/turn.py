@@ -102,8 +102,7 @@ class Turn:
         except Exception as exc:
             self.headers.setdefault(STATUS_HEADER, sc.failopen.failed(tenant, "record", exc))
             return
-        sc.background.spawn(sc.memory.after_record(tenant, self.plan.sel),
-                            name=f"index-{tenant}")
+        sc.background.spawn(self._after_record(), name=f"index-{tenant}")
         state = self.state
         if state.transcript is not None:
             state.transcript.extend(P.transcript_messages(msgs))
@@ -114,6 +113,12 @@ class Turn:
                 state.full_history_tokens += history_tokens(self.counter, msgs)
         except Exception:  # no counter, or it failed (and was flagged): recount next time
             state.history_known = False
+
+    async def _after_record(self) -> None:
+        try:
+            await self.sc.memory.after_record(self.ident.tenant, self.plan.sel)
+        except Exception as exc:  # an embedder outage, say: counted and logged once
+            self.sc.failopen.failed(self.ident.tenant, "index", exc)
 
     async def finish(self, usage: dict[str, Any] | None, answer: str) -> None:
         """After the response: metrics, thresholds, and the background work that is due."""

@@ -133,7 +133,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    group = subparsers.add_parser("memory", help="file-first memory: reindex, import, search, add, check, show")
+    group = subparsers.add_parser(
+        "memory", help="file-first memory: reindex, import, search, add, check, show")
     sub = group.add_subparsers(dest="memory_cmd", required=True)
 
     p = sub.add_parser("reindex", help="rebuild the indexes from the markdown files and save "

@@ -142,7 +142,7 @@ class MemoryService:
         """Turns read back from the file: ``turn_id`` (also ``id``), role, content, ts."""
         return [t.as_dict() for t in self.files.read_turns(tenant, session)]
 
-    # --- search and selection ----------------------------------------------------------------------
+    # --- search and selection ---------------------------------------------------------------
 
     def search(self, tenant: str, query: str, k: int = 10, *, mode: str = "hybrid",
                session: str | None = None) -> list[Hit]:
@@ -198,8 +198,8 @@ class MemoryService:
         ``summary=False`` leaves the session summary out; ``bump=False`` leaves the memories'
         access counts to a later :meth:`bump` (a rewrite of memories.md, off the request's
         path). ``present``: more messages the caller sends anyway (its whole history): chunks
-        made only of their text are skipped. ``counter`` counts the budget (the served model's tokenizer; default: the
-        service's); time spent is added to ``stages``.
+        made only of their text are skipped. ``counter`` counts the budget (the served model's
+        tokenizer; default: the service's); time spent is added to ``stages``.
         """
         check_name("tenant", tenant)
         if session is not None:

@@ -225,7 +225,8 @@ class VLLMCounter(_Base):
     ``count`` sends ``{"model", "prompt", "add_special_tokens": false}``; ``count_chat`` sends
     ``{"model", "messages", "add_generation_prompt": true}``, which vLLM renders with the
     model's chat template, so it equals the ``prompt_tokens`` of that chat request (the first
-    time; see :meth:`count_chat`). Counts are cached by text (bounded, least recently used out), so a line is sent once; a failure is an
+    time; see :meth:`count_chat`). Counts are cached by text (bounded, least recently used
+    out), so a line is sent once; a failure is an
     :class:`UpstreamError` (the model server is down or refuses: the turn cannot proceed).
     """
 

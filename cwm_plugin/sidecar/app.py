@@ -2,8 +2,8 @@
 
 Routes: ``POST /v1/chat/completions`` (memory, salt, streaming), ``POST /v1/completions`` and
 ``/v1/responses`` (salt only), ``POST /v1/embeddings``, ``/tokenize``, ``/detokenize``,
-``GET /v1/models``, ``/v1/models/{id}`` (relayed), ``GET /health``, ``GET /metrics``. Every error leaves as an
-OpenAI-shaped body. ``app.state.sidecar`` holds the app's runtime; assign
+``GET /v1/models``, ``/v1/models/{id}`` (relayed), ``GET /health``, ``GET /metrics``. Every
+error leaves as an OpenAI-shaped body. ``app.state.sidecar`` holds the app's runtime; assign
 ``app.state.sidecar.snapshot_hook`` to take a KV snapshot at auto-checkpoints.
 """
 

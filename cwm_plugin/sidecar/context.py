@@ -6,11 +6,12 @@ tokenizer (exact with the model's chat template or vLLM's ``/tokenize``); after 
 session's *calibration* (last real figure / last count: 1 with an exact counter, and it
 corrects an approximate one), so it follows the prompt down after a compaction instead of
 repeating the last large figure. At ``warn`` (70 % by default) the turn gets
-``X-CWM-Context-Warning``; at ``checkpoint`` (85 %) the session's summary is brought up to date in
-the background (the client never waits for it), and from the first turn after it is written
-the session is *compacted* (``Compaction``: summary + memory + the last ``keep_turns``
-user/assistant exchanges, a prefix that then stays fixed until the next compaction). Background work of
-one session (summaries, checkpoints) runs one job at a time (``SessionState.lock``).
+``X-CWM-Context-Warning``; at ``checkpoint`` (85 %) the session's summary is brought up to
+date in the background (the client never waits for it), and from the first turn after it is
+written the session is *compacted* (``Compaction``: summary + memory + the last
+``keep_turns`` user/assistant exchanges, a prefix that then stays fixed until the next
+compaction). Background work of one session (summaries, checkpoints) runs one job at a time
+(``SessionState.lock``).
 
 The state lives in the app (one tracker per app), keyed by (tenant, session); it is advisory:
 after a restart a session starts uncompacted and is checkpointed again if it grows.

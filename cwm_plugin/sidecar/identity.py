@@ -5,12 +5,12 @@
 * The session comes from the ``X-Session-Id`` header, else the request's ``user`` field, else
   there is none: the request is *stateless* (nothing recorded, no server-side history; its
   salt is the tenant's, HMAC(secret, tenant + NUL)), unless ``prompt.sessionless: shared`` puts
-  it in one session named ``"default"``. Session names are file names under the memory root: ``X-Session-Id`` must
-  already be one (letters, digits, ``_ . -``; no ``..``; at most 64; else 400), while ``user``
-  is OpenAI's free-form end-user id (an e-mail address, say), so any non-empty ``user`` string
-  is mapped to ``u-`` + 32 hex digits of HMAC-SHA256(server secret, "user" NUL tenant NUL
-  user) (the "user" label keeps it apart from the salts): stable,
-  safe as a file name, and it does not reveal the user (a plain hash of an address could be
+  it in one session named ``"default"``. Session names are file names under the memory root:
+  ``X-Session-Id`` must already be one (letters, digits, ``_ . -``; no ``..``; at most 64;
+  else 400), while ``user`` is OpenAI's free-form end-user id (an e-mail address, say), so any
+  non-empty ``user`` string is mapped to ``u-`` + 32 hex digits of HMAC-SHA256(server secret,
+  "user" NUL tenant NUL user) (the "user" label keeps it apart from the salts): stable, safe
+  as a file name, and it does not reveal the user (a plain hash of an address could be
   reversed by guessing).
 * ``cache_salt`` = HMAC-SHA256(server secret, tenant + NUL + session), 64 hex digits: stable
   for a session, unguessable without the secret, and different for every (tenant, session).

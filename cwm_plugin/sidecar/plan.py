@@ -6,9 +6,9 @@ memory embeds the query; the event loop never waits on it. Two modes (``PromptSe
 - ``full`` (default): every message the client sent, in order, and nothing else but the
   memory (the session's earlier turns reach the prompt through memory search, never prepended:
   a client starting a new conversation in an old session gets what it sent). Memory is
-  selected once per conversation (``refresh: conversation``; again after each compaction) and reused verbatim,
-  so the prompt only grows at its end and vLLM's prefix cache serves it like a client talking
-  to vLLM directly. History is left out only from a compaction on (``Compaction``: the cut
+  selected once per conversation (``refresh: conversation``; again after each compaction)
+  and reused verbatim, so the prompt only grows at its end and vLLM's prefix cache serves it
+  like a client talking to vLLM directly. History is left out only from a compaction on (``Compaction``: the cut
   and the summary fixed until the next one), or when it would not fit the context at all.
 - ``recent`` (token saving): memory plus the last ``memory.recent_turns`` history messages
   (``MemoryService.select_context``), the current exchange always whole.

@@ -162,9 +162,10 @@ class Turn:
 
 
 def _debug_header(sel: Selected, compacted: bool, mode: str, cap: int,
-                  recent: int, prompt_tokens: int | None = None) -> str:
+                  recent: int, prompt_tokens: int | None = None, sent: int | None = None,
+                  full: int | None = None) -> str:
     info: dict[str, Any] = {"mode": mode, "tokens": sel.tokens, "recent": recent,
-                            "prompt_tokens": prompt_tokens,
+                            "prompt_tokens": prompt_tokens, "sent": sent, "full": full,
                             "compacted": compacted, "facts": sel.facts,
                             "retrieval_ms": round(sel.seconds * 1000, 2),
                             "hits": sel.hits, "reasons": sel.reasons}
@@ -229,7 +230,8 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
         p = sc.settings.prompt
         turn.headers["X-CWM-Memory"] = _debug_header(
             plan.sel, state.compacted, f"{mode}/{p.placement}/{p.refresh}",
-            sc.settings.debug_header_max_bytes, len(plan.messages), plan.prompt_tokens)
+            sc.settings.debug_header_max_bytes, len(plan.messages), plan.prompt_tokens,
+            plan.sent, plan.full)
     sc.metrics.overhead_seconds.labels(ident.tenant, model).observe(stages.total)
     up = headers_up(request.headers)
     if body.get("stream"):

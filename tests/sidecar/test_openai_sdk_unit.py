@@ -280,3 +280,49 @@ def test_a_client_salt_is_hmacd_with_the_tenant(upstream, sidecars):
         client(sidecars["on"]).chat.completions.create(
             model="fake", messages=[{"role": "user", "content": "hi"}],
             extra_body={"cache_salt": "team-salt"})
+
+
+@pytest.mark.parametrize("mode", ["full", "recent"])
+def test_a_trailing_assistant_tool_or_system_message_is_sent_once(upstream, sidecars, mode):
+    fake, _ = upstream
+    srv = sidecars["on"]
+    hdr = {"X-CWM-History": mode}
+    tail_cases = [
+        [{"role": "user", "content": "Write a haiku."},
+         {"role": "assistant", "content": "Snow on the"}],  # a prefill to continue
+        [{"role": "user", "content": "Weather?"},
+         {"role": "assistant", "content": None, "tool_calls": [
+             {"id": "c1", "type": "function", "function": {"name": "weather",
+                                                            "arguments": "{}"}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "rain"}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+         {"role": "system", "content": "Now answer in French."}],
+    ]
+    for i, tail in enumerate(tail_cases):
+        messages = [SYSTEM, {"role": "user", "content": "Earlier question"},
+                    {"role": "assistant", "content": "Earlier answer"}, *tail]
+        r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=30, json={
+            "model": "fake", "messages": messages},
+            headers={"Authorization": f"Bearer {KEYS['acme']}", "X-Session-Id": f"t{i}", **hdr})
+        assert r.status_code == 200, r.text
+        sent = fake.last()["messages"]
+        assert sent[1:] == messages[1:]  # each once, in order (all fits in recent_turns too)
+        assert sent[0]["content"].startswith(SYSTEM["content"])
+
+
+def test_the_token_saving_mode_is_a_tenant_setting_too(upstream, tmp_path):
+    fake, up = upstream
+    settings = make_settings(up.url, tmp_path, "tiktoken:cl100k_base",
+                             memory={"recent_turns": 2})
+    settings.tenants[1].history = "recent"  # beta saves tokens by default, acme does not
+    talk = [{"role": r, "content": f"{r} {i}"} for i in range(6) for r in ("user", "assistant")]
+    messages = [SYSTEM, *talk, {"role": "user", "content": "And now?"}]
+    with ServerThread(create_app(settings)) as srv:
+        for tenant, want in (("acme", messages[1:]), ("beta", messages[-3:])):
+            client(srv, session="ts", tenant=tenant).chat.completions.create(
+                model="fake", messages=messages)
+            assert fake.last()["messages"][1:] == want
+        # and a request asks for the other mode with a header
+        client(srv, session="ts2", tenant="beta").chat.completions.create(
+            model="fake", messages=messages, extra_headers={"X-CWM-History": "full"})
+        assert fake.last()["messages"][1:] == messages[1:]

@@ -32,6 +32,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import secrets
 import sys
 import tempfile
@@ -126,7 +127,8 @@ def import_memory(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
     first = 0
     batch = [whole, *copies(lines, first, max(1, math.ceil(chunks / 14)))]
     while done < chunks:
-        stats = import_sessions(service, TENANT, batch, progress=True)
+        stats = import_sessions(service, TENANT, batch, progress=True,
+                                workers=os.cpu_count() or 1)
         done, tokens, seconds = done + stats.chunks, tokens + stats.tokens, \
             seconds + stats.seconds
         first += len(batch)
@@ -142,7 +144,8 @@ def post(client: httpx.Client, url: str, body: dict, session: str | None,
     if session:
         headers["X-Session-Id"] = session
     r = client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
-    r.raise_for_status()
+    if r.status_code != 200:
+        raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:300]}")
     return r
 
 
@@ -294,7 +297,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True, type=Path)
     ap.add_argument("--quick", action="store_true", help="2,000 chunks, fewer requests")
-    ap.add_argument("--upstream", help="reuse a vLLM that serves the tiny model as `tiny`")
+    ap.add_argument("--upstream", help="reuse a vLLM serving the tiny model as `tiny` "
+                                       "(with --max-model-len 8192)")
     ap.add_argument("--data", type=Path, help="folder of LoCoMo conversations")
     ap.add_argument("--chunks", type=int)
     ap.add_argument("--baseline-chunks", type=int, default=100)
@@ -333,7 +337,8 @@ def main() -> int:
     config = work / "sidecar.yaml"
     config.write_text(yaml.safe_dump({
         "tenants": [{"name": TENANT, "key_sha256": [hash_key(KEY)]}], "memory": cfg_mem}))
-    vllm = None if args.upstream else VLLMServer(model_dir=model, log_dir=work).start()
+    vllm = None if args.upstream else VLLMServer(model_dir=model, log_dir=work,
+                                                 max_model_len=8192).start()
     upstream = args.upstream or vllm.base_url
     try:
         with SidecarProcess(config, upstream, work, secret) as sidecar:
@@ -344,11 +349,10 @@ def main() -> int:
             saving = token_saving(sidecar, whole.session, questions[:10])
         lost = turns_lost(root, ld.pop("_done"))
         log.info("prefix cache (tiny): placements over %d turns", len(talk))
-        short = [" ".join(ln.split()[:16]) for ln in talk]  # the tiny model's 2k context
         placements = [{"placement": "system", "refresh": "conversation"},
                       {"placement": "system", "refresh": "turn"},
                       {"placement": "last_user", "refresh": "turn"}]
-        tiny_runs = prefix_runs(config, upstream, work, secret, "tiny", short, placements)
+        tiny_runs = prefix_runs(config, upstream, work, secret, "tiny", talk, placements)
     finally:
         if vllm is not None:
             vllm.stop()

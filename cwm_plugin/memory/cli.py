@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     conversations = [c for path in args.files for c in read_conversations(path)]
     svc = _service(args)
     try:
-        stats = import_sessions(svc, args.tenant, conversations, progress=True)
+        stats = import_sessions(svc, args.tenant, conversations, progress=True,
+                                workers=args.workers)
     finally:
         svc.close()
     print(f"imported {stats.sessions} sessions ({stats.turns} turns, {stats.chunks} chunks, "
@@ -147,6 +149,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                       "(.jsonl, one conversation a line) or LoCoMo (.json)")
     _common(p)
     p.add_argument("--tenant", required=True)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="processes embedding a large import (local MiniLM; default: one a core)")
     p.add_argument("files", nargs="+", type=Path)
     p.set_defaults(func=cmd_import)
 

@@ -15,18 +15,24 @@ Faster than recording turn by turn (``import_sessions``): each session's file is
 append, then every new line of every session is embedded in one pass over the texts sorted by
 length (so a batch pads to almost nothing, where a session's lines in file order pad every
 batch to its longest line), and the index takes the prepared vectors session by session and
-is saved once. Progress is shown in
-tokens (the index tokenizer's), and the result says tokens/s.
+is saved once. With the local MiniLM model a large import is embedded by a pool of worker
+processes of one torch thread each. Progress is shown in tokens (the index tokenizer's), and
+the result says tokens/s.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import multiprocessing
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +40,13 @@ import numpy as np
 from tqdm import tqdm
 
 from cwm_plugin.errors import InvalidInput
+from cwm_plugin.memory.embeddings import MiniLMEmbedder
 from cwm_plugin.memory.files import utc_iso
 from cwm_plugin.memory.models import Turn, new_turn_id
 from cwm_plugin.memory.names import check_name
 
 SLICE = 2048  # texts embedded per call (sorted by length; the embedder batches inside)
+POOL_MIN = 4096  # texts below which worker processes cost more (loading) than they save
 _SESSION = re.compile(r"session_(\d+)")
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -142,9 +150,41 @@ def read_conversations(path: Path) -> Iterator[Conversation]:
                        "one conversation a line) or .json (LoCoMo)")
 
 
+@cache
+def _worker_model(folder: str) -> MiniLMEmbedder:
+    """This worker process's own model, loaded once (one torch thread: the processes share
+    the cores, not threads inside one, which stall when another process holds a core)."""
+    return MiniLMEmbedder(Path(folder), threads=1)
+
+
+def _worker_embed(folder: str, texts: list[str]) -> np.ndarray:
+    return _worker_model(folder).embed(texts)
+
+
+@contextmanager
+def embedding_pool(service: Any, workers: int, texts: int) -> Iterator[Callable | None]:
+    """A function embedding with ``workers`` processes running the service's MiniLM model, for
+    a large import (None: embed in this process, as the service does)."""
+    inner = getattr(service.embedder, "inner", service.embedder)
+    if workers < 2 or texts < POOL_MIN or not isinstance(inner, MiniLMEmbedder):
+        yield None
+        return
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that runs torch
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        folder = str(inner.folder)
+
+        def compute(part: list[str]) -> np.ndarray:
+            step = max(1, math.ceil(len(part) / (workers * 4)))  # sorted: similar lengths
+            pieces = [part[i:i + step] for i in range(0, len(part), step)]
+            return np.concatenate(list(pool.map(_worker_embed, [folder] * len(pieces), pieces)))
+
+        yield compute
+
+
 def import_sessions(service: Any, tenant: str, conversations: list[Conversation], *,
-                    progress: bool = True) -> ImportStats:
-    """Write and index ``conversations`` into ``tenant``'s memory (see the module docstring)."""
+                    progress: bool = True, workers: int = 1) -> ImportStats:
+    """Write and index ``conversations`` into ``tenant``'s memory (see the module docstring);
+    ``workers`` processes embed a large import (the local MiniLM model only)."""
     check_name("tenant", tenant)
     t0 = time.perf_counter()
     merged: dict[str, list[Turn]] = {}  # one append a session, conversations in order
@@ -163,11 +203,13 @@ def import_sessions(service: Any, tenant: str, conversations: list[Conversation]
         vecs = [np.zeros((len(us), idx.embedder.dims), np.float32) for us in units]
         order = sorted(range(len(texts)), key=lambda k: len(texts[k][2]))
         with tqdm(total=tokens, desc=f"import {tenant}", unit="tok", unit_scale=True,
-                  disable=not progress) as bar:
+                  disable=not progress) as bar, \
+                embedding_pool(service, workers, len(texts)) as compute:
             for a in range(0, len(order), SLICE):
                 part = [texts[k] for k in order[a:a + SLICE]]
-                for (w, i, _), v in zip(part, service.embedder.embed([t for _, _, t in part]),
-                                        strict=True):
+                got = service.embedder.embed([t for _, _, t in part], compute) if compute \
+                    else service.embedder.embed([t for _, _, t in part])
+                for (w, i, _), v in zip(part, got, strict=True):
                     vecs[w][i] = v
                 bar.update(sum(units[w][i].tokens for w, i, _ in part))
         before = len(idx.chunks)

@@ -89,6 +89,7 @@ class EmbedderConfig(_Strict):
     url: str | None = None
     model: str | None = None
     dims: int = 384
+    threads: int | None = Field(default=1, ge=1)  # local: torch threads (None: every core)
 
 
 class SearchSettings(_Strict):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cwm_plugin.cli import main
@@ -109,3 +110,18 @@ def test_cli_import_and_check(tmp_path: Path, capsys) -> None:
     assert "acme/sessions/trip.md: 22 bytes outside complete turn records" in out
     assert str(tmp_path) not in out  # paths relative to the root
     assert "3 problem(s)" in out
+
+
+def test_a_pool_of_worker_processes_embeds_like_the_service(tmp_path: Path, counter, minilm,
+                                                          monkeypatch) -> None:
+    from cwm_plugin.memory import importer
+
+    monkeypatch.setattr(importer, "POOL_MIN", 0)  # a pool even for this small import
+    jsonl, _ = write_inputs(tmp_path)
+    svc = MemoryService(MemoryConfig(root=tmp_path / "mem"), minilm, counter)
+    import_sessions(svc, "acme", list(read_conversations(jsonl)), progress=False, workers=2)
+    idx = svc.index("acme")
+    texts = [t for s, st in idx.sessions.items() for t in idx._context_texts(None, st.units)]
+    here = minilm.embed(texts)  # the same texts embedded in this process
+    assert np.allclose(idx.vectors[:len(texts)], here, atol=1e-4)
+    svc.close()

@@ -99,7 +99,9 @@ def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
     from cwm_plugin.sidecar.memory_factory import make_service
     from cwm_plugin.sidecar.settings import MemorySettings
 
-    service = make_service(MemorySettings.model_validate({**cfg_mem, "root": str(root)}))
+    emb = {**cfg_mem["embedder"], "threads": None}  # as before: torch's default threads
+    service = make_service(MemorySettings.model_validate({**cfg_mem, "root": str(root),
+                                                          "embedder": emb}))
     n = max(1, math.ceil(chunks / 14))
     t0 = time.perf_counter()
     for k, conv in enumerate(copies(lines, 90_000, n)):  # text no import below repeats

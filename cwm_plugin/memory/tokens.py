@@ -14,6 +14,8 @@ Every counter has ``count(text)`` (content tokens, no special tokens) and ``coun
 counts a whole chat prompt exactly as the model will see it (chat template, generation
 prompt) where the counter can: a tokenizer folder with a chat template, or vLLM's
 ``/tokenize`` with ``messages``; elsewhere it falls back to ``count_messages``.
+``estimate_chat`` is ``count_messages`` plus the template's tokens learned from one exact
+count: no template render and no round trip a request.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class _Base:
         self.cache_size = cache_size
         self._counts: OrderedDict[str, int] = OrderedDict()
         self._counts_lock = threading.Lock()
+        self._template_extra: int | None = None
 
     def _count(self, text: str) -> int:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -86,6 +89,17 @@ class _Base:
     def count_chat(self, messages: list[dict[str, Any]]) -> int:
         """The prompt tokens of ``messages`` (here: ``count_messages``, an estimate)."""
         return self.count_messages(messages)
+
+    def estimate_chat(self, messages: list[dict[str, Any]]) -> int:
+        """``count_chat`` without rendering the template again: the messages' cached counts
+        plus the template's own tokens, learned from an exact count the first time (so the
+        first call is exact, and a later one costs no template render or ``/tokenize``)."""
+        base = self.count_messages(messages)
+        if self._template_extra is None:
+            exact = self.count_chat(messages)
+            self._template_extra = exact - base
+            return exact
+        return base + self._template_extra
 
     def system_role(self) -> bool:
         """Whether the model's chat template accepts a system message (assumed without one)."""
@@ -224,8 +238,8 @@ class VLLMCounter(_Base):
 
     ``count`` sends ``{"model", "prompt", "add_special_tokens": false}``; ``count_chat`` sends
     ``{"model", "messages", "add_generation_prompt": true}``, which vLLM renders with the
-    model's chat template, so it equals the ``prompt_tokens`` of that chat request (the first
-    time; see :meth:`count_chat`). Counts are cached by text (bounded, least recently used
+    model's chat template, so it equals the ``prompt_tokens`` of that chat request
+    (``estimate_chat`` avoids the round trip). Counts are cached by text (bounded, least recently used
     out), so a line is sent once; a failure is an
     :class:`UpstreamError` (the model server is down or refuses: the turn cannot proceed).
     """
@@ -239,7 +253,6 @@ class VLLMCounter(_Base):
         self.model = model
         self.name = f"vllm:{model}"
         self._client = httpx.Client(timeout=timeout_s, transport=transport)
-        self._template_extra: int | None = None
         self._system_role: bool | None = None
 
     def _post(self, body: dict[str, Any]) -> int:
@@ -258,15 +271,7 @@ class VLLMCounter(_Base):
         return self._post({"prompt": text, "add_special_tokens": False})
 
     def count_chat(self, messages: list[dict[str, Any]]) -> int:
-        """Exact the first time (vLLM renders the chat template); later prompts are counted
-        from their cached message counts plus the template's extra tokens learned then, so a
-        request costs no ``/tokenize`` round trip for text already seen."""
-        base = self.count_messages(messages)
-        if self._template_extra is None:
-            real = self._post({"messages": messages, "add_generation_prompt": True})
-            self._template_extra = real - base
-            return real
-        return base + self._template_extra
+        return self._post({"messages": messages, "add_generation_prompt": True})
 
     def system_role(self) -> bool:
         """vLLM renders a system message (200) or refuses the template's roles (400)."""

@@ -14,7 +14,7 @@ memory embeds the query; the event loop never waits on it. Two modes (``PromptSe
   (``MemoryService.select_context``), the current exchange always whole.
 
 Counts use the served model's counter (``counting.py``): ``prompt_tokens`` (the assembled
-prompt, for the context thresholds), ``sent`` and ``full`` (the prompt and a full-history
+prompt, for the context thresholds: estimated from cached counts, counted exactly near one), ``sent`` and ``full`` (the prompt and a full-history
 replay, additive, for the "tokens saved" metric), ``injected`` (the memory text).
 """
 
@@ -194,7 +194,16 @@ def _plan_recent(t: TurnInput, parts: P.Parts) -> Plan:
         return _counted(t, out, sel, text, full)
 
 
+NEAR = 0.05  # a prompt estimated within this share of max_model_len of a threshold: count it
+
+
 def _counted(t: TurnInput, out: list[Message], sel: Selected, text: str, full: int) -> Plan:
-    return Plan(messages=out, sel=sel, text=text, prompt_tokens=t.counter.count_chat(out),
+    """The plan with its counts; the prompt is estimated (cached message counts) and counted
+    exactly (the chat template or ``/tokenize``) only when it comes near a threshold."""
+    prompt = t.counter.estimate_chat(out)
+    th = t.settings.checkpoint.for_model(t.model)
+    if t.max_len and t.state.estimate(prompt) >= (th.warn - NEAR) * t.max_len:
+        prompt = t.counter.count_chat(out)
+    return Plan(messages=out, sel=sel, text=text, prompt_tokens=prompt,
                 sent=t.counter.count_messages(out), full=full,
                 injected=t.counter.count(text) if text else 0)

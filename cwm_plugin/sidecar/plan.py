@@ -96,11 +96,12 @@ def _transcript(t: TurnInput) -> list[Message]:
 
 
 def _select(t: TurnInput, messages: list[Message], budget: int, query: str, *,
-            recent_turns: int, present: list[Message]) -> Selected:
+            recent_turns: int, present: list[Message], summary: bool) -> Selected:
     t0 = time.perf_counter()
     sel = t.mem.now.select_context(t.ident.tenant, t.ident.session, messages, budget,
                                    query=query, counter=t.counter, recent_turns=recent_turns,
-                                   summary=False, bump=False, stages=t.stages, present=present)
+                                   summary=summary, bump=False, stages=t.stages,
+                                   present=present)
     return t.mem.selected(sel, time.perf_counter() - t0)
 
 
@@ -148,7 +149,8 @@ def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
         with t.stages("count"):
             budget = memory_budget(cfg, t.counter.count_messages, base, [], t.max_len,
                                    answer_tokens(t.body))
-        sel = _select(t, base, budget, P.query_text(parts), recent_turns=0, present=kept)
+        sel = _select(t, base, budget, P.query_text(parts), recent_turns=0, present=kept,
+                      summary=False)  # the conversation is all there (a compaction adds it)
         if t.ident.session is not None:
             st.pinned = Pinned(key, sel)
     text = P.memory_text(sel.memory_block, comp.summary if comp else None)
@@ -173,13 +175,16 @@ def _plan_recent(t: TurnInput, parts: P.Parts) -> Plan:
     st, cfg = t.state, t.settings.memory
     if t.ident.session is not None:
         _transcript(t)  # what a full replay would cost, for the "tokens saved" metric
-    comp = _compaction(t, parts.history, "client") if parts.history else st.compaction
+    if parts.history:
+        comp = _compaction(t, parts.history, "client")
+    else:  # the history is the session's recent turns: the window is the compaction
+        comp, st.compaction_due = None, False
     with t.stages("count"):
         budget = memory_budget(cfg, t.counter.count_messages, parts.prefix + parts.current,
                                recent_tail(parts.history, cfg.recent_turns), t.max_len,
                                answer_tokens(t.body))
     sel = _select(t, t.messages, budget, P.query_text(parts), recent_turns=cfg.recent_turns,
-                  present=[])
+                  present=[], summary=comp is None)
     recent = sel.recent if sel.recent is not None else parts.history
     if comp is not None:
         keep = t.settings.checkpoint.for_model(t.model).keep_turns

@@ -1,38 +1,39 @@
-"""What the memory sidecar costs and buys: added latency with 10k chunks indexed, a loopback
-load test, and the prefix-cache hit rate with and without cache-aware injection.
+"""What the memory sidecar costs and buys, against a client talking to vLLM directly.
 
-    python bench/sidecar.py --json results/sidecar.json [--quick] [--upstream URL] [--data DIR]
+    python bench/sidecar.py --chunks N --json FILE [--quick] [--upstream URL] [--data DIR]
 
-* A tiny random-weight model served by ``vllm serve`` on CPU (or ``--upstream``, which must
-  serve a model named ``tiny``).
-* Memory: one tenant's index is seeded with ``--chunks`` (10,000; ``--quick`` 2,000) chunks of
-  about ``--chunk-tokens`` (400, with 80 overlap: the sidecar's defaults) tokens of real LoCoMo
-  conversation text (``--data``: any folder of LoCoMo files, flat or lists of samples like
-  locomo10.json; default ``../shared/data``), embedded with MiniLM (``--quick``: the hashing
-  embedder). The index is built and saved before the sidecar starts, which loads it.
-* The sidecar runs as its own process (``cwm serve``), like in production.
-* **Latency**: the same non-streamed one-token chat, alternately straight to vLLM and through
-  the sidecar (which selects memory, injects it, forwards, and records the turn before
-  answering); p50/p99 of both and of the paired difference.
-* **Load**: ``--clients`` concurrent clients, each with its own session, ``--turns`` turns each
-  (bounded by ``--load-seconds``); afterwards every answered turn must be in the memory files.
-* **Prefix cache**: the same conversation (a long system prompt, then ``--prefix-turns``
-  questions, the client sending its whole history each time) replayed through a sidecar with
-  ``injection: cache_aware`` (memory after the stable prefix) and one with ``memory_first``
-  (memory before it), each in a fresh session; vLLM's ``prefix_cache_hits / queries`` over each
-  replay, and their ratio.
+* **Import**: one tenant's memory gets ``--chunks`` chunks of real LoCoMo text (``--data``,
+  default ``../shared/data``) with ``cwm memory import``'s code (MiniLM, the sidecar's chunk
+  settings), in tokens/s, against the seeding path of before (session files, then a reindex)
+  timed on ``--baseline-chunks`` chunks in the same run: seconds per chunk, and the ratio.
+* **Overhead**: ``--requests`` chats through ``cwm serve`` (its own process), as conversations
+  of ``--conv-turns`` turns whose client replays its history, each in its own session; the
+  sidecar's own time per request (everything but the upstream's time) from its
+  ``Server-Timing`` header, p50/p99, and where it goes (auth, history, query embedding,
+  keyword and vector search, fusion, token counting, file I/O).
+* **Load**: ``--clients`` concurrent clients x ``--turns`` turns; errors, and answered turns
+  missing from the memory files afterwards (``turns_lost``).
+* **Prefix cache**: a ``--prefix-turns``-turn LoCoMo conversation whose client replays its whole
+  history: vLLM's prefix-cache hit rate through the sidecar (memory in every turn) and for the
+  same client talking to vLLM directly; each memory placement on the tiny model, the default
+  one on the real SmolLM2 (``--hit-model``).
+* **Token saving** (``X-CWM-History: recent``): prompt tokens sent / a full-history replay,
+  over questions in a session holding a whole LoCoMo conversation.
 
-Prints tables and writes JSON (``latency``, ``load``, ``memory_check``, ``prefix_cache``).
+Prints tables and writes JSON with ``overhead_p50_ms``, ``overhead_p99_ms``,
+``prefix_hit_rate_sidecar``, ``prefix_hit_rate_direct``, ``tokens_sent_ratio``,
+``import_tokens_per_s``, ``load_errors``, ``turns_lost`` and the details.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import math
+import os
 import secrets
-import statistics
 import sys
 import tempfile
 import time
@@ -42,346 +43,364 @@ from typing import Any
 import httpx
 import yaml
 from _common import machine, table, write_json
-from memory import sessions, turn_text
 
+from cwm_plugin.memory.importer import Conversation, import_sessions
 from cwm_plugin.sidecar.identity import hash_key
 from cwm_plugin.sidecar.metrics import upstream_counters
 from cwm_plugin.testing import locomo
-from cwm_plugin.testing.models import TINY, build_random_model, shared_dir
+from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2, shared_dir
 from cwm_plugin.testing.sidecar_process import SidecarProcess
 from cwm_plugin.testing.vllm_server import VLLMServer
 
 log = logging.getLogger("bench.sidecar")
 KEY = "bench-key-" + secrets.token_hex(8)
 TENANT = "bench"
+PER_SESSION = 100
+STAGES = ("auth", "history", "embed", "keyword", "vector", "fusion", "count", "files")
+SYSTEM = ("You are the assistant of a travel desk that remembers its customers' earlier "
+          "conversations. Answer briefly and precisely; when the relevant memory does not say, "
+          "say that you do not know rather than guessing. Keep names, dates and numbers exact.")
 
 
-def conversation_lines(data: Path | None = None) -> list[str]:
-    """``speaker: text`` lines of the LoCoMo conversations under ``data`` (every folder in it;
-    default ``../shared/data``), in any layout ``bench/memory.py`` reads."""
+def conversations(data: Path | None) -> list[locomo.Conversation]:
     if data is None:
         shared = shared_dir()
         if shared is None:
-            raise SystemExit("no ../shared/data with LoCoMo conversations; pass --data or set "
-                             "CWM_SHARED_DIR")
+            raise SystemExit("no ../shared/data with LoCoMo conversations; pass --data")
         data = shared / "data"
-    out: list[str] = []
-    for conv in locomo.load_conversations(data):
-        for _, _, turns in sessions(conv.sessions):
-            out.extend(f"{t.get('speaker', '?')}: {turn_text(t)}" for t in turns
-                       if isinstance(t, dict))
-    if not out:
+    convs = locomo.load_conversations(data)
+    if not convs:
         raise SystemExit(f"no LoCoMo conversations under {data}")
+    return convs
+
+
+def copies(lines: list[str], first: int, n: int) -> list[Conversation]:
+    """``n`` sessions of ``PER_SESSION`` turns of LoCoMo text, each copy marked apart."""
+    out = []
+    for c in range(first, first + n):
+        turns = []
+        for i in range(PER_SESSION):
+            speaker, _, text = lines[(c * PER_SESSION + i) % len(lines)].partition(": ")
+            turns.append(("user" if i % 2 == 0 else "assistant", f"({speaker}, copy {c}) {text}"))
+        out.append(Conversation(f"seed-{c:05d}", turns))
     return out
 
 
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))
-    return xs[k]
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))] if xs else math.nan
 
 
-def seed_memory(root: Path, cfg_mem: dict[str, Any], n_chunks: int,
-                lines: list[str]) -> dict[str, Any]:
-    """Write session files for the bench tenant until its index holds ``n_chunks`` chunks.
-
-    Files are written in bulk (one durable write a session, in the memory package's own turn
-    format) rather than turn by turn, then the index is built once and saved under the memory
-    root (``cwm memory reindex`` does the same); the sidecar loads it when it starts.
-    """
+def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks: int) -> dict:
+    """The seeding of before: whole session files written, then ``reindex`` (sessions one by
+    one, each session's lines embedded in file order)."""
     from cwm_plugin.memory.files import encode_turn, replace_durable, utc_iso
     from cwm_plugin.memory.models import Turn
     from cwm_plugin.sidecar.memory_factory import make_service
     from cwm_plugin.sidecar.settings import MemorySettings
 
-    service = make_service(MemorySettings.model_validate(cfg_mem))
-    per_session = 100
-
-    def write_session(copy: int) -> None:
-        turns = []
-        for i in range(per_session):
-            speaker, _, text = lines[(copy * per_session + i) % len(lines)].partition(": ")
-            turns.append(Turn(f"s{copy}-{i}", "user" if i % 2 == 0 else "assistant",
-                              f"({speaker}, copy {copy}) {text}", utc_iso()))
-        path = service.files.session_path(TENANT, f"seed-{copy:04d}")
-        replace_durable(path, b"".join(encode_turn(t) for t in turns).decode())
-
+    emb = {**cfg_mem["embedder"], "threads": None}  # as before: torch's default threads
+    service = make_service(MemorySettings.model_validate({**cfg_mem, "root": str(root),
+                                                          "embedder": emb}))
+    n = max(1, math.ceil(chunks / 14))
     t0 = time.perf_counter()
-    probe = 5
-    for c in range(probe):
-        write_session(c)
-    per = service.reindex(TENANT, progress=False) / probe  # chunks a session
-    copy = max(probe, math.ceil(n_chunks / per * 1.02))
-    for c in range(probe, copy):
-        write_session(c)
-    log.info("indexing %d sessions (embedding every line: minutes with MiniLM)", copy)
-    chunks = service.reindex(TENANT, progress=True)
-    while chunks < n_chunks:  # chunking varies a little: top up until there are enough
-        more = max(1, math.ceil((n_chunks - chunks) / per * 1.02))
-        for c in range(copy, copy + more):
-            write_session(c)
-        copy += more
-        chunks = len(service.index(TENANT).chunks)  # indexes only the new sessions
+    for k, conv in enumerate(copies(lines, 90_000, n)):  # text no import below repeats
+        records = [Turn(f"b{k}-{i}", r, t, utc_iso()) for i, (r, t) in enumerate(conv.turns)]
+        replace_durable(service.files.session_path(TENANT, conv.session),
+                        b"".join(encode_turn(t) for t in records).decode())
+    made = service.reindex(TENANT, progress=False)
     seconds = time.perf_counter() - t0
-    service.close()  # saves the index the sidecar will load
-    return {"chunks": chunks, "sessions": copy, "turns": copy * per_session,
-            "seed_and_index_seconds": round(seconds, 1),
-            "chunk_tokens": cfg_mem["chunk_tokens"], "embedder": cfg_mem["embedder"]["kind"]}
+    tokens = sum(u.tokens for st in service.index(TENANT).sessions.values() for u in st.units)
+    service.close()
+    return {"chunks": made, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds),
+            "s_per_chunk": seconds / made}
 
 
-def chat_body(question: str, system: str) -> dict[str, Any]:
-    return {"model": "tiny", "max_tokens": 1, "temperature": 0.0,
-            "messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": question}]}
+def import_memory(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks: int,
+                  whole: Conversation) -> dict:
+    """``cwm memory import``'s path until the tenant holds ``chunks`` chunks (plus ``whole``,
+    one session with a whole LoCoMo conversation, for the token-saving measurement)."""
+    from cwm_plugin.sidecar.memory_factory import make_service
+    from cwm_plugin.sidecar.settings import MemorySettings
+
+    service = make_service(MemorySettings.model_validate(cfg_mem))
+    done = tokens = 0
+    seconds = 0.0
+    first = 0
+    batch = [whole, *copies(lines, first, max(1, math.ceil(chunks / 14)))]
+    while done < chunks:
+        stats = import_sessions(service, TENANT, batch, progress=True,
+                                workers=os.cpu_count() or 1)
+        done, tokens, seconds = done + stats.chunks, tokens + stats.tokens, \
+            seconds + stats.seconds
+        first += len(batch)
+        batch = copies(lines, first, max(1, math.ceil((chunks - done) / 14 * 1.05)))
+    service.close()
+    return {"chunks": done, "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds), "s_per_chunk": seconds / done}
 
 
-def latency(sidecar: SidecarProcess, upstream: str, questions: list[str], system: str) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {KEY}", "X-Session-Id": "latency"}
-    direct: list[float] = []
-    proxied: list[float] = []
-    with httpx.Client(timeout=120) as client:
-        for i, q in enumerate(questions):
-            body = chat_body(q, system)
-            t0 = time.perf_counter()
-            r = client.post(f"{upstream}/v1/chat/completions",
-                            json={**body, "cache_salt": "bench-direct"})
-            t1 = time.perf_counter()
-            r.raise_for_status()
-            s = client.post(f"{sidecar.url}/v1/chat/completions", json=body, headers=headers)
-            t2 = time.perf_counter()
-            s.raise_for_status()
-            if i >= 3:  # warm-up
-                direct.append(t1 - t0)
-                proxied.append(t2 - t1)
-    diffs = [p - d for p, d in zip(proxied, direct, strict=True)]
-    ms = lambda xs, p: round(pct(xs, p) * 1000, 2)  # noqa: E731
-    return {"requests": len(direct),
-            "direct_p50_ms": ms(direct, 50), "direct_p99_ms": ms(direct, 99),
-            "sidecar_p50_ms": ms(proxied, 50), "sidecar_p99_ms": ms(proxied, 99),
-            "added_p50_ms": ms(diffs, 50), "added_p99_ms": ms(diffs, 99),
-            "added_mean_ms": round(statistics.fmean(diffs) * 1000, 2)}
+def post(client: httpx.Client, url: str, body: dict, session: str | None,
+         extra: dict[str, str] | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEY}", "X-CWM-Debug": "1", **(extra or {})}
+    if session:
+        headers["X-Session-Id"] = session
+    r = client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+    if r.status_code != 200:
+        raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:300]}")
+    return r
 
 
-async def load(sidecar: SidecarProcess, clients: int, turns: int, seconds: float,
-               questions: list[str]) -> dict[str, Any]:
-    deadline = time.monotonic() + seconds
+def server_timing(header: str) -> dict[str, float]:
+    out = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if dur:
+            out[name] = float(dur)
+    return out
+
+
+def overhead(sidecar: SidecarProcess, questions: list[str], n: int, turns: int) -> dict:
+    """Sidecar time per request (``Server-Timing``), conversations replaying their history."""
+    rows: list[dict[str, float]] = []
+    firsts: list[float] = []
+    with httpx.Client(timeout=300) as client:
+        for c in range(math.ceil(n / turns) + 1):  # the first conversation warms up
+            history = [{"role": "system", "content": SYSTEM}]
+            for t in range(turns):
+                history.append({"role": "user", "content": questions[(c * turns + t)
+                                                                     % len(questions)]})
+                r = post(client, sidecar.url, {"model": "tiny", "messages": history,
+                                               "max_tokens": 4, "temperature": 0.0},
+                         f"over-{c}")
+                history.append({"role": "assistant", "content":
+                                r.json()["choices"][0]["message"]["content"] or ""})
+                if c:
+                    rows.append(server_timing(r.headers["server-timing"]))
+                    if t == 0:
+                        firsts.append(rows[-1]["total"])
+    rows = rows[:n]
+    totals = [r["total"] for r in rows]
+    stages = {s: {"p50": round(pct([r.get(s, 0.0) for r in rows], 50), 3),
+                  "p99": round(pct([r.get(s, 0.0) for r in rows], 99), 3),
+                  "mean": round(sum(r.get(s, 0.0) for r in rows) / len(rows), 3)}
+              for s in (*STAGES, *sorted({k for r in rows for k in r} - {*STAGES, "total"}))}
+    return {"requests": len(rows), "turns_per_conversation": turns,
+            "p50_ms": round(pct(totals, 50), 2), "p99_ms": round(pct(totals, 99), 2),
+            "first_turn_p50_ms": round(pct(firsts, 50), 2),
+            "first_turn_p99_ms": round(pct(firsts, 99), 2), "stages": stages}
+
+
+async def load(sidecar: SidecarProcess, clients: int, turns: int, questions: list[str]) -> dict:
     done: dict[str, list[str]] = {}
     errors: list[str] = []
-    lat: list[float] = []
 
     async def client(i: int, http: httpx.AsyncClient) -> None:
-        session = f"load-{i}"
-        done[session] = []
+        session = done.setdefault(f"load-{i}", [])
         for t in range(turns):
-            if time.monotonic() > deadline:
-                return
-            q = f"[{session} turn {t}] {questions[(i * turns + t) % len(questions)]}"
-            t0 = time.perf_counter()
+            q = f"[load-{i} turn {t}] {questions[(i * turns + t) % len(questions)]}"
             r = await http.post(f"{sidecar.url}/v1/chat/completions",
                                 json={"model": "tiny", "max_tokens": 4, "temperature": 0.0,
                                       "messages": [{"role": "user", "content": q}]},
                                 headers={"Authorization": f"Bearer {KEY}",
-                                         "X-Session-Id": session})
-            lat.append(time.perf_counter() - t0)
+                                         "X-Session-Id": f"load-{i}"})
             if r.status_code != 200:
                 errors.append(f"{r.status_code}: {r.text[:120]}")
-                continue
-            done[session].append(q)
+            else:
+                session.append(q)
 
     t0 = time.perf_counter()
-    limits = httpx.Limits(max_connections=clients * 2)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as http:
         await asyncio.gather(*(client(i, http) for i in range(clients)))
-    wall = time.perf_counter() - t0
-    answered = sum(len(v) for v in done.values())
-    return {"clients": clients, "turns_per_client": turns, "answered": answered,
-            "errors": len(errors), "error_samples": errors[:3], "wall_s": round(wall, 2),
-            "turns_per_s": round(answered / wall, 2),
-            "p50_ms": round(pct(lat, 50) * 1000, 1), "p99_ms": round(pct(lat, 99) * 1000, 1),
+    return {"clients": clients, "turns": turns, "errors": len(errors),
+            "error_samples": errors[:3], "wall_s": round(time.perf_counter() - t0, 2),
             "_done": done}
 
 
-def sidecar_means(sidecar: SidecarProcess) -> dict[str, float]:
-    """Mean memory-selection time and mean time before forwarding, from the sidecar's metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
+def turns_lost(root: Path, done: dict[str, list[str]]) -> int:
+    """Answered user turns (and an answer for each) missing from the session files."""
+    from cwm_plugin.memory.files import MemoryFiles
 
-    text = httpx.get(f"{sidecar.url}/metrics", timeout=30).text
-    sums: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            sums[smp.name] = sums.get(smp.name, 0.0) + smp.value
-    out = {}
-    for name in ("retrieval", "overhead"):
-        n = sums.get(f"cwm_sidecar_{name}_seconds_count", 0.0)
-        out[f"{name}_mean_ms"] = round(1000 * sums.get(f"cwm_sidecar_{name}_seconds_sum", 0) /
-                                       n, 2) if n else float("nan")
+    files, lost = MemoryFiles(root), 0
+    for session, questions in done.items():
+        turns = files.read_turns(TENANT, session)
+        users = {t.content for t in turns if t.role == "user"}
+        lost += sum(q not in users for q in questions)
+        lost += max(0, len(questions) - sum(t.role == "assistant" for t in turns))
+    return lost
+
+
+def replay(url: str, model: str, lines: list[str], session: str | None,
+           salt: str | None = None, headers: dict[str, str] | None = None) -> dict:
+    """One conversation, the client replaying its history each turn; what it cost."""
+    history = [{"role": "system", "content": SYSTEM}]
+    prompt = memory_turns = 0
+    with httpx.Client(timeout=600) as client:
+        for line in lines:
+            history.append({"role": "user", "content": line})
+            body = {"model": model, "messages": history, "max_tokens": 8, "temperature": 0.0,
+                    **({"cache_salt": salt} if salt else {})}
+            r = post(client, url, body, session, headers)
+            history.append({"role": "assistant",
+                            "content": r.json()["choices"][0]["message"]["content"] or ""})
+            prompt += r.json()["usage"]["prompt_tokens"]
+            debug = json.loads(r.headers.get("x-cwm-memory") or "{}")
+            memory_turns += int(debug.get("tokens", 0) > 0)
+    return {"turns": len(lines), "prompt_tokens": prompt, "memory_turns": memory_turns}
+
+
+def hit_rate(upstream: str, run) -> dict:
+    """``run()``'s result with vLLM's prefix-cache hits / queries over it."""
+    before = upstream_counters(httpx.get(f"{upstream}/metrics", timeout=30).text)
+    out = run()
+    after = upstream_counters(httpx.get(f"{upstream}/metrics", timeout=30).text)
+    hits, queries = (after.get(k, 0) - before.get(k, 0)
+                     for k in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries"))
+    return {**out, "hit_rate": round(hits / queries, 4) if queries else None}
+
+
+def with_sidecar(config: Path, upstream: str, work: Path, secret: str, prompt: dict,
+                 memory: dict, fn):
+    raw = yaml.safe_load(config.read_text())
+    path = work / f"sidecar-{len(list(work.glob('sidecar-*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump({**raw, "prompt": prompt,
+                                    "memory": {**raw["memory"], **memory}}))
+    with SidecarProcess(path, upstream, work, secret) as sc:
+        return fn(sc)
+
+
+def prefix_runs(config: Path, upstream: str, work: Path, secret: str, model: str,
+                lines: list[str], placements: list[dict], memory: dict | None = None) -> dict:
+    """Direct, then through a sidecar for each placement, each in a fresh salt."""
+    out = {"direct": hit_rate(upstream, lambda: replay(
+        upstream, model, lines, None, salt=f"direct-{secrets.token_hex(4)}"))}
+    for p in placements:
+        name = f"{p['placement']}/{p['refresh']}"
+        out[name] = with_sidecar(
+            config, upstream, work, secret, p, memory or {}, lambda sc: hit_rate(
+                upstream, lambda: replay(sc.url, model, lines, f"hit-{secrets.token_hex(4)}")))
     return out
 
 
-def verify_memory(root: Path, done: dict[str, list[str]]) -> dict[str, Any]:
-    """Every answered user turn, and an assistant turn for each, is in the session's file."""
-    from cwm_plugin.memory.files import MemoryFiles
-
-    files = MemoryFiles(root)
-    missing = 0
-    for session, questions in done.items():
-        turns = [t.as_dict() for t in files.read_turns(TENANT, session)]
-        users = [t["content"] for t in turns if t["role"] == "user"]
-        assistants = sum(1 for t in turns if t["role"] == "assistant")
-        missing += sum(1 for q in questions if q not in users)
-        missing += max(0, len(questions) - assistants)
-    return {"sessions": len(done), "turns_checked": sum(map(len, done.values())),
-            "missing": missing}
-
-
-SYSTEM = ("You are the assistant of a travel desk that remembers its customers' earlier "
-          "conversations. Answer briefly and precisely; when the relevant memory does not say, "
-          "say that you do not know rather than guessing. Keep names, dates and numbers exact. "
-          "Prefer the customer's stated preferences; mention prices only when asked. ") * 4
-
-
-def prefix_cache(config: Path, upstream: str, work: Path, secret: str, questions: list[str],
-                 mode: str) -> dict[str, Any]:
-    """Replay one conversation through a sidecar with ``injection: mode``; vLLM's prefix-cache
-    counters over the replay (a fresh session, so a fresh salt: no earlier KV can hit)."""
-    raw = yaml.safe_load(config.read_text())
-    path = work / f"sidecar-{mode}.yaml"
-    path.write_text(yaml.safe_dump({**raw, "injection": mode}))
-    sidecar = SidecarProcess(path, upstream, work, secret).start()
-    headers = {"Authorization": f"Bearer {KEY}", "X-Session-Id": f"prefix-{mode}"}
-    history = [{"role": "system", "content": SYSTEM}]
-    try:
-        before = upstream_counters(httpx.get(f"{upstream}/metrics", timeout=30).text)
-        with httpx.Client(timeout=300) as client:
-            for q in questions:
-                history.append({"role": "user", "content": q})
-                r = client.post(f"{sidecar.url}/v1/chat/completions", headers=headers,
-                                json={"model": "tiny", "messages": history, "max_tokens": 4,
-                                      "temperature": 0.0})
-                r.raise_for_status()
-                history.append({"role": "assistant",
-                                "content": r.json()["choices"][0]["message"]["content"]})
-        after = upstream_counters(httpx.get(f"{upstream}/metrics", timeout=30).text)
-    finally:
-        sidecar.stop()
-    hits = after.get("vllm:prefix_cache_hits", 0) - before.get("vllm:prefix_cache_hits", 0)
-    queries = after.get("vllm:prefix_cache_queries", 0) - \
-        before.get("vllm:prefix_cache_queries", 0)
-    return {"turns": len(questions), "hits": int(hits), "queries": int(queries),
-            "hit_rate": round(hits / queries, 4) if queries else None}
+def token_saving(sidecar: SidecarProcess, session: str, questions: list[str]) -> dict:
+    sent = full = 0
+    with httpx.Client(timeout=300) as client:
+        for q in questions:
+            r = post(client, sidecar.url, {"model": "tiny", "max_tokens": 4, "messages": [
+                {"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]},
+                session, {"X-CWM-History": "recent"})
+            debug = json.loads(r.headers["x-cwm-memory"])
+            sent, full = sent + debug["sent"], full + debug["full"]
+    return {"questions": len(questions), "sent": sent, "full_replay": full,
+            "ratio": round(sent / full, 4) if full else None}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True, type=Path)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--upstream", help="reuse a vLLM that serves the tiny model as `tiny`")
+    ap.add_argument("--quick", action="store_true", help="2,000 chunks, fewer requests")
+    ap.add_argument("--upstream", help="reuse a vLLM serving the tiny model as `tiny` "
+                                       "(with --max-model-len 8192)")
     ap.add_argument("--data", type=Path, help="folder of LoCoMo conversations")
     ap.add_argument("--chunks", type=int)
+    ap.add_argument("--baseline-chunks", type=int, default=100)
     ap.add_argument("--requests", type=int)
-    ap.add_argument("--clients", type=int)
-    ap.add_argument("--turns", type=int)
-    ap.add_argument("--prefix-turns", type=int)
-    ap.add_argument("--load-seconds", type=float, default=240.0)
-    ap.add_argument("--embedder", default=None,
-                    help="hashing | local (default: local, quick: hashing)")
-    ap.add_argument("--chunk-tokens", type=int, default=400,
-                    help="chunk size of the seeded index (the sidecar's default)")
+    ap.add_argument("--conv-turns", type=int, default=10)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--prefix-turns", type=int, default=32)
+    ap.add_argument("--hit-model", choices=("smollm2", "tiny"), default="smollm2")
+    ap.add_argument("--embedder", default="local", help="local (MiniLM) | hashing")
+    ap.add_argument("--chunk-tokens", type=int, default=400)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    q = args.quick
-    chunks = args.chunks or (2000 if q else 10_000)
-    n_req = args.requests or (40 if q else 200)
-    clients = args.clients or (4 if q else 8)
-    turns = args.turns or (5 if q else 10)
-    prefix_turns = args.prefix_turns or (8 if q else 20)
-    embedder = args.embedder or ("hashing" if q else "local")
-    lines = conversation_lines(args.data)
-
+    chunks = args.chunks or (2000 if args.quick else 10_000)
+    n_req = args.requests or (60 if args.quick else 200)
+    convs = conversations(args.data)
+    lines = [ln for c in convs for ln in c.lines()]
+    questions = [ln.partition(": ")[2] or ln for ln in lines[::7]]
+    talk = [ln for ln in convs[0].lines()][:args.prefix_turns]
     work = Path(tempfile.mkdtemp(prefix="cwm-bench-sidecar-"))
     model = build_random_model(TINY)
-    vllm = None
-    upstream = args.upstream
-    if upstream is None:
-        vllm = VLLMServer(model_dir=model, log_dir=work).start()
-        upstream = vllm.base_url
-    sidecar = None
+    root = work / "memory"
+    cfg_mem = {"root": str(root), "tokenizer": str(model), "embedder": {"kind": args.embedder},
+               "chunk_tokens": args.chunk_tokens, "chunk_overlap": args.chunk_tokens // 5,
+               "summary_every_turns": 0, "extract_facts": False}
+    t_start = time.perf_counter()
+    log.info("baseline: the seeding of before, %d chunks", args.baseline_chunks)
+    base = baseline_seed(work / "baseline", cfg_mem, lines, args.baseline_chunks)
+    log.info("import: %d chunks", chunks)
+    whole = Conversation("whole-conversation", [(ln.partition(": ")[0], ln.partition(": ")[2])
+                                                for ln in convs[-1].lines()])
+    imp = import_memory(root, cfg_mem, lines, chunks, whole)
+    imp["speedup_per_chunk"] = round(base["s_per_chunk"] / imp["s_per_chunk"], 2)
+    secret = secrets.token_hex(32)
+    config = work / "sidecar.yaml"
+    config.write_text(yaml.safe_dump({
+        "tenants": [{"name": TENANT, "key_sha256": [hash_key(KEY)]}], "memory": cfg_mem}))
+    vllm = None if args.upstream else VLLMServer(model_dir=model, log_dir=work,
+                                                 max_model_len=8192).start()
+    upstream = args.upstream or vllm.base_url
     try:
-        root = work / "memory"
-        cfg_mem = {"root": str(root), "tokenizer": str(model), "embedder": {"kind": embedder},
-                   "chunk_tokens": args.chunk_tokens, "chunk_overlap": args.chunk_tokens // 5,
-                   "summary_every_turns": 0, "extract_facts": False}
-        log.info("seeding %d chunks (%s embeddings, %d-token chunks)", chunks, embedder,
-                 args.chunk_tokens)
-        seeded = seed_memory(root, cfg_mem, chunks, lines)
-        log.info("seeded: %s", seeded)
-        secret = secrets.token_hex(32)
-        config = work / "sidecar.yaml"
-        config.write_text(yaml.safe_dump({
-            "tenants": [{"name": TENANT, "key_sha256": [hash_key(KEY)]}], "memory": cfg_mem}))
-        t0 = time.perf_counter()
-        sidecar = SidecarProcess(config, upstream, work, secret).start()
-        start_s = round(time.perf_counter() - t0, 2)
-        questions = [ln.partition(": ")[2] or ln for ln in lines[::7]]
-        t0 = time.perf_counter()
-        warm = httpx.post(f"{sidecar.url}/v1/chat/completions",
-                          json=chat_body("hello", SYSTEM),
-                          headers={"Authorization": f"Bearer {KEY}", "X-Session-Id": "warm"},
-                          timeout=600)
-        warm.raise_for_status()
-        first_request_s = round(time.perf_counter() - t0, 2)
-        log.info("latency: %d paired requests (first request %.1fs)", n_req, first_request_s)
-        lat = latency(sidecar, upstream, questions[: n_req + 3], SYSTEM)
-        lat.update(first_request_s=first_request_s, sidecar_start_s=start_s)
-        log.info("load: %d clients x %d turns", clients, turns)
-        ld = asyncio.run(load(sidecar, clients, turns, args.load_seconds, questions))
-        done = ld.pop("_done")
-        inside = sidecar_means(sidecar)
-        sidecar.stop()
-        sidecar = None
-        check = verify_memory(root, done)
-        log.info("prefix cache: %d turns, cache_aware vs memory_first", prefix_turns)
-        convo = questions[-prefix_turns:]
-        prefix = {mode: prefix_cache(config, upstream, work, secret, convo, mode)
-                  for mode in ("cache_aware", "memory_first")}
-        aware, first = (prefix[m]["hit_rate"] for m in ("cache_aware", "memory_first"))
-        prefix["ratio"] = round(aware / first, 3) if aware and first else None  # JSON: no inf
+        with SidecarProcess(config, upstream, work, secret) as sidecar:
+            log.info("overhead: %d requests", n_req)
+            over = overhead(sidecar, questions, n_req, args.conv_turns)
+            log.info("load: %d clients x %d turns", args.clients, args.turns)
+            ld = asyncio.run(load(sidecar, args.clients, args.turns, questions))
+            saving = token_saving(sidecar, whole.session, questions[:10])
+        lost = turns_lost(root, ld.pop("_done"))
+        log.info("prefix cache (tiny): placements over %d turns", len(talk))
+        placements = [{"placement": "system", "refresh": "conversation"},
+                      {"placement": "system", "refresh": "turn"},
+                      {"placement": "last_user", "refresh": "turn"}]
+        tiny_runs = prefix_runs(config, upstream, work, secret, "tiny", talk, placements)
     finally:
-        if sidecar is not None:
-            sidecar.stop()
         if vllm is not None:
             vllm.stop()
-    result = {"quick": q, "machine": machine(), "seed": seeded, "latency": lat, "load": ld,
-              "memory_check": check, "inside_sidecar": inside, "prefix_cache": prefix}
-    print(f"\nmemory: {seeded['chunks']} chunks of <= {seeded['chunk_tokens']} tokens "
-          f"({seeded['turns']} turns, {seeded['embedder']} embeddings), written, indexed and "
-          f"saved in {seeded['seed_and_index_seconds']} s; sidecar ready in "
-          f"{lat['sidecar_start_s']} s (loads the saved index), first request "
-          f"{lat['first_request_s']} s")
-    print(table([{"": "direct to vLLM", "p50 ms": lat["direct_p50_ms"],
-                  "p99 ms": lat["direct_p99_ms"]},
-                 {"": "through the sidecar", "p50 ms": lat["sidecar_p50_ms"],
-                  "p99 ms": lat["sidecar_p99_ms"]},
-                 {"": "added (paired)", "p50 ms": lat["added_p50_ms"],
-                  "p99 ms": lat["added_p99_ms"]}], ["", "p50 ms", "p99 ms"]))
-    print(f"inside the sidecar (all requests): memory selection {inside['retrieval_mean_ms']} ms"
-          f" mean, everything before forwarding {inside['overhead_mean_ms']} ms mean")
-    print(f"load: {ld['clients']} clients, {ld['answered']} turns in {ld['wall_s']} s "
-          f"({ld['turns_per_s']}/s), errors {ld['errors']}, p50 {ld['p50_ms']} ms, "
-          f"p99 {ld['p99_ms']} ms; turns missing from memory: {check['missing']}")
-    print(table([{"injection": m, "hits": prefix[m]["hits"], "queries": prefix[m]["queries"],
-                  "hit rate": prefix[m]["hit_rate"]} for m in ("cache_aware", "memory_first")],
-                ["injection", "hits", "queries", "hit rate"]))
-    if prefix["ratio"] is not None:
-        print(f"prefix-cache hit rate, cache_aware / memory_first: {prefix['ratio']}")
-    else:  # a zero rate on either side: no finite ratio, the rates say it all
-        print(f"prefix-cache hit rate: cache_aware {prefix['cache_aware']['hit_rate']}, "
-              f"memory_first {prefix['memory_first']['hit_rate']} (no finite ratio)")
+    hit = tiny_runs
+    if args.hit_model == "smollm2":
+        log.info("prefix cache (SmolLM2): default placement vs direct, %d turns", len(talk))
+        folder = build_smollm2()
+        small = VLLMServer(model_dir=folder, served_name="smollm2", dtype="bfloat16",
+                           max_model_len=8192, kv_cache_gib=2, log_dir=work).start()
+        try:  # counted with SmolLM2's own tokenizer (its folder, from vLLM's /v1/models)
+            hit = prefix_runs(config, small.base_url, work, secret, "smollm2", talk,
+                              placements[:1], {"tokenizer": "auto"})
+        finally:
+            small.stop()
+    default = hit["system/conversation"]
+    result = {
+        "machine": machine(), "chunks": imp["chunks"],
+        "overhead_p50_ms": over["p50_ms"], "overhead_p99_ms": over["p99_ms"],
+        "prefix_hit_rate_sidecar": default["hit_rate"],
+        "prefix_hit_rate_direct": hit["direct"]["hit_rate"],
+        "tokens_sent_ratio": saving["ratio"], "import_tokens_per_s": imp["tokens_per_s"],
+        "load_errors": ld["errors"], "turns_lost": lost,
+        "import": imp, "baseline_seed": base, "overhead": over, "load": ld,
+        "token_saving": saving, "prefix_hit_model": args.hit_model, "prefix": hit,
+        "prefix_tiny_placements": tiny_runs, "wall_s": round(time.perf_counter() - t_start, 1)}
+    print(f"\nimport: {imp['chunks']} chunks, {imp['tokens']} tokens in {imp['seconds']} s "
+          f"({imp['tokens_per_s']} tokens/s); the seeding of before: {base['tokens_per_s']} "
+          f"tokens/s; per chunk {imp['speedup_per_chunk']}x faster")
+    print(f"sidecar time per request over {over['requests']} requests "
+          f"({over['turns_per_conversation']}-turn conversations): p50 {over['p50_ms']} ms, "
+          f"p99 {over['p99_ms']} ms; first turns (memory selected) p50 "
+          f"{over['first_turn_p50_ms']} ms, p99 {over['first_turn_p99_ms']} ms")
+    print(table([{"stage": s, "p50 ms": v["p50"], "p99 ms": v["p99"], "mean ms": v["mean"]}
+                 for s, v in over["stages"].items()], ["stage", "p50 ms", "p99 ms", "mean ms"]))
+    print(f"load: {ld['clients']} clients x {ld['turns']} turns in {ld['wall_s']} s, errors "
+          f"{ld['errors']}, turns lost {lost}")
+    for label, runs in (("tiny", tiny_runs), (args.hit_model, hit)):
+        print(f"prefix cache, {label}, {len(talk)} turns (hit rate; turns with memory):")
+        print(table([{"": k, "hit rate": v["hit_rate"], "memory turns": v["memory_turns"],
+                      "prompt tokens": v["prompt_tokens"]} for k, v in runs.items()],
+                    ["", "hit rate", "memory turns", "prompt tokens"]))
+    ratio = (default["hit_rate"] or 0) / (hit["direct"]["hit_rate"] or math.inf)
+    print(f"sidecar / direct hit rate ({args.hit_model}): {ratio:.3f}; token-saving mode: "
+          f"{saving['ratio']} of a full replay; wall {result['wall_s']} s")
     write_json(args.json, result)
-    return 0 if check["missing"] == 0 and ld["errors"] == 0 else 1
+    return 0 if lost == 0 and ld["errors"] == 0 else 1
 
 
 if __name__ == "__main__":

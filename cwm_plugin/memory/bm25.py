@@ -76,6 +76,7 @@ class BM25Corpus:
         self._row: dict[str, int] = {}
         self._df: Counter[str] = Counter()
         self._postings: dict[str, dict[str, int]] = {}
+        self._len: dict[str, int] = {}  # document length by id (scoring reads it by id)
         self._total = 0
         self._stale = False
 
@@ -95,6 +96,7 @@ class BM25Corpus:
         for term, tf in freqs.items():
             self._postings.setdefault(term, {})[doc_id] = tf
         self._total += bm.doc_len[-1]
+        self._len[doc_id] = bm.doc_len[-1]
         self._stale = True
 
     def remove(self, doc_id: str) -> None:
@@ -109,6 +111,7 @@ class BM25Corpus:
             if not docs:
                 del self._postings[term]
         self._total -= bm.doc_len[row]
+        del self._len[doc_id]
         last = len(self._ids) - 1
         if row != last:  # move the last document into the hole
             for seq in (self._ids, bm.doc_freqs, bm.doc_len):
@@ -128,17 +131,21 @@ class BM25Corpus:
         self._stale = False
 
     def scores(self, query: str) -> dict[str, float]:
-        """BM25 score of every document (0 for those sharing no term with the query)."""
+        """BM25 score of every document sharing a term with the query (the others score 0
+        and are left out: at ten thousand chunks a dict of every document cost more than the
+        scoring itself)."""
         if not self._ids:
             return {}
         if self._stale:
             self._refresh()
         bm = self._bm25
-        out = dict.fromkeys(self._ids, 0.0)
+        out: dict[str, float] = {}
         k1, b, avgdl = bm.k1, bm.b, bm.avgdl
+        norm = k1 * (1 - b)
+        slope = k1 * b / avgdl
         for term in bm25_tokens(query):  # a repeated query term counts again, as in rank-bm25
             idf = bm.idf.get(term) or 0.0
             for doc, tf in self._postings.get(term, {}).items():
-                dl = bm.doc_len[self._row[doc]]
-                out[doc] += idf * (tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / avgdl)))
+                dl = self._len[doc]
+                out[doc] = out.get(doc, 0.0) + idf * (tf * (k1 + 1) / (tf + norm + slope * dl))
         return out

@@ -1,4 +1,4 @@
-"""``cwm memory``: reindex, search, add and show a tenant's file-first memory.
+"""``cwm memory``: reindex, import, search, add, check and show a tenant's file-first memory.
 
 Settings come from ``--config`` (the sidecar's YAML: its ``memory`` section, so that an index
 written here is the one the sidecar loads) and from flags, which win over the file. Without
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,35 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    from cwm_plugin.memory.importer import import_sessions, read_conversations
+
+    conversations = [c for path in args.files for c in read_conversations(path)]
+    svc = _service(args)
+    try:
+        stats = import_sessions(svc, args.tenant, conversations, progress=True,
+                                workers=args.workers)
+    finally:
+        svc.close()
+    print(f"imported {stats.sessions} sessions ({stats.turns} turns, {stats.chunks} chunks, "
+          f"{stats.tokens} tokens) in {stats.seconds:.1f} s: {stats.tokens_per_s:.0f} tokens/s")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from cwm_plugin.memory.check import check
+    from cwm_plugin.memory.files import MemoryFiles
+
+    problems = check(MemoryFiles(args.root), args.tenant)
+    for p in problems:
+        print(p)
+    print(f"{len(problems)} problem(s) in {args.tenant or 'all tenants'}")
+    return 1 if problems else 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    group = subparsers.add_parser("memory", help="file-first memory: reindex, search, add, show")
+    group = subparsers.add_parser(
+        "memory", help="file-first memory: reindex, import, search, add, check, show")
     sub = group.add_subparsers(dest="memory_cmd", required=True)
 
     p = sub.add_parser("reindex", help="rebuild the indexes from the markdown files and save "
@@ -116,6 +144,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(p)
     p.add_argument("--tenant")
     p.set_defaults(func=cmd_reindex)
+
+    p = sub.add_parser("import", help="import past conversations in bulk: OpenAI messages "
+                                      "(.jsonl, one conversation a line) or LoCoMo (.json)")
+    _common(p)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="processes embedding a large import (local MiniLM; default: one a core)")
+    p.add_argument("files", nargs="+", type=Path)
+    p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("search", help="search a tenant's memory")
     _common(p)
@@ -136,6 +173,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--importance", type=float, default=0.5)
     p.add_argument("text")
     p.set_defaults(func=cmd_add)
+
+    p = sub.add_parser("check", help="list damaged lines in the memory files (they are "
+                                     "skipped when read); exit 1 if there are any")
+    p.add_argument("--root", type=Path, required=True)
+    p.add_argument("--tenant")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("show", help="show a tenant's sessions and memories, or one transcript")
     p.add_argument("--root", type=Path, required=True)

@@ -19,19 +19,58 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-from cwm_plugin.errors import CorruptBlob
 from cwm_plugin.memory.models import Memory, Turn
 from cwm_plugin.memory.names import NAME, check_name
 
+log = logging.getLogger(__name__)
 TURN_MARK = b"<!-- cwm-turn "
 MEM_MARK = "<!-- cwm-mem "
 SUMMARY_MARK = "<!-- cwm-summary "
 END = " -->"
+
+
+def _mark_safe_json(data: dict) -> str:
+    """JSON with ``<`` and ``>`` escaped, so no text can end or start a marker early."""
+    return json.dumps(data, ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e")
+
+
+def memory_line(m: Memory) -> str:
+    """One line of memories.md: readable text, then the machine-readable record."""
+    meta = _mark_safe_json({"id": m.id, "text": m.text, "category": m.category,
+                            "importance": round(m.importance, 4),
+                            "access_count": m.access_count, "created": m.created})
+    return f"- **{m.category}** ({m.importance:.2f}) {m.text} {MEM_MARK}{meta}{END}"
+
+
+def parse_memory_line(line: str) -> Memory | None:
+    """The memory a line records, or None. The record is the marker whose JSON parses (older
+    files did not escape a marker quoted in a memory's text, so every occurrence is tried)."""
+    end = line.rfind(END)
+    i = line.find(MEM_MARK)
+    while 0 <= i < end:
+        try:
+            meta = json.loads(line[i + len(MEM_MARK):end])
+            return Memory(id=str(meta["id"]), text=str(meta["text"]),
+                          category=str(meta["category"]), importance=float(meta["importance"]),
+                          access_count=int(meta["access_count"]), created=str(meta["created"]))
+        except (ValueError, KeyError, TypeError):
+            i = line.find(MEM_MARK, i + 1)
+    return None
+
+
+def summary_meta(head: str) -> dict | None:
+    """The JSON of a summary's header line, or None when it is damaged."""
+    try:
+        meta = json.loads(head[len(SUMMARY_MARK):head.rindex(END)])
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def utc_iso(ts: datetime | None = None) -> str:
@@ -61,16 +100,18 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def append_durable(path: Path, data: bytes) -> tuple[int, int]:
-    """Append under the lock, flush and fsync (and the folder of a new file); (start, end)."""
+def append_durable(path: Path, data: bytes, *, sync: bool = True) -> tuple[int, int]:
+    """Append under the lock, flush and fsync (and the folder of a new file); (start, end).
+    ``sync=False`` only flushes (a derived file whose tail may be lost in a crash)."""
     new = not path.exists()
     with locked(path), open(path, "ab") as fh:
         start = fh.seek(0, os.SEEK_END)
         fh.write(data)
         fh.flush()
-        os.fsync(fh.fileno())
+        if sync:
+            os.fsync(fh.fileno())
         end = fh.tell()
-    if new:
+    if new and sync:
         _fsync_dir(path.parent)
     return start, end
 
@@ -228,61 +269,70 @@ class MemoryFiles:
         for day, lines in by_day.items():
             path = self.tenant_dir(tenant) / "daily" / f"{day}.md"
             path.parent.mkdir(parents=True, exist_ok=True)
-            append_durable(path, "".join(lines).encode("utf-8"))
+            # the daily log is for people reading along: no fsync (the session file has one)
+            append_durable(path, "".join(lines).encode("utf-8"), sync=False)
 
     # --- durable memories --------------------------------------------------------------------
 
     def read_memories(self, tenant: str) -> list[Memory]:
+        """The durable memories; a line that does not parse is skipped (and logged): a broken
+        line must never take the tenant's memory down (``cwm memory check`` lists them)."""
+        mems, bad = self.scan_memories(tenant)
+        for n, _ in bad:
+            log.warning("tenant %s: memories.md line %d is not a valid memory line; skipped "
+                        "(run `cwm memory check`)", tenant, n)
+        return mems
+
+    def scan_memories(self, tenant: str) -> tuple[list[Memory], list[tuple[int, str]]]:
+        """``(memories, [(line number, line) of every memory line that does not parse])``."""
         path = self.memories_path(tenant)
         if not path.exists():
-            return []
-        out = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            i = line.find(MEM_MARK)
-            if i < 0:
+            return [], []
+        out: list[Memory] = []
+        bad: list[tuple[int, str]] = []
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace")
+                                 .splitlines(), 1):
+            if MEM_MARK not in line:
                 continue
-            try:
-                meta = json.loads(line[i + len(MEM_MARK):line.rindex(END)])
-                out.append(Memory(id=meta["id"], text=meta["text"], category=meta["category"],
-                                  importance=float(meta["importance"]),
-                                  access_count=int(meta["access_count"]),
-                                  created=meta["created"]))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise CorruptBlob(f"{path}:{n} is not a valid memory line: {exc}",
-                                  hint="fix or delete that line, then run `cwm memory reindex`"
-                                  ) from exc
-        return out
+            m = parse_memory_line(line)
+            if m is None:
+                bad.append((n, line))
+            else:
+                out.append(m)
+        return out, bad
 
     def update_memories(self, tenant: str, fn) -> list[Memory]:
-        """Read, change (``fn(list) -> list``) and atomically rewrite memories.md, locked."""
+        """Read, change (``fn(list) -> list``) and atomically rewrite memories.md, locked.
+        Lines that do not parse are written back as they were (for a person to fix)."""
         path = self.memories_path(tenant)
         with locked(path):
-            mems = fn(self.read_memories(tenant))
+            parsed, bad = self.scan_memories(tenant)
+            mems = fn(parsed)
             lines = ["# Durable memories", ""]
-            for m in mems:
-                meta = json.dumps({"id": m.id, "text": m.text, "category": m.category,
-                                   "importance": round(m.importance, 4),
-                                   "access_count": m.access_count, "created": m.created},
-                                  ensure_ascii=False)
-                lines.append(f"- **{m.category}** ({m.importance:.2f}) {m.text} "
-                             f"{MEM_MARK}{meta}{END}")
+            lines += [memory_line(m) for m in mems]
+            lines += [raw for _, raw in bad]
             replace_durable(path, "\n".join(lines) + "\n")
         return mems
 
     # --- summaries ---------------------------------------------------------------------------
 
     def read_summary(self, tenant: str, session: str) -> tuple[str, str] | None:
-        """``(text, upto_turn)`` or ``None``."""
+        """``(text, upto_turn)`` or ``None``; a damaged header line is logged and ignored
+        (the summary is then taken as covering no turn, so the next update redoes it)."""
         path = self.summary_path(tenant, session)
         if not path.exists():
             return None
-        head, _, text = path.read_text(encoding="utf-8").partition("\n")
+        head, _, text = path.read_text(encoding="utf-8", errors="replace").partition("\n")
         if not head.startswith(SUMMARY_MARK):
-            return text.strip() or head, ""
-        meta = json.loads(head[len(SUMMARY_MARK):head.rindex(END)])
+            return (head + "\n" + text).strip(), ""
+        meta = summary_meta(head)
+        if meta is None:
+            log.warning("tenant %s: the header of summary %s is damaged; ignored (run `cwm "
+                        "memory check`)", tenant, session)
+            return text.strip(), ""
         return text.strip(), str(meta.get("upto_turn", ""))
 
     def write_summary(self, tenant: str, session: str, text: str, upto_turn: str) -> None:
-        meta = json.dumps({"upto_turn": upto_turn, "updated": utc_iso()})
+        meta = _mark_safe_json({"upto_turn": upto_turn, "updated": utc_iso()})
         replace_durable(self.summary_path(tenant, session),
                         f"{SUMMARY_MARK}{meta}{END}\n{text.strip()}\n")

@@ -5,7 +5,8 @@ Shared by the memory selection and the sidecar's prompt assembly, so both agree 
 
 - the **prefix** is the run of leading ``system``/``developer`` messages (never the last
   message): the caller keeps it in place, so it is neither counted nor repeated here;
-- the **new message** is the last message;
+- the **current exchange** runs from the last user message to the end: the question and any
+  tool calls answering it so far (an agent loop), always sent as it is;
 - the **history** is everything in between, in order, mid-conversation ``system``/``developer``
   messages included.
 
@@ -31,6 +32,15 @@ def prefix_length(messages: list[Message]) -> int:
     while n < len(messages) - 1 and messages[n].get("role") in PREFIX_ROLES:
         n += 1
     return n
+
+
+def split_current(conv: list[dict]) -> tuple[list[dict], list[dict]]:
+    """``(history, current exchange)``: the current exchange runs from the last user message
+    to the end (a question, or a question with the tool calls answering it so far)."""
+    last = max((i for i, m in enumerate(conv) if m.get("role") == "user"), default=None)
+    if last is None:
+        return [], list(conv)
+    return conv[:last], conv[last:]
 
 
 def groups(history: list[Message]) -> list[list[Message]]:

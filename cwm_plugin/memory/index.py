@@ -82,13 +82,33 @@ class TenantIndex:
 
     # --- building ------------------------------------------------------------------------------
 
-    def add_turns(self, session: str, turns: list[Turn]) -> None:
-        """Index turns appended to ``session`` (in order); re-chunks only the open tail."""
+    def units(self, turns: list[Turn]) -> list[Unit]:
+        """The units (lines) these turns make."""
+        return [u for t in turns for u in turn_units(t, self.counter, self.chunk_tokens)]
+
+    def texts(self, session: str, units: list[Unit]) -> list[str]:
+        """What is embedded for each of ``units`` appended to ``session``: the line, with the
+        line before it (see the module docstring)."""
+        return self._context_texts(self.sessions.get(session), units)
+
+    def _context_texts(self, st: SessionState | None, units: list[Unit]) -> list[str]:
+        prev = st.units[-1].text if st is not None and st.units else ""
+        out = []
+        for u in units:  # each line with the line before it (see the module docstring)
+            out.append(f"{prev}\n{u.text}" if prev and self.context_lines else u.text)
+            prev = u.text
+        return out
+
+    def add_turns(self, session: str, turns: list[Turn],
+                  prepared: tuple[list[Unit], np.ndarray] | None = None) -> None:
+        """Index turns appended to ``session`` (in order); re-chunks only the open tail.
+        ``prepared``: their units and vectors, already computed (a bulk import embeds every
+        session's lines in one sorted pass)."""
         if not turns:
             return
         st = self.sessions.setdefault(session, SessionState())
-        new_units = [u for t in turns for u in turn_units(t, self.counter, self.chunk_tokens)]
-        self._add_vectors(st, new_units)
+        new_units, vecs = prepared if prepared is not None else (self.units(turns), None)
+        self._add_vectors(st, new_units, vecs)
         start = 0
         if st.spans:  # drop the open last chunk, re-chunk from its first unit
             start, _, old = st.spans.pop()
@@ -139,15 +159,12 @@ class TenantIndex:
         self._seq.pop(cid, None)
         self._centroids.pop(cid, None)
 
-    def _add_vectors(self, st: SessionState, units: list[Unit]) -> None:
+    def _add_vectors(self, st: SessionState, units: list[Unit],
+                     vecs: np.ndarray | None = None) -> None:
         if not units:
             return
-        prev = st.units[-1].text if st.units else ""
-        texts = []
-        for u in units:  # each line with the line before it (see the module docstring)
-            texts.append(f"{prev}\n{u.text}" if prev and self.context_lines else u.text)
-            prev = u.text
-        vecs = self.embedder.embed(texts)
+        if vecs is None:
+            vecs = self.embedder.embed(self._context_texts(st, units))
         first = self._n
         labels = list(range(first, first + len(units)))
         need = first + len(units)
@@ -178,6 +195,10 @@ class TenantIndex:
     @property
     def n_vectors(self) -> int:
         return self._n
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.chunks)
 
     def doc_ids(self, session: str | None = None) -> list[str]:
         if session is None:

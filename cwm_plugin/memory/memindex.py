@@ -53,6 +53,10 @@ class MemoryIndex:
     def n_vectors(self) -> int:
         return len(self._ids)
 
+    @property
+    def n_docs(self) -> int:
+        return len(self._ids)
+
     def doc_ids(self, session: str | None = None) -> list[str]:
         return list(self._ids)
 

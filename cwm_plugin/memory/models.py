@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,9 +26,17 @@ class MemoryConfig:
     vector_context_lines: int = 1  # each line is embedded with the line before it (index.py)
     chunk_vector_weight: float = 1.0  # weight of the chunk centroid's cosine (index.py)
     max_facts: int = 8  # durable memories offered to a selection
+    # Look at the files for changes by other processes at most this often (seconds; 0: on
+    # every search). This process's own appends are indexed as they are written.
+    sync_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
+
+
+def new_turn_id() -> str:
+    """A fresh turn id: the time in milliseconds (hex) and a random suffix."""
+    return f"t{int(time.time() * 1000):x}-{secrets.token_hex(3)}"
 
 
 @dataclass

@@ -29,6 +29,7 @@ between documents being the cosine of their vectors.
 
 from __future__ import annotations
 
+import heapq
 from datetime import datetime
 from typing import Protocol
 
@@ -36,6 +37,7 @@ import numpy as np
 
 from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.models import Hit, MemoryConfig
+from cwm_plugin.memory.timing import Stages
 
 MODES = ("hybrid", "bm25", "vector")
 
@@ -45,6 +47,9 @@ class Corpus(Protocol):
 
     @property
     def n_vectors(self) -> int: ...
+
+    @property
+    def n_docs(self) -> int: ...
 
     def doc_ids(self, session: str | None = None) -> list[str]: ...
 
@@ -80,31 +85,44 @@ def _days(ts: str) -> float:
 
 
 def search_index(index: Corpus, query: str, qvec: np.ndarray | None, k: int,
-                 cfg: MemoryConfig, *, mode: str = "hybrid",
-                 session: str | None = None) -> list[Hit]:
-    """The ``k`` best documents for ``query`` (``qvec``: its embedding, needed unless bm25)."""
+                 cfg: MemoryConfig, *, mode: str = "hybrid", session: str | None = None,
+                 stages: Stages | None = None) -> list[Hit]:
+    """The ``k`` best documents for ``query`` (``qvec``: its embedding, needed unless bm25);
+    time spent is added to ``stages`` (``keyword``, ``vector``, ``fusion``)."""
     if mode not in MODES:
         raise InvalidInput(f"search mode {mode!r} is unknown", hint=f"use one of {MODES}")
+    stages = stages or Stages()
     if k <= 0:
         return []
-    allowed = set(index.doc_ids(session))
-    if not allowed:
+    allowed = set(index.doc_ids(session)) if session is not None else None
+    if (allowed is not None and not allowed) or not index.n_docs:
         return []
     n_cand = max(k, k * max(1, cfg.candidate_multiplier))
     bm25: dict[str, float] = {}
     vec: dict[str, float] = {}
     cands: set[str] = set()
     if mode in ("bm25", "hybrid"):
-        bm25 = {c: s for c, s in index.bm25_scores(query).items() if c in allowed}
-        cands.update(c for c in sorted(bm25, key=bm25.__getitem__, reverse=True)[:n_cand]
-                     if bm25[c] > 0 or mode == "bm25")
+        with stages("keyword"):
+            bm25 = index.bm25_scores(query)  # only documents sharing a term (others score 0)
+            if allowed is not None:
+                bm25 = {c: s for c, s in bm25.items() if c in allowed}
+            cands.update(heapq.nlargest(n_cand, bm25, key=bm25.__getitem__))
     if mode in ("vector", "hybrid") and qvec is not None:
-        lines = n_cand * 2 if session is None else index.n_vectors
-        vc = [c for c in index.vector_candidates(qvec, lines) if c in allowed]
-        vec = {c: index.vector_score(qvec, c) for c in vc}
-        cands.update(sorted(vec, key=vec.__getitem__, reverse=True)[:n_cand])
+        with stages("vector"):
+            lines = n_cand * 2 if session is None else index.n_vectors
+            vc = [c for c in index.vector_candidates(qvec, lines)
+                  if allowed is None or c in allowed]
+            vec = {c: index.vector_score(qvec, c) for c in vc}
+            cands.update(heapq.nlargest(n_cand, vec, key=vec.__getitem__))
     if not cands:
         return []
+    with stages("fusion"):
+        return _fuse(index, cands, bm25, vec, qvec, k, cfg, mode)
+
+
+def _fuse(index: Corpus, cands: set[str], bm25: dict[str, float], vec: dict[str, float],
+          qvec: np.ndarray | None, k: int, cfg: MemoryConfig, mode: str) -> list[Hit]:
+    """Score the candidates by ``mode`` (see the module docstring) and keep the ``k`` best."""
     reasons: dict[str, dict[str, float]] = {c: {} for c in cands}
     if mode == "hybrid":
         b = {c: bm25.get(c, 0.0) for c in cands}

@@ -25,7 +25,7 @@ import numpy as np
 
 from cwm_plugin.memory.history import window
 from cwm_plugin.memory.models import Hit, Memory, Selection
-from cwm_plugin.memory.tokens import TokenCounter
+from cwm_plugin.memory.tokens import TokenCounter, content_text
 
 FACTS_HEADER = "Known facts about the user:"
 SUMMARY_HEADER = "Summary of this conversation so far:"
@@ -142,10 +142,12 @@ def _recent(counter: TokenCounter, history: list[dict], n: int, budget: int,
 
 def select(counter: TokenCounter, history: list[dict], recent_turns: int, budget: int,
            cands: Candidates, recent_turn_ids: set[str] | None = None,
-           max_facts: int = 8) -> Selection:
+           max_facts: int = 8, present: list[dict] | tuple = ()) -> Selection:
+    """``present``: messages the prompt carries anyway (the current exchange): chunks made
+    only of their text are skipped like recent ones."""
     reasons: list[str] = []
     recent, used = _recent(counter, history, recent_turns, budget, reasons)
-    recent_text = {" ".join(str(m.get("content", "")).split()) for m in recent}
+    recent_text = {" ".join(content_text(m).split()) for m in [*recent, *present]}
     recent_ids = recent_turn_ids or set()
     p = _Pieces(counter)
     room = budget - used

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.embeddings import CachedEmbedder, Embedder
 from cwm_plugin.memory.files import MemoryFiles, utc_iso
-from cwm_plugin.memory.history import prefix_length
+from cwm_plugin.memory.history import prefix_length, split_current
 from cwm_plugin.memory.index import TenantIndex
 from cwm_plugin.memory.metrics import MemoryMetrics
 from cwm_plugin.memory.models import (
@@ -31,11 +31,13 @@ from cwm_plugin.memory.models import (
     MemoryConfig,
     Selection,
     Turn,
+    new_turn_id,
 )
 from cwm_plugin.memory.names import check_name, check_role
 from cwm_plugin.memory.search import search_index
 from cwm_plugin.memory.select import Candidates, select
 from cwm_plugin.memory.tenants import TenantIndexes
+from cwm_plugin.memory.timing import Stages
 from cwm_plugin.memory.tokens import TokenCounter
 
 __all__ = ["Hit", "Memory", "MemoryConfig", "MemoryService", "Selection"]
@@ -59,6 +61,8 @@ class MemoryService:
         self.indexes = TenantIndexes(self.files, config, embedder, counter, self.metrics)
         self._locks: dict[str, threading.RLock] = {}
         self._guard = threading.Lock()
+        # turns appended with defer_index, not indexed yet: tenant -> [(session, turns, span)]
+        self._pending: dict[str, list[tuple[str, list[Turn], int, int]]] = {}
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -71,6 +75,7 @@ class MemoryService:
         """The tenant's chunk index, caught up with its files."""
         check_name("tenant", tenant)
         with self.lock(tenant):
+            self.index_pending(tenant)
             return self.indexes.refresh(tenant)
 
     def _embed_one(self, text: str) -> np.ndarray:
@@ -86,9 +91,11 @@ class MemoryService:
 
     def record_turns(self, tenant: str, session: str, turns: list[tuple[str, str]], *,
                      turn_ids: list[str | None] | None = None,
-                     ts: datetime | None = None) -> list[str]:
+                     ts: datetime | None = None, defer_index: bool = False) -> list[str]:
         """Append ``(role, content)`` turns to the session's file in one durable write
-        (adjacent, one fsync), then index them; returns their ids."""
+        (adjacent, one fsync), then index them; returns their ids. ``defer_index`` leaves the
+        indexing (embedding the new lines) to :meth:`index_pending`, which the next search of
+        the tenant runs first anyway: a caller answering a client can do it afterwards."""
         check_name("tenant", tenant)
         check_name("session", session)
         ids = list(turn_ids or [None] * len(turns))
@@ -100,7 +107,7 @@ class MemoryService:
             if not isinstance(content, str):
                 raise InvalidInput("turn content must be a string")
             if turn_id is None:
-                turn_id = f"t{int(time.time() * 1000):x}-{secrets.token_hex(3)}"
+                turn_id = new_turn_id()
             elif not TURN_ID.match(turn_id):
                 raise InvalidInput(f"turn id {turn_id!r} is not allowed",
                                    hint="use 1-64 letters, digits, '_', '.', ':' or '-'")
@@ -110,17 +117,32 @@ class MemoryService:
         with self.lock(tenant):
             loaded = self.indexes.loaded(tenant)
             start, end = self.files.append_turns(tenant, session, records)
-            if loaded:
+            if defer_index:  # (an index loaded later reads these turns from the file)
+                if loaded:
+                    self._pending.setdefault(tenant, []).append((session, records, start, end))
+            elif loaded:
                 self.indexes.appended(tenant, session, records, start, end)
             else:
                 self.indexes.get(tenant)  # loads or builds, these turns included
         return [t.turn_id for t in records]
 
+    def index_pending(self, tenant: str) -> int:
+        """Index the turns appended with ``defer_index``, in order; returns how many batches."""
+        with self.lock(tenant):
+            todo = self._pending.pop(tenant, [])
+            for n, (session, records, start, end) in enumerate(todo):
+                try:
+                    self.indexes.appended(tenant, session, records, start, end)
+                except Exception:  # the embedder is down, say: try again next time
+                    self._pending[tenant] = todo[n:] + self._pending.get(tenant, [])
+                    raise
+        return len(todo)
+
     def transcript(self, tenant: str, session: str) -> list[dict]:
         """Turns read back from the file: ``turn_id`` (also ``id``), role, content, ts."""
         return [t.as_dict() for t in self.files.read_turns(tenant, session)]
 
-    # --- search and selection ----------------------------------------------------------------------
+    # --- search and selection ---------------------------------------------------------------
 
     def search(self, tenant: str, query: str, k: int = 10, *, mode: str = "hybrid",
                session: str | None = None) -> list[Hit]:
@@ -131,6 +153,7 @@ class MemoryService:
         t0 = time.perf_counter()
         qvec = self._embed_one(query) if mode != "bm25" else None
         with self.lock(tenant):
+            self.index_pending(tenant)
             hits = search_index(self.indexes.refresh(tenant), query, qvec, k, self.config,
                                 mode=mode, session=session)
         self.metrics.retrieval.labels(mode).observe(time.perf_counter() - t0)
@@ -140,69 +163,103 @@ class MemoryService:
                         mode: str = "hybrid") -> list[Hit]:
         """The ``k`` best durable memories (``Hit.source == "memory"``, ``chunk_id`` = id)."""
         check_name("tenant", tenant)
-        t0 = time.perf_counter()
         qvec = self._embed_one(query) if mode != "bm25" and query.strip() else None
         with self.lock(tenant):
+            return self._memory_hits(tenant, query, qvec, k, mode, Stages())
+
+    def _memory_hits(self, tenant: str, query: str, qvec: np.ndarray | None, k: int,
+                     mode: str, stages: Stages) -> list[Hit]:
+        """Durable memories for ``query`` (the caller holds the tenant's lock)."""
+        t0 = time.perf_counter()
+        with stages("files"):
             mems = self.indexes.memories(tenant)
-            if not query.strip():  # nothing to match: the most important first
-                ranked = sorted(mems.memories.values(), key=lambda m: (-m.importance, m.id))
-                return [mems.hit(m.id, m.importance, {}) for m in ranked[:k]]
-            hits = search_index(mems, query, qvec, k, self.config, mode=mode)
+        if not query.strip():  # nothing to match: the most important first
+            ranked = sorted(mems.memories.values(), key=lambda m: (-m.importance, m.id))
+            return [mems.hit(m.id, m.importance, {}) for m in ranked[:k]]
+        hits = search_index(mems, query, qvec, k, self.config, mode=mode, stages=stages)
         self.metrics.retrieval.labels(f"memories-{mode}").observe(time.perf_counter() - t0)
         return hits
 
-    def select_context(self, tenant: str, session: str, messages: list[dict],
+    def select_context(self, tenant: str, session: str | None, messages: list[dict],
                        budget_tokens: int, *, query: str | None = None,
-                       counter: TokenCounter | None = None) -> Selection:
+                       counter: TokenCounter | None = None, recent_turns: int | None = None,
+                       summary: bool = True, bump: bool = True,
+                       present: list[dict] | None = None,
+                       stages: Stages | None = None) -> Selection:
         """Recent turns verbatim plus memories, summary and hits, within ``budget_tokens``.
 
         ``messages`` are the request's chat messages: the leading system/developer messages
-        are the caller's stable prefix and are ignored here (``history.py``), a final user
-        message is the new turn (not "recent"). If the request carries no history, the recent
-        turns come from the session's transcript. ``counter`` counts the budget (the served
-        model's tokenizer; default: the service's).
+        are the caller's stable prefix and are ignored here (``history.py``); the *current
+        exchange* (from the last user message on: the question and any tool calls answering
+        it) is the caller's too, and its text is never repeated as memory. What comes before
+        it is the history the ``recent_turns`` (default: the configured number) most recent
+        messages are kept from; if the request carries none, they come from the session's
+        transcript. ``session=None`` is a stateless caller (no transcript, no summary).
+        ``summary=False`` leaves the session summary out; ``bump=False`` leaves the memories'
+        access counts to a later :meth:`bump` (a rewrite of memories.md, off the request's
+        path). ``present``: more messages the caller sends anyway (its whole history): chunks
+        made only of their text are skipped. ``counter`` counts the budget (the served model's
+        tokenizer; default: the service's); time spent is added to ``stages``.
         """
         check_name("tenant", tenant)
-        check_name("session", session)
+        if session is not None:
+            check_name("session", session)
         if budget_tokens < 0:
             raise InvalidInput("budget_tokens must be >= 0")
+        stages = stages or Stages()
         conv = messages[prefix_length(messages):]
-        new = conv[-1] if conv and conv[-1].get("role") == "user" else None
-        history = conv[:-1] if new is not None else conv
+        history, current = split_current(conv)
         recent_ids: set[str] = set()
-        n = self.config.recent_turns
-        if not history:
-            turns = self.files.read_turns(tenant, session)[-n:] if n > 0 else []
+        n = self.config.recent_turns if recent_turns is None else recent_turns
+        if not history and session is not None and n > 0:
+            with stages("files"):
+                turns = self.files.read_turns(tenant, session)[-n:]
             history = [_as_message(t) for t in turns]
             recent_ids = {t.turn_id for t in turns}
         if query is None:
-            query = _text(new) if new is not None else (_text(conv[-1]) if conv else "")
-        cands = self._candidates(tenant, session, query or "")
-        sel = select(counter or self.counter, history, n, budget_tokens, cands, recent_ids,
-                     self.config.max_facts)
-        if sel.facts:
-            ids = {m.id for m in sel.facts}
-            with self.lock(tenant):
-                self.files.update_memories(tenant, lambda ms: [
-                    _bump(m) if m.id in ids else m for m in ms])
+            query = _text(current[0]) if current else ""
+        cands = self._candidates(tenant, session if summary else None, query or "", stages)
+        with stages("count"):
+            sel = select(counter or self.counter, history, n, budget_tokens, cands, recent_ids,
+                         self.config.max_facts, present=[*current, *(present or [])])
+        if sel.facts and bump:
+            self.bump(tenant, [m.id for m in sel.facts])
         return sel
 
-    def _candidates(self, tenant: str, session: str, query: str) -> Candidates:
-        fact_hits = self.search_memories(tenant, query, self.config.max_facts)
+    def bump(self, tenant: str, ids: list[str]) -> None:
+        """Count one more use of each of these durable memories (rewrites memories.md)."""
+        wanted = set(ids)
         with self.lock(tenant):
+            self.files.update_memories(tenant, lambda ms: [
+                _bump(m) if m.id in wanted else m for m in ms])
+
+    def _candidates(self, tenant: str, session: str | None, query: str,
+                    stages: Stages) -> Candidates:
+        """Everything a selection may take, the query embedded once."""
+        qvec = None
+        if query.strip():
+            with stages("embed"):
+                qvec = self._embed_one(query)
+        t0 = time.perf_counter()
+        with self.lock(tenant):
+            fact_hits = self._memory_hits(tenant, query, qvec, self.config.max_facts,
+                                          "hybrid", stages)
             by_id = self.indexes.memories(tenant).memories
-        fact_hits = [h for h in fact_hits if h.chunk_id in by_id]
-        hits = self.search(tenant, query, SEARCH_K) if query.strip() else []
-        qvec = self._embed_one(query) if hits else None
-        line_scores: list[np.ndarray | None] = []
-        with self.lock(tenant):
-            idx = self.indexes.get(tenant)
-            for h in hits:
-                line_scores.append(idx.line_scores(qvec, h.chunk_id) if qvec is not None
-                                   else None)
+            fact_hits = [h for h in fact_hits if h.chunk_id in by_id]
+            with stages("files"):
+                self.index_pending(tenant)
+                idx = self.indexes.refresh(tenant)
+            hits = search_index(idx, query, qvec, SEARCH_K, self.config,
+                                stages=stages) if qvec is not None else []
+            with stages("vector"):
+                line_scores = [idx.line_scores(qvec, h.chunk_id) if qvec is not None else None
+                               for h in hits]
+        if qvec is not None:
+            self.metrics.retrieval.labels("hybrid").observe(time.perf_counter() - t0)
+        with stages("files"):
+            summary = self.summary(tenant, session) if session is not None else None
         return Candidates(facts=[by_id[h.chunk_id] for h in fact_hits], fact_hits=fact_hits,
-                          summary=self.summary(tenant, session), hits=hits,
-                          hit_line_scores=line_scores)
+                          summary=summary, hits=hits, hit_line_scores=line_scores)
 
     # --- durable memories and summaries --------------------------------------------------------
 
@@ -278,6 +335,10 @@ class MemoryService:
         return n
 
     def close(self) -> None:
+        with self._guard:
+            pending = list(self._pending)
+        for tenant in pending:
+            self.index_pending(tenant)
         self.save()
         if isinstance(self.embedder, CachedEmbedder):
             self.embedder.close()

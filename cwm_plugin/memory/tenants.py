@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ class _Tenant:
     generation: str | None
     dirty: bool = False
     memories: MemoryIndex | None = None
+    synced_at: float = -1e9  # monotonic time of the last look at the files
 
 
 class TenantIndexes:
@@ -138,6 +140,10 @@ class TenantIndexes:
         """The tenant's index after catching up with every change to its files."""
         idx = self.get(tenant)
         t = self._tenants[tenant]
+        now = time.monotonic()
+        if now - t.synced_at < self.config.sync_interval_s:
+            return idx  # this process's own appends are indexed as they happen
+        t.synced_at = now
         gen = persist.current_generation(self.files.root, tenant)
         if gen is not None and gen != t.generation:  # e.g. `cwm memory reindex` ran
             fresh = self._load(tenant, None)
@@ -191,8 +197,9 @@ class TenantIndexes:
         self.metrics.chunks.inc(t.index.added - before)
 
     def appended(self, tenant: str, session: str, turns: list[Turn], start: int,
-                 end: int) -> None:
-        """Index turns this process just appended at ``[start, end)`` of the session file."""
+                 end: int, prepared: Any = None) -> None:
+        """Index turns this process just appended at ``[start, end)`` of the session file
+        (``prepared``: their units and vectors, see ``TenantIndex.add_turns``)."""
         t = self._tenants.get(tenant)
         if t is None:
             return
@@ -203,7 +210,7 @@ class TenantIndexes:
         if mark is None:
             mark = t.marks[session] = LiveMark()
         before = t.index.added
-        t.index.add_turns(session, turns)
+        t.index.add_turns(session, turns, prepared)
         _running(mark, self.files.session_path(tenant, session)).update(
             b"".join(encode_turn(turn) for turn in turns))
         mark.offset = t.index.offsets[session] = end

@@ -14,6 +14,8 @@ Every counter has ``count(text)`` (content tokens, no special tokens) and ``coun
 counts a whole chat prompt exactly as the model will see it (chat template, generation
 prompt) where the counter can: a tokenizer folder with a chat template, or vLLM's
 ``/tokenize`` with ``messages``; elsewhere it falls back to ``count_messages``.
+``estimate_chat`` is ``count_messages`` plus the template's tokens learned from one exact
+count: no template render and no round trip a request.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class _Base:
         self.cache_size = cache_size
         self._counts: OrderedDict[str, int] = OrderedDict()
         self._counts_lock = threading.Lock()
+        self._template_extra: int | None = None
 
     def _count(self, text: str) -> int:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -86,6 +89,21 @@ class _Base:
     def count_chat(self, messages: list[dict[str, Any]]) -> int:
         """The prompt tokens of ``messages`` (here: ``count_messages``, an estimate)."""
         return self.count_messages(messages)
+
+    def estimate_chat(self, messages: list[dict[str, Any]]) -> int:
+        """``count_chat`` without rendering the template again: the messages' cached counts
+        plus the template's own tokens, learned from an exact count the first time (so the
+        first call is exact, and a later one costs no template render or ``/tokenize``)."""
+        base = self.count_messages(messages)
+        if self._template_extra is None:
+            exact = self.count_chat(messages)
+            self._template_extra = exact - base
+            return exact
+        return base + self._template_extra
+
+    def system_role(self) -> bool:
+        """Whether the model's chat template accepts a system message (assumed without one)."""
+        return True
 
 
 def content_text(m: dict[str, Any]) -> str:
@@ -179,6 +197,29 @@ class HFTokenCounter(_Base):
             ids = ids["input_ids"]
         return len(ids)
 
+    def system_role(self) -> bool:
+        """Whether the folder's chat template renders a system message (a Gemma-style template
+        raises on one); True without a template."""
+        with self._lock:
+            if self._chat is None:
+                self._chat = _chat_tokenizer(self.folder) or False
+        if not self._chat:
+            return True
+        return _renders(lambda m: self._chat.apply_chat_template(
+            m, add_generation_prompt=True, tokenize=False))
+
+
+PROBE = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
+
+
+def _renders(render: Any) -> bool:
+    """Whether ``render(PROBE)`` works (a template may raise on a system message)."""
+    try:
+        render(PROBE)
+    except Exception:  # jinja's TemplateError, vLLM's 400: the role is refused
+        return False
+    return True
+
 
 def _chat_tokenizer(folder: Path) -> Any:
     """transformers' tokenizer of ``folder`` if it has a chat template, else None."""
@@ -197,8 +238,9 @@ class VLLMCounter(_Base):
 
     ``count`` sends ``{"model", "prompt", "add_special_tokens": false}``; ``count_chat`` sends
     ``{"model", "messages", "add_generation_prompt": true}``, which vLLM renders with the
-    model's chat template, so it equals the ``prompt_tokens`` of that chat request. Counts are
-    cached by text (bounded, least recently used out), so a line is sent once; a failure is an
+    model's chat template, so it equals the ``prompt_tokens`` of that chat request
+    (``estimate_chat`` avoids the round trip). Counts are cached by text (bounded, least recently used
+    out), so a line is sent once; a failure is an
     :class:`UpstreamError` (the model server is down or refuses: the turn cannot proceed).
     """
 
@@ -211,6 +253,7 @@ class VLLMCounter(_Base):
         self.model = model
         self.name = f"vllm:{model}"
         self._client = httpx.Client(timeout=timeout_s, transport=transport)
+        self._system_role: bool | None = None
 
     def _post(self, body: dict[str, Any]) -> int:
         import httpx
@@ -229,6 +272,23 @@ class VLLMCounter(_Base):
 
     def count_chat(self, messages: list[dict[str, Any]]) -> int:
         return self._post({"messages": messages, "add_generation_prompt": True})
+
+    def system_role(self) -> bool:
+        """vLLM renders a system message (200) or refuses the template's roles (400)."""
+        import httpx
+
+        if self._system_role is None:
+            try:
+                r = self._client.post(self.url, json={"model": self.model, "messages": PROBE,
+                                                      "add_generation_prompt": True})
+            except httpx.HTTPError as exc:
+                raise UpstreamError(f"asking {self.url} about the chat template failed: {exc}",
+                                    hint="check that vLLM is up") from exc
+            if r.status_code not in (200, 400):
+                raise UpstreamError(f"{self.url} answered HTTP {r.status_code}",
+                                    hint="check that vLLM serves /tokenize for this model")
+            self._system_role = r.status_code == 200
+        return self._system_role
 
     def close(self) -> None:
         self._client.close()

@@ -1,15 +1,16 @@
 """The FastAPI app: ``create_app(settings)`` builds one sidecar; routes only translate HTTP.
 
-Routes: ``POST /v1/chat/completions`` (memory, salt, streaming), ``POST /v1/completions``
-(salt only), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every error leaves as an
-OpenAI-shaped body. ``app.state.sidecar`` holds the app's runtime; assign
+Routes: ``POST /v1/chat/completions`` (memory, salt, streaming), ``POST /v1/completions`` and
+``/v1/responses`` (salt only), ``POST /v1/embeddings``, ``/tokenize``, ``/detokenize``,
+``GET /v1/models``, ``/v1/models/{id}`` (relayed), ``GET /health``, ``GET /metrics``. Every
+error leaves as an OpenAI-shaped body. ``app.state.sidecar`` holds the app's runtime; assign
 ``app.state.sidecar.snapshot_hook`` to take a KV snapshot at auto-checkpoints.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import httpx
@@ -20,17 +21,25 @@ from cwm_plugin.errors import CWMError, UpstreamError
 from cwm_plugin.sidecar.background import Maintainer
 from cwm_plugin.sidecar.context import SnapshotHook
 from cwm_plugin.sidecar.counting import ModelCounters
+from cwm_plugin.sidecar.failopen import FailOpen
 from cwm_plugin.sidecar.identity import Authenticator
 from cwm_plugin.sidecar.memory_port import MemoryPort, build_memory
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.openai_errors import error_response, from_cwm_error
-from cwm_plugin.sidecar.passthrough import handle_completions, handle_models
+from cwm_plugin.sidecar.passthrough import SALTED, model_entry, relay_get, relay_post
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.turn import handle_chat
 from cwm_plugin.sidecar.upstream import Upstream
 
 log = logging.getLogger(__name__)
+
+
+def _poster(sidecar: Sidecar, path: str) -> Callable[[Request], Awaitable[Response]]:
+    async def route(request: Request) -> Response:
+        return await relay_post(sidecar, request, path)
+
+    return route
 
 
 def create_app(settings: Settings, *, memory: MemoryPort | None = None,
@@ -45,10 +54,12 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     upstream = Upstream(settings.upstream, transport=transport)
     sidecar = Sidecar(
         settings=settings,
-        auth=Authenticator(settings.tenants, settings.server_secret()),
+        auth=Authenticator(settings.tenants, settings.server_secret(),
+                           shared_default=settings.prompt.sessionless == "shared"),
         upstream=upstream, memory=memory, metrics=metrics,
         maintainer=Maintainer(upstream, memory, metrics, settings.memory) if memory else None,
         counters=ModelCounters(settings.memory, upstream.base_url),
+        failopen=FailOpen(metrics),
     )
     if snapshot_hook is not None:
         sidecar.snapshot_hook = snapshot_hook
@@ -82,13 +93,16 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     async def chat(request: Request) -> Response:
         return await handle_chat(sidecar, request)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle_completions(sidecar, request)
+    for path in (*SALTED, "/v1/embeddings", "/tokenize", "/detokenize"):
+        app.add_api_route(path, _poster(sidecar, path), methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return await handle_models(sidecar, request)
+        return await relay_get(sidecar, request, "/v1/models")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        return await model_entry(sidecar, request, model_id)
 
     @app.get("/health")
     async def health() -> JSONResponse:

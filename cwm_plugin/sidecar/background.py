@@ -147,7 +147,11 @@ class Maintainer:
         try:
             if checkpoint or summary_due:
                 state.turns_since_summary = 0
-                await self.summarize(tenant, session, model, salt, max_model_len)
+                try:
+                    await self.summarize(tenant, session, model, salt, max_model_len)
+                finally:
+                    if checkpoint:  # compact from the next turn on, with what is written
+                        state.compaction_due, state.checkpointing = True, False
                 if checkpoint:
                     state.checkpoints += 1
                     self.metrics.checkpoints.labels(tenant, model).inc()

@@ -1,4 +1,6 @@
-"""Reading a request body as a JSON object, bounded in size (413) and strictly parsed (400)."""
+"""Reading a request body as a JSON object: bounded in size (413), strictly parsed and bounded
+in nesting depth (400: a deeply nested body would otherwise exhaust Python's recursion while
+being parsed or re-encoded for the upstream)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from cwm_plugin.errors import InvalidInput
 from cwm_plugin.sidecar.openai_errors import BodyTooLarge
 
 
-async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a dict; never reads more than ``limit`` bytes."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body; never reads more than ``limit`` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -27,13 +29,41 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
         buf += chunk
         if len(buf) > limit:
             raise BodyTooLarge(f"request body over {limit} bytes")
+    return bytes(buf)
+
+
+def too_deep(obj: Any, max_depth: int) -> bool:
+    """Whether ``obj`` nests lists/dicts deeper than ``max_depth`` (iterative: no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            return True
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, dict | list))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, dict | list))
+    return False
+
+
+def parse_json_object(raw: bytes, max_depth: int) -> dict[str, Any]:
     try:
-        body = json.loads(buf)
+        body = json.loads(raw)
+    except RecursionError:  # deeper than Python's parser goes
+        raise InvalidInput(f"the request body is nested deeper than {max_depth} levels") \
+            from None
     except (ValueError, UnicodeDecodeError):
         raise InvalidInput("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise InvalidInput("the request body must be a JSON object")
+    if too_deep(body, max_depth):
+        raise InvalidInput(f"the request body is nested deeper than {max_depth} levels")
     return body
+
+
+async def read_json_body(request: Request, limit: int, max_depth: int = 64) -> dict[str, Any]:
+    """The body as a dict (see the module docstring)."""
+    return parse_json_object(await read_body(request, limit), max_depth)
 
 
 def require_model(body: dict[str, Any]) -> str:

@@ -6,10 +6,12 @@ tokenizer (exact with the model's chat template or vLLM's ``/tokenize``); after 
 session's *calibration* (last real figure / last count: 1 with an exact counter, and it
 corrects an approximate one), so it follows the prompt down after a compaction instead of
 repeating the last large figure. At ``warn`` (70 % by default) the turn gets
-``X-CWM-Context-Warning``; at ``checkpoint`` (85 %) the session is *compacted* from the next
-turn on (summary + memory + the last ``keep_turns`` user/assistant exchanges) and its state is
-summarised into memory in the background: the client never waits for it. Background work of
-one session (summaries, checkpoints) runs one job at a time (``SessionState.lock``).
+``X-CWM-Context-Warning``; at ``checkpoint`` (85 %) the session's summary is brought up to
+date in the background (the client never waits for it), and from the first turn after it is
+written the session is *compacted* (``Compaction``: summary + memory + the last
+``keep_turns`` user/assistant exchanges, a prefix that then stays fixed until the next
+compaction). Background work of one session (summaries, checkpoints) runs one job at a time
+(``SessionState.lock``).
 
 The state lives in the app (one tracker per app), keyed by (tenant, session); it is advisory:
 after a restart a session starts uncompacted and is checkpointed again if it grows.
@@ -23,7 +25,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
+from cwm_plugin.sidecar.memory_port import Selected
 from cwm_plugin.sidecar.settings import ThresholdConfig
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,28 @@ def level_for(tokens: int, max_len: int | None, th: ThresholdConfig) -> Level:
 
 
 @dataclass
+class Compaction:
+    """Where a compacted conversation starts: its first ``cut`` history messages are left out
+    (instructions among them stay) and ``summary`` is merged in. Fixed until the next
+    compaction, so the prefix (system + summary + memory + kept history) keeps hitting."""
+
+    cut: int
+    anchor: str  # digest of the last message left out: is this still that conversation?
+    source: str  # "client": the history the client sent; "transcript": the session's file
+    summary: str | None
+    generation: int
+
+
+@dataclass
+class Pinned:
+    """The memory selected for a conversation, reused verbatim until it ends or is
+    compacted (``key``), so the prompt's prefix stays the same turn after turn."""
+
+    key: str
+    sel: Selected
+
+
+@dataclass
 class SessionState:
     last_prompt_tokens: int = 0
     calibration: float = 1.0  # real prompt tokens / our count, from the last turn
@@ -54,9 +80,17 @@ class SessionState:
     turns_since_summary: int = 0
     full_history_tokens: int = 0  # what replaying every turn verbatim would cost
     history_known: bool = False
-    compacted: bool = False
+    compaction: Compaction | None = None
+    compaction_due: bool = False  # a checkpoint's summary is written: compact next turn
+    checkpointing: bool = False  # a checkpoint is under way (not triggered again)
     checkpoints: int = 0
+    pinned: Pinned | None = None
+    transcript: list[dict[str, Any]] | None = None  # the session's user/assistant turns
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one background job at a time
+
+    @property
+    def compacted(self) -> bool:
+        return self.compaction is not None
 
     def estimate(self, counted: int) -> int:
         """This turn's prompt size for the thresholds: our count, calibrated."""

@@ -44,6 +44,7 @@ class ModelCounters:
         self.cfg = cfg
         self.upstream_url = upstream_url
         self._counters: dict[str, Any] = {}
+        self._system: dict[str, bool] = {}
         self._lock = asyncio.Lock()
 
     async def get(self, model: str, info: ModelInfo) -> Any:
@@ -59,6 +60,15 @@ class ModelCounters:
                 self._counters[model] = await asyncio.to_thread(make_counter, spec)
                 log.info("model %s: tokens counted with %s", model, self._counters[model].name)
             return self._counters[model]
+
+    async def system_role(self, model: str, counter: Any) -> bool:
+        """Whether the model's chat template takes a system message (probed once a model)."""
+        if model not in self._system:
+            self._system[model] = await asyncio.to_thread(counter.system_role)
+            if not self._system[model]:
+                log.info("model %s: its chat template has no system role; memory goes into the "
+                         "first user message", model)
+        return self._system[model]
 
     def close(self) -> None:
         for c in self._counters.values():

@@ -3,15 +3,20 @@
 * Keys are stored as sha256 hex digests and compared with :func:`hmac.compare_digest` against
   every configured digest (no early exit, so timing does not tell which tenant came close).
 * The session comes from the ``X-Session-Id`` header, else the request's ``user`` field, else
-  ``"default"``. Session names are file names under the memory root: ``X-Session-Id`` must
-  already be one (letters, digits, ``_ . -``; no ``..``; at most 64; else 400), while ``user``
-  is OpenAI's free-form end-user id (an e-mail address, say), so any non-empty ``user`` string
-  is mapped to ``u-`` + 32 hex digits of HMAC-SHA256(server secret, "user" NUL tenant NUL
-  user) (the "user" label keeps it apart from the salts): stable,
-  safe as a file name, and it does not reveal the user (a plain hash of an address could be
+  there is none: the request is *stateless* (nothing recorded, no server-side history; its
+  salt is the tenant's, HMAC(secret, tenant + NUL)), unless ``prompt.sessionless: shared`` puts
+  it in one session named ``"default"``. Session names are file names under the memory root:
+  ``X-Session-Id`` must already be one (letters, digits, ``_ . -``; no ``..``; at most 64;
+  else 400), while ``user`` is OpenAI's free-form end-user id (an e-mail address, say), so any
+  non-empty ``user`` string is mapped to ``u-`` + 32 hex digits of HMAC-SHA256(server secret,
+  "user" NUL tenant NUL user) (the "user" label keeps it apart from the salts): stable, safe
+  as a file name, and it does not reveal the user (a plain hash of an address could be
   reversed by guessing).
 * ``cache_salt`` = HMAC-SHA256(server secret, tenant + NUL + session), 64 hex digits: stable
   for a session, unguessable without the secret, and different for every (tenant, session).
+  A tenant allowed to choose its salt sends ``cache_salt``; what is forwarded is
+  HMAC-SHA256(server secret, "client" NUL tenant NUL salt), so two tenants choosing the same
+  string never share KV.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ class Identity:
     """The caller of one request."""
 
     tenant: str
-    session: str
+    session: str | None  # None: a stateless request
     cache_salt: str
     allow_client_cache_salt: bool = False
 
@@ -81,9 +86,11 @@ def bearer_key(headers: Mapping[str, str]) -> str | None:
 class Authenticator:
     """Maps API keys to tenants and derives salts; holds the secret, never shows it."""
 
-    def __init__(self, tenants: list[TenantConfig], secret: bytes) -> None:
+    def __init__(self, tenants: list[TenantConfig], secret: bytes,
+                 shared_default: bool = False) -> None:
         self._entries = [(h.encode(), t) for t in tenants for h in t.key_sha256]
         self._secret = secret
+        self._shared_default = shared_default
 
     def __repr__(self) -> str:
         return f"Authenticator({len(self._entries)} keys)"
@@ -111,9 +118,12 @@ class Authenticator:
                 raise InvalidInput("`user` must be a non-empty string of at most 1024 "
                                    "characters")
             session = self.user_session(tenant.name, user)
-        session = validate_session(session or DEFAULT_SESSION)
-        return Identity(tenant=tenant.name, session=session,
-                        cache_salt=derive_salt(self._secret, tenant.name, session),
+        if not session and self._shared_default:
+            session = DEFAULT_SESSION
+        if session:
+            session = validate_session(session)
+        return Identity(tenant=tenant.name, session=session or None,
+                        cache_salt=derive_salt(self._secret, tenant.name, session or ""),
                         allow_client_cache_salt=tenant.allow_client_cache_salt)
 
     def user_session(self, tenant: str, user: str) -> str:
@@ -122,7 +132,8 @@ class Authenticator:
         return "u-" + mac.hexdigest()[:32]
 
     def salt_for(self, identity: Identity, body: Mapping[str, object]) -> str:
-        """The salt to forward: ours, or the client's where the tenant may set it (else 403)."""
+        """The salt to forward: ours, or the client's, HMAC'd with the tenant, where the tenant
+        may set it (else 403)."""
         if "cache_salt" not in body:
             return identity.cache_salt
         if not identity.allow_client_cache_salt:
@@ -131,4 +142,9 @@ class Authenticator:
         salt = body["cache_salt"]
         if not isinstance(salt, str) or not salt or len(salt) > 256:
             raise InvalidInput("cache_salt must be a non-empty string of at most 256 characters")
-        return salt
+        return self.client_salt(identity.tenant, salt)
+
+    def client_salt(self, tenant: str, salt: str) -> str:
+        """The salt forwarded for a client's own ``cache_salt`` (namespaced by the tenant)."""
+        return hmac.new(self._secret, f"client\x00{tenant}\x00{salt}".encode(),
+                        hashlib.sha256).hexdigest()

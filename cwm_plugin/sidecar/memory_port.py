@@ -36,6 +36,7 @@ class Selected:
     facts: int = 0
     reasons: Any = None
     seconds: float = 0.0
+    fact_ids: list[str] = field(default_factory=list)  # the durable memories taken
 
 
 PREVIEW_CHARS = 80
@@ -94,6 +95,7 @@ class MemoryPort:
             facts=len(facts) if isinstance(facts, list | tuple) else int(bool(facts)),
             reasons=getattr(sel, "reasons", None),
             seconds=seconds,
+            fact_ids=[m.id for m in facts] if isinstance(facts, list | tuple) else [],
         )
 
     async def select(self, tenant: str, session: str, messages: list[dict[str, Any]],
@@ -124,10 +126,20 @@ class MemoryPort:
     async def record_turn(self, tenant: str, session: str, role: str, content: str) -> str:
         return await self._call(tenant, self.service.record_turn, tenant, session, role, content)
 
-    async def record_turns(self, tenant: str, session: str,
-                           turns: list[tuple[str, str]]) -> list[str]:
-        """Append turns in order, adjacent in the file, in one durable write."""
-        return await self._call(tenant, self.service.record_turns, tenant, session, turns)
+    async def record_turns(self, tenant: str, session: str, turns: list[tuple[str, str]],
+                           defer_index: bool = False) -> list[str]:
+        """Append turns in order, adjacent in the file, in one durable write (``defer_index``:
+        index them later, see :meth:`after_record`)."""
+        return await self._call(tenant, self.service.record_turns, tenant, session, turns,
+                                defer_index=defer_index)
+
+    async def after_record(self, tenant: str, sel: Selected) -> None:
+        """Off the client's path: index the turns just recorded and count the use of the
+        durable memories the turn's selection took. A failure leaves the turns to the next
+        look at the files (they are in the session file already)."""
+        await self._call(tenant, self.service.index_pending, tenant)
+        if sel.fact_ids:
+            await self._call(tenant, self.service.bump, tenant, sel.fact_ids)
 
     async def summary_state(self, tenant: str, session: str) -> tuple[str | None, str]:
         """``(summary or None, id of the last turn it covers or "")``."""

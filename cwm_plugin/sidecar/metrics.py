@@ -54,6 +54,13 @@ class SidecarMetrics:
         self.facts_refused = Counter("cwm_sidecar_facts_refused",
                                      "Fact extractions refused after a retry (invalid JSON)",
                                      TM, registry=r)
+        self.memory_failures = Counter("cwm_sidecar_memory_failures",
+                                       "Requests answered without memory (or not recorded) "
+                                       "after a memory, index or embedder failure",
+                                       ("tenant", "stage"), registry=r)
+        self.stage_seconds = Histogram("cwm_sidecar_stage_seconds",
+                                       "Sidecar time per request by stage (upstream excluded)",
+                                       ("stage",), buckets=LATENCY_BUCKETS, registry=r)
         self.upstream_errors = Counter("cwm_sidecar_upstream_errors", "Upstream failures",
                                        ("code",), registry=r)
         self.upstream_hits = Gauge("cwm_upstream_prefix_cache_hits",

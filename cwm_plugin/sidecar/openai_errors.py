@@ -55,8 +55,10 @@ def sse_error(status: int, message: str, code: str) -> bytes:
     return f"data: {json.dumps(error_body(status, message, code))}\n\n".encode()
 
 
-def upstream_error_response(status: int, content: bytes) -> JSONResponse:
-    """Relay an upstream error: keep an OpenAI-shaped body as it is, wrap anything else."""
+def upstream_error_response(status: int, content: bytes,
+                            headers: dict[str, str] | None = None) -> JSONResponse:
+    """Relay an upstream error: keep an OpenAI-shaped body as it is, wrap anything else;
+    ``headers`` (``Retry-After``, ``x-request-id``) go back with it."""
     try:
         body = json.loads(content)
     except ValueError:
@@ -67,8 +69,9 @@ def upstream_error_response(status: int, content: bytes) -> JSONResponse:
         inner = body.get("error") if isinstance(body.get("error"), dict) else body
         message = inner.get("message") if isinstance(inner.get("message"), str) else None
         if message is not None and status < 500 and "error" in body:
-            return JSONResponse(body, status_code=status)  # already OpenAI-shaped
+            return JSONResponse(body, status_code=status, headers=headers)  # OpenAI-shaped
     if message is None:
         message = content[:300].decode(errors="replace") if content else f"HTTP {status}"
     code = "upstream_error" if status >= 500 else "upstream_rejected"
-    return error_response(out_status, f"upstream (HTTP {status}): {message}", code)
+    return error_response(out_status, f"upstream (HTTP {status}): {message}", code,
+                          headers=headers)

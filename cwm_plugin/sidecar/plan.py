@@ -1,39 +1,72 @@
-"""What one chat turn sends upstream: memory selection, prompt assembly and token counts.
+"""What one chat turn sends upstream: history, memory, and the counts that go with them.
 
 Synchronous on purpose: it runs in a worker thread (``asyncio.to_thread``), because selecting
-memory embeds the query and counting may ask vLLM's ``/tokenize``; the event loop never waits
-on either. Counting uses the served model's counter (``counting.py``):
+memory embeds the query; the event loop never waits on it. Two modes (``PromptSettings``):
 
-- the selection budget is ``budget.memory_budget`` (memory budget plus the recent turns kept);
-- ``prompt_tokens``: the assembled prompt counted as the model will see it (``count_chat``:
-  exact with the model's chat template or vLLM's ``/tokenize``), for the context thresholds;
-- ``sent`` and ``full``: the prompt and a full-history replay (every recorded turn of the
-  session verbatim plus the prefix and the new message) counted the same additive way, for the
-  "tokens saved" metric; ``injected``: the memory message's content.
+- ``full`` (default): every message the client sent, in order, and nothing else but the
+  memory (the session's earlier turns reach the prompt through memory search, never prepended:
+  a client starting a new conversation in an old session gets what it sent). Memory is
+  selected once per conversation (``refresh: conversation``; again after each compaction)
+  and reused verbatim, so the prompt only grows at its end and vLLM's prefix cache serves it
+  like a client talking to vLLM directly. History is left out only from a compaction on (``Compaction``: the cut
+  and the summary fixed until the next one), or when it would not fit the context at all.
+- ``recent`` (token saving): memory plus the last ``memory.recent_turns`` history messages
+  (``MemoryService.select_context``), the current exchange always whole.
+
+Counts use the served model's counter (``counting.py``): ``prompt_tokens`` (the assembled
+prompt, for the context thresholds: estimated from cached counts, counted exactly near one), ``sent`` and ``full`` (the prompt and a full-history
+replay, additive, for the "tokens saved" metric), ``injected`` (the memory text).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from cwm_plugin.memory.timing import Stages
 from cwm_plugin.sidecar import prompt as P
-from cwm_plugin.sidecar.budget import answer_tokens, memory_budget, recent_tail
-from cwm_plugin.sidecar.context import SessionState
+from cwm_plugin.sidecar.budget import TEMPLATE_MARGIN, answer_tokens, memory_budget, recent_tail
+from cwm_plugin.sidecar.context import Compaction, Pinned, SessionState
 from cwm_plugin.sidecar.identity import Identity
 from cwm_plugin.sidecar.memory_port import MemoryPort, Selected
 from cwm_plugin.sidecar.settings import Settings
 
+Message = dict[str, Any]
+
+
+@dataclass
+class TurnInput:
+    settings: Settings
+    mem: MemoryPort
+    counter: Any
+    ident: Identity
+    body: dict[str, Any]
+    messages: list[Message]
+    state: SessionState
+    model: str
+    max_len: int | None
+    mode: str  # "full" | "recent"
+    system_role: bool = True
+    stages: Stages = field(default_factory=Stages)
+
 
 @dataclass
 class Plan:
-    built: P.Prompt
+    messages: list[Message]
     sel: Selected
+    text: str = ""  # the memory (and summary) text merged into the prompt
     prompt_tokens: int = 0
     sent: int = 0
     full: int = 0
     injected: int = 0
+
+
+def digest(message: Message | None) -> str:
+    raw = json.dumps(message, sort_keys=True, default=str) if message is not None else ""
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
 def history_tokens(counter: Any, turns: list[dict[str, Any]]) -> int:
@@ -42,33 +75,140 @@ def history_tokens(counter: Any, turns: list[dict[str, Any]]) -> int:
                                    for t in turns])
 
 
-def plan_turn(settings: Settings, mem: MemoryPort, counter: Any, ident: Identity,
-              body: dict[str, Any], messages: list[dict[str, Any]], split: P.SplitMessages,
-              state: SessionState, model: str, max_len: int | None) -> Plan:
-    cfg = settings.memory
-    if not state.history_known:
-        turns = mem.now.transcript(ident.tenant, ident.session)
-        state.full_history_tokens = history_tokens(counter, turns)
-        state.turns_recorded = len(turns) // 2
-        state.history_known = True
-    history = split.history or P.recent_from_transcript(
-        mem.now.transcript(ident.tenant, ident.session), cfg.recent_turns)
-    budget = memory_budget(cfg, counter.count_messages, split.prefix + [split.new],
-                           recent_tail(history, cfg.recent_turns), max_len, answer_tokens(body))
+def passthrough(messages: list[Message]) -> Plan:
+    """The client's messages as they came (memory off, or failed)."""
+    return Plan(messages=list(messages), sel=Selected())
+
+
+def _transcript(t: TurnInput) -> list[Message]:
+    """The session's user/assistant turns, read from its file once and then kept in step by
+    the turns this process records."""
+    st = t.state
+    if st.transcript is None or not st.history_known:
+        with t.stages("files"):
+            turns = t.mem.now.transcript(t.ident.tenant, t.ident.session)
+        st.transcript = P.transcript_messages(turns)
+        with t.stages("count"):
+            st.full_history_tokens = history_tokens(t.counter, turns)
+        st.turns_recorded = len(turns) // 2
+        st.history_known = True
+    return st.transcript
+
+
+def _select(t: TurnInput, messages: list[Message], budget: int, query: str, *,
+            recent_turns: int, present: list[Message], summary: bool) -> Selected:
     t0 = time.perf_counter()
-    sel = mem.selected(mem.now.select_context(ident.tenant, ident.session, messages, budget,
-                                              query=P.text_of(split.new), counter=counter),
-                       time.perf_counter() - t0)
-    summary = None
-    if state.compacted and not sel.summary:
-        summary = mem.now.summary(ident.tenant, ident.session)
-    th = settings.checkpoint.for_model(model)
-    built = P.assemble(split, sel.recent if sel.recent is not None else split.history,
-                       sel.memory_block, mode=settings.injection, summary=summary,
-                       keep=th.keep_turns if state.compacted else None)
-    full = max(counter.count_messages(messages),
-               counter.count_messages(split.prefix + [split.new]) + state.full_history_tokens)
-    return Plan(built=built, sel=sel, prompt_tokens=counter.count_chat(built.messages),
-                sent=counter.count_messages(built.messages), full=full,
-                injected=counter.count(built.memory_message["content"])
-                if built.memory_message else 0)
+    sel = t.mem.now.select_context(t.ident.tenant, t.ident.session, messages, budget,
+                                   query=query, counter=t.counter, recent_turns=recent_turns,
+                                   summary=summary, bump=False, stages=t.stages,
+                                   present=present)
+    return t.mem.selected(sel, time.perf_counter() - t0)
+
+
+def _compaction(t: TurnInput, history: list[Message], source: str) -> Compaction | None:
+    """The compaction in force for this history: a new one when a checkpoint's summary is
+    ready, the session's own while it is the same conversation, else none."""
+    st = t.state
+    comp = st.compaction
+    if st.compaction_due and t.ident.session is not None:
+        keep = t.settings.checkpoint.for_model(t.model).keep_turns
+        cut = P.last_exchanges(history, keep)
+        with t.stages("files"):
+            summary = t.mem.now.summary(t.ident.tenant, t.ident.session)
+        st.compaction_due = False
+        st.compaction = Compaction(cut, digest(history[cut - 1]) if cut else "", source,
+                                   summary, (comp.generation if comp else 0) + 1)
+        return st.compaction
+    if comp is None or comp.source != source or comp.cut > len(history) or \
+            (comp.cut and digest(history[comp.cut - 1]) != comp.anchor):
+        return None
+    return comp
+
+
+def plan_turn(t: TurnInput) -> Plan:
+    parts = P.split(t.messages)
+    if t.mode == "recent":
+        return _plan_recent(t, parts)
+    return _plan_full(t, parts)
+
+
+def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
+    st, cfg, prompt_cfg = t.state, t.settings.memory, t.settings.prompt
+    history = parts.history
+    with t.stages("history"):
+        comp = _compaction(t, history, "client")
+        cut = comp.cut if comp else 0
+        kept = P.drop_front(history, cut)
+        base = parts.prefix + kept + parts.current
+    # one conversation: the same first message (a new one starts a new conversation)
+    key = f"{digest((history or parts.current)[0])}:{comp.generation if comp else 0}"
+    pinned = st.pinned if prompt_cfg.refresh == "conversation" else None
+    if pinned is not None and pinned.key == key:
+        sel = pinned.sel
+    else:
+        with t.stages("count"):
+            budget = memory_budget(cfg, t.counter.count_messages, base, [], t.max_len,
+                                   answer_tokens(t.body))
+        sel = _select(t, base, budget, P.query_text(parts), recent_turns=0, present=kept,
+                      summary=False)  # the conversation is all there (a compaction adds it)
+        if t.ident.session is not None:
+            st.pinned = Pinned(key, sel)
+    text = P.memory_text(sel.memory_block, comp.summary if comp else None)
+    with t.stages("count"):
+        if t.max_len:  # the history must fit with what is merged in, else the oldest goes
+            room = t.max_len - answer_tokens(t.body) - TEMPLATE_MARGIN - \
+                t.counter.count_messages(parts.prefix + parts.current) - t.counter.count(text)
+            more = P.fit_cut(history, t.counter.count_messages, room, cut)
+            if more != cut:
+                cut = more
+                kept = P.drop_front(history, cut)
+                if t.ident.session is not None:
+                    st.compaction = Compaction(cut, digest(history[cut - 1]), "client",
+                                               comp.summary if comp else None,
+                                               comp.generation if comp else 0)
+        out = P.merge(parts.prefix + kept + parts.current, text, prompt_cfg.placement,
+                      system_role=t.system_role)
+        return _counted(t, out, sel, text, t.counter.count_messages(t.messages))
+
+
+def _plan_recent(t: TurnInput, parts: P.Parts) -> Plan:
+    st, cfg = t.state, t.settings.memory
+    if t.ident.session is not None:
+        _transcript(t)  # what a full replay would cost, for the "tokens saved" metric
+    if parts.history:
+        comp = _compaction(t, parts.history, "client")
+    else:  # the history is the session's recent turns: the window is the compaction
+        comp, st.compaction_due = None, False
+    with t.stages("count"):
+        budget = memory_budget(cfg, t.counter.count_messages, parts.prefix + parts.current,
+                               recent_tail(parts.history, cfg.recent_turns), t.max_len,
+                               answer_tokens(t.body))
+    sel = _select(t, t.messages, budget, P.query_text(parts), recent_turns=cfg.recent_turns,
+                  present=[], summary=comp is None)
+    recent = sel.recent if sel.recent is not None else parts.history
+    if comp is not None:
+        keep = t.settings.checkpoint.for_model(t.model).keep_turns
+        recent = P.drop_front(recent, P.last_exchanges(recent, keep))
+    text = P.memory_text(sel.memory_block, comp.summary if comp else None)
+    with t.stages("count"):
+        out = P.merge(parts.prefix + recent + parts.current, text,
+                      t.settings.prompt.placement, system_role=t.system_role)
+        full = max(t.counter.count_messages(t.messages),
+                   t.counter.count_messages(parts.prefix + parts.current)
+                   + st.full_history_tokens)
+        return _counted(t, out, sel, text, full)
+
+
+NEAR = 0.05  # a prompt estimated within this share of max_model_len of a threshold: count it
+
+
+def _counted(t: TurnInput, out: list[Message], sel: Selected, text: str, full: int) -> Plan:
+    """The plan with its counts; the prompt is estimated (cached message counts) and counted
+    exactly (the chat template or ``/tokenize``) only when it comes near a threshold."""
+    prompt = t.counter.estimate_chat(out)
+    th = t.settings.checkpoint.for_model(t.model)
+    if t.max_len and t.state.estimate(prompt) >= (th.warn - NEAR) * t.max_len:
+        prompt = t.counter.count_chat(out)
+    return Plan(messages=out, sel=sel, text=text, prompt_tokens=prompt,
+                sent=t.counter.count_messages(out), full=full,
+                injected=t.counter.count(text) if text else 0)

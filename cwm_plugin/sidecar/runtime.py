@@ -8,6 +8,7 @@ from cwm_plugin.errors import UpstreamError
 from cwm_plugin.sidecar.background import Background, Maintainer
 from cwm_plugin.sidecar.context import ContextTracker, SnapshotHook, noop_snapshot
 from cwm_plugin.sidecar.counting import ModelCounters
+from cwm_plugin.sidecar.failopen import FailOpen
 from cwm_plugin.sidecar.identity import Authenticator
 from cwm_plugin.sidecar.memory_port import MemoryPort
 from cwm_plugin.sidecar.metrics import SidecarMetrics
@@ -25,6 +26,7 @@ class Sidecar:
     metrics: SidecarMetrics
     maintainer: Maintainer | None
     counters: ModelCounters
+    failopen: FailOpen
     tracker: ContextTracker = field(default_factory=ContextTracker)
     background: Background = field(default_factory=Background)
     snapshot_hook: SnapshotHook = noop_snapshot

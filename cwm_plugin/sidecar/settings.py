@@ -38,7 +38,8 @@ class TenantConfig(_Strict):
 
     name: str
     key_sha256: list[str] = Field(min_length=1)
-    allow_client_cache_salt: bool = False
+    allow_client_cache_salt: bool = False  # HMAC'd with the tenant before it is forwarded
+    history: Literal["full", "recent"] | None = None  # None: prompt.history
 
     @field_validator("name")
     @classmethod
@@ -69,6 +70,15 @@ class UpstreamConfig(_Strict):
     max_connections: int = Field(default=200, ge=1)
     max_keepalive: int = Field(default=50, ge=1)
     models_ttl_s: float = 30.0
+    # Sent to vLLM as `Authorization: Bearer` (vLLM's --api-key): the file's `api_key`, else
+    # the environment variable named here (when set). Never logged.
+    api_key: SecretStr | None = None
+    api_key_env: str = "CWM_UPSTREAM_API_KEY"
+
+    def key(self) -> str | None:
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        return os.environ.get(self.api_key_env) or None
 
 
 class EmbedderConfig(_Strict):
@@ -79,6 +89,7 @@ class EmbedderConfig(_Strict):
     url: str | None = None
     model: str | None = None
     dims: int = 384
+    threads: int | None = Field(default=1, ge=1)  # local: torch threads (None: every core)
 
 
 class SearchSettings(_Strict):
@@ -121,6 +132,27 @@ class MemorySettings(_Strict):
     structured_facts: bool = True  # ask vLLM for schema-constrained JSON (structured outputs)
     background_max_tokens: int = 256
     warm_on_start: bool = True  # load every tenant's index when the app starts
+    sync_interval_s: float = Field(default=1.0, ge=0)  # look for other writers this often
+
+
+class PromptSettings(_Strict):
+    """How the prompt sent upstream is built (``cwm_plugin/sidecar/prompt.py``, ``plan.py``).
+
+    ``history``: ``full`` sends every message the client sent (nothing dropped while it fits
+    under the compaction threshold); ``recent`` is the token-saving mode (memory plus the last
+    ``memory.recent_turns`` history messages). Per tenant (``tenants[].history``) and per
+    request (header ``X-CWM-History: full|recent``). ``placement``: where the memory text is
+    merged. ``refresh``: ``conversation`` selects memory once per conversation (and after each
+    compaction) and reuses it verbatim, so the prefix cache keeps hitting; ``turn`` selects it
+    again every turn. ``sessionless``: a request with neither ``X-Session-Id`` nor ``user`` is
+    ``stateless`` (nothing recorded, no history from the server) or goes to one ``shared``
+    session named ``default`` (the old behaviour).
+    """
+
+    history: Literal["full", "recent"] = "full"
+    placement: Literal["system", "last_user"] = "system"
+    refresh: Literal["conversation", "turn"] = "conversation"
+    sessionless: Literal["stateless", "shared"] = "stateless"
 
 
 class ThresholdConfig(_Strict):
@@ -155,8 +187,9 @@ class Settings(_Strict):
     upstream: UpstreamConfig = UpstreamConfig()
     memory: MemorySettings = MemorySettings()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    injection: Literal["cache_aware", "memory_first"] = "cache_aware"
+    prompt: PromptSettings = PromptSettings()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    max_json_depth: int = Field(default=64, ge=4, le=1000)  # deeper bodies get 400
     debug_header_max_bytes: int = Field(default=4096, ge=256)
     memory_enabled: bool = True
 

@@ -1,6 +1,7 @@
 """Relaying a server-sent-event stream from vLLM to the client, byte for byte.
 
-Events are forwarded exactly as vLLM wrote them. On the side, each ``data:`` payload is parsed
+Events are forwarded exactly as vLLM wrote them (events end with a blank line; lines may end
+with CRLF, LF or CR, as the SSE format allows). On the side, each ``data:`` payload is parsed
 to collect the answer text and the final ``usage``. When the sidecar itself asked for usage
 (``stream_options.include_usage``) and the client did not, the usage-only event is withheld,
 and the one field vLLM moves onto it in that mode (``system_fingerprint``, which it otherwise
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,7 @@ class Collected:
     """What a relayed stream carried, for memory and metrics."""
 
     parts: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, str]] = field(default_factory=dict)  # streamed tool calls
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
     done: bool = False
@@ -39,23 +42,38 @@ class Collected:
     def text(self) -> str:
         return "".join(self.parts)
 
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The streamed tool calls, in the shape of a non-streamed message's ``tool_calls``."""
+        return [{"type": "function", "function": dict(c)} for _, c in sorted(self.calls.items())]
+
     def feed(self, obj: dict[str, Any], *, chat: bool) -> None:
         if obj.get("usage"):
             self.usage = obj["usage"]
         for choice in obj.get("choices") or []:
             if choice.get("index", 0) != 0:
                 continue
-            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            delta = choice.get("delta") or {}
+            piece = delta.get("content") if chat else choice.get("text")
             if piece:
                 self.parts.append(piece)
+            for call in delta.get("tool_calls") or [] if chat else []:
+                fn = call.get("function") or {}
+                got = self.calls.setdefault(int(call.get("index", 0)),
+                                            {"name": "", "arguments": ""})
+                got["name"] += fn.get("name") or ""
+                got["arguments"] += fn.get("arguments") or ""
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         if "error" in obj:
             self.error = str(obj["error"])[:300]
 
 
+EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # SSE allows CRLF, LF or CR line ends
+
+
 def _payload(event: bytes) -> bytes | None:
-    for line in event.split(b"\n"):
+    for line in event.splitlines():
         if line.startswith(b"data:"):
             return line[5:].strip()
     return None
@@ -82,10 +100,10 @@ async def relay_sse(source: AsyncIterator[bytes], collected: Collected, *, chat:
         async for chunk in source:
             buf += chunk
             while True:
-                cut = buf.find(b"\n\n")
-                if cut < 0:
+                end = EVENT_END.search(buf)
+                if end is None:
                     break
-                event, buf = buf[: cut + 2], buf[cut + 2:]
+                event, buf = buf[: end.end()], buf[end.end():]
                 data = _payload(event)
                 obj = None
                 if data and data != b"[DONE]":

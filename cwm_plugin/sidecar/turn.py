@@ -1,14 +1,18 @@
 """One chat turn through the sidecar (``POST /v1/chat/completions``).
 
-1. authenticate (key -> tenant), read the bounded body, resolve the session, derive the salt;
+1. authenticate (key -> tenant), read the bounded body, resolve the session (or none: a
+   stateless request), derive the salt;
 2. check the model (404) and get its token counter (``counting.py``);
-3. select memory under the budget, assemble the cache-aware prompt and count it (``plan.py``,
-   on a worker thread);
+3. plan the prompt (``plan.py``, on a worker thread): the client's messages with memory merged
+   in. Any failure there (memory, index, embedder, tokenizer) fails *open*: the request goes
+   upstream as the client sent it, flagged in ``X-CWM-Memory-Status`` (``failopen.py``);
 4. forward with the salt, stream or not;
-5. before the client sees the end, append the user's message and the answer to memory, count
-   usage and thresholds, and start what is due (summary, facts, checkpoint) as background
-   tasks: never awaited by a client (a checkpoint compacts the session at once and its summary
-   is written while the next turns go on).
+5. before the client sees the end, append the client's new messages and the answer to the
+   session's file (one durable append; the index catches up in the background), count usage
+   and thresholds, and start what is due (summary, facts, checkpoint) as background tasks.
+
+Where the time goes (everything but the upstream's own time) is reported per request in a
+``Server-Timing`` header and the ``cwm_sidecar_stage_seconds`` histogram.
 """
 
 from __future__ import annotations
@@ -17,25 +21,54 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cwm_plugin.errors import UpstreamError
+from cwm_plugin.errors import InvalidInput, UpstreamError
+from cwm_plugin.memory.history import prefix_length
+from cwm_plugin.memory.timing import Stages
 from cwm_plugin.sidecar import prompt as P
 from cwm_plugin.sidecar.body import read_json_body, require_model
 from cwm_plugin.sidecar.context import Level, SessionState, level_for
+from cwm_plugin.sidecar.failopen import HEADER as STATUS_HEADER
 from cwm_plugin.sidecar.identity import Identity, bearer_key
 from cwm_plugin.sidecar.memory_port import Selected
 from cwm_plugin.sidecar.openai_errors import upstream_error_response
-from cwm_plugin.sidecar.plan import Plan, history_tokens, plan_turn
+from cwm_plugin.sidecar.plan import Plan, TurnInput, history_tokens, passthrough, plan_turn
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.stream import Collected, relay_sse
+from cwm_plugin.sidecar.upstream import headers_down, headers_up
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+HISTORY_HEADER = "x-cwm-history"
+RECORDED_ROLES = ("user", "tool")
+
+
+def new_inputs(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The client's messages since the model last answered (a question, or tool results)."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    start = max(last + 1, prefix_length(messages))
+    return [m for m in messages[start:] if m.get("role") in RECORDED_ROLES]
+
+
+def answer_text(content: str | None, tool_calls: list[dict[str, Any]] | None) -> str:
+    """An answer as one transcript line: its text and the tools it called."""
+    calls = [f"[tool call {(c.get('function') or {}).get('name', '?')}"
+             f"({(c.get('function') or {}).get('arguments', '')})]" for c in tool_calls or []]
+    return "\n".join([x for x in [content or "", *calls] if x])
+
+
+def history_mode(sc: Sidecar, tenant_history: str | None, headers: Any) -> str:
+    asked = headers.get(HISTORY_HEADER)
+    if asked is not None:
+        if asked not in ("full", "recent"):
+            raise InvalidInput(f"{HISTORY_HEADER} must be `full` or `recent`")
+        return asked
+    return tenant_history or sc.settings.prompt.history
 
 
 @dataclass
@@ -47,37 +80,54 @@ class Turn:
     model: str
     max_len: int | None
     salt: str
-    split: P.SplitMessages
+    messages: list[dict[str, Any]]
     state: SessionState
     plan: Plan
     counter: Any
+    stages: Stages
+    headers: dict[str, str] = field(default_factory=dict)
 
     async def record(self, answer: str) -> None:
-        """Append the new message and the answer to the session's memory (never raises)."""
-        sc, new = self.sc, self.split.new
-        if sc.memory is None:
+        """Append the new messages and the answer to the session (never raises)."""
+        sc, session = self.sc, self.ident.session
+        if sc.memory is None or session is None:
             return
-        turns = [(new["role"], P.text_of(new)), ("assistant", answer)]
+        turns = [(m["role"], P.text_of(m)) for m in new_inputs(self.messages)]
+        turns.append(("assistant", answer))
+        tenant = self.ident.tenant
+        msgs = [{"role": r, "content": t} for r, t in turns]
         try:
-            await sc.memory.record_turns(self.ident.tenant, self.ident.session, turns)
-            cost = await asyncio.to_thread(history_tokens, self.counter, [
-                {"role": r, "content": t} for r, t in turns])
-        except Exception:
-            sc.metrics.background.labels(self.ident.tenant, "record_turn", "error").inc()
-            log.exception("recording a turn failed for tenant %s", self.ident.tenant)
+            with self.stages("files"):
+                await sc.memory.record_turns(tenant, session, turns, defer_index=True)
+        except Exception as exc:
+            self.headers.setdefault(STATUS_HEADER, sc.failopen.failed(tenant, "record", exc))
             return
-        self.state.turns_recorded += 1
-        self.state.turns_since_summary += 1
-        self.state.full_history_tokens += cost
+        sc.background.spawn(self._after_record(), name=f"index-{tenant}")
+        state = self.state
+        if state.transcript is not None:
+            state.transcript.extend(P.transcript_messages(msgs))
+        state.turns_recorded += 1
+        state.turns_since_summary += 1
+        try:
+            with self.stages("count"):
+                state.full_history_tokens += history_tokens(self.counter, msgs)
+        except Exception:  # no counter, or it failed (and was flagged): recount next time
+            state.history_known = False
+
+    async def _after_record(self) -> None:
+        try:
+            await self.sc.memory.after_record(self.ident.tenant, self.plan.sel)
+        except Exception as exc:  # an embedder outage, say: counted and logged once
+            self.sc.failopen.failed(self.ident.tenant, "index", exc)
 
     async def finish(self, usage: dict[str, Any] | None, answer: str) -> None:
         """After the response: metrics, thresholds, and the background work that is due."""
-        sc, tenant, plan = self.sc, self.ident.tenant, self.plan
+        sc, tenant, plan, state = self.sc, self.ident.tenant, self.plan, self.state
         sc.metrics.observe_usage(tenant, self.model, usage)
         if sc.memory is not None:
             sc.metrics.saved_tokens.labels(tenant, self.model).inc(max(0, plan.full - plan.sent))
         real = (usage or {}).get("prompt_tokens")
-        self.state.observe(plan.prompt_tokens, real)
+        state.observe(plan.prompt_tokens, real)
         prompt_tokens = int(real or plan.prompt_tokens)
         th = sc.settings.checkpoint.for_model(self.model)
         level = level_for(prompt_tokens, self.max_len, th)
@@ -86,28 +136,36 @@ class Turn:
                 prompt_tokens / self.max_len)
         if level is not Level.OK:
             sc.metrics.context_warnings.labels(tenant, self.model, level.value).inc()
-        if sc.maintainer is None or sc.memory is None:
+        if sc.maintainer is None or sc.memory is None or self.ident.session is None:
             return
-        checkpoint = level is Level.CHECKPOINT
+        checkpoint = level is Level.CHECKPOINT and not state.checkpointing
         if checkpoint:
-            self.state.compacted = True  # from the next turn on, whatever the summary does
+            state.checkpointing = True  # compacted once the summary is written
         cfg = sc.settings.memory
         summary_due = bool(cfg.summary_every_turns) and \
-            self.state.turns_since_summary >= cfg.summary_every_turns
+            state.turns_since_summary >= cfg.summary_every_turns
         if not (checkpoint or summary_due or cfg.extract_facts):
             return
-        exchange = f"user: {P.text_of(self.split.new)}\nassistant: {answer}"
+        said = "\n".join(f"{m['role']}: {P.text_of(m)}" for m in new_inputs(self.messages))
         sc.background.spawn(sc.maintainer.after_turn(
             tenant=tenant, session=self.ident.session, model=self.model, salt=self.salt,
-            state=self.state, exchange=exchange, max_model_len=self.max_len,
+            state=state, exchange=f"{said}\nassistant: {answer}", max_model_len=self.max_len,
             checkpoint=checkpoint, hook=sc.snapshot_hook,
         ), name=f"after-turn-{tenant}")
 
+    def response_headers(self, upstream: Any = None) -> dict[str, str]:
+        """Ours plus the upstream's that the client should see; timing of the sidecar's own
+        work (``Server-Timing``), the stages so far."""
+        out = {**self.headers, **(headers_down(upstream) if upstream is not None else {})}
+        out["Server-Timing"] = self.stages.server_timing()
+        return out
+
 
 def _debug_header(sel: Selected, compacted: bool, mode: str, cap: int,
-                  recent: int, prompt_tokens: int | None = None) -> str:
+                  recent: int, prompt_tokens: int | None = None, sent: int | None = None,
+                  full: int | None = None) -> str:
     info: dict[str, Any] = {"mode": mode, "tokens": sel.tokens, "recent": recent,
-                            "prompt_tokens": prompt_tokens,
+                            "prompt_tokens": prompt_tokens, "sent": sent, "full": full,
                             "compacted": compacted, "facts": sel.facts,
                             "retrieval_ms": round(sel.seconds * 1000, 2),
                             "hits": sel.hits, "reasons": sel.reasons}
@@ -123,86 +181,117 @@ def _debug_header(sel: Selected, compacted: bool, mode: str, cap: int,
     return json.dumps({"truncated": True, "tokens": sel.tokens})
 
 
+async def _plan(sc: Sidecar, turn_in: dict[str, Any], stages: Stages) -> tuple[Plan, Any, str]:
+    """The plan, the counter and the memory status header ("" when all went well)."""
+    ident: Identity = turn_in["ident"]
+    if sc.memory is None:
+        return passthrough(turn_in["messages"]), None, ""
+    counter = None
+    try:
+        counter = await sc.counters.get(turn_in["model"], turn_in.pop("info"))
+        system_role = await sc.counters.system_role(turn_in["model"], counter)
+        t = TurnInput(settings=sc.settings, mem=sc.memory, counter=counter,
+                      system_role=system_role, stages=stages, **turn_in)
+        return await asyncio.to_thread(plan_turn, t), counter, ""
+    except Exception as exc:  # fail open: the client's request goes up as it came
+        return passthrough(turn_in["messages"]), counter, \
+            sc.failopen.failed(ident.tenant, "select", exc)
+
+
 async def handle_chat(sc: Sidecar, request: Request) -> Response:
+    stages = Stages()
     t0 = time.perf_counter()
     tenant_cfg = sc.auth.tenant_for(bearer_key(request.headers))
-    body = await read_json_body(request, sc.settings.max_body_bytes)
+    body = await read_json_body(request, sc.settings.max_body_bytes, sc.settings.max_json_depth)
     ident = sc.auth.identify(tenant_cfg, request.headers, body)
     model = require_model(body)
     salt = sc.auth.salt_for(ident, body)
     messages = P.validate_messages(body.get("messages"))
+    mode = history_mode(sc, tenant_cfg.history, request.headers)
+    stages.add("auth", time.perf_counter() - t0)
     info = await sc.model_info(model)
-    split = P.split(messages)
-    state = sc.tracker.get(ident.tenant, ident.session)
-    counter = None
-    if sc.memory is not None:
-        counter = await sc.counters.get(model, info)
-        plan = await asyncio.to_thread(plan_turn, sc.settings, sc.memory, counter, ident, body,
-                                       messages, split, state, model, info.max_model_len)
+    state = sc.tracker.get(ident.tenant, ident.session) if ident.session else SessionState()
+    plan, counter, status = await _plan(sc, {
+        "ident": ident, "body": body, "messages": messages, "state": state, "model": model,
+        "max_len": info.max_model_len, "mode": mode, "info": info}, stages)
+    if sc.memory is not None and not status:
         sc.metrics.retrieval_seconds.labels(ident.tenant, model).observe(plan.sel.seconds)
         sc.metrics.injected_tokens.labels(ident.tenant, model).inc(plan.injected)
-    else:
-        plan = Plan(built=P.assemble(split, split.history, ""), sel=Selected())
-    forward = {**body, "messages": plan.built.messages, "cache_salt": salt}
-
-    headers: dict[str, str] = {}
+    forward = {**body, "messages": plan.messages, "cache_salt": salt}
+    turn = Turn(sc, ident, model, info.max_model_len, salt, messages, state, plan, counter,
+                stages, {STATUS_HEADER: status} if status else {})
     th = sc.settings.checkpoint.for_model(model)
     used = state.estimate(plan.prompt_tokens)
     level = level_for(used, info.max_model_len, th)
     if level is not Level.OK and info.max_model_len:
-        headers["X-CWM-Context-Warning"] = f"{level.value}; used={used / info.max_model_len:.2f}"
+        turn.headers["X-CWM-Context-Warning"] = \
+            f"{level.value}; used={used / info.max_model_len:.2f}"
     if request.headers.get("x-cwm-debug") == "1":
-        headers["X-CWM-Memory"] = _debug_header(plan.sel, state.compacted, sc.settings.injection,
-                                                sc.settings.debug_header_max_bytes,
-                                                len(plan.built.recent), plan.prompt_tokens)
-    turn = Turn(sc, ident, model, info.max_model_len, salt, split, state, plan, counter)
-    sc.metrics.overhead_seconds.labels(ident.tenant, model).observe(time.perf_counter() - t0)
+        p = sc.settings.prompt
+        turn.headers["X-CWM-Memory"] = _debug_header(
+            plan.sel, state.compacted, f"{mode}/{p.placement}/{p.refresh}",
+            sc.settings.debug_header_max_bytes, len(plan.messages), plan.prompt_tokens,
+            plan.sent, plan.full)
+    sc.metrics.overhead_seconds.labels(ident.tenant, model).observe(stages.total)
+    up = headers_up(request.headers)
     if body.get("stream"):
-        return await _stream(turn, forward, headers)
-    return await _once(turn, forward, headers)
+        return await _stream(turn, forward, up)
+    return await _once(turn, forward, up)
 
 
-async def _once(turn: Turn, forward: dict[str, Any], headers: dict[str, str]) -> Response:
+def _observe_stages(turn: Turn) -> None:
+    for name, seconds in turn.stages.seconds.items():
+        turn.sc.metrics.stage_seconds.labels(name).observe(seconds)
+    turn.sc.metrics.stage_seconds.labels("total").observe(turn.stages.total)
+
+
+async def _once(turn: Turn, forward: dict[str, Any], up: dict[str, str]) -> Response:
     sc = turn.sc
     try:
-        resp = await sc.upstream.request("POST", "/v1/chat/completions", json=forward)
+        resp = await sc.upstream.request("POST", "/v1/chat/completions", json=forward,
+                                         headers=up)
     except UpstreamError as exc:
         sc.metrics.upstream_errors.labels(exc.code).inc()
         raise
     sc.metrics.requests.labels(turn.ident.tenant, turn.model, "chat", str(resp.status_code)).inc()
     if resp.status_code != 200:
-        return upstream_error_response(resp.status_code, resp.content)
+        return upstream_error_response(resp.status_code, resp.content,
+                                       turn.response_headers(resp.headers))
     data = resp.json()
-    choices = data.get("choices") or [{}]
-    answer = (choices[0].get("message") or {}).get("content") or ""
+    message = ((data.get("choices") or [{}])[0].get("message") or {})
+    answer = answer_text(message.get("content"), message.get("tool_calls"))
     await turn.record(answer)
     await turn.finish(data.get("usage"), answer)  # quick: the work it starts runs later
-    return JSONResponse(data, headers=headers)
+    _observe_stages(turn)
+    return JSONResponse(data, headers=turn.response_headers(resp.headers))
 
 
-async def _stream(turn: Turn, forward: dict[str, Any], headers: dict[str, str]) -> Response:
+async def _stream(turn: Turn, forward: dict[str, Any], up: dict[str, str]) -> Response:
     sc = turn.sc
     opts = forward.get("stream_options") or {}
     client_wants_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
     if not client_wants_usage:
         forward["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
                                      "include_usage": True}
-    ctx = sc.upstream.stream("/v1/chat/completions", forward)
+    ctx = sc.upstream.stream("/v1/chat/completions", forward, headers=up)
     try:
         resp = await ctx.__aenter__()
     except UpstreamError as exc:
         sc.metrics.upstream_errors.labels(exc.code).inc()
         raise
     sc.metrics.requests.labels(turn.ident.tenant, turn.model, "chat", str(resp.status_code)).inc()
+    headers = turn.response_headers(resp.headers)
     if resp.status_code != 200:
         content = await resp.aread()
         await ctx.__aexit__(None, None, None)
-        return upstream_error_response(resp.status_code, content)
+        return upstream_error_response(resp.status_code, content, headers)
     collected = Collected()
 
     async def on_done() -> None:  # before the client sees [DONE] (usage came just before)
-        await turn.record(collected.text)
-        await turn.finish(collected.usage, collected.text)
+        answer = answer_text(collected.text, collected.tool_calls)
+        await turn.record(answer)
+        await turn.finish(collected.usage, answer)
+        _observe_stages(turn)
 
     async def body():
         try:

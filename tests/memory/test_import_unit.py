@@ -1,0 +1,127 @@
+"""``cwm memory import`` (OpenAI-messages JSONL, LoCoMo JSON) and ``cwm memory check``, through
+the real CLI entry point and the service (hashing embedder, no model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cwm_plugin.cli import main
+from cwm_plugin.memory.embeddings import HashingEmbedder
+from cwm_plugin.memory.importer import import_sessions, read_conversations
+from cwm_plugin.memory.models import MemoryConfig
+from cwm_plugin.memory.service import MemoryService
+
+pytestmark = pytest.mark.unit
+
+LOCOMO = {"sample_id": "conv-1", "conversation": {
+    "speaker_a": "Caroline", "speaker_b": "Melanie",
+    "session_1_date_time": "1:56 pm on 8 May, 2023",
+    "session_1": [{"speaker": "Caroline", "dia_id": "D1:1", "text": "I went to a pottery class."},
+                  {"speaker": "Melanie", "dia_id": "D1:2", "text": "Nice! What did you make?"}],
+    "session_2_date_time": "10:00 am on 9 May, 2023",
+    "session_2": [{"speaker": "Melanie", "dia_id": "D2:1", "text": "We hiked to the lake."}]}}
+
+
+def write_inputs(tmp_path: Path) -> tuple[Path, Path]:
+    jsonl = tmp_path / "chats.jsonl"
+    jsonl.write_text("\n".join([
+        json.dumps({"session": "trip", "messages": [
+            {"role": "system", "content": "You are helpful."},
+            {"role": "user", "content": "My bike is a red Cinelli."},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function",
+                 "function": {"name": "note", "arguments": "{\"bike\": \"Cinelli\"}"}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "saved"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Noted, a Cinelli."}]}]}),
+        "",
+        json.dumps([{"role": "user", "content": "Kayak colour: teal."},
+                    {"role": "assistant", "content": "Teal it is."}])]) + "\n")
+    locomo = tmp_path / "locomo.json"
+    locomo.write_text(json.dumps([LOCOMO]))
+    return jsonl, locomo
+
+
+def test_both_formats_are_read(tmp_path: Path) -> None:
+    jsonl, locomo = write_inputs(tmp_path)
+    convs = list(read_conversations(jsonl))
+    assert [c.session for c in convs] == ["trip", "chats-000003"]
+    assert [r for r, _ in convs[0].turns] == ["user", "assistant", "tool", "assistant"]
+    assert convs[0].turns[1][1] == '[tool call note({"bike": "Cinelli"})]'
+    lo = list(read_conversations(locomo))
+    assert [(c.session, c.ts) for c in lo] == [("conv-1-s1", "2023-05-08T13:56:00Z"),
+                                              ("conv-1-s2", "2023-05-09T10:00:00Z")]
+    assert lo[0].turns[0] == ("Caroline", "I went to a pottery class.")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"content": "no role"}]}\n')
+    with pytest.raises(Exception, match="bad.jsonl line 1"):
+        list(read_conversations(bad))
+
+
+def test_an_import_indexes_exactly_what_a_rebuild_from_the_files_gives(tmp_path: Path,
+                                                                      counter) -> None:
+    jsonl, locomo = write_inputs(tmp_path)
+    svc = MemoryService(MemoryConfig(root=tmp_path / "mem", chunk_tokens=40, chunk_overlap=8),
+                        HashingEmbedder(), counter)
+    svc.record_turn("acme", "trip", "user", "Before the import.")
+    convs = [*read_conversations(jsonl), *read_conversations(locomo)]
+    stats = import_sessions(svc, "acme", convs, progress=False)
+    assert (stats.sessions, stats.turns) == (4, 9) and stats.tokens > 0 and stats.chunks > 0
+    assert stats.tokens_per_s > 0
+    trip = [t["content"] for t in svc.transcript("acme", "trip")]
+    assert trip[0] == "Before the import." and trip[1] == "My bike is a red Cinelli."
+    assert "pottery" in svc.search("acme", "pottery class", 1, mode="bm25")[0].text
+    imported = {c: (ch.text, svc.index("acme").chunk_labels[c])
+                for c, ch in svc.index("acme").chunks.items()}
+    vectors = svc.index("acme").vectors.copy()
+    svc.reindex("acme", progress=False)  # from the files alone
+    rebuilt = svc.index("acme")
+    assert {c: ch.text for c, ch in rebuilt.chunks.items()} == \
+        {c: t for c, (t, _) in imported.items()}
+    for c, (_, labels) in imported.items():  # the same line vectors, in the same places
+        assert (rebuilt.vectors[rebuilt.chunk_labels[c]] == vectors[labels]).all()
+    svc.close()
+
+
+def test_cli_import_and_check(tmp_path: Path, capsys) -> None:
+    jsonl, locomo = write_inputs(tmp_path)
+    root = tmp_path / "mem"
+    common = ["--root", str(root), "--embedder", "hashing"]
+    assert main(["memory", "import", *common, "--tenant", "acme", str(jsonl), str(locomo)]) == 0
+    out = capsys.readouterr()
+    assert "imported 4 sessions (9 turns" in out.out and "tokens/s" in out.out
+    assert "tok" in out.err  # the progress bar
+    assert main(["memory", "check", "--root", str(root)]) == 0
+    assert "0 problem(s)" in capsys.readouterr().out
+    # damage: a memory line, a summary header, garbage in a session file
+    (root / "acme" / "memories.md").write_text(
+        "# Durable memories\n\n- **fact** (0.50) ok <!-- cwm-mem {\"id\": broken -->\n")
+    (root / "acme" / "summaries").mkdir()
+    (root / "acme" / "summaries" / "trip.md").write_text("<!-- cwm-summary {oops -->\nText\n")
+    with open(root / "acme" / "sessions" / "trip.md", "ab") as fh:
+        fh.write(b"garbage typed by hand\n")
+    assert main(["memory", "check", "--root", str(root), "--tenant", "acme"]) == 1
+    out = capsys.readouterr().out
+    assert "acme/memories.md:3: not a valid memory line" in out
+    assert "acme/summaries/trip.md:1: damaged summary header" in out
+    assert "acme/sessions/trip.md: 22 bytes outside complete turn records" in out
+    assert str(tmp_path) not in out  # paths relative to the root
+    assert "3 problem(s)" in out
+
+
+def test_a_pool_of_worker_processes_embeds_like_the_service(tmp_path: Path, counter, minilm,
+                                                          monkeypatch) -> None:
+    from cwm_plugin.memory import importer
+
+    monkeypatch.setattr(importer, "POOL_MIN", 0)  # a pool even for this small import
+    jsonl, _ = write_inputs(tmp_path)
+    svc = MemoryService(MemoryConfig(root=tmp_path / "mem"), minilm, counter)
+    import_sessions(svc, "acme", list(read_conversations(jsonl)), progress=False, workers=2)
+    idx = svc.index("acme")
+    texts = [t for s, st in idx.sessions.items() for t in idx._context_texts(None, st.units)]
+    here = minilm.embed(texts)  # the same texts embedded in this process
+    assert np.allclose(idx.vectors[:len(texts)], here, atol=1e-4)
+    svc.close()

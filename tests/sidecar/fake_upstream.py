@@ -1,0 +1,145 @@
+"""A small real OpenAI-compatible HTTP server for tests: records what it receives, answers
+like vLLM from a script.
+
+Everything vLLM's answer depends on that the sidecar does not touch (the model's wisdom) is
+scripted here; what the sidecar sends is recorded exactly (body and headers), so a test can
+compare it with what the client sent. Chat answers come from ``script(body) -> reply`` where a
+reply is ``{"content": str}`` or ``{"tool_calls": [...]}``; the default answers "ok".
+Streams are written with CRLF line ends when ``crlf`` is set (the SSE format allows it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+Reply = dict[str, Any]
+
+
+def usage_of(body: dict[str, Any], completion: int) -> dict[str, int]:
+    prompt = sum(len(json.dumps(m).split()) for m in body.get("messages") or []) or \
+        len(str(body.get("prompt") or body.get("input") or "").split())
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+class FakeUpstream:
+    def __init__(self, model: str = "fake", root: str | None = None, max_model_len: int = 4096,
+                 script: Callable[[dict[str, Any]], Reply] | None = None) -> None:
+        self.model = model
+        self.root = root
+        self.max_model_len = max_model_len
+        self.script = script or (lambda body: {"content": "ok"})
+        self.crlf = False
+        self.embeddings_down = False  # answer /v1/embeddings with 503 (an outage)
+        self.calls: list[tuple[str, dict[str, Any], dict[str, str]]] = []
+        self.app = FastAPI()
+        self._routes()
+
+    # --- what was received ------------------------------------------------------------------
+
+    def bodies(self, path: str = "/v1/chat/completions") -> list[dict[str, Any]]:
+        return [b for p, b, _ in self.calls if p == path]
+
+    def last(self, path: str = "/v1/chat/completions") -> dict[str, Any]:
+        return self.bodies(path)[-1]
+
+    def headers(self, path: str = "/v1/chat/completions") -> dict[str, str]:
+        return next(h for p, _, h in reversed(self.calls) if p == path)
+
+    # --- answers ----------------------------------------------------------------------------
+
+    def _message(self, body: dict[str, Any], i: int) -> dict[str, Any]:
+        reply = self.script(body)
+        if "tool_calls" in reply:
+            return {"role": "assistant", "content": None, "tool_calls": reply["tool_calls"]}
+        text = reply["content"] if body.get("n", 1) == 1 else f"{reply['content']} #{i}"
+        return {"role": "assistant", "content": text}
+
+    def _chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        choices = []
+        for i in range(int(body.get("n") or 1)):
+            msg = self._message(body, i)
+            choice: dict[str, Any] = {"index": i, "message": msg, "finish_reason":
+                                      "tool_calls" if msg.get("tool_calls") else "stop"}
+            if body.get("logprobs"):
+                words = (msg["content"] or "").split() or [""]
+                choice["logprobs"] = {"content": [
+                    {"token": w, "logprob": -0.5, "bytes": list(w.encode()), "top_logprobs": [
+                        {"token": w, "logprob": -0.5, "bytes": list(w.encode())}]
+                     [: body.get("top_logprobs") or 0]} for w in words]}
+            choices.append(choice)
+        return {"id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()),
+                "model": body["model"], "choices": choices, "usage": usage_of(body, 3)}
+
+    def _stream(self, body: dict[str, Any]):
+        end = "\r\n" if self.crlf else "\n"
+        msg = self._message(body, 0)
+        base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0,
+                "model": body["model"]}
+
+        def event(obj: dict[str, Any]) -> bytes:
+            return f"data: {json.dumps(obj)}{end}{end}".encode()
+
+        def gen():
+            if msg.get("tool_calls"):
+                for i, call in enumerate(msg["tool_calls"]):
+                    yield event({**base, "choices": [{"index": 0, "delta": {"tool_calls": [
+                        {"index": i, **call}]}, "finish_reason": None}]})
+            else:
+                for word in (msg["content"] or "").split(" "):
+                    yield event({**base, "choices": [{"index": 0, "delta": {"content": word + " "},
+                                                      "finish_reason": None}]})
+            yield event({**base, "choices": [{"index": 0, "delta": {},
+                                              "finish_reason": "stop"}]})
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield event({**base, "choices": [], "usage": usage_of(body, 3)})
+            yield f"data: [DONE]{end}{end}".encode()
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    def _routes(self) -> None:
+        app = self.app
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            return JSONResponse({"object": "list", "data": [
+                {"id": self.model, "object": "model", "created": 0, "owned_by": "fake",
+                 "root": self.root, "max_model_len": self.max_model_len}]})
+
+        @app.post("/{path:path}")
+        async def post(path: str, request: Request) -> Response:
+            body = await request.json()
+            self.calls.append((f"/{path}", body, dict(request.headers)))
+            rid = {"x-request-id": request.headers.get("x-request-id", "fake-rid")}
+            if path == "v1/chat/completions":
+                if body.get("stream"):
+                    return self._stream(body)
+                return JSONResponse(self._chat(body), headers=rid)
+            if path == "v1/embeddings" and self.embeddings_down:
+                return JSONResponse({"error": {"message": "down"}}, status_code=503)
+            if path == "v1/embeddings":
+                inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+                return JSONResponse({"object": "list", "model": body["model"], "data": [
+                    {"object": "embedding", "index": i, "embedding": [float(len(t)), 1.0, 0.0]}
+                    for i, t in enumerate(inputs)], "usage": {"prompt_tokens": 1,
+                                                              "total_tokens": 1}}, headers=rid)
+            if path == "v1/responses":
+                return JSONResponse({"id": "resp_fake", "object": "response", "created_at": 0,
+                                     "model": body["model"], "status": "completed",
+                                     "output": [{"type": "message", "id": "msg_1",
+                                                 "role": "assistant", "status": "completed",
+                                                 "content": [{"type": "output_text",
+                                                              "text": "ok", "annotations": []}]}],
+                                     "parallel_tool_calls": True, "tool_choice": "auto",
+                                     "tools": []}, headers=rid)
+            if path == "tokenize":
+                text = body.get("prompt") or json.dumps(body.get("messages"))
+                return JSONResponse({"count": len(text.split()), "tokens": [],
+                                     "max_model_len": self.max_model_len})
+            return JSONResponse({"error": {"message": "no such route"}}, status_code=404)

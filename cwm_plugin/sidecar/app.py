@@ -2,13 +2,15 @@
 
 Routes: ``POST /v1/chat/completions`` (memory, salt, streaming), ``POST /v1/completions`` and
 ``/v1/responses`` (salt only), ``POST /v1/embeddings``, ``/tokenize``, ``/detokenize``,
-``GET /v1/models``, ``/v1/models/{id}`` (relayed), ``GET /health``, ``GET /metrics``. Every
+``GET /v1/models``, ``/v1/models/{id}`` (relayed), ``GET /health``, ``GET /metrics``, and the
+context windows' routes (:mod:`~cwm_plugin.sidecar.windows_api`). Every
 error leaves as an OpenAI-shaped body. ``app.state.sidecar`` holds the app's runtime; assign
 ``app.state.sidecar.snapshot_hook`` to take a KV snapshot at auto-checkpoints.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -22,7 +24,7 @@ from cwm_plugin.sidecar.background import Maintainer
 from cwm_plugin.sidecar.context import SnapshotHook
 from cwm_plugin.sidecar.counting import ModelCounters
 from cwm_plugin.sidecar.failopen import FailOpen
-from cwm_plugin.sidecar.identity import Authenticator
+from cwm_plugin.sidecar.identity import Authenticator, derive_salt
 from cwm_plugin.sidecar.memory_port import MemoryPort, build_memory
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.openai_errors import error_response, from_cwm_error
@@ -31,6 +33,9 @@ from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.turn import handle_chat
 from cwm_plugin.sidecar.upstream import Upstream
+from cwm_plugin.sidecar.windows_api import CheckpointThresholds, windows_router
+from cwm_plugin.windows.auto import AutoFreeze
+from cwm_plugin.windows.engine import WindowEngine
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,28 @@ def _poster(sidecar: Sidecar, path: str) -> Callable[[Request], Awaitable[Respon
         return await relay_post(sidecar, request, path)
 
     return route
+
+
+def open_windows(settings: Settings) -> tuple[WindowEngine | None, AutoFreeze | None]:
+    """The window engine over the KV store vLLM's connector writes, and its auto-freeze; a
+    store that cannot be opened leaves windows off (logged), never the sidecar."""
+    if settings.windows is None:
+        return None, None
+    from prometheus_client import CollectorRegistry
+
+    from cwm_plugin.store.config import StoreConfig
+    from cwm_plugin.store.tiered import KVStore
+
+    try:
+        cfg = StoreConfig.from_dict({**settings.windows.store, "memory_bytes": 0})
+        engine = WindowEngine(KVStore(cfg, registry=CollectorRegistry()),
+                              wait_s=settings.windows.wait_s)
+    except CWMError as exc:
+        log.error("context windows are off: the KV store could not be opened: %s", exc)
+        return None, None
+    return engine, AutoFreeze(engine, enabled=settings.windows.auto_freeze,
+                              cooldown_s=settings.windows.auto_freeze_cooldown_s,
+                              thresholds=CheckpointThresholds(settings.checkpoint))
 
 
 def create_app(settings: Settings, *, memory: MemoryPort | None = None,
@@ -61,8 +88,13 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         counters=ModelCounters(settings.memory, upstream.base_url),
         failopen=FailOpen(metrics),
     )
+    engine, auto = open_windows(settings)
     if snapshot_hook is not None:
         sidecar.snapshot_hook = snapshot_hook
+    elif auto is not None and settings.windows is not None and settings.windows.auto_freeze:
+        async def freeze_at_checkpoint(tenant: str, session: str, salt: str, name: str) -> None:
+            await asyncio.to_thread(auto, tenant, session, salt, name)
+        sidecar.snapshot_hook = freeze_at_checkpoint
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -75,6 +107,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
             await memory.close()  # saves the indexes that changed
         sidecar.counters.close()
         await upstream.aclose()
+        if engine is not None:
+            engine.store.close()
 
     app = FastAPI(title="cwm sidecar", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -120,6 +154,11 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     async def metrics_route() -> Response:
         metrics.mirror_upstream(await upstream.metrics_text())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    secret = settings.server_secret()
+    app.include_router(windows_router(sidecar, engine, auto,
+                                      lambda tenant, session: derive_salt(secret, tenant,
+                                                                          session)))
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unknown(path: str) -> JSONResponse:

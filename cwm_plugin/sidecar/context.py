@@ -122,6 +122,10 @@ class ContextTracker:
     def __len__(self) -> int:
         return len(self._states)
 
+    def sessions(self, tenant: str) -> list[str]:
+        """The tenant's sessions tracked since the app started."""
+        return [s for (t, s) in self._states if t == tenant]
+
 
 SnapshotHook = Callable[[str, str, str, str], "Awaitable[None] | None"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -178,6 +178,16 @@ class CheckpointConfig(_Strict):
         return self.models.get(model, self.default)
 
 
+class WindowsSettings(_Strict):
+    """Context windows (``/v1/windows``): the KV store vLLM's connector writes (its
+    ``kv_connector_extra_config.store``: the same disk path and/or Redis), and auto-freeze."""
+
+    store: dict[str, Any] = Field(default_factory=dict)   # StoreConfig fields
+    wait_s: float = Field(default=30.0, ge=0)   # a freeze waits this long for pending saves
+    auto_freeze: bool = True                    # freeze for real at the checkpoint threshold
+    auto_freeze_cooldown_s: float = Field(default=600.0, ge=0)
+
+
 class Settings(_Strict):
     """Everything ``create_app`` needs."""
 
@@ -192,6 +202,7 @@ class Settings(_Strict):
     max_json_depth: int = Field(default=64, ge=4, le=1000)  # deeper bodies get 400
     debug_header_max_bytes: int = Field(default=4096, ge=256)
     memory_enabled: bool = True
+    windows: WindowsSettings | None = None      # None: /v1/windows answers 503
 
     @model_validator(mode="after")
     def _unique(self) -> Settings:

@@ -1,20 +1,25 @@
 """REST for context windows on the sidecar: routes only translate HTTP to the window engine.
 
 ``POST /v1/windows`` ``{"name", "session", "tags"?, "description"?, "messages"?}`` freezes,
-``POST /v1/windows/{name}/thaw`` ``{"session", "warm"?, "model"?}`` thaws,
+``POST /v1/windows/{name}/thaw`` ``{"session", "warm"?, "model"?}`` thaws (``warm``: one
+``max_tokens=1`` request through vLLM right away, returning the tokens vLLM restored),
 ``POST /v1/windows/{name}/clone`` ``{"name"}`` clones, ``GET /v1/windows`` lists (``tag``,
 ``model``, ``session``, ``q``, ``sort``, ``order``, ``limit``, ``offset``),
-``GET /v1/windows/{name}`` shows the status, ``DELETE /v1/windows/{name}`` deletes. Every
-route authenticates the tenant from the API key; sessions map to their ``cache_salt`` as in
-chat requests, so a thaw into session S restores S's next request. Errors are OpenAI-shaped
-(the app's handler). The engine is blocking (store I/O): it runs in a worker thread.
+``GET /v1/windows/{name}`` shows the status, ``DELETE /v1/windows/{name}`` deletes. Beside
+them, for agents (the MCP tools): ``GET /v1/sessions``, ``GET /v1/cache/stats``,
+``GET|POST /v1/auto_freeze`` and ``POST /v1/auto_freeze/check``. Every route authenticates
+the tenant from the API key; sessions map to their ``cache_salt`` as in chat requests, so a
+thaw into session S restores S's next request. Errors are OpenAI-shaped (the app's handler).
+The engine is blocking (store I/O): it runs in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cwm_plugin.errors import CWMError, InvalidInput
 from cwm_plugin.sidecar.identity import bearer_key, validate_session
+from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.model import check_name
 
@@ -56,17 +62,87 @@ class CloneBody(_Body):
     name: str = Field(max_length=128)
 
 
-def windows_router(engine: Callable[[], WindowEngine | None], auth: Any, salt_of: SaltOf
-                   ) -> APIRouter:
-    """The routes; ``engine()`` gives the engine (None: not configured), ``auth`` maps keys
-    to tenants, ``salt_of`` sessions to salts."""
-    router = APIRouter(prefix="/v1/windows")
+class AutoFreezeBody(_Body):
+    enabled: bool | None = None
+    warn: float | None = None
+    checkpoint: float | None = None
+    cooldown_s: float | None = None
+    model: str | None = Field(default=None, max_length=256)
+
+
+class CheckBody(_Body):
+    session: str = Field(max_length=64)
+    used_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    model: str | None = Field(default=None, max_length=256)
+
+
+@dataclass
+class CheckpointThresholds:
+    """The sidecar's per-model thresholds (``checkpoint`` settings) as auto-freeze reads and
+    changes them: one source of truth for the context warning and the freeze."""
+
+    cfg: Any   # settings.CheckpointConfig
+
+    def get(self, model: str | None) -> tuple[float, float]:
+        th = self.cfg.for_model(model) if model else self.cfg.default
+        return th.warn, th.checkpoint
+
+    def set(self, model: str | None, warn: float, checkpoint: float) -> None:
+        base = self.cfg.for_model(model) if model else self.cfg.default
+        new = base.model_copy(update={"warn": warn, "checkpoint": checkpoint})
+        if model:
+            self.cfg.models[model] = new
+        else:
+            self.cfg.default = new
+
+
+def _hits(metrics_text: str | None) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(metrics_text or ""):
+        for sample in fam.samples:
+            if sample.name in ("vllm:external_prefix_cache_hits_total",
+                               "vllm:external_prefix_cache_hits"):
+                total += float(sample.value)
+    return total
+
+
+async def warm_up(sidecar: Any, token_ids: list[int], salt: str, model: str | None
+                  ) -> dict[str, Any]:
+    """One ``max_tokens=1`` completion of the window's tokens under ``salt``: vLLM loads the
+    restored blocks now; its ``external_prefix_cache_hits`` says how many tokens it restored."""
+    models = await sidecar.upstream.models()
+    name = model if model in models else next(iter(models), None)
+    if name is None:
+        raise WindowsUnavailable("the upstream serves no model to warm up with")
+    before = _hits(await sidecar.upstream.metrics_text())
+    t0 = time.perf_counter()
+    resp = await sidecar.upstream.request("POST", "/v1/completions", json={
+        "model": name, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+        "cache_salt": salt})
+    seconds = time.perf_counter() - t0
+    if resp.status_code != 200:
+        raise CWMError(f"the warm-up request answered HTTP {resp.status_code}",
+                       hint="the window is thawed; the next request restores it instead")
+    hits = _hits(await sidecar.upstream.metrics_text()) - before
+    return {"model": name, "hits": int(hits), "seconds": round(seconds, 3),
+            "prompt_tokens": (resp.json().get("usage") or {}).get("prompt_tokens")}
+
+
+def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze | None,
+                   salt_of: SaltOf) -> APIRouter:
+    """The routes over ``sidecar`` (its auth, upstream and context tracker); ``engine`` None:
+    windows are not configured (503); ``salt_of(tenant, session)`` derives salts."""
+    router = APIRouter(prefix="/v1")
+    auth = sidecar.auth
 
     def tenant_of(request: Request) -> str:
         return auth.tenant_for(bearer_key(request.headers)).name
 
     async def run(fn: Callable[[WindowEngine], Any]) -> Any:
-        eng = engine()
+        eng = engine
         if eng is None:
             raise WindowsUnavailable("context windows are not configured on this sidecar",
                                      hint="add a `windows.store` section (the KV store vLLM's "
@@ -79,7 +155,7 @@ def windows_router(engine: Callable[[], WindowEngine | None], auth: Any, salt_of
         except InvalidInput as exc:
             raise InvalidInput(f"invalid session {name[:64]!r}", hint=exc.hint) from exc
 
-    @router.post("")
+    @router.post("/windows")
     async def freeze(body: FreezeBody, request: Request) -> dict[str, Any]:
         tenant = tenant_of(request)
         check_name(body.name)
@@ -90,22 +166,25 @@ def windows_router(engine: Callable[[], WindowEngine | None], auth: Any, salt_of
                                          description=body.description))
         return {"object": "window", **m.public()}
 
-    @router.post("/{name}/thaw")
+    @router.post("/windows/{name}/thaw")
     async def thaw(name: str, body: ThawBody, request: Request) -> dict[str, Any]:
         tenant = tenant_of(request)
         session = session_of(body.session)
-        r = await run(lambda e: e.thaw(tenant, check_name(name), session=session,
-                                       salt=salt_of(tenant, session), warm=body.warm,
+        salt = salt_of(tenant, session)
+        r = await run(lambda e: e.thaw(tenant, check_name(name), session=session, salt=salt,
                                        model=body.model))
+        if body.warm:
+            r.warm = await warm_up(sidecar, r.token_ids, salt, body.model)
+            await run(lambda e: e.note_warm(tenant, name, r.warm))
         return {"object": "window.thaw", **r.public()}
 
-    @router.post("/{name}/clone")
+    @router.post("/windows/{name}/clone")
     async def clone(name: str, body: CloneBody, request: Request) -> dict[str, Any]:
         tenant = tenant_of(request)
         m = await run(lambda e: e.clone(tenant, check_name(name), check_name(body.name)))
         return {"object": "window", **m.public()}
 
-    @router.get("")
+    @router.get("/windows")
     async def list_windows(request: Request, tag: str | None = None, model: str | None = None,
                            session: str | None = None, q: str | None = None,
                            sort: str = "created", order: str = "desc", limit: int = 50,
@@ -120,15 +199,65 @@ def windows_router(engine: Callable[[], WindowEngine | None], auth: Any, salt_of
         return {"object": "list", "data": [m.public() for m in page], "total": total,
                 "offset": offset, "limit": limit}
 
-    @router.get("/{name}")
+    @router.get("/windows/{name}")
     async def status(name: str, request: Request) -> dict[str, Any]:
         tenant = tenant_of(request)
         return {"object": "window", **await run(lambda e: e.status(tenant, check_name(name)))}
 
-    @router.delete("/{name}")
+    @router.delete("/windows/{name}")
     async def delete(name: str, request: Request) -> dict[str, Any]:
         tenant = tenant_of(request)
         await run(lambda e: e.delete(tenant, check_name(name)))
         return {"object": "window.deleted", "name": name, "deleted": True}
+
+    @router.get("/sessions")
+    async def sessions(request: Request) -> dict[str, Any]:
+        """This tenant's sessions the sidecar saw since it started and those with windows."""
+        tenant = tenant_of(request)
+        seen = set(sidecar.tracker.sessions(tenant))
+        windows: dict[str, int] = {}
+        if engine is not None:
+            for m in (await run(lambda e: e.list(tenant, limit=100_000)))[0]:
+                windows[m.session] = windows.get(m.session, 0) + 1
+        return {"object": "list", "data": [{"session": s, "windows": windows.get(s, 0)}
+                                           for s in sorted(seen | set(windows))]}
+
+    @router.get("/cache/stats")
+    async def cache_stats(request: Request) -> dict[str, Any]:
+        tenant_of(request)
+        return {"object": "cache.stats", "tiers": await run(lambda e: e.store.usage())}
+
+    @router.get("/auto_freeze")
+    async def auto_freeze(request: Request, model: str | None = None) -> dict[str, Any]:
+        tenant_of(request)
+        return auto_of().settings(model)
+
+    @router.post("/auto_freeze")
+    async def auto_freeze_set(body: AutoFreezeBody, request: Request) -> dict[str, Any]:
+        tenant_of(request)
+        auto_of().update(**body.model_dump())
+        return auto_of().settings(body.model)
+
+    @router.post("/auto_freeze/check")
+    async def auto_freeze_check(body: CheckBody, request: Request) -> dict[str, Any]:
+        tenant = tenant_of(request)
+        session = session_of(body.session)
+        used = body.used_tokens
+        if used is None:
+            used = sidecar.tracker.get(tenant, session).last_prompt_tokens
+        limit = body.max_tokens
+        if limit is None:
+            models = await sidecar.upstream.models()
+            info = models.get(body.model) if body.model else next(iter(models.values()), None)
+            limit = getattr(info, "max_model_len", None) or 0
+        a = auto_of()
+        return await asyncio.to_thread(a.check, tenant, session, salt_of(tenant, session),
+                                       used_tokens=used, max_tokens=limit, model=body.model)
+
+    def auto_of() -> AutoFreeze:
+        if auto is None:
+            raise WindowsUnavailable("context windows are not configured on this sidecar",
+                                     hint="add a `windows.store` section to the sidecar config")
+        return auto
 
     return router

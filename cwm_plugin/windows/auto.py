@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from cwm_plugin.errors import CWMError, InvalidInput
 from cwm_plugin.windows.engine import WindowEngine
@@ -23,50 +23,66 @@ from cwm_plugin.windows.engine import WindowEngine
 log = logging.getLogger(__name__)
 
 
+class Thresholds(Protocol):
+    """Fractions of a model's context: (warn, checkpoint) per model (None: the default)."""
+
+    def get(self, model: str | None) -> tuple[float, float]: ...
+    def set(self, model: str | None, warn: float, checkpoint: float) -> None: ...
+
+
+@dataclass
+class OwnThresholds:
+    warn: float = 0.70
+    checkpoint: float = 0.85
+    per_model: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def get(self, model: str | None) -> tuple[float, float]:
+        return self.per_model.get(model or "", (self.warn, self.checkpoint))
+
+    def set(self, model: str | None, warn: float, checkpoint: float) -> None:
+        if model:
+            self.per_model[model] = (warn, checkpoint)
+        else:
+            self.warn, self.checkpoint = warn, checkpoint
+
+
 @dataclass
 class AutoFreeze:
     engine: WindowEngine
     enabled: bool = True
-    warn: float = 0.70
-    checkpoint: float = 0.85
     cooldown_s: float = 600.0
-    per_model: dict[str, dict[str, float]] = field(default_factory=dict)
+    thresholds: Thresholds = field(default_factory=OwnThresholds)
     frozen: int = 0
     _last: dict[tuple[str, str], float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def settings(self) -> dict[str, Any]:
-        return {"enabled": self.enabled, "warn": self.warn, "checkpoint": self.checkpoint,
-                "cooldown_s": self.cooldown_s, "per_model": dict(self.per_model),
-                "frozen": self.frozen}
+    def settings(self, model: str | None = None) -> dict[str, Any]:
+        warn, checkpoint = self.thresholds.get(model)
+        return {"enabled": self.enabled, "cooldown_s": self.cooldown_s, "model": model,
+                "warn": warn, "checkpoint": checkpoint, "frozen": self.frozen}
 
     def update(self, *, enabled: bool | None = None, warn: float | None = None,
                checkpoint: float | None = None, cooldown_s: float | None = None,
                model: str | None = None) -> None:
-        w = self.thresholds(model)["warn"] if warn is None else float(warn)
-        c = self.thresholds(model)["checkpoint"] if checkpoint is None else float(checkpoint)
+        w0, c0 = self.thresholds.get(model)
+        w = w0 if warn is None else float(warn)
+        c = c0 if checkpoint is None else float(checkpoint)
         if not 0 < w <= c <= 1:
             raise InvalidInput(f"thresholds warn={w} checkpoint={c} are out of order",
                                hint="0 < warn <= checkpoint <= 1")
         if cooldown_s is not None and cooldown_s < 0:
             raise InvalidInput("cooldown_s must be >= 0")
-        if model is not None:
-            self.per_model[model] = {"warn": w, "checkpoint": c}
-        else:
-            self.warn, self.checkpoint = w, c
+        if (w, c) != (w0, c0):
+            self.thresholds.set(model, w, c)
         if enabled is not None:
             self.enabled = bool(enabled)
         if cooldown_s is not None:
             self.cooldown_s = float(cooldown_s)
 
-    def thresholds(self, model: str | None) -> dict[str, float]:
-        return self.per_model.get(model or "", {"warn": self.warn,
-                                                "checkpoint": self.checkpoint})
-
     def level(self, used: int, limit: int, model: str | None = None) -> tuple[str, float]:
         frac = used / limit if limit else 0.0
-        th = self.thresholds(model)
-        return ("checkpoint" if frac >= th["checkpoint"] else "warn" if frac >= th["warn"]
+        warn, checkpoint = self.thresholds.get(model)
+        return ("checkpoint" if frac >= checkpoint else "warn" if frac >= warn
                 else "ok"), round(frac, 4)
 
     def _due(self, tenant: str, session: str) -> bool:
@@ -99,8 +115,9 @@ class AutoFreeze:
         due = level == "checkpoint" and self.enabled and self._due(tenant, session)
         window = self.freeze_now(tenant, session, salt, f"{frac:.0%} of the context") \
             if due and freeze else None
+        warn, checkpoint = self.thresholds.get(model)
         return {"session": session, "level": level, "fraction": frac, "due": due,
-                "frozen": window, **self.thresholds(model)}
+                "frozen": window, "warn": warn, "checkpoint": checkpoint}
 
     def __call__(self, tenant: str, session: str, cache_salt: str, name: str) -> str | None:
         """The sidecar's checkpoint hook (``snapshot_hook``)."""

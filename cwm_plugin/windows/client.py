@@ -143,8 +143,11 @@ class LocalWindows:
     def thaw(self, name: str, session: str | None = None, *, warm: bool = False,
              model: str | None = None) -> dict[str, Any]:
         session = session or self.engine.get(self.tenant, name).session
+        if warm:
+            raise InvalidInput("a warm-up goes through vLLM: thaw through the sidecar (--url) "
+                               "to warm, or send the session's next request")
         r = self.engine.thaw(self.tenant, name, session=session,
-                             salt=self._salt_of(self.tenant, session), warm=warm, model=model)
+                             salt=self._salt_of(self.tenant, session), model=model)
         return {"object": "window.thaw", **r.public()}
 
     def clone(self, name: str, new_name: str) -> dict[str, Any]:
@@ -180,7 +183,7 @@ class LocalWindows:
 
     def auto_freeze_config(self, **changes: Any) -> dict[str, Any]:
         self.auto.update(**changes)
-        return self.auto.settings()
+        return self.auto.settings(changes.get("model"))
 
     def auto_freeze_check(self, session: str, **usage: Any) -> dict[str, Any]:
         return self.auto.check(self.tenant, session, self._salt_of(self.tenant, session),

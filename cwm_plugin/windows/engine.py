@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from cwm_plugin.connector import records
@@ -43,7 +43,6 @@ from cwm_plugin.windows.model import (
 )
 
 log = logging.getLogger(__name__)
-Warmer = Callable[[list[int], str], dict[str, Any]]   # (token ids, salt) -> measured hits
 
 
 class WindowIncomplete(CWMError):
@@ -69,6 +68,7 @@ class ThawResult:
     blocks: int
     messages: list[dict] | None = None
     warm: dict[str, Any] | None = None
+    token_ids: list[int] = field(default_factory=list, repr=False)   # what a warm-up sends
 
     def public(self) -> dict[str, Any]:
         return {"name": self.name, "session": self.session, "tokens": self.tokens,
@@ -77,11 +77,9 @@ class ThawResult:
 
 
 class WindowEngine:
-    def __init__(self, store: KVStore, *, wait_s: float = 30.0,
-                 warmer: Warmer | None = None) -> None:
+    def __init__(self, store: KVStore, *, wait_s: float = 30.0) -> None:
         self.store = store
         self.wait_s = wait_s
-        self.warmer = warmer
 
     # --- manifests ----------------------------------------------------------------------------
 
@@ -230,8 +228,11 @@ class WindowEngine:
             self.store.delete_many(flat)
             raise
 
-    def thaw(self, tenant: str, name: str, *, session: str, salt: str, warm: bool = False,
+    def thaw(self, tenant: str, name: str, *, session: str, salt: str,
              model: str | None = None) -> ThawResult:
+        """Re-key the window under ``salt``. A warm-up (a one-token request through vLLM, so
+        the blocks are in its cache) is the caller's: it has the upstream; see
+        :meth:`note_warm`."""
         m = self.get(tenant, name)
         if model is not None:
             self._check_model(m, model)
@@ -246,14 +247,19 @@ class WindowEngine:
                                lora=m.lora)
         tkeys = self._keys(m.workers, self._chain(m, m.tokens, salt, n))
         self._rekey([ks[:n] for ks in wkeys], tkeys, m.window_salt, salt)
-        result = ThawResult(name, session, len(m.tokens), n * m.block_size, n, m.messages)
-        if warm and self.warmer is not None:
-            result.warm = self.warmer(m.tokens, salt)
+        result = ThawResult(name, session, len(m.tokens), n * m.block_size, n, m.messages,
+                            token_ids=list(m.tokens))
         m.last_thaw = {"session": session, "time": time.time(),
-                       "restorable_tokens": result.restorable_tokens,
-                       **({"hits": result.warm.get("hits")} if result.warm else {})}
+                       "restorable_tokens": result.restorable_tokens}
         self._update(m)
         return result
+
+    def note_warm(self, tenant: str, name: str, warm: dict[str, Any]) -> None:
+        """Record what vLLM measured when a thawed window was warmed up."""
+        m = self.get(tenant, name)
+        m.last_thaw = {**(m.last_thaw or {}), "hits": warm.get("hits"),
+                       "warm_seconds": warm.get("seconds")}
+        self._update(m)
 
     def _check_model(self, m: Manifest, model: str) -> None:
         t = self.store.get(records.served_key(model))

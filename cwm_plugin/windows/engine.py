@@ -183,7 +183,12 @@ class WindowEngine:
         if self._read(manifest_key(tenant, name), tenant) is not None:
             raise AlreadyExists(f"a window named {name!r} already exists",
                                 hint="choose another name or delete that window first")
+        wait = self.wait_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait
         t = self.store.get(records.record_key(salt), salt=salt)
+        while t is None and time.monotonic() < deadline:   # the request just finished: its
+            time.sleep(0.2)                                 # record is being written
+            t = self.store.get(records.record_key(salt), salt=salt)
         if t is None:
             raise NotFound(f"session {session!r} has no saved context yet",
                            hint="send at least one request in that session (through vLLM "
@@ -194,7 +199,7 @@ class WindowEngine:
                                hash_block_size=rec.hash_block_size, hash_algo=rec.hash_algo,
                                lora=rec.lora)
         keys = self._keys(rec.workers, hashes)
-        got = self._wait_stored(keys, self.wait_s if wait_s is None else wait_s)
+        got = self._wait_stored(keys, max(0.0, deadline - time.monotonic()))
         if got < len(hashes):
             raise WindowIncomplete(
                 f"{len(hashes) - got} of {len(hashes)} blocks of session {session!r} are not on "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import httpx
 import pytest
 from test_connector import HITS, complete_ids, long_text, serve
 
@@ -55,6 +56,13 @@ def test_a_block_the_store_dropped_is_never_promised_under_policy_fail(
     assert server.metric("cwm:connector_load_errors") == 0
     assert server.metric_where("cwm:store_drops", reason="evicted") > 0
     assert server.metric("cwm:connector_dropped_blocks") > 0
+    # vLLM's reset of the external cache reaches the connector: memory tiers emptied
+    r = httpx.post(f"{server.base_url}/reset_prefix_cache", params={"reset_external": "true"},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    hits = server.metric(HITS)
+    assert complete_ids(server, first, "s") == cold
+    assert server.metric(HITS) == hits and server.metric("cwm:connector_load_errors") == 0
 
 
 def test_a_different_hf_override_gets_no_external_hits(tiny_model, vllm_factory, tmp_path):

@@ -89,10 +89,15 @@ class TenantIndex:
     def texts(self, session: str, units: list[Unit]) -> list[str]:
         """What is embedded for each of ``units`` appended to ``session``: the line, with the
         line before it (see the module docstring)."""
-        return self._context_texts(self.sessions.get(session), units)
+        return self.context_texts(self.last_text(session), units)
 
-    def _context_texts(self, st: SessionState | None, units: list[Unit]) -> list[str]:
-        prev = st.units[-1].text if st is not None and st.units else ""
+    def last_text(self, session: str) -> str:
+        """The text of the session's last unit ("" for a new session)."""
+        st = self.sessions.get(session)
+        return st.units[-1].text if st is not None and st.units else ""
+
+    def context_texts(self, prev: str, units: list[Unit]) -> list[str]:
+        """What is embedded for ``units`` following a unit whose text is ``prev``."""
         out = []
         for u in units:  # each line with the line before it (see the module docstring)
             out.append(f"{prev}\n{u.text}" if prev and self.context_lines else u.text)
@@ -164,7 +169,8 @@ class TenantIndex:
         if not units:
             return
         if vecs is None:
-            vecs = self.embedder.embed(self._context_texts(st, units))
+            prev = st.units[-1].text if st.units else ""
+            vecs = self.embedder.embed(self.context_texts(prev, units))
         first = self._n
         labels = list(range(first, first + len(units)))
         need = first + len(units)

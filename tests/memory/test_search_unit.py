@@ -205,3 +205,33 @@ def test_vector_candidates_follow_adds_and_drops(make_service) -> None:
         got = idx.vector_candidates(q, 12)
         assert got == brute(q) and got
         assert not any(idx.chunks[c].session == "s1" for c in got)
+
+
+def test_deferred_indexing_under_concurrent_appends_equals_a_rebuild(make_service) -> None:
+    import threading
+
+    svc = make_service(chunk_tokens=60, chunk_overlap=12)
+    svc.record_turn("acme", "s0", "user", "warm up the index")
+
+    def writer(w: int) -> None:
+        for i in range(15):
+            svc.record_turns("acme", f"s{w % 2}", [("user", f"writer {w} line {i} kiwi"),
+                                                   ("assistant", f"noted {w}.{i}")],
+                             defer_index=True)
+
+    def indexer() -> None:
+        for _ in range(30):
+            svc.index_pending("acme")
+            svc.search("acme", "kiwi", 3, mode="bm25")
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    threads.append(threading.Thread(target=indexer))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    svc.index_pending("acme")
+    live = {c: ch.text for c, ch in svc.index("acme").chunks.items()}
+    assert len(svc.transcript("acme", "s0")) + len(svc.transcript("acme", "s1")) == 121
+    svc.reindex("acme", progress=False)
+    assert {c: ch.text for c, ch in svc.index("acme").chunks.items()} == live

@@ -19,6 +19,7 @@ as well (0.826 / 0.932) but cost a 256-token forward pass on every turn.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import hnswlib
@@ -211,9 +212,10 @@ class TenantIndex:
             return list(self.chunks)
         return [c for _, _, c in self.sessions.get(session, SessionState()).spans]
 
-    def bm25_scores(self, query: str) -> dict[str, float]:
-        """BM25 score of every chunk (0 for chunks sharing no term with the query)."""
-        return self._bm25.scores(query)
+    def bm25_top(self, query: str, n: int, also: Iterable[str] = (),
+                 allowed: set[str] | None = None) -> dict[str, float]:
+        """BM25 scores of the ``n`` best chunks and of those in ``also`` (``BM25Corpus.top``)."""
+        return self._bm25.top(query, n, also, allowed)
 
     def vector_candidates(self, qvec: np.ndarray, n_lines: int) -> list[str]:
         """Chunks holding one of the ``n_lines`` nearest lines (hnswlib, approximate)."""

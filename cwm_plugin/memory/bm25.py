@@ -69,9 +69,9 @@ class BM25Corpus:
     also kept as numpy arrays (rows, frequencies; rebuilt for a term when a document holding it
     comes or goes), so a query adds its terms' contributions vectorised; the scores are
     exactly ``LuceneBM25``'s (k1 1.5, b 0.75) for the same documents. Measured at 10,000
-    LoCoMo chunks, 200 queries on one busy core: p50 25.7 ms scoring postings in Python, 38.5
-    ms with SQLite FTS5's ``bm25()`` (which ranks differently: top-10 overlap 0.75), and with
-    the arrays (see ``bench/sidecar.py``'s keyword stage) a few milliseconds.
+    LoCoMo chunks, 200 LoCoMo queries, on a machine shared with other work: p50 25.7 ms (p99
+    70 ms) scoring dict postings in Python, 30-38 ms with SQLite FTS5's ``bm25()`` (which also
+    ranks differently: top-10 overlap 0.75), 3.6 ms (p99 14 ms) with the arrays.
     """
 
     K1 = 1.5

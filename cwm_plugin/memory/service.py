@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cwm_plugin.errors import InvalidInput
+from cwm_plugin.memory.chunking import Unit
 from cwm_plugin.memory.embeddings import CachedEmbedder, Embedder
 from cwm_plugin.memory.files import MemoryFiles, utc_iso
 from cwm_plugin.memory.history import prefix_length, split_current
@@ -148,18 +149,21 @@ class MemoryService:
                 with self.lock(tenant):
                     idx = self.indexes.get(tenant)
                     units = [idx.units(records) for _, records, _, _ in todo]
-                    last: dict[str, str] = {}
-                    texts = []
+                    last: dict[str, Unit | None] = {}
+                    prevs = []
                     for (session, _, _, _), us in zip(todo, units, strict=True):
-                        texts += idx.context_texts(last.get(session, idx.last_text(session)), us)
-                        last[session] = us[-1].text if us else last.get(session, "")
-                vecs = self.embedder.embed(texts)
+                        prevs.append(last.get(session, idx.last_unit(session)))
+                        last[session] = us[-1] if us else prevs[-1]
+                inputs = [idx.embed_inputs(p, us) for p, us in zip(prevs, units, strict=True)]
+                embedded = self.embedder.embed([t for ins in inputs for t in ins])
                 with self.lock(tenant):
                     at = 0
-                    for (session, records, start, end), us in zip(todo, units, strict=True):
+                    for (session, records, start, end), us, p, ins in zip(
+                            todo, units, prevs, inputs, strict=True):
+                        vecs = idx.line_vectors(p, us, embedded[at:at + len(ins)])
                         self.indexes.appended(tenant, session, records, start, end,
-                                              prepared=(us, vecs[at:at + len(us)]))
-                        at += len(us)
+                                              prepared=(us, vecs))
+                        at += len(ins)
             except Exception:  # the embedder is down, say: try again next time
                 with self._guard:  # (a batch already added is a no-op the second time)
                     self._pending[tenant] = todo + self._pending.get(tenant, [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from cwm_plugin.errors import InvalidInput
@@ -156,10 +157,15 @@ def test_index_grows_past_its_initial_capacity(counter) -> None:
         idx.add_turns("s", turns[i:i + 100])
     assert idx.vectors.shape[0] == 1500
     q = "note number 1234 mentions word1234"
-    for mode in ("vector", "bm25", "hybrid"):
-        hits = search_index(idx, q, emb.embed([q])[0], 3, MemoryConfig(root="unused"),
+    qvec = emb.embed([q])[0]
+    # every vector landed in its place: the best line (exact search) is t1234's, or t1235's
+    # (a line's vector has the line before it as context)
+    best = int(np.argmax(idx.vectors @ qvec))
+    assert idx.sessions["s"].units[idx.sessions["s"].labels.index(best)].turn_id in \
+        ("t1234", "t1235")
+    for mode in ("bm25", "hybrid"):  # (hnsw over 1500 near-identical lines is too approximate
+        hits = search_index(idx, q, qvec, 3, MemoryConfig(root="unused"),  # for vector-only)
                             mode=mode)
-        # (a line is embedded with the line before it, so t1235's vector also matches)
         assert "t1234" in {t for h in hits[:2] for t in h.turn_ids}
 
 

@@ -93,15 +93,16 @@ def pct(xs: list[float], p: float) -> float:
 
 def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks: int) -> dict:
     """The seeding of before: whole session files written, then ``reindex`` (sessions one by
-    one, each session's lines embedded in file order)."""
+    one, each session's lines embedded in file order, each with the line before it, on torch's
+    default threads)."""
     from cwm_plugin.memory.files import encode_turn, replace_durable, utc_iso
     from cwm_plugin.memory.models import Turn
     from cwm_plugin.sidecar.memory_factory import make_service
     from cwm_plugin.sidecar.settings import MemorySettings
 
-    emb = {**cfg_mem["embedder"], "threads": None}  # as before: torch's default threads
-    service = make_service(MemorySettings.model_validate({**cfg_mem, "root": str(root),
-                                                          "embedder": emb}))
+    before = {**cfg_mem, "root": str(root), "vector_context_mode": "pair",  # as before: lines
+              "embedder": {**cfg_mem["embedder"], "threads": None}}  # embedded in pairs
+    service = make_service(MemorySettings.model_validate(before))
     n = max(1, math.ceil(chunks / 14))
     t0 = time.perf_counter()
     for k, conv in enumerate(copies(lines, 90_000, n)):  # text no import below repeats

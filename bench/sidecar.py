@@ -7,10 +7,11 @@
   settings), in tokens/s, against the seeding path of before (session files, then a reindex)
   timed on ``--baseline-chunks`` chunks in the same run: seconds per chunk, and the ratio.
 * **Overhead**: ``--requests`` chats through ``cwm serve`` (its own process), as conversations
-  of ``--conv-turns`` turns whose client replays its history, each in its own session; the
-  sidecar's own time per request (everything but the upstream's time) from its
-  ``Server-Timing`` header, p50/p99, and where it goes (auth, history, query embedding,
-  keyword and vector search, fusion, token counting, file I/O).
+  of ``--conv-turns`` turns whose client replays its history, each in its own session, each
+  request sent once the sidecar finished indexing the previous turn (a person's reading time;
+  the load phase has no pause); the sidecar's own time per request (everything but the
+  upstream's time) from its ``Server-Timing`` header, p50/p99, and where it goes (auth,
+  history, query embedding, keyword and vector search, fusion, token counting, file I/O).
 * **Load**: ``--clients`` concurrent clients x ``--turns`` turns; errors, and answered turns
   missing from the memory files afterwards (``turns_lost``).
 * **Prefix cache**: a ``--prefix-turns``-turn LoCoMo conversation whose client replays its whole
@@ -161,14 +162,25 @@ def server_timing(header: str) -> dict[str, float]:
     return out
 
 
+def settle(client: httpx.Client, url: str, limit_s: float = 5.0) -> None:
+    """Wait until the sidecar's background work (indexing the last turn) is done, as it is
+    when a person reads an answer before sending the next message."""
+    deadline = time.monotonic() + limit_s
+    while client.get(f"{url}/health").json().get("background_tasks") and \
+            time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def overhead(sidecar: SidecarProcess, questions: list[str], n: int, turns: int) -> dict:
-    """Sidecar time per request (``Server-Timing``), conversations replaying their history."""
+    """Sidecar time per request (``Server-Timing``), conversations replaying their history,
+    each request sent once the previous turn's background work is done (``settle``)."""
     rows: list[dict[str, float]] = []
     firsts: list[float] = []
     with httpx.Client(timeout=300) as client:
         for c in range(math.ceil(n / turns) + 1):  # the first conversation warms up
             history = [{"role": "system", "content": SYSTEM}]
             for t in range(turns):
+                settle(client, sidecar.url)
                 history.append({"role": "user", "content": questions[(c * turns + t)
                                                                      % len(questions)]})
                 r = post(client, sidecar.url, {"model": "tiny", "messages": history,

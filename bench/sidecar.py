@@ -7,10 +7,11 @@
   settings), in tokens/s, against the seeding path of before (session files, then a reindex)
   timed on ``--baseline-chunks`` chunks in the same run: seconds per chunk, and the ratio.
 * **Overhead**: ``--requests`` chats through ``cwm serve`` (its own process), as conversations
-  of ``--conv-turns`` turns whose client replays its history, each in its own session; the
-  sidecar's own time per request (everything but the upstream's time) from its
-  ``Server-Timing`` header, p50/p99, and where it goes (auth, history, query embedding,
-  keyword and vector search, fusion, token counting, file I/O).
+  of ``--conv-turns`` turns whose client replays its history, each in its own session, each
+  request sent once the sidecar finished indexing the previous turn (a person's reading time;
+  the load phase has no pause); the sidecar's own time per request (everything but the
+  upstream's time) from its ``Server-Timing`` header, p50/p99, and where it goes (auth,
+  history, query embedding, keyword and vector search, fusion, token counting, file I/O).
 * **Load**: ``--clients`` concurrent clients x ``--turns`` turns; errors, and answered turns
   missing from the memory files afterwards (``turns_lost``).
 * **Prefix cache**: a ``--prefix-turns``-turn LoCoMo conversation whose client replays its whole
@@ -93,15 +94,16 @@ def pct(xs: list[float], p: float) -> float:
 
 def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks: int) -> dict:
     """The seeding of before: whole session files written, then ``reindex`` (sessions one by
-    one, each session's lines embedded in file order)."""
+    one, each session's lines embedded in file order, each with the line before it, on torch's
+    default threads)."""
     from cwm_plugin.memory.files import encode_turn, replace_durable, utc_iso
     from cwm_plugin.memory.models import Turn
     from cwm_plugin.sidecar.memory_factory import make_service
     from cwm_plugin.sidecar.settings import MemorySettings
 
-    emb = {**cfg_mem["embedder"], "threads": None}  # as before: torch's default threads
-    service = make_service(MemorySettings.model_validate({**cfg_mem, "root": str(root),
-                                                          "embedder": emb}))
+    before = {**cfg_mem, "root": str(root), "vector_context_mode": "pair",  # as before: lines
+              "embedder": {**cfg_mem["embedder"], "threads": None}}  # embedded in pairs
+    service = make_service(MemorySettings.model_validate(before))
     n = max(1, math.ceil(chunks / 14))
     t0 = time.perf_counter()
     for k, conv in enumerate(copies(lines, 90_000, n)):  # text no import below repeats
@@ -160,14 +162,25 @@ def server_timing(header: str) -> dict[str, float]:
     return out
 
 
+def settle(client: httpx.Client, url: str, limit_s: float = 5.0) -> None:
+    """Wait until the sidecar's background work (indexing the last turn) is done, as it is
+    when a person reads an answer before sending the next message."""
+    deadline = time.monotonic() + limit_s
+    while client.get(f"{url}/health").json().get("background_tasks") and \
+            time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def overhead(sidecar: SidecarProcess, questions: list[str], n: int, turns: int) -> dict:
-    """Sidecar time per request (``Server-Timing``), conversations replaying their history."""
+    """Sidecar time per request (``Server-Timing``), conversations replaying their history,
+    each request sent once the previous turn's background work is done (``settle``)."""
     rows: list[dict[str, float]] = []
     firsts: list[float] = []
     with httpx.Client(timeout=300) as client:
         for c in range(math.ceil(n / turns) + 1):  # the first conversation warms up
             history = [{"role": "system", "content": SYSTEM}]
             for t in range(turns):
+                settle(client, sidecar.url)
                 history.append({"role": "user", "content": questions[(c * turns + t)
                                                                      % len(questions)]})
                 r = post(client, sidecar.url, {"model": "tiny", "messages": history,

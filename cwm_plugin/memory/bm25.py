@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from collections.abc import Iterable
 
+import numpy as np
 from rank_bm25 import BM25Okapi
 
 _STOP = """a about above after again against all am an and any are as at be because
@@ -59,26 +61,30 @@ class LuceneBM25(BM25Okapi):
 class BM25Corpus:
     """BM25 over ``{doc_id: text}``, kept up to date one document at a time.
 
-    rank-bm25 builds its statistics once, from the whole corpus; re-tokenising every chunk of
-    a tenant after each turn would cost seconds at ten thousand chunks. Here each document is
-    tokenised once when added; the statistics rank-bm25 scores with (term frequencies per
-    document, document lengths, document frequencies, average length) are updated as
-    documents come and go, and the idf table is recomputed from the document frequencies on
-    the next search after a change. Scoring is rank-bm25's own ``get_scores``, so the scores are
-    exactly those of a ``LuceneBM25`` built from the same documents.
+    Each document is tokenised once when added; the statistics BM25 needs (term frequencies
+    per document, document lengths, document frequencies, their total) are updated as
+    documents come and go, and a query's idf values are computed for its own terms only
+    (Lucene's form, as ``LuceneBM25``): nothing is recomputed for the whole corpus after a
+    change, which at ten thousand chunks cost more than a search. Each term's postings are
+    also kept as numpy arrays (rows, frequencies; rebuilt for a term when a document holding it
+    comes or goes), so a query adds its terms' contributions vectorised; the scores are
+    exactly ``LuceneBM25``'s (k1 1.5, b 0.75) for the same documents. Measured at 10,000
+    LoCoMo chunks, 200 LoCoMo queries, on a machine shared with other work: p50 25.7 ms (p99
+    70 ms) scoring dict postings in Python, 30-38 ms with SQLite FTS5's ``bm25()`` (which also
+    ranks differently: top-10 overlap 0.75), 3.6 ms (p99 14 ms) with the arrays.
     """
 
+    K1 = 1.5
+    B = 0.75
+
     def __init__(self) -> None:
-        bm = self._bm25 = LuceneBM25.__new__(LuceneBM25)
-        bm.k1, bm.b, bm.epsilon = 1.5, 0.75, 0.25
-        bm.corpus_size, bm.avgdl, bm.doc_freqs, bm.idf, bm.doc_len = 0, 0.0, [], {}, []
-        self._ids: list[str] = []
+        self._ids: list[str] = []                 # row -> document
         self._row: dict[str, int] = {}
-        self._df: Counter[str] = Counter()
+        self._freqs: list[Counter[str]] = []      # row -> term frequencies
+        self._dl = np.zeros(1024, dtype=np.float64)  # row -> length (grows by doubling)
         self._postings: dict[str, dict[str, int]] = {}
-        self._len: dict[str, int] = {}  # document length by id (scoring reads it by id)
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # term -> (rows, tfs)
         self._total = 0
-        self._stale = False
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -87,65 +93,90 @@ class BM25Corpus:
         if doc_id in self._row:
             return
         freqs = Counter(bm25_tokens(text) or ["_"])
-        bm = self._bm25
-        self._row[doc_id] = len(self._ids)
+        row = len(self._ids)
+        if row >= self._dl.shape[0]:
+            self._dl = np.concatenate([self._dl, np.zeros_like(self._dl)])
+        self._row[doc_id] = row
         self._ids.append(doc_id)
-        bm.doc_freqs.append(freqs)
-        bm.doc_len.append(sum(freqs.values()))
-        self._df.update(freqs.keys())
+        self._freqs.append(freqs)
+        self._dl[row] = length = sum(freqs.values())
         for term, tf in freqs.items():
             self._postings.setdefault(term, {})[doc_id] = tf
-        self._total += bm.doc_len[-1]
-        self._len[doc_id] = bm.doc_len[-1]
-        self._stale = True
+            self._arrays.pop(term, None)
+        self._total += length
 
     def remove(self, doc_id: str) -> None:
         row = self._row.pop(doc_id, None)
         if row is None:
             return
-        bm = self._bm25
-        self._df.subtract(bm.doc_freqs[row].keys())
-        for term in bm.doc_freqs[row]:
+        freqs = self._freqs[row]
+        for term in freqs:
             docs = self._postings[term]
             del docs[doc_id]
             if not docs:
                 del self._postings[term]
-        self._total -= bm.doc_len[row]
-        del self._len[doc_id]
+            self._arrays.pop(term, None)
+        self._total -= int(self._dl[row])
         last = len(self._ids) - 1
-        if row != last:  # move the last document into the hole
-            for seq in (self._ids, bm.doc_freqs, bm.doc_len):
-                seq[row] = seq[last]
+        if row != last:  # move the last document into the hole (its terms' rows change)
+            self._ids[row], self._freqs[row] = self._ids[last], self._freqs[last]
+            self._dl[row] = self._dl[last]
             self._row[self._ids[row]] = row
-        for seq in (self._ids, bm.doc_freqs, bm.doc_len):
-            seq.pop()
-        self._stale = True
+            for term in self._freqs[row]:
+                self._arrays.pop(term, None)
+        self._ids.pop()
+        self._freqs.pop()
 
-    def _refresh(self) -> None:
-        bm = self._bm25
-        bm.corpus_size = len(self._ids)
-        bm.avgdl = self._total / max(1, bm.corpus_size)
-        self._df = +self._df  # drop terms no document holds any more
-        bm.idf = {}
-        bm._calc_idf(self._df)
-        self._stale = False
+    def _term(self, term: str) -> tuple[float, np.ndarray, np.ndarray] | None:
+        """``(idf, rows, tfs)`` of a term, or None when no document holds it."""
+        docs = self._postings.get(term)
+        if not docs:
+            return None
+        got = self._arrays.get(term)
+        if got is None:
+            rows = np.fromiter((self._row[d] for d in docs), dtype=np.int64, count=len(docs))
+            tfs = np.fromiter(docs.values(), dtype=np.float64, count=len(docs))
+            got = self._arrays[term] = (rows, tfs)
+        n = len(docs)
+        return math.log(1.0 + (len(self._ids) - n + 0.5) / (n + 0.5)), got[0], got[1]
+
+    def _accumulate(self, query: str) -> np.ndarray:
+        n = len(self._ids)
+        acc = np.zeros(n, dtype=np.float64)
+        avgdl = self._total / max(1, n)
+        k1, b = self.K1, self.B
+        for term in bm25_tokens(query):  # a repeated query term counts again, as in rank-bm25
+            found = self._term(term)
+            if found is not None:
+                idf, rows, tfs = found
+                acc[rows] += idf * tfs * (k1 + 1) / (tfs + k1 * (1 - b + b * self._dl[rows]
+                                                                / avgdl))
+        return acc
 
     def scores(self, query: str) -> dict[str, float]:
         """BM25 score of every document sharing a term with the query (the others score 0
-        and are left out: at ten thousand chunks a dict of every document cost more than the
-        scoring itself)."""
+        and are left out)."""
         if not self._ids:
             return {}
-        if self._stale:
-            self._refresh()
-        bm = self._bm25
-        out: dict[str, float] = {}
-        k1, b, avgdl = bm.k1, bm.b, bm.avgdl
-        norm = k1 * (1 - b)
-        slope = k1 * b / avgdl
-        for term in bm25_tokens(query):  # a repeated query term counts again, as in rank-bm25
-            idf = bm.idf.get(term) or 0.0
-            for doc, tf in self._postings.get(term, {}).items():
-                dl = self._len[doc]
-                out[doc] = out.get(doc, 0.0) + idf * (tf * (k1 + 1) / (tf + norm + slope * dl))
+        acc = self._accumulate(query)
+        return {self._ids[r]: float(acc[r]) for r in np.flatnonzero(acc)}
+
+    def top(self, query: str, n: int, also: Iterable[str] = (),
+            allowed: set[str] | None = None) -> dict[str, float]:
+        """The ``n`` best documents sharing a term with the query (of ``allowed`` ones, when
+        given), plus the exact score (0 if none) of each document in ``also``."""
+        if not self._ids or n <= 0:
+            return {}
+        acc = self._accumulate(query)
+        if allowed is not None:
+            keep = np.zeros(len(acc), dtype=bool)
+            keep[[self._row[d] for d in allowed if d in self._row]] = True
+            acc = np.where(keep, acc, 0.0)
+        k = min(n, len(acc))
+        best = np.argpartition(-acc, k - 1)[:k] if k < len(acc) else np.arange(len(acc))
+        out = {self._ids[r]: float(acc[r]) for r in best if acc[r] > 0}
+        for d in also:
+            row = self._row.get(d)
+            if row is not None and d not in out:
+                out[d] = float(acc[row])
         return out

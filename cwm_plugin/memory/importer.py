@@ -197,11 +197,13 @@ def import_sessions(service: Any, tenant: str, conversations: list[Conversation]
         written = [(s, r, *service.files.append_turns(tenant, s, r))
                    for s, r in merged.items() if r]
         units = [idx.units(r) for _, r, _, _ in written]
-        texts = [(w, i, t) for w, (s, _, _, _) in enumerate(written)
-                 for i, t in enumerate(idx.texts(s, units[w]))]
+        prevs = [idx.last_unit(s) for s, _, _, _ in written]
+        inputs = [idx.embed_inputs(p, us) for p, us in zip(prevs, units, strict=True)]
+        texts = [(w, i, t) for w, ins in enumerate(inputs) for i, t in enumerate(ins)]
         tokens = sum(u.tokens for us in units for u in us)
-        vecs = [np.zeros((len(us), idx.embedder.dims), np.float32) for us in units]
+        embedded = [np.zeros((len(ins), idx.embedder.dims), np.float32) for ins in inputs]
         order = sorted(range(len(texts)), key=lambda k: len(texts[k][2]))
+        chars = sum(len(t) for _, _, t in texts)  # progress: tokens, pro rata of the text
         with tqdm(total=tokens, desc=f"import {tenant}", unit="tok", unit_scale=True,
                   disable=not progress) as bar, \
                 embedding_pool(service, workers, len(texts)) as compute:
@@ -210,12 +212,13 @@ def import_sessions(service: Any, tenant: str, conversations: list[Conversation]
                 got = service.embedder.embed([t for _, _, t in part], compute) if compute \
                     else service.embedder.embed([t for _, _, t in part])
                 for (w, i, _), v in zip(part, got, strict=True):
-                    vecs[w][i] = v
-                bar.update(sum(units[w][i].tokens for w, i, _ in part))
+                    embedded[w][i] = v
+                bar.update(sum(len(t) for _, _, t in part) * tokens // max(1, chars))
         before = len(idx.chunks)
         for w, (session, records, start, end) in enumerate(written):
+            vecs = idx.line_vectors(prevs[w], units[w], embedded[w])
             service.indexes.appended(tenant, session, records, start, end,
-                                     prepared=(units[w], vecs[w]))
+                                     prepared=(units[w], vecs))
         service.indexes.save(tenant)
         chunks = len(idx.chunks) - before
     return ImportStats(len(written), sum(len(r) for _, r, _, _ in written), chunks, tokens,

@@ -6,8 +6,8 @@ vectors are appended (turns are never rewritten), and BM25's statistics are upda
 chunk (``bm25.py``). A session whose file was edited by hand is dropped (``drop_session``) and
 indexed again from its file. ``persist.py`` writes and reads this state.
 
-Vectors are per *line* (one turn, or one piece of an over-long turn, embedded with the line
-before it): MiniLM reads at most 256 word pieces, less than a 400-token chunk, so a whole-chunk
+Vectors are per *line* (one turn, or one piece of an over-long turn, with the line before it
+as context): MiniLM reads at most 256 word pieces, less than a 400-token chunk, so a whole-chunk
 vector would see only its head, and a mean over a dozen turns blurs the one turn a question is
 about. A chunk's vector score is the best cosine similarity of any of its lines (a max-sim,
 late interaction) plus ``chunk_weight`` (1 by default: the two terms weigh the same) times the
@@ -15,10 +15,18 @@ cosine of the chunk's centroid (the normalised mean of its line vectors: what th
 about as a whole). On the LoCoMo development set the centroid term lifted vector-only recall@10
 from 0.816 to 0.830 and hybrid from 0.920 to 0.930; embedding the whole chunk text instead did
 as well (0.826 / 0.932) but cost a 256-token forward pass on every turn.
+
+The context comes in two ways (``context_mode``). ``pair`` embeds each line with the line
+before it (twice the tokens of the line); ``mix`` (default) embeds each line alone and adds the
+previous line's vector to it, both weighted by their tokens (mean pooling over the two lines,
+without the attention between them): half the embedding work, for every turn recorded and for
+bulk imports. On the LoCoMo development set (495 questions, recall@10 vector / hybrid):
+``pair`` 0.830 / 0.930, ``mix`` 0.822 / 0.927, no context 0.773 / 0.917.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import hnswlib
@@ -58,8 +66,10 @@ class TenantIndex:
     """Chunks of every session of one tenant, searchable by BM25 and vectors."""
 
     def __init__(self, embedder: Embedder, counter: TokenCounter, chunk_tokens: int,
-                 overlap: int, context_lines: int = 1, chunk_weight: float = 1.0) -> None:
+                 overlap: int, context_lines: int = 1, chunk_weight: float = 1.0,
+                 context_mode: str = "mix") -> None:
         self.context_lines = context_lines
+        self.context_mode = context_mode
         self.chunk_weight = chunk_weight
         self.embedder = embedder
         self.counter = counter
@@ -86,18 +96,41 @@ class TenantIndex:
         """The units (lines) these turns make."""
         return [u for t in turns for u in turn_units(t, self.counter, self.chunk_tokens)]
 
-    def texts(self, session: str, units: list[Unit]) -> list[str]:
-        """What is embedded for each of ``units`` appended to ``session``: the line, with the
-        line before it (see the module docstring)."""
-        return self._context_texts(self.sessions.get(session), units)
+    def last_unit(self, session: str) -> Unit | None:
+        """The session's last unit (None for a new session)."""
+        st = self.sessions.get(session)
+        return st.units[-1] if st is not None and st.units else None
 
-    def _context_texts(self, st: SessionState | None, units: list[Unit]) -> list[str]:
-        prev = st.units[-1].text if st is not None and st.units else ""
-        out = []
-        for u in units:  # each line with the line before it (see the module docstring)
-            out.append(f"{prev}\n{u.text}" if prev and self.context_lines else u.text)
-            prev = u.text
-        return out
+    def embed_inputs(self, prev: Unit | None, units: list[Unit]) -> list[str]:
+        """The texts to embed for ``units`` following ``prev`` (see the module docstring):
+        ``pair``: each line with the line before it; ``mix``: each line alone, and the one
+        before the first (its vector comes from the embedding cache)."""
+        if not self.context_lines:
+            return [u.text for u in units]
+        if self.context_mode == "pair":
+            out, before = [], prev.text if prev else ""
+            for u in units:
+                out.append(f"{before}\n{u.text}" if before else u.text)
+                before = u.text
+            return out
+        return [u.text for u in ([prev] if prev else []) + units]
+
+    def line_vectors(self, prev: Unit | None, units: list[Unit],
+                     embedded: np.ndarray) -> np.ndarray:
+        """The units' vectors from the embeddings of :meth:`embed_inputs`: ``mix`` adds each
+        line's vector to the one before it, weighted by their tokens, and normalises."""
+        if not self.context_lines or self.context_mode == "pair" or not units:
+            return embedded
+        lines = ([prev] if prev else []) + units
+        weights = np.array([max(u.tokens, 1) for u in lines], dtype=np.float32)[:, None]
+        weighted = embedded * weights
+        mixed = weighted.copy()
+        mixed[1:] += weighted[:-1]
+        mixed = mixed[len(lines) - len(units):]
+        return mixed / np.maximum(np.linalg.norm(mixed, axis=1, keepdims=True), 1e-12)
+
+    def embed_units(self, prev: Unit | None, units: list[Unit]) -> np.ndarray:
+        return self.line_vectors(prev, units, self.embedder.embed(self.embed_inputs(prev, units)))
 
     def add_turns(self, session: str, turns: list[Turn],
                   prepared: tuple[list[Unit], np.ndarray] | None = None) -> None:
@@ -164,7 +197,7 @@ class TenantIndex:
         if not units:
             return
         if vecs is None:
-            vecs = self.embedder.embed(self._context_texts(st, units))
+            vecs = self.embed_units(st.units[-1] if st.units else None, units)
         first = self._n
         labels = list(range(first, first + len(units)))
         need = first + len(units)
@@ -205,9 +238,10 @@ class TenantIndex:
             return list(self.chunks)
         return [c for _, _, c in self.sessions.get(session, SessionState()).spans]
 
-    def bm25_scores(self, query: str) -> dict[str, float]:
-        """BM25 score of every chunk (0 for chunks sharing no term with the query)."""
-        return self._bm25.scores(query)
+    def bm25_top(self, query: str, n: int, also: Iterable[str] = (),
+                 allowed: set[str] | None = None) -> dict[str, float]:
+        """BM25 scores of the ``n`` best chunks and of those in ``also`` (``BM25Corpus.top``)."""
+        return self._bm25.top(query, n, also, allowed)
 
     def vector_candidates(self, qvec: np.ndarray, n_lines: int) -> list[str]:
         """Chunks holding one of the ``n_lines`` nearest lines (hnswlib, approximate)."""

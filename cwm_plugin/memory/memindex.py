@@ -11,6 +11,8 @@ relevance scaled by how important it was judged (0.5x to 1.5x).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from cwm_plugin.memory.bm25 import BM25Corpus
@@ -60,8 +62,9 @@ class MemoryIndex:
     def doc_ids(self, session: str | None = None) -> list[str]:
         return list(self._ids)
 
-    def bm25_scores(self, query: str) -> dict[str, float]:
-        return self._bm25.scores(query)
+    def bm25_top(self, query: str, n: int, also: Iterable[str] = (),
+                 allowed: set[str] | None = None) -> dict[str, float]:
+        return self._bm25.top(query, n, also, allowed)
 
     def vector_candidates(self, qvec: np.ndarray, n: int) -> list[str]:
         return [self._ids[i] for i in sorted(knn_labels(self.hnsw, qvec, n, len(self._ids)))]

@@ -23,7 +23,8 @@ class MemoryConfig:
     mmr_lambda: float | None = None
     recency_half_life_days: float | None = None
     recent_turns: int = 6  # history messages kept verbatim (a tool call stays with its results)
-    vector_context_lines: int = 1  # each line is embedded with the line before it (index.py)
+    vector_context_lines: int = 1  # each line's vector has the line before it as context ...
+    vector_context_mode: str = "mix"  # ... embedded together ("pair") or mixed ("mix", index.py)
     chunk_vector_weight: float = 1.0  # weight of the chunk centroid's cosine (index.py)
     max_facts: int = 8  # durable memories offered to a selection
     # Look at the files for changes by other processes at most this often (seconds; 0: on

@@ -57,7 +57,8 @@ def fingerprint(idx: TenantIndex) -> dict[str, object]:
     """Everything the stored chunks and vectors depend on."""
     return {"format": FORMAT, "embedder": idx.embedder.name, "dims": idx.embedder.dims,
             "tokenizer": idx.counter.name, "chunk_tokens": idx.chunk_tokens,
-            "overlap": idx.overlap, "context_lines": idx.context_lines}
+            "overlap": idx.overlap, "context_lines": idx.context_lines,
+            "context_mode": idx.context_mode}
 
 
 def tenant_dir(root: Path, tenant: str) -> Path:

@@ -30,6 +30,7 @@ between documents being the cosine of their vectors.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Protocol
 
@@ -53,7 +54,8 @@ class Corpus(Protocol):
 
     def doc_ids(self, session: str | None = None) -> list[str]: ...
 
-    def bm25_scores(self, query: str) -> dict[str, float]: ...
+    def bm25_top(self, query: str, n: int, also: Iterable[str] = (),
+                 allowed: set[str] | None = None) -> dict[str, float]: ...
 
     def vector_candidates(self, qvec: np.ndarray, n: int) -> list[str]: ...
 
@@ -101,12 +103,6 @@ def search_index(index: Corpus, query: str, qvec: np.ndarray | None, k: int,
     bm25: dict[str, float] = {}
     vec: dict[str, float] = {}
     cands: set[str] = set()
-    if mode in ("bm25", "hybrid"):
-        with stages("keyword"):
-            bm25 = index.bm25_scores(query)  # only documents sharing a term (others score 0)
-            if allowed is not None:
-                bm25 = {c: s for c, s in bm25.items() if c in allowed}
-            cands.update(heapq.nlargest(n_cand, bm25, key=bm25.__getitem__))
     if mode in ("vector", "hybrid") and qvec is not None:
         with stages("vector"):
             lines = n_cand * 2 if session is None else index.n_vectors
@@ -114,6 +110,10 @@ def search_index(index: Corpus, query: str, qvec: np.ndarray | None, k: int,
                   if allowed is None or c in allowed]
             vec = {c: index.vector_score(qvec, c) for c in vc}
             cands.update(heapq.nlargest(n_cand, vec, key=vec.__getitem__))
+    if mode in ("bm25", "hybrid"):
+        with stages("keyword"):  # the best n_cand, and the vector candidates' exact scores
+            bm25 = index.bm25_top(query, n_cand, also=cands, allowed=allowed)
+            cands.update(c for c, s in bm25.items() if s > 0)
     if not cands:
         return []
     with stages("fusion"):

@@ -146,6 +146,10 @@ def select(counter: TokenCounter, history: list[dict], recent_turns: int, budget
     """``present``: messages the prompt carries anyway (the current exchange): chunks made
     only of their text are skipped like recent ones."""
     reasons: list[str] = []
+    prefetch = getattr(counter, "count_many", None)
+    if prefetch is not None:  # every piece this selection may count, in one batch
+        prefetch([FACTS_HEADER, SUMMARY_HEADER, HITS_HEADER, *(fact_line(m) for m in cands.facts),
+                  *(ln for h in cands.hits for ln in h.text.split("\n"))])
     recent, used = _recent(counter, history, recent_turns, budget, reasons)
     recent_text = {" ".join(content_text(m).split()) for m in [*recent, *present]}
     recent_ids = recent_turn_ids or set()

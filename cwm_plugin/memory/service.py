@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cwm_plugin.errors import InvalidInput
+from cwm_plugin.memory.chunking import Unit
 from cwm_plugin.memory.embeddings import CachedEmbedder, Embedder
 from cwm_plugin.memory.files import MemoryFiles, utc_iso
 from cwm_plugin.memory.history import prefix_length, split_current
@@ -60,6 +61,7 @@ class MemoryService:
         self.counter = counter  # chunk sizes; budgets may use the served model's counter
         self.indexes = TenantIndexes(self.files, config, embedder, counter, self.metrics)
         self._locks: dict[str, threading.RLock] = {}
+        self._indexing: dict[str, threading.RLock] = {}  # one deferred indexing at a time
         self._guard = threading.Lock()
         # turns appended with defer_index, not indexed yet: tenant -> [(session, turns, span)]
         self._pending: dict[str, list[tuple[str, list[Turn], int, int]]] = {}
@@ -68,14 +70,17 @@ class MemoryService:
 
     def lock(self, tenant: str) -> threading.RLock:
         """The tenant's re-entrant lock (hold it to keep several appends adjacent)."""
+        return self._lock_of(self._locks, tenant)
+
+    def _lock_of(self, locks: dict[str, threading.RLock], tenant: str) -> threading.RLock:
         with self._guard:
-            return self._locks.setdefault(tenant, threading.RLock())
+            return locks.setdefault(tenant, threading.RLock())
 
     def index(self, tenant: str) -> TenantIndex:
         """The tenant's chunk index, caught up with its files."""
         check_name("tenant", tenant)
+        self.index_pending(tenant)
         with self.lock(tenant):
-            self.index_pending(tenant)
             return self.indexes.refresh(tenant)
 
     def _embed_one(self, text: str) -> np.ndarray:
@@ -114,28 +119,55 @@ class MemoryService:
             records.append(Turn(turn_id=turn_id, role=role, content=content, ts=utc_iso(ts)))
         if not records:
             return []
+        if defer_index:  # no wait on the tenant's lock (a search or an indexing may hold it)
+            loaded = self.indexes.loaded(tenant)
+            start, end = self.files.append_turns(tenant, session, records)
+            if loaded:  # (an index loaded later reads these turns from the file)
+                with self._guard:
+                    self._pending.setdefault(tenant, []).append((session, records, start, end))
+            return [t.turn_id for t in records]
         with self.lock(tenant):
             loaded = self.indexes.loaded(tenant)
             start, end = self.files.append_turns(tenant, session, records)
-            if defer_index:  # (an index loaded later reads these turns from the file)
-                if loaded:
-                    self._pending.setdefault(tenant, []).append((session, records, start, end))
-            elif loaded:
+            if loaded:
                 self.indexes.appended(tenant, session, records, start, end)
             else:
                 self.indexes.get(tenant)  # loads or builds, these turns included
         return [t.turn_id for t in records]
 
     def index_pending(self, tenant: str) -> int:
-        """Index the turns appended with ``defer_index``, in order; returns how many batches."""
-        with self.lock(tenant):
-            todo = self._pending.pop(tenant, [])
-            for n, (session, records, start, end) in enumerate(todo):
-                try:
-                    self.indexes.appended(tenant, session, records, start, end)
-                except Exception:  # the embedder is down, say: try again next time
-                    self._pending[tenant] = todo[n:] + self._pending.get(tenant, [])
-                    raise
+        """Index the turns appended with ``defer_index``, in order; returns how many batches.
+        Their lines are embedded without holding the tenant's lock (appends and searches go
+        on meanwhile); a search calls this first, so it waits for an indexing under way and
+        sees every turn this process appended. On failure the batches stay queued."""
+        with self._lock_of(self._indexing, tenant):
+            with self._guard:
+                todo = self._pending.pop(tenant, [])
+            if not todo:
+                return 0
+            try:
+                with self.lock(tenant):
+                    idx = self.indexes.get(tenant)
+                    units = [idx.units(records) for _, records, _, _ in todo]
+                    last: dict[str, Unit | None] = {}
+                    prevs = []
+                    for (session, _, _, _), us in zip(todo, units, strict=True):
+                        prevs.append(last.get(session, idx.last_unit(session)))
+                        last[session] = us[-1] if us else prevs[-1]
+                inputs = [idx.embed_inputs(p, us) for p, us in zip(prevs, units, strict=True)]
+                embedded = self.embedder.embed([t for ins in inputs for t in ins])
+                with self.lock(tenant):
+                    at = 0
+                    for (session, records, start, end), us, p, ins in zip(
+                            todo, units, prevs, inputs, strict=True):
+                        vecs = idx.line_vectors(p, us, embedded[at:at + len(ins)])
+                        self.indexes.appended(tenant, session, records, start, end,
+                                              prepared=(us, vecs))
+                        at += len(ins)
+            except Exception:  # the embedder is down, say: try again next time
+                with self._guard:  # (a batch already added is a no-op the second time)
+                    self._pending[tenant] = todo + self._pending.get(tenant, [])
+                raise
         return len(todo)
 
     def transcript(self, tenant: str, session: str) -> list[dict]:
@@ -152,8 +184,8 @@ class MemoryService:
             check_name("session", session)
         t0 = time.perf_counter()
         qvec = self._embed_one(query) if mode != "bm25" else None
+        self.index_pending(tenant)
         with self.lock(tenant):
-            self.index_pending(tenant)
             hits = search_index(self.indexes.refresh(tenant), query, qvec, k, self.config,
                                 mode=mode, session=session)
         self.metrics.retrieval.labels(mode).observe(time.perf_counter() - t0)
@@ -241,13 +273,14 @@ class MemoryService:
             with stages("embed"):
                 qvec = self._embed_one(query)
         t0 = time.perf_counter()
+        with stages("files"):
+            self.index_pending(tenant)  # this process's turns: all of them, once
         with self.lock(tenant):
             fact_hits = self._memory_hits(tenant, query, qvec, self.config.max_facts,
                                           "hybrid", stages)
             by_id = self.indexes.memories(tenant).memories
             fact_hits = [h for h in fact_hits if h.chunk_id in by_id]
             with stages("files"):
-                self.index_pending(tenant)
                 idx = self.indexes.refresh(tenant)
             hits = search_index(idx, query, qvec, SEARCH_K, self.config,
                                 stages=stages) if qvec is not None else []

@@ -70,7 +70,8 @@ class TenantIndexes:
     def _new_index(self) -> TenantIndex:
         c = self.config
         return TenantIndex(self.embedder, self.counter, c.chunk_tokens, c.chunk_overlap,
-                           c.vector_context_lines, c.chunk_vector_weight)
+                           c.vector_context_lines, c.chunk_vector_weight,
+                           c.vector_context_mode)
 
     # --- loading, building, saving ---------------------------------------------------------------
 

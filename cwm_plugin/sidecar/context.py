@@ -58,7 +58,6 @@ class Compaction:
 
     cut: int
     anchor: str  # digest of the last message left out: is this still that conversation?
-    source: str  # "client": the history the client sent; "transcript": the session's file
     summary: str | None
     generation: int
 

@@ -21,6 +21,7 @@ def service_kwargs(cfg: MemorySettings) -> dict[str, Any]:
             "chunk_tokens": cfg.chunk_tokens, "chunk_overlap": cfg.chunk_overlap,
             "vector_context_lines": cfg.vector_context_lines, "recent_turns": cfg.recent_turns,
             "sync_interval_s": cfg.sync_interval_s,
+            "vector_context_mode": cfg.vector_context_mode,
             **cfg.search.model_dump()}
 
 

@@ -105,7 +105,7 @@ def _select(t: TurnInput, messages: list[Message], budget: int, query: str, *,
     return t.mem.selected(sel, time.perf_counter() - t0)
 
 
-def _compaction(t: TurnInput, history: list[Message], source: str) -> Compaction | None:
+def _compaction(t: TurnInput, history: list[Message]) -> Compaction | None:
     """The compaction in force for this history: a new one when a checkpoint's summary is
     ready, the session's own while it is the same conversation, else none."""
     st = t.state
@@ -116,10 +116,10 @@ def _compaction(t: TurnInput, history: list[Message], source: str) -> Compaction
         with t.stages("files"):
             summary = t.mem.now.summary(t.ident.tenant, t.ident.session)
         st.compaction_due = False
-        st.compaction = Compaction(cut, digest(history[cut - 1]) if cut else "", source,
-                                   summary, (comp.generation if comp else 0) + 1)
+        st.compaction = Compaction(cut, digest(history[cut - 1]) if cut else "", summary,
+                                   (comp.generation if comp else 0) + 1)
         return st.compaction
-    if comp is None or comp.source != source or comp.cut > len(history) or \
+    if comp is None or comp.cut > len(history) or \
             (comp.cut and digest(history[comp.cut - 1]) != comp.anchor):
         return None
     return comp
@@ -136,7 +136,7 @@ def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
     st, cfg, prompt_cfg = t.state, t.settings.memory, t.settings.prompt
     history = parts.history
     with t.stages("history"):
-        comp = _compaction(t, history, "client")
+        comp = _compaction(t, history)
         cut = comp.cut if comp else 0
         kept = P.drop_front(history, cut)
         base = parts.prefix + kept + parts.current
@@ -163,7 +163,7 @@ def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
                 cut = more
                 kept = P.drop_front(history, cut)
                 if t.ident.session is not None:
-                    st.compaction = Compaction(cut, digest(history[cut - 1]), "client",
+                    st.compaction = Compaction(cut, digest(history[cut - 1]),
                                                comp.summary if comp else None,
                                                comp.generation if comp else 0)
         out = P.merge(parts.prefix + kept + parts.current, text, prompt_cfg.placement,
@@ -176,7 +176,7 @@ def _plan_recent(t: TurnInput, parts: P.Parts) -> Plan:
     if t.ident.session is not None:
         _transcript(t)  # what a full replay would cost, for the "tokens saved" metric
     if parts.history:
-        comp = _compaction(t, parts.history, "client")
+        comp = _compaction(t, parts.history)
     else:  # the history is the session's recent turns: the window is the compaction
         comp, st.compaction_due = None, False
     with t.stages("count"):

@@ -126,7 +126,8 @@ class MemorySettings(_Strict):
     recent_turns: int = Field(default=6, ge=0)
     chunk_tokens: int = Field(default=400, ge=16)
     chunk_overlap: int = Field(default=80, ge=0)
-    vector_context_lines: int = Field(default=1, ge=0, le=1)  # embed a line with the one before
+    vector_context_lines: int = Field(default=1, ge=0, le=1)  # the line before as context ...
+    vector_context_mode: Literal["pair", "mix"] = "mix"  # ... embedded with it, or mixed in
     summary_every_turns: int = Field(default=8, ge=0)  # 0: never
     extract_facts: bool = True
     structured_facts: bool = True  # ask vLLM for schema-constrained JSON (structured outputs)

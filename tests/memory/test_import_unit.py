@@ -121,7 +121,6 @@ def test_a_pool_of_worker_processes_embeds_like_the_service(tmp_path: Path, coun
     svc = MemoryService(MemoryConfig(root=tmp_path / "mem"), minilm, counter)
     import_sessions(svc, "acme", list(read_conversations(jsonl)), progress=False, workers=2)
     idx = svc.index("acme")
-    texts = [t for s, st in idx.sessions.items() for t in idx._context_texts(None, st.units)]
-    here = minilm.embed(texts)  # the same texts embedded in this process
-    assert np.allclose(idx.vectors[:len(texts)], here, atol=1e-4)
+    here = np.concatenate([idx.embed_units(None, st.units) for st in idx.sessions.values()])
+    assert np.allclose(idx.vectors[:len(here)], here, atol=1e-4)  # as embedded in-process
     svc.close()

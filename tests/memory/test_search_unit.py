@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from cwm_plugin.errors import InvalidInput
@@ -156,10 +157,15 @@ def test_index_grows_past_its_initial_capacity(counter) -> None:
         idx.add_turns("s", turns[i:i + 100])
     assert idx.vectors.shape[0] == 1500
     q = "note number 1234 mentions word1234"
-    for mode in ("vector", "bm25", "hybrid"):
-        hits = search_index(idx, q, emb.embed([q])[0], 3, MemoryConfig(root="unused"),
+    qvec = emb.embed([q])[0]
+    # every vector landed in its place: the best line (exact search) is t1234's, or t1235's
+    # (a line's vector has the line before it as context)
+    best = int(np.argmax(idx.vectors @ qvec))
+    assert idx.sessions["s"].units[idx.sessions["s"].labels.index(best)].turn_id in \
+        ("t1234", "t1235")
+    for mode in ("bm25", "hybrid"):  # (hnsw over 1500 near-identical lines is too approximate
+        hits = search_index(idx, q, qvec, 3, MemoryConfig(root="unused"),  # for vector-only)
                             mode=mode)
-        # (a line is embedded with the line before it, so t1235's vector also matches)
         assert "t1234" in {t for h in hits[:2] for t in h.turn_ids}
 
 
@@ -205,3 +211,33 @@ def test_vector_candidates_follow_adds_and_drops(make_service) -> None:
         got = idx.vector_candidates(q, 12)
         assert got == brute(q) and got
         assert not any(idx.chunks[c].session == "s1" for c in got)
+
+
+def test_deferred_indexing_under_concurrent_appends_equals_a_rebuild(make_service) -> None:
+    import threading
+
+    svc = make_service(chunk_tokens=60, chunk_overlap=12)
+    svc.record_turn("acme", "s0", "user", "warm up the index")
+
+    def writer(w: int) -> None:
+        for i in range(15):
+            svc.record_turns("acme", f"s{w % 2}", [("user", f"writer {w} line {i} kiwi"),
+                                                   ("assistant", f"noted {w}.{i}")],
+                             defer_index=True)
+
+    def indexer() -> None:
+        for _ in range(30):
+            svc.index_pending("acme")
+            svc.search("acme", "kiwi", 3, mode="bm25")
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    threads.append(threading.Thread(target=indexer))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    svc.index_pending("acme")
+    live = {c: ch.text for c, ch in svc.index("acme").chunks.items()}
+    assert len(svc.transcript("acme", "s0")) + len(svc.transcript("acme", "s1")) == 121
+    svc.reindex("acme", progress=False)
+    assert {c: ch.text for c, ch in svc.index("acme").chunks.items()} == live

@@ -102,3 +102,17 @@ def test_estimate_chat_is_exact_once_then_needs_no_template(tiny_model) -> None:
     assert rendered == []  # no template render, only cached message counts
     assert est == c.count_messages(longer) + (real(msgs) - c.count_messages(msgs))
     assert abs(est - real(longer)) <= 2 * len(longer)  # close: a few tokens a message
+
+
+def test_count_many_counts_ahead_exactly_like_count(tiny_model, monkeypatch) -> None:
+    from cwm_plugin.memory.tokens import HFTokenCounter, TiktokenCounter
+
+    texts = ["user: the ferry leaves at nine", "assistant: noted, nine o'clock", "", "✓ ok"]
+    for c in (HFTokenCounter(tiny_model), TiktokenCounter("cl100k_base")):
+        c.count_many(texts + texts[:1])
+        calls: list[str] = []
+        real = c._count
+        monkeypatch.setattr(c, "_count", lambda t, calls=calls, real=real: calls.append(t)
+                            or real(t))
+        assert [c.count(t) for t in texts] == [real(t) if t else 0 for t in texts]
+        assert calls == []  # all came from the batch

@@ -78,8 +78,12 @@ class Recorder:
                                      media_type=resp.headers.get("content-type"),
                                      background=BackgroundTask(resp.aclose))
 
-    def last(self, path: str = "/v1/chat/completions") -> dict[str, Any]:
-        return next(b for p, b in reversed(self.bodies) if p == path)
+    def last(self, path: str = "/v1/chat/completions",
+             where: Any = None) -> dict[str, Any]:
+        """The newest body sent to ``path`` (and matching ``where(body)``: a background job,
+        a summary say, may have posted after the request a test is looking for)."""
+        return next(b for p, b in reversed(self.bodies)
+                    if p == path and (where is None or where(b)))
 
 
 def runtime(srv: ServerThread):

@@ -125,7 +125,7 @@ class KVStore(KeySpace):
         key = bytes(key)
         blob = self._encode(key, tensor, 0, layout, salt)
         blob_id = blob_id_of(blob)
-        primary = (self.redis or self.disk or self.memory)
+        primary = self.primary
         if primary is None:
             raise StorageFull("the store has no tier", hint="configure memory, disk or Redis")
         if not primary.put(blob_id, blob, key) or primary.lookup_many([key])[0] != blob_id:
@@ -203,17 +203,26 @@ class KVStore(KeySpace):
         except TIER_ERRORS:
             return False
 
-    def get(self, key: bytes, *, salt: str | None = None) -> torch.Tensor | None:
-        return self.get_many([key], salt=salt)[0]
+    def get(self, key: bytes, *, salt: str | None = None,
+            primary: bool = False) -> torch.Tensor | None:
+        return self.get_many([key], salt=salt, primary=primary)[0]
+
+    @property
+    def primary(self) -> Tier | None:
+        """The tier that decides for records every server rewrites (window manifests, context
+        records): Redis when configured (shared), else disk, else memory."""
+        return self.redis or self.disk or self.memory
 
     def get_many(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None,
-                 layout: str | None = None, salt: str | None = None
-                 ) -> list[torch.Tensor | None]:
+                 layout: str | None = None, salt: str | None = None,
+                 primary: bool = False) -> list[torch.Tensor | None]:
         """Decoded tensors (None for a miss) for ``keys``, in order, decoded in parallel on
         the store's threads. ``out`` (optional, ``[len(keys), *block]``, contiguous CPU): hits
         whose dtype and shape match are decoded straight into ``out[i]``. ``layout``: the KV
         layout the blobs must carry (another is an incompatible, counted miss). ``salt``: the
-        request's cache_salt (opens sealed blobs)."""
+        request's cache_salt (opens sealed blobs). ``primary``: what the primary tier says is
+        the answer (a local copy of a record another server rewrote or deleted is stale); the
+        other tiers are asked only while the primary is unreachable."""
         keys = [bytes(k) for k in keys]
         if out is not None and (out.dim() == 0 or out.shape[0] != len(keys)):
             raise ValueError(f"out has {tuple(out.shape)[:1]} rows for {len(keys)} keys")
@@ -225,8 +234,11 @@ class KVStore(KeySpace):
                                 cipher=cipher)
 
         todo = list(range(len(keys)))
-        for tier in self.tiers:
-            if not todo:
+        order = self.tiers
+        if primary and self.primary is not None:
+            order = [self.primary, *(t for t in self.tiers if t is not self.primary)]
+        for n, tier in enumerate(order):
+            if not todo or (primary and n > 0 and getattr(order[0], "available", True)):
                 break
             hits = self._fetch(tier, [keys[i] for i in todo], todo)
             if len(hits) > 1 and self._decoder is not None:

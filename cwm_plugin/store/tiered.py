@@ -135,10 +135,12 @@ class KVStore(KeySpace):
                 self._write(tier, key, blob_id, blob, replace=True)
         return True
 
-    def put_blob(self, key: bytes, blob: bytes) -> cf.Future:
+    def put_blob(self, key: bytes, blob: bytes, *, replace: bool = False) -> cf.Future:
         """Save an already encoded (or sealed) blob, checked to be ours, not decoded."""
         codec.peek(blob)
-        return self._submit(bytes(key), lambda k: self._store_blob(k, bytes(blob)))
+        return self._submit(bytes(key), lambda k: self._store_blob(k, bytes(blob),
+                                                                   replace=replace),
+                            replace=replace)
 
     def _submit(self, key: bytes, job, *, replace: bool = False) -> cf.Future:
         if self._saves.closed:

@@ -49,7 +49,8 @@ def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = Non
                                 hash_algo="sha256", namespace=NS)
     for d, rank in WORKERS:
         for i, h in enumerate(hs):
-            store.put(bytes.fromhex(d) + rank.to_bytes(2, "big") + h, block(i, rank)).result()
+            store.put(bytes.fromhex(d) + rank.to_bytes(2, "big") + h, block(i, rank),
+                      salt=salt).result()
     store.put(records.record_key(salt), records.json_tensor(asdict(rec)), salt=salt,
               replace=True).result()
     return tokens
@@ -232,3 +233,25 @@ def test_a_thaw_for_another_engine_names_what_differs(store):
     store.put(records.served_key("tiny"), records.json_tensor({"namespace": NS}),
               replace=True).result()
     assert eng.thaw("t1", "w", session="b", salt="b", model="tiny").blocks == 2
+
+
+def test_with_encryption_at_rest_windows_reseal_for_each_salt(tmp_path):
+    store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0,
+                                encryption_key="22" * 32), registry=CollectorRegistry())
+    try:
+        tokens = converse(store, "salt-a", 3 * BS)
+        eng = WindowEngine(store)
+        eng.freeze("t1", "w", session="a", salt="salt-a")
+        eng.clone("t1", "w", "w2")
+        eng.thaw("t1", "w2", session="b", salt="salt-b")
+        hs = hashing.chain(tokens, salt="salt-b", block_size=BS, hash_block_size=BS,
+                           hash_algo="sha256", lora=None, num_blocks=3)
+        for d, rank in WORKERS:
+            keys = [bytes.fromhex(d) + rank.to_bytes(2, "big") + h for h in hs]
+            got = store.get_many(keys, salt="salt-b")          # opens under b's salt only
+            assert all(torch.equal(t, block(i, rank)) for i, t in enumerate(got))
+            assert store.get_many(keys, salt="salt-a") == [None] * 3
+        eng.delete("t1", "w")
+        assert eng.status("t1", "w2")["restorable_tokens"] == 3 * BS
+    finally:
+        store.close()

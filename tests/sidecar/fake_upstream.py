@@ -37,6 +37,7 @@ class FakeUpstream:
         self.script = script or (lambda body: {"content": "ok"})
         self.crlf = False
         self.embeddings_down = False  # answer /v1/embeddings with 503 (an outage)
+        self.chat_status = 200  # answer chats with this HTTP status (500: a broken engine)
         self.calls: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.app = FastAPI()
         self._routes()
@@ -118,9 +119,19 @@ class FakeUpstream:
             self.calls.append((f"/{path}", body, dict(request.headers)))
             rid = {"x-request-id": request.headers.get("x-request-id", "fake-rid")}
             if path == "v1/chat/completions":
+                if self.chat_status != 200:
+                    return JSONResponse({"error": {"message": "engine dead", "type": "x",
+                                                   "code": self.chat_status}},
+                                        status_code=self.chat_status)
                 if body.get("stream"):
                     return self._stream(body)
                 return JSONResponse(self._chat(body), headers=rid)
+            if path == "v1/completions":
+                return JSONResponse({"id": "cmpl-fake", "object": "text_completion",
+                                     "created": 0, "model": body["model"], "choices": [
+                                         {"index": 0, "text": self.script(body).get("content"),
+                                          "finish_reason": "stop"}],
+                                     "usage": usage_of(body, 3)}, headers=rid)
             if path == "v1/embeddings" and self.embeddings_down:
                 return JSONResponse({"error": {"message": "down"}}, status_code=503)
             if path == "v1/embeddings":

@@ -10,6 +10,8 @@ counters mirrored at scrape time as ``cwm_upstream_prefix_cache_{hits,queries}{u
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -95,11 +97,11 @@ class SidecarMetrics:
     def observe_usage(self, tenant: str, model: str, usage: dict | None) -> None:
         if not usage:
             return
-        self.prompt_tokens.labels(tenant, model).inc(usage.get("prompt_tokens") or 0)
-        self.completion_tokens.labels(tenant, model).inc(usage.get("completion_tokens") or 0)
-        details = usage.get("prompt_tokens_details") or {}
-        if details.get("cached_tokens"):
-            self.cached_tokens.labels(tenant, model).inc(details["cached_tokens"])
+        prompt, completion, cached = tokens_of(usage)
+        self.prompt_tokens.labels(tenant, model).inc(prompt)
+        self.completion_tokens.labels(tenant, model).inc(completion)
+        if cached:
+            self.cached_tokens.labels(tenant, model).inc(cached)
 
     def mirror_upstream(self, texts: dict[str, str]) -> None:
         """Each upstream's ``/metrics`` text (by name) into the mirrored gauges."""
@@ -110,6 +112,19 @@ class SidecarMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def tokens_of(usage: dict[str, Any]) -> tuple[int, int, int]:
+    """(prompt, completion, cached prompt) tokens from a chat/completions ``usage`` or a
+    responses one (``input_tokens``, ``output_tokens``); anything not a count is 0."""
+    def whole(v: Any) -> int:
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+    prompt = whole(usage.get("prompt_tokens", usage.get("input_tokens")))
+    completion = whole(usage.get("completion_tokens", usage.get("output_tokens")))
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    cached = whole(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    return prompt, completion, min(cached, prompt)
 
 
 def upstream_counters(text: str) -> dict[str, float]:

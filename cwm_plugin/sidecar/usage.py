@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from cwm_plugin.sidecar.identity import bearer_key
-from cwm_plugin.sidecar.metrics import SidecarMetrics
+from cwm_plugin.sidecar.metrics import SidecarMetrics, tokens_of
 from cwm_plugin.sidecar.settings import PricingSettings
 
 CLIENT, BACKGROUND = "client", "background"
@@ -34,18 +34,6 @@ class Tally:
     completion_tokens: int = 0
     cached_tokens: int = 0
     cost: float = 0.0
-
-
-def tokens_of(usage: dict[str, Any]) -> tuple[int, int, int]:
-    """(prompt, completion, cached) from a chat/completions or a responses ``usage``."""
-    def whole(v: Any) -> int:
-        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
-
-    prompt = whole(usage.get("prompt_tokens", usage.get("input_tokens")))
-    completion = whole(usage.get("completion_tokens", usage.get("output_tokens")))
-    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-    cached = whole(details.get("cached_tokens")) if isinstance(details, dict) else 0
-    return prompt, completion, min(cached, prompt)
 
 
 class UsageLedger:

@@ -114,7 +114,10 @@ class Health:
         async def loop() -> None:
             while True:
                 await asyncio.sleep(interval)
-                await asyncio.gather(*(self.check(e) for e in endpoints))
+                try:
+                    await asyncio.gather(*(self.check(e) for e in endpoints))
+                except Exception:  # a check must never end the checking
+                    log.exception("upstream health checks failed")
 
         self._spawn(loop(), "upstream-health")
 

@@ -116,9 +116,14 @@ class Upstream:
             if resp.status_code != 200:
                 raise UpstreamError(f"upstream `{self.name}` /v1/models answered HTTP "
                                     f"{resp.status_code}")
-            data = resp.json().get("data", [])
-            self._models = {m["id"]: ModelInfo(m["id"], m.get("max_model_len"), m.get("root"),
-                                               self.base_url) for m in data}
+            try:
+                data = resp.json().get("data", [])
+                models = {m["id"]: ModelInfo(m["id"], m.get("max_model_len"), m.get("root"),
+                                             self.base_url) for m in data}
+            except (ValueError, TypeError, KeyError, AttributeError):
+                raise UpstreamError(f"upstream `{self.name}` /v1/models answered something "
+                                    "that is not a model list") from None
+            self._models = models
             self._models_at = time.monotonic()
             return self._models
 

@@ -10,6 +10,7 @@ Streams are written with CRLF line ends when ``crlf`` is set (the SSE format all
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ class FakeUpstream:
         self.crlf = False
         self.embeddings_down = False  # answer /v1/embeddings with 503 (an outage)
         self.chat_status = 200  # answer chats with this HTTP status (500: a broken engine)
+        self.chat_delay = 0.0  # seconds before a chat is answered (a stuck engine)
         self.calls: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.app = FastAPI()
         self._routes()
@@ -119,6 +121,7 @@ class FakeUpstream:
             self.calls.append((f"/{path}", body, dict(request.headers)))
             rid = {"x-request-id": request.headers.get("x-request-id", "fake-rid")}
             if path == "v1/chat/completions":
+                await asyncio.sleep(self.chat_delay)
                 if self.chat_status != 200:
                     return JSONResponse({"error": {"message": "engine dead", "type": "x",
                                                    "code": self.chat_status}},

@@ -222,12 +222,12 @@ def test_background_work_goes_to_the_background_upstream_and_falls_back(tmp_path
 
 # --- failover and health --------------------------------------------------------------------
 
-def pair(tmp_path, interval: float = 0.0):
+def pair(tmp_path, interval: float = 0.0, **upstream: Any):
     a, b = FakeUpstream(model="tiny"), FakeUpstream(model="tiny")
     sa, sb = ServerThread(a.app).start(), ServerThread(b.app).start()
     settings = make_settings(sa.url, tmp_path, TOKENIZER, memory_enabled=False,
-                             upstreams=[{"name": "a", "url": sa.url},
-                                        {"name": "b", "url": sb.url}],
+                             upstreams=[{"name": "a", "url": sa.url, **upstream},
+                                        {"name": "b", "url": sb.url, **upstream}],
                              routing={"health": {"interval_s": interval}})
     return a, b, sa, sb, ServerThread(create_app(settings)).start()
 
@@ -269,6 +269,20 @@ def test_a_5xx_or_a_dead_upstream_fails_over_streamed_or_not(tmp_path):
         assert health(srv).json()["upstream"]["ok"] is True
         assert chat(srv, "acme", "six").headers["x-cwm-upstream"] == "a"
         assert metric_value(srv, "cwm_sidecar_upstream_up", upstream="a") == 1
+    finally:
+        for s in (srv, sa, sb):
+            s.stop()
+
+
+def test_a_timeout_is_not_retried_elsewhere(tmp_path):
+    """The request reached a server that may still be working on it: a 504, not a second
+    generation on another server."""
+    a, b, sa, sb, srv = pair(tmp_path, read_timeout_s=0.5)
+    try:
+        a.chat_delay = 5.0
+        r = chat(srv, "acme", "slow")
+        assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+        assert b.bodies() == [] and runtime(srv).router.endpoints[0].up
     finally:
         for s in (srv, sa, sb):
             s.stop()

@@ -3,8 +3,8 @@
 ``Router.route(body)`` chooses the upstreams for a request: an explicit model goes to the
 upstreams serving it (``upstreams[].models``, else what their ``/v1/models`` lists), a model
 named in ``routing.aliases`` to the role it maps to (``classify``: the role the rules pick,
-:mod:`~cwm_plugin.sidecar.routing`). The result is a :class:`Route`: one model and the
-upstreams that serve it, healthy ones first. ``post`` and ``open_stream`` send to the first
+:mod:`~cwm_plugin.sidecar.routing`; while no upstream with that role is up, a default one).
+The result is a :class:`Route`: one model and the upstreams that serve it, healthy ones first. ``post`` and ``open_stream`` send to the first
 and fail over to the next on a connect error or an HTTP 5xx, before any byte reached the
 client (a timeout is not retried: the request reached a server that may still be working on
 it). With the shared Redis KV tier, a session that fails over to another server of the same
@@ -99,9 +99,10 @@ class Router:
         """The upstreams serving ``model`` (404 when none does, 502 when none answers)."""
         failure = await self._discover(self.endpoints)
         eps = [e for e in self.endpoints if e.serves(model)]
-        if not eps:  # a model may have been added since, or a down upstream is back
-            failure = await self._discover(self.endpoints, refresh=True, include_down=True) \
-                or failure
+        if not eps:  # a model may have been added since (or, when none is up, one is back)
+            none_up = not any(e.up for e in self.endpoints)
+            failure = await self._discover(self.endpoints, refresh=True,
+                                           include_down=none_up) or failure
             eps = [e for e in self.endpoints if e.serves(model)]
         if not eps:
             if failure is not None and any(not e.known and not e.cfg.models
@@ -112,14 +113,16 @@ class Router:
         return Route(model, self._ordered(eps))
 
     async def for_role(self, role: str, reason: str) -> Route:
-        """The first healthy upstream with ``role`` (else a default one) and its first model,
-        then the other upstreams serving that model."""
+        """The first healthy upstream with ``role`` and its first model, then the other
+        upstreams serving that model; a default upstream when none with the role is up."""
         pool = [e for e in self.endpoints if role in e.cfg.roles] or self.defaults
         failure = await self._discover(pool)
         ep = next((e for e in self._ordered(pool) if e.first_model()), None)
-        if ep is None or not ep.up:
+        if (ep is None or not ep.up) and pool is not self.defaults:
             await self._discover(self.defaults)
-            ep = next((e for e in self._ordered(self.defaults) if e.first_model()), ep)
+            instead = next((e for e in self._ordered(self.defaults) if e.first_model()), None)
+            if instead is not None and (ep is None or instead.up):
+                ep, reason = instead, f"{reason}; no `{role}` upstream is up: default"
         if ep is None:
             raise failure or UpstreamError(f"no upstream for role `{role}` names a model",
                                            hint="list its models in upstreams[].models")

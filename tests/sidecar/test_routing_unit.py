@@ -141,6 +141,27 @@ def test_auto_is_classified_and_an_explicit_model_wins(fleet, routed):
     assert sorted(m["id"] for m in models["data"]) == ["big", "coder", "small"]
 
 
+def test_auto_goes_to_a_default_upstream_while_its_roles_are_down(tmp_path):
+    main, coder = FakeUpstream(model="small"), FakeUpstream(model="coder")
+    with ServerThread(main.app) as m:
+        c = ServerThread(coder.app).start()
+        settings = make_settings(m.url, tmp_path, TOKENIZER, memory_enabled=False, upstreams=[
+            {"name": "small", "url": m.url},
+            {"name": "coder", "url": c.url, "roles": ["code"], "models": ["coder"]}],
+            routing={"health": {"interval_s": 0}})
+        with ServerThread(create_app(settings)) as srv:
+            ask_code = "Please implement a function"
+            assert chat(srv, "acme", ask_code, model="auto").headers["x-cwm-upstream"] == "coder"
+            c.stop()
+            # the request that finds it gone: no other upstream serves `coder` (failover stays
+            # within a model), a clear 502; from then on `code` goes to a default upstream
+            assert chat(srv, "acme", ask_code, model="auto").status_code == 502
+            r = chat(srv, "acme", ask_code, model="auto")
+            assert r.status_code == 200 and r.headers["x-cwm-upstream"] == "small"
+            assert r.headers["x-cwm-route"].endswith("no `code` upstream is up: default")
+            assert main.last()["model"] == "small"
+
+
 def test_usage_is_per_tenant_and_model_priced_and_private(fleet, routed):
     auth = {"Authorization": f"Bearer {KEYS['beta']}"}
     before = httpx.get(f"{routed.url}/v1/usage", headers=auth).json()["total"]

@@ -21,6 +21,7 @@ COMMAND_GROUPS = [
     "cwm_plugin.sidecar.cli",
     "cwm_plugin.windows.cli",
     "cwm_plugin.mcp.cli",
+    "cwm_plugin.activity.cli",
 ]
 
 

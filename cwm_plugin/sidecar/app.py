@@ -2,8 +2,11 @@
 
 Routes: ``POST /v1/chat/completions`` (memory, salt, streaming), ``POST /v1/completions`` and
 ``/v1/responses`` (salt only), ``POST /v1/embeddings``, ``/tokenize``, ``/detokenize``,
-``GET /v1/models``, ``/v1/models/{id}`` (relayed), ``GET /health``, ``GET /metrics``, and the
-context windows' routes (:mod:`~cwm_plugin.sidecar.windows_api`). Every
+``GET /v1/models``, ``/v1/models/{id}`` (relayed), ``GET /health``, ``GET /metrics``,
+``GET /v1/usage`` (:mod:`~cwm_plugin.sidecar.usage`), ``POST|GET /v1/activity``
+(:mod:`~cwm_plugin.sidecar.activity_api`) and the context windows' routes
+(:mod:`~cwm_plugin.sidecar.windows_api`). Requests go to one of several upstreams
+(:mod:`~cwm_plugin.sidecar.router`: routing, health checks, failover). Every
 error leaves as an OpenAI-shaped body. ``app.state.sidecar`` holds the app's runtime; assign
 ``app.state.sidecar.snapshot_hook`` to take a KV snapshot at auto-checkpoints.
 """
@@ -17,9 +20,11 @@ from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from cwm_plugin.errors import CWMError, UpstreamError
+from cwm_plugin.errors import CWMError
+from cwm_plugin.sidecar.activity_api import activity_router, open_activity
 from cwm_plugin.sidecar.background import Maintainer
 from cwm_plugin.sidecar.context import SnapshotHook
 from cwm_plugin.sidecar.counting import ModelCounters
@@ -29,10 +34,11 @@ from cwm_plugin.sidecar.memory_port import MemoryPort, build_memory
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.openai_errors import error_response, from_cwm_error
 from cwm_plugin.sidecar.passthrough import SALTED, model_entry, relay_get, relay_post
+from cwm_plugin.sidecar.router import Router
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.turn import handle_chat
-from cwm_plugin.sidecar.upstream import Upstream
+from cwm_plugin.sidecar.usage import UsageLedger, usage_router
 from cwm_plugin.sidecar.windows_api import CheckpointThresholds, windows_router
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
@@ -78,15 +84,17 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     metrics = SidecarMetrics()
     if memory is None and settings.memory_enabled:
         memory = build_memory(settings.memory, metrics.registry)
-    upstream = Upstream(settings.upstream, transport=transport)
+    router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)
+    usage = UsageLedger(settings.pricing, metrics)
     sidecar = Sidecar(
         settings=settings,
         auth=Authenticator(settings.tenants, settings.server_secret(),
                            shared_default=settings.prompt.sessionless == "shared"),
-        upstream=upstream, memory=memory, metrics=metrics,
-        maintainer=Maintainer(upstream, memory, metrics, settings.memory) if memory else None,
-        counters=ModelCounters(settings.memory, upstream.base_url),
-        failopen=FailOpen(metrics),
+        router=router, memory=memory, metrics=metrics,
+        maintainer=Maintainer(router, memory, metrics, settings.memory, usage)
+        if memory else None,
+        counters=ModelCounters(settings.memory),
+        failopen=FailOpen(metrics), usage=usage, activity=open_activity(settings),
     )
     engine, auto = open_windows(settings)
     if snapshot_hook is not None:
@@ -98,6 +106,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        router.start_health_checks()
         if memory is not None and settings.memory.warm_on_start:
             for tenant in settings.tenants:  # in the background: the server answers at once
                 sidecar.background.spawn(memory.warm(tenant.name), name=f"warm-{tenant.name}")
@@ -106,7 +115,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         if memory is not None:
             await memory.close()  # saves the indexes that changed
         sidecar.counters.close()
-        await upstream.aclose()
+        await router.aclose()
         if engine is not None:
             engine.store.close()
 
@@ -117,6 +126,13 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     @app.exception_handler(CWMError)
     async def _cwm_error(request: Request, exc: CWMError) -> JSONResponse:
         return from_cwm_error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """A body or query a route's model refuses: 400, naming the fields, never the input."""
+        where = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ())[1:]) or 'body'}: "
+                          f"{e.get('msg', 'invalid')}" for e in exc.errors())
+        return error_response(400, f"invalid request: {where}", "invalid_input")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -140,22 +156,26 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        try:
-            models = await upstream.models()
-            up = {"ok": True, "models": sorted(models)}
-        except UpstreamError as exc:
-            up = {"ok": False, "error": exc.code}
-        return JSONResponse({"status": "ok" if up["ok"] else "degraded", "upstream": up,
-                             "memory": memory is not None,
+        """Every upstream checked now: ``ok`` when all are up, ``degraded`` (HTTP 503 only
+        when none is) otherwise; ``upstream`` is the default upstream, as before."""
+        ups = await router.check_all()
+        default = next(u for u in ups if u["name"] == router.default.name)
+        up = {"ok": default["up"], "models": default["models"]} if default["up"] \
+            else {"ok": False, "error": "upstream_error"}
+        alive = any(u["up"] for u in ups)
+        return JSONResponse({"status": "ok" if all(u["up"] for u in ups) else "degraded",
+                             "upstream": up, "upstreams": ups, "memory": memory is not None,
                              "background_tasks": sidecar.background.pending},
-                            status_code=200 if up["ok"] else 503)
+                            status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
-        metrics.mirror_upstream(await upstream.metrics_text())
+        metrics.mirror_upstream(await router.metrics_texts())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     secret = settings.server_secret()
+    app.include_router(usage_router(sidecar))
+    app.include_router(activity_router(sidecar, sidecar.activity))
     app.include_router(windows_router(sidecar, engine, auto,
                                       lambda tenant, session: derive_salt(secret, tenant,
                                                                           session)))

@@ -9,6 +9,9 @@ first, each batch moving ``upto_turn`` on, so no turn is skipped however long th
 then the extraction is refused, counted, and nothing is written. With ``structured_facts`` the
 request carries a JSON schema (vLLM's structured outputs), so even a small model answers valid
 JSON; an answer cut off at ``background_max_tokens`` can still fail and is handled the same way.
+This work goes to the upstreams with the role ``background`` when there are any (a cheaper
+model, say: ``Router.background_route``), else where the turn went; its tokens are accounted
+to the tenant as ``kind: background`` (``usage.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from cwm_plugin.sidecar import llm_prompts
 from cwm_plugin.sidecar.context import SessionState, SnapshotHook, call_hook
 from cwm_plugin.sidecar.memory_port import MemoryPort
 from cwm_plugin.sidecar.metrics import SidecarMetrics
+from cwm_plugin.sidecar.router import Route, Router
 from cwm_plugin.sidecar.settings import MemorySettings
-from cwm_plugin.sidecar.upstream import Upstream
+from cwm_plugin.sidecar.usage import BACKGROUND, UsageLedger
 
 log = logging.getLogger(__name__)
 MAX_SUMMARY_BATCHES = 8  # one update summarises at most this many batches of backlog
@@ -63,12 +67,20 @@ def _turn_id(turn: dict[str, Any]) -> str:
 class Maintainer:
     """Summaries, facts and checkpoints for one app."""
 
-    def __init__(self, upstream: Upstream, memory: MemoryPort, metrics: SidecarMetrics,
-                 cfg: MemorySettings) -> None:
-        self.upstream = upstream
+    def __init__(self, router: Router, memory: MemoryPort, metrics: SidecarMetrics,
+                 cfg: MemorySettings, usage: UsageLedger) -> None:
+        self.router = router
         self.memory = memory
         self.metrics = metrics
         self.cfg = cfg
+        self.usage = usage
+
+    async def _ask(self, tenant: str, route: Route, messages: list[dict[str, Any]], salt: str,
+                   extra: dict[str, Any] | None = None) -> str:
+        text, usage, ep, model = await self.router.chat_once(
+            route, messages, salt=salt, max_tokens=self.cfg.background_max_tokens, extra=extra)
+        self.usage.record(tenant, model, ep.name, usage, kind=BACKGROUND)
+        return text
 
     async def summarize(self, tenant: str, session: str, model: str, salt: str,
                         max_model_len: int | None) -> str | None:
@@ -78,7 +90,10 @@ class Maintainer:
         previous, upto = await self.memory.summary_state(tenant, session)
         ids = [_turn_id(t) for t in turns]
         start = ids.index(upto) + 1 if upto and upto in ids else 0
-        budget = int((max_model_len or 2048) * 0.5) - self.cfg.background_max_tokens
+        route = await self.router.background_route(model)
+        # The batches must fit the model that writes them, and the fallback's, if any.
+        limits = [x for x in (route.info().max_model_len, max_model_len) if x]
+        budget = int((min(limits) if limits else 2048) * 0.5) - self.cfg.background_max_tokens
         for _ in range(MAX_SUMMARY_BATCHES):
             if start >= len(turns):
                 break
@@ -95,9 +110,7 @@ class Maintainer:
                 used += cost
                 end += 1
             messages = llm_prompts.summary_messages(previous, "\n".join(lines))
-            text, _ = await self.upstream.chat_once(model, messages, salt=salt,
-                                                    max_tokens=self.cfg.background_max_tokens)
-            text = text.strip()
+            text = (await self._ask(tenant, route, messages, salt)).strip()
             if not text:
                 self.metrics.background.labels(tenant, "summary", "empty").inc()
                 return previous
@@ -111,10 +124,9 @@ class Maintainer:
         messages = llm_prompts.facts_messages(exchange)
         extra = ({"response_format": llm_prompts.facts_response_format()}
                  if self.cfg.structured_facts else None)
+        route = await self.router.background_route(model)
         for attempt in range(2):
-            text, _ = await self.upstream.chat_once(model, messages, salt=salt,
-                                                    max_tokens=self.cfg.background_max_tokens,
-                                                    extra=extra)
+            text = await self._ask(tenant, route, messages, salt, extra)
             try:
                 facts = llm_prompts.parse_facts(text)
             except InvalidInput as exc:

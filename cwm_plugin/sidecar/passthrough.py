@@ -1,11 +1,14 @@
 """Routes relayed without memory, authenticated like chat, errors OpenAI-shaped.
 
-``POST /v1/completions`` and ``/v1/responses`` carry the session's salt (streamed or not);
-``POST /v1/embeddings``, ``/tokenize`` and ``/detokenize`` and ``GET /v1/models`` are relayed
-as they are; ``GET /v1/models/{id}`` (which vLLM does not serve) answers that model's entry
-of the upstream's list, or 404. A body is relayed byte for byte in both
-directions except for the salt; ``x-request-id`` goes up, ``x-request-id`` and ``Retry-After``
-come back.
+``POST /v1/completions`` and ``/v1/responses`` carry the session's salt (streamed or not) and
+are routed like chat (an explicit model to the upstreams serving it, an alias by role, with
+failover; their usage is accounted); ``POST /v1/embeddings``, ``/tokenize`` and ``/detokenize``
+go where their model is served (else to the default upstream) as they are; ``GET /v1/models``
+is the default upstream's list, or with several upstreams all their lists merged;
+``GET /v1/models/{id}`` (which vLLM does not serve) answers that model's entry of the list, or
+404. A body is relayed byte for byte in both directions except for the salt (and the model
+an alias resolved to); ``x-request-id`` goes up, ``x-request-id`` and ``Retry-After`` come
+back, with ``X-CWM-Upstream`` (and ``X-CWM-Route`` for an alias).
 """
 
 from __future__ import annotations
@@ -17,26 +20,25 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from cwm_plugin.errors import UpstreamError
 from cwm_plugin.sidecar.body import read_json_body, require_model
 from cwm_plugin.sidecar.identity import bearer_key
 from cwm_plugin.sidecar.openai_errors import ModelNotFound, upstream_error_response
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.stream import Collected, relay_sse
-from cwm_plugin.sidecar.turn import SSE_HEADERS
+from cwm_plugin.sidecar.turn import SSE_HEADERS, route_headers
 from cwm_plugin.sidecar.upstream import headers_down, headers_up
 
 SALTED = ("/v1/completions", "/v1/responses")
 
 
-def _relayed(resp: Any) -> Response:
-    """An upstream answer as it came: status, bytes, content type and the passed headers."""
+def _relayed(resp: Any, extra: dict[str, str] | None = None) -> Response:
+    """An upstream answer as it came: status, bytes, content type and the passed headers
+    (and ``extra``: which upstream answered)."""
+    headers = {**headers_down(resp.headers), **(extra or {})}
     if resp.status_code >= 400:
-        return upstream_error_response(resp.status_code, resp.content,
-                                       headers_down(resp.headers))
+        return upstream_error_response(resp.status_code, resp.content, headers)
     return Response(resp.content, status_code=resp.status_code,
-                    media_type=resp.headers.get("content-type"),
-                    headers=headers_down(resp.headers))
+                    media_type=resp.headers.get("content-type"), headers=headers)
 
 
 async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
@@ -44,58 +46,56 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     tenant_cfg = sc.auth.tenant_for(bearer_key(request.headers))
     body = await read_json_body(request, sc.settings.max_body_bytes, sc.settings.max_json_depth)
     ident = sc.auth.identify(tenant_cfg, request.headers, body)
-    model = str(body.get("model") or "")
     forward = body
     if path in SALTED:
-        model = require_model(body)
-        await sc.model_info(model)
+        require_model(body)
+        route = await sc.router.route(body)
         forward = {**body, "cache_salt": sc.auth.salt_for(ident, body)}
+    else:
+        route = await sc.router.route_loose(body)
+    model = route.model or str(body.get("model") or "")
     labels = (ident.tenant, model, path.rsplit("/", 1)[-1])
     up = headers_up(request.headers)
-    try:
-        if not body.get("stream"):
-            resp = await sc.upstream.request("POST", path, json=forward, headers=up)
-            sc.metrics.requests.labels(*labels, str(resp.status_code)).inc()
-            if resp.status_code == 200 and path == "/v1/completions":
-                sc.metrics.observe_usage(ident.tenant, model, resp.json().get("usage"))
-            return _relayed(resp)
-        ctx = sc.upstream.stream(path, forward, headers=up)
-        resp = await ctx.__aenter__()
-    except UpstreamError as exc:
-        sc.metrics.upstream_errors.labels(exc.code).inc()
-        raise
+    if not body.get("stream"):
+        ep, resp = await sc.router.post(route, path, forward, headers=up)
+        sc.metrics.requests.labels(*labels, str(resp.status_code)).inc()
+        if resp.status_code == 200 and path in SALTED:
+            sc.usage.record(ident.tenant, model, ep.name, resp.json().get("usage"))
+        return _relayed(resp, route_headers(route, ep))
+    handle = await sc.router.open_stream(route, path, forward, headers=up)
+    resp = handle.resp
     sc.metrics.requests.labels(*labels, str(resp.status_code)).inc()
+    down = {**headers_down(resp.headers), **route_headers(route, handle.ep)}
     if resp.status_code != 200:
         content = await resp.aread()
-        await ctx.__aexit__(None, None, None)
-        return upstream_error_response(resp.status_code, content, headers_down(resp.headers))
+        await handle.close()
+        return upstream_error_response(resp.status_code, content, down)
     collected = Collected()
 
     async def body_iter():
         try:
-            async for piece in relay_sse(sc.upstream.iter_bytes(resp), collected, chat=False,
+            async for piece in relay_sse(handle.chunks(), collected, chat=False,
                                          strip_usage=False):
                 yield piece
         finally:
-            await ctx.__aexit__(None, None, None)
+            await handle.close()
 
     def after() -> None:
-        sc.metrics.observe_usage(ident.tenant, model, collected.usage)
+        sc.usage.record(ident.tenant, model, handle.ep.name, collected.usage)
 
     return StreamingResponse(body_iter(), media_type="text/event-stream",
-                             headers={**SSE_HEADERS, **headers_down(resp.headers)},
-                             background=BackgroundTask(after))
+                             headers={**SSE_HEADERS, **down}, background=BackgroundTask(after))
 
 
 async def relay_get(sc: Sidecar, request: Request, path: str) -> Response:
-    """``GET path`` (the model list, one model) relayed as it came."""
+    """``GET path`` (the model list) relayed as it came from the default upstream; with
+    several upstreams, the model list is theirs merged (the first entry of a model wins)."""
     sc.auth.tenant_for(bearer_key(request.headers))
-    try:
-        resp = await sc.upstream.request("GET", path, headers=headers_up(request.headers))
-    except UpstreamError as exc:
-        sc.metrics.upstream_errors.labels(exc.code).inc()
-        raise
-    return _relayed(resp)
+    if len(sc.router.endpoints) == 1 or path != "/v1/models":
+        _, resp = await sc.router.get(sc.router.default_route(), path,
+                                      headers=headers_up(request.headers))
+        return _relayed(resp)
+    return JSONResponse({"object": "list", "data": await sc.router.model_list()})
 
 
 async def model_entry(sc: Sidecar, request: Request, model_id: str) -> Response:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cwm_plugin.errors import UpstreamError
+from cwm_plugin.activity.log import ActivityLog
 from cwm_plugin.sidecar.background import Background, Maintainer
 from cwm_plugin.sidecar.context import ContextTracker, SnapshotHook, noop_snapshot
 from cwm_plugin.sidecar.counting import ModelCounters
@@ -12,32 +12,23 @@ from cwm_plugin.sidecar.failopen import FailOpen
 from cwm_plugin.sidecar.identity import Authenticator
 from cwm_plugin.sidecar.memory_port import MemoryPort
 from cwm_plugin.sidecar.metrics import SidecarMetrics
-from cwm_plugin.sidecar.openai_errors import ModelNotFound
+from cwm_plugin.sidecar.router import Router
 from cwm_plugin.sidecar.settings import Settings
-from cwm_plugin.sidecar.upstream import ModelInfo, Upstream
+from cwm_plugin.sidecar.usage import UsageLedger
 
 
 @dataclass
 class Sidecar:
     settings: Settings
     auth: Authenticator
-    upstream: Upstream
+    router: Router
     memory: MemoryPort | None
     metrics: SidecarMetrics
     maintainer: Maintainer | None
     counters: ModelCounters
     failopen: FailOpen
+    usage: UsageLedger
+    activity: ActivityLog | None = None
     tracker: ContextTracker = field(default_factory=ContextTracker)
     background: Background = field(default_factory=Background)
     snapshot_hook: SnapshotHook = noop_snapshot
-
-    async def model_info(self, name: str) -> ModelInfo:
-        try:
-            info = await self.upstream.model(name)
-        except UpstreamError as exc:
-            self.metrics.upstream_errors.labels(exc.code).inc()
-            raise
-        if info is None:
-            raise ModelNotFound(f"the model `{name}` does not exist",
-                                hint="GET /v1/models lists the served models")
-        return info

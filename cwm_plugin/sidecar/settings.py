@@ -59,9 +59,18 @@ class TenantConfig(_Strict):
 
 
 class UpstreamConfig(_Strict):
-    """Where vLLM's OpenAI server is and how patient to be with it."""
+    """One model server (vLLM's OpenAI server): where it is, what it serves, its roles, and how
+    patient to be with it. ``upstream:`` alone is the one default upstream; ``upstreams:``
+    lists several, each taking the fields it does not set from ``upstream:``."""
 
+    name: str = "default"
     url: str = "http://127.0.0.1:8000"
+    # The served model names; empty: whatever its /v1/models lists (asked when needed).
+    models: list[str] = Field(default_factory=list)
+    # The context limit in tokens; None: the model's max_model_len from its /v1/models.
+    context_limit: int | None = Field(default=None, ge=1)
+    # default / code / large / background, or any name a routing rule uses.
+    roles: list[str] = Field(default_factory=lambda: ["default"])
     connect_timeout_s: float = 3.0
     read_timeout_s: float = 600.0
     write_timeout_s: float = 30.0
@@ -75,10 +84,117 @@ class UpstreamConfig(_Strict):
     api_key: SecretStr | None = None
     api_key_env: str = "CWM_UPSTREAM_API_KEY"
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME.fullmatch(v):
+            raise ValueError(f"upstream name {v!r} must match {NAME.pattern}")
+        return v
+
+    @field_validator("roles")
+    @classmethod
+    def _roles(cls, v: list[str]) -> list[str]:
+        for role in v:
+            if not NAME.fullmatch(role):
+                raise ValueError(f"role {role!r} must match {NAME.pattern}")
+        return v
+
     def key(self) -> str | None:
         if self.api_key is not None:
             return self.api_key.get_secret_value()
         return os.environ.get(self.api_key_env) or None
+
+
+# Fields of an `upstreams:` entry that are its own, never taken from `upstream:`.
+UPSTREAM_OWN = ("name", "url", "models", "context_limit", "roles")
+
+
+class RouteRule(_Strict):
+    """One rule of the classifier: every condition given must hold (``keywords`` and
+    ``patterns`` together are one condition: any of them found in the newest user message);
+    the first rule that matches names the role. Tokens are estimated (about 4 characters a
+    token) over every message: routing happens before the model, and its tokenizer, is known."""
+
+    role: str
+    keywords: list[str] = Field(default_factory=list)   # whole words, any case
+    patterns: list[str] = Field(default_factory=list)   # regular expressions
+    min_tokens: int | None = Field(default=None, ge=0)
+    min_messages: int | None = Field(default=None, ge=0)
+    tools: bool | None = None                           # the request declares tools
+
+    @model_validator(mode="after")
+    def _something(self) -> RouteRule:
+        if not (self.keywords or self.patterns or self.min_tokens is not None
+                or self.min_messages is not None or self.tools is not None):
+            raise ValueError(f"the rule for role {self.role!r} has no condition")
+        for p in self.patterns:
+            try:
+                re.compile(p)
+            except re.error as exc:
+                raise ValueError(f"pattern {p!r} is not a regular expression: {exc}") from None
+        return self
+
+
+DEFAULT_RULES = [
+    RouteRule(role="code", patterns=["```", r"\bdef \w+\(", r"\bfunction \w+\("],
+              keywords=["code", "function", "implement", "refactor", "debug", "compile",
+                        "traceback", "stack trace", "regex", "sql", "python", "javascript",
+                        "typescript", "rust", "golang", "bash script", "unit test"]),
+    RouteRule(role="large", min_tokens=8000),
+    RouteRule(role="large", keywords=["analyze", "analyse", "architecture", "prove",
+                                      "step by step", "in depth", "trade-offs", "design doc"]),
+]
+
+
+class HealthSettings(_Strict):
+    """Upstream health: a ``GET /v1/models`` every ``interval_s`` (0: only after an error),
+    and right after a connect error or a 5xx."""
+
+    interval_s: float = Field(default=10.0, ge=0)
+    timeout_s: float = Field(default=3.0, gt=0)
+
+
+class RoutingSettings(_Strict):
+    """Which upstream answers: an explicit model goes to the upstreams serving it; a model
+    named in ``aliases`` goes to the role it maps to (``classify``: the role the rules pick,
+    else ``default``). Background work (summaries, facts) goes to the upstreams with the role
+    ``background`` when there are any, with ``background_model`` (None: the turn's model if
+    such an upstream serves it, else its first model)."""
+
+    aliases: dict[str, str] = Field(default_factory=lambda: {"auto": "classify"})
+    rules: list[RouteRule] = Field(default_factory=lambda: list(DEFAULT_RULES))
+    background_model: str | None = None
+    health: HealthSettings = HealthSettings()
+
+
+class Price(_Strict):
+    """Prices a million tokens; cached prompt tokens (vLLM's ``cached_tokens``) at
+    ``cached_input_per_1m`` when set, else at ``input_per_1m``."""
+
+    input_per_1m: float = Field(default=0.0, ge=0)
+    output_per_1m: float = Field(default=0.0, ge=0)
+    cached_input_per_1m: float | None = Field(default=None, ge=0)
+
+
+class PricingSettings(_Strict):
+    currency: str = "USD"
+    default: Price = Price()
+    models: dict[str, Price] = Field(default_factory=dict)
+
+    def for_model(self, model: str) -> Price:
+        return self.models.get(model, self.default)
+
+
+class ActivitySettings(_Strict):
+    """The append-only activity log (``cwm_plugin/activity``): ``POST|GET /v1/activity``.
+    ``log_turns`` appends one line a chat turn (its first ``turn_preview_chars`` characters of
+    question and answer; 0: none). ``read``: ``all`` (every principal reads the whole log, so
+    one picks up where another left off) or ``own`` (only the entries it wrote)."""
+
+    root: Path = Path("./cwm-activity")
+    log_turns: bool = False
+    turn_preview_chars: int = Field(default=120, ge=0, le=500)
+    read: Literal["all", "own"] = "all"
 
 
 class EmbedderConfig(_Strict):
@@ -196,6 +312,10 @@ class Settings(_Strict):
     secret_env: str = "CWM_SIDECAR_SECRET"
     tenants: list[TenantConfig] = Field(default_factory=list)
     upstream: UpstreamConfig = UpstreamConfig()
+    upstreams: list[UpstreamConfig] = Field(default_factory=list)  # empty: [upstream]
+    routing: RoutingSettings = RoutingSettings()
+    pricing: PricingSettings = PricingSettings()
+    activity: ActivitySettings | None = None    # None: /v1/activity answers 503
     memory: MemorySettings = MemorySettings()
     checkpoint: CheckpointConfig = CheckpointConfig()
     prompt: PromptSettings = PromptSettings()
@@ -205,12 +325,32 @@ class Settings(_Strict):
     memory_enabled: bool = True
     windows: WindowsSettings | None = None      # None: /v1/windows answers 503
 
+    @model_validator(mode="before")
+    @classmethod
+    def _inherit(cls, raw: Any) -> Any:
+        """Each ``upstreams:`` entry takes the fields it does not set from ``upstream:``."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("upstreams"), list):
+            return raw
+        base = raw.get("upstream") or {}
+        if not isinstance(base, dict):
+            return raw
+        shared = {k: v for k, v in base.items() if k not in UPSTREAM_OWN}
+        return {**raw, "upstreams": [{**shared, **u} if isinstance(u, dict) else u
+                                     for u in raw["upstreams"]]}
+
     @model_validator(mode="after")
     def _unique(self) -> Settings:
         names = [t.name for t in self.tenants]
         if len(names) != len(set(names)):
             raise ValueError("tenant names must be unique")
+        ups = [u.name for u in self.upstreams]
+        if len(ups) != len(set(ups)):
+            raise ValueError("upstream names must be unique")
         return self
+
+    def endpoints(self) -> list[UpstreamConfig]:
+        """The upstreams, in order: ``upstreams`` when given, else ``[upstream]``."""
+        return list(self.upstreams) or [self.upstream]
 
     def server_secret(self) -> bytes:
         """The HMAC key for salts: the file's ``secret``, else ``$<secret_env>``."""
@@ -245,4 +385,6 @@ def load_settings(path: str | os.PathLike[str], **overrides: object) -> Settings
     root = settings.memory.root
     if not root.is_absolute():
         settings.memory.root = (p.parent / root).resolve()
+    if settings.activity is not None and not settings.activity.root.is_absolute():
+        settings.activity.root = (p.parent / settings.activity.root).resolve()
     return settings

@@ -2,14 +2,19 @@
 
 1. authenticate (key -> tenant), read the bounded body, resolve the session (or none: a
    stateless request), derive the salt;
-2. check the model (404) and get its token counter (``counting.py``);
+2. route it (``router.py``: the upstreams serving its model, or, for ``model: auto``, the
+   role the classifier picks; 404 for an unknown model) and get the model's token counter
+   (``counting.py``);
 3. plan the prompt (``plan.py``, on a worker thread): the client's messages with memory merged
    in. Any failure there (memory, index, embedder, tokenizer) fails *open*: the request goes
    upstream as the client sent it, flagged in ``X-CWM-Memory-Status`` (``failopen.py``);
-4. forward with the salt, stream or not;
+4. forward with the salt, stream or not, failing over to the next upstream serving the model
+   if one is down (connect error or 5xx before any byte was relayed);
 5. before the client sees the end, append the client's new messages and the answer to the
    session's file (one durable append; the index catches up in the background), count usage
-   and thresholds, and start what is due (summary, facts, checkpoint) as background tasks.
+   (``usage.py``) and the context thresholds against the limit of the upstream that answered,
+   and start what is due (summary, facts, checkpoint, the activity log's line) as background
+   tasks.
 
 Where the time goes (everything but the upstream's own time) is reported per request in a
 ``Server-Timing`` header and the ``cwm_sidecar_stage_seconds`` histogram.
@@ -27,10 +32,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cwm_plugin.errors import InvalidInput, UpstreamError
+from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.history import prefix_length
 from cwm_plugin.memory.timing import Stages
 from cwm_plugin.sidecar import prompt as P
+from cwm_plugin.sidecar.activity_api import PROJECT_HEADER, log_turn, project_of, turn_entry
 from cwm_plugin.sidecar.body import read_json_body, require_model
 from cwm_plugin.sidecar.context import Level, SessionState, level_for
 from cwm_plugin.sidecar.failopen import HEADER as STATUS_HEADER
@@ -38,6 +44,7 @@ from cwm_plugin.sidecar.identity import Identity, bearer_key
 from cwm_plugin.sidecar.memory_port import Selected
 from cwm_plugin.sidecar.openai_errors import upstream_error_response
 from cwm_plugin.sidecar.plan import Plan, TurnInput, history_tokens, passthrough, plan_turn
+from cwm_plugin.sidecar.router import Endpoint, Route
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.stream import Collected, relay_sse
 from cwm_plugin.sidecar.upstream import headers_down, headers_up
@@ -71,6 +78,23 @@ def history_mode(sc: Sidecar, tenant_history: str | None, headers: Any) -> str:
     return tenant_history or sc.settings.prompt.history
 
 
+def route_headers(route: Route, ep: Endpoint | None) -> dict[str, str]:
+    """``X-CWM-Upstream`` (the name of the upstream that answered) and, for a request the
+    sidecar routed by role, ``X-CWM-Route`` (the role and why)."""
+    out = {"X-CWM-Upstream": ep.name} if ep is not None else {}
+    if route.role is not None:
+        why = f"{route.role}; {route.reason}".encode("ascii", "replace").decode()
+        out["X-CWM-Route"] = "".join(c if " " <= c <= "~" else "?" for c in why)[:300]
+    return out
+
+
+def _project(headers: Any) -> str | None:
+    try:
+        return project_of(headers.get(PROJECT_HEADER))
+    except InvalidInput:  # only the activity log reads it: never fail a turn for it
+        return None
+
+
 @dataclass
 class Turn:
     """The state of one chat turn between its steps."""
@@ -85,7 +109,18 @@ class Turn:
     plan: Plan
     counter: Any
     stages: Stages
+    route: Route
     headers: dict[str, str] = field(default_factory=dict)
+    used: int = 0  # this turn's prompt tokens, estimated before it is sent
+    project: str | None = None
+    ep: Endpoint | None = None  # the upstream that answered
+
+    def served_by(self, ep: Endpoint) -> None:
+        """The context limit is the one of the upstream that answered (it may have failed
+        over to one with another limit)."""
+        self.ep = ep
+        self.max_len = ep.info(self.model).max_model_len
+        self.state.last_limit = self.max_len
 
     async def record(self, answer: str) -> None:
         """Append the new messages and the answer to the session (never raises)."""
@@ -123,7 +158,7 @@ class Turn:
     async def finish(self, usage: dict[str, Any] | None, answer: str) -> None:
         """After the response: metrics, thresholds, and the background work that is due."""
         sc, tenant, plan, state = self.sc, self.ident.tenant, self.plan, self.state
-        sc.metrics.observe_usage(tenant, self.model, usage)
+        sc.usage.record(tenant, self.model, self.ep.name if self.ep else "", usage)
         if sc.memory is not None:
             sc.metrics.saved_tokens.labels(tenant, self.model).inc(max(0, plan.full - plan.sent))
         real = (usage or {}).get("prompt_tokens")
@@ -136,6 +171,13 @@ class Turn:
                 prompt_tokens / self.max_len)
         if level is not Level.OK:
             sc.metrics.context_warnings.labels(tenant, self.model, level.value).inc()
+        if sc.activity is not None and sc.settings.activity and sc.settings.activity.log_turns:
+            asked = [P.text_of(m) for m in new_inputs(self.messages) if m["role"] == "user"]
+            sc.background.spawn(log_turn(sc, turn_entry(
+                sc.settings, principal=tenant, session=self.ident.session,
+                project=self.project, model=self.model, question=asked[-1] if asked else "",
+                answer=answer, used=prompt_tokens, limit=self.max_len)),
+                name=f"activity-{tenant}")
         if sc.maintainer is None or sc.memory is None or self.ident.session is None:
             return
         checkpoint = level is Level.CHECKPOINT and not state.checkpointing
@@ -156,7 +198,12 @@ class Turn:
     def response_headers(self, upstream: Any = None) -> dict[str, str]:
         """Ours plus the upstream's that the client should see; timing of the sidecar's own
         work (``Server-Timing``), the stages so far."""
-        out = {**self.headers, **(headers_down(upstream) if upstream is not None else {})}
+        out = {**self.headers, **route_headers(self.route, self.ep),
+               **(headers_down(upstream) if upstream is not None else {})}
+        level = level_for(self.used, self.max_len,
+                          self.sc.settings.checkpoint.for_model(self.model))
+        if level is not Level.OK and self.max_len:
+            out["X-CWM-Context-Warning"] = f"{level.value}; used={self.used / self.max_len:.2f}"
         out["Server-Timing"] = self.stages.server_timing()
         return out
 
@@ -209,7 +256,8 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     messages = P.validate_messages(body.get("messages"))
     mode = history_mode(sc, tenant_cfg.history, request.headers)
     stages.add("auth", time.perf_counter() - t0)
-    info = await sc.model_info(model)
+    route = await sc.router.route(body)
+    model, info = route.model or model, route.info()
     state = sc.tracker.get(ident.tenant, ident.session) if ident.session else SessionState()
     plan, counter, status = await _plan(sc, {
         "ident": ident, "body": body, "messages": messages, "state": state, "model": model,
@@ -217,15 +265,10 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     if sc.memory is not None and not status:
         sc.metrics.retrieval_seconds.labels(ident.tenant, model).observe(plan.sel.seconds)
         sc.metrics.injected_tokens.labels(ident.tenant, model).inc(plan.injected)
-    forward = {**body, "messages": plan.messages, "cache_salt": salt}
+    forward = {**body, "model": model, "messages": plan.messages, "cache_salt": salt}
     turn = Turn(sc, ident, model, info.max_model_len, salt, messages, state, plan, counter,
-                stages, {STATUS_HEADER: status} if status else {})
-    th = sc.settings.checkpoint.for_model(model)
-    used = state.estimate(plan.prompt_tokens)
-    level = level_for(used, info.max_model_len, th)
-    if level is not Level.OK and info.max_model_len:
-        turn.headers["X-CWM-Context-Warning"] = \
-            f"{level.value}; used={used / info.max_model_len:.2f}"
+                stages, route, {STATUS_HEADER: status} if status else {},
+                used=state.estimate(plan.prompt_tokens), project=_project(request.headers))
     if request.headers.get("x-cwm-debug") == "1":
         p = sc.settings.prompt
         turn.headers["X-CWM-Memory"] = _debug_header(
@@ -247,12 +290,8 @@ def _observe_stages(turn: Turn) -> None:
 
 async def _once(turn: Turn, forward: dict[str, Any], up: dict[str, str]) -> Response:
     sc = turn.sc
-    try:
-        resp = await sc.upstream.request("POST", "/v1/chat/completions", json=forward,
-                                         headers=up)
-    except UpstreamError as exc:
-        sc.metrics.upstream_errors.labels(exc.code).inc()
-        raise
+    ep, resp = await sc.router.post(turn.route, "/v1/chat/completions", forward, headers=up)
+    turn.served_by(ep)
     sc.metrics.requests.labels(turn.ident.tenant, turn.model, "chat", str(resp.status_code)).inc()
     if resp.status_code != 200:
         return upstream_error_response(resp.status_code, resp.content,
@@ -273,17 +312,15 @@ async def _stream(turn: Turn, forward: dict[str, Any], up: dict[str, str]) -> Re
     if not client_wants_usage:
         forward["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
                                      "include_usage": True}
-    ctx = sc.upstream.stream("/v1/chat/completions", forward, headers=up)
-    try:
-        resp = await ctx.__aenter__()
-    except UpstreamError as exc:
-        sc.metrics.upstream_errors.labels(exc.code).inc()
-        raise
+    handle = await sc.router.open_stream(turn.route, "/v1/chat/completions", forward,
+                                         headers=up)
+    resp = handle.resp
+    turn.served_by(handle.ep)
     sc.metrics.requests.labels(turn.ident.tenant, turn.model, "chat", str(resp.status_code)).inc()
     headers = turn.response_headers(resp.headers)
     if resp.status_code != 200:
         content = await resp.aread()
-        await ctx.__aexit__(None, None, None)
+        await handle.close()
         return upstream_error_response(resp.status_code, content, headers)
     collected = Collected()
 
@@ -295,11 +332,11 @@ async def _stream(turn: Turn, forward: dict[str, Any], up: dict[str, str]) -> Re
 
     async def body():
         try:
-            async for piece in relay_sse(sc.upstream.iter_bytes(resp), collected, chat=True,
+            async for piece in relay_sse(handle.chunks(), collected, chat=True,
                                          strip_usage=not client_wants_usage, on_done=on_done):
                 yield piece
         finally:
-            await ctx.__aexit__(None, None, None)
+            await handle.close()
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={**SSE_HEADERS, **headers})

@@ -6,7 +6,8 @@ Connect failures are retried by the transport (``retries`` in httpx retries only
 waits without a bound. The configured API key goes with every request (vLLM's ``--api-key``);
 ``x-request-id`` is passed up, ``x-request-id`` and ``Retry-After`` come back down
 (``headers_up``/``headers_down``). ``/v1/models`` is cached for a few seconds so that every request can
-check its model and learn ``max_model_len``.
+check its model and learn ``max_model_len``. Several upstreams, routing and failover:
+:mod:`~cwm_plugin.sidecar.router`.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ class ModelInfo:
     id: str
     max_model_len: int | None
     root: str | None = None  # where vLLM loaded the model from (a folder, or a hub name)
+    base_url: str | None = None  # the upstream that answered for it
 
 
-def _translate(exc: httpx.HTTPError, what: str) -> UpstreamError:
+def _translate(exc: httpx.HTTPError, what: str, name: str) -> UpstreamError:
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-        return UpstreamTimeout(f"upstream timed out during {what}",
+        return UpstreamTimeout(f"upstream `{name}` timed out during {what}",
                                hint="the model server is overloaded or stuck; retry later")
-    return UpstreamError(f"upstream unreachable during {what}: {type(exc).__name__}",
+    return UpstreamError(f"upstream `{name}` unreachable during {what}: {type(exc).__name__}",
                          hint="check that the vLLM server is running at the configured URL")
 
 
@@ -56,6 +58,7 @@ class Upstream:
 
     def __init__(self, config: UpstreamConfig, *, transport: httpx.AsyncBaseTransport | None = None):
         self.config = config
+        self.name = config.name
         self.base_url = config.url.rstrip("/")
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
@@ -80,7 +83,7 @@ class Upstream:
         try:
             return await self._client.request(method, path, json=json, headers=headers, **kw)
         except httpx.HTTPError as exc:
-            raise _translate(exc, f"{method} {path}") from None
+            raise _translate(exc, f"{method} {path}", self.name) from None
 
     @asynccontextmanager
     async def stream(self, path: str, body: dict[str, Any],
@@ -90,7 +93,7 @@ class Upstream:
             req = self._client.build_request("POST", path, json=body, headers=headers)
             resp = await self._client.send(req, stream=True)
         except httpx.HTTPError as exc:
-            raise _translate(exc, f"POST {path}") from None
+            raise _translate(exc, f"POST {path}", self.name) from None
         try:
             yield resp
         finally:
@@ -101,7 +104,7 @@ class Upstream:
             async for chunk in resp.aiter_bytes():  # decoded, should the server compress
                 yield chunk
         except httpx.HTTPError as exc:
-            raise _translate(exc, "streaming") from None
+            raise _translate(exc, "streaming", self.name) from None
 
     async def models(self, *, refresh: bool = False) -> dict[str, ModelInfo]:
         """``{id: ModelInfo}`` from ``/v1/models``, cached for ``models_ttl_s``."""
@@ -111,31 +114,18 @@ class Upstream:
                 return self._models
             resp = await self.request("GET", "/v1/models", timeout=self.config.connect_timeout_s + 5)
             if resp.status_code != 200:
-                raise UpstreamError(f"upstream /v1/models answered HTTP {resp.status_code}")
-            data = resp.json().get("data", [])
-            self._models = {m["id"]: ModelInfo(m["id"], m.get("max_model_len"), m.get("root"))
-                            for m in data}
+                raise UpstreamError(f"upstream `{self.name}` /v1/models answered HTTP "
+                                    f"{resp.status_code}")
+            try:
+                data = resp.json().get("data", [])
+                models = {m["id"]: ModelInfo(m["id"], m.get("max_model_len"), m.get("root"),
+                                             self.base_url) for m in data}
+            except (ValueError, TypeError, KeyError, AttributeError):
+                raise UpstreamError(f"upstream `{self.name}` /v1/models answered something "
+                                    "that is not a model list") from None
+            self._models = models
             self._models_at = time.monotonic()
             return self._models
-
-    async def model(self, name: str) -> ModelInfo | None:
-        models = await self.models()
-        if name not in models:
-            models = await self.models(refresh=True)  # a model may have been added since
-        return models.get(name)
-
-    async def chat_once(self, model: str, messages: list[dict[str, Any]], *, salt: str,
-                        max_tokens: int, temperature: float = 0.0,
-                        extra: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """A non-streamed chat for the sidecar's own work (summaries, facts)."""
-        body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-                "temperature": temperature, "cache_salt": salt, **(extra or {})}
-        resp = await self.request("POST", "/v1/chat/completions", json=body)
-        if resp.status_code != 200:
-            raise UpstreamError(f"upstream chat answered HTTP {resp.status_code}: "
-                                f"{resp.text[:200]}")
-        data = resp.json()
-        return data["choices"][0]["message"].get("content") or "", data.get("usage") or {}
 
     async def metrics_text(self) -> str | None:
         try:

@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from cwm_plugin.errors import CWMError, InvalidInput
+from cwm_plugin.errors import CWMError, InvalidInput, UpstreamError
 from cwm_plugin.sidecar.identity import bearer_key, validate_session
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
@@ -112,22 +112,26 @@ def _hits(metrics_text: str | None) -> float:
 async def warm_up(sidecar: Any, token_ids: list[int], salt: str, model: str | None
                   ) -> dict[str, Any]:
     """One ``max_tokens=1`` completion of the window's tokens under ``salt``: vLLM loads the
-    restored blocks now; its ``external_prefix_cache_hits`` says how many tokens it restored."""
-    models = await sidecar.upstream.models()
-    name = model if model in models else next(iter(models), None)
-    if name is None:
-        raise WindowsUnavailable("the upstream serves no model to warm up with")
-    before = _hits(await sidecar.upstream.metrics_text())
+    restored blocks now; its ``external_prefix_cache_hits`` says how many tokens it restored
+    (on the upstream that answered: ``model``'s, else the default upstream's first model)."""
+    router = sidecar.router
+    try:
+        route = await router.any_model(model)
+    except UpstreamError as exc:
+        raise WindowsUnavailable("no upstream serves a model to warm up with",
+                                 hint=exc.message) from None
+    before = {e.name: _hits(await e.client.metrics_text()) for e in route.candidates if e.up}
     t0 = time.perf_counter()
-    resp = await sidecar.upstream.request("POST", "/v1/completions", json={
-        "model": name, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+    ep, resp = await router.post(route, "/v1/completions", {
+        "model": route.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
         "cache_salt": salt})
     seconds = time.perf_counter() - t0
     if resp.status_code != 200:
         raise CWMError(f"the warm-up request answered HTTP {resp.status_code}",
                        hint="the window is thawed; the next request restores it instead")
-    hits = _hits(await sidecar.upstream.metrics_text()) - before
-    return {"model": name, "hits": int(hits), "seconds": round(seconds, 3),
+    hits = _hits(await ep.client.metrics_text()) - before.get(ep.name, 0.0)
+    return {"model": route.model, "upstream": ep.name, "hits": int(hits),
+            "seconds": round(seconds, 3),
             "prompt_tokens": (resp.json().get("usage") or {}).get("prompt_tokens")}
 
 
@@ -246,10 +250,11 @@ def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze |
         if used is None:
             used = sidecar.tracker.get(tenant, session).last_prompt_tokens
         limit = body.max_tokens
-        if limit is None:
-            models = await sidecar.upstream.models()
-            info = models.get(body.model) if body.model else next(iter(models.values()), None)
-            limit = getattr(info, "max_model_len", None) or 0
+        if limit is None:  # the context limit of the upstream serving the model
+            try:
+                limit = (await sidecar.router.any_model(body.model)).info().max_model_len or 0
+            except UpstreamError:
+                limit = 0
         a = auto_of()
         return await asyncio.to_thread(a.check, tenant, session, salt_of(tenant, session),
                                        used_tokens=used, max_tokens=limit, model=body.model)

@@ -10,6 +10,7 @@ Streams are written with CRLF line ends when ``crlf`` is set (the SSE format all
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -37,6 +38,8 @@ class FakeUpstream:
         self.script = script or (lambda body: {"content": "ok"})
         self.crlf = False
         self.embeddings_down = False  # answer /v1/embeddings with 503 (an outage)
+        self.chat_status = 200  # answer chats with this HTTP status (500: a broken engine)
+        self.chat_delay = 0.0  # seconds before a chat is answered (a stuck engine)
         self.calls: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.app = FastAPI()
         self._routes()
@@ -118,9 +121,20 @@ class FakeUpstream:
             self.calls.append((f"/{path}", body, dict(request.headers)))
             rid = {"x-request-id": request.headers.get("x-request-id", "fake-rid")}
             if path == "v1/chat/completions":
+                await asyncio.sleep(self.chat_delay)
+                if self.chat_status != 200:
+                    return JSONResponse({"error": {"message": "engine dead", "type": "x",
+                                                   "code": self.chat_status}},
+                                        status_code=self.chat_status)
                 if body.get("stream"):
                     return self._stream(body)
                 return JSONResponse(self._chat(body), headers=rid)
+            if path == "v1/completions":
+                return JSONResponse({"id": "cmpl-fake", "object": "text_completion",
+                                     "created": 0, "model": body["model"], "choices": [
+                                         {"index": 0, "text": self.script(body).get("content"),
+                                          "finish_reason": "stop"}],
+                                     "usage": usage_of(body, 3)}, headers=rid)
             if path == "v1/embeddings" and self.embeddings_down:
                 return JSONResponse({"error": {"message": "down"}}, status_code=503)
             if path == "v1/embeddings":

@@ -1,0 +1,101 @@
+"""Usage accounting per principal (today: the tenant) and model: tokens in and out, and their
+cost at the configured prices (``pricing``), as metrics and ``GET /v1/usage``.
+
+Every answer that reports ``usage`` is recorded: the clients' requests (``kind: client``: chat,
+completions, responses; the ``cwm_sidecar_{prompt,completion,cached_prompt}_tokens`` counters)
+and the sidecar's own work for a tenant (``kind: background``: summaries, facts;
+``cwm_sidecar_background_tokens``); both cost (``cwm_sidecar_cost``). Cost = uncached prompt
+tokens x ``input_per_1m`` + cached ones x ``cached_input_per_1m`` (else the input price) +
+completion tokens x ``output_per_1m``, per million. ``GET /v1/usage`` answers the calling
+tenant's own rows only (per model, upstream and kind, since the app started; the Prometheus
+counters are what outlives a restart), ``?model=`` narrows it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from cwm_plugin.sidecar.identity import bearer_key
+from cwm_plugin.sidecar.metrics import SidecarMetrics, tokens_of
+from cwm_plugin.sidecar.settings import PricingSettings
+
+CLIENT, BACKGROUND = "client", "background"
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    cost: float = 0.0
+
+
+class UsageLedger:
+    """Tallies keyed by (principal, model, upstream, kind), and the metrics that go with them."""
+
+    def __init__(self, pricing: PricingSettings, metrics: SidecarMetrics) -> None:
+        self.pricing = pricing
+        self.metrics = metrics
+        self.since = time.time()
+        self._rows: dict[tuple[str, str, str, str], Tally] = {}
+        self._lock = threading.Lock()
+
+    def cost(self, model: str, prompt: int, completion: int, cached: int) -> float:
+        p = self.pricing.for_model(model)
+        cached_price = p.input_per_1m if p.cached_input_per_1m is None else p.cached_input_per_1m
+        return ((prompt - cached) * p.input_per_1m + cached * cached_price
+                + completion * p.output_per_1m) / 1e6
+
+    def record(self, principal: str, model: str, upstream: str, usage: dict[str, Any] | None,
+               kind: str = CLIENT) -> None:
+        """Count one answer's ``usage`` (nothing when it reported none)."""
+        if not isinstance(usage, dict) or not usage:
+            return
+        prompt, completion, cached = tokens_of(usage)
+        cost = self.cost(model, prompt, completion, cached)
+        with self._lock:
+            t = self._rows.setdefault((principal, model, upstream, kind), Tally())
+            t.requests += 1
+            t.prompt_tokens += prompt
+            t.completion_tokens += completion
+            t.cached_tokens += cached
+            t.cost += cost
+        if kind == CLIENT:
+            self.metrics.observe_usage(principal, model, usage)
+        else:
+            self.metrics.background_tokens.labels(principal, model, "in").inc(prompt)
+            self.metrics.background_tokens.labels(principal, model, "out").inc(completion)
+        self.metrics.cost.labels(principal, model, kind).inc(cost)
+
+    def report(self, principal: str, model: str | None = None) -> dict[str, Any]:
+        """``principal``'s rows and their total (the body of ``GET /v1/usage``)."""
+        with self._lock:
+            rows = [({"model": m, "upstream": u, "kind": k}, asdict(t))
+                    for (p, m, u, k), t in sorted(self._rows.items())
+                    if p == principal and (model is None or m == model)]
+        total = Tally()
+        for _, t in rows:
+            for name, value in t.items():
+                setattr(total, name, getattr(total, name) + value)
+        return {"object": "usage", "principal": principal, "since": self.since,
+                "currency": self.pricing.currency,
+                "data": [{**key, **t, "cost": round(t["cost"], 9)} for key, t in rows],
+                "total": {**asdict(total), "cost": round(total.cost, 9)}}
+
+
+def usage_router(sidecar: Any) -> APIRouter:
+    """``GET /v1/usage``: the calling tenant's own usage."""
+    router = APIRouter(prefix="/v1")
+
+    @router.get("/usage")
+    async def usage(request: Request, model: str | None = None) -> dict[str, Any]:
+        tenant = sidecar.auth.tenant_for(bearer_key(request.headers)).name
+        return sidecar.usage.report(tenant, model)
+
+    return router

@@ -1,0 +1,185 @@
+"""The activity log through the sidecar, over real HTTP: appends name the authenticated tenant,
+the quick and full views, a line per chat turn, and no route that rewrites or deletes an entry;
+``cwm activity verify`` names an edited file. The upstream is ``fake_upstream.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fake_upstream import FakeUpstream
+from sidecar_helpers import KEYS, chat, make_settings, metric_value, runtime, wait_idle
+
+from cwm_plugin.activity.log import ActivityLog
+from cwm_plugin.sidecar.app import create_app
+from cwm_plugin.sidecar.serving import ServerThread
+
+pytestmark = pytest.mark.unit
+
+
+def auth(tenant: str, **extra: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[tenant]}", **extra}
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[ServerThread]:
+    with ServerThread(FakeUpstream(model="tiny", max_model_len=4096).app) as srv:
+        yield srv
+
+
+def sidecar(upstream: ServerThread, root: Path, **activity) -> ServerThread:
+    settings = make_settings(upstream.url, root / "memory", "tiktoken:cl100k_base",
+                             activity={"root": str(root / "activity"), **activity})
+    return ServerThread(create_app(settings)).start()
+
+
+def test_appends_name_the_caller_and_read_back_quick_and_full(upstream, tmp_path):
+    srv = sidecar(upstream, tmp_path)
+    try:
+        url = f"{srv.url}/v1/activity"
+        assert chat(srv, "acme", "Plan the release", session="s1").status_code == 200
+        r = httpx.post(url, headers=auth("acme", **{"X-Session-Id": "s1",
+                                                    "X-CWM-Project": "cwm plugin"}),
+                       json={"what": "drafted the release notes", "output": "notes.md"})
+        assert r.status_code == 201, r.text
+        e = r.json()
+        assert (e["principal"], e["session"], e["project"]) == ("acme", "s1", "cwm plugin")
+        # no context use given: the session's last turn through the sidecar, and its limit
+        state = runtime(srv).tracker.get("acme", "s1")
+        assert (e["used_tokens"], e["limit_tokens"]) == (state.last_prompt_tokens, 4096)
+        assert e["percent"] == round(100 * state.last_prompt_tokens / 4096, 1)
+        for i in range(12):
+            httpx.post(url, headers=auth("beta"), json={
+                "what": f"step {i}", "project": "other", "used_tokens": i, "limit_tokens": 10})
+        quick = httpx.get(url, headers=auth("acme")).json()
+        assert quick["view"] == "quick" and len(quick["data"]) == 10
+        assert quick["data"][-1]["what"] == "step 11" and quick["head"] == \
+            quick["data"][-1]["hash"]
+        full = httpx.get(f"{url}?view=full&offset=0&limit=5", headers=auth("gamma")).json()
+        assert full["total"] == 13 and full["data"][0]["principal"] == "acme"
+        assert len(full["data"]) == 5
+        assert httpx.get(f"{url}?view=nope", headers=auth("acme")).status_code == 400
+        assert httpx.get(url).status_code == 401
+        assert httpx.post(url, json={"what": "x"}).status_code == 401
+        # the principal is the key's, never the body's; bad fields are refused
+        for bad in ({"what": "x", "principal": "beta"}, {"what": ""},
+                    {"what": "x", "session": "../x"}, {"what": "x", "used_tokens": -1}):
+            r = httpx.post(url, headers=auth("acme"), json=bad)
+            assert r.status_code == 400 and r.json()["error"]["type"] == \
+                "invalid_request_error", bad
+        assert ActivityLog(tmp_path / "activity").verify() == []
+    finally:
+        srv.stop()
+
+
+def test_read_own_shows_a_principal_only_its_entries(upstream, tmp_path):
+    srv = sidecar(upstream, tmp_path, read="own")
+    try:
+        for tenant in ("acme", "beta", "acme"):
+            httpx.post(f"{srv.url}/v1/activity", headers=auth(tenant), json={"what": tenant})
+        for view in ("quick", "full"):
+            got = httpx.get(f"{srv.url}/v1/activity?view={view}", headers=auth("beta")).json()
+            assert [e["principal"] for e in got["data"]] == ["beta"]
+    finally:
+        srv.stop()
+
+
+def test_each_chat_turn_is_logged_with_its_context_use(upstream, tmp_path):
+    srv = sidecar(upstream, tmp_path, log_turns=True, turn_preview_chars=20)
+    try:
+        r = chat(srv, "acme", "Summarise the meeting about the Bernina line, please",
+                 session="t1", headers={"X-CWM-Project": "rail"})
+        assert r.status_code == 200
+        wait_idle(srv)
+        (e,) = ActivityLog(tmp_path / "activity").entries()
+        assert (e.principal, e.session, e.project, e.model) == ("acme", "t1", "rail", "tiny")
+        assert e.what == "chat: Summarise the meetin" and e.output == "ok"
+        assert (e.used_tokens, e.limit_tokens) == (r.json()["usage"]["prompt_tokens"], 4096)
+        # a log that cannot be written never fails a turn: counted instead
+        (tmp_path / "activity" / "activity.jsonl").unlink()
+        (tmp_path / "activity" / "activity.jsonl").mkdir()
+        assert chat(srv, "acme", "again", session="t1").status_code == 200
+        wait_idle(srv)
+        assert metric_value(srv, "cwm_sidecar_memory_failures_total", tenant="acme",
+                            stage="activity") == 1
+    finally:
+        srv.stop()
+
+
+def test_no_route_rewrites_or_deletes_an_entry(upstream, tmp_path):
+    srv = sidecar(upstream, tmp_path)
+    try:
+        url = f"{srv.url}/v1/activity"
+        first = httpx.post(url, headers=auth("acme"), json={"what": "one"}).json()
+        httpx.post(url, headers=auth("acme"), json={"what": "two"})
+        files = {p.name: p.read_bytes() for p in (tmp_path / "activity").glob("activity.*")}
+        # every route the app has under /v1/activity, with its path parameters filled in
+        paths = {re.sub(r"\{[^}]+\}", first["hash"], r.path) for r in srv.app.routes
+                 if getattr(r, "path", "").startswith("/v1/activity")}
+        assert paths == {"/v1/activity", f"/v1/activity/{first['hash']}"}
+        paths |= {"/v1/activity/0", "/v1/activity/entries/1"}
+        for path in sorted(paths):
+            for method in ("PUT", "PATCH", "DELETE"):
+                r = httpx.request(method, f"{srv.url}{path}", headers=auth("acme"),
+                                  json={"what": "rewritten", "hash": first["hash"]})
+                assert r.status_code == 405, (method, path, r.text)
+                assert r.json()["error"]["code"] == "append_only"
+                assert r.headers["allow"] == "GET, POST"
+            if path != "/v1/activity":  # no entry has a URL of its own
+                for method in ("GET", "POST"):
+                    r = httpx.request(method, f"{srv.url}{path}", headers=auth("acme"),
+                                      json={"what": "rewritten"})
+                    assert r.status_code == 404, (method, path)
+        # nor can a new entry claim another's place in the chain
+        for fields in ({"hash": "0" * 64}, {"prev": first["hash"]}, {"time": 1.0}):
+            r = httpx.post(url, headers=auth("acme"), json={"what": "x", **fields})
+            assert r.status_code == 400
+        assert {p.name: p.read_bytes() for p in (tmp_path / "activity").glob("activity.*")} \
+            == files
+        assert ActivityLog(tmp_path / "activity").verify() == []
+    finally:
+        srv.stop()
+
+
+def test_without_an_activity_section_the_routes_answer_503(upstream, tmp_path):
+    settings = make_settings(upstream.url, tmp_path, "tiktoken:cl100k_base")
+    with ServerThread(create_app(settings)) as srv:
+        r = httpx.post(f"{srv.url}/v1/activity", headers=auth("acme"), json={"what": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "activity_unavailable"
+
+
+def cwm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cwm_plugin.cli", *args], capture_output=True,
+                          text=True, env={**os.environ}, timeout=120)
+
+
+def test_the_cli_shows_the_log_and_verify_names_an_edited_file(tmp_path):
+    log = ActivityLog(tmp_path)
+    from cwm_plugin.activity.log import Entry
+
+    for i in range(12):
+        log.append(Entry(principal="acme", what=f"step {i}", session="s"))
+    shown = cwm("activity", "show", "--quick", "--root", str(tmp_path))
+    assert shown.returncode == 0 and len(shown.stdout.splitlines()) == 10
+    assert "**acme** (session s): step 11" in shown.stdout.splitlines()[-1]
+    full = cwm("activity", "show", "--json", "--root", str(tmp_path), "--offset", "10")
+    assert [json.loads(x)["what"] for x in full.stdout.splitlines()] == ["step 10", "step 11"]
+    ok = cwm("activity", "verify", "--root", str(tmp_path))
+    assert ok.returncode == 0 and "intact, 12 entries" in ok.stdout
+    text = log.jsonl.read_text().replace('"step 5"', '"step five"')
+    log.jsonl.write_text(text)
+    bad = cwm("activity", "verify", "--root", str(tmp_path))
+    assert bad.returncode == 1
+    assert "activity.jsonl line 6 was edited" in bad.stderr
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text("activity: {root: .}\n")
+    assert cwm("activity", "verify", "--config", str(cfg)).returncode == 1
+    nowhere = cwm("activity", "show")
+    assert nowhere.returncode == 2 and "say where the log is" in nowhere.stderr

@@ -1,0 +1,76 @@
+"""Failover between two real ``vllm serve`` processes of one model sharing a Redis KV tier.
+
+A conversation runs on server A through the sidecar; A is stopped (the connector flushes its
+saves to Redis on the way down); the next turn goes to server B, which restores the earlier
+prefix from Redis (``vllm:external_prefix_cache_hits``) instead of recomputing it, and answers
+exactly what a cold recompute on B answers.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from sidecar_helpers import KEYS, make_settings
+
+from cwm_plugin.sidecar.app import create_app
+from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.vllm_server import cwm_connector_args
+
+pytestmark = [pytest.mark.e2e, pytest.mark.redis]
+HITS = "vllm:external_prefix_cache_hits"
+BLOCK = 128  # vLLM's block size on CPU: hits come in whole blocks
+WORDS = ["river", "mountain", "coffee", "letter", "garden", "window", "token", "memory",
+         "station", "glacier", "tunnel", "valley"]
+
+
+def text(n: int) -> str:
+    return " ".join(WORDS[(i * 7 + i // 5) % len(WORDS)] for i in range(n))
+
+
+def test_a_session_that_fails_over_restores_its_kv_on_the_other_server(
+        tiny_model, vllm_factory, redis_server, tmp_path):
+    def server(name: str):
+        store = {"disk_path": str(tmp_path / name), "redis_url": redis_server.url}
+        return vllm_factory(tiny_model, extra_args=cwm_connector_args(store))
+
+    a, b = server("a").start(), server("b").start()
+    settings = make_settings(a.base_url, tmp_path / "memory", tiny_model, memory_enabled=False,
+                             upstreams=[{"name": "a", "url": a.base_url},
+                                        {"name": "b", "url": b.base_url}],
+                             routing={"health": {"interval_s": 0}})
+    with ServerThread(create_app(settings)) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEYS["acme"], max_retries=0,
+                               default_headers={"X-Session-Id": "failover"}, timeout=600)
+
+        def turn(messages: list[dict]):
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=messages, max_tokens=16, temperature=0.0,
+                extra_body={"return_token_ids": True})
+            return raw.headers["x-cwm-upstream"], raw.parse()
+
+        history = [{"role": "system", "content": "You are a careful assistant."},
+                   {"role": "user", "content": text(250)}]
+        where, first = turn(history)
+        assert where == "a"
+        prefix = first.usage.prompt_tokens
+        assert prefix >= 4 * BLOCK
+        history += [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "And what comes next? " + text(10)}]
+        a.stop()  # SIGTERM: the connector flushes what it saved to Redis before exiting
+        assert b.metric(HITS) == 0
+
+        where, second = turn(history)
+        assert where == "b"
+        restored = b.metric(HITS)
+        assert restored >= prefix // BLOCK * BLOCK, (restored, prefix)
+        assert restored < second.usage.prompt_tokens
+
+        # The same prompt recomputed cold on B (a salt nobody used: no hit anywhere).
+        cold = b.chat(history, max_tokens=16, cache_salt="cold-reference",
+                      return_token_ids=True)
+        assert b.metric(HITS) == restored, "the reference was not a cold recompute"
+        assert cold["usage"]["prompt_tokens"] == second.usage.prompt_tokens
+        assert second.choices[0].token_ids == cold["choices"][0]["token_ids"]
+        assert second.choices[0].message.content == cold["choices"][0]["message"]["content"]
+        print(f"failover: earlier prefix {prefix} tokens, restored on B {restored:.0f} of "
+              f"{second.usage.prompt_tokens}; answer identical to a cold recompute")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cwm_plugin.kernels import kvsplit
+from cwm_plugin.kernels import jit, kvsplit
 
 TRANSFORMS = ("none", "bytes", "kvsplit")
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -99,17 +99,22 @@ def byte_planes(raw: np.ndarray, size: int) -> list[np.ndarray]:
 
 
 def join_planes(planes: list[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
-    """Inverse of :func:`byte_planes`: interleave the planes back into one flat byte array."""
+    """Inverse of :func:`byte_planes`: interleave the planes back into one flat byte array
+    (2- and 4-byte elements with the compiled kernels of :mod:`.jit`)."""
     k = len(planes)
     n = planes[0].size if planes else 0
     if out is None:
         out = np.empty(n * k, np.uint8)
     if k == 1:
         out[:] = planes[0]
-        return out
-    rows = out.reshape(n, k)
-    for i, p in enumerate(planes):
-        rows[:, k - 1 - i] = p
+    elif k == 2 and out.ctypes.data % 2 == 0:
+        jit.interleave2(*map(jit.readonly, planes), out.view("<u2"))
+    elif k == 4 and out.ctypes.data % 4 == 0:
+        jit.interleave4(*map(jit.readonly, planes), out.view("<u4"))
+    else:
+        rows = out.reshape(n, k)
+        for i, p in enumerate(planes):
+            rows[:, k - 1 - i] = p
     return out
 
 
@@ -182,7 +187,7 @@ def join(parts: Split, dtype: torch.dtype, shape: tuple[int, ...], *,
         _expect(names, [f"plane{i}" for i in range(k)])
         join_planes(streams, out)
     else:
-        kvsplit.join(dict(zip(names, streams, strict=True)), shape, out, scratch)
+        kvsplit.join(dict(zip(names, streams, strict=True)), shape, out)
     if into is not None:
         return into
     if n == 0:

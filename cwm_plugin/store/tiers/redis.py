@@ -72,6 +72,7 @@ class RedisTier(Tier):
         self.ttl_s = ttl_s
         self.max_value = max_value_bytes
         self.read_chunk = max(1, read_chunk_bytes // max_value_bytes)
+        self.read_batch = self.read_chunk
         self.conn = RedisConnection(url, timeout_s=timeout_s, cluster=cluster, scripts=SCRIPTS,
                                     backoff_s=backoff_s, max_backoff_s=max_backoff_s)
         self._call = self.conn.call

@@ -38,6 +38,7 @@ from cwm_plugin.store.metrics import StoreMetrics
 from cwm_plugin.store.opening import open_tiers
 from cwm_plugin.store.queue import SaveQueue
 from cwm_plugin.store.reading import ReadPath
+from cwm_plugin.store.threads import unpin
 from cwm_plugin.store.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class KVStore(ReadPath, KeySpace):
                          if config.encryption_key else None)
         self._dropped: set[bytes] = set()
         self._drops_overflow = False
-        self._decoder = (cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-decode")
+        self._decoder = (cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-decode",
+                                               initializer=unpin)
                          if config.io_workers > 1 else None)
         self._closed = False
         self._gauges()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 import torch
 
 from cwm_plugin.memory.timing import Stages
+from cwm_plugin.store.threads import process_cpus
 from cwm_plugin.store.tiers.disk import advise_files
 
 pytestmark = pytest.mark.unit
@@ -134,3 +136,26 @@ def test_advise_files_drops_and_hints_pages(tmp_path):
     assert advise_files([*paths, tmp_path / "missing"], "DONTNEED") == 3
     assert advise_files(paths, "WILLNEED") == 3
     assert advise_files(paths, "NO_SUCH_ADVICE") == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs")
+def test_pool_threads_leave_the_core_their_parent_was_bound_to(make_store, kv_block):
+    # vLLM binds its worker's main thread to one core; the store's threads started from it
+    # must still decode on every core.
+    seen: dict[str, set[int]] = {}
+
+    def pinned_parent() -> None:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        s = make_store(memory_bytes=1 << 24, io_workers=2)
+        blocks = fill(s, 4, kv_block)
+        s.read_into(list(blocks), lambda i, t: seen.setdefault(
+            threading.current_thread().name, os.sched_getaffinity(0)) is not None,
+                    shape=SHAPE, dtype=torch.bfloat16)
+        seen["parent"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=pinned_parent)
+    t.start()
+    t.join()
+    assert len(seen.pop("parent")) == 1
+    assert seen and all(cpus == process_cpus() and len(cpus) >= 2 for cpus in seen.values())

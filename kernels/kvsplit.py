@@ -31,6 +31,9 @@ block vs 0.65 ms).
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 
 from cwm_plugin.kernels import jit
@@ -42,10 +45,10 @@ SIGN_COMPRESSES = 0.9   # keep signs apart when their packed plane zstd's below 
 def matrices(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
     """(groups, halves, rows, cols): the tensor as ``groups * halves`` matrices of
     ``rows x cols``; ``halves`` is 2 when the second-last axis could be cut in two."""
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape)
     if len(shape) < 2 or n == 0:
         return 1, 1, 1, n
-    g = int(np.prod(shape[:-2], dtype=np.int64))
+    g = math.prod(shape[:-2])
     r, c = shape[-2], shape[-1]
     if r % 2 == 0:
         return g, 2, r // 2, c
@@ -54,6 +57,12 @@ def matrices(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
 
 def expected_sizes(shape: tuple[int, ...], names: list[str]) -> dict[str, tuple[int, int]]:
     """Stream name -> (min, max) byte size a well-formed blob of ``shape`` can have."""
+    return _expected_sizes(tuple(shape), tuple(names))
+
+
+@functools.lru_cache(maxsize=256)      # every block of a model asks the same: a decode's overhead
+def _expected_sizes(shape: tuple[int, ...], names: tuple[str, ...]
+                    ) -> dict[str, tuple[int, int]]:
     g, h, r, c = matrices(shape)
     n = g * h * r * c
     per_half = g * r * c

@@ -22,6 +22,8 @@ cost page faults that, on small VMs, take as long as the arithmetic.
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,7 +59,7 @@ class Split:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def best_transform(dtype: torch.dtype) -> str:
@@ -142,7 +144,13 @@ def expected_sizes(transform: str, dtype: torch.dtype, shape: tuple[int, ...],
                    names: list[str]) -> list[tuple[int, int]]:
     """(min, max) bytes of each named stream of a well-formed blob; checked before anything
     is allocated. Raises ValueError for names the transform does not make."""
-    n = int(np.prod(shape, dtype=np.int64))
+    return _expected_sizes(transform, dtype, tuple(shape), tuple(names))
+
+
+@functools.lru_cache(maxsize=256)      # every block of a model asks the same: a decode's overhead
+def _expected_sizes(transform: str, dtype: torch.dtype, shape: tuple[int, ...],
+                    names: tuple[str, ...]) -> list[tuple[int, int]]:
+    n = math.prod(shape)
     k = itemsize(dtype)
     if transform == "none":
         sizes = {"raw": (n * k, n * k)}
@@ -164,7 +172,7 @@ def join(parts: Split, dtype: torch.dtype, shape: tuple[int, ...], *,
          into: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`split`: rebuild a tensor of ``dtype`` and ``shape``, new or written
     into ``into`` (a contiguous CPU tensor of that dtype and shape, e.g. one row of a batch)."""
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape)
     k = itemsize(dtype)
     names, streams = parts.names, parts.streams
     for name, s, (lo, hi) in zip(names, streams, expected_sizes(parts.transform, dtype, shape,

@@ -65,10 +65,13 @@ def _usage(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(usage, indent=2))
         return 0
-    print(f"{'tier':8s} {'blobs':>10s} {'bytes':>16s} {'budget':>16s}")
+    print(f"{'tier':8s} {'blobs':>10s} {'bytes':>16s} {'budget':>16s} {'keys':>10s} "
+          f"{'pinned bytes':>16s}")
     for tier, u in usage.items():
         budget = "-" if u["budget"] is None else f"{u['budget']:,}"
-        print(f"{tier:8s} {u['blobs']:>10,} {u['bytes']:>16,} {budget:>16s}")
+        keys = "-" if u.get("keys") is None else f"{u['keys']:,}"
+        print(f"{tier:8s} {u['blobs']:>10,} {u['bytes']:>16,} {budget:>16s} {keys:>10s} "
+              f"{u.get('pinned_bytes') or 0:>16,}")
     return 0
 
 

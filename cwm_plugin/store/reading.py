@@ -67,17 +67,20 @@ def _scratch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class ReadPath:
     """Mixin of :class:`KVStore` (which provides the tiers, pool, metrics and writes)."""
 
-    def get(self, key: bytes, *, salt: str | None = None) -> torch.Tensor | None:
-        return self.get_many([key], salt=salt)[0]
+    def get(self, key: bytes, *, salt: str | None = None,
+            primary: bool = False) -> torch.Tensor | None:
+        return self.get_many([key], salt=salt, primary=primary)[0]
 
     def get_many(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None,
-                 layout: str | None = None, salt: str | None = None,
+                 layout: str | None = None, salt: str | None = None, primary: bool = False,
                  stages: Stages | None = None) -> list[torch.Tensor | None]:
         """Decoded tensors (None for a miss) for ``keys``, in order. ``out`` (optional,
         ``[len(keys), *block]``, contiguous CPU): hits whose dtype and shape match are decoded
         straight into ``out[i]``. ``layout``: the KV layout the blobs must carry (another is
         an incompatible, counted miss). ``salt``: the request's cache_salt (opens sealed
-        blobs)."""
+        blobs). ``primary``: what the primary tier says is the answer (a local copy of a
+        record another server rewrote or deleted is stale); the other tiers are asked only
+        while the primary is unreachable."""
         if out is not None and (out.dim() == 0 or out.shape[0] != len(keys)):
             raise ValueError(f"out has {tuple(out.shape)[:1]} rows for {len(keys)} keys")
         found: list[torch.Tensor | None] = [None] * len(keys)
@@ -87,7 +90,7 @@ class ReadPath:
                                           layout=layout, cipher=cipher, stages=st)
             return found[h.index] is not None
 
-        self._read(keys, keep, salt, stages)
+        self._read(keys, keep, salt, stages, primary=primary)
         return found
 
     def read_into(self, keys: Sequence[bytes], sink: Sink, *, shape: tuple[int, ...],
@@ -117,13 +120,16 @@ class ReadPath:
         return self._read(keys, deliver, salt, stages)
 
     def _read(self, keys: Sequence[bytes], handle, salt: str | None,
-              stages: Stages | None) -> list[str | None]:
+              stages: Stages | None, *, primary: bool = False) -> list[str | None]:
         keys = [bytes(k) for k in keys]
         served: list[str | None] = [None] * len(keys)
         cipher = self._cipher(salt)
         todo = list(range(len(keys)))
-        for tier in self.tiers:
-            if not todo:
+        order = self.tiers
+        if primary and self.primary is not None:
+            order = [self.primary, *(t for t in self.tiers if t is not self.primary)]
+        for n, tier in enumerate(order):
+            if not todo or (primary and n > 0 and getattr(order[0], "available", True)):
                 break
             jobs: list[tuple[_Hit, cf.Future | None, Stages]] = []
 

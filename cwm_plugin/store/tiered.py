@@ -119,7 +119,7 @@ class KVStore(ReadPath, KeySpace):
         key = bytes(key)
         blob = self._encode(key, tensor, 0, layout, salt)
         blob_id = blob_id_of(blob)
-        primary = (self.redis or self.disk or self.memory)
+        primary = self.primary
         if primary is None:
             raise StorageFull("the store has no tier", hint="configure memory, disk or Redis")
         if not primary.put(blob_id, blob, key) or primary.lookup_many([key])[0] != blob_id:
@@ -129,10 +129,12 @@ class KVStore(ReadPath, KeySpace):
                 self._write(tier, key, blob_id, blob, replace=True)
         return True
 
-    def put_blob(self, key: bytes, blob: bytes) -> cf.Future:
+    def put_blob(self, key: bytes, blob: bytes, *, replace: bool = False) -> cf.Future:
         """Save an already encoded (or sealed) blob, checked to be ours, not decoded."""
         codec.peek(blob)
-        return self._submit(bytes(key), lambda k: self._store_blob(k, bytes(blob)))
+        return self._submit(bytes(key), lambda k: self._store_blob(k, bytes(blob),
+                                                                   replace=replace),
+                            replace=replace)
 
     def _submit(self, key: bytes, job, *, replace: bool = False) -> cf.Future:
         if self._saves.closed:
@@ -196,6 +198,12 @@ class KVStore(ReadPath, KeySpace):
             return tier.exists_many([key])[0]
         except TIER_ERRORS:
             return False
+
+    @property
+    def primary(self) -> Tier | None:
+        """The tier that decides for records every server rewrites (window manifests, context
+        records): Redis when configured (shared), else disk, else memory."""
+        return self.redis or self.disk or self.memory
 
     def quarantine(self, tier: Tier, blob_id: str, data: bytes | None, *, key: bytes = b"",
                    reason: str) -> None:

@@ -84,7 +84,7 @@ class WindowEngine:
     # --- manifests ----------------------------------------------------------------------------
 
     def _read(self, key: bytes, tenant: str) -> Manifest | None:
-        t = self.store.get(key, salt=manifest_salt(tenant))
+        t = self.store.get(key, salt=manifest_salt(tenant), primary=True)
         return Manifest.from_tensor(t) if t is not None else None
 
     def get(self, tenant: str, name: str) -> Manifest:
@@ -185,10 +185,10 @@ class WindowEngine:
                                 hint="choose another name or delete that window first")
         wait = self.wait_s if wait_s is None else wait_s
         deadline = time.monotonic() + wait
-        t = self.store.get(records.record_key(salt), salt=salt)
+        t = self.store.get(records.record_key(salt), salt=salt, primary=True)
         while t is None and time.monotonic() < deadline:   # the request just finished: its
             time.sleep(0.2)                                 # record is being written
-            t = self.store.get(records.record_key(salt), salt=salt)
+            t = self.store.get(records.record_key(salt), salt=salt, primary=True)
         if t is None:
             raise NotFound(f"session {session!r} has no saved context yet",
                            hint="send at least one request in that session (through vLLM "
@@ -267,7 +267,7 @@ class WindowEngine:
         self._update(m)
 
     def _check_model(self, m: Manifest, model: str) -> None:
-        t = self.store.get(records.served_key(model))
+        t = self.store.get(records.served_key(model), primary=True)
         if t is None:
             if model != m.model:
                 raise ModelMismatch(f"window {m.name!r} was frozen on model {m.model!r}, not "

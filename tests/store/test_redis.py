@@ -309,3 +309,20 @@ def test_a_black_holed_redis_costs_a_lookup_tens_of_ms_and_comes_back(make_store
         assert s.contains_many([k(b"x")]) == [True]
     finally:
         server.stop()
+
+
+def test_records_every_server_rewrites_are_read_from_redis_not_a_stale_local_copy(
+        redis_server, make_store, tmp_path):
+    a = make_store(redis_url=redis_server.url, disk_path=str(tmp_path / "a"),
+                   redis_write="through")
+    b = make_store(redis_url=redis_server.url, disk_path=str(tmp_path / "b"))
+    key = k(b"record")
+    a.put(key, torch.tensor([1]), replace=True).result()
+    assert b.get(key, primary=True).tolist() == [1]
+    assert b.get(key).tolist() == [1]
+    b.flush()                                   # b now holds a local copy (promotion)
+    a.put(key, torch.tensor([2]), replace=True).result()
+    assert b.get(key, primary=True).tolist() == [2]
+    assert b.get(key).tolist() == [1]           # the local copy is stale: why primary exists
+    a.delete_many([key])
+    assert b.get(key, primary=True) is None

@@ -49,7 +49,8 @@ def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = Non
                                 hash_algo="sha256", namespace=NS)
     for d, rank in WORKERS:
         for i, h in enumerate(hs):
-            store.put(bytes.fromhex(d) + rank.to_bytes(2, "big") + h, block(i, rank)).result()
+            store.put(bytes.fromhex(d) + rank.to_bytes(2, "big") + h, block(i, rank),
+                      salt=salt).result()
     store.put(records.record_key(salt), records.json_tensor(asdict(rec)), salt=salt,
               replace=True).result()
     return tokens
@@ -198,5 +199,59 @@ def test_eviction_pressure_never_takes_a_windows_blocks_or_manifest(tmp_path):
         assert eng.status("t1", "w")["restorable_tokens"] == 3 * BS
         eng.thaw("t1", "w", session="b", salt="b")
         assert all(t is not None for ts in session_blocks(store, tokens, "b", 3) for t in ts)
+    finally:
+        store.close()
+
+
+def test_a_window_that_lost_blocks_thaws_only_its_intact_prefix(store):
+    tokens = converse(store, "s", 4 * BS)
+    eng = WindowEngine(store)
+    m = eng.freeze("t1", "w", session="a", salt="s")
+    lost = bytes.fromhex(m.workers[1][0]) + (1).to_bytes(2, "big") + \
+        bytes.fromhex(m.window_hashes[2])
+    store.unpin_many([lost])
+    store.delete_many([lost])                       # as a failing disk or an operator would
+    st = eng.status("t1", "w")
+    assert st["restorable_tokens"] == 2 * BS and st["restorable_blocks"] == 2
+    r = eng.thaw("t1", "w", session="b", salt="b")
+    assert r.restorable_tokens == 2 * BS and r.blocks == 2
+    got = session_blocks(store, tokens, "b", 4)
+    assert [t is not None for t in got[0]] == [True, True, False, False]   # never past a gap
+    with pytest.raises(WindowIncomplete, match="2 of its 4 blocks"):
+        eng.clone("t1", "w", "w2")
+
+
+def test_a_thaw_for_another_engine_names_what_differs(store):
+    converse(store, "s", 2 * BS)
+    eng = WindowEngine(store)
+    eng.freeze("t1", "w", session="a", salt="s")
+    served = {**NS, "hf_overrides": '{"rope_theta": 20000}'}
+    store.put(records.served_key("tiny"), records.json_tensor({"namespace": served}),
+              replace=True).result()
+    with pytest.raises(ModelMismatch, match="hf_overrides"):
+        eng.thaw("t1", "w", session="b", salt="b", model="tiny")
+    store.put(records.served_key("tiny"), records.json_tensor({"namespace": NS}),
+              replace=True).result()
+    assert eng.thaw("t1", "w", session="b", salt="b", model="tiny").blocks == 2
+
+
+def test_with_encryption_at_rest_windows_reseal_for_each_salt(tmp_path):
+    store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0,
+                                encryption_key="22" * 32), registry=CollectorRegistry())
+    try:
+        tokens = converse(store, "salt-a", 3 * BS)
+        eng = WindowEngine(store)
+        eng.freeze("t1", "w", session="a", salt="salt-a")
+        eng.clone("t1", "w", "w2")
+        eng.thaw("t1", "w2", session="b", salt="salt-b")
+        hs = hashing.chain(tokens, salt="salt-b", block_size=BS, hash_block_size=BS,
+                           hash_algo="sha256", lora=None, num_blocks=3)
+        for d, rank in WORKERS:
+            keys = [bytes.fromhex(d) + rank.to_bytes(2, "big") + h for h in hs]
+            got = store.get_many(keys, salt="salt-b")          # opens under b's salt only
+            assert all(torch.equal(t, block(i, rank)) for i, t in enumerate(got))
+            assert store.get_many(keys, salt="salt-a") == [None] * 3
+        eng.delete("t1", "w")
+        assert eng.status("t1", "w2")["restorable_tokens"] == 3 * BS
     finally:
         store.close()

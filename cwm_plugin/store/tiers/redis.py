@@ -452,10 +452,20 @@ class RedisTier(Tier):
                 c.hset(self._stats, mapping={"bytes": total, "blobs": len(ids)})
                 return total
             size = self._call(run)
+            keys, pinned = self._call(self._index_counts)
         except TierUnavailable:
             return TierUsage(self.name, 0, 0, None)
         self.totals = (size, len(ids))
-        return TierUsage(self.name, size, len(ids), None)
+        return TierUsage(self.name, size, len(ids), None, keys=keys, pinned_bytes=pinned)
+
+    def _index_counts(self, c: Any) -> tuple[int, int]:
+        """(keys, pinned bytes) over every group's index and pin counter (SCAN)."""
+        keys = pinned = 0
+        for name in c.scan_iter(match=f"{self.prefix}:{{*}}:index", count=1000):
+            keys += int(c.zcard(name))
+        for name in c.scan_iter(match=f"{self.prefix}:{{*}}:pinbytes", count=1000):
+            pinned += int(c.get(name) or 0)
+        return keys, pinned
 
     def close(self) -> None:
         self.conn.close()

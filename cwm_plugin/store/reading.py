@@ -134,10 +134,16 @@ class ReadPath:
             jobs: list[tuple[_Hit, cf.Future | None, Stages]] = []
 
             def run(h: _Hit, st: Stages) -> bool:
-                return handle(h, cipher, st)
+                try:
+                    return handle(h, cipher, st)
+                except Exception as exc:      # a bug or no memory: a miss, never a crash
+                    self.metrics.errors.labels("decode_failed").inc()
+                    self._log_once("decode-failed", "store: decoding block %s failed: %r",
+                                   h.key.hex()[:16], exc)
+                    return False
 
-            t0 = time.perf_counter()
-            for hits in self._fetch(tier, [keys[i] for i in todo], todo):
+            fetching = Stages()
+            for hits in self._fetch(tier, [keys[i] for i in todo], todo, fetching):
                 for h in hits:
                     st = Stages()
                     if self._decoder is not None and len(todo) > 1:
@@ -146,7 +152,7 @@ class ReadPath:
                         jobs.append((h, None, st))
                         served[h.index] = tier.name if run(h, st) else None
             if stages is not None:
-                stages.add("read", time.perf_counter() - t0)
+                stages.merge(fetching)
             for h, fut, st in jobs:
                 if fut is not None and fut.result():
                     served[h.index] = tier.name
@@ -156,12 +162,17 @@ class ReadPath:
         self.metrics.misses.labels("all").inc(len(todo))
         return served
 
-    def _fetch(self, tier: Tier, keys: list[bytes], idx: list[int]):
-        """Yield the hits of ``keys`` in ``tier`` chunk by chunk (see the module docstring)."""
+    def _fetch(self, tier: Tier, keys: list[bytes], idx: list[int],
+               stages: Stages | None = None):
+        """Yield the hits of ``keys`` in ``tier`` chunk by chunk (see the module docstring);
+        the seconds spent looking up and fetching go to ``stages["read"]``."""
+        stages = stages if stages is not None else Stages()
+        t0 = time.perf_counter()
         ids = self._lookup_in(tier, keys)
         want = list(dict.fromkeys(b for b in ids if b is not None))
         if not want:
             self.metrics.misses.labels(tier.name).inc(len(keys))
+            stages.add("read", time.perf_counter() - t0)
             return
         by_blob: dict[str, list[tuple[int, bytes]]] = {}
         for i, key, b in zip(idx, keys, ids, strict=True):
@@ -169,15 +180,19 @@ class ReadPath:
                 by_blob.setdefault(b, []).append((i, key))
         with contextlib.suppress(*TIER_ERRORS):
             tier.prefetch(want)
+        stages.add("read", time.perf_counter() - t0)
         size = self._chunk_size(tier, len(want))
         n_hits = 0
         for start in range(0, len(want), size):
             part = want[start:start + size]
+            t0 = time.perf_counter()
             try:
                 datas = tier.get_many(part)
             except TIER_ERRORS as exc:
                 self._tier_failed(tier, "read", exc, "read_failed")
                 break
+            finally:
+                stages.add("read", time.perf_counter() - t0)
             hits: list[_Hit] = []
             dangling: list[tuple[bytes, str]] = []
             for b, data in zip(part, datas, strict=True):

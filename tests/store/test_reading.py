@@ -159,3 +159,25 @@ def test_pool_threads_leave_the_core_their_parent_was_bound_to(make_store, kv_bl
     t.join()
     assert len(seen.pop("parent")) == 1
     assert seen and all(cpus == process_cpus() and len(cpus) >= 2 for cpus in seen.values())
+
+
+def test_a_decoder_that_breaks_costs_its_block_and_never_raises(make_store, kv_block,
+                                                                monkeypatch):
+    from cwm_plugin.store import codec
+
+    s = make_store(memory_bytes=1 << 24)
+    blocks = fill(s, 3, kv_block)
+    real = codec.decode
+    calls = []
+
+    def flaky(data, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("no room for a block")
+        return real(data, **kw)
+
+    monkeypatch.setattr(codec, "decode", flaky)
+    served, got, stages, _ = collect(s, list(blocks))
+    assert served.count(None) == 1 and len(got) == 2
+    assert s.metrics.errors.labels("decode_failed")._value.get() == 1
+    assert stages.seconds["read"] > 0

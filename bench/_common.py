@@ -63,6 +63,55 @@ def machine() -> dict[str, Any]:
             "isa": isa}
 
 
+def load_average() -> list[float]:
+    """The 1-, 5- and 15-minute load averages (another process's work slows every figure)."""
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def evict_page_cache(path: str | Path) -> int:
+    """Write back, then drop every file under ``path`` from the page cache
+    (``posix_fadvise(DONTNEED)``), so that the next read comes from the device: a cold
+    start. Returns the number of files evicted."""
+    import os
+
+    from cwm_plugin.store.tiers.disk import advise_files
+
+    os.sync()
+    return advise_files([f for f in Path(path).rglob("*") if f.is_file()], "DONTNEED")
+
+
+def bandwidth(mb: int = 256, repeat: int = 3) -> dict[str, float]:
+    """This machine's one-thread memory copy (``memcpy_gbps``: ``mb`` MB between two buffers
+    already touched) and cached file read (``cached_read_gbps``: a file of ``mb`` MB in the
+    page cache read into a reused buffer), best of ``repeat``, in GB/s."""
+    import os
+    import tempfile
+
+    import numpy as np
+
+    n = mb << 20
+    a, b = np.ones(n, np.uint8), np.zeros(n, np.uint8)
+    copy = best_time(lambda: np.copyto(b, a), repeat)
+    with tempfile.NamedTemporaryFile(dir=Path.home(), prefix=".cwm-bench-bw-") as f:
+        f.write(a.data)
+        f.flush()
+        view = memoryview(b)
+
+        def read() -> None:
+            with open(f.name, "rb", buffering=0) as r:
+                got = 0
+                while got < n:
+                    got += r.readinto(view[got:]) or n
+        cached = best_time(read, repeat)
+        os.sync()
+    return {"memcpy_gbps": n / copy / 1e9, "cached_read_gbps": n / cached / 1e9}
+
+
 def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
     if not path:
         return

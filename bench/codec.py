@@ -45,6 +45,26 @@ token), V 2.63; K sign 0.73 (same-sign runs along a channel), V sign 0.99; manti
 given the exponent). Even an ideal coder of these contexts needs ~10.3 bits a value (ratio
 ~1.55), so byte transforms + zstd end near 1.53. vLLM's fp16 and fp32 KV use byte planes.
 
+Decode speed (one bf16 block of 2.95 MB, one core of this 2-core AVX-512 Xeon, the machine
+busy with other work: figures in ms a block, ratios between them hold)::
+
+    format 3 as first written (numpy): zstd 1.0, CRC-32 (zlib) 0.33,      3.6  (0.82 GB/s)
+      inverse transform 1.7 (~8 whole-array passes with temporaries)
+    CRC-32 by ISA-L (isal: zlib's values, 27 vs 4 GB/s)                   -0.28
+    inverse transform as numba kernels, one pass a stream over the block  0.8
+    ... matrix by matrix, each matrix's words in L1 between passes *      0.65
+    ... the same loops in C (gcc -O3 -march=native, via ctypes)           0.75-0.87 where numba
+                                                                          took 0.9-1.05 (busy)
+    stream sizes checked from a cache, no numpy/torch calls for shapes   -0.05..0.1
+    what is left: zstd's entropy decoding of the exponent codes (0.74 MB  ~0.8 of ~1.9
+      a block at ~1 GB/s) and K's signs; the transform, at memory speed
+
+numba (a dependency of vLLM, compiled for this CPU on first use and cached on disk) was kept
+over a C extension: about as fast, no compiler needed at install, and it vectorises for the
+CPU it runs on where a wheel's C would be built for a baseline ISA. ``decode_stages_ms``: the
+default's decode time a block split into decompress (header, zstd, checksums) and transform
+(their shares of one untimed pass).
+
     python bench/codec.py --json bench/results/codec.json [--quick] [--kv-dir DIR]
 """
 
@@ -61,10 +81,11 @@ import time
 from pathlib import Path
 
 import torch
-from _common import best_time, machine, table, write_json
+from _common import best_time, load_average, machine, table, write_json
 from safetensors.torch import load, load_file, save, save_file
 from tqdm import tqdm
 
+from cwm_plugin.memory.timing import Stages
 from cwm_plugin.store import codec
 
 log = logging.getLogger("bench.codec")
@@ -113,8 +134,10 @@ def capture_vllm(dtype: str, tokens: int = PROMPT_TOKENS) -> list[torch.Tensor]:
                 time.sleep(0.2)                  # saves finish after the response
             index.close()
         finally:
-            server.stop()
+            server.stop()                        # (--shutdown-timeout: the saves flush)
         blocks = load_kv_dir(str(kv / "blobs"))
+    if len(blocks) != want:
+        raise ServeRefused(f"captured {len(blocks)} KV blocks of {dtype}, expected {want}")
     log.info("captured %d blocks of %s %s", len(blocks), list(blocks[0].shape), dtype)
     CACHE.mkdir(parents=True, exist_ok=True)
     save_file({f"block{i}": b for i, b in enumerate(blocks)}, cached,
@@ -132,8 +155,24 @@ def _blocks_of(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     return [tensors[k] for k in sorted(tensors, key=lambda k: int(k.removeprefix("block")))]
 
 
+def kv_layout(layout: str) -> tuple[torch.dtype, tuple[int, ...]] | None:
+    """(dtype, block shape) named by a connector KV layout (``KVLayout.describe()``:
+    ``backend/isa/physical/kv_cache_dtype/dtype/LxHxNxC/device/layers``), or None when
+    ``layout`` is not one (the connector's records: ``cwm-...-record``)."""
+    parts = layout.split("/")
+    if len(parts) != 8 or parts[4] not in codec.DTYPES:
+        return None
+    try:
+        shape = tuple(int(x) for x in parts[5].split("x"))
+    except ValueError:
+        return None
+    return codec.DTYPES[parts[4]], shape
+
+
 def load_kv_dir(path: str) -> list[torch.Tensor]:
-    """Every KV block under ``path``: cwm blobs (decoded) and safetensors files' tensors."""
+    """Every KV block under ``path``: cwm blobs of a KV layout whose tensor is that layout's
+    block (decoded; the connector's self-check, context and served-model records are not KV)
+    and safetensors files' tensors."""
     blocks: list[tuple[int, str, torch.Tensor]] = []
     for f in sorted(Path(path).rglob("*")):
         if not f.is_file():
@@ -141,12 +180,13 @@ def load_kv_dir(path: str) -> list[torch.Tensor]:
         data = f.read_bytes()
         try:
             d = codec.decode(data, verify=True)
-            if d.layout.startswith("cwm-") or d.tensor.dim() < 2:
-                continue            # the connector's records (self-check, context), not KV
-            blocks.append((0, d.key.hex(), d.tensor))
-            continue
         except Exception:
-            pass
+            d = None
+        if d is not None:
+            kv = kv_layout(d.layout)
+            if kv is not None and kv == (d.tensor.dtype, tuple(d.tensor.shape)):
+                blocks.append((0, d.key.hex(), d.tensor))
+            continue
         try:
             blocks += [(1, f"{f}:{k}", v) for k, v in load(data).items()]
         except Exception:
@@ -199,6 +239,10 @@ def configs(dtype: torch.dtype) -> list[tuple[str, dict]]:
     return out
 
 
+def _default_kw(dtype: torch.dtype) -> dict:
+    return dict(configs(dtype))[default_name(dtype)]
+
+
 def default_name(dtype: torch.dtype) -> str:
     from cwm_plugin.kernels.shuffle import best_transform
     from cwm_plugin.store.config import StoreConfig
@@ -210,7 +254,9 @@ def default_name(dtype: torch.dtype) -> str:
 
 def bench_dtype(name: str, blocks: list[torch.Tensor], repeat: int,
                 clock=time.thread_time) -> dict:
-    dtype = blocks[0].dtype
+    dtype = getattr(torch, DTYPES[name])       # the KV layout's dtype chooses the default
+    if any(b.dtype != dtype for b in blocks):
+        raise SystemExit(f"{name}: the captured blocks are not all {dtype}")
     todo = [("safetensors raw", lambda t: save({"t": t}), lambda x, _: load(x)["t"]),
             ("torch.save", _torch_save, _torch_load)]
     todo += [(label, _enc(kw), _dec) for label, kw in configs(dtype)]
@@ -224,13 +270,25 @@ def bench_dtype(name: str, blocks: list[torch.Tensor], repeat: int,
         r["ratio_vs_torch_save"] = base["torch.save"]["stored_bytes"] / r["stored_bytes"]
         r["bytes_per_token"] = r["stored_bytes"] / (len(blocks) * block_tokens(blocks[0]))
     chosen = base[default_name(dtype)]
+    stages = Stages()
+    blobs = [_enc(_default_kw(dtype))(b) for b in blocks]
+    outs = [torch.empty_like(b) for b in blocks]
+    for x, o in zip(blobs, outs, strict=True):
+        codec.decode(x, fingerprint="bench", into=o, stages=stages)
+    # the stages' shares (wall clock inside decode) of the timed decode, a block
+    per_block = chosen["raw_bytes"] / chosen["decode_gbps"] / 1e9 / len(blocks)
+    chosen["decode_stages_ms"] = {k: v / stages.total * per_block * 1e3
+                                  for k, v in stages.seconds.items()}
     print(f"\n{name}: {len(blocks)} blocks of {list(blocks[0].shape)} "
           f"(default: {chosen['config']})")
     print(table(rows, ["config", "ratio", "encode_gbps", "decode_gbps", "decode_alloc_gbps",
                        "decode_noverify_gbps", "ratio_vs_safetensors", "ratio_vs_torch_save",
                        "bytes_per_token"]))
+    print(f"{name} default decode, ms a block: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in chosen["decode_stages_ms"].items()))
     keep = ("ratio", "encode_gbps", "decode_gbps", "decode_alloc_gbps", "decode_noverify_gbps",
-            "ratio_vs_safetensors", "ratio_vs_torch_save", "bytes_per_token")
+            "ratio_vs_safetensors", "ratio_vs_torch_save", "bytes_per_token",
+            "decode_stages_ms")
     return {"default": chosen["config"], **{k: chosen[k] for k in keep},
             # LMCache stores raw tensors: our bytes per token over its (its metadata ignored)
             "vs_lmcache_raw": 1 / chosen["ratio"],
@@ -258,8 +316,9 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    result: dict = {"threads": 1, "clock": args.clock, "machine": machine(), "dtypes": {},
-                    "refused": {}}
+    result: dict = {"threads": 1, "clock": args.clock, "machine": machine(),
+                    "load_average": {"before": load_average()}, "kv_cache": str(CACHE),
+                    "dtypes": {}, "refused": {}}
     given = load_kv_dir(args.kv_dir) if args.kv_dir else None
     for name in tqdm(args.dtypes.split(","), desc="dtypes"):
         if given is not None:
@@ -288,6 +347,7 @@ def main() -> int:
     for name, why in result["refused"].items():
         print(f"{name}: not measured: {why}")
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    result["load_average"]["after"] = load_average()
     write_json(args.json, result)
     return 0
 

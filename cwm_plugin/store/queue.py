@@ -21,14 +21,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cwm_plugin.store.threads import unpin
+
 log = logging.getLogger(__name__)
 
 
 class SaveQueue:
     def __init__(self, workers: int, depth: int, *, behind_bytes: int = 256 << 20,
                  name: str = "cwm-store") -> None:
-        self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=name)
-        self._behind_pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=f"{name}-behind")
+        self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=unpin)
+        self._behind_pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=f"{name}-behind",
+                                                  initializer=unpin)
         self._slots = threading.BoundedSemaphore(depth)
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)

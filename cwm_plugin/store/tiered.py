@@ -26,11 +26,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, StorageFull
+from cwm_plugin.errors import StorageFull
 from cwm_plugin.store import codec, crypto
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.hashing import blob_id_of
@@ -38,6 +37,8 @@ from cwm_plugin.store.keyspace import TIER_ERRORS, KeySpace
 from cwm_plugin.store.metrics import StoreMetrics
 from cwm_plugin.store.opening import open_tiers
 from cwm_plugin.store.queue import SaveQueue
+from cwm_plugin.store.reading import ReadPath
+from cwm_plugin.store.threads import unpin
 from cwm_plugin.store.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -50,18 +51,10 @@ def _done(value: object = None) -> cf.Future:
     return fut
 
 
-@dataclass
-class _Hit:
-    index: int
-    key: bytes
-    blob_id: str
-    data: bytes
-    tier: Tier
-
-
-class KVStore(KeySpace):
-    """Tiered, content-addressed KV block store; see the module docstring (the batch key
-    operations come from :class:`~cwm_plugin.store.keyspace.KeySpace`)."""
+class KVStore(ReadPath, KeySpace):
+    """Tiered, content-addressed KV block store; see the module docstring (reads come from
+    :class:`~cwm_plugin.store.reading.ReadPath`, the batch key operations from
+    :class:`~cwm_plugin.store.keyspace.KeySpace`)."""
 
     def __init__(self, config: StoreConfig, *, registry=None) -> None:
         metrics = StoreMetrics.for_registry(registry)
@@ -79,7 +72,8 @@ class KVStore(KeySpace):
                          if config.encryption_key else None)
         self._dropped: set[bytes] = set()
         self._drops_overflow = False
-        self._decoder = (cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-decode")
+        self._decoder = (cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-decode",
+                                               initializer=unpin)
                          if config.io_workers > 1 else None)
         self._closed = False
         self._gauges()
@@ -205,124 +199,11 @@ class KVStore(KeySpace):
         except TIER_ERRORS:
             return False
 
-    def get(self, key: bytes, *, salt: str | None = None,
-            primary: bool = False) -> torch.Tensor | None:
-        return self.get_many([key], salt=salt, primary=primary)[0]
-
     @property
     def primary(self) -> Tier | None:
         """The tier that decides for records every server rewrites (window manifests, context
         records): Redis when configured (shared), else disk, else memory."""
         return self.redis or self.disk or self.memory
-
-    def get_many(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None,
-                 layout: str | None = None, salt: str | None = None,
-                 primary: bool = False) -> list[torch.Tensor | None]:
-        """Decoded tensors (None for a miss) for ``keys``, in order, decoded in parallel on
-        the store's threads. ``out`` (optional, ``[len(keys), *block]``, contiguous CPU): hits
-        whose dtype and shape match are decoded straight into ``out[i]``. ``layout``: the KV
-        layout the blobs must carry (another is an incompatible, counted miss). ``salt``: the
-        request's cache_salt (opens sealed blobs). ``primary``: what the primary tier says is
-        the answer (a local copy of a record another server rewrote or deleted is stale); the
-        other tiers are asked only while the primary is unreachable."""
-        keys = [bytes(k) for k in keys]
-        if out is not None and (out.dim() == 0 or out.shape[0] != len(keys)):
-            raise ValueError(f"out has {tuple(out.shape)[:1]} rows for {len(keys)} keys")
-        found: list[torch.Tensor | None] = [None] * len(keys)
-        cipher = self._cipher(salt)
-
-        def one(h: _Hit) -> torch.Tensor | None:
-            return self._decode(h, into=None if out is None else out[h.index], layout=layout,
-                                cipher=cipher)
-
-        todo = list(range(len(keys)))
-        order = self.tiers
-        if primary and self.primary is not None:
-            order = [self.primary, *(t for t in self.tiers if t is not self.primary)]
-        for n, tier in enumerate(order):
-            if not todo or (primary and n > 0 and getattr(order[0], "available", True)):
-                break
-            hits = self._fetch(tier, [keys[i] for i in todo], todo)
-            if len(hits) > 1 and self._decoder is not None:
-                results = list(self._decoder.map(one, hits))
-            else:
-                results = [one(h) for h in hits]
-            for h, tensor in zip(hits, results, strict=True):
-                found[h.index] = tensor
-            todo = [i for i in todo if found[i] is None]
-        self.metrics.misses.labels("all").inc(len(todo))
-        return found
-
-    def _fetch(self, tier: Tier, keys: list[bytes], idx: list[int]) -> list[_Hit]:
-        ids = self._lookup_in(tier, keys)
-        want = list(dict.fromkeys(b for b in ids if b is not None))
-        if not want:
-            return []
-        try:
-            datas = dict(zip(want, tier.get_many(want), strict=True))
-        except TIER_ERRORS as exc:
-            self._tier_failed(tier, "read", exc, "read_failed")
-            return []
-        hits: list[_Hit] = []
-        dangling: list[tuple[bytes, str]] = []
-        for i, key, b in zip(idx, keys, ids, strict=True):
-            if b is None:
-                continue
-            if datas.get(b) is None:
-                dangling.append((key, b))
-            else:
-                hits.append(_Hit(i, key, b, datas[b], tier))
-        self.metrics.misses.labels(tier.name).inc(len(keys) - len(hits))
-        if dangling:      # the index outlived the bytes (expiry, eviction, a lost file)
-            with contextlib.suppress(*TIER_ERRORS):
-                tier.forget_blobs([b for _, b in dangling], "dangling",
-                                  keys=[k for k, _ in dangling])
-        return hits
-
-    def _decode(self, h: _Hit, *, into: torch.Tensor | None, layout: str | None,
-                cipher: crypto.BlobCipher | None) -> torch.Tensor | None:
-        t0 = time.perf_counter()
-        try:
-            plain = crypto.unseal(h.data, cipher) if self._ciphers is not None else h.data
-            decoded = codec.decode(plain, fingerprint=self.config.fingerprint or None,
-                                   layout=layout, verify=self.config.checksum, into=into)
-        except (CorruptBlob, IncompatibleBlob) as exc:
-            self.metrics.misses.labels(h.tier.name).inc()
-            self._bad_blob(h, exc)
-            return None
-        self.metrics.decode_seconds.observe(time.perf_counter() - t0)
-        self.metrics.hits.labels(h.tier.name).inc()
-        self._promote(h)
-        return decoded.tensor
-
-    def get_blob(self, key: bytes) -> bytes | None:
-        """The stored bytes of ``key`` (not decoded, still sealed if encrypted)."""
-        for tier in self.tiers:
-            hits = self._fetch(tier, [bytes(key)], [0])
-            if hits:
-                self.metrics.hits.labels(tier.name).inc()
-                return hits[0].data
-        return None
-
-    def _promote(self, h: _Hit) -> None:
-        if self._closed:
-            return
-        for tier in self.tiers:
-            if tier is h.tier:
-                break
-            if tier.name == "memory":
-                self._write(tier, h.key, h.blob_id, h.data)
-            else:
-                self._behind(tier, h.key, h.blob_id, h.data, wait=False)
-
-    def _bad_blob(self, h: _Hit, exc: CorruptBlob | IncompatibleBlob) -> None:
-        kind = "corrupt" if isinstance(exc, CorruptBlob) else "incompatible"
-        self.metrics.errors.labels(kind).inc()
-        self._log_once(f"bad-{h.blob_id}", "store: %s blob %s for key %s in %s tier: %s; "
-                       "treated as a miss%s", kind, h.blob_id, h.key.hex()[:16], h.tier.name,
-                       exc, ", quarantined" if kind == "corrupt" else "")
-        if kind == "corrupt":
-            self.quarantine(h.tier, h.blob_id, h.data, key=h.key, reason=str(exc))
 
     def quarantine(self, tier: Tier, blob_id: str, data: bytes | None, *, key: bytes = b"",
                    reason: str) -> None:

@@ -179,9 +179,13 @@ class VLLMServer:
                    for s in fam.samples if s.name in (name, name + "_total")
                    and all(s.labels.get(k) == v for k, v in labels.items()))
 
-    def reset_prefix_cache(self) -> None:
-        """Drop vLLM's own prefix cache (needs ``VLLM_SERVER_DEV_MODE=1`` in ``env``)."""
-        httpx.post(f"{self.base_url}/reset_prefix_cache", timeout=60).raise_for_status()
+    def reset_prefix_cache(self, *, external: bool = False) -> None:
+        """Drop vLLM's own prefix cache (needs ``VLLM_SERVER_DEV_MODE=1`` in ``env``);
+        ``external``: the KV connector's cache too (ours: the workers' memory tiers and the
+        scheduler's beliefs, so the next load comes from a durable tier)."""
+        params = {"reset_external": "true"} if external else None
+        httpx.post(f"{self.base_url}/reset_prefix_cache", params=params,
+                   timeout=60).raise_for_status()
 
     def __enter__(self) -> VLLMServer:
         return self.start()

@@ -80,6 +80,8 @@ def test_lookup_counts_the_stored_prefix_and_leaves_one_token(hash_fn, ns, store
     fill(store, keys[2:])
     # All 4 blocks stored, but the last one must be computed to sample the next token.
     assert side.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
+    counted = side.stats.snapshot()
+    assert counted["lookups"] == 4 and counted["lookup_seconds"] > 0     # the breakdown's
 
 
 def test_a_block_is_stored_only_when_every_rank_holds_it(hash_fn, ns, store):

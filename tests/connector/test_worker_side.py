@@ -62,6 +62,24 @@ def test_saved_blocks_load_bit_exactly_into_other_block_ids(open_store):
     assert got["loaded_blocks|tier=disk"] == 3
     assert got["loaded_bytes|tier=disk"] == 3 * dst.block_bytes
     assert got["load_seconds|tier=disk"] > 0 and "load_errors" not in got
+    # where the load's time went (bench/ttft.py prints it)
+    assert {k for k in got if k.startswith("load_phase_seconds")} == {
+        f"load_phase_seconds|phase={p}"
+        for p in ("lookup", "read", "decompress", "transform", "copy")}
+
+
+def test_the_staged_path_of_device_caches_loads_the_same_blocks(open_store):
+    # A GPU cache is loaded through a reused host staging tensor and one scatter; on the CPU
+    # the same path runs when the direct writer is switched off.
+    src = make_worker(open_store, seed=4)
+    save(src, [1, 2, 3], [h(1), h(2), h(3)])
+    dst = make_worker(open_store, store=src.store)
+    dst._writer = None
+    assert load(dst, [5, 6, 7, 8], [h(1), h(2), h(9), h(3)]) == {7, 8}
+    assert torch.equal(block(dst, 5), block(src, 1)) and torch.equal(block(dst, 6), block(src, 2))
+    staging = dst._staging
+    assert load(dst, [9], [h(3)]) == set() and dst._staging is staging     # reused
+    assert torch.equal(block(dst, 9), block(src, 3))
 
 
 def test_loads_from_the_memory_tier_are_labelled_memory(open_store):

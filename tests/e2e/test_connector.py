@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cwm_plugin.store.tiers.disk import advise_files
 from cwm_plugin.testing.procs import wait_until
 from cwm_plugin.testing.redis_server import RedisServer
 from cwm_plugin.testing.vllm_server import SHUTDOWN_TIMEOUT_S, VLLMServer, cwm_connector_args
@@ -93,6 +94,9 @@ def test_restore_after_restart_is_token_identical_and_salts_stay_apart(tiny_mode
     assert complete_ids(server, prompt, None) == cold_completion
     assert server.metric(HITS) == 0, "another salt or no salt hit salt A's stored blocks"
 
+    # A cold start: nothing of the store in the page cache (the restore reads the device).
+    assert advise_files([f for f in (tmp_path / "store").rglob("*") if f.is_file()],
+                        "DONTNEED") > 0
     assert complete_ids(server, prompt, "salt-A") == cold_completion
     hits_after_completion = server.metric(HITS)
     assert hits_after_completion >= 512, "the completion prompt was not restored from the store"
@@ -105,6 +109,10 @@ def test_restore_after_restart_is_token_identical_and_salts_stay_apart(tiny_mode
     assert server.metric_where("cwm:connector_loaded_blocks", tier="disk") == hits // 128
     assert server.metric_where("cwm:store_decode_seconds_count") >= hits // 128
     assert server.metric("cwm:connector_load_errors") == 0
+    # where the restores' time went (bench/ttft.py's breakdown)
+    assert server.metric("cwm:connector_lookup_seconds") > 0
+    for phase in ("lookup", "read", "decompress", "transform", "copy"):
+        assert server.metric_where("cwm:connector_load_phase_seconds", phase=phase) > 0, phase
 
     # Same server: a new prompt is saved to the memory tier; without vLLM's own prefix cache
     # it comes back from there.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cwm_plugin.kernels.blocks import block_shape, gather_blocks, scatter_blocks
+from cwm_plugin.kernels.blocks import BlockWriter, block_shape, gather_blocks, scatter_blocks
 
 pytestmark = pytest.mark.unit
 
@@ -42,3 +42,21 @@ def test_scatter_rejects_mismatched_data():
     layers = [torch.zeros(4, 2, 8, 16)]
     with pytest.raises(ValueError, match="expected"):
         scatter_blocks(layers, 0, [0, 1], torch.zeros(3, 1, 2, 8, 16))
+
+
+@pytest.mark.parametrize("shape,block_dim", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_block_writer_writes_one_block_of_every_layer(shape, block_dim, dtype):
+    g = torch.Generator().manual_seed(1)
+    src = [torch.randn(shape, generator=g).to(dtype) for _ in range(3)]
+    block = gather_blocks(src, block_dim, [4])[0]
+    dst = [torch.zeros_like(t) for t in src]
+    writer = BlockWriter(dst, block_dim)
+    writer.write(6, block)
+    for lyr in range(3):
+        assert torch.equal(dst[lyr].select(block_dim, 6), src[lyr].select(block_dim, 4))
+        assert torch.count_nonzero(dst[lyr]) == torch.count_nonzero(block[lyr])
+    with pytest.raises(ValueError, match="does not fit"):
+        writer.write(0, block.to(torch.float64))
+    with pytest.raises(ValueError, match="does not fit"):
+        writer.write(0, block[:2])

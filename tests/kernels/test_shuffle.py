@@ -140,4 +140,4 @@ def test_seven_bit_packing_round_trips_at_any_length(n):
     values = rng.integers(0, 128, n, dtype=np.uint8)
     packed = kvsplit.pack7(values)
     assert packed.size == 7 * ((n + 7) // 8)
-    assert np.array_equal(kvsplit.unpack7(packed, n, sh.scratch), values)
+    assert np.array_equal(kvsplit.unpack7(packed, n), values)

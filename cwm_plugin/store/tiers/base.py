@@ -76,6 +76,7 @@ class Tier(ABC):
 
     name: str = "tier"
     durable: bool = False       # survives a restart of this process
+    read_batch: int = 1 << 20   # the most blobs one get_many should ask for (a round trip)
 
     def __init__(self) -> None:
         self._on_drop: DropListener | None = None
@@ -95,6 +96,9 @@ class Tier(ABC):
 
     def get(self, blob_id: str) -> bytes | None:
         return self.get_many([blob_id])[0]
+
+    def prefetch(self, blob_ids: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """A hint that these blobs are about to be read (the disk starts reading them)."""
 
     @abstractmethod
     def put(self, blob_id: str, data: bytes, key: bytes, *, replace: bool = False) -> bool:

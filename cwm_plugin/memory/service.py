@@ -10,7 +10,6 @@ appends are also locked across processes. Embeddings go through an on-disk cache
 from __future__ import annotations
 
 import re
-import secrets
 import threading
 import time
 from datetime import datetime
@@ -21,12 +20,12 @@ from tqdm import tqdm
 from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.chunking import Unit
 from cwm_plugin.memory.embeddings import CachedEmbedder, Embedder
+from cwm_plugin.memory.factstore import FactStore, Merged
 from cwm_plugin.memory.files import MemoryFiles, utc_iso
 from cwm_plugin.memory.history import prefix_length, split_current
 from cwm_plugin.memory.index import TenantIndex
 from cwm_plugin.memory.metrics import MemoryMetrics
 from cwm_plugin.memory.models import (
-    CATEGORIES,
     Hit,
     Memory,
     MemoryConfig,
@@ -61,6 +60,7 @@ class MemoryService:
         self.embedder = embedder
         self.counter = counter  # chunk sizes; budgets may use the served model's counter
         self.indexes = TenantIndexes(self.files, config, embedder, counter, self.metrics)
+        self.facts = FactStore(self.files, self._similar, self.lock)
         self._locks: dict[str, threading.RLock] = {}
         self._indexing: dict[str, threading.RLock] = {}  # one deferred indexing at a time
         self._guard = threading.Lock()
@@ -264,10 +264,7 @@ class MemoryService:
 
     def bump(self, tenant: str, ids: list[str]) -> None:
         """Count one more use of each of these durable memories (rewrites memories.md)."""
-        wanted = set(ids)
-        with self.lock(tenant):
-            self.files.update_memories(tenant, lambda ms: [
-                _bump(m) if m.id in wanted else m for m in ms])
+        self.facts.bump(tenant, ids)
 
     def _candidates(self, tenant: str, session: str | None, query: str,
                     stages: Stages, mode: str = "hybrid") -> Candidates:
@@ -316,37 +313,25 @@ class MemoryService:
 
     # --- durable memories and summaries --------------------------------------------------------
 
-    def add_memory(self, tenant: str, text: str, category: str,
-                   importance: float = 0.5) -> Memory:
-        """Add a durable memory; the same text again only raises its importance."""
+    def add_memory(self, tenant: str, text: str, category: str, importance: float = 0.5, *,
+                   key: str = "", source: str = "") -> Memory:
+        """Add a durable memory: a duplicate only raises the importance of the one kept, a
+        newer fact on the same topic (``key``) replaces it (``factstore.py``)."""
+        return self.add_fact(tenant, text, category, importance, key=key, source=source).memory
+
+    def add_fact(self, tenant: str, text: str, category: str, importance: float = 0.5, *,
+                 key: str = "", source: str = "") -> Merged:
+        """:meth:`add_memory`, saying what happened (added, duplicate, updated)."""
         check_name("tenant", tenant)
-        if category not in CATEGORIES:
-            raise InvalidInput(f"memory category {category!r} is unknown",
-                               hint=f"use one of {', '.join(CATEGORIES)}")
-        text = " ".join(str(text).split())
-        if not text or len(text) > 2000:
-            raise InvalidInput("memory text must be 1-2000 characters")
-        if not 0.0 <= float(importance) <= 1.0:
-            raise InvalidInput(f"importance {importance} is outside [0, 1]")
-        made: list[Memory] = []
+        return self.facts.add(tenant, text, category, importance, key=key, source=source)
 
-        def change(ms: list[Memory]) -> list[Memory]:
-            for m in ms:
-                if m.text.lower() == text.lower() and m.category == category:
-                    m.importance = max(m.importance, float(importance))
-                    made.append(m)
-                    return ms
-            m = Memory(id=f"m-{secrets.token_hex(6)}", text=text, category=category,
-                       importance=float(importance), access_count=0, created=utc_iso())
-            made.append(m)
-            return [*ms, m]
+    def _similar(self, text: str, others: list[str]) -> np.ndarray:
+        vecs = self.embedder.embed([text, *others])
+        return vecs[1:] @ vecs[0]
 
-        with self.lock(tenant):
-            self.files.update_memories(tenant, change)
-        return made[0]
-
-    def memories(self, tenant: str) -> list[Memory]:
-        return self.files.read_memories(tenant)
+    def memories(self, tenant: str, *, history: bool = False) -> list[Memory]:
+        """The memories in force (``history``: the replaced ones too)."""
+        return self.files.read_memories(tenant, history=history)
 
     def summary(self, tenant: str, session: str) -> str | None:
         got = self.files.read_summary(tenant, session)
@@ -410,8 +395,3 @@ def _as_message(t: Turn) -> dict:
     if t.role in CHAT_ROLES:
         return {"role": t.role, "content": t.content}
     return {"role": "user", "content": f"{t.role}: {t.content}"}
-
-
-def _bump(m: Memory) -> Memory:
-    m.access_count += 1
-    return m

@@ -34,6 +34,7 @@ from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.turn import handle_chat
 from cwm_plugin.sidecar.upstream import Upstream
 from cwm_plugin.sidecar.windows_api import CheckpointThresholds, windows_router
+from cwm_plugin.sidecar.workqueue import Background
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
 
@@ -87,6 +88,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         maintainer=Maintainer(upstream, memory, metrics, settings.memory) if memory else None,
         counters=ModelCounters(settings.memory, upstream.base_url),
         failopen=FailOpen(metrics),
+        background=Background(settings.memory.background_queue_limit,
+                               settings.memory.background_workers, metrics),
     )
     engine, auto = open_windows(settings)
     if snapshot_hook is not None:

@@ -1,21 +1,28 @@
 """Work done after the answer has gone out: running summaries, fact extraction, checkpoints.
 
-Each job runs as an asyncio task owned by :class:`Background` (drained or cancelled when the app
-stops), never on the client's path; the jobs of one session run one at a time. Summaries and
-facts are written by the upstream model itself. The running summary is incremental: the stored
-summary records the last turn it covers (``upto_turn``), and an update sends only the previous
-summary and the turns after that one (in batches that fit half the model's context, oldest
-first, each batch moving ``upto_turn`` on, so no turn is skipped however long the backlog); facts must be strict JSON accepted by the memory package's ``parse_facts``: one retry,
-then the extraction is refused, counted, and nothing is written. With ``structured_facts`` the
-request carries a JSON schema (vLLM's structured outputs), so even a small model answers valid
-JSON; an answer cut off at ``background_max_tokens`` can still fail and is handled the same way.
+A session's due work is one job on the bounded queue (``workqueue.py``: merged while it waits,
+dropped when the queue is full, never on the client's path); the jobs of one session run one
+at a time. Summaries and facts are written by the upstream model itself, and its usage is
+counted for the tenant (``cwm_sidecar_background_tokens_total``). Both are incremental from
+the transcript, so a dropped or merged job loses nothing:
+
+- the running summary (progressive, every ``summary_every_turns`` turns and at a checkpoint)
+  records the last turn it covers (``upto_turn``); an update sends the previous summary and the
+  turns after that one (in batches that fit half the model's context, oldest first, each batch
+  moving ``upto_turn`` on, so no turn is skipped however long the backlog);
+- facts (every ``facts_every_turns`` turns) are extracted from the turns after the facts
+  cursor (``cursors/<session>.json``), with the tenant's known facts and their keys in the
+  prompt; the answer must be strict JSON accepted by the memory package's ``parse_facts`` (one
+  retry, then the batch is refused, counted, and skipped). With ``structured_facts`` the
+  request carries the JSON schema (vLLM's structured outputs), so even a small model answers
+  valid JSON; an answer cut off at ``background_max_tokens`` can still fail and is handled the
+  same way. Each fact is merged (added, duplicate, or replacing a known one: ``factstore.py``)
+  with its source (session and turns).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Coroutine
 from typing import Any
 
 from cwm_plugin.errors import CWMError, InvalidInput
@@ -25,35 +32,12 @@ from cwm_plugin.sidecar.memory_port import MemoryPort
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.settings import MemorySettings
 from cwm_plugin.sidecar.upstream import Upstream
+from cwm_plugin.sidecar.workqueue import Job
 
 log = logging.getLogger(__name__)
 MAX_SUMMARY_BATCHES = 8  # one update summarises at most this many batches of backlog
-
-
-class Background:
-    """A set of running tasks; ``pending`` for tests and shutdown."""
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    @property
-    def pending(self) -> int:
-        return len(self._tasks)
-
-    async def drain(self, timeout: float = 30.0) -> None:
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout)
-
-    async def close(self) -> None:
-        await self.drain(timeout=5.0)
-        for t in list(self._tasks):
-            t.cancel()
+MAX_FACT_BATCHES = 4  # one extraction reads at most this many batches of backlog
+MAX_KNOWN = 12  # known facts listed in an extraction prompt
 
 
 def _turn_id(turn: dict[str, Any]) -> str:
@@ -78,25 +62,13 @@ class Maintainer:
         previous, upto = await self.memory.summary_state(tenant, session)
         ids = [_turn_id(t) for t in turns]
         start = ids.index(upto) + 1 if upto and upto in ids else 0
-        budget = int((max_model_len or 2048) * 0.5) - self.cfg.background_max_tokens
         for _ in range(MAX_SUMMARY_BATCHES):
             if start >= len(turns):
                 break
-            lines: list[str] = []
             used = self.memory.count_messages(llm_prompts.summary_messages(previous, ""))
-            end = start
-            while end < len(turns):  # oldest first, at least one turn
-                t = turns[end]
-                line = f"{t.get('role')}: {t.get('content', '')}"
-                cost = self.memory.count(line) + 2
-                if lines and used + cost > budget:
-                    break
-                lines.append(line)
-                used += cost
-                end += 1
+            lines, end = self._batch(turns, start, used, max_model_len)
             messages = llm_prompts.summary_messages(previous, "\n".join(lines))
-            text, _ = await self.upstream.chat_once(model, messages, salt=salt,
-                                                    max_tokens=self.cfg.background_max_tokens)
+            text = await self._call(tenant, model, salt, "summary", messages)
             text = text.strip()
             if not text:
                 self.metrics.background.labels(tenant, "summary", "empty").inc()
@@ -106,42 +78,91 @@ class Maintainer:
             previous, start = text, end
         return previous
 
-    async def extract_facts(self, tenant: str, model: str, salt: str, exchange: str) -> int:
+    def _batch(self, turns: list[dict[str, Any]], start: int, used: int,
+               max_model_len: int | None) -> tuple[list[str], int]:
+        """Transcript lines from ``start`` on (at least one) that fit half the context with
+        what the prompt already uses; returns them and the index after the last."""
+        budget = int((max_model_len or 2048) * 0.5) - self.cfg.background_max_tokens
+        lines: list[str] = []
+        end = start
+        while end < len(turns):  # oldest first
+            t = turns[end]
+            line = f"{t.get('role')}: {t.get('content', '')}"
+            cost = self.memory.count(line) + 2
+            if lines and used + cost > budget:
+                break
+            lines.append(line)
+            used += cost
+            end += 1
+        return lines, end
+
+    async def _call(self, tenant: str, model: str, salt: str, kind: str,
+                    messages: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
+        text, usage = await self.upstream.chat_once(model, messages, salt=salt,
+                                                    max_tokens=self.cfg.background_max_tokens,
+                                                    extra=extra)
+        self.metrics.observe_background(tenant, model, kind, usage)
+        return text
+
+    async def extract_facts(self, tenant: str, session: str, model: str, salt: str,
+                            max_model_len: int | None) -> int:
+        """Facts from the turns after the facts cursor; returns how many were merged."""
+        turns = await self.memory.transcript(tenant, session)
+        ids = [_turn_id(t) for t in turns]
+        upto = await self.memory.cursor(tenant, session, "facts")
+        start = ids.index(upto) + 1 if upto and upto in ids else 0
+        merged = 0
+        for _ in range(MAX_FACT_BATCHES):
+            if start >= len(turns):
+                break
+            known = [(m.key, m.text) for m in await self.memory.memories(tenant)
+                     if m.key][-MAX_KNOWN:]
+            used = self.memory.count_messages(llm_prompts.facts_messages("", known))
+            lines, end = self._batch(turns, start, used, max_model_len)
+            source = f"session:{session}#{ids[start]}..{ids[end - 1]}"
+            merged += await self._extract(tenant, model, salt, "\n".join(lines), known, source)
+            await self.memory.set_cursor(tenant, session, "facts", ids[end - 1])
+            start = end
+        return merged
+
+    async def _extract(self, tenant: str, model: str, salt: str, exchange: str,
+                       known: list[tuple[str, str]], source: str) -> int:
         """Ask the model for facts as strict JSON; retry once; refuse and count if still bad."""
-        messages = llm_prompts.facts_messages(exchange)
+        messages = llm_prompts.facts_messages(exchange, known)
         extra = ({"response_format": llm_prompts.facts_response_format()}
                  if self.cfg.structured_facts else None)
         for attempt in range(2):
-            text, _ = await self.upstream.chat_once(model, messages, salt=salt,
-                                                    max_tokens=self.cfg.background_max_tokens,
-                                                    extra=extra)
+            text = await self._call(tenant, model, salt, "facts", messages, extra)
             try:
                 facts = llm_prompts.parse_facts(text)
             except InvalidInput as exc:
                 log.info("fact extraction attempt %d for tenant %s invalid: %s", attempt + 1,
                          tenant, exc.message)
-                messages = llm_prompts.facts_retry_messages(exchange, text)
+                messages = llm_prompts.facts_retry_messages(exchange, text, known)
                 continue
             for f in facts:
-                await self.memory.add_memory(tenant, f["text"], f.get("category", "fact"),
-                                             float(f.get("importance", 0.5)))
+                got = await self.memory.add_fact(tenant, f["text"], f.get("category", "fact"),
+                                                 float(f.get("importance", 0.5)),
+                                                 key=f.get("key", ""), source=source)
+                self.metrics.facts.labels(tenant, got.outcome).inc()
             self.metrics.background.labels(tenant, "facts", "ok").inc()
             return len(facts)
         self.metrics.facts_refused.labels(tenant, model).inc()
         self.metrics.background.labels(tenant, "facts", "refused").inc()
         return 0
 
-    async def after_turn(self, *, tenant: str, session: str, model: str, salt: str,
-                         state: SessionState, exchange: str, max_model_len: int | None,
-                         checkpoint: bool, hook: SnapshotHook) -> None:
-        """Everything due after one turn, in order; failures are logged and counted."""
+    async def run(self, job: Job) -> None:
+        """A session's due work (a job of the queue), in order; failures are logged and
+        counted. ``job.info``: tenant, session, model, salt, state, max_model_len, hook."""
+        i = job.info
+        state: SessionState = i["state"]
         async with state.lock:  # one job of this session at a time, in turn order
-            await self._after_turn(tenant, session, model, salt, state, exchange,
-                                   max_model_len, checkpoint, hook)
+            await self._run(i["tenant"], i["session"], i["model"], i["salt"], state,
+                            i["max_model_len"], job.checkpoint, i["hook"])
 
-    async def _after_turn(self, tenant: str, session: str, model: str, salt: str,
-                          state: SessionState, exchange: str, max_model_len: int | None,
-                          checkpoint: bool, hook: SnapshotHook) -> None:
+    async def _run(self, tenant: str, session: str, model: str, salt: str,
+                   state: SessionState, max_model_len: int | None, checkpoint: bool,
+                   hook: SnapshotHook) -> None:
         summary_due = (self.cfg.summary_every_turns
                        and state.turns_since_summary >= self.cfg.summary_every_turns)
         try:
@@ -157,8 +178,9 @@ class Maintainer:
                     self.metrics.checkpoints.labels(tenant, model).inc()
                     await call_hook(hook, tenant, session, salt,
                                     f"auto-{session}-{state.checkpoints}")
-            if self.cfg.extract_facts and exchange.strip():
-                await self.extract_facts(tenant, model, salt, exchange)
+            if self.cfg.extract_facts and state.turns_since_facts >= self.cfg.facts_every_turns:
+                state.turns_since_facts = 0
+                await self.extract_facts(tenant, session, model, salt, max_model_len)
         except CWMError as exc:
             self.metrics.background.labels(tenant, "after_turn", "error").inc()
             log.warning("background work for tenant %s failed: [%s] %s", tenant, exc.code,

@@ -51,6 +51,19 @@ class SidecarMetrics:
                                    TM, registry=r)
         self.background = Counter("cwm_sidecar_background_tasks", "Summaries and fact extractions",
                                   ("tenant", "kind", "outcome"), registry=r)
+        self.background_jobs = Counter("cwm_sidecar_background_jobs",
+                                       "Background jobs (summaries, facts, checkpoints) by "
+                                       "outcome: queued, merged, dropped (queue full), done, "
+                                       "failed", ("outcome",), registry=r)
+        self.background_queue = Gauge("cwm_sidecar_background_queue_depth",
+                                      "Background jobs waiting or running", registry=r)
+        self.background_tokens = Counter("cwm_sidecar_background_tokens",
+                                         "Tokens of the model's own work for a tenant (vLLM "
+                                         "usage of summaries and fact extraction): a tenant's "
+                                         "usage is these plus its prompt and completion tokens",
+                                         ("tenant", "model", "kind", "type"), registry=r)
+        self.facts = Counter("cwm_sidecar_facts", "Extracted facts by outcome: added, "
+                             "duplicate, updated", ("tenant", "outcome"), registry=r)
         self.facts_refused = Counter("cwm_sidecar_facts_refused",
                                      "Fact extractions refused after a retry (invalid JSON)",
                                      TM, registry=r)
@@ -77,6 +90,13 @@ class SidecarMetrics:
         details = usage.get("prompt_tokens_details") or {}
         if details.get("cached_tokens"):
             self.cached_tokens.labels(tenant, model).inc(details["cached_tokens"])
+
+    def observe_background(self, tenant: str, model: str, kind: str,
+                           usage: dict | None) -> None:
+        for key in ("prompt_tokens", "completion_tokens"):
+            n = (usage or {}).get(key) or 0
+            if n:
+                self.background_tokens.labels(tenant, model, kind, key.split("_")[0]).inc(n)
 
     def mirror_upstream(self, text: str | None) -> None:
         if not text:

@@ -130,8 +130,11 @@ class MemorySettings(_Strict):
     vector_context_mode: Literal["pair", "mix"] = "mix"  # ... embedded with it, or mixed in
     summary_every_turns: int = Field(default=8, ge=0)  # 0: never
     extract_facts: bool = True
+    facts_every_turns: int = Field(default=4, ge=1)  # one extraction covers this many turns
     structured_facts: bool = True  # ask vLLM for schema-constrained JSON (structured outputs)
     background_max_tokens: int = 256
+    background_queue_limit: int = Field(default=64, ge=1)  # sessions with work waiting
+    background_workers: int = Field(default=1, ge=1)  # model calls for background work at once
     warm_on_start: bool = True  # load every tenant's index when the app starts
     sync_interval_s: float = Field(default=1.0, ge=0)  # look for other writers this often
 

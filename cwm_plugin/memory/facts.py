@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from cwm_plugin.errors import InvalidInput
 
 MAX_FACTS = 20
-SCHEMA_MAX_FACTS = 4
+SCHEMA_MAX_FACTS = 3
+SCHEMA_MAX_TOKENS = 512  # room for a schema-bounded answer (SmolLM2 pads JSON with newlines)
 MAX_KNOWN = 12  # known facts listed in the extraction prompt (their keys can be reused)
 
 SUMMARY_PROMPT = (
@@ -106,7 +107,7 @@ def facts_schema(categories: tuple[str, ...]) -> dict[str, Any]:
             "items": {"type": "object", "additionalProperties": False,
                       "required": ["text", "category", "importance", "key"],
                       "properties": {
-                          "text": {"type": "string", "minLength": 1, "maxLength": 300},
+                          "text": {"type": "string", "minLength": 1, "maxLength": 160},
                           "category": {"enum": list(categories)},
                           "importance": {"type": "number", "minimum": 0, "maximum": 1},
-                          "key": {"type": "string", "minLength": 1, "maxLength": 40}}}}
+                          "key": {"type": "string", "minLength": 1, "maxLength": 30}}}}

@@ -97,10 +97,11 @@ class Maintainer:
         return lines, end
 
     async def _call(self, tenant: str, model: str, salt: str, kind: str,
-                    messages: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
-        text, usage = await self.upstream.chat_once(model, messages, salt=salt,
-                                                    max_tokens=self.cfg.background_max_tokens,
-                                                    extra=extra)
+                    messages: list[dict[str, Any]], extra: dict[str, Any] | None = None,
+                    max_tokens: int | None = None) -> str:
+        text, usage = await self.upstream.chat_once(
+            model, messages, salt=salt, extra=extra,
+            max_tokens=max_tokens or self.cfg.background_max_tokens)
         self.metrics.observe_background(tenant, model, kind, usage)
         return text
 
@@ -131,8 +132,9 @@ class Maintainer:
         messages = llm_prompts.facts_messages(exchange, known)
         extra = ({"response_format": llm_prompts.facts_response_format()}
                  if self.cfg.structured_facts else None)
+        room = max(self.cfg.background_max_tokens, llm_prompts.facts_max_tokens())
         for attempt in range(2):
-            text = await self._call(tenant, model, salt, "facts", messages, extra)
+            text = await self._call(tenant, model, salt, "facts", messages, extra, room)
             try:
                 facts = llm_prompts.parse_facts(text)
             except InvalidInput as exc:

@@ -63,6 +63,11 @@ def facts_response_format() -> dict[str, Any]:
                                                    "strict": True}}
 
 
+def facts_max_tokens() -> int:
+    """Room for an extraction's answer: a schema-bounded one fits (``SCHEMA_MAX_TOKENS``)."""
+    return int(getattr(_facts(), "SCHEMA_MAX_TOKENS", 512))
+
+
 def summary_messages(previous: str | None, transcript: str) -> list[dict[str, str]]:
     user = (f"Previous summary:\n{previous}\n\n" if previous else "") + \
         f"Conversation:\n{transcript}\n\nWrite the updated summary."

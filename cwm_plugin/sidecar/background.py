@@ -9,7 +9,9 @@ the transcript, so a dropped or merged job loses nothing:
 - the running summary (progressive, every ``summary_every_turns`` turns and at a checkpoint)
   records the last turn it covers (``upto_turn``); an update sends the previous summary and the
   turns after that one (in batches that fit half the model's context, oldest first, each batch
-  moving ``upto_turn`` on, so no turn is skipped however long the backlog);
+  moving ``upto_turn`` on, so no turn is skipped however long the backlog); the model's text is
+  stored with the names, dates and decisions of the turns it covers, merged with the previous
+  summary's (``memory/details.py``: kept whatever the model wrote);
 - facts (every ``facts_every_turns`` turns) are extracted from the turns after the facts
   cursor (``cursors/<session>.json``), with the tenant's known facts and their keys in the
   prompt; the answer must be strict JSON accepted by the memory package's ``parse_facts`` (one
@@ -26,6 +28,7 @@ import logging
 from typing import Any
 
 from cwm_plugin.errors import CWMError, InvalidInput
+from cwm_plugin.memory.details import with_details
 from cwm_plugin.sidecar import llm_prompts
 from cwm_plugin.sidecar.context import SessionState, SnapshotHook, call_hook
 from cwm_plugin.sidecar.memory_port import MemoryPort
@@ -69,10 +72,10 @@ class Maintainer:
             lines, end = self._batch(turns, start, used, max_model_len)
             messages = llm_prompts.summary_messages(previous, "\n".join(lines))
             text = await self._call(tenant, model, salt, "summary", messages)
-            text = text.strip()
-            if not text:
+            if not text.strip():
                 self.metrics.background.labels(tenant, "summary", "empty").inc()
                 return previous
+            text = with_details(text, previous, turns[start:end])
             await self.memory.set_summary(tenant, session, text, upto_turn=ids[end - 1])
             self.metrics.background.labels(tenant, "summary", "ok").inc()
             previous, start = text, end

@@ -115,6 +115,9 @@ def test_a_summary_is_written_and_facts_are_valid(smollm2_vllm, smollm2_model, t
         summary, upto = svc.summary_state("acme", "bio")
         turns = svc.transcript("acme", "bio")
         assert summary and len(summary.split()) >= 3 and upto == turns[-1]["turn_id"]
+        # whatever the model wrote, the names and the day are kept (memory/details.py)
+        kept = summary.partition("Kept from the conversation:")[2]
+        assert "Maria" in kept and "Lisbon" in kept and turns[0]["ts"][:10] in kept
         # one extraction (4 turns), valid by construction (structured outputs)
         assert metric_value(srv, "cwm_sidecar_background_tasks_total", tenant="acme",
                             kind="facts", outcome="ok") == 1

@@ -11,9 +11,7 @@ import json
 import threading
 
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from sidecar_helpers import chat, make_settings, metric_value, runtime, wait_idle
+from sidecar_helpers import chat, make_settings, metric_value, runtime, scripted_app, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
@@ -30,26 +28,16 @@ class FactsUpstream:
         self.extractions: list[dict] = []
         self.gate = threading.Event()
         self.gate.set()
-        self.app = FastAPI()
+        self.app = scripted_app(self.answer, lambda body: {
+            "prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107})
 
-        @self.app.get("/v1/models")
-        async def models() -> JSONResponse:
-            return JSONResponse({"data": [{"id": "tiny", "max_model_len": 2048}]})
-
-        @self.app.post("/v1/chat/completions")
-        async def chat_route(request: Request) -> JSONResponse:
-            body = await request.json()
-            text = "ok"
-            if body["messages"][0]["content"].startswith("Extract durable facts"):
-                while not self.gate.is_set():
-                    await asyncio.sleep(0.01)
-                self.extractions.append(body)
-                text = json.dumps(self.answers.pop(0) if self.answers else [])
-            usage = {"prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107}
-            return JSONResponse({"id": "x", "object": "chat.completion", "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": text},
-                 "finish_reason": "stop"}], "usage": usage})
-
+    async def answer(self, body: dict) -> str:
+        if body["messages"][0]["content"].startswith("Extract durable facts"):
+            while not self.gate.is_set():
+                await asyncio.sleep(0.01)
+            self.extractions.append(body)
+            return json.dumps(self.answers.pop(0) if self.answers else [])
+        return "ok"
 
 def sidecar(url: str, root, **memory) -> ServerThread:
     return ServerThread(create_app(make_settings(url, root, "tiktoken:cl100k_base", memory={

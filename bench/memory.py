@@ -11,34 +11,60 @@ session's date as the timestamp. Other files (README, ...) are skipped.
 Replay simulates the sidecar: before each turn is recorded, it is sent the way the sidecar
 sends it (the client's messages are the session so far plus the new one; the selection budget
 is the sidecar's memory budget *plus* the recent messages it keeps verbatim, from
-``cwm_plugin.sidecar.budget``; the prompt is assembled by ``cwm_plugin.sidecar.prompt``);
+``cwm_plugin.sidecar.budget``; the prompt is assembled by ``cwm_plugin.sidecar.prompt`` as
+in the token-saving mode, ``history: recent``);
 ``token_ratio`` = tokens of those messages / tokens of the whole conversation so far plus the
 new message (full-history replay), summed over all turns.
 
 Then for every question (category 5 only when it names evidence; questions whose evidence ids
 are not in the conversation are counted and skipped) and each mode (bm25, vector, hybrid):
-recall = fraction of the evidence dia_ids contained in the retrieved chunks, for the top 5, 10
-and 20 chunks, and for the best chunks that fit whole in 1k, 2k and 4k tokens; overall, per
-conversation and (hybrid recall@10) per question category. Parameters are the library's
-defaults (see cwm_plugin/memory/search.py and index.py).
+recall = fraction of the evidence dia_ids present, for the top 5, 10 and 20 chunks of
+``search`` (``recall@5/10/20``), and in what the selection injects within 1,024, 2,048 and
+4,096 tokens (``recall@1k/2k/4k``: ``select_context`` with that budget, the memory block the
+sidecar merges into the prompt, headers and separators counted; the default budget is 1,024);
+overall, per conversation and per question category (``by_category``: multi-hop, temporal,
+open-domain, single-hop, adversarial), with the selection's latency at the default budget
+(``selection_ms``: p50, p99, mean; noisy, see ``load_average``). Parameters are the library's
+defaults (cwm_plugin/memory/search.py, index.py, turns.py, pack.py); ``--unit chunk``,
+``--neighbours`` and the weights' options measure the alternatives.
 
 What we saw on the three locomo-dev conversations (495 questions, MiniLM, cl100k, 400/80-token
-chunks; recall@10 bm25 / vector / hybrid):
+chunks). Recall within the budget, hybrid 1k / 2k / 4k (BM25, vector at 1k):
 
-- before: 0.881 / 0.815 / 0.900 (min-max fusion 0.3 / 0.7, no stemming, line vectors only);
-- now: 0.905 / 0.826 / 0.932. Light stemming helped BM25 (+2.4, and BM25 alone gets it too);
-  the cosine of the chunk's centroid added to its best line's helped vectors (+1.4,
-  vector-only too);
-  equal fusion weights helped hybrid (0.913 -> 0.932 at 0.3 / 0.7 -> 0.5 / 0.5), on each of
-  the three conversations. Tried and not kept (recall@10 of hybrid): z-score 0.930, reciprocal
-  rank fusion (k = 1..60) 0.90-0.92, line-level fusion 0.91, speaker-name boosts, pseudo
-  relevance feedback from BM25 into the query vector, session-diversity re-ranking: none
-  better. The goal of +5 points over BM25 is not met: LoCoMo questions reuse the evidence's
-  own words (names, places, objects), which is BM25's strength, and the misses that remain are
-  mostly multi-hop questions whose 2-6 evidence turns sit in different sessions. Choosing the
-  better of the two single lists per question (an oracle) would give 0.940.
-- chunk size (earlier runs): 200/40 and 800/160 chunks trade recall@k against recall within a
-  token budget (a chunk holds more turns: ten 400-token chunks are a sixth of a conversation).
+- whole chunks in score order, the last one trimmed to its best lines (``--unit chunk``, the
+  selection before issue 16): 0.836 / 0.898 / 0.925 (0.801, 0.647). Two or three 330-token
+  chunks fill 1k: a long, well-ranked chunk crowds out the evidence.
+- lines ranked and packed into dated passages (``turns.py``, ``pack.py``, the default):
+  0.897 / 0.942 / 0.959 (0.839, 0.690): hybrid - BM25 = +5.8 points at 1k. By category at 1k:
+  temporal 1.00, adversarial 0.96, single-hop 0.95, multi-hop 0.64, open-domain 0.53. The
+  goals (0.90 / 0.95) are missed by 0.3 and 0.8 points; what is left is multi-hop questions
+  whose 2-6 evidence turns sit in different sessions ("What activities does Melanie partake
+  in?": the swimming turn ranks 86th) and open-domain ones whose evidence shares no word
+  with the question ("What would Caroline's political leaning likely be?").
+- ablations of the line score (hybrid 1k / 2k): without the chunk prior 0.853 / 0.912;
+  without the neighbours' BM25 0.880 / 0.941; without the speaker match 0.888 / 0.927; with
+  each line's neighbours brought along (``--neighbours 1``) 0.879 / 0.918 (three times the
+  tokens a hit; kept off, a setting).
+- tried and not kept (prototype on the same index, hybrid 1k / 2k): query expansion from the
+  conversation's best lines, RM3 on BM25 (5 lines, 5 terms) 0.868 / 0.913 against 0.885 /
+  0.928, and pseudo-relevance feedback into the query vector (5 lines) 0.880 / 0.929; session
+  diversity while packing (each further line of a session x 0.9) 0.837 / 0.911; z-score or
+  median-based normalisation instead of min-max, 0.6 / 0.4 weights, the line's own vector
+  without the previous line mixed in, or mixed with the next line too: all within +-0.5
+  points; the answer after a question line brought along 0.890 / 0.926. No cross-encoder or
+  re-ranker model is installable offline here (none ships its weights in a package; the
+  re-ranker packages download them from a hub), so none was measured. Session summaries and
+  time stamps: every passage carries its session's date, and temporal questions already
+  reach 1.00 at 1k, so a session summary in the block would only take room from evidence;
+  summaries keep names, dates (relative ones anchored) and decisions instead
+  (``memory/details.py``).
+
+Earlier (issue 11, recall@10 bm25 / vector / hybrid): 0.881 / 0.815 / 0.900 with min-max
+fusion 0.3 / 0.7, no stemming, line vectors only; 0.905 / 0.826 / 0.932 with light stemming,
+the chunk centroid's cosine and equal weights (z-score 0.930, reciprocal rank fusion
+0.90-0.92, line-level fusion 0.91, speaker-name boosts, pseudo relevance feedback, session
+diversity: none better at recall@10; an oracle choosing the better single list per question
+0.940). Chunk size: 200/40 and 800/160 chunks trade recall@k against recall within a budget.
 """
 
 from __future__ import annotations
@@ -118,7 +144,8 @@ def replay(svc: MemoryService, tenant: str, conv: dict, mem: MemorySettings | No
     With ``mem`` (the sidecar's memory settings) each turn is first sent the way the sidecar
     sends it: the client's messages are the session so far plus the new one; the selection
     budget is computed by the sidecar's own ``memory_budget`` (memory budget *plus* the recent
-    turns kept verbatim); the prompt is assembled by the sidecar's ``prompt.assemble``; "sent"
+    turns kept verbatim); the prompt is assembled by the sidecar's ``prompt.merge`` (the
+    token-saving mode, ``history: recent``); "sent"
     counts those messages and "full" the whole conversation so far plus the new message, with
     the same counter. With ``mem`` None the turns are appended to the files and the tenant is
     then rebuilt from them by ``reindex`` (batched embedding, much faster); both totals 0.
@@ -143,8 +170,9 @@ def replay(svc: MemoryService, tenant: str, conv: dict, mem: MemorySettings | No
                                                                   mem.recent_turns),
                                    max_len, DEFAULT_ANSWER_TOKENS)
             sel = svc.select_context(tenant, session, [*msgs, new], budget)
-            built = P.assemble(split, sel.recent, sel.memory_block)
-            sent += count(built.messages)
+            built = P.merge(split.prefix + (sel.recent or []) + split.current,
+                            P.memory_text(sel.memory_block, sel.summary), "system")
+            sent += count(built)
             full += history + count([new])
             svc.record_turn(tenant, session, _role(speaker), content, turn_id=str(t["dia_id"]),
                             ts=when)

@@ -10,8 +10,10 @@ exchange) are skipped. Costs are summed from counted pieces (each line and heade
 with the budget's counter); the caller counts the assembled block exactly and drops the last
 lines taken should joining have cost more.
 
-Measured on the LoCoMo development conversations (``bench/memory.py``): packing lines instead
-of whole chunks lifted evidence recall within 1k tokens from 0.80 to 0.89.
+Measured on the LoCoMo development conversations (``bench/memory.py``, hybrid, evidence recall
+within 1,024 / 2,048 tokens): whole chunks, the last one trimmed, 0.836 / 0.898; lines packed
+0.897 / 0.942; with one neighbour each side 0.879 / 0.918 (a hit costs three lines), so
+``neighbours`` is 0 by default.
 """
 
 from __future__ import annotations

@@ -20,8 +20,10 @@ A line's score, each part min-max normalised over the query's candidate lines (a
   "who said it".
 
 Candidates: the lines of the ``k`` best chunks, the ``n`` best lines by BM25 and the ``n``
-nearest line vectors (hnswlib). Measured on the LoCoMo development conversations, see
-``bench/memory.py``.
+nearest line vectors (hnswlib). Measured on the LoCoMo development conversations
+(``bench/memory.py``, hybrid evidence recall within 1k / 2k tokens): 0.897 / 0.942; without
+the chunk prior 0.853 / 0.912, without the neighbours' BM25 0.880 / 0.941, without the
+speaker match 0.888 / 0.927.
 """
 
 from __future__ import annotations

@@ -11,40 +11,67 @@ session's date as the timestamp. Other files (README, ...) are skipped.
 Replay simulates the sidecar: before each turn is recorded, it is sent the way the sidecar
 sends it (the client's messages are the session so far plus the new one; the selection budget
 is the sidecar's memory budget *plus* the recent messages it keeps verbatim, from
-``cwm_plugin.sidecar.budget``; the prompt is assembled by ``cwm_plugin.sidecar.prompt``);
+``cwm_plugin.sidecar.budget``; the prompt is assembled by ``cwm_plugin.sidecar.prompt`` as
+in the token-saving mode, ``history: recent``);
 ``token_ratio`` = tokens of those messages / tokens of the whole conversation so far plus the
 new message (full-history replay), summed over all turns.
 
 Then for every question (category 5 only when it names evidence; questions whose evidence ids
 are not in the conversation are counted and skipped) and each mode (bm25, vector, hybrid):
-recall = fraction of the evidence dia_ids contained in the retrieved chunks, for the top 5, 10
-and 20 chunks, and for the best chunks that fit whole in 1k, 2k and 4k tokens; overall, per
-conversation and (hybrid recall@10) per question category. Parameters are the library's
-defaults (see cwm_plugin/memory/search.py and index.py).
+recall = fraction of the evidence dia_ids present, for the top 5, 10 and 20 chunks of
+``search`` (``recall@5/10/20``), and in what the selection injects within 1,024, 2,048 and
+4,096 tokens (``recall@1k/2k/4k``: ``select_context`` with that budget, the memory block the
+sidecar merges into the prompt, headers and separators counted; the default budget is 1,024);
+overall, per conversation and per question category (``by_category``: multi-hop, temporal,
+open-domain, single-hop, adversarial), with the selection's latency at the default budget
+(``selection_ms``: p50, p99, mean; noisy, see ``load_average``). Parameters are the library's
+defaults (cwm_plugin/memory/search.py, index.py, turns.py, pack.py); ``--unit chunk``,
+``--neighbours`` and the weights' options measure the alternatives.
 
 What we saw on the three locomo-dev conversations (495 questions, MiniLM, cl100k, 400/80-token
-chunks; recall@10 bm25 / vector / hybrid):
+chunks). Recall within the budget, hybrid 1k / 2k / 4k (BM25, vector at 1k):
 
-- before: 0.881 / 0.815 / 0.900 (min-max fusion 0.3 / 0.7, no stemming, line vectors only);
-- now: 0.905 / 0.826 / 0.932. Light stemming helped BM25 (+2.4, and BM25 alone gets it too);
-  the cosine of the chunk's centroid added to its best line's helped vectors (+1.4,
-  vector-only too);
-  equal fusion weights helped hybrid (0.913 -> 0.932 at 0.3 / 0.7 -> 0.5 / 0.5), on each of
-  the three conversations. Tried and not kept (recall@10 of hybrid): z-score 0.930, reciprocal
-  rank fusion (k = 1..60) 0.90-0.92, line-level fusion 0.91, speaker-name boosts, pseudo
-  relevance feedback from BM25 into the query vector, session-diversity re-ranking: none
-  better. The goal of +5 points over BM25 is not met: LoCoMo questions reuse the evidence's
-  own words (names, places, objects), which is BM25's strength, and the misses that remain are
-  mostly multi-hop questions whose 2-6 evidence turns sit in different sessions. Choosing the
-  better of the two single lists per question (an oracle) would give 0.940.
-- chunk size (earlier runs): 200/40 and 800/160 chunks trade recall@k against recall within a
-  token budget (a chunk holds more turns: ten 400-token chunks are a sixth of a conversation).
+- whole chunks in score order, the last one trimmed to its best lines (``--unit chunk``, the
+  selection before issue 16): 0.836 / 0.898 / 0.925 (0.801, 0.647). Two or three 330-token
+  chunks fill 1k: a long, well-ranked chunk crowds out the evidence.
+- lines ranked and packed into dated passages (``turns.py``, ``pack.py``, the default):
+  0.897 / 0.942 / 0.959 (0.839, 0.690): hybrid - BM25 = +5.8 points at 1k. By category at 1k:
+  temporal 1.00, adversarial 0.96, single-hop 0.95, multi-hop 0.64, open-domain 0.53. The
+  goals (0.90 / 0.95) are missed by 0.3 and 0.8 points; what is left is multi-hop questions
+  whose 2-6 evidence turns sit in different sessions ("What activities does Melanie partake
+  in?": the swimming turn ranks 86th) and open-domain ones whose evidence shares no word
+  with the question ("What would Caroline's political leaning likely be?").
+- ablations of the line score (hybrid 1k / 2k): without the chunk prior 0.853 / 0.912;
+  without the neighbours' BM25 0.880 / 0.941; without the speaker match 0.888 / 0.927; with
+  each line's neighbours brought along (``--neighbours 1``) 0.879 / 0.918 (three times the
+  tokens a hit; kept off, a setting).
+- tried and not kept (prototype on the same index, hybrid 1k / 2k): query expansion from the
+  conversation's best lines, RM3 on BM25 (5 lines, 5 terms) 0.868 / 0.913 against 0.885 /
+  0.928, and pseudo-relevance feedback into the query vector (5 lines) 0.880 / 0.929; session
+  diversity while packing (each further line of a session x 0.9) 0.837 / 0.911; z-score or
+  median-based normalisation instead of min-max, 0.6 / 0.4 weights, the line's own vector
+  without the previous line mixed in, or mixed with the next line too: all within +-0.5
+  points; the answer after a question line brought along 0.890 / 0.926. No cross-encoder or
+  re-ranker model is installable offline here (none ships its weights in a package; the
+  re-ranker packages download them from a hub), so none was measured. Session summaries and
+  time stamps: every passage carries its session's date, and temporal questions already
+  reach 1.00 at 1k, so a session summary in the block would only take room from evidence;
+  summaries keep names, dates (relative ones anchored) and decisions instead
+  (``memory/details.py``).
+
+Earlier (issue 11, recall@10 bm25 / vector / hybrid): 0.881 / 0.815 / 0.900 with min-max
+fusion 0.3 / 0.7, no stemming, line vectors only; 0.905 / 0.826 / 0.932 with light stemming,
+the chunk centroid's cosine and equal weights (z-score 0.930, reciprocal rank fusion
+0.90-0.92, line-level fusion 0.91, speaker-name boosts, pseudo relevance feedback, session
+diversity: none better at recall@10; an oracle choosing the better single list per question
+0.940). Chunk size: 200/40 and 800/160 chunks trade recall@k against recall within a budget.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
@@ -53,6 +80,7 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from cwm_plugin.memory.embeddings import CachedEmbedder, HashingEmbedder, MiniLMEmbedder
@@ -67,7 +95,8 @@ from cwm_plugin.testing import locomo
 
 MODES = ("bm25", "vector", "hybrid")
 KS = (5, 10, 20)
-BUDGETS = {"1k": 1000, "2k": 2000, "4k": 4000}
+BUDGETS = {"1k": 1024, "2k": 2048, "4k": 4096}
+DEFAULT_BUDGET = MemorySettings().budget_tokens
 
 
 def load_conversations(folder: Path) -> list[tuple[str, dict, list[dict]]]:
@@ -115,7 +144,8 @@ def replay(svc: MemoryService, tenant: str, conv: dict, mem: MemorySettings | No
     With ``mem`` (the sidecar's memory settings) each turn is first sent the way the sidecar
     sends it: the client's messages are the session so far plus the new one; the selection
     budget is computed by the sidecar's own ``memory_budget`` (memory budget *plus* the recent
-    turns kept verbatim); the prompt is assembled by the sidecar's ``prompt.assemble``; "sent"
+    turns kept verbatim); the prompt is assembled by the sidecar's ``prompt.merge`` (the
+    token-saving mode, ``history: recent``); "sent"
     counts those messages and "full" the whole conversation so far plus the new message, with
     the same counter. With ``mem`` None the turns are appended to the files and the tenant is
     then rebuilt from them by ``reindex`` (batched embedding, much faster); both totals 0.
@@ -140,8 +170,9 @@ def replay(svc: MemoryService, tenant: str, conv: dict, mem: MemorySettings | No
                                                                   mem.recent_turns),
                                    max_len, DEFAULT_ANSWER_TOKENS)
             sel = svc.select_context(tenant, session, [*msgs, new], budget)
-            built = P.assemble(split, sel.recent, sel.memory_block)
-            sent += count(built.messages)
+            built = P.merge(split.prefix + (sel.recent or []) + split.current,
+                            P.memory_text(sel.memory_block, sel.summary), "system")
+            sent += count(built)
             full += history + count([new])
             svc.record_turn(tenant, session, _role(speaker), content, turn_id=str(t["dia_id"]),
                             ts=when)
@@ -158,33 +189,50 @@ def _role(speaker: str) -> str:
     return re.sub(r"[^A-Za-z0-9 _.'-]", "_", speaker)[:64] or "user"
 
 
-def recall(hits: list, evidence: set[str]) -> dict[str, float]:
+CATEGORIES = {"1": "multi-hop", "2": "temporal", "3": "open-domain", "4": "single-hop",
+              "5": "adversarial"}
+
+
+def recall_at_k(hits: list, evidence: set[str]) -> dict[str, float]:
+    """Recall of the top 5/10/20 chunks of ``search``."""
     out = {}
     for k in KS:
         got = {tid for h in hits[:k] for tid in h.turn_ids}
         out[f"recall@{k}"] = len(got & evidence) / len(evidence)
-    for name, budget in BUDGETS.items():
-        used, got = 0, set()
-        for h in hits:
-            cost = h_tokens(h)
-            if used + cost > budget:
-                break
-            used += cost
-            got.update(h.turn_ids)
-        out[f"recall@{name}"] = len(got & evidence) / len(evidence)
     return out
 
 
-def h_tokens(hit) -> int:
-    return int(hit.reasons.get("_tokens", 0))
+def recall_in_budget(svc: MemoryService, tenant: str, question: str, evidence: set[str],
+                     mode: str) -> tuple[dict[str, float], float]:
+    """Recall of what the selection injects within each budget (the memory block the sidecar
+    merges into the prompt, every header and separator counted), and the seconds the
+    selection at the default budget took."""
+    out, seconds = {}, 0.0
+    msgs = [{"role": "user", "content": question}]
+    for name, budget in BUDGETS.items():
+        t0 = time.perf_counter()
+        sel = svc.select_context(tenant, None, msgs, budget, summary=False, bump=False,
+                                 mode=mode)
+        if budget == DEFAULT_BUDGET:
+            seconds = time.perf_counter() - t0
+        got = {tid for h in sel.hits for tid in h.turn_ids}
+        out[f"recall@{name}"] = len(got & evidence) / len(evidence)
+    return out, seconds
+
+
+def _pct(values: list[float], q: float) -> float:
+    return round(float(np.percentile(values, q)) * 1000, 2) if values else 0.0
 
 
 def evaluate(svc: MemoryService, convs: list, limit: int | None) -> dict:
-    """Recall of every mode over every question; overall, per conversation, per category."""
+    """Recall of every mode over every question; overall, per conversation, per category;
+    the selection's latency at the default budget."""
     sums: dict[str, dict[str, dict[str, float]]] = defaultdict(
         lambda: {m: defaultdict(float) for m in MODES})
     asked: dict[str, int] = defaultdict(int)
-    by_cat: dict[str, list[float]] = defaultdict(list)
+    by_cat: dict[str, dict[str, dict[str, list[float]]]] = {
+        m: defaultdict(lambda: defaultdict(list)) for m in MODES}
+    latency: dict[str, list[float]] = {m: [] for m in MODES}
     questions = [(name, conv, q) for name, conv, qa in convs for q in qa][:limit]
     known = {name: {str(t["dia_id"]) for _, _, ts in sessions(conv) for t in ts}
              for name, conv, _ in convs}
@@ -195,16 +243,15 @@ def evaluate(svc: MemoryService, convs: list, limit: int | None) -> dict:
             skipped += 1
             continue
         asked[name] += 1
-        idx = svc.index(name)
+        cat = CATEGORIES.get(str(q.get("category")), str(q.get("category")))
         for mode in MODES:
-            hits = svc.search(name, str(q["question"]), 20, mode=mode)
-            for h in hits:
-                h.reasons["_tokens"] = idx.chunks[h.chunk_id].tokens
-            got = recall(hits, ev)
+            got = recall_at_k(svc.search(name, str(q["question"]), 20, mode=mode), ev)
+            packed, seconds = recall_in_budget(svc, name, str(q["question"]), ev, mode)
+            got.update(packed)
+            latency[mode].append(seconds)
             for key, v in got.items():
                 sums[name][mode][key] += v
-            if mode == "hybrid":
-                by_cat[str(q.get("category"))].append(got["recall@10"])
+                by_cat[mode][cat][key].append(v)
 
     def mean(names: list[str]) -> dict[str, dict[str, float]]:
         n = max(1, sum(asked[c] for c in names))
@@ -215,8 +262,15 @@ def evaluate(svc: MemoryService, convs: list, limit: int | None) -> dict:
     return {**mean(names), "per_conversation": {c: {**mean([c]), "questions": asked[c]}
                                                  for c in names},
             "questions": sum(asked.values()), "questions_skipped": skipped,
-            "hybrid_recall@10_by_category": {c: round(sum(v) / len(v), 4)
-                                             for c, v in sorted(by_cat.items())}}
+            "by_category": {m: {c: {"questions": len(v["recall@10"]),
+                                    **{k: round(sum(x) / len(x), 4) for k, x in v.items()}}
+                                for c, v in sorted(by_cat[m].items())} for m in MODES},
+            "hybrid_recall@10_by_category": {c: round(sum(v["recall@10"]) /
+                                                      len(v["recall@10"]), 4)
+                                             for c, v in sorted(by_cat["hybrid"].items())},
+            "selection_ms": {m: {"p50": _pct(v, 50), "p99": _pct(v, 99),
+                                 "mean": round(float(np.mean(v)) * 1000, 2) if v else 0.0}
+                             for m, v in latency.items()}}
 
 
 COLS = ["recall@5", "recall@10", "recall@20", "recall@1k", "recall@2k", "recall@4k"]
@@ -230,11 +284,19 @@ def print_table(result: dict) -> None:
         for base in ("bm25", "vector"):
             print(f"{scope + ' hybrid/' + base:22}" + "".join(
                 f"{res['hybrid'][c] / max(res[base][c], 1e-9):>11.3f}" for c in COLS))
-    h, b, v = (result[m]["recall@10"] for m in ("hybrid", "bm25", "vector"))
-    print(f"recall@10: hybrid {h:.3f} = bm25 {b:.3f} {100 * (h - b):+.1f} points, "
-          f"vector {v:.3f} {100 * (h - v):+.1f} points "
-          f"(goal >= 0.85 and >= +5 over each: "
-          f"{'met' if h >= 0.85 and h - max(b, v) >= 0.05 else 'NOT met'})")
+    print(f"\n{'category (questions)':28}" + "".join(f"{m + ' ' + b:>14}" for m in MODES
+                                                    for b in ("1k", "2k")))
+    for cat, got in result["by_category"]["hybrid"].items():
+        print(f"{cat + ' (' + str(got['questions']) + ')':28}" + "".join(
+            f"{result['by_category'][m][cat]['recall@' + b]:>14.3f}" for m in MODES
+            for b in ("1k", "2k")))
+    for m, lat in result["selection_ms"].items():
+        print(f"selection at the default budget, {m}: p50 {lat['p50']} ms, p99 {lat['p99']} ms")
+    h, b, v = (result[m]["recall@1k"] for m in ("hybrid", "bm25", "vector"))
+    h2 = result["hybrid"]["recall@2k"]
+    print(f"recall within 1k: hybrid {h:.3f} (goal >= 0.90: {'met' if h >= 0.9 else 'NOT met'})"
+          f", 2k {h2:.3f} (goal >= 0.95: {'met' if h2 >= 0.95 else 'NOT met'}); hybrid - bm25 "
+          f"{100 * (h - b):+.1f} points (goal >= +5), hybrid - vector {100 * (h - v):+.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-overlap", type=int, default=80)
     ap.add_argument("--root", type=Path, help="memory root (default: a temporary folder)")
     ap.add_argument("--cache", type=Path, help="embedding cache folder to reuse across runs")
+    ap.add_argument("--unit", choices=("turn", "chunk"), default="turn",
+                    help="what a selection packs (memory retrieval_unit)")
+    ap.add_argument("--neighbours", type=int, default=0, help="lines around a line taken")
+    ap.add_argument("--speaker-weight", type=float, default=None)
+    ap.add_argument("--chunk-prior-weight", type=float, default=None)
+    ap.add_argument("--context-bm25-weight", type=float, default=None)
     ap.add_argument("--skip-sim", action="store_true",
                     help="record turns without simulating the sidecar (no token_ratio)")
     args = ap.parse_args(argv)
@@ -266,8 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     counter = make_counter(args.tokenizer)
     embedder = MiniLMEmbedder() if args.embedder == "local" else HashingEmbedder()
     root = args.root or Path(tempfile.mkdtemp(prefix="cwm-bench-memory-"))
+    tuned = {k: v for k, v in (("speaker_weight", args.speaker_weight),
+                               ("chunk_prior_weight", args.chunk_prior_weight),
+                               ("context_bm25_weight", args.context_bm25_weight))
+             if v is not None}
     cfg = MemoryConfig(root=root, chunk_tokens=args.chunk_tokens,
-                       chunk_overlap=args.chunk_overlap, recent_turns=mem.recent_turns)
+                       chunk_overlap=args.chunk_overlap, recent_turns=mem.recent_turns,
+                       retrieval_unit=args.unit, turn_neighbours=args.neighbours, **tuned)
     if args.cache:
         embedder = CachedEmbedder(embedder, args.cache)
     svc = MemoryService(cfg, embedder, counter)
@@ -299,8 +372,13 @@ def main(argv: list[str] | None = None) -> int:
                    "bm25_weight": cfg.bm25_weight, "vector_weight": cfg.vector_weight,
                    "chunk_vector_weight": cfg.chunk_vector_weight,
                    "candidate_multiplier": cfg.candidate_multiplier,
+                   "retrieval_unit": cfg.retrieval_unit, "turn_neighbours": cfg.turn_neighbours,
+                   "speaker_weight": cfg.speaker_weight,
+                   "chunk_prior_weight": cfg.chunk_prior_weight,
+                   "context_bm25_weight": cfg.context_bm25_weight,
                    "tokenizer": counter.name, "embedder": embedder.name},
         "seconds": {"replay": round(replay_s, 1), "questions": round(search_s, 1)},
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     })
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

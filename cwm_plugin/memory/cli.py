@@ -103,8 +103,13 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(f"\nsummary (up to {got[1] or '?'}): {got[0]}")
         return 0
     print(f"sessions: {', '.join(files.sessions(args.tenant)) or '(none)'}")
-    for m in files.read_memories(args.tenant):
-        print(f"- {m.id} [{m.category} {m.importance:.2f} used {m.access_count}x] {m.text}")
+    for m in files.read_memories(args.tenant, history=True):
+        where = f" ({m.source})" if m.source else ""
+        if m.active:
+            print(f"- {m.id} [{m.category} {m.importance:.2f} used {m.access_count}x] "
+                  f"{m.text}{where}")
+        else:
+            print(f"- {m.id} replaced by {m.replaced_by} on {m.until[:10]}: {m.text}{where}")
     return 0
 
 

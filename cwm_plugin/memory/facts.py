@@ -2,10 +2,15 @@
 
 The sidecar sends :data:`SUMMARY_PROMPT` / :data:`FACTS_PROMPT` as system messages to the
 upstream model and hands the answers back (``set_summary``, ``add_memory``). Facts must be strict
-JSON, checked by :func:`parse_facts`: a JSON array (possibly empty) of objects with exactly the
-keys ``text`` (1-500 characters), ``category`` (preference, goal, decision or fact) and
-optionally ``importance`` (0-1, default 0.5). Anything else (prose, code fences, extra keys,
-unknown categories) raises :class:`InvalidInput`, so the sidecar can retry once and then refuse.
+JSON, checked by :func:`parse_facts`: a JSON array (possibly empty) of objects with the keys
+``text`` (1-500 characters), ``category`` (preference, goal, decision or fact), optionally
+``importance`` (0-1, default 0.5) and ``key`` (the topic in a few lower-case words, at most 60
+characters: a newer fact with a known fact's key may replace it, ``factstore.py``). Anything
+else (prose, code fences, extra keys, unknown categories) raises :class:`InvalidInput`, so the
+sidecar can retry once and then refuse. With structured outputs the request carries
+:func:`facts_schema` and at most ``SCHEMA_MAX_FACTS`` facts: ``text`` comes first in the
+schema, because a small model writes a better sentence before it has to name a topic
+(SmolLM2-135M named the topic first and then wrote the topic's example sentence).
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from cwm_plugin.errors import InvalidInput
 
 MAX_FACTS = 20
+SCHEMA_MAX_FACTS = 3
+SCHEMA_MAX_TOKENS = 512  # room for a schema-bounded answer (SmolLM2 pads JSON with newlines)
+MAX_KNOWN = 12  # known facts listed in the extraction prompt (their keys can be reused)
 
 SUMMARY_PROMPT = (
     "You maintain a running summary of a conversation between a user and an assistant. "
@@ -32,9 +40,11 @@ FACTS_PROMPT = (
     "small talk and anything only true for this moment.\n"
     "Answer with JSON only, no prose and no code fences: an array of objects "
     '{"text": string, "category": "preference" | "goal" | "decision" | "fact", '
-    '"importance": number between 0 and 1}. Each text is one short self-contained sentence '
-    'in the third person (e.g. "The user is allergic to peanuts."). Answer [] if there is '
-    "nothing durable."
+    '"importance": number between 0 and 1, "key": string}. Each text is one short '
+    "self-contained sentence "
+    'in the third person (e.g. "The user is allergic to peanuts."); "key" names its topic in a '
+    'few lower-case words (e.g. "allergy"); a fact that changes a known fact (listed with its '
+    "key in brackets) takes that key. Answer [] if there is nothing durable."
 )
 
 
@@ -44,6 +54,7 @@ class Fact(BaseModel):
     text: str = Field(min_length=1, max_length=500)
     category: Literal["preference", "goal", "decision", "fact"]
     importance: float = Field(default=0.5, ge=0.0, le=1.0)
+    key: str = Field(default="", max_length=60)
 
     @field_validator("importance", mode="before")
     @classmethod
@@ -86,4 +97,17 @@ def parse_facts(text: str) -> list[dict[str, Any]]:
         raise InvalidInput(f"invalid fact at {where}: {first['msg']}",
                            hint="each fact needs text, a category among preference, goal, "
                                 "decision, fact, and an importance in [0, 1]") from exc
-    return [f.model_dump() for f in facts]
+    return [f.model_dump(exclude={"key"} if not f.key.strip() else None) for f in facts]
+
+
+def facts_schema(categories: tuple[str, ...]) -> dict[str, Any]:
+    """The JSON schema of an extraction answer for vLLM's structured outputs (what
+    :func:`parse_facts` accepts, ``text`` first, at most ``SCHEMA_MAX_FACTS`` facts)."""
+    return {"type": "array", "maxItems": SCHEMA_MAX_FACTS,
+            "items": {"type": "object", "additionalProperties": False,
+                      "required": ["text", "category", "importance", "key"],
+                      "properties": {
+                          "text": {"type": "string", "minLength": 1, "maxLength": 160},
+                          "category": {"enum": list(categories)},
+                          "importance": {"type": "number", "minimum": 0, "maximum": 1},
+                          "key": {"type": "string", "minLength": 1, "maxLength": 30}}}}

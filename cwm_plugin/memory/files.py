@@ -6,6 +6,7 @@ Layout under the root, one folder a tenant::
     <root>/<tenant>/daily/<YYYY-MM-DD>.md      one line a turn, for people reading along
     <root>/<tenant>/memories.md                durable memories, one line each
     <root>/<tenant>/summaries/<session>.md     the running summary of a session
+    <root>/<tenant>/cursors/<session>.json     the last turn fact extraction covered
 
 Every turn record is a visible heading plus a machine line carrying the exact byte length of
 the content, so any text (even text that looks like a header) reads back verbatim, and a torn
@@ -40,12 +41,22 @@ def _mark_safe_json(data: dict) -> str:
     return json.dumps(data, ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e")
 
 
+OPTIONAL = ("key", "source", "replaced_by", "until")  # written only when set
+HISTORY_HEADING = "## History (replaced by newer facts)"
+
+
 def memory_line(m: Memory) -> str:
-    """One line of memories.md: readable text, then the machine-readable record."""
-    meta = _mark_safe_json({"id": m.id, "text": m.text, "category": m.category,
-                            "importance": round(m.importance, 4),
-                            "access_count": m.access_count, "created": m.created})
-    return f"- **{m.category}** ({m.importance:.2f}) {m.text} {MEM_MARK}{meta}{END}"
+    """One line of memories.md: readable text, then the machine-readable record; a replaced
+    memory is struck through and says by which memory and when."""
+    data = {"id": m.id, "text": m.text, "category": m.category,
+            "importance": round(m.importance, 4), "access_count": m.access_count,
+            "created": m.created}
+    data.update({k: getattr(m, k) for k in OPTIONAL if getattr(m, k)})
+    meta = _mark_safe_json(data)
+    shown = f"**{m.category}** ({m.importance:.2f}) {m.text}"
+    if m.replaced_by:
+        shown = f"~~{shown}~~ (until {m.until[:10]}, replaced by {m.replaced_by})"
+    return f"- {shown} {MEM_MARK}{meta}{END}"
 
 
 def parse_memory_line(line: str) -> Memory | None:
@@ -58,7 +69,8 @@ def parse_memory_line(line: str) -> Memory | None:
             meta = json.loads(line[i + len(MEM_MARK):end])
             return Memory(id=str(meta["id"]), text=str(meta["text"]),
                           category=str(meta["category"]), importance=float(meta["importance"]),
-                          access_count=int(meta["access_count"]), created=str(meta["created"]))
+                          access_count=int(meta["access_count"]), created=str(meta["created"]),
+                          **{k: str(meta.get(k) or "") for k in OPTIONAL})
         except (ValueError, KeyError, TypeError):
             i = line.find(MEM_MARK, i + 1)
     return None
@@ -274,14 +286,15 @@ class MemoryFiles:
 
     # --- durable memories --------------------------------------------------------------------
 
-    def read_memories(self, tenant: str) -> list[Memory]:
-        """The durable memories; a line that does not parse is skipped (and logged): a broken
-        line must never take the tenant's memory down (``cwm memory check`` lists them)."""
+    def read_memories(self, tenant: str, *, history: bool = False) -> list[Memory]:
+        """The durable memories in force (with ``history``: the replaced ones too); a line that
+        does not parse is skipped (and logged): a broken line must never take the tenant's
+        memory down (``cwm memory check`` lists them)."""
         mems, bad = self.scan_memories(tenant)
         for n, _ in bad:
             log.warning("tenant %s: memories.md line %d is not a valid memory line; skipped "
                         "(run `cwm memory check`)", tenant, n)
-        return mems
+        return mems if history else [m for m in mems if m.active]
 
     def scan_memories(self, tenant: str) -> tuple[list[Memory], list[tuple[int, str]]]:
         """``(memories, [(line number, line) of every memory line that does not parse])``."""
@@ -302,15 +315,20 @@ class MemoryFiles:
         return out, bad
 
     def update_memories(self, tenant: str, fn) -> list[Memory]:
-        """Read, change (``fn(list) -> list``) and atomically rewrite memories.md, locked.
-        Lines that do not parse are written back as they were (for a person to fix)."""
+        """Read, change (``fn(list) -> list``, every memory, replaced ones included) and
+        atomically rewrite memories.md, locked: the memories in force, then the history of
+        replaced ones. Lines that do not parse are written back as they were (for a person to
+        fix)."""
         path = self.memories_path(tenant)
         with locked(path):
             parsed, bad = self.scan_memories(tenant)
             mems = fn(parsed)
             lines = ["# Durable memories", ""]
-            lines += [memory_line(m) for m in mems]
+            lines += [memory_line(m) for m in mems if m.active]
             lines += [raw for _, raw in bad]
+            old = [memory_line(m) for m in mems if not m.active]
+            if old:
+                lines += ["", HISTORY_HEADING, "", *old]
             replace_durable(path, "\n".join(lines) + "\n")
         return mems
 
@@ -331,6 +349,25 @@ class MemoryFiles:
                         "memory check`)", tenant, session)
             return text.strip(), ""
         return text.strip(), str(meta.get("upto_turn", ""))
+
+    def read_cursor(self, tenant: str, session: str, name: str) -> str:
+        """The id of the last turn the work ``name`` covered in the session ("" if none)."""
+        path = self.tenant_dir(tenant) / "cursors" / f"{check_name('session', session)}.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return ""
+        return str(data.get(name, "")) if isinstance(data, dict) else ""
+
+    def write_cursor(self, tenant: str, session: str, name: str, turn_id: str) -> None:
+        path = self.tenant_dir(tenant) / "cursors" / f"{check_name('session', session)}.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            data = {}
+        data = data if isinstance(data, dict) else {}
+        data[name] = turn_id
+        replace_durable(path, json.dumps(data) + "\n")
 
     def write_summary(self, tenant: str, session: str, text: str, upto_turn: str) -> None:
         meta = _mark_safe_json({"upto_turn": upto_turn, "updated": utc_iso()})

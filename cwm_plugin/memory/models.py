@@ -27,6 +27,13 @@ class MemoryConfig:
     vector_context_mode: str = "mix"  # ... embedded together ("pair") or mixed ("mix", index.py)
     chunk_vector_weight: float = 1.0  # weight of the chunk centroid's cosine (index.py)
     max_facts: int = 8  # durable memories offered to a selection
+    # What a selection packs (``select.py``): the best "turn" lines (``turns.py``, ``pack.py``)
+    # or whole "chunk"s; the line scores' parts and the neighbours a line brings along.
+    retrieval_unit: str = "turn"
+    turn_neighbours: int = 0
+    context_bm25_weight: float = 0.5
+    chunk_prior_weight: float = 0.5
+    speaker_weight: float = 0.2
     # Look at the files for changes by other processes at most this often (seconds; 0: on
     # every search). This process's own appends are indexed as they are written.
     sync_interval_s: float = 0.0
@@ -81,7 +88,10 @@ class Hit:
 
 @dataclass
 class Memory:
-    """A durable memory from ``memories.md``."""
+    """A durable memory from ``memories.md``. ``key``: its topic ("home city"), given by the
+    extraction, so a newer fact on the same topic can replace it; ``source``: where it was
+    said (``session:<name>#<first turn>..<last turn>``); a replaced memory keeps its line in
+    the file's history with ``replaced_by`` (the newer memory's id) and ``until`` (when)."""
 
     id: str
     text: str
@@ -89,6 +99,14 @@ class Memory:
     importance: float
     access_count: int
     created: str
+    key: str = ""
+    source: str = ""
+    replaced_by: str = ""
+    until: str = ""
+
+    @property
+    def active(self) -> bool:
+        return not self.replaced_by
 
 
 @dataclass

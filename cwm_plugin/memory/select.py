@@ -7,10 +7,11 @@ Order of priority (each item is kept only if everything kept so far plus it stil
 2. durable memories in the order hybrid search ranked them (``search.py``), at most
    ``max_facts``;
 3. the session's running summary;
-4. retrieved chunks in score order, skipping those whose turns are all among the recent ones.
-
-A chunk that does not fit whole is trimmed to the lines nearest its best-matching line before
-it is given up. Costs are added up from the counted pieces (each line, fact, header and
+4. retrieved conversation: by default the best *lines* packed into passages (``pack.py``, lines
+   ranked by ``turns.py``); with ``retrieval_unit: chunk``, whole chunks in score order (a
+   chunk that does not fit whole is trimmed to the lines nearest its best-matching line before
+   it is given up). Turns the prompt carries anyway are skipped.
+ Costs are added up from the counted pieces (each line, fact, header and
 separator, counted once and cached), which is cheap even when counting means asking vLLM's
 ``/tokenize``; the assembled block is then counted exactly with the same ``TokenCounter`` and,
 should joining pieces have cost more than their sum, the last items are dropped until it fits,
@@ -19,13 +20,16 @@ so ``Selection.tokens <= budget`` always holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from cwm_plugin.memory.history import window
 from cwm_plugin.memory.models import Hit, Memory, Selection
+from cwm_plugin.memory.pack import Packed, pack
 from cwm_plugin.memory.tokens import TokenCounter, content_text
+from cwm_plugin.memory.turns import Line
 
 FACTS_HEADER = "Known facts about the user:"
 SUMMARY_HEADER = "Summary of this conversation so far:"
@@ -40,6 +44,9 @@ class Candidates:
     summary: str | None
     hits: list[Hit]
     hit_line_scores: list[np.ndarray | None]  # per hit: similarity of each line, or None
+    lines: list[Line] | None = None  # ranked lines: packed instead of the chunks
+    rows_of: Callable[[str], list] | None = None  # a session's units (for neighbours)
+    neighbours: int = 0
 
 
 def fact_line(m: Memory) -> str:
@@ -149,7 +156,8 @@ def select(counter: TokenCounter, history: list[dict], recent_turns: int, budget
     prefetch = getattr(counter, "count_many", None)
     if prefetch is not None:  # every piece this selection may count, in one batch
         prefetch([FACTS_HEADER, SUMMARY_HEADER, HITS_HEADER, *(fact_line(m) for m in cands.facts),
-                  *(ln for h in cands.hits for ln in h.text.split("\n"))])
+                  *(ln for h in cands.hits for ln in h.text.split("\n")),
+                  *(ln.unit.text for ln in (cands.lines or [])[:200])])
     recent, used = _recent(counter, history, recent_turns, budget, reasons)
     recent_text = {" ".join(content_text(m).split()) for m in [*recent, *present]}
     recent_ids = recent_turn_ids or set()
@@ -171,6 +179,45 @@ def select(counter: TokenCounter, history: list[dict], recent_turns: int, budget
             reasons.append("keep session summary")
         else:
             reasons.append("drop session summary: over budget")
+    packed: Packed | None = None
+    if cands.lines is not None:
+        left = room - _estimate(p, facts, summary, kept) - p(HITS_HEADER) - 2 * JOIN_MARGIN
+        packed = pack(cands.lines, cands.rows_of or (lambda s: []), left, p,
+                      neighbours=cands.neighbours,
+                      skip=lambda ln: ln.unit.turn_id in recent_ids or " ".join(
+                          ln.unit.text.split(": ", 1)[-1].split()) in recent_text)
+        reasons.extend(packed.reasons)
+        kept = [(h, h.text) for h in packed.hits()]
+    else:
+        _take_chunks(cands, p, room, facts, summary, kept, recent_ids, recent_text, reasons)
+    block = render(facts, summary, kept)
+    while block and counter.count(block) > room:  # the pieces cost more once joined
+        if packed is not None and packed.taken:
+            reasons.append(packed.drop_last())
+            kept = [(h, h.text) for h in packed.hits()]
+        elif kept and packed is None:
+            h, _ = kept.pop()
+            reasons.append(f"drop chunk {h.chunk_id[:12]}: over budget once assembled")
+        elif summary:
+            summary = None
+            reasons.append("drop session summary: over budget once assembled")
+        elif facts:
+            m = facts.pop()
+            reasons.append(f"drop memory {m.id}: over budget once assembled")
+        else:
+            kept = []
+        block = render(facts, summary, kept)
+    tokens = (counter.count(block) if block else 0) + counter.count_messages(recent)
+    return Selection(recent=recent, memory_block=block, hits=[h for h, _ in kept],
+                     summary=summary, facts=facts, tokens=tokens, reasons=reasons,
+                     fact_hits=[h for m, h in zip(cands.facts, cands.fact_hits, strict=True)
+                                if m in facts])
+
+
+def _take_chunks(cands: Candidates, p: _Pieces, room: int, facts: list[Memory],
+                 summary: str | None, kept: list[tuple[Hit, str]], recent_ids: set[str],
+                 recent_text: set[str], reasons: list[str]) -> None:
+    """Whole chunks in score order (``retrieval_unit: chunk``), the last one trimmed."""
     for hit, line_scores in zip(cands.hits, cands.hit_line_scores, strict=True):
         short = hit.chunk_id[:12]
         body = [ln.split(": ", 1)[-1] for ln in hit.text.split("\n")[1:]]
@@ -190,20 +237,3 @@ def select(counter: TokenCounter, history: list[dict], recent_turns: int, budget
             reasons.append(f"keep part of chunk {short} ({hit.source}, score {hit.score:.3f})")
         else:
             reasons.append(f"drop chunk {short} (score {hit.score:.3f}): over budget")
-    block = render(facts, summary, kept)
-    while block and counter.count(block) > room:  # the pieces cost more once joined
-        if kept:
-            h, _ = kept.pop()
-            reasons.append(f"drop chunk {h.chunk_id[:12]}: over budget once assembled")
-        elif summary:
-            summary = None
-            reasons.append("drop session summary: over budget once assembled")
-        else:
-            m = facts.pop()
-            reasons.append(f"drop memory {m.id}: over budget once assembled")
-        block = render(facts, summary, kept)
-    tokens = (counter.count(block) if block else 0) + counter.count_messages(recent)
-    return Selection(recent=recent, memory_block=block, hits=[h for h, _ in kept],
-                     summary=summary, facts=facts, tokens=tokens, reasons=reasons,
-                     fact_hits=[h for m, h in zip(cands.facts, cands.fact_hits, strict=True)
-                                if m in facts])

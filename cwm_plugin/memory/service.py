@@ -10,7 +10,6 @@ appends are also locked across processes. Embeddings go through an on-disk cache
 from __future__ import annotations
 
 import re
-import secrets
 import threading
 import time
 from datetime import datetime
@@ -21,12 +20,12 @@ from tqdm import tqdm
 from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.chunking import Unit
 from cwm_plugin.memory.embeddings import CachedEmbedder, Embedder
+from cwm_plugin.memory.factstore import FactStore, Merged
 from cwm_plugin.memory.files import MemoryFiles, utc_iso
 from cwm_plugin.memory.history import prefix_length, split_current
 from cwm_plugin.memory.index import TenantIndex
 from cwm_plugin.memory.metrics import MemoryMetrics
 from cwm_plugin.memory.models import (
-    CATEGORIES,
     Hit,
     Memory,
     MemoryConfig,
@@ -40,6 +39,7 @@ from cwm_plugin.memory.select import Candidates, select
 from cwm_plugin.memory.tenants import TenantIndexes
 from cwm_plugin.memory.timing import Stages
 from cwm_plugin.memory.tokens import TokenCounter
+from cwm_plugin.memory.turns import LineCorpus, rank_lines
 
 __all__ = ["Hit", "Memory", "MemoryConfig", "MemoryService", "Selection"]
 
@@ -60,11 +60,13 @@ class MemoryService:
         self.embedder = embedder
         self.counter = counter  # chunk sizes; budgets may use the served model's counter
         self.indexes = TenantIndexes(self.files, config, embedder, counter, self.metrics)
+        self.facts = FactStore(self.files, self._similar, self.lock)
         self._locks: dict[str, threading.RLock] = {}
         self._indexing: dict[str, threading.RLock] = {}  # one deferred indexing at a time
         self._guard = threading.Lock()
         # turns appended with defer_index, not indexed yet: tenant -> [(session, turns, span)]
         self._pending: dict[str, list[tuple[str, list[Turn], int, int]]] = {}
+        self._lines: dict[str, tuple[TenantIndex, LineCorpus]] = {}  # per tenant, per index
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -217,7 +219,7 @@ class MemoryService:
                        counter: TokenCounter | None = None, recent_turns: int | None = None,
                        summary: bool = True, bump: bool = True,
                        present: list[dict] | None = None,
-                       stages: Stages | None = None) -> Selection:
+                       stages: Stages | None = None, mode: str = "hybrid") -> Selection:
         """Recent turns verbatim plus memories, summary and hits, within ``budget_tokens``.
 
         ``messages`` are the request's chat messages: the leading system/developer messages
@@ -231,7 +233,8 @@ class MemoryService:
         access counts to a later :meth:`bump` (a rewrite of memories.md, off the request's
         path). ``present``: more messages the caller sends anyway (its whole history): chunks
         made only of their text are skipped. ``counter`` counts the budget (the served model's
-        tokenizer; default: the service's); time spent is added to ``stages``.
+        tokenizer; default: the service's); time spent is added to ``stages``; ``mode``: how
+        the conversation is searched (hybrid, bm25, vector).
         """
         check_name("tenant", tenant)
         if session is not None:
@@ -250,7 +253,8 @@ class MemoryService:
             recent_ids = {t.turn_id for t in turns}
         if query is None:
             query = _text(current[0]) if current else ""
-        cands = self._candidates(tenant, session if summary else None, query or "", stages)
+        cands = self._candidates(tenant, session if summary else None, query or "", stages,
+                                 mode)
         with stages("count"):
             sel = select(counter or self.counter, history, n, budget_tokens, cands, recent_ids,
                          self.config.max_facts, present=[*current, *(present or [])])
@@ -260,16 +264,13 @@ class MemoryService:
 
     def bump(self, tenant: str, ids: list[str]) -> None:
         """Count one more use of each of these durable memories (rewrites memories.md)."""
-        wanted = set(ids)
-        with self.lock(tenant):
-            self.files.update_memories(tenant, lambda ms: [
-                _bump(m) if m.id in wanted else m for m in ms])
+        self.facts.bump(tenant, ids)
 
     def _candidates(self, tenant: str, session: str | None, query: str,
-                    stages: Stages) -> Candidates:
+                    stages: Stages, mode: str = "hybrid") -> Candidates:
         """Everything a selection may take, the query embedded once."""
         qvec = None
-        if query.strip():
+        if query.strip() and mode != "bm25":
             with stages("embed"):
                 qvec = self._embed_one(query)
         t0 = time.perf_counter()
@@ -282,51 +283,55 @@ class MemoryService:
             fact_hits = [h for h in fact_hits if h.chunk_id in by_id]
             with stages("files"):
                 idx = self.indexes.refresh(tenant)
-            hits = search_index(idx, query, qvec, SEARCH_K, self.config,
-                                stages=stages) if qvec is not None else []
-            with stages("vector"):
-                line_scores = [idx.line_scores(qvec, h.chunk_id) if qvec is not None else None
-                               for h in hits]
+            lines, hits, line_scores = None, [], []
+            if not query.strip():
+                pass
+            elif self.config.retrieval_unit == "turn":
+                lines = rank_lines(idx, self._line_corpus(tenant, idx), query, qvec,
+                                   self.config, mode=mode, stages=stages)
+            else:
+                hits = search_index(idx, query, qvec, SEARCH_K, self.config, mode=mode,
+                                    stages=stages)
+                with stages("vector"):
+                    line_scores = [idx.line_scores(qvec, h.chunk_id) if qvec is not None
+                                   else None for h in hits]
         if qvec is not None:
             self.metrics.retrieval.labels("hybrid").observe(time.perf_counter() - t0)
         with stages("files"):
             summary = self.summary(tenant, session) if session is not None else None
         return Candidates(facts=[by_id[h.chunk_id] for h in fact_hits], fact_hits=fact_hits,
-                          summary=summary, hits=hits, hit_line_scores=line_scores)
+                          summary=summary, hits=hits, hit_line_scores=line_scores, lines=lines,
+                          rows_of=lambda s: idx.sessions[s].units if s in idx.sessions else [],
+                          neighbours=self.config.turn_neighbours)
+
+    def _line_corpus(self, tenant: str, idx: TenantIndex) -> LineCorpus:
+        """The tenant's line BM25 (``turns.py``), new when its index was rebuilt or reloaded."""
+        got = self._lines.get(tenant)
+        if got is None or got[0] is not idx:
+            got = self._lines[tenant] = (idx, LineCorpus())
+        return got[1]
 
     # --- durable memories and summaries --------------------------------------------------------
 
-    def add_memory(self, tenant: str, text: str, category: str,
-                   importance: float = 0.5) -> Memory:
-        """Add a durable memory; the same text again only raises its importance."""
+    def add_memory(self, tenant: str, text: str, category: str, importance: float = 0.5, *,
+                   key: str = "", source: str = "") -> Memory:
+        """Add a durable memory: a duplicate only raises the importance of the one kept, a
+        newer fact on the same topic (``key``) replaces it (``factstore.py``)."""
+        return self.add_fact(tenant, text, category, importance, key=key, source=source).memory
+
+    def add_fact(self, tenant: str, text: str, category: str, importance: float = 0.5, *,
+                 key: str = "", source: str = "") -> Merged:
+        """:meth:`add_memory`, saying what happened (added, duplicate, updated)."""
         check_name("tenant", tenant)
-        if category not in CATEGORIES:
-            raise InvalidInput(f"memory category {category!r} is unknown",
-                               hint=f"use one of {', '.join(CATEGORIES)}")
-        text = " ".join(str(text).split())
-        if not text or len(text) > 2000:
-            raise InvalidInput("memory text must be 1-2000 characters")
-        if not 0.0 <= float(importance) <= 1.0:
-            raise InvalidInput(f"importance {importance} is outside [0, 1]")
-        made: list[Memory] = []
+        return self.facts.add(tenant, text, category, importance, key=key, source=source)
 
-        def change(ms: list[Memory]) -> list[Memory]:
-            for m in ms:
-                if m.text.lower() == text.lower() and m.category == category:
-                    m.importance = max(m.importance, float(importance))
-                    made.append(m)
-                    return ms
-            m = Memory(id=f"m-{secrets.token_hex(6)}", text=text, category=category,
-                       importance=float(importance), access_count=0, created=utc_iso())
-            made.append(m)
-            return [*ms, m]
+    def _similar(self, text: str, others: list[str]) -> np.ndarray:
+        vecs = self.embedder.embed([text, *others])
+        return vecs[1:] @ vecs[0]
 
-        with self.lock(tenant):
-            self.files.update_memories(tenant, change)
-        return made[0]
-
-    def memories(self, tenant: str) -> list[Memory]:
-        return self.files.read_memories(tenant)
+    def memories(self, tenant: str, *, history: bool = False) -> list[Memory]:
+        """The memories in force (``history``: the replaced ones too)."""
+        return self.files.read_memories(tenant, history=history)
 
     def summary(self, tenant: str, session: str) -> str | None:
         got = self.files.read_summary(tenant, session)
@@ -390,8 +395,3 @@ def _as_message(t: Turn) -> dict:
     if t.role in CHAT_ROLES:
         return {"role": t.role, "content": t.content}
     return {"role": "user", "content": f"{t.role}: {t.content}"}
-
-
-def _bump(m: Memory) -> Memory:
-    m.access_count += 1
-    return m

@@ -40,6 +40,7 @@ from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.turn import handle_chat
 from cwm_plugin.sidecar.usage import UsageLedger, usage_router
 from cwm_plugin.sidecar.windows_api import CheckpointThresholds, windows_router
+from cwm_plugin.sidecar.workqueue import Background
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
 
@@ -95,6 +96,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         if memory else None,
         counters=ModelCounters(settings.memory),
         failopen=FailOpen(metrics), usage=usage, activity=open_activity(settings),
+        background=Background(settings.memory.background_queue_limit,
+                              settings.memory.background_workers, metrics),
     )
     engine, auto = open_windows(settings)
     if snapshot_hook is not None:

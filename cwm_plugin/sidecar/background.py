@@ -1,63 +1,52 @@
 """Work done after the answer has gone out: running summaries, fact extraction, checkpoints.
 
-Each job runs as an asyncio task owned by :class:`Background` (drained or cancelled when the app
-stops), never on the client's path; the jobs of one session run one at a time. Summaries and
-facts are written by the upstream model itself. The running summary is incremental: the stored
-summary records the last turn it covers (``upto_turn``), and an update sends only the previous
-summary and the turns after that one (in batches that fit half the model's context, oldest
-first, each batch moving ``upto_turn`` on, so no turn is skipped however long the backlog); facts must be strict JSON accepted by the memory package's ``parse_facts``: one retry,
-then the extraction is refused, counted, and nothing is written. With ``structured_facts`` the
-request carries a JSON schema (vLLM's structured outputs), so even a small model answers valid
-JSON; an answer cut off at ``background_max_tokens`` can still fail and is handled the same way.
+A session's due work is one job on the bounded queue (``workqueue.py``: merged while it waits,
+dropped when the queue is full, never on the client's path); the jobs of one session run one
+at a time. Summaries and facts are written by the upstream model itself, and its usage is
+counted for the tenant. Both are incremental from
+the transcript, so a dropped or merged job loses nothing:
+
+- the running summary (progressive, every ``summary_every_turns`` turns and at a checkpoint)
+  records the last turn it covers (``upto_turn``); an update sends the previous summary and the
+  turns after that one (in batches that fit half the model's context, oldest first, each batch
+  moving ``upto_turn`` on, so no turn is skipped however long the backlog); the model's text is
+  stored with the names, dates and decisions of the turns it covers, merged with the previous
+  summary's (``memory/details.py``: kept whatever the model wrote);
+- facts (every ``facts_every_turns`` turns) are extracted from the turns after the facts
+  cursor (``cursors/<session>.json``), with the tenant's known facts and their keys in the
+  prompt; the answer must be strict JSON accepted by the memory package's ``parse_facts`` (one
+  retry, then the batch is refused, counted, and skipped). With ``structured_facts`` the
+  request carries the JSON schema (vLLM's structured outputs), so even a small model answers
+  valid JSON; an answer cut off at ``background_max_tokens`` can still fail and is handled the
+  same way. Each fact is merged (added, duplicate, or replacing a known one: ``factstore.py``)
+  with its source (session and turns).
+
 This work goes to the upstreams with the role ``background`` when there are any (a cheaper
 model, say: ``Router.background_route``), else where the turn went; its tokens are accounted
-to the tenant as ``kind: background`` (``usage.py``).
+to the tenant as ``kind: background`` (``usage.py``) and counted in
+``cwm_sidecar_background_tokens_total``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Coroutine
 from typing import Any
 
 from cwm_plugin.errors import CWMError, InvalidInput
+from cwm_plugin.memory.details import with_details
 from cwm_plugin.sidecar import llm_prompts
 from cwm_plugin.sidecar.context import SessionState, SnapshotHook, call_hook
 from cwm_plugin.sidecar.memory_port import MemoryPort
 from cwm_plugin.sidecar.metrics import SidecarMetrics
-from cwm_plugin.sidecar.router import Route, Router
+from cwm_plugin.sidecar.router import Router
 from cwm_plugin.sidecar.settings import MemorySettings
 from cwm_plugin.sidecar.usage import BACKGROUND, UsageLedger
+from cwm_plugin.sidecar.workqueue import Job
 
 log = logging.getLogger(__name__)
 MAX_SUMMARY_BATCHES = 8  # one update summarises at most this many batches of backlog
-
-
-class Background:
-    """A set of running tasks; ``pending`` for tests and shutdown."""
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    @property
-    def pending(self) -> int:
-        return len(self._tasks)
-
-    async def drain(self, timeout: float = 30.0) -> None:
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout)
-
-    async def close(self) -> None:
-        await self.drain(timeout=5.0)
-        for t in list(self._tasks):
-            t.cancel()
+MAX_FACT_BATCHES = 4  # one extraction reads at most this many batches of backlog
+MAX_KNOWN = 12  # known facts listed in an extraction prompt
 
 
 def _turn_id(turn: dict[str, Any]) -> str:
@@ -75,12 +64,12 @@ class Maintainer:
         self.cfg = cfg
         self.usage = usage
 
-    async def _ask(self, tenant: str, route: Route, messages: list[dict[str, Any]], salt: str,
-                   extra: dict[str, Any] | None = None) -> str:
-        text, usage, ep, model = await self.router.chat_once(
-            route, messages, salt=salt, max_tokens=self.cfg.background_max_tokens, extra=extra)
-        self.usage.record(tenant, model, ep.name, usage, kind=BACKGROUND)
-        return text
+    async def _context(self, model: str, max_model_len: int | None) -> int | None:
+        """The context the background work must fit: the writer's (the background route's)
+        and the turn's own model's, whichever is smaller."""
+        route = await self.router.background_route(model)
+        limits = [x for x in (route.info().max_model_len, max_model_len) if x]
+        return min(limits) if limits else None
 
     async def summarize(self, tenant: str, session: str, model: str, salt: str,
                         max_model_len: int | None) -> str | None:
@@ -90,70 +79,112 @@ class Maintainer:
         previous, upto = await self.memory.summary_state(tenant, session)
         ids = [_turn_id(t) for t in turns]
         start = ids.index(upto) + 1 if upto and upto in ids else 0
-        route = await self.router.background_route(model)
-        # The batches must fit the model that writes them, and the fallback's, if any.
-        limits = [x for x in (route.info().max_model_len, max_model_len) if x]
-        budget = int((min(limits) if limits else 2048) * 0.5) - self.cfg.background_max_tokens
+        max_model_len = await self._context(model, max_model_len)
         for _ in range(MAX_SUMMARY_BATCHES):
             if start >= len(turns):
                 break
-            lines: list[str] = []
             used = self.memory.count_messages(llm_prompts.summary_messages(previous, ""))
-            end = start
-            while end < len(turns):  # oldest first, at least one turn
-                t = turns[end]
-                line = f"{t.get('role')}: {t.get('content', '')}"
-                cost = self.memory.count(line) + 2
-                if lines and used + cost > budget:
-                    break
-                lines.append(line)
-                used += cost
-                end += 1
+            lines, end = self._batch(turns, start, used, max_model_len)
             messages = llm_prompts.summary_messages(previous, "\n".join(lines))
-            text = (await self._ask(tenant, route, messages, salt)).strip()
-            if not text:
+            text = await self._call(tenant, model, salt, "summary", messages)
+            if not text.strip():
                 self.metrics.background.labels(tenant, "summary", "empty").inc()
                 return previous
+            text = with_details(text, previous, turns[start:end])
             await self.memory.set_summary(tenant, session, text, upto_turn=ids[end - 1])
             self.metrics.background.labels(tenant, "summary", "ok").inc()
             previous, start = text, end
         return previous
 
-    async def extract_facts(self, tenant: str, model: str, salt: str, exchange: str) -> int:
+    def _batch(self, turns: list[dict[str, Any]], start: int, used: int,
+               max_model_len: int | None) -> tuple[list[str], int]:
+        """Transcript lines from ``start`` on (at least one) that fit half the context with
+        what the prompt already uses; returns them and the index after the last."""
+        budget = int((max_model_len or 2048) * 0.5) - self.cfg.background_max_tokens
+        lines: list[str] = []
+        end = start
+        while end < len(turns):  # oldest first
+            t = turns[end]
+            line = f"{t.get('role')}: {t.get('content', '')}"
+            cost = self.memory.count(line) + 2
+            if lines and used + cost > budget:
+                break
+            lines.append(line)
+            used += cost
+            end += 1
+        return lines, end
+
+    async def _call(self, tenant: str, model: str, salt: str, kind: str,
+                    messages: list[dict[str, Any]], extra: dict[str, Any] | None = None,
+                    max_tokens: int | None = None) -> str:
+        route = await self.router.background_route(model)
+        text, usage, ep, answered = await self.router.chat_once(
+            route, messages, salt=salt, extra=extra,
+            max_tokens=max_tokens or self.cfg.background_max_tokens)
+        self.usage.record(tenant, answered, ep.name, usage, kind=BACKGROUND, work=kind)
+        return text
+
+    async def extract_facts(self, tenant: str, session: str, model: str, salt: str,
+                            max_model_len: int | None) -> int:
+        """Facts from the turns after the facts cursor; returns how many were merged."""
+        turns = await self.memory.transcript(tenant, session)
+        ids = [_turn_id(t) for t in turns]
+        upto = await self.memory.cursor(tenant, session, "facts")
+        start = ids.index(upto) + 1 if upto and upto in ids else 0
+        max_model_len = await self._context(model, max_model_len)
+        merged = 0
+        for _ in range(MAX_FACT_BATCHES):
+            if start >= len(turns):
+                break
+            known = [(m.key, m.text) for m in await self.memory.memories(tenant)
+                     if m.key][-MAX_KNOWN:]
+            used = self.memory.count_messages(llm_prompts.facts_messages("", known))
+            lines, end = self._batch(turns, start, used, max_model_len)
+            source = f"session:{session}#{ids[start]}..{ids[end - 1]}"
+            merged += await self._extract(tenant, model, salt, "\n".join(lines), known, source)
+            await self.memory.set_cursor(tenant, session, "facts", ids[end - 1])
+            start = end
+        return merged
+
+    async def _extract(self, tenant: str, model: str, salt: str, exchange: str,
+                       known: list[tuple[str, str]], source: str) -> int:
         """Ask the model for facts as strict JSON; retry once; refuse and count if still bad."""
-        messages = llm_prompts.facts_messages(exchange)
+        messages = llm_prompts.facts_messages(exchange, known)
         extra = ({"response_format": llm_prompts.facts_response_format()}
                  if self.cfg.structured_facts else None)
-        route = await self.router.background_route(model)
+        room = max(self.cfg.background_max_tokens, llm_prompts.facts_max_tokens())
         for attempt in range(2):
-            text = await self._ask(tenant, route, messages, salt, extra)
+            text = await self._call(tenant, model, salt, "facts", messages, extra, room)
             try:
                 facts = llm_prompts.parse_facts(text)
             except InvalidInput as exc:
                 log.info("fact extraction attempt %d for tenant %s invalid: %s", attempt + 1,
                          tenant, exc.message)
-                messages = llm_prompts.facts_retry_messages(exchange, text)
+                messages = llm_prompts.facts_retry_messages(exchange, text, known)
                 continue
             for f in facts:
-                await self.memory.add_memory(tenant, f["text"], f.get("category", "fact"),
-                                             float(f.get("importance", 0.5)))
+                got = await self.memory.add_fact(tenant, f["text"], f.get("category", "fact"),
+                                                 float(f.get("importance", 0.5)),
+                                                 key=f.get("key", ""), source=source)
+                self.metrics.facts.labels(tenant, got.outcome).inc()
             self.metrics.background.labels(tenant, "facts", "ok").inc()
             return len(facts)
         self.metrics.facts_refused.labels(tenant, model).inc()
         self.metrics.background.labels(tenant, "facts", "refused").inc()
         return 0
 
-    async def after_turn(self, *, tenant: str, session: str, model: str, salt: str,
-                         state: SessionState, exchange: str, max_model_len: int | None,
-                         checkpoint: bool, hook: SnapshotHook) -> None:
-        """Everything due after one turn, in order; failures are logged and counted."""
+    async def run(self, job: Job) -> None:
+        """A session's due work (a job of the queue), in order; failures are logged and
+        counted. ``job.info``: tenant, session, model, salt, state, max_model_len, hook."""
+        i = job.info
+        state: SessionState = i["state"]
         async with state.lock:  # one job of this session at a time, in turn order
-            await self._after_turn(tenant, session, model, salt, state, exchange,
-                                   max_model_len, checkpoint, hook)
+            await self._run(i["tenant"], i["session"], i["model"], i["salt"], state,
+                            i["max_model_len"], job.checkpoint, i["hook"])
 
-    async def _after_turn(self, tenant: str, session: str, model: str, salt: str,
-                          state: SessionState, exchange: str, max_model_len: int | None,
-                          checkpoint: bool, hook: SnapshotHook) -> None:
+    async def _run(self, tenant: str, session: str, model: str, salt: str,
+                   state: SessionState, max_model_len: int | None, checkpoint: bool,
+                   hook: SnapshotHook) -> None:
         summary_due = (self.cfg.summary_every_turns
                        and state.turns_since_summary >= self.cfg.summary_every_turns)
         try:
@@ -169,8 +200,9 @@ class Maintainer:
                     self.metrics.checkpoints.labels(tenant, model).inc()
                     await call_hook(hook, tenant, session, salt,
                                     f"auto-{session}-{state.checkpoints}")
-            if self.cfg.extract_facts and exchange.strip():
-                await self.extract_facts(tenant, model, salt, exchange)
+            if self.cfg.extract_facts and state.turns_since_facts >= self.cfg.facts_every_turns:
+                state.turns_since_facts = 0
+                await self.extract_facts(tenant, session, model, salt, max_model_len)
         except CWMError as exc:
             self.metrics.background.labels(tenant, "after_turn", "error").inc()
             log.warning("background work for tenant %s failed: [%s] %s", tenant, exc.code,

@@ -78,6 +78,7 @@ class SessionState:
     calibration: float = 1.0  # real prompt tokens / our count, from the last turn
     turns_recorded: int = 0
     turns_since_summary: int = 0
+    turns_since_facts: int = 0
     full_history_tokens: int = 0  # what replaying every turn verbatim would cost
     history_known: bool = False
     compaction: Compaction | None = None

@@ -58,15 +58,14 @@ def facts_response_format() -> dict[str, Any]:
     small model's answer is valid JSON by construction (``parse_facts`` still checks it)."""
     from cwm_plugin.memory.models import CATEGORIES
 
-    schema = {"type": "array", "maxItems": int(getattr(_facts(), "MAX_FACTS", 20)),
-              "items": {"type": "object", "additionalProperties": False,
-                        "required": ["text", "category", "importance"],
-                        "properties": {
-                            "text": {"type": "string", "minLength": 1, "maxLength": 500},
-                            "category": {"enum": list(CATEGORIES)},
-                            "importance": {"type": "number", "minimum": 0, "maximum": 1}}}}
+    schema = _facts().facts_schema(CATEGORIES)
     return {"type": "json_schema", "json_schema": {"name": "facts", "schema": schema,
                                                    "strict": True}}
+
+
+def facts_max_tokens() -> int:
+    """Room for an extraction's answer: a schema-bounded one fits (``SCHEMA_MAX_TOKENS``)."""
+    return int(getattr(_facts(), "SCHEMA_MAX_TOKENS", 512))
 
 
 def summary_messages(previous: str | None, transcript: str) -> list[dict[str, str]]:
@@ -75,13 +74,17 @@ def summary_messages(previous: str | None, transcript: str) -> list[dict[str, st
     return [{"role": "system", "content": summary_prompt()}, {"role": "user", "content": user}]
 
 
-def facts_messages(exchange: str) -> list[dict[str, str]]:
+def facts_messages(exchange: str, known: list[tuple[str, str]] = ()) -> list[dict[str, str]]:
+    """``known``: ``(key, text)`` of facts already stored (their keys can be reused)."""
+    listed = "".join(f"- [{k}] {t}\n" for k, t in known)
+    head = f"Known facts:\n{listed}\n" if listed else ""
     return [{"role": "system", "content": facts_prompt()},
-            {"role": "user", "content": f"Conversation:\n{exchange}\n\nJSON:"}]
+            {"role": "user", "content": f"{head}Conversation:\n{exchange}\n\nJSON:"}]
 
 
-def facts_retry_messages(exchange: str, bad_answer: str) -> list[dict[str, str]]:
-    return facts_messages(exchange) + [
+def facts_retry_messages(exchange: str, bad_answer: str,
+                         known: list[tuple[str, str]] = ()) -> list[dict[str, str]]:
+    return facts_messages(exchange, known) + [
         {"role": "assistant", "content": bad_answer[:2000]},
         {"role": "user", "content": RETRY_NOTE},
     ]

@@ -158,6 +158,24 @@ class MemoryPort:
         return await self._call(tenant, self.service.add_memory, tenant, text, category,
                                 importance)
 
+    async def add_fact(self, tenant: str, text: str, category: str, importance: float = 0.5,
+                       *, key: str = "", source: str = "") -> Any:
+        """Merge an extracted fact (``Merged``: the memory in force and the outcome)."""
+        return await self._call(tenant, self.service.add_fact, tenant, text, category,
+                                importance, key=key, source=source)
+
+    async def memories(self, tenant: str) -> list[Any]:
+        """The durable memories in force."""
+        return await self._call(tenant, self.service.memories, tenant)
+
+    async def cursor(self, tenant: str, session: str, name: str) -> str:
+        """The last turn the work ``name`` (``facts``) covered in the session, or ""."""
+        return await self._call(tenant, self.service.files.read_cursor, tenant, session, name)
+
+    async def set_cursor(self, tenant: str, session: str, name: str, turn_id: str) -> None:
+        await self._call(tenant, self.service.files.write_cursor, tenant, session, name,
+                         turn_id)
+
 
 def build_memory(cfg: MemorySettings, registry: Any = None) -> MemoryPort:
     """Build the memory service the settings describe (imports the memory package lazily);

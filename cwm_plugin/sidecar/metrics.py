@@ -55,6 +55,19 @@ class SidecarMetrics:
                                    TM, registry=r)
         self.background = Counter("cwm_sidecar_background_tasks", "Summaries and fact extractions",
                                   ("tenant", "kind", "outcome"), registry=r)
+        self.background_jobs = Counter("cwm_sidecar_background_jobs",
+                                       "Background jobs (summaries, facts, checkpoints) by "
+                                       "outcome: queued, merged, dropped (queue full), done, "
+                                       "failed", ("outcome",), registry=r)
+        self.background_queue = Gauge("cwm_sidecar_background_queue_depth",
+                                      "Background jobs waiting or running", registry=r)
+        self.background_tokens = Counter("cwm_sidecar_background_tokens",
+                                         "Tokens of the model's own work for a tenant (vLLM "
+                                         "usage of summaries and fact extraction): a tenant's "
+                                         "usage is these plus its prompt and completion tokens",
+                                         ("tenant", "model", "kind", "type"), registry=r)
+        self.facts = Counter("cwm_sidecar_facts", "Extracted facts by outcome: added, "
+                             "duplicate, updated", ("tenant", "outcome"), registry=r)
         self.facts_refused = Counter("cwm_sidecar_facts_refused",
                                      "Fact extractions refused after a retry (invalid JSON)",
                                      TM, registry=r)
@@ -84,9 +97,6 @@ class SidecarMetrics:
                               ("role",), registry=r)
         self.cost = Counter("cwm_sidecar_cost", "Cost of the tokens used, at the configured "
                             "prices (pricing.currency)", ("tenant", "model", "kind"), registry=r)
-        self.background_tokens = Counter("cwm_sidecar_background_tokens",
-                                         "Tokens of the sidecar's own work (summaries, facts)",
-                                         ("tenant", "model", "direction"), registry=r)
         self.upstream_hits = Gauge("cwm_upstream_prefix_cache_hits",
                                    "vLLM's vllm:prefix_cache_hits, mirrored at scrape",
                                    ("upstream",), registry=r)
@@ -102,6 +112,13 @@ class SidecarMetrics:
         self.completion_tokens.labels(tenant, model).inc(completion)
         if cached:
             self.cached_tokens.labels(tenant, model).inc(cached)
+
+    def observe_background(self, tenant: str, model: str, kind: str,
+                           usage: dict | None) -> None:
+        for key in ("prompt_tokens", "completion_tokens"):
+            n = (usage or {}).get(key) or 0
+            if n:
+                self.background_tokens.labels(tenant, model, kind, key.split("_")[0]).inc(n)
 
     def mirror_upstream(self, texts: dict[str, str]) -> None:
         """Each upstream's ``/metrics`` text (by name) into the mirrored gauges."""

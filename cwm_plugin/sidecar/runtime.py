@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cwm_plugin.activity.log import ActivityLog
-from cwm_plugin.sidecar.background import Background, Maintainer
+from cwm_plugin.sidecar.background import Maintainer
 from cwm_plugin.sidecar.context import ContextTracker, SnapshotHook, noop_snapshot
 from cwm_plugin.sidecar.counting import ModelCounters
 from cwm_plugin.sidecar.failopen import FailOpen
@@ -15,6 +15,7 @@ from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.router import Router
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.usage import UsageLedger
+from cwm_plugin.sidecar.workqueue import Background
 
 
 @dataclass

@@ -218,6 +218,12 @@ class SearchSettings(_Strict):
     mmr_lambda: float | None = Field(default=None, ge=0, le=1)  # None: no MMR re-ranking
     recency_half_life_days: float | None = Field(default=None, gt=0)  # None: no decay
     max_facts: int = Field(default=8, ge=0)  # durable memories offered to a selection
+    # what a selection packs (cwm_plugin/memory/turns.py, pack.py): the best lines or chunks
+    retrieval_unit: Literal["turn", "chunk"] = "turn"
+    turn_neighbours: int = Field(default=0, ge=0, le=3)  # lines around each line taken
+    context_bm25_weight: float = Field(default=0.5, ge=0)  # BM25 of a line with its neighbours
+    chunk_prior_weight: float = Field(default=0.5, ge=0)  # the best chunk's score, per line
+    speaker_weight: float = Field(default=0.2, ge=0)  # the query names the line's speaker
 
     @model_validator(mode="after")
     def _some_weight(self) -> SearchSettings:
@@ -246,8 +252,11 @@ class MemorySettings(_Strict):
     vector_context_mode: Literal["pair", "mix"] = "mix"  # ... embedded with it, or mixed in
     summary_every_turns: int = Field(default=8, ge=0)  # 0: never
     extract_facts: bool = True
+    facts_every_turns: int = Field(default=4, ge=1)  # one extraction covers this many turns
     structured_facts: bool = True  # ask vLLM for schema-constrained JSON (structured outputs)
     background_max_tokens: int = 256
+    background_queue_limit: int = Field(default=64, ge=1)  # sessions with work waiting
+    background_workers: int = Field(default=1, ge=1)  # model calls for background work at once
     warm_on_start: bool = True  # load every tenant's index when the app starts
     sync_interval_s: float = Field(default=1.0, ge=0)  # look for other writers this often
 

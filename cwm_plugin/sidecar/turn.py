@@ -13,8 +13,8 @@
 5. before the client sees the end, append the client's new messages and the answer to the
    session's file (one durable append; the index catches up in the background), count usage
    (``usage.py``) and the context thresholds against the limit of the upstream that answered,
-   and start what is due (summary, facts, checkpoint, the activity log's line) as background
-   tasks.
+   and queue what is due (summary, facts, checkpoint) as one job of the session on the bounded
+   background queue (``workqueue.py``); the activity log's line is a plain background task.
 
 Where the time goes (everything but the upstream's own time) is reported per request in a
 ``Server-Timing`` header and the ``cwm_sidecar_stage_seconds`` histogram.
@@ -48,6 +48,7 @@ from cwm_plugin.sidecar.router import Endpoint, Route
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.stream import Collected, relay_sse
 from cwm_plugin.sidecar.upstream import headers_down, headers_up
+from cwm_plugin.sidecar.workqueue import Job
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -143,6 +144,7 @@ class Turn:
             state.transcript.extend(P.transcript_messages(msgs))
         state.turns_recorded += 1
         state.turns_since_summary += 1
+        state.turns_since_facts += len(turns)
         try:
             with self.stages("count"):
                 state.full_history_tokens += history_tokens(self.counter, msgs)
@@ -186,14 +188,17 @@ class Turn:
         cfg = sc.settings.memory
         summary_due = bool(cfg.summary_every_turns) and \
             state.turns_since_summary >= cfg.summary_every_turns
-        if not (checkpoint or summary_due or cfg.extract_facts):
+        facts_due = cfg.extract_facts and state.turns_since_facts >= cfg.facts_every_turns
+        if not (checkpoint or summary_due or facts_due):
             return
-        said = "\n".join(f"{m['role']}: {P.text_of(m)}" for m in new_inputs(self.messages))
-        sc.background.spawn(sc.maintainer.after_turn(
-            tenant=tenant, session=self.ident.session, model=self.model, salt=self.salt,
-            state=state, exchange=f"{said}\nassistant: {answer}", max_model_len=self.max_len,
-            checkpoint=checkpoint, hook=sc.snapshot_hook,
-        ), name=f"after-turn-{tenant}")
+        job = Job(sc.maintainer.run, checkpoint=checkpoint, info={
+            "tenant": tenant, "session": self.ident.session, "model": self.model,
+            "salt": self.salt, "state": state, "max_model_len": self.max_len,
+            "hook": sc.snapshot_hook})
+        if sc.background.submit((tenant, self.ident.session), job,
+                                force=checkpoint) == "dropped":
+            log.info("background queue full: the work due for tenant %s waits for the "
+                     "session's next turn", tenant)
 
     def response_headers(self, upstream: Any = None) -> dict[str, str]:
         """Ours plus the upstream's that the client should see; timing of the sidecar's own

@@ -4,7 +4,7 @@ cost at the configured prices (``pricing``), as metrics and ``GET /v1/usage``.
 Every answer that reports ``usage`` is recorded: the clients' requests (``kind: client``: chat,
 completions, responses; the ``cwm_sidecar_{prompt,completion,cached_prompt}_tokens`` counters)
 and the sidecar's own work for a tenant (``kind: background``: summaries, facts;
-``cwm_sidecar_background_tokens``); both cost (``cwm_sidecar_cost``). Cost = uncached prompt
+``cwm_sidecar_background_tokens{kind=summary|facts}``); both cost (``cwm_sidecar_cost``). Cost = uncached prompt
 tokens x ``input_per_1m`` + cached ones x ``cached_input_per_1m`` (else the input price) +
 completion tokens x ``output_per_1m``, per million. ``GET /v1/usage`` answers the calling
 tenant's own rows only (per model, upstream and kind, since the app started; the Prometheus
@@ -53,8 +53,9 @@ class UsageLedger:
                 + completion * p.output_per_1m) / 1e6
 
     def record(self, principal: str, model: str, upstream: str, usage: dict[str, Any] | None,
-               kind: str = CLIENT) -> None:
-        """Count one answer's ``usage`` (nothing when it reported none)."""
+               kind: str = CLIENT, work: str = "background") -> None:
+        """Count one answer's ``usage`` (nothing when it reported none); ``work`` names the
+        sidecar's own work (summary, facts) for ``kind: background``."""
         if not isinstance(usage, dict) or not usage:
             return
         prompt, completion, cached = tokens_of(usage)
@@ -69,8 +70,7 @@ class UsageLedger:
         if kind == CLIENT:
             self.metrics.observe_usage(principal, model, usage)
         else:
-            self.metrics.background_tokens.labels(principal, model, "in").inc(prompt)
-            self.metrics.background_tokens.labels(principal, model, "out").inc(completion)
+            self.metrics.observe_background(principal, model, work, usage)
         self.metrics.cost.labels(principal, model, kind).inc(cost)
 
     def report(self, principal: str, model: str | None = None) -> dict[str, Any]:

@@ -64,8 +64,19 @@ def test_recent_verbatim_and_memory_block(filled) -> None:
     assert "sourdough" in sel.memory_block and sel.hits
     assert sel.summary == "They discussed many hobbies and chores."
     assert any(f.category == "goal" for f in sel.facts)
-    assert any(r.startswith("keep chunk") for r in sel.reasons)
+    assert any(r.startswith("keep turn") for r in sel.reasons)  # lines packed (pack.py)
     assert filled.memories("acme")[0].access_count >= 1
+
+
+def test_chunk_unit_keeps_whole_chunks(filled) -> None:
+    msgs = history(5) + [{"role": "user", "content": "Remind me about the sourdough starter"}]
+    filled.config.retrieval_unit = "chunk"
+    try:
+        sel = filled.select_context("acme", "s2", msgs, 4000)
+    finally:
+        filled.config.retrieval_unit = "turn"
+    assert "sourdough" in sel.memory_block
+    assert any(r.startswith("keep chunk") for r in sel.reasons)
 
 
 def test_history_from_transcript_and_recent_chunks_skipped(filled) -> None:

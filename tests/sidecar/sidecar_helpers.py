@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from cwm_plugin.sidecar.identity import derive_salt, hash_key
@@ -48,6 +48,26 @@ def make_settings(upstream_url: str, root: Path, tokenizer: Path | str, **over: 
         else:
             raw[key] = value
     return Settings.model_validate(raw)
+
+
+def scripted_app(answer: Any, usage: Any) -> FastAPI:
+    """An upstream that answers like vLLM: ``/v1/models`` (``tiny``, 2,048 tokens) and chats
+    answered by ``await answer(body) -> text`` with ``usage(body) -> dict``."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"data": [{"id": "tiny", "max_model_len": 2048}]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_route(request: Request) -> JSONResponse:
+        body = await request.json()
+        text = await answer(body)
+        return JSONResponse({"id": "x", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text},
+             "finish_reason": "stop"}], "usage": usage(body)})
+
+    return app
 
 
 def salt(tenant: str, session: str) -> str:

@@ -10,9 +10,7 @@ import threading
 import time
 
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from sidecar_helpers import chat, make_settings, metric_value, runtime, wait_idle
+from sidecar_helpers import chat, make_settings, metric_value, runtime, scripted_app, wait_idle
 
 from cwm_plugin.memory.tokens import make_counter
 from cwm_plugin.sidecar.app import create_app
@@ -32,31 +30,19 @@ class Scripted:
         self.summaries: list[dict] = []
         self.chats: list[dict] = []
         self.spans: list[tuple[float, float]] = []
-        self.app = FastAPI()
+        self.app = scripted_app(self.answer, lambda body: {
+            "prompt_tokens": COUNTER.count_chat(body["messages"]), "completion_tokens": 1,
+            "total_tokens": 0})
 
-        @self.app.get("/v1/models")
-        async def models() -> JSONResponse:
-            return JSONResponse({"data": [{"id": "tiny", "max_model_len": 2048}]})
-
-        @self.app.post("/v1/chat/completions")
-        async def chat_route(request: Request) -> JSONResponse:
-            body = await request.json()
-            msgs = body["messages"]
-            text = "ok"
-            if msgs[0]["content"].startswith("You maintain a running summary"):
-                t0 = time.monotonic()
-                await asyncio.sleep(self.summary_delay)
-                self.summaries.append(body)
-                self.spans.append((t0, time.monotonic()))
-                text = f"SUMMARY {len(self.summaries)}"
-            else:
-                self.chats.append(body)
-            usage = {"prompt_tokens": COUNTER.count_chat(msgs), "completion_tokens": 1,
-                     "total_tokens": 0}
-            return JSONResponse({"id": "x", "object": "chat.completion", "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": text},
-                 "finish_reason": "stop"}], "usage": usage})
-
+    async def answer(self, body: dict) -> str:
+        if body["messages"][0]["content"].startswith("You maintain a running summary"):
+            t0 = time.monotonic()
+            await asyncio.sleep(self.summary_delay)
+            self.summaries.append(body)
+            self.spans.append((t0, time.monotonic()))
+            return f"SUMMARY {len(self.summaries)}"
+        self.chats.append(body)
+        return "ok"
 
 def sidecar(up_url: str, root, **over) -> ServerThread:
     return ServerThread(create_app(make_settings(up_url, root, "tiktoken:cl100k_base", **over)))
@@ -78,7 +64,9 @@ def test_the_summary_is_updated_from_the_turns_after_the_last_one_it_covers(tmp_
         assert said[0] not in second and said[1] not in second
         svc = runtime(srv).memory.service
         turns = svc.transcript("acme", "inc")
-        assert svc.summary_state("acme", "inc") == ("SUMMARY 2", turns[-1]["turn_id"])
+        summary, upto = svc.summary_state("acme", "inc")  # the model's text, then the
+        assert summary.startswith("SUMMARY 2\n\nKept from the conversation:")  # details
+        assert upto == turns[-1]["turn_id"]
         assert metric_value(srv, "cwm_sidecar_background_tasks_total", tenant="acme",
                             kind="summary", outcome="ok") == 2
 

@@ -301,7 +301,8 @@ def test_with_memory_every_turn_the_prefix_cache_hits_like_a_direct_client(
 def test_invalid_facts_from_the_model_are_retried_once_then_refused(recorder, sidecar_factory):
     rec, rec_srv = recorder
     srv = sidecar_factory(rec_srv.url, memory={"extract_facts": True, "summary_every_turns": 1,
-                                               "structured_facts": False})
+                                               "structured_facts": False,
+                                               "facts_every_turns": 2})  # after each turn
     n_before = len(rec.bodies)
     r = chat(srv, "acme", "I am allergic to peanuts and I live in Basel.", session="facts")
     assert r.status_code == 200
@@ -349,7 +350,8 @@ def test_cwm_serve_runs_the_sidecar_from_a_config_file(tiny_vllm, tiny_model, tm
 def test_structured_outputs_make_even_the_random_model_answer_valid_facts(recorder,
                                                                           sidecar_factory):
     rec, rec_srv = recorder
-    srv = sidecar_factory(rec_srv.url, memory={"extract_facts": True, "structured_facts": True})
+    srv = sidecar_factory(rec_srv.url, memory={"extract_facts": True, "structured_facts": True,
+                                               "facts_every_turns": 2})
     assert chat(srv, "acme", "I am allergic to peanuts.", session="sfacts").status_code == 200
     wait_idle(srv)
     assert rec.last()["response_format"]["type"] == "json_schema"

@@ -145,7 +145,8 @@ def test_bad_entries_are_refused_and_nothing_is_written(tmp_path):
     assert not log.jsonl.exists() and log.entries() == [] and log.head() == GENESIS
 
 
-def test_quick_is_the_last_day_newest_ten_and_page_is_everything_in_order(tmp_path):
+def test_quick_is_the_last_day_newest_ten_and_page_is_everything_in_order(tmp_path,
+                                                                         monkeypatch):
     log = filled(tmp_path, 14)
     rows = [Entry.from_json(r) for r in lines(log)]
     assert [e.what for e in log.quick()] == [f"step {i}" for i in range(4, 14)]
@@ -154,8 +155,12 @@ def test_quick_is_the_last_day_newest_ten_and_page_is_everything_in_order(tmp_pa
     page, total = log.page(offset=12, limit=5)
     assert total == 14 and [e.what for e in page] == ["step 12", "step 13"]
     assert log.page(principal="p1")[1] == 7
-    # "the last 24 hours": entries older than that are out of the quick view
-    cutoff = (time.time() - rows[10].time) / 3600 + 1e-9
+    # "the last 24 hours": entries older than that are out of the quick view (the clock is
+    # stopped, or a slow machine moves "now" past the cutoff between the two reads)
+    assert rows[9].time < rows[10].time
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now)
+    cutoff = (now - (rows[9].time + rows[10].time) / 2) / 3600
     assert [e.what for e in log.quick(hours=cutoff)] == ["step 10", "step 11", "step 12",
                                                          "step 13"]
 

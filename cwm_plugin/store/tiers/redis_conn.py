@@ -2,9 +2,12 @@
 stalls its caller: bounded socket timeouts, fail fast while down, reconnect with backoff.
 
 The client is made on first use, so a Redis that is down at start is simply unavailable until
-it answers. A timeout, a refused connection or a cluster without its slots marks the
-connection down: calls raise :class:`TierUnavailable` at once until the backoff (doubling up
-to ``max_backoff_s``) has passed, then one call tries again. The outage and the reconnection
+it answers. A refused or reset connection, a cluster without its slots, or ``timeouts_to_down``
+timeouts in a row mark the connection down: calls raise :class:`TierUnavailable` at once until
+the backoff (doubling up to ``max_backoff_s``) has passed, then one call tries again. A single
+slow answer (a busy 2-core machine, Redis writing a large blob) fails that call only: measured,
+one 50 ms timeout under load marked the tier down for 4-15 s, and every restore in that time
+recomputed. The outage and the reconnection
 are logged once each. The URL's password never reaches a log line.
 """
 
@@ -30,7 +33,7 @@ T = TypeVar("T")
 class RedisConnection:
     def __init__(self, url: str, *, timeout_s: float = 5.0, cluster: bool = False,
                  scripts: dict[str, str] | None = None, backoff_s: float = 0.5,
-                 max_backoff_s: float = 30.0) -> None:
+                 max_backoff_s: float = 30.0, timeouts_to_down: int = 3) -> None:
         self.url = url
         self.safe_url = redact(url)
         self.timeout_s = timeout_s
@@ -38,6 +41,8 @@ class RedisConnection:
         self.backoff0 = backoff_s
         self.max_backoff = max_backoff_s
         self.failures = 0
+        self.timeouts_to_down = max(1, timeouts_to_down)
+        self._timeouts = 0  # in a row
         self._sources = dict(scripts or {})
         self._client: Any = None
         self.scripts: dict[str, Any] = {}
@@ -72,7 +77,16 @@ class RedisConnection:
                                       hint="serving from local tiers; retrying with backoff")
         try:
             out = fn(self.client())
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        except redis.TimeoutError as exc:
+            with self._lock:
+                self._timeouts += 1
+                down = self._timeouts >= self.timeouts_to_down
+            if down:
+                self._mark_down(exc)
+            raise TierUnavailable(f"redis at {self.safe_url} did not answer in time: {exc}",
+                                  hint="serving from local tiers; a busy Redis or machine, or "
+                                       "raise redis_timeout_ms / redis_lookup_timeout_ms") from exc
+        except (redis.ConnectionError, OSError) as exc:
             self._mark_down(exc)
             raise TierUnavailable(f"redis at {self.safe_url} is unreachable: {exc}",
                                   hint="serving from local tiers; retrying with backoff") from exc
@@ -81,6 +95,7 @@ class RedisConnection:
                 self._mark_down(exc)
             raise TierUnavailable(f"redis at {self.safe_url} refused the request: {exc}",
                                   hint="check Redis' maxmemory, role and cluster state") from exc
+        self._timeouts = 0
         if self._down:
             with self._lock:
                 self._down, self._backoff = False, self.backoff0

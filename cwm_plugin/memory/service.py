@@ -230,9 +230,10 @@ class MemoryService:
         messages are kept from; if the request carries none, they come from the session's
         transcript. ``session=None`` is a stateless caller (no transcript, no summary).
         ``summary=False`` leaves the session summary out; ``bump=False`` leaves the memories'
-        access counts to a later :meth:`bump` (a rewrite of memories.md, off the request's
-        path). ``present``: more messages the caller sends anyway (its whole history): chunks
-        made only of their text are skipped. ``counter`` counts the budget (the served model's
+        access counts to a later :meth:`bump` (a derived file under ``.index``, off the
+        request's path; a selection never writes a markdown file). ``present``: more
+        messages the caller sends anyway (its whole history): chunks made only of their text
+        are skipped. ``counter`` counts the budget (the served model's
         tokenizer; default: the service's); time spent is added to ``stages``; ``mode``: how
         the conversation is searched (hybrid, bm25, vector).
         """
@@ -263,7 +264,7 @@ class MemoryService:
         return sel
 
     def bump(self, tenant: str, ids: list[str]) -> None:
-        """Count one more use of each of these durable memories (rewrites memories.md)."""
+        """Count one more use of each of these durable memories (never in memories.md)."""
         self.facts.bump(tenant, ids)
 
     def _candidates(self, tenant: str, session: str | None, query: str,
@@ -330,8 +331,8 @@ class MemoryService:
         return vecs[1:] @ vecs[0]
 
     def memories(self, tenant: str, *, history: bool = False) -> list[Memory]:
-        """The memories in force (``history``: the replaced ones too)."""
-        return self.files.read_memories(tenant, history=history)
+        """The memories in force (``history``: the replaced ones too), with their use counts."""
+        return self.facts.with_counts(tenant, self.files.read_memories(tenant, history=history))
 
     def summary(self, tenant: str, session: str) -> str | None:
         got = self.files.read_summary(tenant, session)

@@ -101,6 +101,12 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
     router = APIRouter(prefix="/v1")
     settings: Settings = sidecar.settings
 
+    def caller(request: Request, op: str) -> str:
+        """The caller's principal, allowed ``op`` on the ``activity`` namespace."""
+        tenant = sidecar.auth.tenant_for(bearer_key(request.headers)).name
+        sidecar.auth.perms.require(tenant, sidecar.auth.perms.namespace("activity"), op)
+        return tenant
+
     def need() -> ActivityLog:
         if activity is None:
             raise ActivityUnavailable("the activity log is not configured on this sidecar",
@@ -110,7 +116,7 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
 
     @router.post("/activity", status_code=201)
     async def append(body: ActivityBody, request: Request) -> dict[str, Any]:
-        tenant = sidecar.auth.tenant_for(bearer_key(request.headers)).name
+        tenant = caller(request, "append")
         act = need()
         session = body.session or request.headers.get("x-session-id") or None
         if session is not None:
@@ -129,7 +135,7 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
     @router.get("/activity")
     async def read(request: Request, view: str = "quick", hours: float = 24.0,
                    limit: int | None = None, offset: int = 0) -> dict[str, Any]:
-        tenant = sidecar.auth.tenant_for(bearer_key(request.headers)).name
+        tenant = caller(request, "read")
         act = need()
         own = tenant if settings.activity and settings.activity.read == "own" else None
         if view not in ("quick", "full") or offset < 0 or hours <= 0 \

@@ -51,6 +51,7 @@ class TurnInput:
     mode: str  # "full" | "recent"
     system_role: bool = True
     stages: Stages = field(default_factory=Stages)
+    shared: list[str] = field(default_factory=list)  # more folders it may read (access.py)
 
 
 @dataclass
@@ -86,7 +87,7 @@ def _transcript(t: TurnInput) -> list[Message]:
     st = t.state
     if st.transcript is None or not st.history_known:
         with t.stages("files"):
-            turns = t.mem.now.transcript(t.ident.tenant, t.ident.session)
+            turns = t.mem.now.transcript(t.ident.folder, t.ident.session)
         st.transcript = P.transcript_messages(turns)
         with t.stages("count"):
             st.full_history_tokens = history_tokens(t.counter, turns)
@@ -98,10 +99,10 @@ def _transcript(t: TurnInput) -> list[Message]:
 def _select(t: TurnInput, messages: list[Message], budget: int, query: str, *,
             recent_turns: int, present: list[Message], summary: bool) -> Selected:
     t0 = time.perf_counter()
-    sel = t.mem.now.select_context(t.ident.tenant, t.ident.session, messages, budget,
+    sel = t.mem.now.select_context(t.ident.folder, t.ident.session, messages, budget,
                                    query=query, counter=t.counter, recent_turns=recent_turns,
                                    summary=summary, bump=False, stages=t.stages,
-                                   present=present)
+                                   present=present, shared=t.shared)
     return t.mem.selected(sel, time.perf_counter() - t0)
 
 
@@ -114,7 +115,7 @@ def _compaction(t: TurnInput, history: list[Message]) -> Compaction | None:
         keep = t.settings.checkpoint.for_model(t.model).keep_turns
         cut = P.last_exchanges(history, keep)
         with t.stages("files"):
-            summary = t.mem.now.summary(t.ident.tenant, t.ident.session)
+            summary = t.mem.now.summary(t.ident.folder, t.ident.session)
         st.compaction_due = False
         st.compaction = Compaction(cut, digest(history[cut - 1]) if cut else "", summary,
                                    (comp.generation if comp else 0) + 1)

@@ -39,6 +39,7 @@ from cwm_plugin.sidecar.openai_errors import error_response, from_cwm_error
 from cwm_plugin.sidecar.passthrough import SALTED, model_entry, relay_get, relay_post
 from cwm_plugin.sidecar.router import Router
 from cwm_plugin.sidecar.runtime import Sidecar
+from cwm_plugin.sidecar.secret_versions import folder_locator
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.turn import handle_chat
 from cwm_plugin.sidecar.usage import UsageLedger, usage_router
@@ -86,15 +87,17 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     ``snapshot_hook(tenant, session, cache_salt, name)`` (sync or async) is called at each
     automatic checkpoint to take a named snapshot of the session's KV (default: no-op)."""
     metrics = SidecarMetrics()
+    secrets = settings.server_secrets()  # newest first (secret_versions.py)
     if memory is None and settings.memory_enabled:
         memory = build_memory(settings.memory, metrics.registry)
     router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)
     usage = UsageLedger(settings.pricing, metrics)
     sidecar = Sidecar(
         settings=settings,
-        auth=Authenticator(settings.tenants, settings.server_secret(),
+        auth=Authenticator(settings.tenants, secrets[0],
                            shared_default=settings.prompt.sessionless == "shared",
-                           providers=settings.providers, access=settings.access),
+                           providers=settings.providers, access=settings.access,
+                           previous=secrets[1:], locate=folder_locator(settings.memory.root)),
         router=router, memory=memory, metrics=metrics,
         maintainer=Maintainer(router, memory, metrics, settings.memory, usage)
         if memory else None,
@@ -189,7 +192,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         metrics.mirror_upstream(await router.metrics_texts())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    secret = settings.server_secret()
+    secret = secrets[0]
     app.include_router(usage_router(sidecar))
     app.include_router(activity_router(sidecar, sidecar.activity))
     app.include_router(memory_router(sidecar))

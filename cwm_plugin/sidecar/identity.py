@@ -13,7 +13,9 @@ for, its home namespace (``access.py``), and the session's ``cache_salt``.
   ``X-Session-Id`` must already be one (letters, digits, ``_ . -``; no ``..``; at most 64;
   else 400), while ``user`` is OpenAI's free-form end-user id (an e-mail address, say), so any
   non-empty ``user`` string is mapped to ``u-`` + 32 hex digits of HMAC-SHA256(server secret,
-  "user" NUL tenant NUL user) (the "user" label keeps it apart from the salts): stable, safe
+  "user" NUL tenant NUL user) (the "user" label keeps it apart from the salts; the newest
+  secret version's, a name from an older one in its grace period is moved to it, see
+  ``secret_versions.py``): stable, safe
   as a file name, and it does not reveal the user (a plain hash of an address could be
   reversed by guessing).
 * ``cache_salt`` = HMAC-SHA256(server secret, tenant + NUL + session), 64 hex digits: stable
@@ -35,6 +37,7 @@ from typing import Any
 from cwm_plugin.errors import Forbidden, InvalidInput
 from cwm_plugin.sidecar.access import Permissions
 from cwm_plugin.sidecar.access_config import AccessSettings
+from cwm_plugin.sidecar.secret_versions import Locate
 from cwm_plugin.sidecar.settings import ProviderConfig, TenantConfig
 
 # The memory package stores a session as a file: the same rule as cwm_plugin.memory.names.
@@ -113,13 +116,18 @@ class Authenticator:
 
     def __init__(self, tenants: list[TenantConfig], secret: bytes,
                  shared_default: bool = False, *, providers: list[ProviderConfig] | None = None,
-                 access: AccessSettings | None = None) -> None:
+                 access: AccessSettings | None = None, previous: list[bytes] | None = None,
+                 locate: Locate | None = None) -> None:
+        """``secret``: the newest version; ``previous``: older ones still in their grace
+        period, whose user names ``locate`` moves to the newest's (``secret_versions.py``)."""
         providers = providers or []
         self._entries = [(h.encode(), t) for t in [*tenants, *providers] for h in t.key_sha256]
         self._secret = secret
+        self._previous = list(previous or [])
+        self._locate = locate
         self._shared_default = shared_default
         self.perms = Permissions(access or AccessSettings(), [t.name for t in tenants],
-                                 [p.name for p in providers], self.user_session)
+                                 [p.name for p in providers], self.user_folder)
 
     def __repr__(self) -> str:
         return f"Authenticator({len(self._entries)} keys)"
@@ -147,7 +155,7 @@ class Authenticator:
         if user is not None and (not isinstance(user, str) or not user or len(user) > 1024):
             raise InvalidInput("`user` must be a non-empty string of at most 1024 characters")
         if not session and user is not None:
-            session = self.user_session(tenant.name, user)
+            session = self.user_folder(tenant.name, user)
         if not session and self._shared_default:
             session = DEFAULT_SESSION
         if session:
@@ -158,10 +166,21 @@ class Authenticator:
                         allow_client_cache_salt=tenant.allow_client_cache_salt, user=user,
                         namespace=home.name, folder=home.folder or tenant.name)
 
-    def user_session(self, tenant: str, user: str) -> str:
-        """The session name for an OpenAI ``user`` value (see the module docstring)."""
-        mac = hmac.new(self._secret, f"user\x00{tenant}\x00{user}".encode(), hashlib.sha256)
+    def user_session(self, tenant: str, user: str, secret: bytes | None = None) -> str:
+        """The session name for an OpenAI ``user`` value (see the module docstring), with the
+        newest secret unless another version is given."""
+        mac = hmac.new(secret or self._secret, f"user\x00{tenant}\x00{user}".encode(),
+                       hashlib.sha256)
         return "u-" + mac.hexdigest()[:32]
+
+    def user_folder(self, tenant: str, user: str) -> str:
+        """The user's namespace folder and default session: the newest secret's name, where
+        the memory named with an older version in its grace period is moved first."""
+        newest = self.user_session(tenant, user)
+        if not self._previous or self._locate is None:
+            return newest
+        return self._locate([newest, *(self.user_session(tenant, user, s)
+                                       for s in self._previous)])
 
     def salt_for(self, identity: Identity, body: Mapping[str, object]) -> str:
         """The salt to forward: ours, or the client's, HMAC'd with the tenant, where the tenant

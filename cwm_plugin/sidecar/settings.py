@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +24,7 @@ from pydantic import (
 
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.sidecar.access_config import AccessSettings
+from cwm_plugin.sidecar.secret_versions import SecretVersion, in_grace
 from cwm_plugin.sidecar.settings_routing import DEFAULT_RULES as DEFAULT_RULES
 from cwm_plugin.sidecar.settings_routing import HealthSettings as HealthSettings
 from cwm_plugin.sidecar.settings_routing import RouteRule as RouteRule
@@ -273,6 +275,8 @@ class Settings(_Strict):
 
     secret: SecretStr | None = None
     secret_env: str = "CWM_SIDECAR_SECRET"
+    secrets: list[SecretVersion] = Field(default_factory=list)  # newest first; see
+    # secret_versions.py (empty: `secret` / `secret_env` is the one version)
     tenants: list[TenantConfig] = Field(default_factory=list)
     providers: list[ProviderConfig] = Field(default_factory=list)
     access: AccessSettings = AccessSettings()
@@ -319,6 +323,9 @@ class Settings(_Strict):
             if who not in known:
                 raise ValueError(f"access: principal {who!r} is not a tenant or provider "
                                  f"(known: {', '.join(sorted(names)) or 'none'})")
+        ids = [v.id for v in self.secrets]
+        if len(ids) != len(set(ids)):
+            raise ValueError("secret ids must be unique")
         ups = [u.name for u in self.upstreams]
         if len(ups) != len(set(ups)):
             raise ValueError("upstream names must be unique")
@@ -333,14 +340,21 @@ class Settings(_Strict):
         return list(self.upstreams) or [self.upstream]
 
     def server_secret(self) -> bytes:
-        """The HMAC key for salts: the file's ``secret``, else ``$<secret_env>``."""
+        """The HMAC key for salts and user names: the newest of ``secrets``, else the file's
+        ``secret``, else ``$<secret_env>``."""
+        return self.server_secrets()[0]
+
+    def server_secrets(self, now: datetime | None = None) -> list[bytes]:
+        """Every version still in its grace period, newest first (``secret_versions.py``)."""
+        if self.secrets:
+            return in_grace(self.secrets, now)
         value = self.secret.get_secret_value() if self.secret else os.environ.get(self.secret_env)
         if not value or len(value) < 16:
             raise ConfigError(
                 "no server secret for cache salts",
                 hint=f"set {self.secret_env} (or `secret:` in the config) to 16+ random characters",
             )
-        return value.encode()
+        return [value.encode()]
 
 
 def load_settings(path: str | os.PathLike[str], **overrides: object) -> Settings:

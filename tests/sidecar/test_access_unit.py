@@ -119,6 +119,15 @@ def test_every_principal_namespace_and_operation(srv, principal, ns, op):
                                               or "access.rules[" in err["message"])
 
 
+def test_a_providers_model_and_context_limit_fill_its_activity_entries(srv):
+    r = httpx.post(f"{srv.url}/v1/activity", headers=auth("llama"), timeout=30,
+                   json={"what": "refactored the parser", "used_tokens": 2048})
+    assert r.status_code == 201, r.text
+    e = r.json()
+    assert (e["principal"], e["model"], e["limit_tokens"], e["percent"]) == \
+        ("llama", "tiny", 4096, 50.0)
+
+
 def test_namespaces_route_says_what_the_caller_may_do_and_why(srv):
     r = httpx.get(f"{srv.url}/v1/memory/namespaces", headers=auth("llama"), timeout=30)
     rows = {row["namespace"]: row for row in r.json()["data"]}

@@ -156,9 +156,9 @@ SEES = {  # (principal, user) -> the marks its prompt may carry; every other mar
 
 
 def ask(srv: ServerThread, fake: FakeUpstream, principal: str, user: str | None,
-        text: str, session: str) -> str:
+        text: str, session: str, **headers: str) -> str:
     r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60,
-                   headers={**auth(principal, user), "X-Session-Id": session},
+                   headers={**auth(principal, user), "X-Session-Id": session, **headers},
                    json={"model": "tiny", "max_tokens": 4,
                          "messages": [{"role": "user", "content": text}]})
     assert r.status_code == 200, r.text
@@ -187,8 +187,18 @@ def test_retrieval_returns_only_what_the_principal_and_user_may_read(fake, tmp_p
         for p, user in (("claude", "bob"), ("claude", None), ("acme", "alice")):
             assert "WHISKERS-999" not in ask(srv, fake, p, user, "What is my cat called?",
                                              f"chat-{p}-{user}")
+        # a project's memories join a turn that names the project and may read it
+        r = httpx.post(f"{srv.url}/v1/memory/facts", headers=auth("llama", None), timeout=30,
+                       json={"namespace": "project:cwm", "text": "The codeword is MINT-909."})
+        assert r.status_code == 201, r.text
+        project = {"X-CWM-Project": "cwm"}
+        assert "MINT-909" in ask(srv, fake, "claude", None, "What is the codeword?", "p1",
+                                 **project)
+        assert "MINT-909" not in ask(srv, fake, "claude", None, "What is the codeword?", "p2")
+        assert "MINT-909" not in ask(srv, fake, "acme", None, "What is the codeword?", "p3",
+                                     **{"X-CWM-Project": "other"})
         folders = {d.name for d in (tmp_path / "memory").iterdir() if not d.name.startswith(".")}
-        assert {"claude", "llama", "acme", "global"} <= folders
+        assert {"claude", "llama", "acme", "global", "project.cwm"} <= folders
         users = [f for f in folders if f.startswith("u-")]
         assert len(users) == 5  # claude/alice, claude/bob, llama/alice, llama/bob, acme/alice
         # a principal that may only read its own namespace records nothing there

@@ -39,6 +39,7 @@ from cwm_plugin.sidecar.openai_errors import error_response, from_cwm_error
 from cwm_plugin.sidecar.passthrough import SALTED, model_entry, relay_get, relay_post
 from cwm_plugin.sidecar.router import Router
 from cwm_plugin.sidecar.runtime import Sidecar
+from cwm_plugin.sidecar.salt_move import SaltMover
 from cwm_plugin.sidecar.secret_versions import folder_locator
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.turn import handle_chat
@@ -107,6 +108,9 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
                               settings.memory.background_workers, metrics),
     )
     engine, auto = open_windows(settings)
+    if engine is not None and len(settings.secrets) > 1:  # KV survives a rotation
+        sidecar.salt_mover = SaltMover(engine, sidecar.auth, settings.secrets[1:],
+                                       metrics.salt_moves)
     if snapshot_hook is not None:
         sidecar.snapshot_hook = snapshot_hook
     elif auto is not None and settings.windows is not None and settings.windows.auto_freeze:

@@ -195,7 +195,20 @@ class Authenticator:
             raise InvalidInput("cache_salt must be a non-empty string of at most 256 characters")
         return self.client_salt(identity.tenant, salt)
 
-    def client_salt(self, tenant: str, salt: str) -> str:
-        """The salt forwarded for a client's own ``cache_salt`` (namespaced by the tenant)."""
-        return hmac.new(self._secret, f"client\x00{tenant}\x00{salt}".encode(),
+    def client_salt(self, tenant: str, salt: str, secret: bytes | None = None) -> str:
+        """The salt forwarded for a client's own ``cache_salt`` (namespaced by the tenant),
+        with the newest secret unless another version is given."""
+        return hmac.new(secret or self._secret, f"client\x00{tenant}\x00{salt}".encode(),
                         hashlib.sha256).hexdigest()
+
+    def salt_under(self, secret: bytes, identity: Identity, body: Mapping[str, object]) -> str:
+        """The salt this request had under another version of the secret (call after
+        :meth:`salt_for`, which checks a client's ``cache_salt``): a session named after the
+        user had that version's name too."""
+        if "cache_salt" in body:
+            return self.client_salt(identity.tenant, str(body["cache_salt"]), secret)
+        session = identity.session or ""
+        if identity.user is not None and session == self.user_session(identity.tenant,
+                                                                         identity.user):
+            session = self.user_session(identity.tenant, identity.user, secret)
+        return derive_salt(secret, identity.tenant, session)

@@ -6,9 +6,10 @@ until its ``until`` (the end of its grace period; none: until it is removed from
 user whose namespace folder was named with an older version (``u-`` + HMAC(old, user)) is found
 there and moved to the name the newest gives (:func:`migrate_folder`: the folder and the files
 named after the user's default session), once, the first time it is looked up. Cache salts are
-not looked up: the KV cache is a cache, a session's next turn after a rotation computes its
-prefix again under the new salt. Without ``secrets:``, ``secret`` / ``secret_env`` is the one
-version, as before.
+moved by the sidecar when it has a windows store (``salt_move.py``: a session's stored KV is
+re-keyed to its new salt on its first request); without one the KV cache is a cache, a
+session's next turn after a rotation computes its prefix again under the new salt. Without
+``secrets:``, ``secret`` / ``secret_env`` is the one version, as before.
 """
 
 from __future__ import annotations
@@ -63,15 +64,16 @@ class SecretVersion(Strict):
         return value.encode()
 
 
+def alive(v: SecretVersion, now: datetime | None = None) -> bool:
+    """An older version is looked up until its ``until`` (naive: UTC; none: for ever)."""
+    until = v.until if v.until is None or v.until.tzinfo else v.until.replace(tzinfo=UTC)
+    return until is None or until > (now or datetime.now(UTC))
+
+
 def in_grace(versions: list[SecretVersion], now: datetime | None = None) -> list[bytes]:
     """The values to use, newest first: the newest always, older ones until their ``until``."""
     now = now or datetime.now(UTC)
-
-    def alive(v: SecretVersion) -> bool:
-        until = v.until if v.until is None or v.until.tzinfo else v.until.replace(tzinfo=UTC)
-        return until is None or until > now
-
-    return [v.read() for i, v in enumerate(versions) if i == 0 or alive(v)]
+    return [v.read() for i, v in enumerate(versions) if i == 0 or alive(v, now)]
 
 
 def migrate_folder(root: Path, old: str, new: str) -> bool:

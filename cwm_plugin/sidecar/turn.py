@@ -292,6 +292,9 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
             plan.sel, state.compacted, f"{mode}/{p.placement}/{p.refresh}",
             sc.settings.debug_header_max_bytes, len(plan.messages), plan.prompt_tokens,
             plan.sent, plan.full)
+    if sc.salt_mover is not None:  # after a secret rotation: the session's KV follows
+        with stages("salt"):
+            await sc.salt_mover.before_forward(ident, body, salt)
     sc.metrics.overhead_seconds.labels(ident.tenant, model).observe(stages.total)
     up = headers_up(request.headers)
     if body.get("stream"):

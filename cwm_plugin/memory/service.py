@@ -219,7 +219,8 @@ class MemoryService:
                        summary: bool = True, bump: bool = True,
                        present: list[dict] | None = None,
                        stages: Stages | None = None, mode: str = "hybrid",
-                       shared: list[str] | tuple[str, ...] = ()) -> Selection:
+                       shared: list[str] | tuple[str, ...] = (),
+                       passages: bool = True) -> Selection:
         """Recent turns verbatim plus memories, summary and hits, within ``budget_tokens``.
 
         ``messages`` are the request's chat messages: the leading system/developer messages
@@ -236,7 +237,8 @@ class MemoryService:
         are skipped. ``counter`` counts the budget (the served model's
         tokenizer; default: the service's); time spent is added to ``stages``; ``mode``: how
         the conversation is searched (hybrid, bm25, vector); ``shared``: more tenants (the
-        caller's namespaces it may read) whose durable memories compete for the facts.
+        caller's namespaces it may read) whose durable memories compete for the facts;
+        ``passages=False``: the quick view, no conversation is searched (facts and summary).
         """
         check_name("tenant", tenant)
         if session is not None:
@@ -256,7 +258,7 @@ class MemoryService:
         if query is None:
             query = content_text(current[0]) if current else ""
         cands = self._candidates(tenant, session if summary else None, query or "", stages,
-                                 mode, shared)
+                                 mode, shared, passages)
         with stages("count"):
             sel = select(counter or self.counter, history, n, budget_tokens, cands, recent_ids,
                          self.config.max_facts, present=[*current, *(present or [])])
@@ -268,8 +270,9 @@ class MemoryService:
         """Count one more use of each of these durable memories (never in memories.md)."""
         self.facts.bump(tenant, ids)
 
-    def _candidates(self, tenant: str, session: str | None, query: str,
-                    stages: Stages, mode: str = "hybrid", shared: tuple | list = ()) -> Candidates:
+    def _candidates(self, tenant: str, session: str | None, query: str, stages: Stages,
+                    mode: str = "hybrid", shared: tuple | list = (),
+                    passages: bool = True) -> Candidates:
         """Everything a selection may take, the query embedded once."""
         qvec = None
         if query.strip() and mode != "bm25":
@@ -286,12 +289,11 @@ class MemoryService:
             with stages("files"):
                 idx = self.indexes.refresh(tenant)
             lines, hits, line_scores = None, [], []
-            if not query.strip():
-                pass
-            elif self.config.retrieval_unit == "turn":
+            search = passages and bool(query.strip())  # (the quick view searches none)
+            if search and self.config.retrieval_unit == "turn":
                 lines = rank_lines(idx, self._line_corpus(tenant, idx), query, qvec,
                                    self.config, mode=mode, stages=stages)
-            else:
+            elif search:
                 hits = search_index(idx, query, qvec, SEARCH_K, self.config, mode=mode,
                                     stages=stages)
                 with stages("vector"):

@@ -4,7 +4,9 @@
 of ``X-CWM-User`` when given); ``GET /v1/memory/facts?namespace=N`` lists the durable memories
 in force (read); ``POST /v1/memory/facts`` ``{"namespace"?, "text", "category"?, "importance"?,
 "key"?}`` merges one (write); ``GET /v1/memory/search?namespace=N&q=...&k=`` searches the
-namespace's conversations and memories (read); ``POST /v1/memory/turns`` ``{"namespace"?,
+namespace's conversations and memories (read); ``GET /v1/memory/view?namespace=N&view=quick|full
+&max_tokens=`` returns the namespace's memory as text at that resolution with its token count
+(read; ``memory_view.py``); ``POST /v1/memory/turns`` ``{"namespace"?,
 "session", "role", "content"}`` appends a turn to a session's transcript (append). The
 namespace defaults to the request's home (the user's, else the principal's); the activity log
 is ``/v1/activity``. A refusal is an OpenAI-shaped 403 naming the rule; memory off: 503.
@@ -22,6 +24,7 @@ from cwm_plugin.errors import CWMError, InvalidInput
 from cwm_plugin.sidecar.access import ACTIVITY, GLOBAL, USER, Namespace
 from cwm_plugin.sidecar.identity import Identity, bearer_key, validate_session
 from cwm_plugin.sidecar.memory_port import MemoryPort
+from cwm_plugin.sidecar.memory_view import VIEWS, build_view
 
 
 class MemoryUnavailable(CWMError):
@@ -112,6 +115,18 @@ def memory_router(sidecar: Any) -> APIRouter:
         return {"object": "list", "namespace": ns.name, "data": [
             {"source": h.source, "score": round(h.score, 4), "text": h.text}
             for h in [*facts, *hits]]}
+
+    @router.get("/view")
+    async def view_route(request: Request, view: str | None = None,
+                         namespace: str | None = None,
+                         max_tokens: int | None = None) -> dict[str, Any]:
+        view = view or sidecar.settings.prompt.memory_view
+        if view not in VIEWS or (max_tokens is not None and max_tokens < 1):
+            raise InvalidInput("bad view parameters", hint="view: quick|full, max_tokens >= 1")
+        mem, ns = where(who(request), namespace, "read")
+        got = await asyncio.to_thread(build_view, mem.now, ns.folder, view, mem.count,
+                                      max_tokens)
+        return {"object": "memory.view", "namespace": ns.name, **got.public()}
 
     @router.post("/turns", status_code=201)
     async def append_turn(body: TurnBody, request: Request) -> dict[str, Any]:

@@ -228,10 +228,13 @@ class PromptSettings(_Strict):
     compaction) and reuses it verbatim, so the prefix cache keeps hitting; ``turn`` selects it
     again every turn. ``sessionless``: a request with neither ``X-Session-Id`` nor ``user`` is
     ``stateless`` (nothing recorded, no history from the server) or goes to one ``shared``
-    session named ``default`` (the old behaviour).
+    session named ``default`` (the old behaviour). ``memory_view``: ``full`` merges the whole
+    selection; ``quick`` only its short forms (durable facts and the session summary, no
+    transcript passages); per request (header ``X-CWM-Memory-View: quick|full``).
     """
 
     history: Literal["full", "recent"] = "full"
+    memory_view: Literal["quick", "full"] = "full"
     placement: Literal["system", "last_user"] = "system"
     refresh: Literal["conversation", "turn"] = "conversation"
     sessionless: Literal["stateless", "shared"] = "stateless"

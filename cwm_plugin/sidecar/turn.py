@@ -53,6 +53,7 @@ from cwm_plugin.sidecar.workqueue import Job
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 HISTORY_HEADER = "x-cwm-history"
+VIEW_HEADER = "x-cwm-memory-view"
 RECORDED_ROLES = ("user", "tool")
 
 
@@ -77,6 +78,14 @@ def history_mode(sc: Sidecar, tenant_history: str | None, headers: Any) -> str:
             raise InvalidInput(f"{HISTORY_HEADER} must be `full` or `recent`")
         return asked
     return tenant_history or sc.settings.prompt.history
+
+
+def memory_view(sc: Sidecar, headers: Any) -> str:
+    """``quick`` or ``full`` (``plan.py``): the request's header, else the setting."""
+    asked = headers.get(VIEW_HEADER)
+    if asked is not None and asked not in ("quick", "full"):
+        raise InvalidInput(f"{VIEW_HEADER} must be `quick` or `full`")
+    return asked or sc.settings.prompt.memory_view
 
 
 def route_headers(route: Route, ep: Endpoint | None) -> dict[str, str]:
@@ -219,8 +228,10 @@ class Turn:
 
 def _debug_header(sel: Selected, compacted: bool, mode: str, cap: int,
                   recent: int, prompt_tokens: int | None = None, sent: int | None = None,
-                  full: int | None = None) -> str:
-    info: dict[str, Any] = {"mode": mode, "tokens": sel.tokens, "recent": recent,
+                  full: int | None = None, injected: int | None = None,
+                  view: str = "full") -> str:
+    info: dict[str, Any] = {"mode": mode, "view": view, "tokens": sel.tokens,
+                            "injected": injected, "recent": recent,
                             "prompt_tokens": prompt_tokens, "sent": sent, "full": full,
                             "compacted": compacted, "facts": sel.facts,
                             "retrieval_ms": round(sel.seconds * 1000, 2),
@@ -264,6 +275,7 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     salt = sc.auth.salt_for(ident, body)
     messages = P.validate_messages(body.get("messages"))
     mode = history_mode(sc, tenant_cfg.history, request.headers)
+    view = memory_view(sc, request.headers)
     perms, debug = sc.auth.perms, request.headers.get("x-cwm-debug") == "1"
     if debug:
         perms.require_grant(ident.tenant, "debug", "X-CWM-Debug: 1")
@@ -276,13 +288,17 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     plan, counter, status = await _plan(sc, {
         "ident": ident, "body": body, "messages": messages, "state": state, "model": model,
         "max_len": info.max_model_len, "mode": mode, "info": info, "shared": shared,
+        "view": view,
         "readable": perms.allows(ident.tenant, home, "read")}, stages)
     if sc.memory is not None and not status:
         sc.metrics.retrieval_seconds.labels(ident.tenant, model).observe(plan.sel.seconds)
         sc.metrics.injected_tokens.labels(ident.tenant, model).inc(plan.injected)
+        turn_headers = {"X-CWM-Memory-View": view, "X-CWM-Memory-Tokens": str(plan.injected)}
+    else:
+        turn_headers = {STATUS_HEADER: status} if status else {}
     forward = {**body, "model": model, "messages": plan.messages, "cache_salt": salt}
     turn = Turn(sc, ident, model, info.max_model_len, salt, messages, state, plan, counter,
-                stages, route, {STATUS_HEADER: status} if status else {},
+                stages, route, turn_headers,
                 used=state.estimate(plan.prompt_tokens), project=project,
                 can_append=perms.allows(ident.tenant, home, "append"),
                 can_write=perms.allows(ident.tenant, home, "write"))
@@ -291,7 +307,7 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
         turn.headers["X-CWM-Memory"] = _debug_header(
             plan.sel, state.compacted, f"{mode}/{p.placement}/{p.refresh}",
             sc.settings.debug_header_max_bytes, len(plan.messages), plan.prompt_tokens,
-            plan.sent, plan.full)
+            plan.sent, plan.full, plan.injected, view)
     if sc.salt_mover is not None:  # after a secret rotation: the session's KV follows
         with stages("salt"):
             await sc.salt_mover.before_forward(ident, body, salt)

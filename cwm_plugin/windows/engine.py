@@ -197,7 +197,9 @@ class WindowEngine:
         a secret rotation): the blocks stored from the first on get keys under the
         new salt (the same blobs, as :meth:`thaw` does) and the new salt a context record, so
         its next request hits them. The old keys stay a plain cache. Returns the blocks moved
-        (0: no record or no stored first block under ``old_salt``)."""
+        (0: no record or no stored first block under ``old_salt``, or the new salt has one)."""
+        if self.store.where_many([records.record_key(new_salt)])[0] is not None:
+            return 0  # moved before (by another process), or the session went on already
         found = self._latest(old_salt, time.monotonic())
         if found is None:
             return 0

@@ -35,12 +35,20 @@ def user_name(secret: str, tenant: str, user: str) -> str:
     return "u-" + mac.hexdigest()[:32]
 
 
+def client_salt(secret: str, tenant: str, salt: str) -> str:
+    return hmac.new(secret.encode(), f"client\x00{tenant}\x00{salt}".encode(),
+                    hashlib.sha256).hexdigest()
+
+
 def old_sessions(kv: Path, sessions: list[str]) -> dict[str, list[int]]:
-    """What vLLM's connector left for ``sessions`` of acme under the old secret's salts."""
+    """What vLLM's connector left for ``sessions`` of acme under the old secret's salts (and
+    for gamma's own cache_salt "mine")."""
     store = KVStore(StoreConfig(disk_path=str(kv), memory_bytes=0), registry=CollectorRegistry())
     try:
-        return {s: converse(store, derive_salt(OLD.encode(), "acme", s), 3 * BS + 7)
-                for s in sessions}
+        out = {s: converse(store, derive_salt(OLD.encode(), "acme", s), 3 * BS + 7)
+               for s in sessions}
+        out["mine"] = converse(store, client_salt(OLD, "gamma", "mine"), 2 * BS)
+        return out
     finally:
         store.close()
 
@@ -99,6 +107,13 @@ def test_a_sessions_kv_moves_to_its_new_salt_once_within_grace(tmp_path):
                                 "X-Session-Id": "s5"},
                        json={"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200 and moved_to(srv, tokens["s5"], "s5")
+        # a tenant's own cache_salt: the salt forwarded for it under the old secret
+        r = chat(srv, "gamma", "mine", cache_salt="mine")
+        assert r.status_code == 200 and fake.last()["cache_salt"] == client_salt(NEW, "gamma",
+                                                                                 "mine")
+        assert all(t is not None for ts in session_blocks(
+            store, tokens["mine"], client_salt(NEW, "gamma", "mine"), 2) for t in ts)
+        assert metric_value(srv, MOVES, tenant="gamma", outcome="moved") == 1
     finally:
         srv.stop()
         up.stop()

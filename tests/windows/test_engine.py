@@ -59,6 +59,7 @@ def test_move_session_rekeys_a_sessions_latest_context_to_another_salt(tmp_path)
         for rank, got in enumerate(session_blocks(s, tokens, "new-salt", 4)):
             assert all(torch.equal(t, block(i, rank)) for i, t in enumerate(got))
         assert s.usage()["disk"]["blobs"] == blobs + 1      # no tensor copy: + the record
+        assert eng.move_session("old-salt", "new-salt") == 0  # the new salt has its record
         assert eng.move_session("no-such-salt", "other") == 0
     finally:
         s.close()

@@ -5,8 +5,8 @@ of ``X-CWM-User`` when given); ``GET /v1/memory/facts?namespace=N`` lists the du
 in force (read); ``POST /v1/memory/facts`` ``{"namespace"?, "text", "category"?, "importance"?,
 "key"?}`` merges one (write); ``GET /v1/memory/search?namespace=N&q=...&k=`` searches the
 namespace's conversations and memories (read); ``GET /v1/memory/view?namespace=N&view=quick|full
-&max_tokens=`` returns the namespace's memory as text at that resolution with its token count
-(read; ``memory_view.py``); ``POST /v1/memory/turns`` ``{"namespace"?,
+&max_tokens=&model=`` returns the namespace's memory as text at that resolution with its token
+count (the served ``model``'s, else the memory's tokenizer; read; ``memory_view.py``); ``POST /v1/memory/turns`` ``{"namespace"?,
 "session", "role", "content"}`` appends a turn to a session's transcript (append). The
 namespace defaults to the request's home (the user's, else the principal's); the activity log
 is ``/v1/activity``. A refusal is an OpenAI-shaped 403 naming the rule; memory off: 503.
@@ -118,15 +118,20 @@ def memory_router(sidecar: Any) -> APIRouter:
 
     @router.get("/view")
     async def view_route(request: Request, view: str | None = None,
-                         namespace: str | None = None,
-                         max_tokens: int | None = None) -> dict[str, Any]:
+                         namespace: str | None = None, max_tokens: int | None = None,
+                         model: str | None = None) -> dict[str, Any]:
+        """``model``: count with that served model's tokenizer (else the memory's)."""
         view = view or sidecar.settings.prompt.memory_view
         if view not in VIEWS or (max_tokens is not None and max_tokens < 1):
             raise InvalidInput("bad view parameters", hint="view: quick|full, max_tokens >= 1")
         mem, ns = where(who(request), namespace, "read")
-        got = await asyncio.to_thread(build_view, mem.now, ns.folder, view, mem.count,
-                                      max_tokens)
-        return {"object": "memory.view", "namespace": ns.name, **got.public()}
+        count = mem.count
+        if model is not None:
+            route = await sidecar.router.for_model(model)
+            count = (await sidecar.counters.get(model, route.info())).count
+        got = await asyncio.to_thread(build_view, mem.now, ns.folder, view, count, max_tokens)
+        return {"object": "memory.view", "namespace": ns.name, "counted_with": model or "memory",
+                **got.public()}
 
     @router.post("/turns", status_code=201)
     async def append_turn(body: TurnBody, request: Request) -> dict[str, Any]:

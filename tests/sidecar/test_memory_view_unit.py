@@ -103,6 +103,9 @@ def test_the_view_route_quick_full_counted_capped_and_permission_checked(srv):
     assert CODE in full["text"] and SUMMARY in full["text"] and FACT in full["text"]
     assert full["tokens"] == COUNTER.count(full["text"]) > quick["tokens"]
     assert view(srv, "acme").json()["view"] == "full"  # prompt.memory_view
+    by_model = view(srv, "acme", view="quick", model="tiny").json()
+    assert by_model["counted_with"] == "tiny" and by_model["tokens"] == quick["tokens"]
+    assert view(srv, "acme", model="no-such-model").status_code == 404
     capped = view(srv, "acme", view="full", max_tokens=quick["tokens"] // 2 + 1).json()
     assert capped["truncated"] and capped["tokens"] <= quick["tokens"] // 2 + 1
     assert view(srv, "acme", view="huge").status_code == 400

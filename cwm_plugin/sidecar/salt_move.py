@@ -9,16 +9,20 @@ record, re-keys that context under the new salt before the request is forwarded
 (:meth:`~cwm_plugin.windows.engine.WindowEngine.move_session`: thaw's re-keying, the same blobs
 under new keys, no tensor copy), so vLLM restores the prefix instead of computing it.
 
-Once per salt and process: the move is remembered (requests of the session arriving meanwhile
-wait for the same one), counted in ``cwm_sidecar_salt_moves_total{tenant,outcome}`` (moved,
-none, failed) and logged once. A failure never fails the request (it computes, as without a
-store). Once every older version is past its ``until``, nothing is looked up any more.
+Once per salt: requests of the session arriving meanwhile wait for the same move, and the
+salts done are remembered (a digest each, the newest ``REMEMBER``; one forgotten, or a process
+restarted, costs one store lookup: a new salt with a context record is not moved again).
+Counted in ``cwm_sidecar_salt_moves_total{tenant,outcome}`` (moved, none, failed) and logged
+once. A failure never fails the request (it computes, as without a store). Once every older
+version is past its ``until``, nothing is looked up any more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -30,6 +34,7 @@ from cwm_plugin.sidecar.secret_versions import SecretVersion, alive
 from cwm_plugin.windows.engine import WindowEngine
 
 log = logging.getLogger(__name__)
+REMEMBER = 65_536  # salts whose move is done, remembered by digest
 
 
 @dataclass
@@ -41,7 +46,10 @@ class SaltMover:
     older: list[SecretVersion]  # the versions after the newest, newest first
     counter: Counter  # SidecarMetrics.salt_moves
     _values: list[tuple[SecretVersion, bytes]] = field(init=False, repr=False)
-    _moves: dict[str, asyncio.Future[int]] = field(default_factory=dict, init=False, repr=False)
+    _running: dict[str, asyncio.Future[int]] = field(default_factory=dict, init=False,
+                                                     repr=False)
+    _done: OrderedDict[bytes, None] = field(default_factory=OrderedDict, init=False,
+                                            repr=False)
 
     def __post_init__(self) -> None:
         self._values = [(v, v.read()) for v in self.older if alive(v)]
@@ -56,15 +64,24 @@ class SaltMover:
         first request here in a grace period; the blocks moved (0: none, or moved before)."""
         older = self.secrets()
         if not older:
-            self._moves.clear()
+            self._done.clear()
             return 0
-        move = self._moves.get(salt)
-        if move is None:
-            move = self._moves[salt] = asyncio.ensure_future(
-                self._move(ident, body, salt, older))
-            return await asyncio.shield(move)  # a client gone away leaves it to finish
-        await asyncio.shield(move)
-        return 0
+        key = hashlib.sha256(salt.encode()).digest()[:16]
+        if key in self._done:
+            return 0
+        move = self._running.get(salt)
+        if move is not None:  # the session's move is under way: wait for it
+            await asyncio.shield(move)
+            return 0
+        move = self._running[salt] = asyncio.ensure_future(self._move(ident, body, salt, older))
+        move.add_done_callback(lambda _: self._finished(salt, key))
+        return await asyncio.shield(move)  # a client gone away leaves it to finish
+
+    def _finished(self, salt: str, key: bytes) -> None:
+        self._running.pop(salt, None)
+        self._done[key] = None
+        if len(self._done) > REMEMBER:
+            self._done.popitem(last=False)
 
     async def _move(self, ident: Identity, body: Mapping[str, object], salt: str,
                     older: list[bytes]) -> int:

@@ -130,3 +130,22 @@ def test_past_its_grace_an_old_salt_is_not_looked_up(tmp_path):
     finally:
         srv.stop()
         up.stop()
+
+
+def test_a_forgotten_session_is_not_moved_twice(tmp_path, monkeypatch):
+    """Nothing remembered (as after a restart): the new salt's context record says it moved."""
+    from cwm_plugin.sidecar import salt_move
+
+    monkeypatch.setattr(salt_move, "REMEMBER", 0)
+    tokens = old_sessions(tmp_path / "kv", ["s1"])
+    fake = FakeUpstream(model="tiny", max_model_len=4096)
+    up, srv = serve(tmp_path, fake, datetime.now(UTC) + timedelta(days=1))
+    try:
+        assert chat(srv, "acme", "hello").status_code == 200
+        assert chat(srv, "acme", "hello again").status_code == 200
+        assert moved_to(srv, tokens["s1"], "s1")
+        assert metric_value(srv, MOVES, tenant="acme", outcome="moved") == 1
+        assert metric_value(srv, MOVES, tenant="acme", outcome="none") == 1
+    finally:
+        srv.stop()
+        up.stop()

@@ -351,7 +351,8 @@ def main() -> int:
     secret = secrets.token_hex(32)
     config = work / "sidecar.yaml"
     config.write_text(yaml.safe_dump({
-        "tenants": [{"name": TENANT, "key_sha256": [hash_key(KEY)]}], "memory": cfg_mem}))
+        "tenants": [{"name": TENANT, "key_sha256": [hash_key(KEY)]}], "memory": cfg_mem,
+        "access": {"grants": {TENANT: ["debug"]}}}))  # the X-CWM-Memory header it reads
     vllm = None if args.upstream else VLLMServer(model_dir=model, log_dir=work,
                                                  max_model_len=8192).start()
     upstream = args.upstream or vllm.base_url

@@ -89,6 +89,7 @@ def sidecar_config(work: Path, upstream: str, key: str) -> Path:
     cfg = {
         "secret_env": "CWM_SIDECAR_SECRET",
         "tenants": [{"name": "dana", "key_sha256": [hashlib.sha256(key.encode()).hexdigest()]}],
+        "access": {"grants": {"dana": ["debug", "metrics"]}},  # X-CWM-Memory and /metrics
         "upstream": {"url": upstream},
         "memory": {"root": str(work / "memory"), "embedder": {"kind": "local"},
                    "summary_every_turns": 0, "extract_facts": False, "warm_on_start": False},
@@ -131,7 +132,8 @@ def act_sidecar(server: VLLMServer, work: Path) -> bool:
         print(f"          assistant: {r.json()['choices'][0]['message']['content'].strip()!r}")
         print("          (a 135M model's wording varies with the CPU's kernels; what the demo "
               "checks is that the fact was retrieved and injected, not what the model says)")
-        text = httpx.get(f"{url}/metrics", timeout=10).text
+        text = httpx.get(f"{url}/metrics", timeout=10,
+                         headers={"Authorization": f"Bearer {key}"}).text
         for line in text.splitlines():
             if line.startswith(SIDECAR_METRICS):
                 print(f"          {line}")

@@ -92,6 +92,7 @@ def cmd_add(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from cwm_plugin.memory.factstore import access_counts
     from cwm_plugin.memory.files import MemoryFiles
 
     files = MemoryFiles(args.root)
@@ -103,7 +104,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(f"\nsummary (up to {got[1] or '?'}): {got[0]}")
         return 0
     print(f"sessions: {', '.join(files.sessions(args.tenant)) or '(none)'}")
+    counts = access_counts(args.root, args.tenant)
     for m in files.read_memories(args.tenant, history=True):
+        m.access_count += counts.get(m.id, 0)
         where = f" ({m.source})" if m.source else ""
         if m.active:
             print(f"- {m.id} [{m.category} {m.importance:.2f} used {m.access_count}x] "

@@ -1,5 +1,9 @@
 """Durable memories (``memories.md``): added, deduplicated, updated, counted when used.
 
+Reading never writes the markdown: how often a memory was selected is a derived statistic kept
+in ``<root>/.index/<tenant>/access.json`` (:func:`access_counts`; lost with the index folder,
+which is fine), added to the count a memory line carries from older versions.
+
 A new fact is merged into the memories in force (:func:`merge`):
 
 - a *duplicate* (the same text, any category, or a cosine similarity of at least
@@ -20,16 +24,19 @@ Measured with MiniLM: "lives in Lisbon" / "now lives in Porto" 0.77, "moved to P
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.memory.files import MemoryFiles, utc_iso
+from cwm_plugin.memory.files import MemoryFiles, locked, replace_durable, utc_iso
 from cwm_plugin.memory.models import CATEGORIES, Memory
+from cwm_plugin.memory.persist import tenant_dir
 
 DUPLICATE = 0.92
 RELATED = 0.5
@@ -107,14 +114,34 @@ class FactStore:
         return got[0]
 
     def bump(self, tenant: str, ids: list[str]) -> None:
-        """Count one more use of each of these memories (rewrites memories.md)."""
-        wanted = set(ids)
+        """Count one more use of each of these memories (in the derived ``access.json``;
+        ``memories.md`` is left as it is)."""
+        path = access_path(self.files.root, tenant)
+        with self.lock(tenant), locked(path):
+            counts = access_counts(self.files.root, tenant)
+            for i in ids:
+                counts[i] = counts.get(i, 0) + 1
+            replace_durable(path, json.dumps(counts, sort_keys=True))
 
-        def change(ms: list[Memory]) -> list[Memory]:
-            for m in ms:
-                if m.id in wanted:
-                    m.access_count += 1
-            return ms
+    def with_counts(self, tenant: str, mems: list[Memory]) -> list[Memory]:
+        """``mems`` with the uses counted since (``access.json``) added to their counts."""
+        counts = access_counts(self.files.root, tenant)
+        for m in mems:
+            m.access_count += counts.get(m.id, 0)
+        return mems
 
-        with self.lock(tenant):
-            self.files.update_memories(tenant, change)
+
+def access_path(root: Path, tenant: str) -> Path:
+    return tenant_dir(root, tenant) / "access.json"
+
+
+def access_counts(root: Path, tenant: str) -> dict[str, int]:
+    """Uses of each memory (by id) recorded in the derived file; {} when there is none (or it
+    is damaged: the counts are statistics, never the truth)."""
+    try:
+        data = json.loads(access_path(root, tenant).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): int(v) for k, v in data.items() if isinstance(v, int)}

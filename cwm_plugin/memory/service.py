@@ -38,11 +38,10 @@ from cwm_plugin.memory.search import search_index
 from cwm_plugin.memory.select import Candidates, select
 from cwm_plugin.memory.tenants import TenantIndexes
 from cwm_plugin.memory.timing import Stages
-from cwm_plugin.memory.tokens import TokenCounter
+from cwm_plugin.memory.tokens import TokenCounter, content_text
 from cwm_plugin.memory.turns import LineCorpus, rank_lines
 
 __all__ = ["Hit", "Memory", "MemoryConfig", "MemoryService", "Selection"]
-
 TURN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 CHAT_ROLES = ("user", "assistant")
 SEARCH_K = 10
@@ -219,7 +218,9 @@ class MemoryService:
                        counter: TokenCounter | None = None, recent_turns: int | None = None,
                        summary: bool = True, bump: bool = True,
                        present: list[dict] | None = None,
-                       stages: Stages | None = None, mode: str = "hybrid") -> Selection:
+                       stages: Stages | None = None, mode: str = "hybrid",
+                       shared: list[str] | tuple[str, ...] = (),
+                       passages: bool = True) -> Selection:
         """Recent turns verbatim plus memories, summary and hits, within ``budget_tokens``.
 
         ``messages`` are the request's chat messages: the leading system/developer messages
@@ -230,11 +231,14 @@ class MemoryService:
         messages are kept from; if the request carries none, they come from the session's
         transcript. ``session=None`` is a stateless caller (no transcript, no summary).
         ``summary=False`` leaves the session summary out; ``bump=False`` leaves the memories'
-        access counts to a later :meth:`bump` (a rewrite of memories.md, off the request's
-        path). ``present``: more messages the caller sends anyway (its whole history): chunks
-        made only of their text are skipped. ``counter`` counts the budget (the served model's
+        access counts to a later :meth:`bump` (a derived file under ``.index``, off the
+        request's path; a selection never writes a markdown file). ``present``: more
+        messages the caller sends anyway (its whole history): chunks made only of their text
+        are skipped. ``counter`` counts the budget (the served model's
         tokenizer; default: the service's); time spent is added to ``stages``; ``mode``: how
-        the conversation is searched (hybrid, bm25, vector).
+        the conversation is searched (hybrid, bm25, vector); ``shared``: more tenants (the
+        caller's namespaces it may read) whose durable memories compete for the facts;
+        ``passages=False``: the quick view, no conversation is searched (facts and summary).
         """
         check_name("tenant", tenant)
         if session is not None:
@@ -252,9 +256,9 @@ class MemoryService:
             history = [_as_message(t) for t in turns]
             recent_ids = {t.turn_id for t in turns}
         if query is None:
-            query = _text(current[0]) if current else ""
+            query = content_text(current[0]) if current else ""
         cands = self._candidates(tenant, session if summary else None, query or "", stages,
-                                 mode)
+                                 mode, shared, passages)
         with stages("count"):
             sel = select(counter or self.counter, history, n, budget_tokens, cands, recent_ids,
                          self.config.max_facts, present=[*current, *(present or [])])
@@ -263,11 +267,12 @@ class MemoryService:
         return sel
 
     def bump(self, tenant: str, ids: list[str]) -> None:
-        """Count one more use of each of these durable memories (rewrites memories.md)."""
+        """Count one more use of each of these durable memories (never in memories.md)."""
         self.facts.bump(tenant, ids)
 
-    def _candidates(self, tenant: str, session: str | None, query: str,
-                    stages: Stages, mode: str = "hybrid") -> Candidates:
+    def _candidates(self, tenant: str, session: str | None, query: str, stages: Stages,
+                    mode: str = "hybrid", shared: tuple | list = (),
+                    passages: bool = True) -> Candidates:
         """Everything a selection may take, the query embedded once."""
         qvec = None
         if query.strip() and mode != "bm25":
@@ -284,22 +289,31 @@ class MemoryService:
             with stages("files"):
                 idx = self.indexes.refresh(tenant)
             lines, hits, line_scores = None, [], []
-            if not query.strip():
-                pass
-            elif self.config.retrieval_unit == "turn":
+            search = passages and bool(query.strip())  # (the quick view searches none)
+            if search and self.config.retrieval_unit == "turn":
                 lines = rank_lines(idx, self._line_corpus(tenant, idx), query, qvec,
                                    self.config, mode=mode, stages=stages)
-            else:
+            elif search:
                 hits = search_index(idx, query, qvec, SEARCH_K, self.config, mode=mode,
                                     stages=stages)
                 with stages("vector"):
                     line_scores = [idx.line_scores(qvec, h.chunk_id) if qvec is not None
                                    else None for h in hits]
+        facts = [(h, by_id[h.chunk_id]) for h in fact_hits]
+        for other in shared:  # one tenant's lock at a time: never two held together
+            if self.files.memories_path(check_name("tenant", other)).exists():
+                with self.lock(other):
+                    got = self.indexes.memories(other).memories
+                    facts += [(h, got[h.chunk_id]) for h in self._memory_hits(
+                        other, query, qvec, self.config.max_facts, "hybrid", stages)
+                        if h.chunk_id in got]
+        if shared:  # (otherwise the search's own order: MMR may have re-ranked it)
+            facts = sorted(facts, key=lambda p: -p[0].score)[:self.config.max_facts]
         if qvec is not None:
             self.metrics.retrieval.labels("hybrid").observe(time.perf_counter() - t0)
         with stages("files"):
             summary = self.summary(tenant, session) if session is not None else None
-        return Candidates(facts=[by_id[h.chunk_id] for h in fact_hits], fact_hits=fact_hits,
+        return Candidates(facts=[m for _, m in facts], fact_hits=[h for h, _ in facts],
                           summary=summary, hits=hits, hit_line_scores=line_scores, lines=lines,
                           rows_of=lambda s: idx.sessions[s].units if s in idx.sessions else [],
                           neighbours=self.config.turn_neighbours)
@@ -330,8 +344,8 @@ class MemoryService:
         return vecs[1:] @ vecs[0]
 
     def memories(self, tenant: str, *, history: bool = False) -> list[Memory]:
-        """The memories in force (``history``: the replaced ones too)."""
-        return self.files.read_memories(tenant, history=history)
+        """The memories in force (``history``: the replaced ones too), with their use counts."""
+        return self.facts.with_counts(tenant, self.files.read_memories(tenant, history=history))
 
     def summary(self, tenant: str, session: str) -> str | None:
         got = self.files.read_summary(tenant, session)
@@ -380,15 +394,6 @@ class MemoryService:
         self.save()
         if isinstance(self.embedder, CachedEmbedder):
             self.embedder.close()
-
-
-def _text(m: dict | None) -> str:
-    if not m:
-        return ""
-    c = m.get("content")
-    if isinstance(c, list):
-        return "\n".join(p.get("text", "") for p in c if isinstance(p, dict))
-    return str(c or "")
 
 
 def _as_message(t: Turn) -> dict:

@@ -2,7 +2,8 @@
 
 ``POST /v1/activity`` ``{"what", "output"?, "session"?, "project"?, "model"?,
 "used_tokens"?, "limit_tokens"?}`` appends one entry (201) whose principal is the caller's
-(the authenticated tenant, never a field of the body); the session is the body's or
+(the authenticated tenant, never a field of the body; a provider's model and context limit are
+the defaults of ``model`` and ``limit_tokens``); the session is the body's or
 ``X-Session-Id``, the project the body's or ``X-CWM-Project``; the context use, when the body
 gives none, is the session's last turn through this sidecar. ``GET /v1/activity?view=quick``
 (the last ``hours`` (24) hours, at most ``limit`` (10) entries) or ``view=full`` (every entry,
@@ -28,7 +29,7 @@ from cwm_plugin.activity.log import MAX_NAME, MAX_TEXT, ActivityLog, Entry
 from cwm_plugin.errors import CWMError, InvalidInput
 from cwm_plugin.sidecar.identity import bearer_key, validate_session
 from cwm_plugin.sidecar.openai_errors import error_response
-from cwm_plugin.sidecar.settings import Settings
+from cwm_plugin.sidecar.settings import Settings, TenantConfig
 
 log = logging.getLogger(__name__)
 PROJECT_HEADER = "x-cwm-project"
@@ -101,6 +102,12 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
     router = APIRouter(prefix="/v1")
     settings: Settings = sidecar.settings
 
+    def caller(request: Request, op: str) -> TenantConfig:
+        """The caller's principal, allowed ``op`` on the ``activity`` namespace."""
+        who = sidecar.auth.tenant_for(bearer_key(request.headers))
+        sidecar.auth.perms.require(who.name, sidecar.auth.perms.namespace("activity"), op)
+        return who
+
     def need() -> ActivityLog:
         if activity is None:
             raise ActivityUnavailable("the activity log is not configured on this sidecar",
@@ -110,8 +117,8 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
 
     @router.post("/activity", status_code=201)
     async def append(body: ActivityBody, request: Request) -> dict[str, Any]:
-        tenant = sidecar.auth.tenant_for(bearer_key(request.headers)).name
-        act = need()
+        who = caller(request, "append")
+        tenant, act = who.name, need()
         session = body.session or request.headers.get("x-session-id") or None
         if session is not None:
             session = validate_session(session)
@@ -120,16 +127,19 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
             state = sidecar.tracker.peek(tenant, session)
             if state is not None and state.last_prompt_tokens:
                 used, limit = state.last_prompt_tokens, state.last_limit
+        if used is not None and limit is None:  # a provider's own context limit
+            limit = getattr(who, "context_limit", None)
         entry = Entry(principal=tenant, what=body.what, output=body.output, session=session,
                       project=project_of(body.project or request.headers.get(PROJECT_HEADER)),
-                      model=body.model, used_tokens=used, limit_tokens=limit)
+                      model=body.model or getattr(who, "model", None), used_tokens=used,
+                      limit_tokens=limit)
         done = await asyncio.to_thread(act.append, entry)
         return {"object": "activity.entry", **done.public()}
 
     @router.get("/activity")
     async def read(request: Request, view: str = "quick", hours: float = 24.0,
                    limit: int | None = None, offset: int = 0) -> dict[str, Any]:
-        tenant = sidecar.auth.tenant_for(bearer_key(request.headers)).name
+        tenant = caller(request, "read").name
         act = need()
         own = tenant if settings.activity and settings.activity.read == "own" else None
         if view not in ("quick", "full") or offset < 0 or hours <= 0 \

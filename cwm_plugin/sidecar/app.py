@@ -4,11 +4,13 @@ Routes: ``POST /v1/chat/completions`` (memory, salt, streaming), ``POST /v1/comp
 ``/v1/responses`` (salt only), ``POST /v1/embeddings``, ``/tokenize``, ``/detokenize``,
 ``GET /v1/models``, ``/v1/models/{id}`` (relayed), ``GET /health``, ``GET /metrics``,
 ``GET /v1/usage`` (:mod:`~cwm_plugin.sidecar.usage`), ``POST|GET /v1/activity``
-(:mod:`~cwm_plugin.sidecar.activity_api`) and the context windows' routes
+(:mod:`~cwm_plugin.sidecar.activity_api`), ``/v1/memory/...``
+(:mod:`~cwm_plugin.sidecar.memory_api`) and the context windows' routes
 (:mod:`~cwm_plugin.sidecar.windows_api`). Requests go to one of several upstreams
-(:mod:`~cwm_plugin.sidecar.router`: routing, health checks, failover). Every
-error leaves as an OpenAI-shaped body. ``app.state.sidecar`` holds the app's runtime; assign
-``app.state.sidecar.snapshot_hook`` to take a KV snapshot at auto-checkpoints.
+(:mod:`~cwm_plugin.sidecar.router`: routing, health checks, failover). Who may do what:
+:mod:`~cwm_plugin.sidecar.access`. Every error leaves as an OpenAI-shaped body.
+``app.state.sidecar`` holds the app's runtime; assign ``app.state.sidecar.snapshot_hook`` to
+take a KV snapshot at auto-checkpoints.
 """
 
 from __future__ import annotations
@@ -29,13 +31,16 @@ from cwm_plugin.sidecar.background import Maintainer
 from cwm_plugin.sidecar.context import SnapshotHook
 from cwm_plugin.sidecar.counting import ModelCounters
 from cwm_plugin.sidecar.failopen import FailOpen
-from cwm_plugin.sidecar.identity import Authenticator, derive_salt
+from cwm_plugin.sidecar.identity import Authenticator, bearer_key, derive_salt, principal_of
+from cwm_plugin.sidecar.memory_api import memory_router
 from cwm_plugin.sidecar.memory_port import MemoryPort, build_memory
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.openai_errors import error_response, from_cwm_error
 from cwm_plugin.sidecar.passthrough import SALTED, model_entry, relay_get, relay_post
 from cwm_plugin.sidecar.router import Router
 from cwm_plugin.sidecar.runtime import Sidecar
+from cwm_plugin.sidecar.salt_move import SaltMover
+from cwm_plugin.sidecar.secret_versions import folder_locator
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.turn import handle_chat
 from cwm_plugin.sidecar.usage import UsageLedger, usage_router
@@ -83,14 +88,17 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     ``snapshot_hook(tenant, session, cache_salt, name)`` (sync or async) is called at each
     automatic checkpoint to take a named snapshot of the session's KV (default: no-op)."""
     metrics = SidecarMetrics()
+    secrets = settings.server_secrets()  # newest first (secret_versions.py)
     if memory is None and settings.memory_enabled:
         memory = build_memory(settings.memory, metrics.registry)
     router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)
     usage = UsageLedger(settings.pricing, metrics)
     sidecar = Sidecar(
         settings=settings,
-        auth=Authenticator(settings.tenants, settings.server_secret(),
-                           shared_default=settings.prompt.sessionless == "shared"),
+        auth=Authenticator(settings.tenants, secrets[0],
+                           shared_default=settings.prompt.sessionless == "shared",
+                           providers=settings.providers, access=settings.access,
+                           previous=secrets[1:], locate=folder_locator(settings.memory.root)),
         router=router, memory=memory, metrics=metrics,
         maintainer=Maintainer(router, memory, metrics, settings.memory, usage)
         if memory else None,
@@ -100,6 +108,9 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
                               settings.memory.background_workers, metrics),
     )
     engine, auto = open_windows(settings)
+    if engine is not None and len(settings.secrets) > 1:  # KV survives a rotation
+        sidecar.salt_mover = SaltMover(engine, sidecar.auth, settings.secrets[1:],
+                                       metrics.salt_moves)
     if snapshot_hook is not None:
         sidecar.snapshot_hook = snapshot_hook
     elif auto is not None and settings.windows is not None and settings.windows.auto_freeze:
@@ -111,7 +122,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         router.start_health_checks()
         if memory is not None and settings.memory.warm_on_start:
-            for tenant in settings.tenants:  # in the background: the server answers at once
+            for tenant in settings.principals():  # in the background: answers at once
                 sidecar.background.spawn(memory.warm(tenant.name), name=f"warm-{tenant.name}")
         yield
         await sidecar.background.close()
@@ -158,27 +169,37 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         return await model_entry(sidecar, request, model_id)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         """Every upstream checked now: ``ok`` when all are up, ``degraded`` (HTTP 503 only
-        when none is) otherwise; ``upstream`` is the default upstream, as before."""
+        when none is) otherwise. Only that to a caller without the ``admin`` grant; to one
+        with it also ``upstream`` (the default upstream, as before), ``upstreams``, ..."""
         ups = await router.check_all()
+        alive = any(u["up"] for u in ups)
+        status = "ok" if all(u["up"] for u in ups) else "degraded"
+        if not sidecar.auth.perms.granted(principal_of(sidecar, request), "admin"):
+            return JSONResponse({"status": status}, status_code=200 if alive else 503)
         default = next(u for u in ups if u["name"] == router.default.name)
         up = {"ok": default["up"], "models": default["models"]} if default["up"] \
             else {"ok": False, "error": "upstream_error"}
-        alive = any(u["up"] for u in ups)
-        return JSONResponse({"status": "ok" if all(u["up"] for u in ups) else "degraded",
+        return JSONResponse({"status": status,
                              "upstream": up, "upstreams": ups, "memory": memory is not None,
                              "background_tasks": sidecar.background.pending},
                             status_code=200 if alive else 503)
 
     @app.get("/metrics")
-    async def metrics_route() -> Response:
+    async def metrics_route(request: Request) -> Response:
+        """Prometheus text; needs a key with the ``metrics`` grant unless ``metrics_public``."""
+        if not settings.access.metrics_public:
+            sidecar.auth.perms.require_grant(
+                sidecar.auth.tenant_for(bearer_key(request.headers)).name, "metrics",
+                "/metrics")
         metrics.mirror_upstream(await router.metrics_texts())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    secret = settings.server_secret()
+    secret = secrets[0]
     app.include_router(usage_router(sidecar))
     app.include_router(activity_router(sidecar, sidecar.activity))
+    app.include_router(memory_router(sidecar))
     app.include_router(windows_router(sidecar, engine, auto,
                                       lambda tenant, session: derive_salt(secret, tenant,
                                                                           session)))

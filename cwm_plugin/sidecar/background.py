@@ -72,11 +72,13 @@ class Maintainer:
         return min(limits) if limits else None
 
     async def summarize(self, tenant: str, session: str, model: str, salt: str,
-                        max_model_len: int | None) -> str | None:
+                        max_model_len: int | None, folder: str | None = None) -> str | None:
         """Bring the session's summary up to date (previous summary + the turns after the
-        last one it covers); returns the summary, or None if nothing could be written."""
-        turns = await self.memory.transcript(tenant, session)
-        previous, upto = await self.memory.summary_state(tenant, session)
+        last one it covers); returns the summary, or None if nothing could be written.
+        ``folder``: the session's memory folder (default: the tenant's own)."""
+        folder = folder or tenant
+        turns = await self.memory.transcript(folder, session)
+        previous, upto = await self.memory.summary_state(folder, session)
         ids = [_turn_id(t) for t in turns]
         start = ids.index(upto) + 1 if upto and upto in ids else 0
         max_model_len = await self._context(model, max_model_len)
@@ -91,7 +93,7 @@ class Maintainer:
                 self.metrics.background.labels(tenant, "summary", "empty").inc()
                 return previous
             text = with_details(text, previous, turns[start:end])
-            await self.memory.set_summary(tenant, session, text, upto_turn=ids[end - 1])
+            await self.memory.set_summary(folder, session, text, upto_turn=ids[end - 1])
             self.metrics.background.labels(tenant, "summary", "ok").inc()
             previous, start = text, end
         return previous
@@ -125,29 +127,32 @@ class Maintainer:
         return text
 
     async def extract_facts(self, tenant: str, session: str, model: str, salt: str,
-                            max_model_len: int | None) -> int:
-        """Facts from the turns after the facts cursor; returns how many were merged."""
-        turns = await self.memory.transcript(tenant, session)
+                            max_model_len: int | None, folder: str | None = None) -> int:
+        """Facts from the turns after the facts cursor; returns how many were merged (into
+        ``folder``, the session's memory folder; default: the tenant's own)."""
+        folder = folder or tenant
+        turns = await self.memory.transcript(folder, session)
         ids = [_turn_id(t) for t in turns]
-        upto = await self.memory.cursor(tenant, session, "facts")
+        upto = await self.memory.cursor(folder, session, "facts")
         start = ids.index(upto) + 1 if upto and upto in ids else 0
         max_model_len = await self._context(model, max_model_len)
         merged = 0
         for _ in range(MAX_FACT_BATCHES):
             if start >= len(turns):
                 break
-            known = [(m.key, m.text) for m in await self.memory.memories(tenant)
+            known = [(m.key, m.text) for m in await self.memory.memories(folder)
                      if m.key][-MAX_KNOWN:]
             used = self.memory.count_messages(llm_prompts.facts_messages("", known))
             lines, end = self._batch(turns, start, used, max_model_len)
             source = f"session:{session}#{ids[start]}..{ids[end - 1]}"
-            merged += await self._extract(tenant, model, salt, "\n".join(lines), known, source)
-            await self.memory.set_cursor(tenant, session, "facts", ids[end - 1])
+            merged += await self._extract(tenant, model, salt, "\n".join(lines), known, source,
+                                          folder)
+            await self.memory.set_cursor(folder, session, "facts", ids[end - 1])
             start = end
         return merged
 
     async def _extract(self, tenant: str, model: str, salt: str, exchange: str,
-                       known: list[tuple[str, str]], source: str) -> int:
+                       known: list[tuple[str, str]], source: str, folder: str) -> int:
         """Ask the model for facts as strict JSON; retry once; refuse and count if still bad."""
         messages = llm_prompts.facts_messages(exchange, known)
         extra = ({"response_format": llm_prompts.facts_response_format()}
@@ -163,7 +168,7 @@ class Maintainer:
                 messages = llm_prompts.facts_retry_messages(exchange, text, known)
                 continue
             for f in facts:
-                got = await self.memory.add_fact(tenant, f["text"], f.get("category", "fact"),
+                got = await self.memory.add_fact(folder, f["text"], f.get("category", "fact"),
                                                  float(f.get("importance", 0.5)),
                                                  key=f.get("key", ""), source=source)
                 self.metrics.facts.labels(tenant, got.outcome).inc()
@@ -175,23 +180,25 @@ class Maintainer:
 
     async def run(self, job: Job) -> None:
         """A session's due work (a job of the queue), in order; failures are logged and
-        counted. ``job.info``: tenant, session, model, salt, state, max_model_len, hook."""
+        counted. ``job.info``: tenant, session, model, salt, state, max_model_len, hook, and
+        folder (the session's memory folder; default: the tenant's)."""
         i = job.info
         state: SessionState = i["state"]
         async with state.lock:  # one job of this session at a time, in turn order
             await self._run(i["tenant"], i["session"], i["model"], i["salt"], state,
-                            i["max_model_len"], job.checkpoint, i["hook"])
+                            i["max_model_len"], job.checkpoint, i["hook"],
+                            i.get("folder") or i["tenant"])
 
     async def _run(self, tenant: str, session: str, model: str, salt: str,
                    state: SessionState, max_model_len: int | None, checkpoint: bool,
-                   hook: SnapshotHook) -> None:
+                   hook: SnapshotHook, folder: str) -> None:
         summary_due = (self.cfg.summary_every_turns
                        and state.turns_since_summary >= self.cfg.summary_every_turns)
         try:
             if checkpoint or summary_due:
                 state.turns_since_summary = 0
                 try:
-                    await self.summarize(tenant, session, model, salt, max_model_len)
+                    await self.summarize(tenant, session, model, salt, max_model_len, folder)
                 finally:
                     if checkpoint:  # compact from the next turn on, with what is written
                         state.compaction_due, state.checkpointing = True, False
@@ -202,7 +209,7 @@ class Maintainer:
                                     f"auto-{session}-{state.checkpoints}")
             if self.cfg.extract_facts and state.turns_since_facts >= self.cfg.facts_every_turns:
                 state.turns_since_facts = 0
-                await self.extract_facts(tenant, session, model, salt, max_model_len)
+                await self.extract_facts(tenant, session, model, salt, max_model_len, folder)
         except CWMError as exc:
             self.metrics.background.labels(tenant, "after_turn", "error").inc()
             log.warning("background work for tenant %s failed: [%s] %s", tenant, exc.code,

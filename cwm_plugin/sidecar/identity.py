@@ -1,15 +1,21 @@
-"""Who is asking: API key -> tenant, the session, and the session's ``cache_salt``.
+"""Who is asking: API key -> principal (a tenant or a provider), the user and session it acts
+for, its home namespace (``access.py``), and the session's ``cache_salt``.
 
 * Keys are stored as sha256 hex digests and compared with :func:`hmac.compare_digest` against
   every configured digest (no early exit, so timing does not tell which tenant came close).
-* The session comes from the ``X-Session-Id`` header, else the request's ``user`` field, else
+* The user is the ``X-CWM-User`` header, else the request's ``user`` field (any string up to
+  1024 characters); a request naming one keeps its memory in that user's namespace (folder
+  ``u-`` + the HMAC below), which only requests for the same user ever read.
+* The session comes from the ``X-Session-Id`` header, else the user (below), else
   there is none: the request is *stateless* (nothing recorded, no server-side history; its
   salt is the tenant's, HMAC(secret, tenant + NUL)), unless ``prompt.sessionless: shared`` puts
   it in one session named ``"default"``. Session names are file names under the memory root:
   ``X-Session-Id`` must already be one (letters, digits, ``_ . -``; no ``..``; at most 64;
   else 400), while ``user`` is OpenAI's free-form end-user id (an e-mail address, say), so any
   non-empty ``user`` string is mapped to ``u-`` + 32 hex digits of HMAC-SHA256(server secret,
-  "user" NUL tenant NUL user) (the "user" label keeps it apart from the salts): stable, safe
+  "user" NUL tenant NUL user) (the "user" label keeps it apart from the salts; the newest
+  secret version's, a name from an older one in its grace period is moved to it, see
+  ``secret_versions.py``): stable, safe
   as a file name, and it does not reveal the user (a plain hash of an address could be
   reversed by guessing).
 * ``cache_salt`` = HMAC-SHA256(server secret, tenant + NUL + session), 64 hex digits: stable
@@ -26,13 +32,18 @@ import hmac
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from cwm_plugin.errors import Forbidden, InvalidInput
-from cwm_plugin.sidecar.settings import TenantConfig
+from cwm_plugin.sidecar.access import Permissions
+from cwm_plugin.sidecar.access_config import AccessSettings
+from cwm_plugin.sidecar.secret_versions import Locate
+from cwm_plugin.sidecar.settings import ProviderConfig, TenantConfig
 
 # The memory package stores a session as a file: the same rule as cwm_plugin.memory.names.
 SESSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_SESSION = "default"
+USER_HEADER = "x-cwm-user"
 
 
 class Unauthorized(Forbidden):
@@ -46,10 +57,18 @@ class Unauthorized(Forbidden):
 class Identity:
     """The caller of one request."""
 
-    tenant: str
+    tenant: str  # the principal
     session: str | None  # None: a stateless request
     cache_salt: str
     allow_client_cache_salt: bool = False
+    user: str | None = None  # as the client sent it (never logged)
+    namespace: str = ""  # the home namespace's name: <principal> or <principal>/user
+    folder: str = ""  # its memory folder: the principal's name, or u-<32 hex> for a user
+
+    def __post_init__(self) -> None:
+        if not self.folder:  # no user: the principal's own namespace, as before
+            object.__setattr__(self, "namespace", self.namespace or self.tenant)
+            object.__setattr__(self, "folder", self.tenant)
 
     def __repr__(self) -> str:  # the salt is a capability for the session's KV: keep it out
         return f"Identity(tenant={self.tenant!r}, session={self.session!r})"
@@ -73,6 +92,15 @@ def validate_session(name: str) -> str:
     return name
 
 
+def principal_of(sc: Any, request: Any) -> str | None:
+    """The principal of a request's key, or None (no key, or an unknown one): for routes that
+    answer anonymous callers too, with less (``/health``)."""
+    try:
+        return sc.auth.tenant_for(bearer_key(request.headers)).name
+    except Unauthorized:
+        return None
+
+
 def bearer_key(headers: Mapping[str, str]) -> str | None:
     auth = headers.get("authorization")
     if auth:
@@ -87,10 +115,19 @@ class Authenticator:
     """Maps API keys to tenants and derives salts; holds the secret, never shows it."""
 
     def __init__(self, tenants: list[TenantConfig], secret: bytes,
-                 shared_default: bool = False) -> None:
-        self._entries = [(h.encode(), t) for t in tenants for h in t.key_sha256]
+                 shared_default: bool = False, *, providers: list[ProviderConfig] | None = None,
+                 access: AccessSettings | None = None, previous: list[bytes] | None = None,
+                 locate: Locate | None = None) -> None:
+        """``secret``: the newest version; ``previous``: older ones still in their grace
+        period, whose user names ``locate`` moves to the newest's (``secret_versions.py``)."""
+        providers = providers or []
+        self._entries = [(h.encode(), t) for t in [*tenants, *providers] for h in t.key_sha256]
         self._secret = secret
+        self._previous = list(previous or [])
+        self._locate = locate
         self._shared_default = shared_default
+        self.perms = Permissions(access or AccessSettings(), [t.name for t in tenants],
+                                 [p.name for p in providers], self.user_folder)
 
     def __repr__(self) -> str:
         return f"Authenticator({len(self._entries)} keys)"
@@ -112,24 +149,38 @@ class Authenticator:
                  body: Mapping[str, object] | None) -> Identity:
         """The identity of an authenticated request (``tenant`` from :meth:`tenant_for`)."""
         session = headers.get("x-session-id")
-        if not session and body is not None and body.get("user") is not None:
+        user = headers.get(USER_HEADER)
+        if user is None and body is not None and body.get("user") is not None:
             user = body["user"]
-            if not isinstance(user, str) or not user or len(user) > 1024:
-                raise InvalidInput("`user` must be a non-empty string of at most 1024 "
-                                   "characters")
-            session = self.user_session(tenant.name, user)
+        if user is not None and (not isinstance(user, str) or not user or len(user) > 1024):
+            raise InvalidInput("`user` must be a non-empty string of at most 1024 characters")
+        if not session and user is not None:
+            session = self.user_folder(tenant.name, user)
         if not session and self._shared_default:
             session = DEFAULT_SESSION
         if session:
             session = validate_session(session)
+        home = self.perms.home(tenant.name, user)
         return Identity(tenant=tenant.name, session=session or None,
                         cache_salt=derive_salt(self._secret, tenant.name, session or ""),
-                        allow_client_cache_salt=tenant.allow_client_cache_salt)
+                        allow_client_cache_salt=tenant.allow_client_cache_salt, user=user,
+                        namespace=home.name, folder=home.folder or tenant.name)
 
-    def user_session(self, tenant: str, user: str) -> str:
-        """The session name for an OpenAI ``user`` value (see the module docstring)."""
-        mac = hmac.new(self._secret, f"user\x00{tenant}\x00{user}".encode(), hashlib.sha256)
+    def user_session(self, tenant: str, user: str, secret: bytes | None = None) -> str:
+        """The session name for an OpenAI ``user`` value (see the module docstring), with the
+        newest secret unless another version is given."""
+        mac = hmac.new(secret or self._secret, f"user\x00{tenant}\x00{user}".encode(),
+                       hashlib.sha256)
         return "u-" + mac.hexdigest()[:32]
+
+    def user_folder(self, tenant: str, user: str) -> str:
+        """The user's namespace folder and default session: the newest secret's name, where
+        the memory named with an older version in its grace period is moved first."""
+        newest = self.user_session(tenant, user)
+        if not self._previous or self._locate is None:
+            return newest
+        return self._locate([newest, *(self.user_session(tenant, user, s)
+                                       for s in self._previous)])
 
     def salt_for(self, identity: Identity, body: Mapping[str, object]) -> str:
         """The salt to forward: ours, or the client's, HMAC'd with the tenant, where the tenant
@@ -144,7 +195,20 @@ class Authenticator:
             raise InvalidInput("cache_salt must be a non-empty string of at most 256 characters")
         return self.client_salt(identity.tenant, salt)
 
-    def client_salt(self, tenant: str, salt: str) -> str:
-        """The salt forwarded for a client's own ``cache_salt`` (namespaced by the tenant)."""
-        return hmac.new(self._secret, f"client\x00{tenant}\x00{salt}".encode(),
+    def client_salt(self, tenant: str, salt: str, secret: bytes | None = None) -> str:
+        """The salt forwarded for a client's own ``cache_salt`` (namespaced by the tenant),
+        with the newest secret unless another version is given."""
+        return hmac.new(secret or self._secret, f"client\x00{tenant}\x00{salt}".encode(),
                         hashlib.sha256).hexdigest()
+
+    def salt_under(self, secret: bytes, identity: Identity, body: Mapping[str, object]) -> str:
+        """The salt this request had under another version of the secret (call after
+        :meth:`salt_for`, which checks a client's ``cache_salt``): a session named after the
+        user had that version's name too."""
+        if "cache_salt" in body:
+            return self.client_salt(identity.tenant, str(body["cache_salt"]), secret)
+        session = identity.session or ""
+        if identity.user is not None and session == self.user_session(identity.tenant,
+                                                                         identity.user):
+            session = self.user_session(identity.tenant, identity.user, secret)
+        return derive_salt(secret, identity.tenant, session)

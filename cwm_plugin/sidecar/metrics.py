@@ -97,6 +97,10 @@ class SidecarMetrics:
                               ("role",), registry=r)
         self.cost = Counter("cwm_sidecar_cost", "Cost of the tokens used, at the configured "
                             "prices (pricing.currency)", ("tenant", "model", "kind"), registry=r)
+        self.salt_moves = Counter("cwm_sidecar_salt_moves", "Sessions' first salted request "
+                                  "after a secret rotation, by outcome: moved (its KV re-keyed "
+                                  "to the new salt), none (nothing stored), failed",
+                                  ("tenant", "outcome"), registry=r)
         self.upstream_hits = Gauge("cwm_upstream_prefix_cache_hits",
                                    "vLLM's vllm:prefix_cache_hits, mirrored at scrape",
                                    ("upstream",), registry=r)

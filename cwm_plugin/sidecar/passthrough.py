@@ -51,6 +51,8 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
         require_model(body)
         route = await sc.router.route(body)
         forward = {**body, "cache_salt": sc.auth.salt_for(ident, body)}
+        if sc.salt_mover is not None:  # after a secret rotation: the session's KV follows
+            await sc.salt_mover.before_forward(ident, body, forward["cache_salt"])
     else:
         route = await sc.router.route_loose(body)
     model = route.model or str(body.get("model") or "")

@@ -13,6 +13,10 @@ memory embeds the query; the event loop never waits on it. Two modes (``PromptSe
 - ``recent`` (token saving): memory plus the last ``memory.recent_turns`` history messages
   (``MemoryService.select_context``), the current exchange always whole.
 
+The memory *view* (``prompt.memory_view``, header ``X-CWM-Memory-View``): ``full`` merges the
+whole selection; ``quick`` only its short forms, the durable facts and the session summary
+(which then stands in for the transcript passages, none of which are searched).
+
 Counts use the served model's counter (``counting.py``): ``prompt_tokens`` (the assembled
 prompt, for the context thresholds: estimated from cached counts, counted exactly near one), ``sent`` and ``full`` (the prompt and a full-history
 replay, additive, for the "tokens saved" metric), ``injected`` (the memory text).
@@ -50,7 +54,9 @@ class TurnInput:
     max_len: int | None
     mode: str  # "full" | "recent"
     system_role: bool = True
+    view: str = "full"  # "quick": the selection's short forms only (no transcript passages)
     stages: Stages = field(default_factory=Stages)
+    shared: list[str] = field(default_factory=list)  # more folders it may read (access.py)
 
 
 @dataclass
@@ -86,7 +92,7 @@ def _transcript(t: TurnInput) -> list[Message]:
     st = t.state
     if st.transcript is None or not st.history_known:
         with t.stages("files"):
-            turns = t.mem.now.transcript(t.ident.tenant, t.ident.session)
+            turns = t.mem.now.transcript(t.ident.folder, t.ident.session)
         st.transcript = P.transcript_messages(turns)
         with t.stages("count"):
             st.full_history_tokens = history_tokens(t.counter, turns)
@@ -98,10 +104,11 @@ def _transcript(t: TurnInput) -> list[Message]:
 def _select(t: TurnInput, messages: list[Message], budget: int, query: str, *,
             recent_turns: int, present: list[Message], summary: bool) -> Selected:
     t0 = time.perf_counter()
-    sel = t.mem.now.select_context(t.ident.tenant, t.ident.session, messages, budget,
+    sel = t.mem.now.select_context(t.ident.folder, t.ident.session, messages, budget,
                                    query=query, counter=t.counter, recent_turns=recent_turns,
                                    summary=summary, bump=False, stages=t.stages,
-                                   present=present)
+                                   present=present, shared=t.shared,
+                                   passages=t.view == "full")
     return t.mem.selected(sel, time.perf_counter() - t0)
 
 
@@ -114,7 +121,7 @@ def _compaction(t: TurnInput, history: list[Message]) -> Compaction | None:
         keep = t.settings.checkpoint.for_model(t.model).keep_turns
         cut = P.last_exchanges(history, keep)
         with t.stages("files"):
-            summary = t.mem.now.summary(t.ident.tenant, t.ident.session)
+            summary = t.mem.now.summary(t.ident.folder, t.ident.session)
         st.compaction_due = False
         st.compaction = Compaction(cut, digest(history[cut - 1]) if cut else "", summary,
                                    (comp.generation if comp else 0) + 1)
@@ -141,7 +148,7 @@ def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
         kept = P.drop_front(history, cut)
         base = parts.prefix + kept + parts.current
     # one conversation: the same first message (a new one starts a new conversation)
-    key = f"{digest((history or parts.current)[0])}:{comp.generation if comp else 0}"
+    key = f"{digest((history or parts.current)[0])}:{comp.generation if comp else 0}:{t.view}"
     pinned = st.pinned if prompt_cfg.refresh == "conversation" else None
     if pinned is not None and pinned.key == key:
         sel = pinned.sel
@@ -149,8 +156,10 @@ def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
         with t.stages("count"):
             budget = memory_budget(cfg, t.counter.count_messages, base, [], t.max_len,
                                    answer_tokens(t.body))
+        # the conversation is all there (a compaction adds its summary); the quick view
+        # takes the session's summary instead of its passages
         sel = _select(t, base, budget, P.query_text(parts), recent_turns=0, present=kept,
-                      summary=False)  # the conversation is all there (a compaction adds it)
+                      summary=t.view == "quick" and comp is None)
         if t.ident.session is not None:
             st.pinned = Pinned(key, sel)
     text = P.memory_text(sel.memory_block, comp.summary if comp else None)

@@ -13,6 +13,7 @@ from cwm_plugin.sidecar.identity import Authenticator
 from cwm_plugin.sidecar.memory_port import MemoryPort
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.router import Router
+from cwm_plugin.sidecar.salt_move import SaltMover
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.usage import UsageLedger
 from cwm_plugin.sidecar.workqueue import Background
@@ -33,3 +34,4 @@ class Sidecar:
     tracker: ContextTracker = field(default_factory=ContextTracker)
     background: Background = field(default_factory=Background)
     snapshot_hook: SnapshotHook = noop_snapshot
+    salt_mover: SaltMover | None = None  # with a windows store and older secret versions

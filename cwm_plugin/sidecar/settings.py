@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SecretStr,
     ValidationError,
@@ -24,13 +23,16 @@ from pydantic import (
 )
 
 from cwm_plugin.errors import ConfigError
+from cwm_plugin.sidecar.access_config import AccessSettings
+from cwm_plugin.sidecar.secret_versions import SecretVersion, in_grace
+from cwm_plugin.sidecar.settings_routing import DEFAULT_RULES as DEFAULT_RULES
+from cwm_plugin.sidecar.settings_routing import HealthSettings as HealthSettings
+from cwm_plugin.sidecar.settings_routing import RouteRule as RouteRule
+from cwm_plugin.sidecar.settings_routing import RoutingSettings
+from cwm_plugin.sidecar.settings_routing import Strict as _Strict
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class TenantConfig(_Strict):
@@ -56,6 +58,18 @@ class TenantConfig(_Strict):
             if not SHA256_HEX.match(h):
                 raise ValueError("key_sha256 entries must be 64 hex digits (sha256 of the key)")
         return out
+
+
+class ProviderConfig(TenantConfig):
+    """A provider: a principal that shares the deployment's memory with the other providers
+    (RO on theirs by default, ``access_config.py``), with the model it runs and that model's
+    context limit (the defaults of its activity entries)."""
+
+    model: str | None = None
+    context_limit: int | None = Field(default=None, ge=1)
+
+
+RESERVED = re.compile(r"^(global|activity|project\..*|u-[0-9a-f]{32})$")
 
 
 class UpstreamConfig(_Strict):
@@ -107,64 +121,6 @@ class UpstreamConfig(_Strict):
 
 # Fields of an `upstreams:` entry that are its own, never taken from `upstream:`.
 UPSTREAM_OWN = ("name", "url", "models", "context_limit", "roles")
-
-
-class RouteRule(_Strict):
-    """One rule of the classifier: every condition given must hold (``keywords`` and
-    ``patterns`` together are one condition: any of them found in the newest user message);
-    the first rule that matches names the role. Tokens are estimated (about 4 characters a
-    token) over every message: routing happens before the model, and its tokenizer, is known."""
-
-    role: str
-    keywords: list[str] = Field(default_factory=list)   # whole words, any case
-    patterns: list[str] = Field(default_factory=list)   # regular expressions
-    min_tokens: int | None = Field(default=None, ge=0)
-    min_messages: int | None = Field(default=None, ge=0)
-    tools: bool | None = None                           # the request declares tools
-
-    @model_validator(mode="after")
-    def _something(self) -> RouteRule:
-        if not (self.keywords or self.patterns or self.min_tokens is not None
-                or self.min_messages is not None or self.tools is not None):
-            raise ValueError(f"the rule for role {self.role!r} has no condition")
-        for p in self.patterns:
-            try:
-                re.compile(p)
-            except re.error as exc:
-                raise ValueError(f"pattern {p!r} is not a regular expression: {exc}") from None
-        return self
-
-
-DEFAULT_RULES = [
-    RouteRule(role="code", patterns=["```", r"\bdef \w+\(", r"\bfunction \w+\("],
-              keywords=["code", "function", "implement", "refactor", "debug", "compile",
-                        "traceback", "stack trace", "regex", "sql", "python", "javascript",
-                        "typescript", "rust", "golang", "bash script", "unit test"]),
-    RouteRule(role="large", min_tokens=8000),
-    RouteRule(role="large", keywords=["analyze", "analyse", "architecture", "prove",
-                                      "step by step", "in depth", "trade-offs", "design doc"]),
-]
-
-
-class HealthSettings(_Strict):
-    """Upstream health: a ``GET /v1/models`` every ``interval_s`` (0: only after an error),
-    and right after a connect error or a 5xx."""
-
-    interval_s: float = Field(default=10.0, ge=0)
-    timeout_s: float = Field(default=3.0, gt=0)
-
-
-class RoutingSettings(_Strict):
-    """Which upstream answers: an explicit model goes to the upstreams serving it; a model
-    named in ``aliases`` goes to the role it maps to (``classify``: the role the rules pick,
-    else ``default``). Background work (summaries, facts) goes to the upstreams with the role
-    ``background`` when there are any, with ``background_model`` (None: the turn's model if
-    such an upstream serves it, else its first model)."""
-
-    aliases: dict[str, str] = Field(default_factory=lambda: {"auto": "classify"})
-    rules: list[RouteRule] = Field(default_factory=lambda: list(DEFAULT_RULES))
-    background_model: str | None = None
-    health: HealthSettings = HealthSettings()
 
 
 class Price(_Strict):
@@ -272,10 +228,13 @@ class PromptSettings(_Strict):
     compaction) and reuses it verbatim, so the prefix cache keeps hitting; ``turn`` selects it
     again every turn. ``sessionless``: a request with neither ``X-Session-Id`` nor ``user`` is
     ``stateless`` (nothing recorded, no history from the server) or goes to one ``shared``
-    session named ``default`` (the old behaviour).
+    session named ``default`` (the old behaviour). ``memory_view``: ``full`` merges the whole
+    selection; ``quick`` only its short forms (durable facts and the session summary, no
+    transcript passages); per request (header ``X-CWM-Memory-View: quick|full``).
     """
 
     history: Literal["full", "recent"] = "full"
+    memory_view: Literal["quick", "full"] = "full"
     placement: Literal["system", "last_user"] = "system"
     refresh: Literal["conversation", "turn"] = "conversation"
     sessionless: Literal["stateless", "shared"] = "stateless"
@@ -319,7 +278,11 @@ class Settings(_Strict):
 
     secret: SecretStr | None = None
     secret_env: str = "CWM_SIDECAR_SECRET"
+    secrets: list[SecretVersion] = Field(default_factory=list)  # newest first; see
+    # secret_versions.py (empty: `secret` / `secret_env` is the one version)
     tenants: list[TenantConfig] = Field(default_factory=list)
+    providers: list[ProviderConfig] = Field(default_factory=list)
+    access: AccessSettings = AccessSettings()
     upstream: UpstreamConfig = UpstreamConfig()
     upstreams: list[UpstreamConfig] = Field(default_factory=list)  # empty: [upstream]
     routing: RoutingSettings = RoutingSettings()
@@ -349,27 +312,52 @@ class Settings(_Strict):
 
     @model_validator(mode="after")
     def _unique(self) -> Settings:
-        names = [t.name for t in self.tenants]
+        names = [t.name for t in self.principals()]
         if len(names) != len(set(names)):
-            raise ValueError("tenant names must be unique")
+            raise ValueError("tenant and provider names must be unique (one principal each)")
+        for name in names:
+            if RESERVED.fullmatch(name):
+                raise ValueError(f"principal name {name!r} is reserved (global, activity, "
+                                 "project.*, u-<32 hex>: namespace folders)")
+        known = {*names, "*"}
+        acc = self.access
+        for who in [r.principal for r in acc.rules] + list(acc.grants) + \
+                [x for x in [acc.global_owner] if x is not None]:
+            if who not in known:
+                raise ValueError(f"access: principal {who!r} is not a tenant or provider "
+                                 f"(known: {', '.join(sorted(names)) or 'none'})")
+        ids = [v.id for v in self.secrets]
+        if len(ids) != len(set(ids)):
+            raise ValueError("secret ids must be unique")
         ups = [u.name for u in self.upstreams]
         if len(ups) != len(set(ups)):
             raise ValueError("upstream names must be unique")
         return self
+
+    def principals(self) -> list[TenantConfig]:
+        """Every principal: the tenants, then the providers."""
+        return [*self.tenants, *self.providers]
 
     def endpoints(self) -> list[UpstreamConfig]:
         """The upstreams, in order: ``upstreams`` when given, else ``[upstream]``."""
         return list(self.upstreams) or [self.upstream]
 
     def server_secret(self) -> bytes:
-        """The HMAC key for salts: the file's ``secret``, else ``$<secret_env>``."""
+        """The HMAC key for salts and user names: the newest of ``secrets``, else the file's
+        ``secret``, else ``$<secret_env>``."""
+        return self.server_secrets()[0]
+
+    def server_secrets(self, now: datetime | None = None) -> list[bytes]:
+        """Every version still in its grace period, newest first (``secret_versions.py``)."""
+        if self.secrets:
+            return in_grace(self.secrets, now)
         value = self.secret.get_secret_value() if self.secret else os.environ.get(self.secret_env)
         if not value or len(value) < 16:
             raise ConfigError(
                 "no server secret for cache salts",
                 hint=f"set {self.secret_env} (or `secret:` in the config) to 16+ random characters",
             )
-        return value.encode()
+        return [value.encode()]
 
 
 def load_settings(path: str | os.PathLike[str], **overrides: object) -> Settings:

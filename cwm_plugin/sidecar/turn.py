@@ -53,6 +53,7 @@ from cwm_plugin.sidecar.workqueue import Job
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 HISTORY_HEADER = "x-cwm-history"
+VIEW_HEADER = "x-cwm-memory-view"
 RECORDED_ROLES = ("user", "tool")
 
 
@@ -77,6 +78,14 @@ def history_mode(sc: Sidecar, tenant_history: str | None, headers: Any) -> str:
             raise InvalidInput(f"{HISTORY_HEADER} must be `full` or `recent`")
         return asked
     return tenant_history or sc.settings.prompt.history
+
+
+def memory_view(sc: Sidecar, headers: Any) -> str:
+    """``quick`` or ``full`` (``plan.py``): the request's header, else the setting."""
+    asked = headers.get(VIEW_HEADER)
+    if asked is not None and asked not in ("quick", "full"):
+        raise InvalidInput(f"{VIEW_HEADER} must be `quick` or `full`")
+    return asked or sc.settings.prompt.memory_view
 
 
 def route_headers(route: Route, ep: Endpoint | None) -> dict[str, str]:
@@ -115,6 +124,8 @@ class Turn:
     used: int = 0  # this turn's prompt tokens, estimated before it is sent
     project: str | None = None
     ep: Endpoint | None = None  # the upstream that answered
+    can_append: bool = True  # the home namespace takes its transcript (access.py) ...
+    can_write: bool = True  # ... and its summaries and facts
 
     def served_by(self, ep: Endpoint) -> None:
         """The context limit is the one of the upstream that answered (it may have failed
@@ -126,15 +137,15 @@ class Turn:
     async def record(self, answer: str) -> None:
         """Append the new messages and the answer to the session (never raises)."""
         sc, session = self.sc, self.ident.session
-        if sc.memory is None or session is None:
+        if sc.memory is None or session is None or not self.can_append:
             return
         turns = [(m["role"], P.text_of(m)) for m in new_inputs(self.messages)]
         turns.append(("assistant", answer))
-        tenant = self.ident.tenant
+        tenant, folder = self.ident.tenant, self.ident.folder
         msgs = [{"role": r, "content": t} for r, t in turns]
         try:
             with self.stages("files"):
-                await sc.memory.record_turns(tenant, session, turns, defer_index=True)
+                await sc.memory.record_turns(folder, session, turns, defer_index=True)
         except Exception as exc:
             self.headers.setdefault(STATUS_HEADER, sc.failopen.failed(tenant, "record", exc))
             return
@@ -153,7 +164,7 @@ class Turn:
 
     async def _after_record(self) -> None:
         try:
-            await self.sc.memory.after_record(self.ident.tenant, self.plan.sel)
+            await self.sc.memory.after_record(self.ident.folder, self.plan.sel)
         except Exception as exc:  # an embedder outage, say: counted and logged once
             self.sc.failopen.failed(self.ident.tenant, "index", exc)
 
@@ -180,7 +191,8 @@ class Turn:
                 project=self.project, model=self.model, question=asked[-1] if asked else "",
                 answer=answer, used=prompt_tokens, limit=self.max_len)),
                 name=f"activity-{tenant}")
-        if sc.maintainer is None or sc.memory is None or self.ident.session is None:
+        if sc.maintainer is None or sc.memory is None or self.ident.session is None \
+                or not self.can_write:
             return
         checkpoint = level is Level.CHECKPOINT and not state.checkpointing
         if checkpoint:
@@ -192,10 +204,11 @@ class Turn:
         if not (checkpoint or summary_due or facts_due):
             return
         job = Job(sc.maintainer.run, checkpoint=checkpoint, info={
-            "tenant": tenant, "session": self.ident.session, "model": self.model,
+            "tenant": tenant, "folder": self.ident.folder, "session": self.ident.session,
+            "model": self.model,
             "salt": self.salt, "state": state, "max_model_len": self.max_len,
             "hook": sc.snapshot_hook})
-        if sc.background.submit((tenant, self.ident.session), job,
+        if sc.background.submit((self.ident.folder, self.ident.session), job,
                                 force=checkpoint) == "dropped":
             log.info("background queue full: the work due for tenant %s waits for the "
                      "session's next turn", tenant)
@@ -215,8 +228,10 @@ class Turn:
 
 def _debug_header(sel: Selected, compacted: bool, mode: str, cap: int,
                   recent: int, prompt_tokens: int | None = None, sent: int | None = None,
-                  full: int | None = None) -> str:
-    info: dict[str, Any] = {"mode": mode, "tokens": sel.tokens, "recent": recent,
+                  full: int | None = None, injected: int | None = None,
+                  view: str = "full") -> str:
+    info: dict[str, Any] = {"mode": mode, "view": view, "tokens": sel.tokens,
+                            "injected": injected, "recent": recent,
                             "prompt_tokens": prompt_tokens, "sent": sent, "full": full,
                             "compacted": compacted, "facts": sel.facts,
                             "retrieval_ms": round(sel.seconds * 1000, 2),
@@ -236,7 +251,7 @@ def _debug_header(sel: Selected, compacted: bool, mode: str, cap: int,
 async def _plan(sc: Sidecar, turn_in: dict[str, Any], stages: Stages) -> tuple[Plan, Any, str]:
     """The plan, the counter and the memory status header ("" when all went well)."""
     ident: Identity = turn_in["ident"]
-    if sc.memory is None:
+    if sc.memory is None or not turn_in.pop("readable"):
         return passthrough(turn_in["messages"]), None, ""
     counter = None
     try:
@@ -260,26 +275,42 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     salt = sc.auth.salt_for(ident, body)
     messages = P.validate_messages(body.get("messages"))
     mode = history_mode(sc, tenant_cfg.history, request.headers)
+    view = memory_view(sc, request.headers)
+    perms, debug = sc.auth.perms, request.headers.get("x-cwm-debug") == "1"
+    if debug:
+        perms.require_grant(ident.tenant, "debug", "X-CWM-Debug: 1")
+    home, project = perms.namespace(ident.namespace, ident.user), _project(request.headers)
+    shared = [ns.folder for ns in perms.shared(ident.tenant, ident.user, project) if ns.folder]
     stages.add("auth", time.perf_counter() - t0)
     route = await sc.router.route(body)
     model, info = route.model or model, route.info()
-    state = sc.tracker.get(ident.tenant, ident.session) if ident.session else SessionState()
+    state = sc.tracker.get(ident.folder, ident.session) if ident.session else SessionState()
     plan, counter, status = await _plan(sc, {
         "ident": ident, "body": body, "messages": messages, "state": state, "model": model,
-        "max_len": info.max_model_len, "mode": mode, "info": info}, stages)
+        "max_len": info.max_model_len, "mode": mode, "info": info, "shared": shared,
+        "view": view,
+        "readable": perms.allows(ident.tenant, home, "read")}, stages)
     if sc.memory is not None and not status:
         sc.metrics.retrieval_seconds.labels(ident.tenant, model).observe(plan.sel.seconds)
         sc.metrics.injected_tokens.labels(ident.tenant, model).inc(plan.injected)
+        turn_headers = {"X-CWM-Memory-View": view, "X-CWM-Memory-Tokens": str(plan.injected)}
+    else:
+        turn_headers = {STATUS_HEADER: status} if status else {}
     forward = {**body, "model": model, "messages": plan.messages, "cache_salt": salt}
     turn = Turn(sc, ident, model, info.max_model_len, salt, messages, state, plan, counter,
-                stages, route, {STATUS_HEADER: status} if status else {},
-                used=state.estimate(plan.prompt_tokens), project=_project(request.headers))
-    if request.headers.get("x-cwm-debug") == "1":
+                stages, route, turn_headers,
+                used=state.estimate(plan.prompt_tokens), project=project,
+                can_append=perms.allows(ident.tenant, home, "append"),
+                can_write=perms.allows(ident.tenant, home, "write"))
+    if debug:
         p = sc.settings.prompt
         turn.headers["X-CWM-Memory"] = _debug_header(
             plan.sel, state.compacted, f"{mode}/{p.placement}/{p.refresh}",
             sc.settings.debug_header_max_bytes, len(plan.messages), plan.prompt_tokens,
-            plan.sent, plan.full)
+            plan.sent, plan.full, plan.injected, view)
+    if sc.salt_mover is not None:  # after a secret rotation: the session's KV follows
+        with stages("salt"):
+            await sc.salt_mover.before_forward(ident, body, salt)
     sc.metrics.overhead_seconds.labels(ident.tenant, model).observe(stages.total)
     up = headers_up(request.headers)
     if body.get("stream"):

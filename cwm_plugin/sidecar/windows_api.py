@@ -8,7 +8,9 @@
 ``GET /v1/windows/{name}`` shows the status, ``DELETE /v1/windows/{name}`` deletes. Beside
 them, for agents (the MCP tools): ``GET /v1/sessions``, ``GET /v1/cache/stats``,
 ``GET|POST /v1/auto_freeze`` and ``POST /v1/auto_freeze/check``. Every route authenticates
-the tenant from the API key; sessions map to their ``cache_salt`` as in chat requests, so a
+the tenant from the API key and asks its permissions (``access.py``): reads need read access to
+its own namespace, freeze/thaw/clone/delete and checks write access; ``/v1/cache/stats`` needs
+the ``metrics`` grant and ``POST /v1/auto_freeze`` the ``admin`` grant; sessions map to their ``cache_salt`` as in chat requests, so a
 thaw into session S restores S's next request. Errors are OpenAI-shaped (the app's handler).
 The engine is blocking (store I/O): it runs in a worker thread.
 """
@@ -142,8 +144,16 @@ def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze |
     router = APIRouter(prefix="/v1")
     auth = sidecar.auth
 
-    def tenant_of(request: Request) -> str:
-        return auth.tenant_for(bearer_key(request.headers)).name
+    def tenant_of(request: Request, op: str = "read") -> str:
+        """The caller's principal, allowed ``op`` on its own namespace (windows are its KV)."""
+        tenant = auth.tenant_for(bearer_key(request.headers)).name
+        auth.perms.require(tenant, auth.perms.namespace(tenant), op)
+        return tenant
+
+    def granted(request: Request, grant: str, what: str) -> str:
+        tenant = auth.tenant_for(bearer_key(request.headers)).name
+        auth.perms.require_grant(tenant, grant, what)
+        return tenant
 
     async def run(fn: Callable[[WindowEngine], Any]) -> Any:
         eng = engine
@@ -161,7 +171,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze |
 
     @router.post("/windows")
     async def freeze(body: FreezeBody, request: Request) -> dict[str, Any]:
-        tenant = tenant_of(request)
+        tenant = tenant_of(request, "write")
         check_name(body.name)
         session = session_of(body.session)
         m = await run(lambda e: e.freeze(tenant, body.name, session=session,
@@ -172,7 +182,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze |
 
     @router.post("/windows/{name}/thaw")
     async def thaw(name: str, body: ThawBody, request: Request) -> dict[str, Any]:
-        tenant = tenant_of(request)
+        tenant = tenant_of(request, "write")
         session = session_of(body.session)
         salt = salt_of(tenant, session)
         r = await run(lambda e: e.thaw(tenant, check_name(name), session=session, salt=salt,
@@ -184,7 +194,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze |
 
     @router.post("/windows/{name}/clone")
     async def clone(name: str, body: CloneBody, request: Request) -> dict[str, Any]:
-        tenant = tenant_of(request)
+        tenant = tenant_of(request, "write")
         m = await run(lambda e: e.clone(tenant, check_name(name), check_name(body.name)))
         return {"object": "window", **m.public()}
 
@@ -210,7 +220,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze |
 
     @router.delete("/windows/{name}")
     async def delete(name: str, request: Request) -> dict[str, Any]:
-        tenant = tenant_of(request)
+        tenant = tenant_of(request, "write")
         await run(lambda e: e.delete(tenant, check_name(name)))
         return {"object": "window.deleted", "name": name, "deleted": True}
 
@@ -228,7 +238,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze |
 
     @router.get("/cache/stats")
     async def cache_stats(request: Request) -> dict[str, Any]:
-        tenant_of(request)
+        granted(request, "metrics", "GET /v1/cache/stats (every tenant's store)")
         return {"object": "cache.stats", "tiers": await run(lambda e: e.store.usage())}
 
     @router.get("/auto_freeze")
@@ -238,13 +248,13 @@ def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze |
 
     @router.post("/auto_freeze")
     async def auto_freeze_set(body: AutoFreezeBody, request: Request) -> dict[str, Any]:
-        tenant_of(request)
+        granted(request, "admin", "POST /v1/auto_freeze (the deployment's settings)")
         auto_of().update(**body.model_dump())
         return auto_of().settings(body.model)
 
     @router.post("/auto_freeze/check")
     async def auto_freeze_check(body: CheckBody, request: Request) -> dict[str, Any]:
-        tenant = tenant_of(request)
+        tenant = tenant_of(request, "write")
         session = session_of(body.session)
         used = body.used_tokens
         if used is None:

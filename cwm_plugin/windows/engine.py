@@ -24,7 +24,7 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cwm_plugin.connector import records
@@ -173,7 +173,48 @@ class WindowEngine:
                 return got
             time.sleep(0.2)
 
+    def _latest(self, salt: str, deadline: float
+                ) -> tuple[records.ContextRecord, list[bytes]] | None:
+        """The salt's latest context record and its verified block hashes, waiting until
+        ``deadline`` (monotonic) for one being written (a request that just finished)."""
+        t = self.store.get(records.record_key(salt), salt=salt, primary=True)
+        while t is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            t = self.store.get(records.record_key(salt), salt=salt, primary=True)
+        if t is None:
+            return None
+        rec = records.ContextRecord.from_tensor(t)
+        hashes = rec.hashes()
+        hashing.verified_chain(hashes, rec.tokens, salt=salt, block_size=rec.block_size,
+                               hash_block_size=rec.hash_block_size, hash_algo=rec.hash_algo,
+                               lora=rec.lora)
+        return rec, hashes
+
     # --- operations ---------------------------------------------------------------------------
+
+    def move_session(self, old_salt: str, new_salt: str) -> int:
+        """Re-key a session's latest context from ``old_salt`` to ``new_salt`` (its salt after
+        a secret rotation): the blocks stored from the first on get keys under the
+        new salt (the same blobs, as :meth:`thaw` does) and the new salt a context record, so
+        its next request hits them. The old keys stay a plain cache. Returns the blocks moved
+        (0: no record or no stored first block under ``old_salt``, or the new salt has one)."""
+        if self.store.where_many([records.record_key(new_salt)])[0] is not None:
+            return 0  # moved before (by another process), or the session went on already
+        found = self._latest(old_salt, time.monotonic())
+        if found is None:
+            return 0
+        rec, hashes = found
+        keys = self._keys(rec.workers, hashes)
+        n = self._restorable(keys, durable=False)  # the sidecar's store has no memory tier
+        if n == 0:
+            return 0
+        moved = self._chain(rec, rec.tokens, new_salt, n)
+        self._rekey([ks[:n] for ks in keys], self._keys(rec.workers, moved), old_salt, new_salt)
+        rec = replace(rec, block_hashes=[h.hex() for h in moved])
+        self.store.put(records.record_key(new_salt), rec.to_tensor(),
+                       layout=records.RECORD_LAYOUT, salt=new_salt).result()  # a newer wins
+        return n
+
 
     def freeze(self, tenant: str, name: str, *, session: str, salt: str,
                messages: list[dict] | None = None, tags: Sequence[str] = (),
@@ -185,19 +226,12 @@ class WindowEngine:
                                 hint="choose another name or delete that window first")
         wait = self.wait_s if wait_s is None else wait_s
         deadline = time.monotonic() + wait
-        t = self.store.get(records.record_key(salt), salt=salt, primary=True)
-        while t is None and time.monotonic() < deadline:   # the request just finished: its
-            time.sleep(0.2)                                 # record is being written
-            t = self.store.get(records.record_key(salt), salt=salt, primary=True)
-        if t is None:
+        found = self._latest(salt, deadline)
+        if found is None:
             raise NotFound(f"session {session!r} has no saved context yet",
                            hint="send at least one request in that session (through vLLM "
                                 "with the cwm connector and a durable store) before freezing")
-        rec = records.ContextRecord.from_tensor(t)
-        hashes = rec.hashes()
-        hashing.verified_chain(hashes, rec.tokens, salt=salt, block_size=rec.block_size,
-                               hash_block_size=rec.hash_block_size, hash_algo=rec.hash_algo,
-                               lora=rec.lora)
+        rec, hashes = found
         keys = self._keys(rec.workers, hashes)
         got = self._wait_stored(keys, max(0.0, deadline - time.monotonic()))
         if got < len(hashes):

@@ -102,14 +102,38 @@ def test_selection_takes_memories_in_search_order(make_service, minilm) -> None:
     assert svc.search_memories("acme", "  ", 1)[0].text == "The user is allergic to peanuts."
 
 
-def test_a_selection_bumps_access_counts_without_re_indexing(make_service, minilm) -> None:
+def test_a_selection_counts_uses_without_writing_or_re_indexing(make_service, minilm) -> None:
     svc = facts_service(make_service, minilm)
     svc.select_context("acme", "s1", LOCKER_QUESTION, 2000)
     index = svc.indexes.memories("acme")
-    svc.select_context("acme", "s1", LOCKER_QUESTION, 2000)  # memories.md rewritten (count 2)
+    svc.select_context("acme", "s1", LOCKER_QUESTION, 2000)  # counted in .index/, not the .md
     again = svc.indexes.memories("acme")
-    assert again is index, "an access-count bump rebuilt the memory index"
-    assert again.memories[again.doc_ids()[0]].access_count == 2
+    assert again is index, "counting a use rebuilt the memory index"
+    assert svc.memories("acme")[0].access_count == 2
     svc.add_memory("acme", "The user's bike is a red Cinelli.", "fact", 0.5)
     assert svc.indexes.memories("acme") is not index       # a new memory is indexed
     assert "Cinelli" in svc.search_memories("acme", "which bike?", 1)[0].text
+
+
+def test_a_selection_leaves_every_file_byte_identical(make_service, minilm) -> None:
+    """Reading never writes: content and mtime of every file under the tenant's folder are
+    the same after selections (with and without the deferred count of uses)."""
+    svc = facts_service(make_service, minilm)
+    svc.set_summary("acme", "s1", "They talked about the gym.", upto_turn="")
+    svc.select_context("acme", "s1", LOCKER_QUESTION, 2000, bump=False)  # indexes built
+    folder = svc.files.tenant_dir("acme")
+
+    def snapshot() -> dict[str, tuple[bytes, int]]:
+        return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+                for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    before = snapshot()
+    assert "memories.md" in before
+    for bump in (True, False):
+        sel = svc.select_context("acme", "s1", LOCKER_QUESTION, 2000, bump=bump)
+        assert sel.facts
+        svc.bump("acme", [m.id for m in sel.facts])
+        svc.search("acme", "gym locker", 3)
+        svc.search_memories("acme", "gym locker", 3)
+        svc.memories("acme")
+    assert snapshot() == before

@@ -68,6 +68,18 @@ def test_recent_verbatim_and_memory_block(filled) -> None:
     assert filled.memories("acme")[0].access_count >= 1
 
 
+@pytest.mark.parametrize("unit", ["turn", "chunk"])
+def test_the_quick_view_takes_facts_and_summary_never_passages(filled, unit: str) -> None:
+    msgs = history(5) + [{"role": "user", "content": "Remind me about the sourdough starter"}]
+    filled.config.retrieval_unit = unit
+    try:
+        sel = filled.select_context("acme", "s2", msgs, 4000, passages=False, bump=False)
+    finally:
+        filled.config.retrieval_unit = "turn"
+    assert not sel.hits and "sourdough" not in sel.memory_block
+    assert sel.summary and any(f.category == "goal" for f in sel.facts)
+
+
 def test_chunk_unit_keeps_whole_chunks(filled) -> None:
     msgs = history(5) + [{"role": "user", "content": "Remind me about the sourdough starter"}]
     filled.config.retrieval_unit = "chunk"

@@ -24,6 +24,7 @@ from cwm_plugin.sidecar.settings import Settings
 
 SECRET = "sidecar-test-secret-0123456789abcdef"
 KEYS = {"acme": "key-acme-1", "beta": "key-beta-1", "gamma": "key-gamma-1"}
+ADMIN = {"Authorization": f"Bearer {KEYS['acme']}"}  # acme holds every grant (make_settings)
 
 
 def make_settings(upstream_url: str, root: Path, tokenizer: Path | str, **over: Any) -> Settings:
@@ -41,6 +42,9 @@ def make_settings(upstream_url: str, root: Path, tokenizer: Path | str, **over: 
                    "embedder": {"kind": "hashing"}, "budget_tokens": 400,
                    "summary_every_turns": 0, "extract_facts": False},
         "max_body_bytes": 256 * 1024,
+        # acme may see debug output, /metrics and /health's details; the others debug output
+        "access": {"grants": {"acme": ["debug", "metrics", "admin"], "beta": ["debug"],
+                              "gamma": ["debug"]}},
     }
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(raw.get(key), dict):
@@ -144,7 +148,7 @@ def metric_value(srv: ServerThread, sample: str, **labels: str) -> float:
     """Sum of the sidecar's ``sample`` values whose labels include ``labels``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{srv.url}/metrics", timeout=30).text
+    text = httpx.get(f"{srv.url}/metrics", timeout=30, headers=ADMIN).text
     total = 0.0
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

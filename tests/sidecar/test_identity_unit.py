@@ -160,3 +160,20 @@ memory:
     with pytest.raises(ConfigError) as exc:
         load_settings(cfg)
     assert "memory.search.typo" in str(exc.value)
+
+
+def test_a_user_acts_in_its_own_namespace_header_first():
+    a = auth()
+    acme = a.tenant_for("key-a")
+    plain = a.identify(acme, {"x-session-id": "s1"}, {})
+    assert (plain.namespace, plain.folder, plain.user) == ("acme", "acme", None)
+    ident = a.identify(acme, {"x-cwm-user": "alice"}, {"user": "bob"})
+    assert ident.user == "alice" and ident.namespace == "acme/user"
+    assert ident.folder == ident.session == a.user_session("acme", "alice")
+    assert "alice" not in repr(ident)
+    # X-Session-Id names the session; the user still decides the namespace
+    both = a.identify(acme, {"x-session-id": "s1", "x-cwm-user": "alice"}, {})
+    assert (both.session, both.folder) == ("s1", ident.folder)
+    assert both.cache_salt == plain.cache_salt  # the salt is (tenant, session), as before
+    with pytest.raises(InvalidInput):
+        a.identify(acme, {"x-cwm-user": ""}, {})

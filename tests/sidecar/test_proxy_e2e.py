@@ -11,7 +11,7 @@ import uuid
 
 import httpx
 import pytest
-from sidecar_helpers import KEYS, chat, metric_value, runtime, salt, sse_events, wait_idle
+from sidecar_helpers import ADMIN, KEYS, chat, metric_value, runtime, salt, sse_events, wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -142,7 +142,7 @@ def test_upstream_down_is_a_quick_502_and_memory_survives(sidecar_factory, tmp_p
         assert r.status_code == 502, r.text
         assert r.json()["error"]["code"] == "upstream_error"
     assert [t["content"] for t in svc.transcript("acme", "down")] == ["written before the outage"]
-    health = httpx.get(f"{dead.url}/health", timeout=30)
+    health = httpx.get(f"{dead.url}/health", timeout=30, headers=ADMIN)
     assert health.status_code == 503 and health.json()["upstream"]["ok"] is False
 
 
@@ -161,7 +161,8 @@ def test_completions_models_health_and_metrics(sidecar, recorder):
     assert [m["id"] for m in models["data"]] == ["tiny"]
     assert httpx.get(f"{sidecar.url}/v1/models", timeout=30).status_code == 401
     assert httpx.get(f"{sidecar.url}/health", timeout=30).json()["status"] == "ok"
-    text = httpx.get(f"{sidecar.url}/metrics", timeout=30).text
+    assert httpx.get(f"{sidecar.url}/metrics", timeout=30).status_code == 401
+    text = httpx.get(f"{sidecar.url}/metrics", timeout=30, headers=ADMIN).text
     for name in ("cwm_sidecar_requests_total", "cwm_sidecar_prompt_tokens_total",
                  "cwm_sidecar_injected_tokens_total", "cwm_sidecar_saved_tokens_total",
                  "cwm_sidecar_retrieval_seconds_bucket", "cwm_upstream_prefix_cache_queries"):
@@ -342,7 +343,8 @@ def test_cwm_serve_runs_the_sidecar_from_a_config_file(tiny_vllm, tiny_model, tm
                                  "user": user})
             assert r.status_code == 200, r.text
             session = Authenticator([], secret.encode()).user_session("acme", user)
-            assert (tmp_path / "mem" / "acme" / "sessions" / f"{session}.md").exists()
+            # the user's own namespace: its folder is the session name (access.py)
+            assert (tmp_path / "mem" / session / "sessions" / f"{session}.md").exists()
     text = sidecar.log_path.read_text()
     assert KEYS["acme"] not in text and "serve-test-secret" not in text
 

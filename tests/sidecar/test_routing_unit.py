@@ -17,7 +17,16 @@ import httpx
 import pytest
 import yaml
 from fake_upstream import FakeUpstream
-from sidecar_helpers import KEYS, chat, make_settings, metric_value, runtime, sse_events, wait_idle
+from sidecar_helpers import (
+    ADMIN,
+    KEYS,
+    chat,
+    make_settings,
+    metric_value,
+    runtime,
+    sse_events,
+    wait_idle,
+)
 
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.sidecar.app import create_app
@@ -254,7 +263,7 @@ def pair(tmp_path, interval: float = 0.0, **upstream: Any):
 
 
 def health(srv: ServerThread) -> httpx.Response:
-    return httpx.get(f"{srv.url}/health", timeout=30)
+    return httpx.get(f"{srv.url}/health", timeout=30, headers=ADMIN)
 
 
 def test_a_5xx_or_a_dead_upstream_fails_over_streamed_or_not(tmp_path):

@@ -5,11 +5,11 @@ test_windows_e2e.py."""
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from window_helpers import BS, NS, WORKERS, block, converse, session_blocks
 
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, InvalidInput, NotFound
@@ -20,10 +20,6 @@ from cwm_plugin.windows import hashing
 from cwm_plugin.windows.engine import ModelMismatch, WindowEngine, WindowIncomplete
 
 pytestmark = pytest.mark.unit
-BS = 16
-WORKERS = [("ab" * 16, 0), ("ab" * 16, 1)]       # one namespace, TP=2
-NS = {"model": "tiny", "model_fingerprint": "f", "num_layers": 2, "num_kv_heads": 1,
-      "head_size": 8, "dtype": "float32", "block_size": BS}
 
 
 @pytest.fixture
@@ -32,35 +28,6 @@ def store(tmp_path):
                 registry=CollectorRegistry())
     yield s
     s.close()
-
-
-def block(i: int, rank: int) -> torch.Tensor:
-    return torch.full((2, 1, BS, 16), float(i * 10 + rank))
-
-
-def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = None) -> list[int]:
-    """What the connector leaves after a salted request: blocks per worker and a record."""
-    tokens = [(7 * i) % 4000 + 5 for i in range(n_tokens)]
-    n = n_tokens // BS if save is None else save
-    hs = hashing.chain(tokens, salt=salt, block_size=BS, hash_block_size=BS,
-                       hash_algo="sha256", lora=None, num_blocks=n)
-    rec = records.ContextRecord(tokens=tokens, block_hashes=[h.hex() for h in hs],
-                                workers=WORKERS, block_size=BS, hash_block_size=BS,
-                                hash_algo="sha256", namespace=NS)
-    for d, rank in WORKERS:
-        for i, h in enumerate(hs):
-            store.put(bytes.fromhex(d) + rank.to_bytes(2, "big") + h, block(i, rank),
-                      salt=salt).result()
-    store.put(records.record_key(salt), records.json_tensor(asdict(rec)), salt=salt,
-              replace=True).result()
-    return tokens
-
-
-def session_blocks(store: KVStore, tokens: list[int], salt: str, n: int) -> list[list]:
-    hs = hashing.chain(tokens, salt=salt, block_size=BS, hash_block_size=BS,
-                       hash_algo="sha256", lora=None, num_blocks=n)
-    return [store.get_many([bytes.fromhex(d) + r.to_bytes(2, "big") + h for h in hs])
-            for d, r in WORKERS]
 
 
 def test_freeze_thaw_into_a_new_session_restores_every_rank(store):
@@ -76,6 +43,33 @@ def test_freeze_thaw_into_a_new_session_restores_every_rank(store):
         assert all(torch.equal(t, block(i, rank)) for i, t in enumerate(got))
     assert store.usage()["disk"]["blobs"] == 10 + 2       # no tensor copy (+ record, manifest)
     assert eng.status("t1", "plan")["last_thaw"]["session"] == "b"
+
+
+def test_move_session_rekeys_a_sessions_latest_context_to_another_salt(tmp_path):
+    """After a secret rotation (the sidecar's salt_move.py): the same blobs under the new salt's
+    keys and a record for it (so a freeze finds it); memory and disk tiers; nothing to move is
+    0."""
+    s = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=1 << 20),
+                registry=CollectorRegistry())
+    try:
+        tokens = converse(s, "old-salt", 4 * BS + 5)
+        eng = WindowEngine(s, wait_s=0)
+        blobs = s.usage()["disk"]["blobs"]
+        assert eng.move_session("old-salt", "new-salt") == 4
+        for rank, got in enumerate(session_blocks(s, tokens, "new-salt", 4)):
+            assert all(torch.equal(t, block(i, rank)) for i, t in enumerate(got))
+        assert s.usage()["disk"]["blobs"] == blobs + 1      # no tensor copy: + the record
+        assert eng.move_session("old-salt", "new-salt") == 0  # the new salt has its record
+        assert eng.move_session("no-such-salt", "other") == 0
+    finally:
+        s.close()
+    disk = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
+                   registry=CollectorRegistry())
+    try:  # on disk for the next process: its record and blocks freeze as a session's
+        m = WindowEngine(disk, wait_s=0).freeze("t1", "w", session="x", salt="new-salt")
+        assert m.num_blocks == 4 and m.tokens == tokens
+    finally:
+        disk.close()
 
 
 def test_a_window_survives_its_session_being_evicted_and_clones_survive_the_parent(store):

@@ -10,7 +10,7 @@ import os
 import sys
 
 import pytest
-from test_engine import converse
+from window_helpers import converse
 
 from cwm_plugin.sidecar.identity import derive_salt
 

@@ -1,0 +1,151 @@
+"""A session's KV stays reachable through a secret rotation (``salt_move.py``): with a windows
+store, a session's first request in the grace period re-keys the context its old salt left
+under its new salt, once, before it is forwarded; past the grace period nothing is looked up.
+The store is a real disk store holding what the connector leaves (``window_helpers.py``);
+the sidecar runs over real HTTP in front of ``fake_upstream.py``; no vLLM."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from fake_upstream import FakeUpstream
+from prometheus_client import CollectorRegistry
+from sidecar_helpers import KEYS, chat, make_settings, metric_value, runtime
+from window_helpers import BS, block, converse, session_blocks
+
+from cwm_plugin.sidecar.app import create_app
+from cwm_plugin.sidecar.identity import derive_salt
+from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.store.config import StoreConfig
+from cwm_plugin.store.tiered import KVStore
+
+pytestmark = pytest.mark.unit
+OLD, NEW = "old-secret-0123456789abcdef", "new-secret-0123456789abcdef"
+MOVES = "cwm_sidecar_salt_moves_total"
+
+
+def user_name(secret: str, tenant: str, user: str) -> str:
+    mac = hmac.new(secret.encode(), f"user\x00{tenant}\x00{user}".encode(), hashlib.sha256)
+    return "u-" + mac.hexdigest()[:32]
+
+
+def client_salt(secret: str, tenant: str, salt: str) -> str:
+    return hmac.new(secret.encode(), f"client\x00{tenant}\x00{salt}".encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def old_sessions(kv: Path, sessions: list[str]) -> dict[str, list[int]]:
+    """What vLLM's connector left for ``sessions`` of acme under the old secret's salts (and
+    for gamma's own cache_salt "mine")."""
+    store = KVStore(StoreConfig(disk_path=str(kv), memory_bytes=0), registry=CollectorRegistry())
+    try:
+        out = {s: converse(store, derive_salt(OLD.encode(), "acme", s), 3 * BS + 7)
+               for s in sessions}
+        out["mine"] = converse(store, client_salt(OLD, "gamma", "mine"), 2 * BS)
+        return out
+    finally:
+        store.close()
+
+
+def serve(tmp_path: Path, fake: FakeUpstream, until: datetime) -> tuple[ServerThread, ...]:
+    up = ServerThread(fake.app).start()
+    settings = make_settings(up.url, tmp_path / "mem", "tiktoken:cl100k_base",
+                             secrets=[{"id": "v2", "value": NEW},
+                                      {"id": "v1", "value": OLD, "until": until}],
+                             windows={"store": {"disk_path": str(tmp_path / "kv")}})
+    return up, ServerThread(create_app(settings)).start()
+
+
+def moved_to(srv: ServerThread, tokens: list[int], session: str) -> bool:
+    """Every block of the session is under its new salt, the blobs the old salt's were."""
+    store = runtime(srv).salt_mover.engine.store
+    got = session_blocks(store, tokens, derive_salt(NEW.encode(), "acme", session), 3)
+    return all(t is not None and t.equal(block(i, rank))
+               for rank, ts in enumerate(got) for i, t in enumerate(ts))
+
+
+def test_a_sessions_kv_moves_to_its_new_salt_once_within_grace(tmp_path):
+    alice = user_name(OLD, "acme", "alice@example.com")
+    tokens = old_sessions(tmp_path / "kv", ["s1", "s4", "s5", alice])
+    fake = FakeUpstream(model="tiny", max_model_len=4096)
+    up, srv = serve(tmp_path, fake, datetime.now(UTC) + timedelta(days=7))
+    try:
+        assert chat(srv, "acme", "hello again").status_code == 200  # session s1
+        assert fake.last()["cache_salt"] == derive_salt(NEW.encode(), "acme", "s1")
+        assert moved_to(srv, tokens["s1"], "s1")
+        assert metric_value(srv, MOVES, tenant="acme", outcome="moved") == 1
+        assert chat(srv, "acme", "and again").status_code == 200  # remembered: not again
+        assert chat(srv, "acme", "new here", session="s2").status_code == 200
+        assert metric_value(srv, MOVES, tenant="acme", outcome="moved") == 1
+        assert metric_value(srv, MOVES, tenant="acme", outcome="none") == 1
+        # a session named after the user had the old version's name too
+        r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {KEYS['acme']}"},
+                       json={"model": "tiny", "user": "alice@example.com", "max_tokens": 4,
+                             "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200
+        store = runtime(srv).salt_mover.engine.store
+        new_alice = derive_salt(NEW.encode(), "acme", user_name(NEW, "acme",
+                                                                "alice@example.com"))
+        assert all(t is not None for ts in session_blocks(store, tokens[alice], new_alice, 3)
+                   for t in ts)
+        # concurrent first requests of one session wait for one move
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(lambda i: chat(srv, "acme", f"q{i}", session="s4")
+                                  .status_code, range(4)))
+        assert codes == [200] * 4 and moved_to(srv, tokens["s4"], "s4")
+        assert metric_value(srv, MOVES, tenant="acme", outcome="moved") == 3
+        # /v1/completions carries the salt too
+        r = httpx.post(f"{srv.url}/v1/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {KEYS['acme']}",
+                                "X-Session-Id": "s5"},
+                       json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200 and moved_to(srv, tokens["s5"], "s5")
+        # a tenant's own cache_salt: the salt forwarded for it under the old secret
+        r = chat(srv, "gamma", "mine", cache_salt="mine")
+        assert r.status_code == 200 and fake.last()["cache_salt"] == client_salt(NEW, "gamma",
+                                                                                 "mine")
+        assert all(t is not None for ts in session_blocks(
+            store, tokens["mine"], client_salt(NEW, "gamma", "mine"), 2) for t in ts)
+        assert metric_value(srv, MOVES, tenant="gamma", outcome="moved") == 1
+    finally:
+        srv.stop()
+        up.stop()
+
+
+def test_past_its_grace_an_old_salt_is_not_looked_up(tmp_path):
+    tokens = old_sessions(tmp_path / "kv", ["s1"])
+    fake = FakeUpstream(model="tiny", max_model_len=4096)
+    up, srv = serve(tmp_path, fake, datetime.now(UTC) - timedelta(hours=1))
+    try:
+        assert chat(srv, "acme", "hello").status_code == 200
+        assert not moved_to(srv, tokens["s1"], "s1")
+        assert metric_value(srv, MOVES) == 0
+    finally:
+        srv.stop()
+        up.stop()
+
+
+def test_a_forgotten_session_is_not_moved_twice(tmp_path, monkeypatch):
+    """Nothing remembered (as after a restart): the new salt's context record says it moved."""
+    from cwm_plugin.sidecar import salt_move
+
+    monkeypatch.setattr(salt_move, "REMEMBER", 0)
+    tokens = old_sessions(tmp_path / "kv", ["s1"])
+    fake = FakeUpstream(model="tiny", max_model_len=4096)
+    up, srv = serve(tmp_path, fake, datetime.now(UTC) + timedelta(days=1))
+    try:
+        assert chat(srv, "acme", "hello").status_code == 200
+        assert chat(srv, "acme", "hello again").status_code == 200
+        assert moved_to(srv, tokens["s1"], "s1")
+        assert metric_value(srv, MOVES, tenant="acme", outcome="moved") == 1
+        assert metric_value(srv, MOVES, tenant="acme", outcome="none") == 1
+    finally:
+        srv.stop()
+        up.stop()

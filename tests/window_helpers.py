@@ -1,0 +1,50 @@
+"""What the connector leaves in the KV store after a salted request, built without vLLM: blocks
+per worker under vLLM's own hashing and the context record (importable: tests/ is on sys.path).
+Shared by the window engine's tests and the sidecar's (a session's KV after a rotation)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+
+from cwm_plugin.connector import records
+from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.windows import hashing
+
+BS = 16
+WORKERS = [("ab" * 16, 0), ("ab" * 16, 1)]       # one namespace, TP=2
+NS = {"model": "tiny", "model_fingerprint": "f", "num_layers": 2, "num_kv_heads": 1,
+      "head_size": 8, "dtype": "float32", "block_size": BS}
+
+
+def block(i: int, rank: int) -> torch.Tensor:
+    return torch.full((2, 1, BS, 16), float(i * 10 + rank))
+
+
+def block_keys(tokens: list[int], salt: str, n: int) -> list[list[bytes]]:
+    """Per worker, the store keys of the first ``n`` blocks of ``tokens`` under ``salt``."""
+    hs = hashing.chain(tokens, salt=salt, block_size=BS, hash_block_size=BS,
+                       hash_algo="sha256", lora=None, num_blocks=n)
+    return [[bytes.fromhex(d) + r.to_bytes(2, "big") + h for h in hs] for d, r in WORKERS]
+
+
+def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = None) -> list[int]:
+    """What the connector leaves after a salted request: blocks per worker and a record."""
+    tokens = [(7 * i) % 4000 + 5 for i in range(n_tokens)]
+    n = n_tokens // BS if save is None else save
+    hs = hashing.chain(tokens, salt=salt, block_size=BS, hash_block_size=BS,
+                       hash_algo="sha256", lora=None, num_blocks=n)
+    rec = records.ContextRecord(tokens=tokens, block_hashes=[h.hex() for h in hs],
+                                workers=WORKERS, block_size=BS, hash_block_size=BS,
+                                hash_algo="sha256", namespace=NS)
+    for (_, rank), keys in zip(WORKERS, block_keys(tokens, salt, n), strict=True):
+        for i, key in enumerate(keys):
+            store.put(key, block(i, rank), salt=salt).result()
+    store.put(records.record_key(salt), records.json_tensor(asdict(rec)), salt=salt,
+              replace=True).result()
+    return tokens
+
+
+def session_blocks(store: KVStore, tokens: list[int], salt: str, n: int) -> list[list]:
+    return [store.get_many(keys) for keys in block_keys(tokens, salt, n)]

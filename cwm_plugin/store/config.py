@@ -38,7 +38,7 @@ class StoreConfig:
     redis_read_chunk_bytes: int = field(default=64 << 20, metadata=limits(min=1 << 20))
     redis_timeout_ms: int = field(default=2000, metadata=limits(min=1, max=600_000))
     # the scheduler's lookups: a slow or black-holed Redis must not stall vLLM's step
-    redis_lookup_timeout_ms: int = field(default=200, metadata=limits(min=1, max=60_000))
+    redis_lookup_timeout_ms: int = field(default=80, metadata=limits(min=1, max=60_000))
     # pinned bytes allowed per key group (model namespace + rank) in each durable tier;
     # None: half of disk_bytes on disk, no limit in Redis
     pin_quota_bytes: int | None = field(default=None, metadata=limits(min=0))

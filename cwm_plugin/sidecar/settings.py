@@ -63,7 +63,8 @@ class TenantConfig(_Strict):
 class ProviderConfig(TenantConfig):
     """A provider: a principal that shares the deployment's memory with the other providers
     (RO on theirs by default, ``access_config.py``), with the model it runs and that model's
-    context limit (the defaults of its activity entries)."""
+    context limit: the 70% warning and the 85% checkpoint of its sessions use the smaller of
+    that limit and the answering upstream's, and its activity entries default to both."""
 
     model: str | None = None
     context_limit: int | None = Field(default=None, ge=1)
@@ -337,6 +338,13 @@ class Settings(_Strict):
     def principals(self) -> list[TenantConfig]:
         """Every principal: the tenants, then the providers."""
         return [*self.tenants, *self.providers]
+
+    def context_limit(self, principal: str, upstream: int | None) -> int | None:
+        """The context a principal's prompts must fit: the upstream's limit, or a provider's
+        own ``context_limit`` when that is smaller (None: neither is known)."""
+        own = next((p.context_limit for p in self.providers if p.name == principal), None)
+        limits = [x for x in (upstream, own) if x]
+        return min(limits) if limits else None
 
     def endpoints(self) -> list[UpstreamConfig]:
         """The upstreams, in order: ``upstreams`` when given, else ``[upstream]``."""

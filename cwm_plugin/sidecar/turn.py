@@ -129,9 +129,11 @@ class Turn:
 
     def served_by(self, ep: Endpoint) -> None:
         """The context limit is the one of the upstream that answered (it may have failed
-        over to one with another limit)."""
+        over to one with another limit), or the principal's own if it is a provider with a
+        smaller one."""
         self.ep = ep
-        self.max_len = ep.info(self.model).max_model_len
+        self.max_len = self.sc.settings.context_limit(self.ident.tenant,
+                                                      ep.info(self.model).max_model_len)
         self.state.last_limit = self.max_len
 
     async def record(self, answer: str) -> None:
@@ -287,7 +289,8 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     state = sc.tracker.get(ident.folder, ident.session) if ident.session else SessionState()
     plan, counter, status = await _plan(sc, {
         "ident": ident, "body": body, "messages": messages, "state": state, "model": model,
-        "max_len": info.max_model_len, "mode": mode, "info": info, "shared": shared,
+        "max_len": sc.settings.context_limit(ident.tenant, info.max_model_len), "mode": mode,
+        "info": info, "shared": shared,
         "view": view,
         "readable": perms.allows(ident.tenant, home, "read")}, stages)
     if sc.memory is not None and not status:

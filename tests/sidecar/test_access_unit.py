@@ -60,8 +60,9 @@ def settings_for(upstream: str, root: Path, **over: Any):
     return make_settings(
         upstream, root / "memory", "tiktoken:cl100k_base",
         tenants=[{"name": "acme", "key_sha256": [hash_key(KEYS["acme"])]}],
-        providers=[{"name": n, "key_sha256": [hash_key(KEYS[n])], "model": "tiny",
-                    "context_limit": 4096} for n in ("claude", "llama")],
+        providers=over.pop("providers", [
+            {"name": n, "key_sha256": [hash_key(KEYS[n])], "model": "tiny",
+             "context_limit": 4096} for n in ("claude", "llama")]),
         access=over.pop("access", ACCESS), activity={"root": str(root / "activity")}, **over)
 
 
@@ -261,3 +262,21 @@ def test_reserved_names_cannot_be_principals(tmp_path):
                                                    "key_sha256": [hash_key("k")]}]}))
     with pytest.raises(ConfigError, match="reserved"):
         load_settings(path)
+
+
+def test_a_providers_own_context_limit_sets_its_warning_and_checkpoint(tmp_path):
+    """The thresholds use the smaller of the provider's context_limit and the upstream's."""
+    big = FakeUpstream(model="tiny", max_model_len=100_000)
+    with ServerThread(big.app) as up, ServerThread(create_app(settings_for(
+            up.url, tmp_path, providers=[
+                {"name": "llama", "key_sha256": [hash_key(KEYS["llama"])], "context_limit": 400},
+                {"name": "claude", "key_sha256": [hash_key(KEYS["claude"])]}]))) as srv:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 300}],
+                "max_tokens": 8}
+        warned = {}
+        for who in ("llama", "acme"):
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=30,
+                           headers={**auth(who), "X-Session-Id": f"limit-{who}"})
+            assert r.status_code == 200, r.text
+            warned[who] = r.headers.get("X-CWM-Context-Warning")
+        assert warned["llama"] and warned["acme"] is None, warned

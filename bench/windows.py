@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="cwm-bench-windows-"))
     store_cfg = {"disk_path": str(work / "store")}
     server = VLLMServer(model_dir=model, served_name="smollm2", dtype="bfloat16",
-                        max_model_len=args.tokens + 512, log_dir=work,
+                        max_model_len=min(args.tokens + 512, 8192), log_dir=work,
                         env={"VLLM_SERVER_DEV_MODE": "1"},
                         extra_args=cwm_connector_args(store_cfg))
     prompt = conversation_prompt(AutoTokenizer.from_pretrained(model), args.tokens)

@@ -50,6 +50,7 @@ class SaltMover:
                                                      repr=False)
     _done: OrderedDict[bytes, None] = field(default_factory=OrderedDict, init=False,
                                             repr=False)
+    _warned: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._values = [(v, v.read()) for v in self.older if alive(v)]
@@ -94,9 +95,11 @@ class SaltMover:
                 blocks = await asyncio.to_thread(self.engine.move_session, old, salt)
             except Exception as exc:  # the store, say: the request computes its prefix
                 self.counter.labels(tenant, "failed").inc()
-                log.warning("tenant %s: a session's KV could not move to its new salt after "
-                            "the secret rotation (%s); its next request computes it", tenant,
-                            exc)
+                (log.debug if self._warned else log.warning)(
+                    "tenant %s: a session's KV could not move to its new salt after the secret "
+                    "rotation (%s); its next request computes it (later failures: counted in "
+                    "cwm_sidecar_salt_moves_total{outcome=failed})", tenant, exc)
+                self._warned = True
                 return 0
             if blocks:
                 self.counter.labels(tenant, "moved").inc()

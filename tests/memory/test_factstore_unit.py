@@ -102,3 +102,22 @@ def test_minilm_similarity_gates_an_update(tmp_path, counter, minilm) -> None:
             "The user is allergic to peanuts.", "The user now lives in Porto."]
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("damage", [b"{not json", b"[1, 2]", b"\x00\xff" * 40, b""])
+def test_a_damaged_use_count_file_is_statistics_lost_never_a_failed_selection(svc, damage):
+    """access.json is derived: damaged, it reads as no counts, a selection still answers,
+    the next use rewrites it whole, and memories.md is never touched."""
+    from cwm_plugin.memory.factstore import access_counts, access_path
+
+    got = svc.add_fact("acme", "The user keeps bees in Lisbon.", "fact", 0.8)
+    svc.bump("acme", [got.memory.id])
+    md = (svc.files.root / "acme" / "memories.md").read_bytes()
+    path = access_path(svc.files.root, "acme")
+    path.write_bytes(damage)
+    assert access_counts(svc.files.root, "acme") == {}
+    sel = svc.select_context("acme", None, [{"role": "user", "content": "Where are my bees?"}],
+                             500)
+    assert [m.text for m in sel.facts] == ["The user keeps bees in Lisbon."]
+    assert access_counts(svc.files.root, "acme") == {got.memory.id: 1}   # rewritten whole
+    assert (svc.files.root / "acme" / "memories.md").read_bytes() == md

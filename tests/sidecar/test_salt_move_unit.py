@@ -149,3 +149,27 @@ def test_a_forgotten_session_is_not_moved_twice(tmp_path, monkeypatch):
     finally:
         srv.stop()
         up.stop()
+
+
+def test_a_store_that_fails_the_move_never_fails_the_request(tmp_path, caplog, monkeypatch):
+    """The store fails under the move (its primary tier unreachable, as a Redis outage
+    raises it): the request is answered (its prefix computed again), the failure counted,
+    and warned about once."""
+    from cwm_plugin.errors import TierUnavailable
+
+    old_sessions(tmp_path / "kv", ["s1", "s2"])
+    fake = FakeUpstream(model="tiny", max_model_len=4096)
+    up, srv = serve(tmp_path, fake, datetime.now(UTC) + timedelta(days=1))
+    try:
+        def down(*_a, **_k):
+            raise TierUnavailable("redis at redis://127.0.0.1:1/0 is unreachable")
+        monkeypatch.setattr(runtime(srv).salt_mover.engine, "move_session", down)
+        with caplog.at_level("WARNING", logger="cwm_plugin.sidecar.salt_move"):
+            assert chat(srv, "acme", "hello").status_code == 200
+            assert chat(srv, "acme", "hello", session="s2").status_code == 200
+        assert fake.last()["cache_salt"] == derive_salt(NEW.encode(), "acme", "s2")
+        assert metric_value(srv, MOVES, tenant="acme", outcome="failed") == 2
+        assert sum("could not move" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        srv.stop()
+        up.stop()

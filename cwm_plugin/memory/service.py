@@ -259,9 +259,11 @@ class MemoryService:
             query = content_text(current[0]) if current else ""
         cands = self._candidates(tenant, session if summary else None, query or "", stages,
                                  mode, shared, passages)
+        counter = counter or self.counter
         with stages("count"):
-            sel = select(counter or self.counter, history, n, budget_tokens, cands, recent_ids,
-                         self.config.max_facts, present=[*current, *(present or [])])
+            sel = select(counter, history, n, budget_tokens, cands, recent_ids,
+                         self.config.max_facts, present=[*current, *(present or [])],
+                         known=cands.line_tokens if counter.name == self.counter.name else None)
         if sel.facts and bump:
             self.bump(tenant, [m.id for m in sel.facts])
         return sel

@@ -148,3 +148,29 @@ def test_developer_prefix_not_repeated_and_mid_conversation_system_kept(filled) 
     tiny = filled.select_context("acme", "s2", msgs, filled.counter.count_messages(msgs[-2:-1]))
     assert mid not in tiny.recent
     assert any(r.startswith("drop pinned system message") for r in tiny.reasons)
+
+
+class _Recording:
+    """A counter that remembers what it was asked to count, under a chosen name."""
+
+    def __init__(self, inner, name: str) -> None:
+        self.inner, self.name, self.seen = inner, name, []
+
+    def count(self, text: str) -> int:
+        self.seen.append(text)
+        return self.inner.count(text)
+
+    def count_messages(self, messages: list[dict]) -> int:
+        return self.inner.count_messages(messages)
+
+
+def test_the_index_line_counts_are_reused_only_for_the_same_tokenizer(filled, counter) -> None:
+    q = [{"role": "user", "content": "What about Portuguese and the trip to Kyoto?"}]
+    same, other = _Recording(counter, counter.name), _Recording(counter, "another-tokenizer")
+    a = filled.select_context("acme", None, q, 400, counter=same, bump=False)
+    b = filled.select_context("acme", None, q, 400, counter=other, bump=False)
+    assert a.memory_block and a.memory_block == b.memory_block
+    lines = {ln for h in a.hits for ln in h.text.split("\n")[1:]} - {"…"}
+    assert lines and lines <= set(other.seen)   # counted one by one by another tokenizer
+    assert not lines & set(same.seen)           # taken from the index: never counted again
+    assert a.tokens == counter.count(a.memory_block) <= 400

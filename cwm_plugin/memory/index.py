@@ -89,6 +89,7 @@ class TenantIndex:
         self.deleted = 0  # line vectors marked deleted in hnsw (sessions dropped)
         self._bm25 = BM25Corpus()
         self.added = 0  # chunks added since creation (for the metrics)
+        self.changes = 0  # sessions' lines appended or dropped (followers resync on a change)
 
     # --- building ------------------------------------------------------------------------------
 
@@ -147,6 +148,7 @@ class TenantIndex:
             start, _, old = st.spans.pop()
             self._drop_chunk(old)
         st.units.extend(new_units)
+        self.changes += 1
         for b, e, chunk in chunk_units(session, st.units, self.counter, self.chunk_tokens,
                                        self.overlap, start):
             st.spans.append((b, e, chunk.chunk_id))
@@ -169,6 +171,7 @@ class TenantIndex:
         self.offsets.pop(session, None)
         if st is None:
             return
+        self.changes += 1
         for _, _, cid in st.spans:
             self._drop_chunk(cid)
         for label in st.labels:

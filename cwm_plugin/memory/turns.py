@@ -74,8 +74,14 @@ class LineCorpus:
         self._units: dict[str, list[Unit]] = {}
         self.by_label: dict[int, str] = {}  # hnsw label -> line document id
         self._speakers: dict[str, set[str]] = {}  # per session
+        self._synced: tuple[int, int] | None = None  # (index.changes, sessions) at last sync
 
     def sync(self, index: TenantIndex) -> None:
+        """Follow the index's appends and drops (nothing to walk when it has not changed: a
+        walk over 700 sessions cost ~2.5 ms a search)."""
+        state = (index.changes, len(index.sessions))
+        if state == self._synced:
+            return
         for session in [s for s in self._count if s not in index.sessions]:
             self._drop(session)
         for session, st in index.sessions.items():
@@ -95,6 +101,7 @@ class LineCorpus:
                     self._speakers.setdefault(session, set()).add(speaker(units[row]))
                 self.context.add(doc_id(session, row), _with_neighbours(units, row))
             self._count[session] = len(units)
+        self._synced = state
 
     def _drop(self, session: str) -> None:
         self.by_label = {lab: d for lab, d in self.by_label.items()

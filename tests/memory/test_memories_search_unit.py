@@ -137,3 +137,15 @@ def test_a_selection_leaves_every_file_byte_identical(make_service, minilm) -> N
         svc.search_memories("acme", "gym locker", 3)
         svc.memories("acme")
     assert snapshot() == before
+
+
+def test_a_repeated_query_sees_documents_added_or_removed_since() -> None:
+    inc = BM25Corpus()
+    inc.add("a", "kiwi lime")
+    first = inc.top("kiwi", 5)
+    assert set(first) == {"a"}
+    inc.add("b", "kiwi kiwi kiwi")
+    again = inc.top("kiwi", 5)
+    assert set(again) == {"a", "b"} and again["a"] != first["a"]  # idf changed too
+    inc.remove("b")
+    assert inc.top("kiwi", 5) == pytest.approx(first)

@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speaker-weight", type=float, default=None)
     ap.add_argument("--chunk-prior-weight", type=float, default=None)
     ap.add_argument("--context-bm25-weight", type=float, default=None)
+    ap.add_argument("--date-weight", type=float, default=None)
     ap.add_argument("--skip-sim", action="store_true",
                     help="record turns without simulating the sidecar (no token_ratio)")
     args = ap.parse_args(argv)
@@ -336,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     root = args.root or Path(tempfile.mkdtemp(prefix="cwm-bench-memory-"))
     tuned = {k: v for k, v in (("speaker_weight", args.speaker_weight),
                                ("chunk_prior_weight", args.chunk_prior_weight),
-                               ("context_bm25_weight", args.context_bm25_weight))
+                               ("context_bm25_weight", args.context_bm25_weight),
+                               ("date_weight", args.date_weight))
              if v is not None}
     cfg = MemoryConfig(root=root, chunk_tokens=args.chunk_tokens,
                        chunk_overlap=args.chunk_overlap, recent_turns=mem.recent_turns,
@@ -376,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                    "speaker_weight": cfg.speaker_weight,
                    "chunk_prior_weight": cfg.chunk_prior_weight,
                    "context_bm25_weight": cfg.context_bm25_weight,
+                   "date_weight": cfg.date_weight,
                    "tokenizer": counter.name, "embedder": embedder.name},
         "seconds": {"replay": round(replay_s, 1), "questions": round(search_s, 1)},
         "load_average": [round(x, 2) for x in os.getloadavg()],

@@ -34,6 +34,7 @@ class MemoryConfig:
     context_bm25_weight: float = 0.5
     chunk_prior_weight: float = 0.5
     speaker_weight: float = 0.2
+    date_weight: float = 0.2
     # Look at the files for changes by other processes at most this often (seconds; 0: on
     # every search). This process's own appends are indexed as they are written.
     sync_interval_s: float = 0.0

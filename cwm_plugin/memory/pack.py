@@ -75,8 +75,9 @@ class Packed:
 
     def hits(self) -> list[Hit]:
         """One hit a passage, in time order (oldest first)."""
-        ordered = sorted(self.passages, key=lambda p: (p.day, p.session, min(p.lines)))
-        return [p.hit() for p in ordered if p.lines]
+        ordered = sorted((p for p in self.passages if p.lines),
+                         key=lambda p: (p.day, p.session, min(p.lines)))
+        return [p.hit() for p in ordered]
 
     def drop_last(self) -> str:
         """Give back the line taken last; returns a reason."""

@@ -181,6 +181,7 @@ class SearchSettings(_Strict):
     context_bm25_weight: float = Field(default=0.5, ge=0)  # BM25 of a line with its neighbours
     chunk_prior_weight: float = Field(default=0.5, ge=0)  # the best chunk's score, per line
     speaker_weight: float = Field(default=0.2, ge=0)  # the query names the line's speaker
+    date_weight: float = Field(default=0.2, ge=0)  # the query names the line's day or month
 
     @model_validator(mode="after")
     def _some_weight(self) -> SearchSettings:

@@ -99,8 +99,15 @@ def pack(lines: list[Line], rows_of: Callable[[str], list], room: int,
     taken: list[tuple[str, int]] = []
     reasons: list[str] = []
     used = 0
-    for line in lines[:MAX_LINES_SCANNED]:
-        if used >= room:
+    scan = lines[:MAX_LINES_SCANNED]
+    floor = [0] * (len(scan) + 1)  # floor[i]: the least any line from i on can cost (a line
+    floor[-1] = room + 1           # filling the gap between two taken rows saves a gap mark)
+    for i in range(len(scan) - 1, -1, -1):
+        floor[i] = min(floor[i + 1], count(scan[i].unit.text) + 1 - 2)
+    for i, line in enumerate(scan):
+        if room - used < floor[i]:
+            if used < room:
+                reasons.append(f"stop: {room - used} tokens left, less than any line left costs")
             break
         if skip(line):
             reasons.append(f"skip turn {line.unit.turn_id}: in the prompt already")
@@ -139,6 +146,8 @@ def _extra_cost(passages: dict[tuple[str, str], Passage], group: list[Line],
                 count: Callable[[str], int]) -> int | None:
     """What adding ``group`` costs (a new passage adds its header and a blank line); None
     when every line of it is taken already."""
+    if len(group) == 1:
+        return _line_cost(passages, group[0], count)
     touched: dict[tuple[str, str], Passage] = {}
     new = False
     for g in group:
@@ -157,3 +166,24 @@ def _extra_cost(passages: dict[tuple[str, str], Passage], group: list[Line],
         before = passages.get(key)  # a new passage also costs the blank line before it
         extra += after.cost(count) - (before.cost(count) if before else -2)
     return extra
+
+
+def _line_cost(passages: dict[tuple[str, str], Passage], g: Line,
+               count: Callable[[str], int]) -> int | None:
+    """``_extra_cost`` of one line, from its neighbours in its passage alone (``Passage.cost``
+    of the passage with and without it, without copying or re-counting the passage: a
+    selection weighs ~400 lines, up to three times)."""
+    key = (g.session, g.unit.ts[:10])
+    p = passages.get(key)
+    own = count(g.unit.text) + 1
+    if p is None:
+        return count(Passage(g.session, key[1]).header) + own + 2
+    if g.row in p.lines:
+        return None
+    before = max((r for r in p.lines if r < g.row), default=None)
+    after = min((r for r in p.lines if r > g.row), default=None)
+    gaps = (before is not None and g.row != before + 1) + (after is not None
+                                                           and after != g.row + 1)
+    if before is not None and after is not None:
+        gaps -= 1  # the gap between them (there was one: this row lies between)
+    return own + 2 * gaps

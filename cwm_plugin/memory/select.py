@@ -233,11 +233,18 @@ def _pack_filled(counter: TokenCounter, p: _Pieces, cands: Candidates, left: int
     """The best lines packed into ``left`` tokens; then, since the packer's cost is an upper
     estimate (a newline after punctuation is no token of its own), packed again with what the
     assembled block left unused added, up to ``FILL_ROUNDS`` times."""
+    seen: dict[tuple[str, int], bool] = {}  # each line judged once for every round
+
+    def skip(ln: Line) -> bool:
+        got = seen.get((ln.session, ln.row))
+        if got is None:
+            got = seen[ln.session, ln.row] = ln.unit.turn_id in recent_ids or " ".join(
+                ln.unit.text.split(": ", 1)[-1].split()) in recent_text
+        return got
+
     def run(r: int) -> Packed:
         return pack(cands.lines or [], cands.rows_of or (lambda s: []), r, p,
-                    neighbours=cands.neighbours,
-                    skip=lambda ln: ln.unit.turn_id in recent_ids or " ".join(
-                        ln.unit.text.split(": ", 1)[-1].split()) in recent_text)
+                    neighbours=cands.neighbours, skip=skip)
 
     packed = run(left)
     for _ in range(FILL_ROUNDS):

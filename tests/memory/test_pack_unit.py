@@ -44,3 +44,37 @@ def test_the_room_left_unused_by_the_estimate_is_packed_again(make_service, coun
         n_filled = sum(len(h.turn_ids) for h in filled.hits)
         assert n_filled > n_once  # ".\n" is one token: the estimate counted a newline a line
         assert budget - filled.tokens < 2 * S.FILL_MIN
+
+
+def test_one_line_costs_what_its_passage_grows_by() -> None:
+    """The packer's one-line cost (from the line's neighbours only) equals the passage's
+    cost with the line minus without it, for random passages, gaps and days."""
+    import random
+
+    from cwm_plugin.memory.pack import Passage, _line_cost
+
+    rng = random.Random(7)
+
+    def count(text: str) -> int:
+        return len(text) // 3 + 1
+
+    def rand_line() -> Line:
+        s, r = f"s{rng.randint(0, 2)}", rng.randint(0, 12)
+        unit = Unit("x" * rng.randint(1, 40), f"{s}-{r}", f"2023-01-0{rng.randint(1, 3)}T09", 0)
+        return Line(s, r, unit, 1.0, {})
+
+    for _ in range(2000):
+        passages: dict[tuple[str, str], Passage] = {}
+        for g in [rand_line() for _ in range(rng.randint(0, 8))]:
+            key = (g.session, g.unit.ts[:10])
+            passages.setdefault(key, Passage(*key)).lines[g.row] = g
+        g = rand_line()
+        key = (g.session, g.unit.ts[:10])
+        before = passages.get(key)
+        if before is not None and g.row in before.lines:
+            assert _line_cost(passages, g, count) is None
+            continue
+        after = Passage(*key, dict(before.lines) if before else {})
+        after.lines[g.row] = g
+        want = after.cost(count) - (before.cost(count) if before else -2)
+        assert _line_cost(passages, g, count) == want

@@ -61,3 +61,22 @@ def test_cache_hits_and_misses(tmp_path: Path) -> None:
     again = CachedEmbedder(HashingEmbedder(16), tmp_path)
     np.testing.assert_array_equal(again.embed(["one"])[0], a[0])
     assert (tmp_path / "hashing-16.sqlite").exists()
+
+
+def test_one_text_through_the_frozen_graph_equals_the_batched_eager_model(minilm) -> None:
+    texts = ["hi", "When did Melanie go camping with her kids?",
+             "word " * 400]  # longer than max_length: truncated the same way
+    batched = minilm.embed([*texts, "a padding partner"])[:3]  # eager, padded, masked mean
+    singles = np.stack([minilm.embed([t])[0] for t in texts])
+    assert minilm._frozen not in (None, False)  # the frozen graph answered
+    assert singles.shape == (3, minilm.dims)
+    np.testing.assert_allclose((singles * batched).sum(1), 1.0, atol=1e-5)
+
+
+def test_the_eager_model_answers_when_no_frozen_graph_can_be_built(minilm, monkeypatch) -> None:
+    want = minilm.embed(["the tax return", "x"])[0]
+    monkeypatch.setattr(minilm, "_frozen", None)
+    monkeypatch.setattr(minilm._torch.jit, "trace", lambda *a, **k: 1 / 0)
+    got = minilm.embed(["the tax return"])[0]
+    assert minilm._frozen is False
+    np.testing.assert_allclose(got @ want, 1.0, atol=1e-5)

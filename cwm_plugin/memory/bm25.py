@@ -81,24 +81,30 @@ class BM25Corpus:
     B = 0.75
 
     def __init__(self) -> None:
-        self._ids: list[str] = []                 # row -> document
-        self._row: dict[str, int] = {}
-        self._freqs: list[Counter[str]] = []      # row -> term frequencies
+        self._ids: list[str | None] = []          # row -> document (None: removed)
+        self._row: dict[str, int] = {}            # live documents only
+        self._freqs: list[Counter[str] | None] = []  # row -> term frequencies
         self._dl = np.zeros(1024, dtype=np.float64)  # row -> length (grows by doubling)
-        self._postings: dict[str, dict[int, int]] = {}  # term -> {row: tf}
-        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # term -> (rows, tfs)
+        self._postings: dict[str, dict[int, int]] = {}  # term -> {row: tf}, live rows
+        # term -> (rows, tfs) as numpy arrays (may still hold rows removed since: they are
+        # zeroed after scoring) and the (row, tf) pairs added since they were built
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._tails: dict[str, list[tuple[int, int]]] = {}
+        self._built = False  # every term's arrays built (by the first query)
+        self._dead: list[int] = []                # removed rows, until the next compaction
+        self._dead_rows: np.ndarray | None = None  # the same, as an index array (cached)
         self._total = 0
         self._last: tuple[str, np.ndarray] | None = None  # the last query's scores
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._row)
 
     def add(self, doc_id: str, text: str) -> None:
         if doc_id in self._row:
             return
         self._last = None
         freqs = Counter(bm25_tokens(text) or ["_"])
-        row = len(self._ids)
+        row = len(self._ids)          # rows only ever grow: a term's arrays stay valid
         if row >= self._dl.shape[0]:
             self._dl = np.concatenate([self._dl, np.zeros_like(self._dl)])
         self._row[doc_id] = row
@@ -107,33 +113,47 @@ class BM25Corpus:
         self._dl[row] = length = sum(freqs.values())
         for term, tf in freqs.items():
             self._postings.setdefault(term, {})[row] = tf
-            self._arrays.pop(term, None)
+            if term in self._arrays:
+                self._tails.setdefault(term, []).append((row, tf))
         self._total += length
 
     def remove(self, doc_id: str) -> None:
+        """Forget a document: its row is marked removed (scored 0) until enough rows are,
+        then the live ones are renumbered in one pass."""
         row = self._row.pop(doc_id, None)
         if row is None:
             return
         self._last = None
-        freqs = self._freqs[row]
+        freqs = self._freqs[row] or {}
         for term in freqs:
             docs = self._postings[term]
             del docs[row]
             if not docs:
                 del self._postings[term]
-            self._arrays.pop(term, None)
-        self._total -= int(self._dl[row])
-        last = len(self._ids) - 1
-        if row != last:  # move the last document into the hole (its terms' rows change)
-            self._ids[row], self._freqs[row] = self._ids[last], self._freqs[last]
-            self._dl[row] = self._dl[last]
-            self._row[self._ids[row]] = row
-            for term in self._freqs[row]:
-                docs = self._postings[term]
-                docs[row] = docs.pop(last)
                 self._arrays.pop(term, None)
-        self._ids.pop()
-        self._freqs.pop()
+                self._tails.pop(term, None)
+        self._total -= int(self._dl[row])
+        self._ids[row] = self._freqs[row] = None
+        self._dead.append(row)
+        if len(self._dead) > max(1024, len(self._row) // 8):
+            self._compact()
+        self._dead_rows = None
+
+    def _compact(self) -> None:
+        live = [r for r, d in enumerate(self._ids) if d is not None]
+        renumber = {old: new for new, old in enumerate(live)}
+        self._ids = [self._ids[r] for r in live]
+        self._freqs = [self._freqs[r] for r in live]
+        dl = np.zeros(max(1024, self._dl.shape[0]), dtype=np.float64)
+        dl[:len(live)] = self._dl[live]
+        self._dl = dl
+        self._row = {d: i for i, d in enumerate(self._ids)}
+        self._postings = {t: {renumber[r]: tf for r, tf in docs.items()}
+                          for t, docs in self._postings.items()}
+        self._arrays.clear()
+        self._tails.clear()
+        self._dead.clear()
+        self._built = False
 
     def _term(self, term: str) -> tuple[float, np.ndarray, np.ndarray] | None:
         """``(idf, rows, tfs)`` of a term, or None when no document holds it."""
@@ -145,17 +165,27 @@ class BM25Corpus:
             rows = np.fromiter(docs.keys(), dtype=np.int64, count=len(docs))
             tfs = np.fromiter(docs.values(), dtype=np.float64, count=len(docs))
             got = self._arrays[term] = (rows, tfs)
+            self._tails.pop(term, None)
+        else:
+            tail = self._tails.pop(term, None)
+            if tail:  # documents added since: appended (a copy at memory speed)
+                add = np.array(tail, dtype=np.int64)
+                got = self._arrays[term] = (np.concatenate([got[0], add[:, 0]]),
+                                            np.concatenate([got[1], add[:, 1].astype(np.float64)]))
         n = len(docs)
-        return math.log(1.0 + (len(self._ids) - n + 0.5) / (n + 0.5)), got[0], got[1]
+        return math.log(1.0 + (len(self._row) - n + 0.5) / (n + 0.5)), got[0], got[1]
 
     def _accumulate(self, query: str) -> np.ndarray:
         """Every document's score (read-only: the last query's are kept, as a search asks
         for the best documents and then for the scores of more candidates)."""
         if self._last is not None and self._last[0] == query:
             return self._last[1]
-        n = len(self._ids)
-        acc = np.zeros(n, dtype=np.float64)
-        avgdl = self._total / max(1, n)
+        if not self._built:  # every term at once: a first-time term cost a query ~0.2 ms
+            for term in self._postings:
+                self._term(term)
+            self._built = True
+        acc = np.zeros(len(self._ids), dtype=np.float64)
+        avgdl = self._total / max(1, len(self._row))
         k1, b = self.K1, self.B
         for term in bm25_tokens(query):  # a repeated query term counts again, as in rank-bm25
             found = self._term(term)
@@ -163,6 +193,10 @@ class BM25Corpus:
                 idf, rows, tfs = found
                 acc[rows] += idf * tfs * (k1 + 1) / (tfs + k1 * (1 - b + b * self._dl[rows]
                                                                 / avgdl))
+        if self._dead:  # removed rows may still be in a term's arrays
+            if self._dead_rows is None:
+                self._dead_rows = np.array(self._dead, dtype=np.int64)
+            acc[self._dead_rows] = 0.0
         acc.flags.writeable = False
         self._last = (query, acc)
         return acc
@@ -170,7 +204,7 @@ class BM25Corpus:
     def scores(self, query: str) -> dict[str, float]:
         """BM25 score of every document sharing a term with the query (the others score 0
         and are left out)."""
-        if not self._ids:
+        if not self._row:
             return {}
         acc = self._accumulate(query)
         return {self._ids[r]: float(acc[r]) for r in np.flatnonzero(acc)}
@@ -179,7 +213,7 @@ class BM25Corpus:
             allowed: set[str] | None = None) -> dict[str, float]:
         """The ``n`` best documents sharing a term with the query (of ``allowed`` ones, when
         given), plus the exact score (0 if none) of each document in ``also``."""
-        if not self._ids or n <= 0:
+        if not self._row or n <= 0:
             return {}
         acc = self._accumulate(query)
         if allowed is not None:

@@ -9,6 +9,7 @@ appends are also locked across processes. Embeddings go through an on-disk cache
 
 from __future__ import annotations
 
+import gc
 import re
 import threading
 import time
@@ -176,6 +177,13 @@ class MemoryService:
         return [t.as_dict() for t in self.files.read_turns(tenant, session)]
 
     # --- search and selection ---------------------------------------------------------------
+
+    def warm(self, tenant: str) -> None:
+        """Get a tenant's first selection ready: its index loaded, its line corpus built and
+        scored once, the embedder's query path compiled (past its cache)."""
+        getattr(self.embedder, "inner", self.embedder).embed(["warm up"])
+        self.select_context(tenant, None, [{"role": "user", "content": "warm up"}], 64,
+                            bump=False)
 
     def search(self, tenant: str, query: str, k: int = 10, *, mode: str = "hybrid",
                session: str | None = None) -> list[Hit]:
@@ -396,6 +404,7 @@ class MemoryService:
         self.save()
         if isinstance(self.embedder, CachedEmbedder):
             self.embedder.close()
+        gc.unfreeze()  # what the indexes froze (tenants.py) is garbage like the rest now
 
 
 def _as_message(t: Turn) -> dict:

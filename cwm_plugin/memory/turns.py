@@ -30,6 +30,7 @@ without the neighbours' BM25 0.880 / 0.941, without the speaker match 0.888 / 0.
 
 from __future__ import annotations
 
+import gc
 import re
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from cwm_plugin.memory.timing import Stages
 
 SEP = "\x1f"  # between session and line number in a line's document id
 LINE_CANDIDATES = 200  # best lines taken from each method
+FREEZE_AFTER = 5000  # lines added in one sync that make the corpus worth freezing (gc)
 
 
 @dataclass
@@ -87,6 +89,7 @@ class LineCorpus:
             return
         for session in [s for s in self._count if s not in index.sessions]:
             self._drop(session)
+        before = len(self.alone)
         for session, st in index.sessions.items():
             n = self._count.get(session, 0)
             if n > len(st.units) or (n and self._units[session][n - 1] is not st.units[n - 1]):
@@ -105,6 +108,8 @@ class LineCorpus:
                 self.context.add(doc_id(session, row), _with_neighbours(units, row))
             self._count[session] = len(units)
         self._synced = state
+        if len(self.alone) - before >= FREEZE_AFTER:
+            gc.freeze()  # long-lived, like the index (``TenantIndexes.get``)
 
     def _drop(self, session: str) -> None:
         self.by_label = {lab: d for lab, d in self.by_label.items()

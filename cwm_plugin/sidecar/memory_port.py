@@ -117,7 +117,7 @@ class MemoryPort:
     async def warm(self, tenant: str) -> None:
         """Load the tenant's index from its files now rather than on its first request."""
         try:
-            await self._call(tenant, self.service.search, tenant, "warm up", 1)
+            await self._call(tenant, self.service.warm, tenant)
         except Exception:  # a broken tenant folder must not stop the server; requests will say
             log.exception("loading the memory index of tenant %s failed", tenant)
 

@@ -149,3 +149,35 @@ def test_a_repeated_query_sees_documents_added_or_removed_since() -> None:
     assert set(again) == {"a", "b"} and again["a"] != first["a"]  # idf changed too
     inc.remove("b")
     assert inc.top("kiwi", 5) == pytest.approx(first)
+
+
+def test_bm25_through_adds_removals_and_compactions_equals_a_fresh_build() -> None:
+    """Queries between changes (a term's arrays built, then grown, rows removed, the corpus
+    compacted past 1,024 removed rows) score exactly as a corpus built afresh."""
+    rng = random.Random(11)
+    words = ["apple", "pear", "plum", "fig", "kiwi", "lime", "date", "grape", "melon", "berry",
+             "common"]
+    inc, docs, n = BM25Corpus(), {}, 0
+    queries = ("kiwi common", "apple lime grape", "berry", "nothing here")
+    for step in range(3000):
+        if docs and rng.random() < 0.45:
+            d = rng.choice(list(docs))
+            inc.remove(d)
+            del docs[d]
+        else:
+            docs[f"d{n}"] = " ".join(rng.choices(words, k=rng.randint(1, 12)))
+            inc.add(f"d{n}", docs[f"d{n}"])
+            n += 1
+        if step % 50 == 0 or step == 2999:
+            q = queries[step // 50 % len(queries)]
+            inc.top(q, 3)  # builds (or grows) the query terms' arrays
+        if step % 500 == 499 or step == 2999:
+            ids = list(docs)
+            fresh = LuceneBM25([bm25_tokens(docs[d]) for d in ids])
+            for q in queries:
+                got = inc.scores(q)
+                want = fresh.get_scores(bm25_tokens(q)) if bm25_tokens(q) else [0.0] * len(ids)
+                assert len(inc) == len(ids) and set(got) <= set(ids)
+                for d, w in zip(ids, want, strict=True):
+                    assert got.get(d, 0.0) == pytest.approx(float(w))
+    assert n - len(docs) > 1024  # the compaction ran at least once

@@ -96,3 +96,15 @@ def test_a_question_naming_a_speaker_prefers_that_speakers_lines(make_service) -
     both = rank_lines(idx, corpus, "Where did Caroline and Melanie go?", None, svc.config,
                       mode="bm25")
     assert all("speaker" not in ln.reasons for ln in both)  # two named: no preference
+
+
+def test_warm_loads_the_index_and_builds_the_line_corpus(make_service) -> None:
+    svc = make_service()
+    svc.record_turn("acme", "s1", "user", "We hiked the Dolomites in June.")
+    svc.record_turn("acme", "s1", "assistant", "That sounds wonderful.")
+    svc.indexes._tenants.clear()  # as after a restart: nothing loaded
+    svc._lines.clear()
+    svc.warm("acme")
+    assert svc.indexes.loaded("acme")
+    idx, corpus = svc._lines["acme"]
+    assert idx is svc.indexes.get("acme") and len(corpus.alone) == 2

@@ -121,7 +121,13 @@ class MiniLMEmbedder:
                 self._frozen = self._freeze(batch) or False
             if self._frozen is False:
                 return None
-            out = self._frozen(batch["input_ids"], batch["attention_mask"])
+            try:
+                out = self._frozen(batch["input_ids"], batch["attention_mask"])
+            except Exception as exc:  # noqa: BLE001 - an input the graph cannot take: eager
+                log.warning("embedder %s: the frozen graph failed (%s); eager model used from "
+                            "now on", self.name, exc)
+                self._frozen = False
+                return None
             hidden = out["last_hidden_state"] if isinstance(out, dict) else out[0]
             return _normalise(hidden.mean(1).float().numpy())
 

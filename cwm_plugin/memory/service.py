@@ -10,6 +10,7 @@ appends are also locked across processes. Embeddings go through an on-disk cache
 from __future__ import annotations
 
 import gc
+import logging
 import re
 import threading
 import time
@@ -42,6 +43,7 @@ from cwm_plugin.memory.timing import Stages
 from cwm_plugin.memory.tokens import TokenCounter, content_text
 from cwm_plugin.memory.turns import LineCorpus, rank_lines
 
+log = logging.getLogger(__name__)
 __all__ = ["Hit", "Memory", "MemoryConfig", "MemoryService", "Selection"]
 TURN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 CHAT_ROLES = ("user", "assistant")
@@ -180,10 +182,14 @@ class MemoryService:
 
     def warm(self, tenant: str) -> None:
         """Get a tenant's first selection ready: its index loaded, its line corpus built and
-        scored once, the embedder's query path compiled (past its cache)."""
-        getattr(self.embedder, "inner", self.embedder).embed(["warm up"])
+        scored once (keyword side: no embedding needed), then the embedder's query path
+        compiled past its cache; an embedder that is down is logged, the rest stays warm."""
         self.select_context(tenant, None, [{"role": "user", "content": "warm up"}], 64,
-                            bump=False)
+                            bump=False, mode="bm25")
+        try:
+            getattr(self.embedder, "inner", self.embedder).embed(["warm up"])
+        except Exception as exc:  # noqa: BLE001 - a request will embed (or answer without)
+            log.warning("tenant %s: the query embedder did not warm up (%s)", tenant, exc)
 
     def search(self, tenant: str, query: str, k: int = 10, *, mode: str = "hybrid",
                session: str | None = None) -> list[Hit]:

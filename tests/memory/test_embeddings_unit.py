@@ -80,3 +80,16 @@ def test_the_eager_model_answers_when_no_frozen_graph_can_be_built(minilm, monke
     got = minilm.embed(["the tax return"])[0]
     assert minilm._frozen is False
     np.testing.assert_allclose(got @ want, 1.0, atol=1e-5)
+
+
+def test_a_frozen_graph_that_fails_on_an_input_gives_way_to_the_eager_model(minilm,
+                                                                            monkeypatch) -> None:
+    want = minilm.embed(["the leaking roof", "x"])[0]
+
+    def broken(*_a):
+        raise RuntimeError("shape the trace did not see")
+
+    monkeypatch.setattr(minilm, "_frozen", broken)
+    got = minilm.embed(["the leaking roof"])[0]
+    assert minilm._frozen is False
+    np.testing.assert_allclose(got @ want, 1.0, atol=1e-5)

@@ -108,3 +108,20 @@ def test_warm_loads_the_index_and_builds_the_line_corpus(make_service) -> None:
     assert svc.indexes.loaded("acme")
     idx, corpus = svc._lines["acme"]
     assert idx is svc.indexes.get("acme") and len(corpus.alone) == 2
+
+
+def test_warm_builds_the_line_corpus_when_the_embedder_is_down(make_service, caplog) -> None:
+    from cwm_plugin.errors import UpstreamError
+    from cwm_plugin.memory.embeddings import HashingEmbedder
+
+    class Down(HashingEmbedder):
+        def embed(self, texts):
+            raise UpstreamError("embeddings server refused the connection", hint="start it")
+
+    first = make_service()
+    first.record_turn("acme", "s1", "user", "We hiked the Dolomites in June.")
+    first.close()  # saves the index
+    svc = make_service(Down(), root=first.config.root)
+    svc.warm("acme")  # no exception: the keyword side is warm, the embedder is logged
+    assert svc.indexes.loaded("acme") and "acme" in svc._lines
+    assert "did not warm up" in caplog.text

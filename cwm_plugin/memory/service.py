@@ -36,6 +36,7 @@ from cwm_plugin.memory.models import (
     new_turn_id,
 )
 from cwm_plugin.memory.names import check_name, check_role
+from cwm_plugin.memory.ratios import TokenRatios
 from cwm_plugin.memory.search import search_index
 from cwm_plugin.memory.select import Candidates, select
 from cwm_plugin.memory.tenants import TenantIndexes
@@ -69,6 +70,7 @@ class MemoryService:
         # turns appended with defer_index, not indexed yet: tenant -> [(session, turns, span)]
         self._pending: dict[str, list[tuple[str, list[Turn], int, int]]] = {}
         self._lines: dict[str, tuple[TenantIndex, LineCorpus]] = {}  # per tenant, per index
+        self.ratios = TokenRatios()  # index tokens -> a served model's, per tenant
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -172,7 +174,20 @@ class MemoryService:
                 with self._guard:  # (a batch already added is a no-op the second time)
                     self._pending[tenant] = todo + self._pending.get(tenant, [])
                 raise
+            self._catch_up(tenant)
         return len(todo)
+
+    def _catch_up(self, tenant: str) -> None:
+        """After an indexing, off the next search's path: the look for other writers (when a
+        ``sync_interval_s`` has passed) and the line corpus (~5-10 ms each at 10k chunks)."""
+        try:
+            with self.lock(tenant):
+                idx = self.indexes.refresh(tenant)
+                got = self._lines.get(tenant)
+                if got is not None and got[0] is idx:
+                    got[1].sync(idx)
+        except Exception as exc:  # noqa: BLE001 - the next search looks again, and says
+            log.debug("tenant %s: catching up after an indexing failed: %s", tenant, exc)
 
     def transcript(self, tenant: str, session: str) -> list[dict]:
         """Turns read back from the file: ``turn_id`` (also ``id``), role, content, ts."""
@@ -275,9 +290,12 @@ class MemoryService:
                                  mode, shared, passages)
         counter = counter or self.counter
         with stages("count"):
+            known: dict[str, int] | None = cands.line_tokens
+            scale = 1.0 if counter.name == self.counter.name else \
+                self.ratios.of(tenant, counter, known.items())
             sel = select(counter, history, n, budget_tokens, cands, recent_ids,
                          self.config.max_facts, present=[*current, *(present or [])],
-                         known=cands.line_tokens if counter.name == self.counter.name else None)
+                         known=known if scale is not None else None, scale=scale or 1.0)
         if sel.facts and bump:
             self.bump(tenant, [m.id for m in sel.facts])
         return sel

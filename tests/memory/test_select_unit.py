@@ -164,13 +164,40 @@ class _Recording:
         return self.inner.count_messages(messages)
 
 
-def test_the_index_line_counts_are_reused_only_for_the_same_tokenizer(filled, counter) -> None:
+class _Doubled(_Recording):
+    """Another tokenizer: twice the tokens of ``inner``'s on every text."""
+
+    def count(self, text: str) -> int:
+        return 2 * super().count(text)
+
+    def count_messages(self, messages: list[dict]) -> int:
+        return 2 * self.inner.count_messages(messages)
+
+
+def test_the_index_line_counts_are_reused_as_they_are_for_the_same_tokenizer(filled,
+                                                                             counter) -> None:
     q = [{"role": "user", "content": "What about Portuguese and the trip to Kyoto?"}]
-    same, other = _Recording(counter, counter.name), _Recording(counter, "another-tokenizer")
+    same = _Recording(counter, counter.name)
     a = filled.select_context("acme", None, q, 400, counter=same, bump=False)
-    b = filled.select_context("acme", None, q, 400, counter=other, bump=False)
-    assert a.memory_block and a.memory_block == b.memory_block
     lines = {ln for h in a.hits for ln in h.text.split("\n")[1:]} - {"…"}
-    assert lines and lines <= set(other.seen)   # counted one by one by another tokenizer
-    assert not lines & set(same.seen)           # taken from the index: never counted again
+    assert lines and not lines & set(same.seen)   # taken from the index: never counted again
     assert a.tokens == counter.count(a.memory_block) <= 400
+
+
+def test_another_tokenizer_prices_lines_at_a_ratio_measured_once(filled, counter) -> None:
+    """A served model's tokenizer: the index's counts times the ratio of the two tokenizers,
+    measured once on the tenant's best lines; the block still counted exactly, in budget."""
+    other = _Doubled(counter, "another-tokenizer")
+    q = [{"role": "user", "content": "What about Portuguese and the trip to Kyoto?"}]
+    first = filled.select_context("acme", None, q, 800, counter=other, bump=False)
+    assert filled.ratios.of("acme", other, []) == pytest.approx(2.0, rel=0.02)
+    assert first.tokens == other.count(first.memory_block) <= 800
+    before = len(other.seen)
+    q2 = [{"role": "user", "content": "Remind me about the leaking roof and the new bicycle."}]
+    second = filled.select_context("acme", None, q2, 800, counter=other, bump=False)
+    lines = {ln for h in second.hits for ln in h.text.split("\n")[1:]} - {"…"}
+    assert lines and not lines & set(other.seen[before:])  # priced, never counted again
+    assert second.tokens == other.count(second.memory_block) <= 800
+    exact = filled.select_context("acme", None, q2, 400, counter=counter, bump=False)
+    assert second.memory_block == exact.memory_block  # twice the tokens, twice the budget
+    assert filled.ratios.of("acme", _Recording(counter, "third"), []) is None  # not measured

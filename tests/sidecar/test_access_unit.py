@@ -1,7 +1,7 @@
 """The permission matrix over real HTTP: every principal x namespace x operation of one config
 (generated, each allowed or a 403 naming the rule), retrieval that never returns what the
 principal may not read (two users, two providers and a tenant), and the grants that guard debug
-output, /metrics and /health's details. The upstream is ``fake_upstream.py``."""
+output, /metrics and /health's details. The upstream is ``cwm_plugin.testing.fake_upstream``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fake_upstream import FakeUpstream
 from sidecar_helpers import make_settings, wait_idle
 
 from cwm_plugin.errors import ConfigError
@@ -21,6 +20,7 @@ from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity import hash_key
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import load_settings
+from cwm_plugin.testing.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.unit
 KEYS = {"claude": "key-claude", "llama": "key-llama", "acme": "key-acme"}

@@ -1,6 +1,6 @@
 """The activity log through the sidecar, over real HTTP: appends name the authenticated tenant,
 the quick and full views, a line per chat turn, and no route that rewrites or deletes an entry;
-``cwm activity verify`` names an edited file. The upstream is ``fake_upstream.py``."""
+``cwm activity verify`` names an edited file. The upstream is ``cwm_plugin.testing.fake_upstream``."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fake_upstream import FakeUpstream
 from sidecar_helpers import KEYS, chat, make_settings, metric_value, runtime, wait_idle
 
 from cwm_plugin.activity.log import ActivityLog
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@
 turns, facts and activity entries at once over real HTTP (threads); afterwards every
 namespace holds only its own writes, the activity log holds every entry under its writer's
 name and its hash chain verifies, and retrieval injects nothing a principal may not read.
-The upstream is ``fake_upstream.py``."""
+The upstream is ``cwm_plugin.testing.fake_upstream``."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fake_upstream import FakeUpstream
 from sidecar_helpers import make_settings, runtime, wait_idle
 
 from cwm_plugin.activity.log import ActivityLog
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity import hash_key
 from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.unit
 KEYS = {"claude": "key-claude", "llama": "key-llama", "acme": "key-acme"}

@@ -1,16 +1,16 @@
 """A memory, index or embedder failure never fails a client's request: it is answered without
 memory, flagged in ``X-CWM-Memory-Status``, counted and logged once; damaged memory lines are
-skipped. Real HTTP both ways; the upstream is ``fake_upstream.py``; the embedder outage is a
+skipped. Real HTTP both ways; the upstream is ``cwm_plugin.testing.fake_upstream``; the embedder outage is a
 real embeddings endpoint that is not there."""
 
 from __future__ import annotations
 
 import pytest
-from fake_upstream import FakeUpstream
 from sidecar_helpers import chat, make_settings, metric_value, runtime, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.procs import free_port
 
 pytestmark = pytest.mark.unit

@@ -3,7 +3,7 @@ summary, no transcript passages) or the full one (``X-CWM-Memory-View``, default
 ``prompt.memory_view``) and is told how many tokens were injected (``X-CWM-Memory-Tokens``, the
 debug header too); ``GET /v1/memory/view`` returns a namespace's memory at either resolution
 with its token count, permission-checked, never writing a file. Over real HTTP in front of
-``fake_upstream.py``."""
+``cwm_plugin.testing.fake_upstream``."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fake_upstream import FakeUpstream
 from sidecar_helpers import KEYS, chat, make_settings, runtime, wait_idle
 
 from cwm_plugin.memory.tokens import make_counter
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.unit
 COUNTER = make_counter("tiktoken:cl100k_base")

@@ -1,6 +1,6 @@
 """The real ``openai`` SDK against the sidecar over real HTTP, a recording upstream behind it.
 
-The upstream is a small real OpenAI-compatible server (``fake_upstream.py``) that scripts the
+The upstream is a small real OpenAI-compatible server (``cwm_plugin.testing.fake_upstream``) that scripts the
 model's answers (tool calls included, which a random-weight model never makes) and records
 exactly what the sidecar sent. With memory off the upstream body must equal the client's plus
 the derived salt; with memory on no client message may be dropped, duplicated or reordered:
@@ -15,12 +15,12 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from fake_upstream import FakeUpstream
 from sidecar_helpers import KEYS, SECRET, make_settings, metric_value, runtime, salt
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity import Authenticator
 from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.unit
 SYSTEM = {"role": "system", "content": "You are the travel desk's agent. Use the tools."}

@@ -1,7 +1,7 @@
 """Rotating the sidecar's secret (``secret_versions.py``): the newest version derives salts and
 user names, a user's memory named with an older version in its grace period is found and moved
 to the newest name (over real HTTP, across a restart), and one past its grace is not looked up.
-The upstream is ``fake_upstream.py``."""
+The upstream is ``cwm_plugin.testing.fake_upstream``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from fake_upstream import FakeUpstream
 from sidecar_helpers import KEYS, make_settings, wait_idle
 
 from cwm_plugin.errors import ConfigError
@@ -22,6 +21,7 @@ from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity import Authenticator, hash_key
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import Settings, TenantConfig, load_settings
+from cwm_plugin.testing.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.unit
 OLD, NEW = "old-secret-0123456789abcdef", "new-secret-0123456789abcdef"

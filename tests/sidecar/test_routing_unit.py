@@ -2,7 +2,7 @@
 winning, failover on connect errors and 5xx (streamed or not), health checks, the context
 limit of the upstream that answered, background work on its own upstream.
 
-Each upstream is a small real OpenAI-compatible server (``fake_upstream.py``) serving one
+Each upstream is a small real OpenAI-compatible server (``cwm_plugin.testing.fake_upstream``) serving one
 model under its own name, so where a request went is visible in what each one received.
 """
 
@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fake_upstream import FakeUpstream
 from sidecar_helpers import (
     ADMIN,
     KEYS,
@@ -33,6 +32,7 @@ from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.routing import Classifier
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import DEFAULT_RULES, Settings, load_settings
+from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.procs import wait_until
 
 pytestmark = pytest.mark.unit

@@ -2,7 +2,7 @@
 store, a session's first request in the grace period re-keys the context its old salt left
 under its new salt, once, before it is forwarded; past the grace period nothing is looked up.
 The store is a real disk store holding what the connector leaves (``window_helpers.py``);
-the sidecar runs over real HTTP in front of ``fake_upstream.py``; no vLLM."""
+the sidecar runs over real HTTP in front of ``cwm_plugin.testing.fake_upstream``; no vLLM."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fake_upstream import FakeUpstream
 from prometheus_client import CollectorRegistry
 from sidecar_helpers import KEYS, chat, make_settings, metric_value, runtime
 from window_helpers import BS, block, converse, session_blocks
@@ -24,6 +23,7 @@ from cwm_plugin.sidecar.identity import derive_salt
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.testing.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.unit
 OLD, NEW = "old-secret-0123456789abcdef", "new-secret-0123456789abcdef"

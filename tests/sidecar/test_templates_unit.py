@@ -10,11 +10,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from fake_upstream import FakeUpstream
 from sidecar_helpers import chat, make_settings, runtime
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.unit
 ALTERNATE = ("{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"

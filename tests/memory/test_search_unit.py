@@ -241,3 +241,29 @@ def test_deferred_indexing_under_concurrent_appends_equals_a_rebuild(make_servic
     assert len(svc.transcript("acme", "s0")) + len(svc.transcript("acme", "s1")) == 121
     svc.reindex("acme", progress=False)
     assert {c: ch.text for c, ch in svc.index("acme").chunks.items()} == live
+
+
+def test_an_indexing_brings_the_line_corpus_and_other_writers_in_before_the_next_search(
+        make_service, monkeypatch) -> None:
+    """The catch-up after a deferred indexing: the line corpus holds the new lines and a file
+    written by another process is indexed, before any search; a catch-up that fails leaves
+    the turns indexed (and the next search to look again)."""
+    svc = make_service(sync_interval_s=0.0)
+    svc.record_turn("acme", "s", "user", "warm up the index")
+    assert svc.select_context("acme", None, [{"role": "user", "content": "warm"}], 200,
+                              bump=False, mode="bm25") is not None  # builds the line corpus
+    corpus = svc._lines["acme"][1]
+    before = len(corpus.alone)
+    other = make_service(root=svc.config.root)  # another writer on the same files
+    other.record_turn("acme", "t", "user", "a walrus named Olga")
+    svc.record_turns("acme", "s", [("user", "my canoe is mauve")], defer_index=True)
+    searched: list[str] = []
+    monkeypatch.setattr("cwm_plugin.memory.service.rank_lines",
+                        lambda *a, **k: searched.append("x") or [])
+    assert svc.index_pending("acme") == 1 and not searched
+    assert len(corpus.alone) == before + 2  # both new lines, no search needed
+    assert "t" in svc.indexes.get("acme").sessions
+    svc.record_turns("acme", "s", [("user", "my kayak is teal")], defer_index=True)
+    monkeypatch.setattr(svc.indexes, "refresh", lambda tenant: 1 / 0)
+    assert svc.index_pending("acme") == 1 and not svc._pending.get("acme")
+    assert any("kayak" in c.text for c in svc.indexes.get("acme").chunks.values())

@@ -267,6 +267,23 @@ class TenantIndex:
             else 0.0
         return float(np.max(lines)) + extra
 
+    def vector_scores(self, qvec: np.ndarray, cids: list[str]) -> dict[str, float]:
+        """``vector_score`` of many chunks: one product over all their lines (a search scores
+        ~130 candidate chunks; one at a time that was ~3 ms of a first turn at 10k chunks)."""
+        out = dict.fromkeys(cids, 0.0)  # a chunk without lines scores 0, as one at a time
+        have = [c for c in cids if self.chunk_labels.get(c)]
+        if not have:
+            return out
+        labs = [self.chunk_labels[c] for c in have]
+        sims = self.vectors[np.fromiter((x for ls in labs for x in ls), dtype=np.int64)] @ qvec
+        starts = np.cumsum([0, *(len(ls) for ls in labs[:-1])])
+        best = np.maximum.reduceat(sims, starts)
+        cent = np.stack([self.doc_vector(c) for c in have]) @ qvec if self.chunk_weight \
+            else np.zeros(len(have))
+        for c, b, v in zip(have, best.tolist(), cent.tolist(), strict=True):
+            out[c] = b + (v * self.chunk_weight if self.chunk_weight else 0.0)
+        return out
+
     def doc_vector(self, cid: str) -> np.ndarray:
         """The chunk's centroid: the normalised mean of its line vectors (cached)."""
         v = self._centroids.get(cid)

@@ -108,7 +108,7 @@ def search_index(index: Corpus, query: str, qvec: np.ndarray | None, k: int,
             lines = n_cand * 2 if session is None else index.n_vectors
             vc = [c for c in index.vector_candidates(qvec, lines)
                   if allowed is None or c in allowed]
-            vec = {c: index.vector_score(qvec, c) for c in vc}
+            vec = _vector_scores(index, qvec, vc)
             cands.update(heapq.nlargest(n_cand, vec, key=vec.__getitem__))
     if mode in ("bm25", "hybrid"):
         with stages("keyword"):  # the best n_cand, and the vector candidates' exact scores
@@ -120,14 +120,24 @@ def search_index(index: Corpus, query: str, qvec: np.ndarray | None, k: int,
         return _fuse(index, cands, bm25, vec, qvec, k, cfg, mode)
 
 
+def _vector_scores(index: Corpus, qvec: np.ndarray, ids: list[str]) -> dict[str, float]:
+    """``vector_score`` of each of ``ids``, all at once where the index can."""
+    batch = getattr(index, "vector_scores", None)
+    return batch(qvec, ids) if batch is not None else {c: index.vector_score(qvec, c)
+                                                       for c in ids}
+
+
 def _fuse(index: Corpus, cands: set[str], bm25: dict[str, float], vec: dict[str, float],
           qvec: np.ndarray | None, k: int, cfg: MemoryConfig, mode: str) -> list[Hit]:
     """Score the candidates by ``mode`` (see the module docstring) and keep the ``k`` best."""
     reasons: dict[str, dict[str, float]] = {c: {} for c in cands}
     if mode == "hybrid":
         b = {c: bm25.get(c, 0.0) for c in cands}
-        v = {c: vec[c] if c in vec else index.vector_score(qvec, c) for c in cands} \
-            if qvec is not None else dict.fromkeys(cands, 0.0)
+        if qvec is not None:
+            more = _vector_scores(index, qvec, [c for c in cands if c not in vec])
+            v = {c: vec[c] if c in vec else more[c] for c in cands}
+        else:
+            v = dict.fromkeys(cands, 0.0)
         nb, nv = _minmax(b), _minmax(v)
         score = {c: cfg.bm25_weight * nb[c] + cfg.vector_weight * nv[c] for c in cands}
         for c in cands:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import re
 import threading
 import time
 from datetime import datetime
@@ -23,7 +22,7 @@ from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.chunking import Unit
 from cwm_plugin.memory.embeddings import CachedEmbedder, Embedder
 from cwm_plugin.memory.factstore import FactStore, Merged
-from cwm_plugin.memory.files import MemoryFiles, utc_iso
+from cwm_plugin.memory.files import MemoryFiles
 from cwm_plugin.memory.history import prefix_length, split_current
 from cwm_plugin.memory.index import TenantIndex
 from cwm_plugin.memory.metrics import MemoryMetrics
@@ -33,9 +32,9 @@ from cwm_plugin.memory.models import (
     MemoryConfig,
     Selection,
     Turn,
-    new_turn_id,
 )
-from cwm_plugin.memory.names import check_name, check_role
+from cwm_plugin.memory.names import check_name
+from cwm_plugin.memory.pending import Batch, PendingTurns, turn_records
 from cwm_plugin.memory.ratios import TokenRatios
 from cwm_plugin.memory.search import search_index
 from cwm_plugin.memory.select import Candidates, select
@@ -46,7 +45,6 @@ from cwm_plugin.memory.turns import LineCorpus, rank_lines
 
 log = logging.getLogger(__name__)
 __all__ = ["Hit", "Memory", "MemoryConfig", "MemoryService", "Selection"]
-TURN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 CHAT_ROLES = ("user", "assistant")
 SEARCH_K = 10
 
@@ -65,10 +63,8 @@ class MemoryService:
         self.indexes = TenantIndexes(self.files, config, embedder, counter, self.metrics)
         self.facts = FactStore(self.files, self._similar, self.lock)
         self._locks: dict[str, threading.RLock] = {}
-        self._indexing: dict[str, threading.RLock] = {}  # one deferred indexing at a time
         self._guard = threading.Lock()
-        # turns appended with defer_index, not indexed yet: tenant -> [(session, turns, span)]
-        self._pending: dict[str, list[tuple[str, list[Turn], int, int]]] = {}
+        self.pending = PendingTurns()  # appended with defer_index, not indexed yet
         self._lines: dict[str, tuple[TenantIndex, LineCorpus]] = {}  # per tenant, per index
         self.ratios = TokenRatios()  # index tokens -> a served model's, per tenant
 
@@ -76,11 +72,8 @@ class MemoryService:
 
     def lock(self, tenant: str) -> threading.RLock:
         """The tenant's re-entrant lock (hold it to keep several appends adjacent)."""
-        return self._lock_of(self._locks, tenant)
-
-    def _lock_of(self, locks: dict[str, threading.RLock], tenant: str) -> threading.RLock:
         with self._guard:
-            return locks.setdefault(tenant, threading.RLock())
+            return self._locks.setdefault(tenant, threading.RLock())
 
     def index(self, tenant: str) -> TenantIndex:
         """The tenant's chunk index, caught up with its files."""
@@ -109,28 +102,14 @@ class MemoryService:
         the tenant runs first anyway: a caller answering a client can do it afterwards."""
         check_name("tenant", tenant)
         check_name("session", session)
-        ids = list(turn_ids or [None] * len(turns))
-        if len(ids) != len(turns):
-            raise InvalidInput(f"{len(ids)} turn ids for {len(turns)} turns")
-        records = []
-        for (role, content), turn_id in zip(turns, ids, strict=True):
-            check_role(role)
-            if not isinstance(content, str):
-                raise InvalidInput("turn content must be a string")
-            if turn_id is None:
-                turn_id = new_turn_id()
-            elif not TURN_ID.match(turn_id):
-                raise InvalidInput(f"turn id {turn_id!r} is not allowed",
-                                   hint="use 1-64 letters, digits, '_', '.', ':' or '-'")
-            records.append(Turn(turn_id=turn_id, role=role, content=content, ts=utc_iso(ts)))
+        records = turn_records(turns, turn_ids, ts)
         if not records:
             return []
         if defer_index:  # no wait on the tenant's lock (a search or an indexing may hold it)
             loaded = self.indexes.loaded(tenant)
             start, end = self.files.append_turns(tenant, session, records)
             if loaded:  # (an index loaded later reads these turns from the file)
-                with self._guard:
-                    self._pending.setdefault(tenant, []).append((session, records, start, end))
+                self.pending.add(tenant, (session, records, start, end))
             return [t.turn_id for t in records]
         with self.lock(tenant):
             loaded = self.indexes.loaded(tenant)
@@ -146,36 +125,31 @@ class MemoryService:
         Their lines are embedded without holding the tenant's lock (appends and searches go
         on meanwhile); a search calls this first, so it waits for an indexing under way and
         sees every turn this process appended. On failure the batches stay queued."""
-        with self._lock_of(self._indexing, tenant):
-            with self._guard:
-                todo = self._pending.pop(tenant, [])
-            if not todo:
-                return 0
-            try:
-                with self.lock(tenant):
-                    idx = self.indexes.get(tenant)
-                    units = [idx.units(records) for _, records, _, _ in todo]
-                    last: dict[str, Unit | None] = {}
-                    prevs = []
-                    for (session, _, _, _), us in zip(todo, units, strict=True):
-                        prevs.append(last.get(session, idx.last_unit(session)))
-                        last[session] = us[-1] if us else prevs[-1]
-                inputs = [idx.embed_inputs(p, us) for p, us in zip(prevs, units, strict=True)]
-                embedded = self.embedder.embed([t for ins in inputs for t in ins])
-                with self.lock(tenant):
-                    at = 0
-                    for (session, records, start, end), us, p, ins in zip(
-                            todo, units, prevs, inputs, strict=True):
-                        vecs = idx.line_vectors(p, us, embedded[at:at + len(ins)])
-                        self.indexes.appended(tenant, session, records, start, end,
-                                              prepared=(us, vecs))
-                        at += len(ins)
-            except Exception:  # the embedder is down, say: try again next time
-                with self._guard:  # (a batch already added is a no-op the second time)
-                    self._pending[tenant] = todo + self._pending.get(tenant, [])
-                raise
-            self._catch_up(tenant)
+        with self.pending.take(tenant) as todo:
+            if todo:
+                self._index_batches(tenant, todo)
+                self._catch_up(tenant)
         return len(todo)
+
+    def _index_batches(self, tenant: str, todo: list[Batch]) -> None:
+        with self.lock(tenant):
+            idx = self.indexes.get(tenant)
+            units = [idx.units(records) for _, records, _, _ in todo]
+            last: dict[str, Unit | None] = {}
+            prevs = []
+            for (session, _, _, _), us in zip(todo, units, strict=True):
+                prevs.append(last.get(session, idx.last_unit(session)))
+                last[session] = us[-1] if us else prevs[-1]
+        inputs = [idx.embed_inputs(p, us) for p, us in zip(prevs, units, strict=True)]
+        embedded = self.embedder.embed([t for ins in inputs for t in ins])
+        with self.lock(tenant):
+            at = 0
+            for (session, records, start, end), us, p, ins in zip(todo, units, prevs, inputs,
+                                                                  strict=True):
+                vecs = idx.line_vectors(p, us, embedded[at:at + len(ins)])
+                self.indexes.appended(tenant, session, records, start, end,
+                                      prepared=(us, vecs))
+                at += len(ins)
 
     def _catch_up(self, tenant: str) -> None:
         """After an indexing, off the next search's path: the look for other writers (when a
@@ -421,9 +395,7 @@ class MemoryService:
         return n
 
     def close(self) -> None:
-        with self._guard:
-            pending = list(self._pending)
-        for tenant in pending:
+        for tenant in self.pending.tenants():
             self.index_pending(tenant)
         self.save()
         if isinstance(self.embedder, CachedEmbedder):

@@ -188,9 +188,9 @@ def test_an_exchange_is_one_durable_append_and_indexed_at_once(make_service, mon
     # deferred indexing: the turns are in the file at once and in the index by the next search
     svc.record_turns("acme", "s", [("user", "my canoe is mauve")], defer_index=True, ts=when)
     assert svc.transcript("acme", "s")[-1]["content"] == "my canoe is mauve"
-    assert svc._pending["acme"]
+    assert svc.pending.waiting("acme") == 1
     assert "mauve" in svc.search("acme", "mauve canoe", 1, mode="bm25")[0].text
-    assert not svc._pending.get("acme") and svc.index_pending("acme") == 0
+    assert not svc.pending.waiting("acme") and svc.index_pending("acme") == 0
 
 
 def test_vector_candidates_follow_adds_and_drops(make_service) -> None:
@@ -265,5 +265,22 @@ def test_an_indexing_brings_the_line_corpus_and_other_writers_in_before_the_next
     assert "t" in svc.indexes.get("acme").sessions
     svc.record_turns("acme", "s", [("user", "my kayak is teal")], defer_index=True)
     monkeypatch.setattr(svc.indexes, "refresh", lambda tenant: 1 / 0)
-    assert svc.index_pending("acme") == 1 and not svc._pending.get("acme")
+    assert svc.index_pending("acme") == 1 and not svc.pending.waiting("acme")
     assert any("kayak" in c.text for c in svc.indexes.get("acme").chunks.values())
+
+
+@pytest.mark.parametrize("chunk_weight", [1.0, 0.0])
+def test_vector_scores_of_many_chunks_equal_one_at_a_time(make_service, chunk_weight) -> None:
+    svc = make_service(chunk_tokens=40, chunk_overlap=8, chunk_vector_weight=chunk_weight)
+    for i in range(40):
+        svc.record_turn("acme", f"s{i % 4}", "user", f"line {i} about topic {i % 7} " * 3)
+    idx = svc.index("acme")
+    idx.drop_session("s2")
+    ids = [*idx.chunks, "no-such-chunk"]
+    for text in ("topic 3", "line 17 about"):
+        q = svc.embedder.embed([text])[0]
+        got = idx.vector_scores(q, ids)
+        assert list(got) == ids and got["no-such-chunk"] == 0.0
+        for c in ids:
+            assert got[c] == pytest.approx(idx.vector_score(q, c), abs=1e-6)
+    assert idx.vector_scores(q, []) == {}

@@ -114,8 +114,12 @@ class CWMConnector(KVConnectorBase_V1):
         rank = get_tensor_model_parallel_rank()
         stage = get_pp_group().rank_in_group
         store = self._open_store(ns, memory=True, rank=str(rank))
+        at = {v.data_ptr(): i for i, v in enumerate(views)}
+        layer_index = {name: at[t.data_ptr()] for name, t in kv_caches.items()
+                       if t.data_ptr() in at}
         self._worker = WorkerSide(store, self.stats, ns=ns, rank=rank, layout=layout,
-                                  layers=views, index=stage * ns.tp_size + rank)
+                                  layers=views, index=stage * ns.tp_size + rank,
+                                  layer_index=layer_index)
         log.info("cwm connector (worker, stage %d rank %d) ready: namespace %s, model %s",
                  stage, rank, ns.fingerprint, ns.model)
 
@@ -204,7 +208,10 @@ class CWMConnector(KVConnectorBase_V1):
             self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
+        # CPU caches are filled in start_load_kv; on a GPU the compute stream waits for this
+        # layer's queued copies (device-side, the host does not block)
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:

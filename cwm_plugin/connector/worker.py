@@ -6,8 +6,9 @@ Runs in each worker process (one per TP rank), once a step:
   planned block hashes, find which tiers hold them (up to the first that none holds), and read
   them through the store's pipeline (:mod:`cwm_plugin.store.reading`): blobs are fetched chunk
   by chunk and decoded in parallel on the store's threads, each straight into a per-thread
-  scratch block that the same thread copies into the paged cache (CPU caches; a device cache
-  gets a reused host staging tensor and one scatter). The store checks each blob's KV layout
+  scratch block that the same thread copies into the paged cache (CPU caches; for a device
+  cache every request of the step decodes into one pinned staging tensor whose copy is queued
+  on a side stream, :mod:`~cwm_plugin.connector.device_load`). The store checks each blob's KV layout
   against ours. A block that is missing, corrupt or of another layout, and every later block of
   that request, is reported through ``get_block_ids_with_load_errors`` so vLLM recomputes it
   (``kv_load_failure_policy: recompute``). Seconds per stage (lookup, read, decompress,
@@ -16,9 +17,14 @@ Runs in each worker process (one per TP rank), once a step:
   cache into one staging tensor and hand each block to the store under this rank's key; the store
   encodes and writes it on its own threads. After the copy vLLM may free the paged blocks.
 
-Loading is whole-request rather than layer by layer: the store holds one blob per block with all
-layers (one key, one checksum, one round trip), and on CPU the forward pass runs on the same
-cores as decoding, so there is no transfer to overlap with compute.
+* ``wait_layer`` (vLLM's ``wait_for_layer_load``): on a device, the compute stream waits for that
+  layer's copies; on CPU the blocks are already in place.
+
+Decoding is whole-request rather than layer by layer: the store holds one blob per block with
+all layers (one key, one checksum, one round trip), and on CPU the forward pass runs on the same
+cores as decoding, so there is no transfer to overlap with compute. On a GPU the host-to-device
+copy and each layer's scatter overlap the forward pass's queueing, and layer ``i``'s attention
+waits only for its own scatter.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ from concurrent.futures import Future
 
 import torch
 
+from cwm_plugin.connector.device_load import DeviceLoader
 from cwm_plugin.connector.keys import Namespace
 from cwm_plugin.connector.layout import KVLayout
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.stats import StatsCollector
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.kernels import jit
-from cwm_plugin.kernels.blocks import BlockWriter, gather_blocks, scatter_blocks
+from cwm_plugin.kernels.blocks import BlockWriter, gather_blocks
 from cwm_plugin.memory.timing import Stages
 from cwm_plugin.store.tiered import KVStore
 
@@ -48,7 +55,8 @@ SHUTDOWN_FLUSH_S = 30                      # the longest a shutdown waits for pe
 
 class WorkerSide:
     def __init__(self, store: KVStore, stats: StatsCollector, *, ns: Namespace, rank: int,
-                 layout: KVLayout, layers: list[torch.Tensor], index: int = 0) -> None:
+                 layout: KVLayout, layers: list[torch.Tensor], index: int = 0,
+                 layer_index: dict[str, int] | None = None) -> None:
         if len(layers) != layout.num_layers or any(
                 tuple(t.shape[1:]) != layout.block_shape for t in layers):
             raise ConfigError(f"KV tensors {[tuple(t.shape) for t in layers]} do not match the "
@@ -67,9 +75,12 @@ class WorkerSide:
         self._pending: list[tuple[bytes, Future]] = []
         self._stored: set[tuple[bytes, int]] = set()
         self._failed: set[bytes] = set()
-        self._staging: torch.Tensor | None = None        # device caches: reused host staging
-        # CPU caches: each block is copied into the paged cache by the thread that decoded it
-        self._writer = BlockWriter(layers, 0) if layers[0].device.type == "cpu" else None
+        self.layer_index = dict(layer_index or {})    # vLLM layer name -> index in layers
+        # CPU caches: each block is copied into the paged cache by the thread that decoded it;
+        # device caches: decoded into pinned staging, copied on a side stream, one event a layer
+        cpu = layers[0].device.type == "cpu"
+        self._writer = BlockWriter(layers, 0) if cpu else None
+        self._device = None if cpu else DeviceLoader(layers, layout.per_block, self.dtype)
         t0 = time.perf_counter()
         jit.warm_up()          # the decoders' compiled kernels, before the first restore
         log.info("cwm connector: codec kernels ready in %.2fs", time.perf_counter() - t0)
@@ -79,10 +90,39 @@ class WorkerSide:
     def start_load_kv(self, meta: CWMConnectorMetadata) -> None:
         if meta.reset:
             self.store.reset_memory()
-        for transfer in meta.loads:
-            self._load(transfer)
+        if self._device is None:
+            for transfer in meta.loads:
+                self._load(transfer)
+            return
+        # Device caches: every request of the step decodes into one pinned staging tensor,
+        # then one queued copy (the forward pass waits for it layer by layer).
+        self._device.clear()
+        total = sum(len(t.block_hashes) for t in meta.loads)
+        if not total:
+            return
+        staging = self._device.staging(total)
+        rows: list[int] = []
+        block_ids: list[int] = []
+        off = 0
+        for t in meta.loads:
+            n = len(t.block_hashes)
+            good = self._load(t, staging[off:off + n])
+            rows.extend(range(off, off + good))
+            block_ids.extend(t.block_ids[:good])
+            off += n
+        t0 = time.perf_counter()
+        self._device.submit(rows, block_ids)
+        self.stats.add("load_phase_seconds", time.perf_counter() - t0, phase="copy")
 
-    def _load(self, t: BlockTransfer) -> None:
+    def wait_layer(self, layer_name: str) -> None:
+        """Before layer ``layer_name``'s attention: on a device, the compute stream waits for
+        that layer's restored blocks (a device-side wait); CPU loads are already done."""
+        if self._device is not None:
+            self._device.wait_layer(self.layer_index.get(layer_name, -1))
+
+    def _load(self, t: BlockTransfer, staging: torch.Tensor | None = None) -> int:
+        """Read one request's blocks (into the paged cache, or into ``staging`` rows for a
+        device cache); returns how many leading blocks were served."""
         t0 = time.perf_counter()
         keys = self.ns.keys(t.block_hashes, self.rank, t.extra)
         stages = Stages()
@@ -90,12 +130,12 @@ class WorkerSide:
         held = self.store.where_many(keys)
         todo = next((i for i, tier in enumerate(held) if tier is None), len(keys))
         stages.add("lookup", time.perf_counter() - t0)
-        if self._writer is not None:
+        if staging is None:
             served = self.store.read_into(keys[:todo], self._sink(keys, t.block_ids),
                                           shape=self.layout.per_block, dtype=self.dtype,
                                           layout=self.layout_name, salt=t.salt, stages=stages)
         else:
-            served = self._load_staged(keys[:todo], t.block_ids, t.salt, stages)
+            served = self._decode_staged(keys[:todo], staging, t.salt, stages)
         good = next((i for i, tier in enumerate(served) if tier is None), len(served))
         if good < len(keys):
             self._load_errors.update(t.block_ids[good:])
@@ -104,6 +144,7 @@ class WorkerSide:
             self._failed.update(bytes(h) for h in t.block_hashes[good:])
             self.stats.add("load_errors", len(keys) - good)
         self._count_load(served[:good], stages, time.perf_counter() - t0)
+        return good
 
     def _sink(self, keys: list[bytes], block_ids: list[int]):
         """Copy a decoded block into the paged cache (on the thread that decoded it)."""
@@ -115,29 +156,18 @@ class WorkerSide:
             return True
         return sink
 
-    def _load_staged(self, keys: list[bytes], block_ids: list[int], salt: str | None,
-                     stages: Stages) -> list[str | None]:
-        """Device caches: decode into a reused host staging tensor, then one scatter."""
-        n = len(keys)
-        if self._staging is None or self._staging.shape[0] < n:
-            self._staging = torch.empty((n, *self.layout.per_block), dtype=self.dtype)
-        staging = self._staging[:n]
-
+    def _decode_staged(self, keys: list[bytes], staging: torch.Tensor, salt: str | None,
+                       stages: Stages) -> list[str | None]:
+        """Device caches: decode each block straight into its row of the pinned staging."""
         def check(i: int, block: torch.Tensor) -> bool:
             if block.data_ptr() == staging[i].data_ptr():
                 return True
             self._wrong_shape(keys[i], block)
             return False
 
-        served = self.store.read_into(keys, check, shape=self.layout.per_block,
-                                      dtype=self.dtype, into=lambda i: staging[i],
-                                      layout=self.layout_name, salt=salt, stages=stages)
-        good = next((i for i, tier in enumerate(served) if tier is None), n)
-        if good:
-            t0 = time.perf_counter()
-            scatter_blocks(self.layers, 0, block_ids[:good], staging[:good])
-            stages.add("copy", time.perf_counter() - t0)
-        return served
+        return self.store.read_into(keys, check, shape=self.layout.per_block, dtype=self.dtype,
+                                    into=lambda i: staging[i], layout=self.layout_name,
+                                    salt=salt, stages=stages)
 
     def _wrong_shape(self, key: bytes, block: torch.Tensor) -> None:
         log.warning("cwm connector: block %s has shape %s %s, expected %s %s; recomputing",

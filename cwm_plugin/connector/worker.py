@@ -29,6 +29,7 @@ waits only for its own scatter.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -93,26 +94,47 @@ class WorkerSide:
         if self._device is None:
             for transfer in meta.loads:
                 self._load(transfer)
-            return
-        # Device caches: every request of the step decodes into one pinned staging tensor,
-        # then one queued copy (the forward pass waits for it layer by layer).
-        self._device.clear()
-        total = sum(len(t.block_hashes) for t in meta.loads)
-        if not total:
-            return
-        staging = self._device.staging(total)
+        else:
+            self._load_device(meta.loads)
+
+    def _load_device(self, loads: list[BlockTransfer]) -> None:
+        """Device caches: the step's requests decode into one pinned staging of at most
+        ``DeviceLoader.max_rows`` blocks; each filled staging is queued as one copy (the
+        forward pass waits for it layer by layer), so a long restore pins a bounded buffer."""
+        dev = self._device
+        dev.clear()
+        left = sum(len(t.block_hashes) for t in loads)
+        staging: torch.Tensor | None = None
         rows: list[int] = []
-        block_ids: list[int] = []
-        off = 0
-        for t in meta.loads:
-            n = len(t.block_hashes)
-            good = self._load(t, staging[off:off + n])
-            rows.extend(range(off, off + good))
-            block_ids.extend(t.block_ids[:good])
-            off += n
-        t0 = time.perf_counter()
-        self._device.submit(rows, block_ids)
-        self.stats.add("load_phase_seconds", time.perf_counter() - t0, phase="copy")
+        ids: list[int] = []
+        used = 0
+        for t in loads:
+            lo, n = 0, len(t.block_hashes)
+            while lo < n:
+                if staging is None or used == staging.shape[0]:
+                    self._submit(rows, ids)
+                    rows, ids, used = [], [], 0
+                    staging = dev.staging(min(dev.max_rows, left))
+                hi = min(n, lo + staging.shape[0] - used)
+                part = dataclasses.replace(t, block_ids=t.block_ids[lo:hi],
+                                           block_hashes=t.block_hashes[lo:hi])
+                good = self._load(part, staging[used:used + hi - lo])
+                rows.extend(range(used, used + good))
+                ids.extend(part.block_ids[:good])
+                used += hi - lo
+                left -= hi - lo
+                if good < hi - lo:           # the rest of this request is recomputed too
+                    self._give_up(t, hi)
+                    left -= n - hi
+                    break
+                lo = hi
+        self._submit(rows, ids)
+
+    def _submit(self, rows: list[int], block_ids: list[int]) -> None:
+        if rows:
+            t0 = time.perf_counter()
+            self._device.submit(rows, block_ids)
+            self.stats.add("load_phase_seconds", time.perf_counter() - t0, phase="copy")
 
     def wait_layer(self, layer_name: str) -> None:
         """Before layer ``layer_name``'s attention: on a device, the compute stream waits for
@@ -137,14 +159,18 @@ class WorkerSide:
         else:
             served = self._decode_staged(keys[:todo], staging, t.salt, stages)
         good = next((i for i, tier in enumerate(served) if tier is None), len(served))
-        if good < len(keys):
-            self._load_errors.update(t.block_ids[good:])
-            # The scheduler forgets all of them (the first failed; the rest were not used),
-            # so its next lookup asks the store again and saves the ones that are really gone.
-            self._failed.update(bytes(h) for h in t.block_hashes[good:])
-            self.stats.add("load_errors", len(keys) - good)
+        self._give_up(t, good)
         self._count_load(served[:good], stages, time.perf_counter() - t0)
         return good
+
+    def _give_up(self, t: BlockTransfer, start: int) -> None:
+        """Blocks ``start..`` of a request are not loaded: vLLM recomputes them, and the
+        scheduler forgets all of them (the first failed; the rest were not used), so its next
+        lookup asks the store again and saves the ones that are really gone."""
+        if start < len(t.block_ids):
+            self._load_errors.update(t.block_ids[start:])
+            self._failed.update(bytes(h) for h in t.block_hashes[start:])
+            self.stats.add("load_errors", len(t.block_ids) - start)
 
     def _sink(self, keys: list[bytes], block_ids: list[int]):
         """Copy a decoded block into the paged cache (on the thread that decoded it)."""

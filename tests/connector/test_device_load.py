@@ -139,3 +139,15 @@ def test_submit_returns_before_the_copy_and_each_layer_has_its_event(store):
     assert probe.item() == blocks[b"k0"][0].float().sum().item()
     loader.clear()
     assert loader._events is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_staging_is_bounded_and_grows_only_up_to_the_bound(device):
+    layers = paged(device, torch.bfloat16, physical_nhd=False)
+    block_bytes = torch.empty(PER_BLOCK, dtype=torch.bfloat16).nbytes
+    loader = DeviceLoader(layers, PER_BLOCK, torch.bfloat16, staging_bytes=3 * block_bytes)
+    assert loader.max_rows == 3
+    assert loader.staging(2).shape[0] == 2
+    assert loader.staging(3).shape[0] == 3 and loader._host.shape[0] == 3   # not doubled past
+    with pytest.raises(ValueError, match="exceed"):
+        loader.staging(4)

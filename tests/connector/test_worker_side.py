@@ -69,12 +69,13 @@ def test_saved_blocks_load_bit_exactly_into_other_block_ids(open_store):
         for p in ("lookup", "read", "decompress", "transform", "copy")}
 
 
-def staged(worker: WorkerSide, chunk_blocks: int) -> WorkerSide:
+def staged(worker: WorkerSide, chunk_blocks: int, staging_blocks: int = 64) -> WorkerSide:
     """Switch a CPU worker to the device path (pinned staging and copies are synchronous on a
     CPU; the GPU half is tests/connector/test_device_load.py)."""
     worker._writer = None
     worker._device = DeviceLoader(worker.layers, worker.layout.per_block, worker.dtype,
-                                  scratch_bytes=chunk_blocks * worker.block_bytes)
+                                  scratch_bytes=chunk_blocks * worker.block_bytes,
+                                  staging_bytes=staging_blocks * worker.block_bytes)
     return worker
 
 
@@ -99,6 +100,23 @@ def test_the_staged_path_of_device_caches_loads_the_same_blocks(open_store):
     assert load(dst, [15], [h(2)]) == set() and dst._device._host is staging      # reused
     assert torch.equal(block(dst, 15), block(src, 2))
     dst.wait_layer("model.layers.0.self_attn.attn")           # no events on a CPU: a no-op
+
+
+def test_a_restore_longer_than_the_staging_goes_in_rounds(open_store):
+    # Pinned staging is bounded (2 blocks here): a step of 3 + 3 blocks is decoded and copied
+    # in rounds; a hole in the second request still fails its later blocks, in any round.
+    src = make_worker(open_store, seed=6)
+    save(src, [1, 2, 3, 4], [h(1), h(2), h(3), h(4)])
+    dst = staged(make_worker(open_store, store=src.store), chunk_blocks=1, staging_blocks=2)
+    dst.start_load_kv(CWMConnectorMetadata(loads=[
+        BlockTransfer("a", [5, 6, 7], [h(1), h(2), h(3)]),
+        BlockTransfer("b", [8, 9, 10], [h(4), h(9), h(2)])]))
+    assert dst.take_load_errors() == {9, 10}
+    for a, b in ((1, 5), (2, 6), (3, 7), (4, 8)):
+        assert torch.equal(block(dst, b), block(src, a)), (a, b)
+    assert torch.count_nonzero(block(dst, 10)) == 0
+    assert dst._device._host.shape[0] == 2                  # never grew past the bound
+    assert dst.stats.snapshot()["load_errors"] == 2
 
 
 def test_loads_from_the_memory_tier_are_labelled_memory(open_store):

@@ -12,7 +12,8 @@ real KV, restored into CUDA paged layers, end to end (until the device has finis
 * ``h2d pinned``: the raw bytes in pinned host memory, one copy to the device (the transfer
   floor for these bytes);
 * ``raw safetensors``: one safetensors blob a block in host memory (no compression), parsed,
-  copied into the staging and restored through the same device path;
+  copied into the staging and restored through the same device path (rounds of at most
+  512 MiB of pinned staging, as the worker does);
 * ``ours, memory tier`` and ``ours, disk tier (cold)``: the store's blobs (kvsplit + zstd),
   the disk files evicted from the page cache (``posix_fadvise(DONTNEED)``) before each sample;
 * ``ours, memory tier uncompressed``: a store with ``zstd_level=0, shuffle=False`` (blobs
@@ -75,19 +76,25 @@ def gbps(nbytes: int, s: float) -> float:
 
 def restore(loader: DeviceLoader, store: KVStore, keys: list[bytes], ids: list[int],
             per_block: tuple[int, ...], dtype: torch.dtype, phases: dict | None = None) -> None:
-    t0 = time.perf_counter()
-    staging = loader.staging(len(keys))
-    served = store.read_into(keys, lambda i, t: True, shape=per_block, dtype=dtype,
-                             into=lambda i: staging[i])
-    if not all(served):
-        raise SystemExit(f"restore missed {served.count(None)} blocks")
-    t1 = time.perf_counter()
-    loader.submit(list(range(len(keys))), ids)
+    """The worker's device path: rounds of at most ``loader.max_rows`` blocks decoded into
+    the pinned staging, each queued as one copy; then wait for the device."""
+    decode = queue = 0.0
+    for lo in range(0, len(keys), loader.max_rows):
+        part = keys[lo:lo + loader.max_rows]
+        t0 = time.perf_counter()
+        staging = loader.staging(len(part))
+        served = store.read_into(part, lambda i, t: True, shape=per_block, dtype=dtype,
+                                 into=lambda i, st=staging: st[i])
+        if not all(served):
+            raise SystemExit(f"restore missed {served.count(None)} blocks")
+        t1 = time.perf_counter()
+        loader.submit(list(range(len(part))), ids[lo:lo + len(part)])
+        decode, queue = decode + t1 - t0, queue + time.perf_counter() - t1
     t2 = time.perf_counter()
     loader.wait_all()
     if phases is not None:
-        phases.setdefault("decode_s", []).append(t1 - t0)
-        phases.setdefault("queue_s", []).append(t2 - t1)
+        phases.setdefault("decode_s", []).append(decode)
+        phases.setdefault("queue_s", []).append(queue)
         phases.setdefault("copy_wait_s", []).append(time.perf_counter() - t2)
 
 
@@ -175,10 +182,12 @@ def measure(tokens: int, bf16: list[torch.Tensor], tmp: Path, args: argparse.Nam
             layer.index_copy_(0, idx, on_dev[:, i])
 
     def raw_safetensors() -> None:
-        staging = loader.staging(n)
-        for i, blob in enumerate(blobs):
-            staging[i].copy_(load(blob)["t"])
-        loader.submit(list(range(n)), ids)
+        for lo in range(0, n, loader.max_rows):
+            part = blobs[lo:lo + loader.max_rows]
+            staging = loader.staging(len(part))
+            for i, blob in enumerate(part):
+                staging[i].copy_(load(blob)["t"])
+            loader.submit(list(range(len(part))), ids[lo:lo + len(part)])
 
     def cold_disk() -> None:
         evict_page_cache(disk)

@@ -42,6 +42,18 @@ def load(worker: WorkerSide, block_ids: list[int], hashes: list[bytes]) -> set[i
     return worker.take_load_errors()
 
 
+def load_step(worker: WorkerSide, *requests: tuple[list[int], list[bytes]]) -> set[int]:
+    """One step loading several requests; returns the block ids that failed."""
+    worker.start_load_kv(CWMConnectorMetadata(loads=[
+        BlockTransfer(f"r{i}", ids, hashes) for i, (ids, hashes) in enumerate(requests)]))
+    return worker.take_load_errors()
+
+
+def same_blocks(src: WorkerSide, dst: WorkerSide, pairs) -> None:
+    for a, b in pairs:
+        assert torch.equal(block(dst, b), block(src, a)), (a, b)
+
+
 def block(worker: WorkerSide, block_id: int) -> torch.Tensor:
     return torch.stack([layer[block_id] for layer in worker.layers])
 
@@ -89,12 +101,9 @@ def test_the_staged_path_of_device_caches_loads_the_same_blocks(open_store):
     assert torch.equal(block(dst, 5), block(src, 1)) and torch.equal(block(dst, 6), block(src, 2))
     assert torch.count_nonzero(block(dst, 7)) == 0 and torch.count_nonzero(block(dst, 8)) == 0
     # two requests in one step, the first with a hole: their good blocks go in one submit
-    dst.start_load_kv(CWMConnectorMetadata(loads=[
-        BlockTransfer("a", [9, 10, 11], [h(3), h(9), h(1)]),
-        BlockTransfer("b", [12, 13, 14], [h(4), h(2), h(1)])]))
-    assert dst.take_load_errors() == {10, 11}
-    for a, b in ((3, 9), (4, 12), (2, 13), (1, 14)):
-        assert torch.equal(block(dst, b), block(src, a)), (a, b)
+    assert load_step(dst, ([9, 10, 11], [h(3), h(9), h(1)]),
+                     ([12, 13, 14], [h(4), h(2), h(1)])) == {10, 11}
+    same_blocks(src, dst, ((3, 9), (4, 12), (2, 13), (1, 14)))
     assert torch.count_nonzero(block(dst, 10)) == 0 and torch.count_nonzero(block(dst, 11)) == 0
     staging = dst._device._host
     assert load(dst, [15], [h(2)]) == set() and dst._device._host is staging      # reused
@@ -108,12 +117,9 @@ def test_a_restore_longer_than_the_staging_goes_in_rounds(open_store):
     src = make_worker(open_store, seed=6)
     save(src, [1, 2, 3, 4], [h(1), h(2), h(3), h(4)])
     dst = staged(make_worker(open_store, store=src.store), chunk_blocks=1, staging_blocks=2)
-    dst.start_load_kv(CWMConnectorMetadata(loads=[
-        BlockTransfer("a", [5, 6, 7], [h(1), h(2), h(3)]),
-        BlockTransfer("b", [8, 9, 10], [h(4), h(9), h(2)])]))
-    assert dst.take_load_errors() == {9, 10}
-    for a, b in ((1, 5), (2, 6), (3, 7), (4, 8)):
-        assert torch.equal(block(dst, b), block(src, a)), (a, b)
+    assert load_step(dst, ([5, 6, 7], [h(1), h(2), h(3)]),
+                     ([8, 9, 10], [h(4), h(9), h(2)])) == {9, 10}
+    same_blocks(src, dst, ((1, 5), (2, 6), (3, 7), (4, 8)))
     assert torch.count_nonzero(block(dst, 10)) == 0
     assert dst._device._host.shape[0] == 2                  # never grew past the bound
     assert dst.stats.snapshot()["load_errors"] == 2

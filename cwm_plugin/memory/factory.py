@@ -15,12 +15,11 @@ from cwm_plugin.memory.tokens import make_counter
 
 def make_embedder(kind: str = "local", *, url: str | None = None, model: str | None = None,
                   dims: int = 384, api_key_env: str = "CWM_EMBEDDINGS_API_KEY",
-                  threads: int | None = None) -> Embedder:
-    """``local`` (MiniLM from the installed package, on ``threads`` torch threads), ``openai``
-    (url + model), ``hashing``."""
+                  threads: int | None = None, dtype: str = "auto") -> Embedder:
+    """``local`` (MiniLM from the installed package, on ``threads`` torch threads, in ``dtype``), ``openai`` (url + model), ``hashing``."""
     if kind == "local":
         return MiniLMEmbedder(Path(model) if model and Path(model).is_dir() else None,
-                              threads=threads)
+                              threads=threads, dtype=dtype)
     if kind == "openai":
         if not url or not model:
             raise ConfigError("the openai embedder needs a url and a model name",
@@ -34,10 +33,11 @@ def make_embedder(kind: str = "local", *, url: str | None = None, model: str | N
 def make_service(root: Path, *, tokenizer: str | None = "tiktoken:cl100k_base",
                  embedder: str = "local", embedder_url: str | None = None,
                  embedder_model: str | None = None, dims: int = 384,
-                 embedder_threads: int | None = None,
+                 embedder_threads: int | None = None, embedder_dtype: str = "auto",
                  metrics: MemoryMetrics | None = None, **config: object) -> MemoryService:
     """A ``MemoryService`` from settings; extra keywords go to :class:`MemoryConfig`."""
     cfg = MemoryConfig(root=Path(root), **config)  # type: ignore[arg-type]
     return MemoryService(cfg, make_embedder(embedder, url=embedder_url, model=embedder_model,
-                                            dims=dims, threads=embedder_threads),
+                                            dims=dims, threads=embedder_threads,
+                                            dtype=embedder_dtype),
                          make_counter(tokenizer), metrics)

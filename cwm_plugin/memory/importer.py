@@ -113,11 +113,20 @@ def read_jsonl(path: Path, prefix: str) -> Iterator[Conversation]:
             yield Conversation(name, _openai_turns(messages, where), ts)
 
 
+def locomo_datetime(raw: Any) -> datetime | None:
+    """A LoCoMo session's ``date_time`` ("1:56 pm on 8 May, 2023", month names full or
+    abbreviated) as UTC, or None."""
+    for fmt in ("%I:%M %p on %d %B, %Y", "%I:%M %p on %d %b, %Y"):
+        try:
+            return datetime.strptime(str(raw), fmt).replace(tzinfo=UTC)
+        except ValueError:
+            continue
+    return None
+
+
 def _locomo_time(raw: Any) -> str | None:
-    try:  # "1:56 pm on 8 May, 2023"
-        return utc_iso(datetime.strptime(str(raw), "%I:%M %p on %d %B, %Y").replace(tzinfo=UTC))
-    except ValueError:
-        return None
+    when = locomo_datetime(raw)
+    return utc_iso(when) if when else None
 
 
 def read_locomo(path: Path, prefix: str) -> Iterator[Conversation]:
@@ -151,14 +160,15 @@ def read_conversations(path: Path) -> Iterator[Conversation]:
 
 
 @cache
-def _worker_model(folder: str) -> MiniLMEmbedder:
+def _worker_model(folder: str, dtype: str) -> MiniLMEmbedder:
     """This worker process's own model, loaded once (one torch thread: the processes share
-    the cores, not threads inside one, which stall when another process holds a core)."""
-    return MiniLMEmbedder(Path(folder), threads=1)
+    the cores, not threads inside one, which stall when another process holds a core), in the
+    precision the service's model settled on."""
+    return MiniLMEmbedder(Path(folder), threads=1, dtype=dtype)
 
 
-def _worker_embed(folder: str, texts: list[str]) -> np.ndarray:
-    return _worker_model(folder).embed(texts)
+def _worker_embed(folder: str, dtype: str, texts: list[str]) -> np.ndarray:
+    return _worker_model(folder, dtype).embed(texts)
 
 
 @contextmanager
@@ -171,12 +181,13 @@ def embedding_pool(service: Any, workers: int, texts: int) -> Iterator[Callable 
         return
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that runs torch
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        folder = str(inner.folder)
+        folder, dtype = str(inner.folder), inner.dtype_used
 
         def compute(part: list[str]) -> np.ndarray:
             step = max(1, math.ceil(len(part) / (workers * 4)))  # sorted: similar lengths
             pieces = [part[i:i + step] for i in range(0, len(part), step)]
-            return np.concatenate(list(pool.map(_worker_embed, [folder] * len(pieces), pieces)))
+            return np.concatenate(list(pool.map(_worker_embed, [folder] * len(pieces),
+                                                [dtype] * len(pieces), pieces)))
 
         yield compute
 

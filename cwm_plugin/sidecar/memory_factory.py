@@ -17,7 +17,7 @@ def service_kwargs(cfg: MemorySettings) -> dict[str, Any]:
     emb = cfg.embedder
     return {"root": cfg.root, "tokenizer": cfg.index_tokenizer, "embedder": emb.kind,
             "embedder_url": emb.url, "embedder_model": emb.model, "dims": emb.dims,
-            "embedder_threads": emb.threads,
+            "embedder_threads": emb.threads, "embedder_dtype": emb.dtype,
             "chunk_tokens": cfg.chunk_tokens, "chunk_overlap": cfg.chunk_overlap,
             "vector_context_lines": cfg.vector_context_lines, "recent_turns": cfg.recent_turns,
             "sync_interval_s": cfg.sync_interval_s,

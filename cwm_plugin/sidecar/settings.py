@@ -163,6 +163,7 @@ class EmbedderConfig(_Strict):
     model: str | None = None
     dims: int = 384
     threads: int | None = Field(default=1, ge=1)  # local: torch threads (None: every core)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # local: the model's precision
 
 
 class SearchSettings(_Strict):

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from cwm_plugin.errors import ConfigError, UpstreamError
-from cwm_plugin.memory.embeddings import CachedEmbedder, HashingEmbedder, OpenAIEmbedder
+from cwm_plugin.memory import embeddings as E
+from cwm_plugin.memory.embeddings import (
+    BF16_COSINE_MIN,
+    CachedEmbedder,
+    HashingEmbedder,
+    MiniLMEmbedder,
+    OpenAIEmbedder,
+)
 from cwm_plugin.memory.metrics import MemoryMetrics
 
 pytestmark = pytest.mark.unit
@@ -70,7 +77,41 @@ def test_one_text_through_the_frozen_graph_equals_the_batched_eager_model(minilm
     singles = np.stack([minilm.embed([t])[0] for t in texts])
     assert minilm._frozen not in (None, False)  # the frozen graph answered
     assert singles.shape == (3, minilm.dims)
-    np.testing.assert_allclose((singles * batched).sum(1), 1.0, atol=1e-5)
+    tol = 1e-5 if minilm.dtype_used == "float32" else 1 - BF16_COSINE_MIN
+    np.testing.assert_allclose((singles * batched).sum(1), 1.0, atol=tol)
+
+
+TEXTS = ["What did Caroline research?", "ok", "When is the tax return due " * 20]
+
+
+def test_float32_when_asked_or_when_the_cpu_lacks_bfloat16(minilm, monkeypatch) -> None:
+    exact = MiniLMEmbedder(minilm.folder, dtype="float32")
+    want = exact.embed([*TEXTS, "x"])[:3]
+    assert exact.dtype_used == "float32"
+    got = np.stack([exact.embed([q])[0] for q in TEXTS])  # the frozen float32 graph
+    np.testing.assert_allclose((got * want).sum(1), 1.0, atol=1e-5)
+    monkeypatch.setattr(E, "native_bf16", lambda: False)
+    assert MiniLMEmbedder(minilm.folder).dtype_used == "float32"
+    monkeypatch.setattr(E, "native_bf16", lambda: True)
+    assert MiniLMEmbedder(minilm.folder).dtype_used == "bfloat16"
+
+
+def test_bfloat16_vectors_agree_with_float32_or_it_is_not_used(monkeypatch, minilm,
+                                                               caplog) -> None:
+    want = MiniLMEmbedder(minilm.folder, dtype="float32").embed([*TEXTS, "x"])[:3]
+    fast = MiniLMEmbedder(minilm.folder, dtype="bfloat16")
+    assert fast.dtype_used == "bfloat16"
+    for got in (fast.embed([*TEXTS, "x"])[:3], np.stack([fast.embed([q])[0] for q in TEXTS])):
+        cos = (got * want).sum(1)  # batched and through the frozen graph: bf16, yet close
+        assert (cos >= BF16_COSINE_MIN).all() and not (cos > 1 - 1e-6).all(), cos
+    monkeypatch.setattr(E, "BF16_COSINE_MIN", 1.01)  # stands for a model bf16 would change
+    with caplog.at_level("WARNING"):
+        wary = MiniLMEmbedder(minilm.folder, dtype="bfloat16")
+    assert wary.dtype_used == "float32"
+    assert "float32 used" in caplog.text
+    np.testing.assert_allclose((wary.embed(TEXTS[:1]) * want[:1]).sum(), 1.0, atol=1e-5)
+    with pytest.raises(ConfigError, match="unknown embedder dtype 'fp8'"):
+        MiniLMEmbedder(minilm.folder, dtype="fp8")
 
 
 def test_the_eager_model_answers_when_no_frozen_graph_can_be_built(minilm, monkeypatch) -> None:

@@ -292,6 +292,14 @@ class TenantIndex:
             v = self._centroids[cid] = v / max(float(np.linalg.norm(v)), 1e-12)
         return v
 
+    def warm_centroids(self) -> int:
+        """Compute every chunk's centroid ahead (a first turn at 10k chunks met ~140 it had
+        never computed, ~2 ms); returns how many were computed."""
+        todo = [c for c in self.chunk_labels if c not in self._centroids and self.chunk_labels[c]]
+        for c in todo:
+            self.doc_vector(c)
+        return len(todo)
+
     def ts(self, cid: str) -> str:
         return self.chunks[cid].ts
 

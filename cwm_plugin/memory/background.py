@@ -1,0 +1,52 @@
+"""Work a request found due but need not wait for: one thread, at most one job a tenant queued.
+
+A selection that finds a tenant's look for other writers due (``tenants.py``) queues it here
+and goes on with the index it has; the next selection sees what the look found.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger(__name__)
+
+
+class TenantJobs:
+    """``soon(tenant, job)`` runs ``job(tenant)`` on a background thread, unless a job of
+    that tenant is queued or running already; ``close()`` waits for what is queued."""
+
+    def __init__(self, name: str = "cwm-memory-sync") -> None:
+        self._name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._queued: set[str] = set()
+        self._guard = threading.Lock()
+        self._closed = False
+
+    def soon(self, tenant: str, job: Callable[[str], None]) -> bool:
+        """Queue ``job(tenant)``; False when one is queued already or this is closed."""
+        with self._guard:
+            if self._closed or tenant in self._queued:
+                return False
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix=self._name)
+            self._queued.add(tenant)
+            self._pool.submit(self._run, tenant, job)
+        return True
+
+    def _run(self, tenant: str, job: Callable[[str], None]) -> None:
+        try:
+            job(tenant)
+        except Exception:  # noqa: BLE001 - a background job must not kill the thread
+            log.exception("background job for tenant %s failed", tenant)
+        finally:
+            with self._guard:
+                self._queued.discard(tenant)
+
+    def close(self) -> None:
+        with self._guard:
+            self._closed, pool = True, self._pool
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,12 @@ def best_time(fn: Callable[[], Any], repeat: int = 3,
         fn()
         best = min(best, clock() - t0)
     return best
+
+
+def percentile(xs: Sequence[float], p: float) -> float:
+    """The nearest-rank ``p``-th percentile of ``xs`` (NaN when empty)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))] if xs else math.nan
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:

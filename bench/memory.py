@@ -92,10 +92,10 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+from _common import percentile
 from tqdm import tqdm
 
 from cwm_plugin.memory.embeddings import CachedEmbedder, HashingEmbedder, MiniLMEmbedder
@@ -114,45 +114,7 @@ BUDGETS = {"1k": 1024, "2k": 2048, "4k": 4096}
 DEFAULT_BUDGET = MemorySettings().budget_tokens
 
 
-def load_conversations(folder: Path) -> list[tuple[str, dict, list[dict]]]:
-    """``(name, conversation, qa)`` for every LoCoMo conversation with questions under
-    ``folder`` (any layout :mod:`cwm_plugin.testing.locomo` reads)."""
-    return [(c.name, c.sessions, c.qa) for c in locomo.load_conversations(folder) if c.qa]
-
-
-def sessions(conv: dict) -> list[tuple[int, datetime | None, list[dict]]]:
-    out = []
-    for k, turns in conv.items():
-        m = re.fullmatch(r"session_(\d+)", k)
-        if m and isinstance(turns, list) and turns:
-            out.append((int(m.group(1)), parse_date(conv.get(f"{k}_date_time")), turns))
-    return sorted(out, key=lambda x: x[0])
-
-
-def parse_date(s: object) -> datetime | None:
-    for fmt in ("%I:%M %p on %d %B, %Y", "%I:%M %p on %d %b, %Y"):
-        try:
-            return datetime.strptime(str(s), fmt).replace(tzinfo=UTC)
-        except ValueError:
-            continue
-    return None
-
-
-def turn_text(t: dict) -> str:
-    text = str(t.get("text", ""))
-    if t.get("blip_caption"):
-        text += f" [shares a photo: {t['blip_caption']}]"
-    return text
-
-
-def evidence_ids(q: dict) -> list[str]:
-    ids: list[str] = []
-    for e in q.get("evidence") or []:
-        ids.extend(x for x in re.split(r"[;,\s]+", str(e)) if x)
-    return list(dict.fromkeys(ids))
-
-
-def replay(svc: MemoryService, tenant: str, conv: dict, mem: MemorySettings | None,
+def replay(svc: MemoryService, tenant: str, conv: locomo.Conversation, mem: MemorySettings | None,
            max_len: int, bar: tqdm) -> tuple[int, int]:
     """Record every turn as the sidecar would; returns (tokens sent, tokens of full history).
 
@@ -165,15 +127,15 @@ def replay(svc: MemoryService, tenant: str, conv: dict, mem: MemorySettings | No
     the same counter. With ``mem`` None the turns are appended to the files and the tenant is
     then rebuilt from them by ``reindex`` (batched embedding, much faster); both totals 0.
     """
-    a = conv.get("speaker_a")
+    a = conv.sessions.get("speaker_a")
     count = svc.counter.count_messages
     sent = full = history = 0
-    for num, when, turns in sessions(conv):
+    for num, when, turns in conv.dated_sessions():
         session = f"session_{num}"
         msgs: list[dict] = []
         for t in turns:
             speaker = str(t.get("speaker", "user"))
-            content = turn_text(t)
+            content = locomo.turn_text(t)
             if mem is None:
                 svc.files.append_turn(tenant, session, Turn(
                     str(t["dia_id"]), _role(speaker), content, utc_iso(when)))
@@ -236,7 +198,7 @@ def recall_in_budget(svc: MemoryService, tenant: str, question: str, evidence: s
 
 
 def _pct(values: list[float], q: float) -> float:
-    return round(float(np.percentile(values, q)) * 1000, 2) if values else 0.0
+    return round(percentile(values, q) * 1000, 2) if values else 0.0
 
 
 def evaluate(svc: MemoryService, convs: list, limit: int | None) -> dict:
@@ -248,12 +210,12 @@ def evaluate(svc: MemoryService, convs: list, limit: int | None) -> dict:
     by_cat: dict[str, dict[str, dict[str, list[float]]]] = {
         m: defaultdict(lambda: defaultdict(list)) for m in MODES}
     latency: dict[str, list[float]] = {m: [] for m in MODES}
-    questions = [(name, conv, q) for name, conv, qa in convs for q in qa][:limit]
-    known = {name: {str(t["dia_id"]) for _, _, ts in sessions(conv) for t in ts}
-             for name, conv, _ in convs}
+    questions = [(c.name, c, q) for c in convs for q in c.qa][:limit]
+    known = {c.name: {str(t["dia_id"]) for _, _, ts in c.dated_sessions() for t in ts}
+             for c in convs}
     skipped = 0
     for name, _, q in tqdm(questions, desc="questions", unit="q"):
-        ev = set(evidence_ids(q)) & known[name]
+        ev = set(locomo.evidence_ids(q)) & known[name]
         if not ev:
             skipped += 1
             continue
@@ -325,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="context of the served model (SmolLM2: 8192)")
     ap.add_argument("--tokenizer", default="tiktoken:cl100k_base")
     ap.add_argument("--embedder", choices=("local", "hashing"), default="local")
+    ap.add_argument("--embedder-dtype", choices=("auto", "float32", "bfloat16"),
+                    default="auto", help="the local embedder's precision (see MiniLMEmbedder)")
     ap.add_argument("--chunk-tokens", type=int, default=400)
     ap.add_argument("--chunk-overlap", type=int, default=80)
     ap.add_argument("--root", type=Path, help="memory root (default: a temporary folder)")
@@ -340,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="record turns without simulating the sidecar (no token_ratio)")
     args = ap.parse_args(argv)
 
-    convs = load_conversations(args.data)
+    convs = [c for c in locomo.load_conversations(args.data) if c.qa]
     if not convs:
         print(f"no LoCoMo conversations in {args.data}", file=sys.stderr)
         return 2
@@ -348,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         convs = convs[:1]
     mem = MemorySettings() if args.budget is None else MemorySettings(budget_tokens=args.budget)
     counter = make_counter(args.tokenizer)
-    embedder = MiniLMEmbedder() if args.embedder == "local" else HashingEmbedder()
+    embedder = MiniLMEmbedder(dtype=args.embedder_dtype) if args.embedder == "local" \
+        else HashingEmbedder()
     root = args.root or Path(tempfile.mkdtemp(prefix="cwm-bench-memory-"))
     tuned = {k: v for k, v in (("speaker_weight", args.speaker_weight),
                                ("chunk_prior_weight", args.chunk_prior_weight),
@@ -364,10 +329,10 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     sent = full = 0
-    n_turns = sum(len(t) for _, c, _ in convs for _, _, t in sessions(c))
+    n_turns = sum(len(t) for c in convs for _, _, t in c.dated_sessions())
     with tqdm(total=n_turns, desc="replay", unit="turn") as bar:
-        for name, conv, _ in convs:
-            s, f = replay(svc, name, conv, None if args.skip_sim else mem, args.max_model_len,
+        for conv in convs:
+            s, f = replay(svc, conv.name, conv, None if args.skip_sim else mem, args.max_model_len,
                           bar)
             sent += s
             full += f
@@ -375,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     result = evaluate(svc, convs, 60 if args.quick else None)
     search_s = time.perf_counter() - t1
-    chunks = [c for name, _, _ in convs for c in svc.index(name).chunks.values()]
+    chunks = [c for conv in convs for c in svc.index(conv.name).chunks.values()]
     result.update({
         "token_ratio": round(sent / full, 4) if full else None,
         "tokens_sent": sent, "tokens_full_history": full,
@@ -394,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
                    "chunk_prior_weight": cfg.chunk_prior_weight,
                    "context_bm25_weight": cfg.context_bm25_weight,
                    "date_weight": cfg.date_weight,
-                   "tokenizer": counter.name, "embedder": embedder.name},
+                   "tokenizer": counter.name, "embedder": embedder.name,
+                   "embedder_dtype": getattr(getattr(embedder, "inner", embedder),
+                                             "dtype_used", None)},
         "seconds": {"replay": round(replay_s, 1), "questions": round(search_s, 1)},
         "load_average": [round(x, 2) for x in os.getloadavg()],
     })

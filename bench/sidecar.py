@@ -47,11 +47,11 @@ from typing import Any
 
 import httpx
 import yaml
-from _common import machine, table, write_json
+from _common import machine, percentile, table, write_json
+from _sidecar_client import KEY, SYSTEM, post, prefix_runs
 
 from cwm_plugin.memory.importer import Conversation, import_sessions
 from cwm_plugin.sidecar.identity import hash_key
-from cwm_plugin.sidecar.metrics import upstream_counters
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing import locomo
 from cwm_plugin.testing.fake_upstream import FakeUpstream
@@ -60,14 +60,9 @@ from cwm_plugin.testing.sidecar_process import SidecarProcess
 from cwm_plugin.testing.vllm_server import VLLMServer
 
 log = logging.getLogger("bench.sidecar")
-KEY = "bench-key-" + secrets.token_hex(8)
 TENANT = "bench"
 PER_SESSION = 100
 STAGES = ("auth", "history", "embed", "keyword", "vector", "fusion", "count", "files")
-SYSTEM = ("You are the assistant of a travel desk that remembers its customers' earlier "
-          "conversations. Answer briefly and precisely; when the relevant memory does not say, "
-          "say that you do not know rather than guessing. Keep names, dates and numbers exact.")
-
 
 def conversations(data: Path | None) -> list[locomo.Conversation]:
     if data is None:
@@ -91,11 +86,6 @@ def copies(lines: list[str], first: int, n: int) -> list[Conversation]:
             turns.append(("user" if i % 2 == 0 else "assistant", f"({speaker}, copy {c}) {text}"))
         out.append(Conversation(f"seed-{c:05d}", turns))
     return out
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))] if xs else math.nan
 
 
 def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks: int) -> dict:
@@ -148,17 +138,6 @@ def import_memory(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
             "tokens_per_s": round(tokens / seconds), "s_per_chunk": seconds / done}
 
 
-def post(client: httpx.Client, url: str, body: dict, session: str | None,
-         extra: dict[str, str] | None = None) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {KEY}", "X-CWM-Debug": "1", **(extra or {})}
-    if session:
-        headers["X-Session-Id"] = session
-    r = client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
-    if r.status_code != 200:
-        raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:300]}")
-    return r
-
-
 def server_timing(header: str) -> dict[str, float]:
     out = {}
     for part in header.split(","):
@@ -206,14 +185,14 @@ def overhead(sidecar: SidecarProcess, questions: list[str], n: int, turns: int,
                         firsts.append(rows[-1]["total"])
     rows = rows[:n]
     totals = [r["total"] for r in rows]
-    stages = {s: {"p50": round(pct([r.get(s, 0.0) for r in rows], 50), 3),
-                  "p99": round(pct([r.get(s, 0.0) for r in rows], 99), 3),
+    stages = {s: {"p50": round(percentile([r.get(s, 0.0) for r in rows], 50), 3),
+                  "p99": round(percentile([r.get(s, 0.0) for r in rows], 99), 3),
                   "mean": round(sum(r.get(s, 0.0) for r in rows) / len(rows), 3)}
               for s in (*STAGES, *sorted({k for r in rows for k in r} - {*STAGES, "total"}))}
     return {"requests": len(rows), "turns_per_conversation": turns,
-            "p50_ms": round(pct(totals, 50), 2), "p99_ms": round(pct(totals, 99), 2),
-            "first_turn_p50_ms": round(pct(firsts, 50), 2),
-            "first_turn_p99_ms": round(pct(firsts, 99), 2), "stages": stages}
+            "p50_ms": round(percentile(totals, 50), 2), "p99_ms": round(percentile(totals, 99), 2),
+            "first_turn_p50_ms": round(percentile(firsts, 50), 2),
+            "first_turn_p99_ms": round(percentile(firsts, 99), 2), "stages": stages}
 
 
 async def load(sidecar: SidecarProcess, clients: int, turns: int, questions: list[str]) -> dict:
@@ -253,58 +232,6 @@ def turns_lost(root: Path, done: dict[str, list[str]]) -> int:
         lost += sum(q not in users for q in questions)
         lost += max(0, len(questions) - sum(t.role == "assistant" for t in turns))
     return lost
-
-
-def replay(url: str, model: str, lines: list[str], session: str | None,
-           salt: str | None = None, headers: dict[str, str] | None = None) -> dict:
-    """One conversation, the client replaying its history each turn; what it cost."""
-    history = [{"role": "system", "content": SYSTEM}]
-    prompt = memory_turns = 0
-    with httpx.Client(timeout=600) as client:
-        for line in lines:
-            history.append({"role": "user", "content": line})
-            body = {"model": model, "messages": history, "max_tokens": 8, "temperature": 0.0,
-                    **({"cache_salt": salt} if salt else {})}
-            r = post(client, url, body, session, headers)
-            history.append({"role": "assistant",
-                            "content": r.json()["choices"][0]["message"]["content"] or ""})
-            prompt += r.json()["usage"]["prompt_tokens"]
-            debug = json.loads(r.headers.get("x-cwm-memory") or "{}")
-            memory_turns += int(debug.get("tokens", 0) > 0)
-    return {"turns": len(lines), "prompt_tokens": prompt, "memory_turns": memory_turns}
-
-
-def hit_rate(upstream: str, run) -> dict:
-    """``run()``'s result with vLLM's prefix-cache hits / queries over it."""
-    before = upstream_counters(httpx.get(f"{upstream}/metrics", timeout=30).text)
-    out = run()
-    after = upstream_counters(httpx.get(f"{upstream}/metrics", timeout=30).text)
-    hits, queries = (after.get(k, 0) - before.get(k, 0)
-                     for k in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries"))
-    return {**out, "hit_rate": round(hits / queries, 4) if queries else None}
-
-
-def with_sidecar(config: Path, upstream: str, work: Path, secret: str, prompt: dict,
-                 memory: dict, fn):
-    raw = yaml.safe_load(config.read_text())
-    path = work / f"sidecar-{len(list(work.glob('sidecar-*.yaml')))}.yaml"
-    path.write_text(yaml.safe_dump({**raw, "prompt": prompt,
-                                    "memory": {**raw["memory"], **memory}}))
-    with SidecarProcess(path, upstream, work, secret) as sc:
-        return fn(sc)
-
-
-def prefix_runs(config: Path, upstream: str, work: Path, secret: str, model: str,
-                lines: list[str], placements: list[dict], memory: dict | None = None) -> dict:
-    """Direct, then through a sidecar for each placement, each in a fresh salt."""
-    out = {"direct": hit_rate(upstream, lambda: replay(
-        upstream, model, lines, None, salt=f"direct-{secrets.token_hex(4)}"))}
-    for p in placements:
-        name = f"{p['placement']}/{p['refresh']}"
-        out[name] = with_sidecar(
-            config, upstream, work, secret, p, memory or {}, lambda sc: hit_rate(
-                upstream, lambda: replay(sc.url, model, lines, f"hit-{secrets.token_hex(4)}")))
-    return out
 
 
 def token_saving(sidecar: SidecarProcess, session: str, questions: list[str]) -> dict:

@@ -11,7 +11,10 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+
+from cwm_plugin.memory.importer import locomo_datetime
 
 _SESSION = re.compile(r"session_(\d+)")
 
@@ -28,6 +31,11 @@ class Conversation:
 
     def turns(self, session: int) -> list[dict]:
         return [t for t in self.sessions.get(f"session_{session}", []) if isinstance(t, dict)]
+
+    def dated_sessions(self) -> list[tuple[int, datetime | None, list[dict]]]:
+        """``(number, date, turns)`` of every non-empty session, in order."""
+        return [(n, locomo_datetime(self.sessions.get(f"session_{n}_date_time")), ts)
+                for n in self.session_numbers() if (ts := self.turns(n))]
 
     def lines(self) -> Iterator[str]:
         """Every turn, in order, as ``speaker: text``."""
@@ -57,3 +65,19 @@ def load_conversations(folder: Path) -> list[Conversation]:
             out.append(Conversation(re.sub(r"[^A-Za-z0-9_.-]", "_", name), conv,
                                     list(sample.get("qa") or [])))
     return out
+
+
+def turn_text(t: dict) -> str:
+    """A turn's text, with the caption of a photo it shares."""
+    text = str(t.get("text", ""))
+    if t.get("blip_caption"):
+        text += f" [shares a photo: {t['blip_caption']}]"
+    return text
+
+
+def evidence_ids(q: dict) -> list[str]:
+    """The dia_ids a question's ``evidence`` names (lists, or ids split by ``;``/``,``)."""
+    ids: list[str] = []
+    for e in q.get("evidence") or []:
+        ids.extend(x for x in re.split(r"[;,\s]+", str(e)) if x)
+    return list(dict.fromkeys(ids))

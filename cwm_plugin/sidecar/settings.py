@@ -217,7 +217,7 @@ class MemorySettings(_Strict):
     background_queue_limit: int = Field(default=64, ge=1)  # sessions with work waiting
     background_workers: int = Field(default=1, ge=1)  # model calls for background work at once
     warm_on_start: bool = True  # load every tenant's index when the app starts
-    sync_interval_s: float = Field(default=1.0, ge=0)  # look for other writers this often
+    sync_interval_s: float = Field(default=1.0, ge=0)  # look for other writers (background)
 
 
 class PromptSettings(_Strict):

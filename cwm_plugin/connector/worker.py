@@ -83,6 +83,9 @@ class WorkerSide:
         cpu = layers[0].device.type == "cpu"
         self._writer = BlockWriter(layers, 0) if cpu else None
         self._device = None if cpu else DeviceLoader(layers, layout.per_block, self.dtype)
+        if self._writer is not None and not self._writer.joined:
+            log.info("cwm connector: the KV layers are not one evenly spaced buffer; a "
+                     "restored block is copied layer by layer")
         t0 = time.perf_counter()
         jit.warm_up()          # the decoders' compiled kernels, before the first restore
         log.info("cwm connector: codec kernels ready in %.2fs", time.perf_counter() - t0)

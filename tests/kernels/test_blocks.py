@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -60,3 +62,44 @@ def test_block_writer_writes_one_block_of_every_layer(shape, block_dim, dtype):
         writer.write(0, block.to(torch.float64))
     with pytest.raises(ValueError, match="does not fit"):
         writer.write(0, block[:2])
+
+
+def _one_buffer(shape, n_layers, dtype, gap=0, permute=None):
+    """Layers as vLLM allocates them: views of one buffer, one after another (``gap``
+    elements between them), optionally seen through a permutation."""
+    per = math.prod(shape)
+    buf = torch.zeros(n_layers * (per + gap), dtype=dtype)
+    layers = [buf[i * (per + gap):i * (per + gap) + per].view(shape) for i in range(n_layers)]
+    return [x.permute(*permute) for x in layers] if permute else layers, buf
+
+
+@pytest.mark.parametrize("gap", [0, 7])
+@pytest.mark.parametrize("permute", [None, (1, 0, 2, 3)])
+def test_block_writer_joins_layers_of_one_buffer(gap, permute):
+    g = torch.Generator().manual_seed(2)
+    dst, buf = _one_buffer((2, 6, 8, 16), 4, torch.bfloat16, gap, permute)
+    block_dim = 1 if permute is None else 0
+    src = [torch.randn(tuple(x.shape), generator=g).to(torch.bfloat16) for x in dst]
+    block = gather_blocks(src, block_dim, [3])[0]
+    writer = BlockWriter(dst, block_dim)
+    assert writer.joined
+    writer.write(5, block)
+    for lyr in range(4):
+        assert torch.equal(dst[lyr].select(block_dim, 5), src[lyr].select(block_dim, 3))
+    assert torch.count_nonzero(buf) == torch.count_nonzero(block)  # nothing else written
+
+
+def test_block_writer_falls_back_when_layers_are_not_evenly_spaced():
+    buf = torch.zeros(3 * 100 + 10)
+    layers = [buf[0:100].view(4, 25), buf[100:200].view(4, 25), buf[210:310].view(4, 25)]
+    overlapping = [buf[0:100].view(4, 25), buf[50:150].view(4, 25)]
+    apart = [torch.zeros(4, 25) for _ in range(3)]
+    for dst in (layers, overlapping, apart):
+        writer = BlockWriter(dst, 0)
+        assert not writer.joined
+    writer = BlockWriter(layers, 0)
+    block = torch.arange(75, dtype=torch.float32).view(3, 25) + 1
+    writer.write(2, block)
+    for lyr in range(3):
+        assert torch.equal(layers[lyr][2], block[lyr])
+    assert torch.count_nonzero(buf) == 75

@@ -212,19 +212,30 @@ class BM25Corpus:
     def top(self, query: str, n: int, also: Iterable[str] = (),
             allowed: set[str] | None = None) -> dict[str, float]:
         """The ``n`` best documents sharing a term with the query (of ``allowed`` ones, when
-        given), plus the exact score (0 if none) of each document in ``also``."""
+        given), plus the exact score (0 if none) of each document in ``also``. Only the rows
+        the query scored are partitioned (a few thousand of 75,000 lines: the partition of
+        every row was ~0.7 ms of each call)."""
         if not self._row or n <= 0:
             return {}
         acc = self._accumulate(query)
+        rows = np.flatnonzero(acc)
         if allowed is not None:
             keep = np.zeros(len(acc), dtype=bool)
             keep[[self._row[d] for d in allowed if d in self._row]] = True
-            acc = np.where(keep, acc, 0.0)
-        k = min(n, len(acc))
-        best = np.argpartition(-acc, k - 1)[:k] if k < len(acc) else np.arange(len(acc))
-        out = {self._ids[r]: float(acc[r]) for r in best if acc[r] > 0}
+            rows = rows[keep[rows]]
+        if len(rows) > n:
+            rows = rows[np.argpartition(-acc[rows], n - 1)[:n]]
+        out = {self._ids[r]: float(acc[r]) for r in rows.tolist()}
         for d in also:
             row = self._row.get(d)
             if row is not None and d not in out:
-                out[d] = float(acc[row])
+                out[d] = float(acc[row]) if allowed is None or d in allowed else 0.0
         return out
+
+    def scores_of(self, query: str, ids: Iterable[str]) -> dict[str, float]:
+        """The exact score of each of ``ids`` (0 if it shares no term; left out when it is
+        not in the corpus)."""
+        if not self._row:
+            return {}
+        acc = self._accumulate(query)
+        return {d: float(acc[row]) for d in ids if (row := self._row.get(d)) is not None}

@@ -171,8 +171,8 @@ def rank_lines(index: TenantIndex, corpus: LineCorpus, query: str, qvec: np.ndar
     keys = sorted(cands)
     with stages("keyword"):
         if use_bm25:
-            got_a = corpus.alone.top(query, 1, also=keys)
-            got_c = corpus.context.top(query, 1, also=keys)
+            got_a = corpus.alone.scores_of(query, keys)
+            got_c = corpus.context.scores_of(query, keys)
             bm = np.array([got_a.get(c, 0.0) + cfg.context_bm25_weight * got_c.get(c, 0.0)
                            for c in keys])
     units = [_unit(index, c) for c in keys]

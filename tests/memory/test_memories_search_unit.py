@@ -181,3 +181,34 @@ def test_bm25_through_adds_removals_and_compactions_equals_a_fresh_build() -> No
                 for d, w in zip(ids, want, strict=True):
                     assert got.get(d, 0.0) == pytest.approx(float(w))
     assert n - len(docs) > 1024  # the compaction ran at least once
+
+
+def test_top_is_the_n_best_of_a_fresh_build_and_scores_of_is_exact() -> None:
+    """``top`` partitions only the rows a query scored: the same n best (by score) as every
+    row sorted, ``allowed`` respected, ``also`` given its exact score (0 outside ``allowed``);
+    ``scores_of`` is each document's exact score."""
+    rng = random.Random(5)
+    words = ["apple", "pear", "plum", "fig", "kiwi", "lime", "date", "grape", "melon", "berry"]
+    docs = {f"d{i}": " ".join(rng.choices(words, k=rng.randint(1, 20))) for i in range(400)}
+    docs.update({f"z{i}": "walnut hazelnut" for i in range(50)})  # no fruit: score 0
+    inc = BM25Corpus()
+    for d, t in docs.items():
+        inc.add(d, t)
+    ids = list(docs)
+    fresh = LuceneBM25([bm25_tokens(docs[d]) for d in ids])
+    allowed = set(ids[::2])
+    for q in ("kiwi", "apple lime grape", "date date melon"):
+        want = dict(zip(ids, map(float, fresh.get_scores(bm25_tokens(q))), strict=True))
+        for n in (1, 7, 300, 1000):
+            got = inc.top(q, n)
+            best = sorted((s for s in want.values() if s > 0), reverse=True)[:n]
+            assert sorted(got.values(), reverse=True) == pytest.approx(best)
+            assert all(got[d] == pytest.approx(want[d]) for d in got)
+        got = inc.top(q, 5, also=["z1", "d1", "d2"], allowed=allowed)
+        in_allowed = sorted((want[d] for d in allowed if want[d] > 0), reverse=True)[:5]
+        top5 = {d: v for d, v in got.items() if d not in {"z1", "d1", "d2"} or d in allowed}
+        assert sorted(top5.values(), reverse=True)[:5] == pytest.approx(in_allowed)
+        assert got["z1"] == 0.0 and got["d1"] == 0.0  # d1 is outside allowed (odd index)
+        assert got["d2"] == pytest.approx(want["d2"])
+        exact = inc.scores_of(q, ["d3", "z4", "missing"])
+        assert exact == pytest.approx({"d3": want["d3"], "z4": 0.0})

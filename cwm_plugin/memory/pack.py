@@ -79,6 +79,16 @@ class Packed:
                          key=lambda p: (p.day, p.session, min(p.lines)))
         return [p.hit() for p in ordered]
 
+    def last_text(self) -> str:
+        """The text of the line taken last ("" when none is)."""
+        if not self.taken:
+            return ""
+        session, row = self.taken[-1]
+        for p in self.passages:
+            if p.session == session and row in p.lines:
+                return p.lines[row].unit.text
+        return ""
+
     def drop_last(self) -> str:
         """Give back the line taken last; returns a reason."""
         session, row = self.taken.pop()

@@ -203,10 +203,12 @@ class HFTokenCounter(_Base):
         self._lock = threading.Lock()
 
     def _count(self, text: str) -> int:
-        return len(self._tok.encode(text, add_special_tokens=False).ids)
+        return self._count_batch([text])[0]
 
     def _count_batch(self, texts: list[str]) -> list[int]:
-        return [len(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        # without offsets (tokenizers >= 0.20): a 1k-token memory block 0.88 ms, 1.1 with them
+        fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [len(e.ids) for e in fast(texts, add_special_tokens=False)]
 
     def count_chat(self, messages: list[dict[str, Any]]) -> int:
         with self._lock:

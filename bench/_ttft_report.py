@@ -6,7 +6,7 @@ from typing import Any
 
 # A restore's breakdown (seconds; the decoding stages summed over the decoding threads).
 BREAKDOWN = ("scheduler_lookup_s", "worker_lookup_s", "read_s", "decompress_s", "transform_s",
-             "copy_s", "load_wall_s", "vllm_s", "loaded_bytes")
+             "copy_s", "load_wall_s", "vllm_s", "loaded_bytes", "minor_faults", "major_faults")
 RESTORES = ("restore_cpu_s", "restore_disk_s", "restore_disk_warm_s", "restore_redis_s")
 SHOWN = ("prefix_cache_s", *RESTORES, "lmcache_s")
 LABELS = {"prefix_cache_s": "floor", "restore_cpu_s": "cpu", "restore_disk_s": "disk",
@@ -113,16 +113,17 @@ def table(results: dict[int, dict[str, Any]], lengths: list[int], g: dict[str, A
     lines.append("\nwhere a restore's time goes (median ms; decompress/transform/copy summed over "
                  "the decoding threads; vLLM = the rest of the time to first token)")
     cols = ("sched lookup", "lookup", "read", "decompress", "transform", "copy", "load wall",
-            "vLLM", "GB/s", "of memcpy", "of read")
+            "vLLM", "GB/s", "of memcpy", "of read", "page faults")
     lines.append(f"{'tokens':>7} {'restore':>9} " + " ".join(f"{c:>12}" for c in cols))
     for n in lengths:
         r = results[n]
         for col, b in r["breakdown"].items():
             tp = r.get("throughput", {}).get(col, {})
-            ms = " ".join(f"{b[k] * 1e3:>12.1f}" for k in BREAKDOWN[:-1])
+            ms = " ".join(f"{b[k] * 1e3:>12.1f}" for k in BREAKDOWN if k.endswith("_s"))
             lines.append(f"{r['tokens']:>7} {LABELS[col + '_s']:>9} {ms} "
                          f"{tp.get('load_gbps', 0):>12.2f} {_pct(tp.get('of_memcpy')):>12} "
-                         f"{_pct(tp.get('of_cached_read')):>12}")
+                         f"{_pct(tp.get('of_cached_read')):>12} "
+                         f"{b.get('minor_faults', 0) + b.get('major_faults', 0):>12.0f}")
     lines.append(f"this machine, same run: memory copy {speeds['memcpy_gbps']:.1f} GB/s, cached "
                  f"file read {speeds['cached_read_gbps']:.1f} GB/s (one thread)")
     at = g["at_tokens"]

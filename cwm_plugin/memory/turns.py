@@ -45,7 +45,10 @@ from cwm_plugin.memory.search import search_index
 from cwm_plugin.memory.timing import Stages
 
 SEP = "\x1f"  # between session and line number in a line's document id
-LINE_CANDIDATES = 200  # best lines taken from each method
+# best lines taken from each method (BM25, vectors; the top chunks' lines come too). 100 and 200
+# reach the same LoCoMo recall within 1k / 2k / 4k (0.905 / 0.944 / 0.959): a 2k block holds
+# ~80 lines; a first turn at 10k chunks fuses and prices half as many lines
+LINE_CANDIDATES = 100
 FREEZE_AFTER = 5000  # lines added in one sync that make the corpus worth freezing (gc)
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from cwm_plugin.memory.bm25 import BM25Corpus
 from cwm_plugin.memory.chunking import Unit
 from cwm_plugin.memory.dates import nearness, periods
-from cwm_plugin.memory.index import SessionState, TenantIndex, knn_labels
+from cwm_plugin.memory.index import SessionState, TenantIndex
 from cwm_plugin.memory.models import Hit, MemoryConfig
 from cwm_plugin.memory.search import search_index
 from cwm_plugin.memory.timing import Stages
@@ -166,8 +166,7 @@ def rank_lines(index: TenantIndex, corpus: LineCorpus, query: str, qvec: np.ndar
             cands.update(alone)
     with stages("vector"):
         if use_vec:
-            labels = knn_labels(index.hnsw, qvec, LINE_CANDIDATES,
-                                index.n_vectors - index.deleted)
+            labels = index.nearest_lines(qvec, LINE_CANDIDATES)
             cands.update(corpus.by_label[x] for x in labels if x in corpus.by_label)
     if not cands:
         return []

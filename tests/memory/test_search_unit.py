@@ -284,3 +284,29 @@ def test_vector_scores_of_many_chunks_equal_one_at_a_time(make_service, chunk_we
         for c in ids:
             assert got[c] == pytest.approx(idx.vector_score(q, c), abs=1e-6)
     assert idx.vector_scores(q, []) == {}
+
+
+def test_nearest_lines_answers_a_narrower_ask_from_the_last_one_until_the_index_changes(
+        make_service) -> None:
+    """A selection asks for the chunks' nearest lines, then for fewer lines of the same query:
+    the second answer is the head of the first, and any add or drop searches again."""
+    from cwm_plugin.memory.index import knn_ordered
+
+    svc = make_service(chunk_tokens=40, chunk_overlap=8)
+    for i in range(40):
+        svc.record_turn("acme", f"s{i % 4}", "user", f"line {i} about topic {i % 9}")
+    idx = svc.index("acme")
+    q = svc.embedder.embed(["about topic 4"])[0]
+    wide = idx.nearest_lines(q, 16)
+    assert wide == knn_ordered(idx.hnsw, q, 16, idx.n_vectors - idx.deleted)
+    assert idx.nearest_lines(q, 6) == wide[:6]
+    gone = set(idx.sessions["s0"].labels)
+    assert gone.intersection(idx.nearest_lines(q, 40))
+    idx.drop_session("s0")  # a drop: searched again, the dropped lines gone
+    after = idx.nearest_lines(q, 6)
+    assert after == knn_ordered(idx.hnsw, q, 6, idx.n_vectors - idx.deleted)
+    assert not gone.intersection(after)
+    svc.record_turn("acme", "s9", "user", "about topic 4")  # an add: the new line is nearest
+    idx = svc.index("acme")
+    new = idx.sessions["s9"].labels[-1]
+    assert new in idx.nearest_lines(q, 3)

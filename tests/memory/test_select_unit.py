@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -201,3 +203,30 @@ def test_another_tokenizer_prices_lines_at_a_ratio_measured_once(filled, counter
     exact = filled.select_context("acme", None, q2, 400, counter=counter, bump=False)
     assert second.memory_block == exact.memory_block  # twice the tokens, twice the budget
     assert filled.ratios.of("acme", _Recording(counter, "third"), []) is None  # not measured
+
+
+class _Skewed(_Recording):
+    """A tokenizer whose lines cost twice ``inner``'s and whose assembled blocks (text with a
+    newline) 2.6 times: the pieces' prices add up to much less than the block."""
+
+    def count(self, text: str) -> int:
+        n = super().count(text)
+        return math.ceil(2.6 * n) if "\n" in text else 2 * n
+
+    def count_messages(self, messages: list[dict]) -> int:
+        return 2 * self.inner.count_messages(messages)
+
+
+def test_a_block_over_the_room_gives_back_enough_lines_at_once(filled, counter) -> None:
+    """Priced lines that cost more once joined: the selection drops, in one step, the lines
+    whose cost covers the excess and counts the block again, instead of counting it again
+    after each line dropped; the block still fits."""
+    from cwm_plugin.memory.select import HITS_HEADER
+
+    skewed = _Skewed(counter, "skewed-tokenizer")
+    q = [{"role": "user", "content": "Tell me about hiking, the tax return and chess openings."}]
+    got = filled.select_context("acme", None, q, 900, counter=skewed, bump=False)
+    blocks = [t for t in skewed.seen if HITS_HEADER in t and "\n" in t]  # whole blocks
+    assert got.hits and got.tokens == skewed.count(got.memory_block) <= 900
+    assert any("over budget once assembled" in r for r in got.reasons)  # it had to give back
+    assert len(blocks) <= 4, len(blocks)  # fill rounds and one count after giving back

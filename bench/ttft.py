@@ -119,11 +119,10 @@ def page_faults(server: VLLMServer) -> tuple[int, int]:
     import psutil
 
     minor = major = 0
-    proc = server._proc
-    if proc is None:
+    if server.pid is None:
         return 0, 0
     try:
-        procs = [psutil.Process(proc.pid)]
+        procs = [psutil.Process(server.pid)]
         procs += procs[0].children(recursive=True)
     except psutil.Error:
         return 0, 0

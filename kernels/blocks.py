@@ -71,9 +71,10 @@ class BlockWriter:
         self.block_dim = block_dim
         self.shape = block_shape(layers[0], block_dim)
         self.dtype = layers[0].dtype
-        self._views = [_ints(layer).numpy() for layer in layers]
+        self.n_layers = len(layers)
         joined = _joined(layers)
         self._joined = _ints(joined).numpy() if joined is not None else None
+        self._views = [] if joined is not None else [_ints(layer).numpy() for layer in layers]
 
     @property
     def joined(self) -> bool:
@@ -82,7 +83,7 @@ class BlockWriter:
 
     def write(self, block_id: int, data: torch.Tensor) -> None:
         """``data``: ``[L, *block]`` of the layers' dtype, on the CPU."""
-        if data.dtype != self.dtype or tuple(data.shape) != (len(self._views), *self.shape):
+        if data.dtype != self.dtype or tuple(data.shape) != (self.n_layers, *self.shape):
             raise ValueError(f"block of {data.dtype} {list(data.shape)} does not fit layers "
                              f"of {self.dtype} {list(self.shape)}")
         src = _ints(data).numpy()

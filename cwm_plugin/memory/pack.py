@@ -79,24 +79,21 @@ class Packed:
                          key=lambda p: (p.day, p.session, min(p.lines)))
         return [p.hit() for p in ordered]
 
+    def _holding(self, session: str, row: int) -> Passage | None:
+        return next((p for p in self.passages if p.session == session and row in p.lines), None)
+
     def last_text(self) -> str:
         """The text of the line taken last ("" when none is)."""
-        if not self.taken:
-            return ""
-        session, row = self.taken[-1]
-        for p in self.passages:
-            if p.session == session and row in p.lines:
-                return p.lines[row].unit.text
-        return ""
+        p = self._holding(*self.taken[-1]) if self.taken else None
+        return p.lines[self.taken[-1][1]].unit.text if p is not None else ""
 
     def drop_last(self) -> str:
         """Give back the line taken last; returns a reason."""
         session, row = self.taken.pop()
-        for p in self.passages:
-            if p.session == session and row in p.lines:
-                line = p.lines.pop(row)
-                return f"drop turn {line.unit.turn_id}: over budget once assembled"
-        return "drop a turn: over budget once assembled"
+        p = self._holding(session, row)
+        if p is None:
+            return "drop a turn: over budget once assembled"
+        return f"drop turn {p.lines.pop(row).unit.turn_id}: over budget once assembled"
 
 
 def pack(lines: list[Line], rows_of: Callable[[str], list], room: int,

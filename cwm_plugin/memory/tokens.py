@@ -198,6 +198,8 @@ class HFTokenCounter(_Base):
         self._tok = Tokenizer.from_file(str(path))
         self._tok.no_padding()  # some tokenizer.json files pad or truncate: count everything
         self._tok.no_truncation()
+        # without offsets (tokenizers >= 0.20): a 1k-token memory block 0.88 ms, 1.1 with them
+        self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         self.name = f"hf:{self.folder.name}"
         self._chat: Any = None  # transformers tokenizer, loaded on first count_chat
         self._lock = threading.Lock()
@@ -206,9 +208,7 @@ class HFTokenCounter(_Base):
         return self._count_batch([text])[0]
 
     def _count_batch(self, texts: list[str]) -> list[int]:
-        # without offsets (tokenizers >= 0.20): a 1k-token memory block 0.88 ms, 1.1 with them
-        fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        return [len(e.ids) for e in fast(texts, add_special_tokens=False)]
+        return [len(e.ids) for e in self._encode(texts, add_special_tokens=False)]
 
     def count_chat(self, messages: list[dict[str, Any]]) -> int:
         with self._lock:

@@ -60,6 +60,11 @@ class VLLMServer:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def pid(self) -> int | None:
+        """The ``vllm serve`` process's id while it runs (its engine core is a child)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def log_path(self) -> Path:
         assert self.log_dir is not None
         return self.log_dir / f"vllm-{self.port}-{self._starts}.log"

@@ -6,9 +6,10 @@
   default ``../shared/data``) with ``cwm memory import``'s code (MiniLM, the sidecar's chunk
   settings), in tokens/s, against the seeding path of before (session files, then a reindex:
   each line embedded with the line before it, sessions one by one, on torch's threads) timed
-  on ``--baseline-chunks`` chunks in the same run, twice: as it was when the import was asked
-  for (MiniLM in float32, the only precision then: ``speedup_per_chunk_as_filed``) and with
-  today's model precision (bfloat16 where the CPU has it: ``speedup_per_chunk``, the figure
+  on ``--baseline-chunks`` chunks in the same run, before and after the import (this
+  machine's speed drifts by ~10 % over minutes), in two ways: as it was when the import was
+  asked for (MiniLM in float32, the only precision then: ``speedup_per_chunk_as_filed``) and
+  with today's model precision (bfloat16 where the CPU has it: ``speedup_per_chunk``, the figure
   that credits the import only with what is its own): seconds per chunk, and the ratios.
 * **Overhead**: ``--requests`` chats through ``cwm serve`` (its own process), as conversations
   of ``--conv-turns`` turns whose client replays its history, each in its own session, each
@@ -116,8 +117,17 @@ def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
     tokens = sum(u.tokens for st in service.index(TENANT).sessions.values() for u in st.units)
     used = getattr(getattr(service.embedder, "inner", service.embedder), "dtype_used", dtype)
     service.close()
-    return {"chunks": made, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds),
-            "s_per_chunk": seconds / made, "dtype": used}
+    return {"chunks": made, "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds), "s_per_chunk": seconds / made, "dtype": used}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """Baseline runs of one precision taken as one: totals, and each run kept."""
+    chunks, tokens = sum(r["chunks"] for r in runs), sum(r["tokens"] for r in runs)
+    seconds = sum(r["seconds"] for r in runs)
+    return {"chunks": chunks, "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds), "s_per_chunk": seconds / chunks,
+            "dtype": runs[0]["dtype"], "runs": runs}
 
 
 def import_memory(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks: int,
@@ -287,14 +297,16 @@ def main() -> int:
                "summary_every_turns": 0, "extract_facts": False}
     t_start = time.perf_counter()
     log.info("baseline: the seeding of before, %d chunks, float32 as filed and today's "
-             "precision", args.baseline_chunks)
-    filed = baseline_seed(work / "baseline-filed", cfg_mem, lines, args.baseline_chunks,
-                          "float32")
-    base = baseline_seed(work / "baseline", cfg_mem, lines, args.baseline_chunks, "auto")
+             "precision, before and after the import", args.baseline_chunks)
+    runs = [baseline_seed(work / f"baseline-{dtype}-before", cfg_mem, lines,
+                          args.baseline_chunks, dtype) for dtype in ("float32", "auto")]
     log.info("import: %d chunks", chunks)
     whole = Conversation("whole-conversation", [(ln.partition(": ")[0], ln.partition(": ")[2])
                                                 for ln in convs[-1].lines()])
     imp = import_memory(root, cfg_mem, lines, chunks, whole)
+    runs += [baseline_seed(work / f"baseline-{dtype}-after", cfg_mem, lines,
+                           args.baseline_chunks, dtype) for dtype in ("float32", "auto")]
+    filed, base = pooled(runs[0::2]), pooled(runs[1::2])  # the machine's speed drifts
     imp["speedup_per_chunk"] = round(base["s_per_chunk"] / imp["s_per_chunk"], 2)
     imp["speedup_per_chunk_as_filed"] = round(filed["s_per_chunk"] / imp["s_per_chunk"], 2)
     secret = secrets.token_hex(32)
@@ -346,7 +358,8 @@ def main() -> int:
         "prefix_hit_rate_direct": hit["direct"]["hit_rate"],
         "tokens_sent_ratio": saving["ratio"], "import_tokens_per_s": imp["tokens_per_s"],
         "load_errors": ld["errors"], "turns_lost": lost,
-        "import": imp, "baseline_seed": base, "baseline_seed_as_filed": filed, "overhead": alone, "overhead_with_vllm": over,
+        "import": imp, "baseline_seed": base, "baseline_seed_as_filed": filed,
+        "overhead": alone, "overhead_with_vllm": over,
         "load": ld,
         "token_saving": saving, "prefix_hit_model": args.hit_model, "prefix": hit,
         "prefix_tiny_placements": tiny_runs, "wall_s": round(time.perf_counter() - t_start, 1)}

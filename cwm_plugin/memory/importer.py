@@ -23,6 +23,7 @@ the result says tokens/s.
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import re
 import time
@@ -44,8 +45,7 @@ from cwm_plugin.memory.files import utc_iso
 from cwm_plugin.memory.models import Turn, new_turn_id
 from cwm_plugin.memory.names import check_name
 
-SLICE = 2048  # texts embedded per call in this process (sorted by length; batched inside)
-PIECE = 256  # texts a worker process embeds per task (sorted: of similar lengths)
+SLICE = 2048  # texts embedded per call (sorted by length; the embedder batches inside)
 POOL_MIN = 4096  # texts below which worker processes cost more (loading) than they save
 _SESSION = re.compile(r"session_(\d+)")
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -174,9 +174,7 @@ def _worker_embed(folder: str, dtype: str, texts: list[str]) -> np.ndarray:
 @contextmanager
 def embedding_pool(service: Any, workers: int, texts: int) -> Iterator[Callable | None]:
     """A function embedding with ``workers`` processes running the service's MiniLM model, for
-    a large import (None: embed in this process, as the service does). It takes the texts and
-    a progress callback (called with the characters of each piece embedded); every piece is
-    queued at once, so no worker waits on another between pieces."""
+    a large import (None: embed in this process, as the service does)."""
     inner = getattr(service.embedder, "inner", service.embedder)
     if workers < 2 or texts < POOL_MIN or not isinstance(inner, MiniLMEmbedder):
         yield None
@@ -185,14 +183,11 @@ def embedding_pool(service: Any, workers: int, texts: int) -> Iterator[Callable 
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         folder, dtype = str(inner.folder), inner.dtype_used
 
-        def compute(part: list[str], done: Callable[[int], None]) -> np.ndarray:
-            pieces = [part[i:i + PIECE] for i in range(0, len(part), PIECE)]
-            futures = [pool.submit(_worker_embed, folder, dtype, p) for p in pieces]
-            out = []
-            for piece, fut in zip(pieces, futures, strict=True):
-                out.append(fut.result())
-                done(sum(len(t) for t in piece))
-            return np.concatenate(out) if out else np.zeros((0, inner.dims), np.float32)
+        def compute(part: list[str]) -> np.ndarray:
+            step = max(1, math.ceil(len(part) / (workers * 4)))  # sorted: similar lengths
+            pieces = [part[i:i + step] for i in range(0, len(part), step)]
+            return np.concatenate(list(pool.map(_worker_embed, [folder] * len(pieces),
+                                                [dtype] * len(pieces), pieces)))
 
         yield compute
 
@@ -223,21 +218,13 @@ def import_sessions(service: Any, tenant: str, conversations: list[Conversation]
         with tqdm(total=tokens, desc=f"import {tenant}", unit="tok", unit_scale=True,
                   disable=not progress) as bar, \
                 embedding_pool(service, workers, len(texts)) as compute:
-            def advance(n: int) -> None:
-                bar.update(n * tokens // max(1, chars))
-
-            step = len(order) if compute else SLICE  # workers: every piece queued at once
-            for a in range(0, len(order), max(1, step)):
-                part = [texts[k] for k in order[a:a + step]]
-                strs = [t for _, _, t in part]
-                if compute:
-                    got = service.embedder.embed(strs, lambda ts: compute(ts, advance))
-                else:
-                    got = service.embedder.embed(strs)
-                    advance(sum(len(t) for t in strs))
+            for a in range(0, len(order), SLICE):
+                part = [texts[k] for k in order[a:a + SLICE]]
+                got = service.embedder.embed([t for _, _, t in part], compute) if compute \
+                    else service.embedder.embed([t for _, _, t in part])
                 for (w, i, _), v in zip(part, got, strict=True):
                     embedded[w][i] = v
-            bar.update(max(0, tokens - bar.n))  # texts the embedding cache had
+                bar.update(sum(len(t) for _, _, t in part) * tokens // max(1, chars))
         before = len(idx.chunks)
         for w, (session, records, start, end) in enumerate(written):
             vecs = idx.line_vectors(prevs[w], units[w], embedded[w])

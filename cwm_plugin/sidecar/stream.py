@@ -50,6 +50,10 @@ class Collected:
     def feed(self, obj: dict[str, Any], *, chat: bool) -> None:
         if obj.get("usage"):
             self.usage = obj["usage"]
+        elif obj.get("type") == "response.completed":  # the Responses API's final event
+            done = obj.get("response")
+            if isinstance(done, dict) and isinstance(done.get("usage"), dict):
+                self.usage = done["usage"]
         for choice in obj.get("choices") or []:
             if choice.get("index", 0) != 0:
                 continue
@@ -84,6 +88,17 @@ def _splice_fingerprint(event: bytes, fingerprint: str) -> bytes:
     end = event.rfind(b"}")
     extra = b',"system_fingerprint":' + json.dumps(fingerprint).encode()
     return event[:end] + extra + event[end:]
+
+
+def ask_usage(forward: dict[str, Any]) -> bool:
+    """Make a streamed chat or completions request report its usage (it is accounted);
+    returns whether the client asked for it itself (else the usage event is withheld)."""
+    opts = forward.get("stream_options") or {}
+    wanted = bool(isinstance(opts, dict) and opts.get("include_usage"))
+    if not wanted:
+        forward["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
+                                     "include_usage": True}
+    return wanted
 
 
 def _terminal(obj: dict[str, Any]) -> bool:

@@ -46,7 +46,7 @@ from cwm_plugin.sidecar.openai_errors import upstream_error_response
 from cwm_plugin.sidecar.plan import Plan, TurnInput, history_tokens, passthrough, plan_turn
 from cwm_plugin.sidecar.router import Endpoint, Route
 from cwm_plugin.sidecar.runtime import Sidecar
-from cwm_plugin.sidecar.stream import Collected, relay_sse
+from cwm_plugin.sidecar.stream import Collected, ask_usage, relay_sse
 from cwm_plugin.sidecar.upstream import headers_down, headers_up
 from cwm_plugin.sidecar.workqueue import Job
 
@@ -346,11 +346,7 @@ async def _once(turn: Turn, forward: dict[str, Any], up: dict[str, str]) -> Resp
 
 async def _stream(turn: Turn, forward: dict[str, Any], up: dict[str, str]) -> Response:
     sc = turn.sc
-    opts = forward.get("stream_options") or {}
-    client_wants_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-    if not client_wants_usage:
-        forward["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
-                                     "include_usage": True}
+    client_wants_usage = ask_usage(forward)
     handle = await sc.router.open_stream(turn.route, "/v1/chat/completions", forward,
                                          headers=up)
     resp = handle.resp

@@ -106,6 +106,44 @@ class FakeUpstream:
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
+    def _completion_stream(self, body: dict[str, Any]) -> StreamingResponse:
+        """A streamed ``/v1/completions``: text chunks, then usage when asked, then [DONE]."""
+        base = {"id": "cmpl-fake", "object": "text_completion", "created": 0,
+                "model": body["model"]}
+        words = str(self.script(body).get("content") or "").split(" ")
+        chunks = [{**base, "choices": [{"index": 0, "text": w + " ", "finish_reason": None}]}
+                  for w in words]
+        chunks.append({**base, "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({**base, "choices": [], "usage": usage_of(body, len(words))})
+
+        def gen():
+            for c in chunks:
+                yield f"data: {json.dumps(c)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    def _response_stream(self, body: dict[str, Any]) -> StreamingResponse:
+        """The Responses API's events (named, no ``[DONE]``), usage on the last one."""
+        usage = usage_of(body, 1)
+        done = {"id": "resp_fake", "object": "response", "status": "completed",
+                "model": body["model"], "usage": {"input_tokens": usage["prompt_tokens"],
+                                                  "output_tokens": 1, "total_tokens":
+                                                  usage["total_tokens"]}}
+        events = [("response.created", {"response": {**done, "status": "in_progress",
+                                                     "usage": None}}),
+                  ("response.output_text.delta", {"item_id": "msg_1", "output_index": 0,
+                                                  "content_index": 0, "delta": "ok"}),
+                  ("response.completed", {"response": done})]
+
+        def gen():
+            for n, (kind, data) in enumerate(events):
+                obj = {"type": kind, "sequence_number": n, **data}
+                yield f"event: {kind}\ndata: {json.dumps(obj)}\n\n".encode()
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
     def _routes(self) -> None:
         app = self.app
 
@@ -129,6 +167,8 @@ class FakeUpstream:
                 if body.get("stream"):
                     return self._stream(body)
                 return JSONResponse(self._chat(body), headers=rid)
+            if path == "v1/completions" and body.get("stream"):
+                return self._completion_stream(body)
             if path == "v1/completions":
                 return JSONResponse({"id": "cmpl-fake", "object": "text_completion",
                                      "created": 0, "model": body["model"], "choices": [
@@ -143,6 +183,8 @@ class FakeUpstream:
                     {"object": "embedding", "index": i, "embedding": [float(len(t)), 1.0, 0.0]}
                     for i, t in enumerate(inputs)], "usage": {"prompt_tokens": 1,
                                                               "total_tokens": 1}}, headers=rid)
+            if path == "v1/responses" and body.get("stream"):
+                return self._response_stream(body)
             if path == "v1/responses":
                 return JSONResponse({"id": "resp_fake", "object": "response", "created_at": 0,
                                      "model": body["model"], "status": "completed",

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from sidecar_helpers import KEYS, SECRET, make_settings, metric_value, runtime, salt
+from sidecar_helpers import ADMIN, KEYS, SECRET, make_settings, metric_value, runtime, salt
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity import Authenticator
@@ -32,7 +32,7 @@ TOOLS = [{"type": "function", "function": {
 
 def agent_script(body: dict) -> dict:
     """Call the weather tool until three results are in, then answer; JSON when asked."""
-    msgs = body["messages"]
+    msgs = body.get("messages") or []  # (none in /v1/completions)
     if body.get("response_format"):
         return {"content": '{"city": "Zurich", "ok": true}'}
     done = sum(m["role"] == "tool" for m in msgs)
@@ -212,8 +212,39 @@ def test_embeddings_models_responses_and_tokenize_are_forwarded(upstream, sideca
     tok = httpx.post(f"{srv.url}/tokenize", headers=auth, json={"model": "fake",
                                                                 "prompt": "a b c"})
     assert tok.json()["count"] == 3
+    for n in range(3):  # models nobody serves go to the default upstream, one label for all
+        httpx.post(f"{srv.url}/tokenize", headers=auth, json={"model": f"made-up-{n}",
+                                                              "prompt": "a"})
+    assert metric_value(srv, "cwm_sidecar_requests_total", route="tokenize",
+                        model="other") == 3
+    assert "made-up" not in httpx.get(f"{srv.url}/metrics", headers=ADMIN).text
     assert httpx.post(f"{srv.url}/v1/embeddings", json={"model": "fake", "input": "x"}
                       ).status_code == 401
+
+
+def test_streamed_responses_and_completions_are_accounted(upstream, sidecars):
+    """Usage of a streamed ``/v1/responses`` comes in its ``response.completed`` event; a
+    streamed ``/v1/completions`` is asked for it (and the client still gets the stream it
+    asked for). Both reach the tenant's usage."""
+    fake, _ = upstream
+    srv = sidecars["on"]
+    auth = {"Authorization": f"Bearer {KEYS['beta']}", "X-Session-Id": "acct"}
+    before = httpx.get(f"{srv.url}/v1/usage", headers=auth).json()["total"]
+    r = httpx.post(f"{srv.url}/v1/responses", headers=auth,
+                   json={"model": "fake", "input": "Say ok", "stream": True})
+    assert r.status_code == 200 and "event: response.completed" in r.text
+    got = httpx.get(f"{srv.url}/v1/usage", headers=auth).json()["total"]
+    assert (got["requests"] - before["requests"], got["completion_tokens"]
+            - before["completion_tokens"], got["prompt_tokens"] - before["prompt_tokens"]) \
+        == (1, 1, 2)
+    sdk = client(srv, session="acct", tenant="beta")
+    assert sdk.responses.create(model="fake", input="Say ok", stream=True) is not None
+    with sdk.completions.create(model="fake", prompt="Say ok", stream=True) as stream:
+        chunks = list(stream)
+    assert fake.last("/v1/completions")["stream_options"] == {"include_usage": True}
+    assert chunks and all(c.usage is None for c in chunks)  # not asked: not shown
+    after = httpx.get(f"{srv.url}/v1/usage", headers=auth).json()["total"]
+    assert after["requests"] - got["requests"] == 2
 
 
 def test_request_ids_and_bad_bodies(upstream, sidecars):

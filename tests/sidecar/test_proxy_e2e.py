@@ -154,9 +154,21 @@ def test_completions_models_health_and_metrics(sidecar, recorder):
                          "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
     assert rec.last("/v1/completions")["cache_salt"] == salt("beta", "comp")
+    usage = httpx.get(f"{sidecar.url}/v1/usage", headers=auth, timeout=30).json()["total"]
     r = httpx.post(f"{sidecar.url}/v1/completions", headers=auth, timeout=300,
-                   json={"model": "tiny", "prompt": "Once", "max_tokens": 3, "stream": True})
-    assert sse_events(r.text)[-1] == "[DONE]"
+                   json={"model": "tiny", "prompt": "Once", "max_tokens": 3, "stream": True,
+                         "ignore_eos": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])  # as asked
+    assert rec.last("/v1/completions")["stream_options"] == {"include_usage": True}
+    r = httpx.post(f"{sidecar.url}/v1/completions", headers=auth, timeout=300,
+                   json={"model": "tiny", "prompt": "Once", "max_tokens": 3, "stream": True,
+                         "ignore_eos": True, "stream_options": {"include_usage": True}})
+    told = [e["usage"] for e in sse_events(r.text)[:-1] if e.get("usage")]
+    assert len(told) == 1 and told[0]["completion_tokens"] == 3
+    after = httpx.get(f"{sidecar.url}/v1/usage", headers=auth, timeout=30).json()["total"]
+    assert after["requests"] - usage["requests"] == 2  # streamed completions are accounted
+    assert after["completion_tokens"] - usage["completion_tokens"] == 6
     models = httpx.get(f"{sidecar.url}/v1/models", headers=auth, timeout=30).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
     assert httpx.get(f"{sidecar.url}/v1/models", timeout=30).status_code == 401

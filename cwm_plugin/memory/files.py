@@ -22,7 +22,8 @@ import fcntl
 import json
 import logging
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from cwm_plugin.memory.models import Memory, Turn
 from cwm_plugin.memory.names import NAME, check_name
 
 log = logging.getLogger(__name__)
+DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")  # a daily file's name
 TURN_MARK = b"<!-- cwm-turn "
 MEM_MARK = "<!-- cwm-mem "
 SUMMARY_MARK = "<!-- cwm-summary "
@@ -195,6 +197,7 @@ class MemoryFiles:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self._strays: set[str] = set()  # names skipped (and logged) once
 
     # --- paths -----------------------------------------------------------------------------
 
@@ -211,14 +214,29 @@ class MemoryFiles:
         return self.tenant_dir(tenant) / "memories.md"
 
     def tenants(self) -> list[str]:
+        """The tenants' folders; a folder whose name no tenant could have ("alice copy",
+        ".index") is not one."""
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not
-                      p.name.startswith("."))
+        return sorted(self._named(p.name for p in self.root.iterdir() if p.is_dir()
+                                  and not p.name.startswith(".")))
 
     def sessions(self, tenant: str) -> list[str]:
+        """The tenant's session files; a stray file whose name no session could have ("s1
+        copy.md", macOS's "._s1.md") is skipped and logged, never a failed index build."""
         d = self.tenant_dir(tenant) / "sessions"
-        return sorted(p.stem for p in d.glob("*.md")) if d.is_dir() else []
+        return sorted(self._named(p.stem for p in d.glob("*.md"))) if d.is_dir() else []
+
+    def _named(self, names: Iterable[str]) -> list[str]:
+        out = []
+        for name in names:
+            if NAME.match(name) and ".." not in name:
+                out.append(name)
+            elif name not in self._strays:
+                self._strays.add(name)
+                log.warning("memory root %s: %r is not a valid tenant or session name; "
+                            "skipped (rename or move it)", self.root, name)
+        return out
 
     # --- transcripts -------------------------------------------------------------------------
 
@@ -274,6 +292,8 @@ class MemoryFiles:
         by_day: dict[str, list[str]] = {}
         for turn in turns:
             day, _, clock = turn.ts.partition("T")
+            if not DAY.match(day):  # (the file's name: never a path from a stamp)
+                day, clock = "undated", " ".join(turn.ts.split())[:40]
             one_line = " ".join(turn.content.split())
             one_line = one_line[:160] + ("…" if len(one_line) > 160 else "")
             by_day.setdefault(day or "undated", []).append(

@@ -43,12 +43,13 @@ from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.embeddings import MiniLMEmbedder
 from cwm_plugin.memory.files import utc_iso
 from cwm_plugin.memory.models import Turn, new_turn_id
-from cwm_plugin.memory.names import check_name
+from cwm_plugin.memory.names import check_name, check_role
 
 SLICE = 2048  # texts embedded per call (sorted by length; the embedder batches inside)
 POOL_MIN = 4096  # texts below which worker processes cost more (loading) than they save
 _SESSION = re.compile(r"session_(\d+)")
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_ROLE_UNSAFE = re.compile(r"[^A-Za-z0-9 _.'-]")
 
 
 @dataclass
@@ -110,7 +111,8 @@ def read_jsonl(path: Path, prefix: str) -> Iterator[Conversation]:
             session = obj.get("session") if isinstance(obj, dict) else None
             name = _SAFE.sub("_", str(session))[:64] if session else f"{prefix}-{n:06d}"
             ts = obj.get("ts") if isinstance(obj, dict) else None
-            yield Conversation(name, _openai_turns(messages, where), ts)
+            yield Conversation(name, _openai_turns(messages, where),
+                               None if ts is None else iso_time(ts, f"{where}: `ts`"))
 
 
 def locomo_datetime(raw: Any) -> datetime | None:
@@ -129,6 +131,25 @@ def _locomo_time(raw: Any) -> str | None:
     return utc_iso(when) if when else None
 
 
+def iso_time(raw: object, where: str = "ts") -> str:
+    """An imported time stamp (ISO 8601; ``Z`` or an offset, else UTC) as :func:`utc_iso`
+    writes it: a stamp goes into a record's heading and names a daily file, so anything else
+    is refused rather than written."""
+    if isinstance(raw, str):
+        try:
+            return utc_iso(datetime.fromisoformat(raw.strip().replace("Z", "+00:00")))
+        except ValueError:
+            pass
+    raise InvalidInput(f"{where}: {str(raw)[:40]!r} is not an ISO 8601 time",
+                       hint="write times as 2024-05-08T13:56:00Z (or leave them out)")
+
+
+def speaker_role(raw: object) -> str:
+    """A LoCoMo speaker as a role (``check_role``: one short line of safe characters)."""
+    role = _ROLE_UNSAFE.sub("_", " ".join(str(raw or "").split()))[:64].strip(" _.'-")
+    return role or "speaker"
+
+
 def read_locomo(path: Path, prefix: str) -> Iterator[Conversation]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -142,7 +163,7 @@ def read_locomo(path: Path, prefix: str) -> Iterator[Conversation]:
         name = _SAFE.sub("_", str(sample.get("sample_id") or f"{prefix}-{i}"))[:48]
         for key in sorted((k for k in conv if _SESSION.fullmatch(k)),
                           key=lambda k: int(k.split("_")[1])):
-            turns = [(str(t.get("speaker") or "speaker")[:64], str(t.get("text") or ""))
+            turns = [(speaker_role(t.get("speaker")), str(t.get("text") or ""))
                      for t in conv[key] if isinstance(t, dict) and t.get("text")]
             yield Conversation(f"{name}-s{key.split('_')[1]}", turns,
                                _locomo_time(conv.get(f"{key}_date_time")))
@@ -199,10 +220,11 @@ def import_sessions(service: Any, tenant: str, conversations: list[Conversation]
     check_name("tenant", tenant)
     t0 = time.perf_counter()
     merged: dict[str, list[Turn]] = {}  # one append a session, conversations in order
-    for c in conversations:
+    for c in conversations:  # everything checked before anything is written
         check_name("session", c.session)
+        ts = utc_iso() if c.ts is None else iso_time(c.ts, f"session {c.session}: ts")
         merged.setdefault(c.session, []).extend(
-            Turn(new_turn_id(), role, text, c.ts or utc_iso()) for role, text in c.turns)
+            Turn(new_turn_id(), check_role(role), text, ts) for role, text in c.turns)
     with service.lock(tenant):
         idx = service.indexes.get(tenant)  # loaded or built first: appends land on top of it
         written = [(s, r, *service.files.append_turns(tenant, s, r))

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.util
@@ -20,6 +21,7 @@ import os
 import re
 import sqlite3
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -270,7 +272,13 @@ class HashingEmbedder:
 
 
 class CachedEmbedder:
-    """An embedder with a SQLite cache (one file per model name) keyed by sha256(text)."""
+    """An embedder with a SQLite cache (one file per model name) keyed by sha256(text).
+
+    The cache is derived: a file that is not a database (a bad restore, a torn copy) is moved
+    aside and started again, and a look-up or write that fails (a full disk, a lock held too
+    long) is done without: the vectors are computed and returned all the same, logged once
+    and counted (``cwm_memory_degraded_total{what="embedding_cache"}``). Without a usable
+    folder it runs uncached."""
 
     def __init__(self, inner: Embedder, cache_dir: Path,
                  metrics: MemoryMetrics | None = None) -> None:
@@ -278,16 +286,47 @@ class CachedEmbedder:
         self.name = inner.name
         self.dims = inner.dims
         self.metrics = metrics
-        cache_dir.mkdir(parents=True, exist_ok=True)
         self.path = cache_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', inner.name)}.sqlite"
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # A cache: a crash may lose its newest entries (they are recomputed), never corrupt it
-        # (WAL); without a sync on every commit a query's embedding costs no fsync.
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT PRIMARY KEY, vec BLOB)")
-        self._db.commit()
+        self._warned = False
+        self._db: sqlite3.Connection | None = None
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            self._db = self._open()
+        except sqlite3.DatabaseError as exc:
+            aside = self.path.with_name(f"{self.path.name}.damaged-{int(time.time())}")
+            self._failed("opening", exc, f"moved aside to {aside.name}, started again")
+            with contextlib.suppress(OSError):
+                self.path.replace(aside)
+            for stale in ("-wal", "-shm"):  # (its journal is not the new file's)
+                with contextlib.suppress(OSError):
+                    self.path.with_name(self.path.name + stale).unlink()
+            with contextlib.suppress(sqlite3.Error, OSError):
+                self._db = self._open()
+        except OSError as exc:
+            self._failed("opening", exc, "running without a cache")
+
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            # A cache: a crash may lose its newest entries (they are recomputed), never corrupt
+            # it (WAL); without a sync on every commit a query's embedding costs no fsync.
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT PRIMARY KEY, vec BLOB)")
+            db.commit()
+        except sqlite3.Error:
+            db.close()
+            raise
+        return db
+
+    def _failed(self, doing: str, exc: Exception, outcome: str = "computed without it") -> None:
+        if self.metrics:
+            self.metrics.degraded.labels("embedding_cache").inc()
+        if not self._warned:
+            self._warned = True
+            log.warning("embedding cache %s: %s failed (%s); %s", self.path, doing, exc,
+                        outcome)
 
     def embed(self, texts: list[str],
               compute: Callable[[list[str]], np.ndarray] | None = None) -> np.ndarray:
@@ -295,26 +334,33 @@ class CachedEmbedder:
         ``embed``; a bulk import passes a pool of processes running the same model)."""
         keys = [hashlib.sha256(t.encode()).hexdigest() for t in texts]
         found: dict[str, np.ndarray] = {}
-        with self._lock:
-            uniq = list(dict.fromkeys(keys))
-            for i in range(0, len(uniq), 500):
-                part = uniq[i:i + 500]
-                q = f"SELECT key, vec FROM emb WHERE key IN ({','.join('?' * len(part))})"
-                for k, v in self._db.execute(q, part):
-                    vec = np.frombuffer(v, dtype=np.float32)
-                    if vec.shape[0] == self.dims:
-                        found[k] = vec
+        try:
+            with self._lock:
+                uniq = list(dict.fromkeys(keys)) if self._db is not None else []
+                for i in range(0, len(uniq), 500):
+                    part = uniq[i:i + 500]
+                    q = f"SELECT key, vec FROM emb WHERE key IN ({','.join('?' * len(part))})"
+                    for k, v in self._db.execute(q, part):  # type: ignore[union-attr]
+                        vec = np.frombuffer(v, dtype=np.float32)
+                        if vec.shape[0] == self.dims:
+                            found[k] = vec
+        except sqlite3.Error as exc:
+            self._failed("a look-up", exc)
         missing = {k: t for k, t in zip(keys, texts, strict=True) if k not in found}
         if self.metrics:
             self.metrics.cache.labels("hit").inc(len(texts) - len(missing))
             self.metrics.cache.labels("miss").inc(len(missing))
         if missing:
             vecs = (compute or self.inner.embed)(list(missing.values()))
-            with self._lock:
-                self._db.executemany("INSERT OR REPLACE INTO emb VALUES (?, ?)",
-                                     [(k, v.astype(np.float32).tobytes())
-                                      for k, v in zip(missing, vecs, strict=True)])
-                self._db.commit()
+            try:
+                with self._lock:
+                    if self._db is not None:
+                        self._db.executemany("INSERT OR REPLACE INTO emb VALUES (?, ?)",
+                                             [(k, v.astype(np.float32).tobytes())
+                                              for k, v in zip(missing, vecs, strict=True)])
+                        self._db.commit()
+            except sqlite3.Error as exc:
+                self._failed("a write", exc)
             found.update(zip(missing, vecs, strict=True))
         if not texts:
             return np.zeros((0, self.dims), dtype=np.float32)
@@ -322,4 +368,6 @@ class CachedEmbedder:
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            if self._db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.close()

@@ -22,3 +22,7 @@ class MemoryMetrics:
         self.cache = Counter("cwm_memory_embedding_cache_total",
                              "Embedding cache look-ups by result", ["result"],
                              registry=self.registry)
+        self.degraded = Counter(
+            "cwm_memory_degraded_total", "Derived state (a saved index, the embedding cache) "
+            "that could not be written or read and was done without (recomputed later)",
+            ["what"], registry=self.registry)

@@ -85,19 +85,11 @@ def save(idx: TenantIndex, marks: dict[str, FileMark], root: Path, tenant: str) 
     gen = f"g{time.time_ns():x}-{os.getpid()}-{secrets.token_hex(2)}"
     tmp = base / f".{gen}.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    sessions = {name: {"units": [[u.text, u.turn_id, u.ts, u.tokens] for u in st.units],
-                       "labels": st.labels,
-                       "spans": [[b, e, cid, idx.chunks[cid].tokens] for b, e, cid in st.spans]}
-                for name, st in idx.sessions.items()}
-    manifest = {**fingerprint(idx), "marks": {s: asdict(m) for s, m in marks.items()},
-                "deleted": idx.deleted, "n_vectors": idx.n_vectors}
-    _write(tmp / "sessions.json", json.dumps(sessions, ensure_ascii=False).encode())
-    _write(tmp / "manifest.json", json.dumps(manifest).encode())
-    np.save(tmp / "vectors.npy", idx.vectors)
-    idx.hnsw.save_index(str(tmp / "lines.hnsw"))
-    for name in ("vectors.npy", "lines.hnsw"):
-        with open(tmp / name, "rb") as fh:
-            os.fsync(fh.fileno())
+    try:
+        _write_generation(idx, marks, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # (a full disk is not filled further)
+        raise
     # Two savers of one tenant (the sidecar and `cwm memory reindex`) take turns here, so
     # CURRENT always names a folder that exists; each removes the generations before its own
     # and unfinished ones a crashed writer left (hidden, older than STALE_TMP_S).
@@ -113,6 +105,23 @@ def save(idx: TenantIndex, marks: dict[str, FileMark], root: Path, tenant: str) 
                               and now - old.stat().st_mtime > STALE_TMP_S):
                 shutil.rmtree(old, ignore_errors=True)
     return gen
+
+
+def _write_generation(idx: TenantIndex, marks: dict[str, FileMark], tmp: Path) -> None:
+    """The index's files in ``tmp``, synced."""
+    sessions = {name: {"units": [[u.text, u.turn_id, u.ts, u.tokens] for u in st.units],
+                       "labels": st.labels,
+                       "spans": [[b, e, cid, idx.chunks[cid].tokens] for b, e, cid in st.spans]}
+                for name, st in idx.sessions.items()}
+    manifest = {**fingerprint(idx), "marks": {s: asdict(m) for s, m in marks.items()},
+                "deleted": idx.deleted, "n_vectors": idx.n_vectors}
+    _write(tmp / "sessions.json", json.dumps(sessions, ensure_ascii=False).encode())
+    _write(tmp / "manifest.json", json.dumps(manifest).encode())
+    np.save(tmp / "vectors.npy", idx.vectors)
+    idx.hnsw.save_index(str(tmp / "lines.hnsw"))
+    for name in ("vectors.npy", "lines.hnsw"):
+        with open(tmp / name, "rb") as fh:
+            os.fsync(fh.fileno())
 
 
 def load(idx: TenantIndex, root: Path, tenant: str) -> tuple[dict[str, FileMark], str] | None:

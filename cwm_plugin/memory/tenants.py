@@ -66,6 +66,7 @@ class TenantIndexes:
         self.embedder = embedder
         self.counter = counter
         self.metrics = metrics
+        self._unsaved: set[str] = set()  # tenants whose last save failed (logged once)
         self._tenants: dict[str, _Tenant] = {}
 
     def _new_index(self) -> TenantIndex:
@@ -107,37 +108,52 @@ class TenantIndexes:
             bar.update(len(self.files.sessions(tenant)))
         return t
 
-    def _build(self, tenant: str, bar: tqdm | None) -> _Tenant:
+    def _build(self, tenant: str, bar: tqdm | None, strict: bool = False) -> _Tenant:
         t = _Tenant(self._new_index(), {}, None)
         for session in self.files.sessions(tenant):
             self._sync_session(tenant, t, session)
             if bar is not None:
                 bar.update(1)
-        if t.index.chunks:
-            self._save(tenant, t)
+        if t.index.chunks or strict:
+            self._save(tenant, t, strict)
         return t
 
     def rebuild(self, tenant: str, bar: tqdm | None = None) -> TenantIndex:
-        """Build the tenant's index from its files, ignoring what is saved, and save it."""
+        """Build the tenant's index from its files, ignoring what is saved, and save it (a
+        save that fails raises here: this is what ``cwm memory reindex`` was asked for)."""
         self._tenants.pop(tenant, None)
-        t = self._build(tenant, bar)
-        if not t.index.chunks:
-            self._save(tenant, t)
+        t = self._build(tenant, bar, strict=True)
         self._tenants[tenant] = t
         return t.index
 
-    def _save(self, tenant: str, t: _Tenant) -> None:
+    def _save(self, tenant: str, t: _Tenant, strict: bool = False) -> bool:
+        """Save ``t``; a save that fails (a full disk, a read-only or damaged ``.index``)
+        keeps the index in memory and dirty (a later save tries again), logged once and
+        counted: the saved copy only spares a rebuild, so a request never fails for it."""
         marks = {s: m.frozen() for s, m in t.marks.items()}
-        t.generation = persist.save(t.index, marks, self.files.root, tenant)
+        try:
+            t.generation = persist.save(t.index, marks, self.files.root, tenant)
+        except OSError as exc:
+            if strict:
+                raise
+            self.metrics.degraded.labels("index_save").inc()
+            if tenant not in self._unsaved:
+                log.warning("tenant %s: its index could not be saved (%s); kept in memory, "
+                            "rebuilt from the files after a restart until a save succeeds",
+                            tenant, exc)
+            self._unsaved.add(tenant)
+            t.dirty = True
+            return False
+        self._unsaved.discard(tenant)
         t.dirty = False
+        return True
 
     def save(self, tenant: str | None = None) -> int:
         """Save the indexes changed since they were last saved; returns how many."""
         n = 0
         for name, t in list(self._tenants.items()):
             if (tenant is None or name == tenant) and t.dirty:
-                self._save(name, t)
-                n += 1
+                n += self._save(name, t)
         return n
 
     # --- keeping up with the files -------------------------------------------------------------

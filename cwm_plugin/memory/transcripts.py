@@ -63,10 +63,18 @@ class TranscriptWriter:
         with self.lock(tenant):
             loaded = self.indexes.loaded(tenant)
             start, end = self.files.append_turns(tenant, session, records)
-            if loaded:
-                self.indexes.appended(tenant, session, records, start, end)
-            else:
-                self.indexes.get(tenant)  # loads or builds, these turns included
+            try:
+                if loaded:
+                    self.indexes.appended(tenant, session, records, start, end)
+                else:
+                    self.indexes.get(tenant)  # loads or builds, these turns included
+            except Exception as exc:  # noqa: BLE001 - stored is what was asked; indexing is
+                # derived: the next look at the files (a search, a build) indexes these turns
+                # A caller told "failed" would send them again: stored twice.
+                self.indexes.metrics.degraded.labels("indexing").inc()
+                log.warning("tenant %s: %d turn(s) stored in session %s but not indexed yet "
+                            "(%s); the next sync with the files indexes them", tenant,
+                            len(records), session, exc)
         return [t.turn_id for t in records]
 
     def index_pending(self, tenant: str) -> int:

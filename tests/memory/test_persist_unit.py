@@ -185,3 +185,97 @@ def test_concurrent_savers_leave_current_naming_a_whole_generation(make_service)
                          metrics=metrics)
     assert snapshot(fresh) == snapshot(svc)          # and it loads whole:
     assert metrics.chunks._value.get() == 0          # nothing chunked again
+
+
+def test_an_index_that_cannot_be_saved_is_kept_in_memory_and_counted(make_service, tmp_path,
+                                                                     monkeypatch, caplog) -> None:
+    """A full disk (or a damaged ``.index``) fails the save of the derived index: requests go
+    on with the index in memory (logged once, counted), the half-written generation is
+    removed, and the next save that can, does. An explicit reindex still reports it."""
+    import numpy as np
+
+    from cwm_plugin.memory import persist
+
+    m = MemoryMetrics()
+    svc = make_service(chunk_tokens=40, chunk_overlap=10, metrics=m)
+    real_save = np.save
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(persist.np, "save", full_disk)
+    fill(svc)  # the first build saves: it fails, the index stays
+    assert len(svc.search("acme", "locker code", 2)) == 2
+    assert svc.save() == 0 and svc.save() == 0
+    degraded = m.degraded.labels("index_save")._value.get()
+    assert degraded >= 2 and caplog.text.count("could not be saved") == 1
+    assert current_generation(svc.config.root, "acme") is None
+    assert not [p for p in tenant_dir(svc.config.root, "acme").iterdir()
+                if p.name.endswith(".tmp")]  # nothing half-written left behind
+    with pytest.raises(OSError, match="No space"):
+        svc.reindex("acme", progress=False)
+    monkeypatch.setattr(persist.np, "save", real_save)  # room again
+    svc.record_turn("acme", "s9", "user", "The boat leaves from pier nine.")
+    assert "pier nine" in svc.search("acme", "boat pier", 1)[0].text
+    svc.save()
+    assert current_generation(svc.config.root, "acme") is not None
+
+
+def test_a_damaged_embedding_cache_is_started_again_and_failures_are_done_without(
+        tmp_path, caplog) -> None:
+    import sqlite3
+
+    import numpy as np
+
+    from cwm_plugin.memory.embeddings import CachedEmbedder, HashingEmbedder
+
+    m = MemoryMetrics()
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / "hashing-384.sqlite").write_bytes(b"this is no database" * 100)
+    inner = HashingEmbedder()
+    cache = CachedEmbedder(inner, folder, m)  # a bad restore: moved aside, a new one made
+    want = inner.embed(["one", "two"])
+    np.testing.assert_array_equal(cache.embed(["one", "two"]), want)
+    assert [p.name.startswith("hashing-384.sqlite.damaged-") for p in folder.iterdir()
+            ].count(True) == 1
+    assert cache.embed(["one"]).tolist() == want[:1].tolist()
+    assert m.cache.labels("hit")._value.get() == 1
+    cache._db.execute("DROP TABLE emb")  # look-ups and writes fail from here on
+    np.testing.assert_array_equal(cache.embed(["two", "three"])[0], want[1])
+    assert m.degraded.labels("embedding_cache")._value.get() == 3  # open, look-up, write
+    assert caplog.text.count("embedding cache") == 1  # logged once
+    cache.close()
+    with pytest.raises(sqlite3.ProgrammingError):
+        cache._db.execute("SELECT 1")  # (closed)
+
+
+def test_a_turn_stored_while_the_embedder_is_down_is_not_reported_failed(make_service,
+                                                                        caplog) -> None:
+    """The append is durable before indexing starts: an embedder outage then must not make
+    ``record_turn`` raise (a client told "failed" sends the turn again: stored twice). The
+    next sync with the files indexes it once the embedder is back."""
+    from cwm_plugin.errors import UpstreamError
+    from cwm_plugin.memory.embeddings import HashingEmbedder
+
+    class Flaky(HashingEmbedder):
+        down = False
+
+        def embed(self, texts):
+            if self.down:
+                raise UpstreamError("embeddings server refused the connection")
+            return super().embed(texts)
+
+    m = MemoryMetrics()
+    emb = Flaky()
+    svc = make_service(emb, metrics=m, sync_interval_s=0)
+    svc.record_turn("acme", "s1", "user", "Our flight to Lisbon leaves at seven.")
+    emb.down = True
+    svc.record_turn("acme", "s1", "user", "My gym locker code is ZX-4417.")  # no raise
+    assert [t["content"] for t in svc.transcript("acme", "s1")] == [
+        "Our flight to Lisbon leaves at seven.", "My gym locker code is ZX-4417."]
+    assert m.degraded.labels("indexing")._value.get() == 1 and "not indexed yet" in caplog.text
+    emb.down = False
+    hits = svc.search("acme", "gym locker code", 3)
+    assert any("ZX-4417" in h.text for h in hits)
+    assert sum(h.text.count("ZX-4417") for h in hits[:1]) == 1  # indexed once

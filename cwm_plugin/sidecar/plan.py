@@ -150,19 +150,20 @@ def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
     # one conversation: the same first message (a new one starts a new conversation)
     key = f"{digest((history or parts.current)[0])}:{comp.generation if comp else 0}:{t.view}"
     pinned = st.pinned if prompt_cfg.refresh == "conversation" else None
-    if pinned is not None and pinned.key == key:
+    summary = comp.summary if comp else None
+    if pinned is not None and pinned.key == key and _fits(t, parts, pinned.sel, summary):
         sel = pinned.sel
-    else:
+    else:  # (a pinned block this turn's prompt has outgrown is selected again, smaller)
         with t.stages("count"):
-            budget = memory_budget(cfg, t.counter.count_messages, base, [], t.max_len,
-                                   answer_tokens(t.body))
+            budget = max(0, memory_budget(cfg, t.counter.count_messages, base, [], t.max_len,
+                                          answer_tokens(t.body)) - _tokens(t, summary))
         # the conversation is all there (a compaction adds its summary); the quick view
         # takes the session's summary instead of its passages
         sel = _select(t, base, budget, P.query_text(parts), recent_turns=0, present=kept,
                       summary=t.view == "quick" and comp is None)
         if t.ident.session is not None:
             st.pinned = Pinned(key, sel)
-    text = P.memory_text(sel.memory_block, comp.summary if comp else None)
+    text = P.memory_text(sel.memory_block, summary)
     with t.stages("count"):
         if t.max_len:  # the history must fit with what is merged in, else the oldest goes
             room = t.max_len - answer_tokens(t.body) - TEMPLATE_MARGIN - \
@@ -188,10 +189,12 @@ def _plan_recent(t: TurnInput, parts: P.Parts) -> Plan:
         comp = _compaction(t, parts.history)
     else:  # the history is the session's recent turns: the window is the compaction
         comp, st.compaction_due = None, False
-    with t.stages("count"):
-        budget = memory_budget(cfg, t.counter.count_messages, parts.prefix + parts.current,
-                               recent_tail(parts.history, cfg.recent_turns), t.max_len,
-                               answer_tokens(t.body))
+    with t.stages("count"):  # (a compaction's summary is merged in too: it takes its room)
+        budget = max(0, memory_budget(cfg, t.counter.count_messages,
+                                      parts.prefix + parts.current,
+                                      recent_tail(parts.history, cfg.recent_turns), t.max_len,
+                                      answer_tokens(t.body))
+                     - _tokens(t, comp.summary if comp else None))
     sel = _select(t, t.messages, budget, P.query_text(parts), recent_turns=cfg.recent_turns,
                   present=[], summary=comp is None)
     recent = sel.recent if sel.recent is not None else parts.history
@@ -206,6 +209,23 @@ def _plan_recent(t: TurnInput, parts: P.Parts) -> Plan:
                    t.counter.count_messages(parts.prefix + parts.current)
                    + st.full_history_tokens)
         return _counted(t, out, sel, text, full)
+
+
+def _tokens(t: TurnInput, text: str | None) -> int:
+    return t.counter.count(text) if text else 0
+
+
+def _fits(t: TurnInput, parts: P.Parts, sel: Selected, summary: str | None) -> bool:
+    """Whether memory selected on an earlier turn still fits this turn's context with the
+    client's instructions, its new message and the answer (the oldest history may go, the
+    memory itself is never cut: a longer new message than the memory leaves room for gets a
+    smaller selection, not a prompt vLLM refuses)."""
+    if not t.max_len:
+        return True
+    with t.stages("count"):
+        need = t.counter.count_messages(parts.prefix + parts.current) + answer_tokens(t.body) \
+            + TEMPLATE_MARGIN + _tokens(t, P.memory_text(sel.memory_block, summary))
+    return need <= t.max_len
 
 
 NEAR = 0.05  # a prompt estimated within this share of max_model_len of a threshold: count it

@@ -25,7 +25,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from cwm_plugin.sidecar.memory_port import Selected
 from cwm_plugin.sidecar.settings import ThresholdConfig
@@ -86,7 +85,6 @@ class SessionState:
     checkpointing: bool = False  # a checkpoint is under way (not triggered again)
     checkpoints: int = 0
     pinned: Pinned | None = None
-    transcript: list[dict[str, Any]] | None = None  # the session's user/assistant turns
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one background job at a time
 
     @property

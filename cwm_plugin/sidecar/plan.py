@@ -86,19 +86,18 @@ def passthrough(messages: list[Message]) -> Plan:
     return Plan(messages=list(messages), sel=Selected())
 
 
-def _transcript(t: TurnInput) -> list[Message]:
-    """The session's user/assistant turns, read from its file once and then kept in step by
-    the turns this process records."""
+def _know_history(t: TurnInput) -> None:
+    """What replaying the session's whole transcript would cost, read from its file once and
+    then kept in step by the turns this process records (only the count is kept: the turns
+    themselves stayed in memory for every session the process had seen)."""
     st = t.state
-    if st.transcript is None or not st.history_known:
+    if not st.history_known:
         with t.stages("files"):
             turns = t.mem.now.transcript(t.ident.folder, t.ident.session)
-        st.transcript = P.transcript_messages(turns)
         with t.stages("count"):
             st.full_history_tokens = history_tokens(t.counter, turns)
         st.turns_recorded = len(turns) // 2
         st.history_known = True
-    return st.transcript
 
 
 def _select(t: TurnInput, messages: list[Message], budget: int, query: str, *,
@@ -184,7 +183,7 @@ def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
 def _plan_recent(t: TurnInput, parts: P.Parts) -> Plan:
     st, cfg = t.state, t.settings.memory
     if t.ident.session is not None:
-        _transcript(t)  # what a full replay would cost, for the "tokens saved" metric
+        _know_history(t)  # what a full replay would cost, for the "tokens saved" metric
     if parts.history:
         comp = _compaction(t, parts.history)
     else:  # the history is the session's recent turns: the window is the compaction

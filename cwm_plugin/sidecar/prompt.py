@@ -143,9 +143,3 @@ def fit_cut(history: list[Message], cost: Any, room: int, start: int = 0) -> int
             return cut
         cut += len(g)
     return cut
-
-
-def transcript_messages(turns: list[dict[str, Any]]) -> list[Message]:
-    """Recorded turns as chat messages (user and assistant turns only)."""
-    return [{"role": t["role"], "content": t.get("content", "")} for t in turns
-            if t.get("role") in ("user", "assistant")]

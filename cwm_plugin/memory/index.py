@@ -89,9 +89,11 @@ class TenantIndex:
         self._centroids: dict[str, np.ndarray] = {}
         self.sessions: dict[str, SessionState] = {}
         self.offsets: dict[str, int] = {}  # bytes of each session file already indexed
-        self._vecs = np.zeros((1024, embedder.dims), dtype=np.float32)  # grows by doubling
+        # grows by doubling from little, and hnswlib's index (~2.6 MB of label locks alone) is
+        # made on the first line: a namespace that is only read costs next to nothing
+        self._vecs = np.zeros((64, embedder.dims), dtype=np.float32)
         self._n = 0
-        self.hnsw = new_hnsw(embedder.dims)
+        self._hnsw: hnswlib.Index | None = None
         self.deleted = 0  # line vectors marked deleted in hnsw (sessions dropped)
         self._nearest: tuple[tuple, list[int]] | None = None  # the last nearest_lines
         self._bm25 = BM25Corpus()
@@ -223,6 +225,16 @@ class TenantIndex:
         self.hnsw.add_items(vecs, np.asarray(labels))
         st.labels.extend(labels)
 
+    @property
+    def hnsw(self) -> hnswlib.Index:
+        if self._hnsw is None:
+            self._hnsw = new_hnsw(self.embedder.dims, max(64, self._n))
+        return self._hnsw
+
+    @hnsw.setter
+    def hnsw(self, value: hnswlib.Index) -> None:
+        self._hnsw = value
+
     # --- the corpus protocol of search.py --------------------------------------------------------
 
     @property
@@ -258,6 +270,8 @@ class TenantIndex:
         twice for one query (the chunks' candidates, then the lines'): the second is the head
         of the first answer while nothing was added or deleted (a search of 75,000 lines is
         ~1 ms; the wider one is the more exact)."""
+        if self.n_vectors - self.deleted <= 0:
+            return []
         key = (qvec.tobytes(), id(self.hnsw), self.n_vectors, self.deleted)
         memo = self._nearest
         if memo is not None and memo[0] == key and len(memo[1]) >= min(

@@ -32,8 +32,8 @@ class MemoryIndex:
         self._row = {mid: i for i, mid in enumerate(self._ids)}
         self.vectors = embedder.embed([m.text for m in memories]) if memories else \
             np.zeros((0, embedder.dims), dtype=np.float32)
-        self.hnsw = new_hnsw(embedder.dims, max(16, len(memories)))
-        if memories:
+        self.hnsw = new_hnsw(embedder.dims, max(16, len(memories))) if memories else None
+        if self.hnsw is not None:  # (none for a namespace without memories: ~2.6 MB each)
             self.hnsw.add_items(self.vectors, np.arange(len(memories)))
         self._bm25 = BM25Corpus()
         for m in memories:
@@ -67,6 +67,8 @@ class MemoryIndex:
         return self._bm25.top(query, n, also, allowed)
 
     def vector_candidates(self, qvec: np.ndarray, n: int) -> list[str]:
+        if self.hnsw is None:
+            return []
         return [self._ids[i] for i in sorted(knn_labels(self.hnsw, qvec, n, len(self._ids)))]
 
     def vector_score(self, qvec: np.ndarray, doc_id: str) -> float:

@@ -279,3 +279,22 @@ def test_a_turn_stored_while_the_embedder_is_down_is_not_reported_failed(make_se
     hits = svc.search("acme", "gym locker code", 3)
     assert any("ZX-4417" in h.text for h in hits)
     assert sum(h.text.count("ZX-4417") for h in hits[:1]) == 1  # indexed once
+
+
+def test_a_namespace_that_is_only_read_costs_next_to_nothing(make_service) -> None:
+    """Per-user namespaces (``u-<hash>``) are read on every request of a new user: an empty
+    one held ~5.5 MB (a 1,024-row vector array and two hnswlib indexes, ~2.6 MB of label
+    locks each) and none is ever let go, so 10k users took ~55 GB."""
+    svc = make_service()
+    svc.record_turn("acme", "s1", "user", "Our flight to Lisbon leaves at seven.")
+
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGESIZE")
+
+    ask = [{"role": "user", "content": "When does the flight leave?"}]
+    svc.select_context("u-warm", None, ask, 500)
+    before = rss()
+    for i in range(200):
+        assert svc.select_context(f"u-{i:032x}", None, ask, 500).hits == []
+    assert (rss() - before) / 200 < 1_000_000  # bytes a namespace (was ~5.5 MB)
+    assert "Lisbon" in svc.select_context("acme", None, ask, 500).memory_block

@@ -120,14 +120,40 @@ def append_durable(path: Path, data: bytes, *, sync: bool = True) -> tuple[int, 
     new = not path.exists()
     with locked(path), open(path, "ab") as fh:
         start = fh.seek(0, os.SEEK_END)
-        fh.write(data)
-        fh.flush()
-        if sync:
-            os.fsync(fh.fileno())
+        try:
+            fh.write(data)
+            fh.flush()
+            if sync:
+                os.fsync(fh.fileno())
+        except BaseException:  # a full disk: no torn record left for the next append to follow
+            with contextlib.suppress(OSError):
+                fh.truncate(start)
+            raise
         end = fh.tell()
     if new and sync:
         _fsync_dir(path.parent)
     return start, end
+
+
+def read_locked(path: Path, offset: int = 0) -> bytes:
+    """The file's bytes from ``offset`` on, read while no append (:func:`locked`) is under
+    way, so never half a record: a shared lock on ``<path>.lock``, or none where it cannot be
+    opened (a read-only copy of the root)."""
+    def read() -> bytes:
+        with open(path, "rb") as data:
+            data.seek(offset)
+            return data.read()
+
+    try:
+        fh = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 - closed below
+    except OSError:
+        return read()
+    with fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_SH)
+        try:
+            return read()
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def replace_durable(path: Path, text: str) -> None:
@@ -261,9 +287,7 @@ class MemoryFiles:
         path = self.session_path(tenant, session)
         if not path.exists():
             return [], offset
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            turns, used = decode_turns_at(fh.read())
+        turns, used = decode_turns_at(read_locked(path, offset))
         return turns, offset + used
 
     def session_stats(self, tenant: str) -> dict[str, tuple[int, int]]:

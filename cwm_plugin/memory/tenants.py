@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from cwm_plugin.memory import persist
 from cwm_plugin.memory.embeddings import Embedder
-from cwm_plugin.memory.files import MemoryFiles, decode_turns_at, encode_turn
+from cwm_plugin.memory.files import MemoryFiles, decode_turns_at, encode_turn, read_locked
 from cwm_plugin.memory.index import TenantIndex
 from cwm_plugin.memory.memindex import MemoryIndex
 from cwm_plugin.memory.metrics import MemoryMetrics
@@ -210,7 +210,7 @@ class TenantIndexes:
         mark = t.marks.get(session)
         if mark is not None and (st.st_size, st.st_mtime_ns) == (mark.size, mark.mtime_ns):
             return
-        data = path.read_bytes()
+        data = read_locked(path)  # (never half an append another writer is making)
         before = t.index.added
         if mark is not None and len(data) >= mark.offset and \
                 _same(mark, data[:mark.offset]):

@@ -139,3 +139,39 @@ def test_writer_killed_mid_append_leaves_a_readable_file(tmp_path: Path) -> None
     files.append_turn("acme", "s", Turn("after", "user", "still fine", "2024-01-01T00:00:00Z"))
     again = files.read_turns("acme", "s")
     assert again[-1].turn_id == "after" and again[:-1] == turns
+
+
+def test_a_failed_append_leaves_no_torn_record_and_readers_wait_for_appends(
+        tmp_path: Path, monkeypatch) -> None:
+    """A write that fails (a full disk at fsync) is cut back to where it began, so the next
+    append does not follow half a record (a record quoting one could be read as a forged
+    turn); a reader takes a shared lock, so it never reads an append under way."""
+    import time
+
+    from cwm_plugin.memory import files as F
+
+    files = MemoryFiles(tmp_path)
+    turn = Turn("t1", "user", TRICKY, "2024-01-01T00:00:00Z")
+    files.append_turn("acme", "s", turn)
+    path = files.session_path("acme", "s")
+    size = path.stat().st_size
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(F.os, "fsync", full)
+    with pytest.raises(OSError, match="No space"):
+        files.append_turn("acme", "s", Turn("t2", "user", "x" * 5000, "2024-01-01T00:00:01Z"))
+    monkeypatch.undo()  # room again
+    assert path.stat().st_size == size  # nothing of it left behind
+    files.append_turn("acme", "s", Turn("t3", "user", "after", "2024-01-01T00:00:02Z"))
+    assert [t.turn_id for t in files.read_turns("acme", "s")] == ["t1", "t3"]
+
+    got: list = []
+    with F.locked(path):  # an append under way (another process's, say)
+        reader = threading.Thread(target=lambda: got.append(files.read_turns("acme", "s")))
+        reader.start()
+        time.sleep(0.3)
+        assert not got  # waiting
+    reader.join(10)
+    assert [t.turn_id for t in got[0]] == ["t1", "t3"]

@@ -64,6 +64,8 @@ class StoreConfig:
         if not self.redis_prefix or any(c in self.redis_prefix for c in " \n\r\t{}"):
             raise ConfigError("store setting redis_prefix must be a non-empty word without "
                               f"spaces or braces; got {self.redis_prefix!r}")
+        if self.redis_url is not None:
+            _check_redis_url(self.redis_url)
         if self.encryption_key is not None:
             from cwm_plugin.store.crypto import parse_master_key
             parse_master_key(self.encryption_key)
@@ -98,3 +100,22 @@ class StoreConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_redis_url(url: str) -> None:
+    """A URL redis-py can connect with (else the first request, not the start, would fail)."""
+    from urllib.parse import urlsplit
+
+    from cwm_plugin.store.tiers.redis_conn import redact
+
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # a port that is not a number raises here
+        ok = parts.scheme == "unix" or (parts.scheme in ("redis", "rediss")
+                                        and bool(parts.hostname))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"store setting redis_url {redact(url)!r} is not a Redis URL",
+                          hint="write it as redis://host:6379/0 (rediss:// for TLS, "
+                               "unix:///path/to/redis.sock)")

@@ -55,3 +55,14 @@ def test_example_config_loads():
     path = Path(__file__).resolve().parents[2] / "configs" / "store.example.yaml"
     cfg = StoreConfig.from_file(path)
     assert cfg.memory_bytes == 2 << 30 and cfg.disk_write == "through"
+
+
+@pytest.mark.parametrize("url", ["localhost:6379", "redis://host:abc/0", "http://h:6379",
+                                 "redis://:secret@:6379"])
+def test_a_redis_url_redis_py_cannot_use_is_refused_at_start(url):
+    with pytest.raises(ConfigError, match="is not a Redis URL") as exc:
+        StoreConfig(redis_url=url)
+    assert "secret" not in str(exc.value)
+    for good in ("redis://127.0.0.1:6379/0", "rediss://:pw@cache.example:6380",
+                 "unix:///run/redis.sock"):
+        assert StoreConfig(redis_url=good).redis_url == good

@@ -339,3 +339,19 @@ def test_records_every_server_rewrites_are_read_from_redis_not_a_stale_local_cop
     assert b.get(key).tolist() == [1]           # the local copy is stale: why primary exists
     a.delete_many([key])
     assert b.get(key, primary=True) is None
+
+
+def test_a_cluster_no_node_of_which_answers_is_a_tier_down_not_a_crash(tmp_path, make_store,
+                                                                      kv_block):
+    """``RedisClusterException`` is no ``RedisError``: it escaped the scheduler's look-up
+    and took vLLM's engine down on the first request. It is the tier being down now."""
+    s = make_store(redis_url="redis://127.0.0.1:1/0", redis_cluster=True,
+                   disk_path=str(tmp_path / "d"))
+    s.put(k(b"a"), kv_block(1)).result()  # the local tiers take it
+    assert s.where_many([k(b"a"), k(b"b")])[1] is None
+    assert s.contains_many([k(b"a"), k(b"b")]) == [True, False]
+    assert torch.equal(s.get_many([k(b"a")])[0], kv_block(1))
+    assert s.get(k(b"b")) is None
+    assert s.metrics.errors.labels("tier_unavailable")._value.get() >= 1
+    with pytest.raises(TierUnavailable):
+        s.redis.get(bid("a"))

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from cwm_plugin.errors import TierUnavailable
@@ -77,6 +78,10 @@ class RedisConnection:
                                       hint="serving from local tiers; retrying with backoff")
         try:
             out = fn(self.client())
+        except ValueError as exc:  # from_url: a URL it cannot use (config validates the form)
+            self._mark_down(exc)
+            raise TierUnavailable(f"redis at {self.safe_url} cannot be used: {exc}",
+                                  hint="check the store's redis_url") from exc
         except redis.TimeoutError as exc:
             with self._lock:
                 self._timeouts += 1
@@ -86,7 +91,9 @@ class RedisConnection:
             raise TierUnavailable(f"redis at {self.safe_url} did not answer in time: {exc}",
                                   hint="serving from local tiers; a busy Redis or machine, or "
                                        "raise redis_timeout_ms / redis_lookup_timeout_ms") from exc
-        except (redis.ConnectionError, OSError) as exc:
+        except (redis.ConnectionError, OSError, RedisClusterException) as exc:
+            # (a cluster no node of which answers, or one without cluster mode, raises
+            # RedisClusterException, which is no RedisError: it took vLLM's scheduler down)
             self._mark_down(exc)
             raise TierUnavailable(f"redis at {self.safe_url} is unreachable: {exc}",
                                   hint="serving from local tiers; retrying with backoff") from exc

@@ -163,6 +163,35 @@ def test_a_damaged_index_is_moved_aside_and_rebuilt_from_the_blob_files(tmp_path
     d2.close()
 
 
+def test_a_full_disk_at_open_leaves_the_index_alone_and_the_tier_unavailable(tmp_path,
+                                                                             monkeypatch):
+    """SQLite failing to write at open (a full disk, an I/O error) says nothing about the
+    index: it used to be moved aside as damaged (every pin and link lost), and the second
+    open failed the same way and took vLLM's start down."""
+    from cwm_plugin.store.tiers import disk_index
+
+    d = DiskTier(tmp_path, budget=1 << 20)
+    b, data = blob_for(k(1), 1)
+    d.put(b, data, k(1))
+    d.pin_many([k(1)])
+    d.close()
+
+    def full(self):
+        exc = sqlite3.OperationalError("database or disk is full")
+        exc.sqlite_errorcode = sqlite3.SQLITE_FULL
+        raise exc
+
+    monkeypatch.setattr(disk_index.DiskIndex, "_init_schema", full)
+    with pytest.raises(TierUnavailable, match="database or disk is full"):
+        DiskTier(tmp_path, budget=1 << 20)
+    assert not list(tmp_path.glob("index.sqlite.damaged-*"))
+    monkeypatch.undo()  # room again: the index is as it was, its pin too
+    d = DiskTier(tmp_path, budget=1 << 20)
+    assert d.recovered is None and d.lookup_many([k(1)]) == [b]
+    assert d.usage().pinned_bytes > 0
+    d.close()
+
+
 def test_an_unusable_directory_is_tier_unavailable(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

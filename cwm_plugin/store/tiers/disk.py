@@ -24,6 +24,7 @@ import errno
 import fcntl
 import logging
 import os
+import sqlite3
 import struct
 import threading
 import time
@@ -66,11 +67,12 @@ class DiskTier(Tier):
             if not os.access(self.root, os.W_OK | os.X_OK):
                 raise PermissionError(errno.EACCES, "not writable", str(self.root))
             self.index = self._open_index(rebuild_in_background)
-        except OSError as exc:
-            raise TierUnavailable(f"disk tier at {self.root} cannot be used: "
-                                  f"{exc.strerror or exc}",
-                                  hint="check that disk_path exists and is writable by the "
-                                       "server; serving goes on without the disk tier") from exc
+        except (OSError, sqlite3.Error, IndexDamaged) as exc:  # (a full disk at open, say)
+            reason = getattr(exc, "strerror", None) or exc
+            raise TierUnavailable(f"disk tier at {self.root} cannot be used: {reason}",
+                                  hint="check that disk_path exists, is writable by the "
+                                       "server and has room; serving goes on without the "
+                                       "disk tier") from exc
 
     # --- the index, and recovering it -----------------------------------------------------------
 

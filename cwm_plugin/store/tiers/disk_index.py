@@ -51,6 +51,14 @@ def _qs(n: int) -> str:
     return ",".join("?" * n)
 
 
+def _damaged(exc: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite says the file itself is bad (corrupt, not a database; or our own
+    schema check, which has no code): only then is the index moved aside and rebuilt. A full
+    disk at open used to count too, and threw a healthy index (its pins and links) away."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is None or code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
 def _locked(exc: sqlite3.OperationalError) -> bool:
     msg = str(exc).lower()
     return "locked" in msg or "busy" in msg
@@ -67,8 +75,8 @@ class DiskIndex:
             self._db = self._retry(self._connect)
             self._retry(self._init_schema)
         except sqlite3.DatabaseError as exc:
-            if isinstance(exc, sqlite3.OperationalError) and _locked(exc):
-                raise
+            if not _damaged(exc):  # a full disk, an I/O error, a lock held too long: the
+                raise              # index is fine, the disk is not (the tier is unavailable)
             raise IndexDamaged(f"store index {self.path} is unusable: {exc}",
                                hint="it is moved aside and rebuilt from the blob files") from exc
 

@@ -1,7 +1,9 @@
 """Bounded background saving: a thread pool, one in-flight save per key, backpressure.
 
 ``submit(key, fn)`` runs ``fn()`` on the pool and returns a future; a second submit of a key
-whose save is still running gets the same future. At most ``depth`` submitted saves are pending:
+whose save is still running gets the same future, unless it replaces the key's content
+(``replace=True``): then it runs after the one in flight (it was dropped, and a context
+record written by two requests finishing together kept the older one). At most ``depth`` submitted saves are pending:
 the next ``submit`` blocks until one finishes (backpressure on the caller).
 
 ``behind(fn, key=..., nbytes=...)`` queues follow-up work (write-behind to slower tiers) on a
@@ -37,6 +39,7 @@ class SaveQueue:
         self._room = threading.Condition(self._lock)
         self._pending: set[cf.Future] = set()
         self._inflight: dict[bytes, cf.Future] = {}
+        self._after: dict[bytes, tuple[Callable[[], Any], cf.Future]] = {}  # replace follow-ups
         self._behind_of: dict[bytes, set[cf.Future]] = {}
         self.behind_limit = behind_bytes
         self.behind_bytes = 0          # blob bytes held by queued or running write-behinds
@@ -52,12 +55,24 @@ class SaveQueue:
         with self._lock:
             return len(self._pending)
 
-    def submit(self, key: bytes, fn: Callable[[], Any]) -> cf.Future:
+    def submit(self, key: bytes, fn: Callable[[], Any], *, replace: bool = False) -> cf.Future:
+        """``fn`` on the pool; while the key's save runs, the same future, or with ``replace``
+        (new content for the key: a context record, a window's manifest) a follow-up run
+        after it, the newest one only (last writer wins; a replaced follow-up's future
+        completes with the one that replaced it)."""
         if self.closed:
             raise RuntimeError("the KV store is closed")
         with self._lock:                            # claim the key atomically
             if key in self._inflight:
-                return self._inflight[key]
+                if not replace:
+                    return self._inflight[key]
+                follow: cf.Future = cf.Future()
+                superseded = self._after.get(key)
+                self._after[key] = (fn, follow)
+                self._pending.add(follow)
+                if superseded is not None:
+                    follow.add_done_callback(lambda f, old=superseded[1]: self._copy(f, old))
+                return follow
             outer: cf.Future = cf.Future()
             self._inflight[key] = outer
             self._pending.add(outer)
@@ -127,16 +142,34 @@ class SaveQueue:
             cf.wait(behind, timeout=timeout)
 
     def _chain(self, key: bytes, inner: cf.Future, outer: cf.Future) -> None:
-        self._slots.release()
+        with self._lock:
+            after = self._after.pop(key, None)
+            if after is not None:
+                self._inflight[key] = after[1]  # (waiters on the key see the follow-up)
+        if after is None:
+            self._slots.release()               # else the follow-up runs in this slot
         self._finished(key, outer)
-        if inner.cancelled():                       # dropped by shutdown(drop_queued=True)
-            outer.cancel()
-            return
-        exc = inner.exception()
-        if exc is not None:
-            outer.set_exception(exc)
+        self._copy(inner, outer)
+        if after is not None:
+            fn, follow = after
+            try:
+                nxt = self._pool.submit(fn)
+            except BaseException as exc:            # (shut down meanwhile)
+                self._slots.release()
+                self._finished(key, follow)
+                follow.set_exception(exc)
+                return
+            nxt.add_done_callback(lambda f: self._chain(key, f, follow))
+
+    def _copy(self, done: cf.Future, to: cf.Future) -> None:
+        """``to`` completes as ``done`` did."""
+        self._finished(None, to)
+        if done.cancelled():                        # dropped by shutdown(drop_queued=True)
+            to.cancel()
+        elif done.exception() is not None:
+            to.set_exception(done.exception())
         else:
-            outer.set_result(inner.result())
+            to.set_result(done.result())
 
     def _finished(self, key: bytes | None, fut: cf.Future) -> None:
         with self._lock:

@@ -139,7 +139,8 @@ class KVStore(ReadPath, KeySpace):
     def _submit(self, key: bytes, job, *, replace: bool = False) -> cf.Future:
         if self._saves.closed:
             raise RuntimeError("the KV store is closed")
-        return self._saves.submit(key, lambda: self._run_save(key, job, replace))
+        return self._saves.submit(key, lambda: self._run_save(key, job, replace),
+                                  replace=replace)
 
     def _run_save(self, key: bytes, job, replace: bool = False) -> None:
         target = (self.durable or self.tiers or [None])[0]

@@ -115,6 +115,35 @@ def test_save_queue_drops_non_waiting_jobs_when_full():
     q.shutdown()
 
 
+def test_a_replacing_save_of_a_key_in_flight_runs_after_it_newest_last():
+    """New content for a key whose save is running (two requests of one salt finishing
+    together write its context record) used to get the running save's future and was
+    dropped; now it runs after it, and of several waiting only the newest runs."""
+    q = SaveQueue(workers=2, depth=4)
+    release = threading.Event()
+    wrote: list[str] = []
+
+    def write(v: str, wait: bool = False):
+        def run() -> str:
+            if wait:
+                release.wait(30)
+            wrote.append(v)
+            return v
+        return run
+
+    first = q.submit(b"rec", write("old", wait=True), replace=True)
+    same = q.submit(b"rec", write("dup"))  # not a replacement: the same save
+    mid = q.submit(b"rec", write("mid"), replace=True)
+    new = q.submit(b"rec", write("new"), replace=True)  # supersedes "mid"
+    assert same is first and not mid.done()
+    release.set()
+    assert first.result(30) == "old" and new.result(30) == "new" and mid.result(30) == "new"
+    assert wrote == ["old", "new"]
+    assert q.flush(30) and q.inflight(b"rec") is None and q.pending() == 0
+    q.wait_key(b"rec", timeout=5)
+    q.shutdown()
+
+
 def test_truncated_blob_is_counted_and_quarantined(make_store, tmp_path, kv_block):
     s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
     s.put(b"a", kv_block(1)).result()

@@ -64,6 +64,25 @@ def test_ttl_pins_persist_the_bytes_and_unpin_gives_the_ttl_back(redis_server):
     t.close()
 
 
+def test_a_pinned_key_re_pointed_keeps_its_new_bytes_and_lets_the_old_go(redis_server):
+    """A window's manifest is a pinned key rewritten in place (every thaw): the new bytes
+    must lose their TTL like any pinned blob's, else the manifest expired a TTL later, its
+    window vanished and its blocks stayed pinned for good."""
+    t = RedisTier(redis_server.url, prefix="repoint", ttl_s=100)
+    r = redis.Redis.from_url(redis_server.url)
+    t.put(bid("a"), b"manifest v1", k(b"m"))
+    t.link_many([(k(b"other"), bid("a"))])     # v1's bytes are still used by another key
+    t.pin_many([k(b"m")])
+    assert r.ttl(f"repoint:{{b:{bid('a')}}}") == -1
+    t.put(bid("b"), b"manifest v2", k(b"m"), replace=True)
+    assert r.ttl(f"repoint:{{b:{bid('b')}}}") == -1            # pinned: kept
+    assert 0 < r.ttl(f"repoint:{{b:{bid('a')}}}") <= 100      # unpinned: its TTL back
+    assert t.lookup_many([k(b"m")]) == [bid("b")] and t.get(bid("b")) == b"manifest v2"
+    t.unpin_many([k(b"m")])
+    assert 0 < r.ttl(f"repoint:{{b:{bid('b')}}}") <= 100
+    t.close()
+
+
 def test_a_new_key_on_a_shared_blob_renews_its_ttl(redis_server):
     t = RedisTier(redis_server.url, prefix="renew", ttl_s=1000)
     r = redis.Redis.from_url(redis_server.url)

@@ -116,11 +116,13 @@ class RedisTier(Tier):
         the key's group (one script)."""
         created = self._call(lambda c: self.blobs.write(c, blob_id, data))
         group = group_of(key)
-        status, freed = self._script("map", group, [key], [blob_id, len(data),
-                                                           "1" if replace else ""])
-        if int(status) == 0 and created:       # the key kept another writer's blob
+        res = self._script("map", group, [key], [blob_id, len(data), "1" if replace else ""])
+        if int(res[0]) == 0 and created:       # the key kept another writer's blob
             self.blobs.delete([blob_id])
-        self.blobs.delete([_s(b) for b in freed])
+        # a pinned key re-pointed (a window's manifest rewritten by a thaw): the new bytes
+        # are PERSISTed, the old get their TTL back (else the manifest expired with the TTL
+        # and its window vanished, its blocks pinned for good)
+        self._after(res)
         return True
 
     def _after(self, res: Sequence) -> None:

@@ -57,15 +57,15 @@ end
 """
 
 # ARGV: ttl, now, kprefix, blob, size, replace ('1': re-point a key that points elsewhere)
-# KEYS[8]: k -> {1 mapped | 0 the key kept another blob, freed}
+# KEYS[8]: k -> {1 mapped | 0 the key kept another blob, freed, protect, release}
 MAP = _COMMON + """
 local k, b = KEYS[8], ARGV[4]
 local old = redis.call('GET', k)
 if old == b then
   if TTL ~= '' and redis.call('TTL', k) >= 0 then redis.call('EXPIRE', k, TTL) end
-  return {1, {}}
+  return {1, {}, {}, {}}
 end
-if old and ARGV[6] ~= '1' then return {0, {}} end
+if old and ARGV[6] ~= '1' then return {0, {}, {}, {}} end
 local protect, release, freed = {}, {}, {}
 redis.call('HSET', SIZES, b, ARGV[5])
 redis.call('HINCRBY', REFS, b, 1)
@@ -80,7 +80,7 @@ if old then
 elseif TTL ~= '' then redis.call('SET', k, b, 'EX', TTL)
 else redis.call('SET', k, b) end
 redis.call('ZADD', INDEX, 0, string.sub(k, #ARGV[3] + 1))
-return {1, freed}
+return {1, freed, protect, release}
 """
 
 # ARGV: ttl, now, kprefix, then pairs (rest, blob); KEYS[8..]: k names in pair order

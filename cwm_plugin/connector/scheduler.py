@@ -212,6 +212,10 @@ class SchedulerSide:
                 state.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
+            # vLLM rolls a request back to a block whose load failed (and recomputes the rest):
+            # what was planned past the roll-back point is planned again
+            state.handled_blocks = min(state.handled_blocks,
+                                       cached.num_computed_tokens[i] // self.block_size)
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan_save(state, req_id, done, meta, check_existing=req_id in cached.resumed_req_ids)
         for state in self._reqs.values():

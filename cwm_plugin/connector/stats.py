@@ -42,7 +42,8 @@ CONNECTOR_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "saved_blocks": ("Blocks the store accepted", ()),
     "saved_bytes": ("Bytes of KV in the blocks the store accepted", ()),
     "save_seconds": ("Seconds the step spent copying blocks out for saving", ()),
-    "save_errors": ("Blocks whose save was refused at once (refused) or failed later (failed)",
+    "save_errors": ("Blocks whose save was refused at once (refused), failed later (failed) "
+                    "or was not made: computed over a failed load (load_failed)",
                     ("reason",)),
     "selfcheck_failures": ("Start-up self-checks that found vLLM's block hashes changed since "
                            "the store was filled", ()),

@@ -77,6 +77,7 @@ class WorkerSide:
         self._pending: list[tuple[bytes, Future]] = []
         self._stored: set[tuple[bytes, int]] = set()
         self._failed: set[bytes] = set()
+        self._failed_loads: set[str] = set()  # requests whose load failed in this step
         self.layer_index = dict(layer_index or {})    # vLLM layer name -> index in layers
         # CPU caches: each block is copied into the paged cache by the thread that decoded it;
         # device caches: decoded into pinned staging, copied on a side stream, one event a layer
@@ -174,6 +175,7 @@ class WorkerSide:
         if start < len(t.block_ids):
             self._load_errors.update(t.block_ids[start:])
             self._failed.update(bytes(h) for h in t.block_hashes[start:])
+            self._failed_loads.add(t.req_id)
             self.stats.add("load_errors", len(t.block_ids) - start)
 
     def _sink(self, keys: list[bytes], block_ids: list[int]):
@@ -225,13 +227,15 @@ class WorkerSide:
     # --- saves --------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: CWMConnectorMetadata) -> None:
-        if not meta.saves:
+        failed, self._failed_loads = self._failed_loads, set()
+        saves = self._unspoiled(meta.saves, failed)
+        if not saves:
             return
         t0 = time.perf_counter()
-        block_ids = [b for t in meta.saves for b in t.block_ids]
+        block_ids = [b for t in saves for b in t.block_ids]
         staged = gather_blocks(self.layers, 0, block_ids)
         i = 0
-        for t in meta.saves:
+        for t in saves:
             for h in t.block_hashes:
                 block = staged[i]
                 i += 1
@@ -249,6 +253,21 @@ class WorkerSide:
                 else:
                     self._pending.append((b"", fut))
         self.stats.add("save_seconds", time.perf_counter() - t0)
+
+    def _unspoiled(self, saves: list[BlockTransfer], failed: set[str]) -> list[BlockTransfer]:
+        """The step's saves but those of a request whose load failed in this step: its
+        blocks past the failed one were computed attending to whatever the failed block's
+        pages held, and saved they would be served later as valid KV under their real
+        hashes. vLLM recomputes them (it rolls the request back to the failed block); their
+        hashes are reported failed, so they are saved when recomputed."""
+        if not failed:
+            return saves
+        kept = [t for t in saves if t.req_id not in failed]
+        for t in saves:
+            if t.req_id in failed:
+                self._failed.update(bytes(h) for h in t.block_hashes)
+                self.stats.add("save_errors", len(t.block_hashes), reason="load_failed")
+        return kept
 
     def take_worker_meta(self) -> CWMWorkerMetadata | None:
         still: list[tuple[bytes, Future]] = []

@@ -155,6 +155,32 @@ def test_loads_are_planned_for_allocated_blocks_and_failed_hashes_are_forgotten(
     assert side.get_num_new_matched_tokens(make_request(hash_fn, "r9", 4 * BS + 1), 0)[0] == BS
 
 
+def test_a_request_rolled_back_by_a_failed_load_has_its_blocks_planned_again(hash_fn, ns,
+                                                                             store):
+    """vLLM rolls a request back to a block whose load failed and recomputes from there;
+    the workers did not save what was computed over it and reported those hashes failed.
+    The blocks recomputed must be planned for saving again, not skipped as handled."""
+    side = side_for(ns, store)
+    req = make_request(hash_fn, "r1", 6 * BS + 1)
+    hs = hashes(req, 6)
+    fill(store, ns.keys(hs[:3], 0))
+    n, _ = side.get_num_new_matched_tokens(req, 0)
+    assert n == 3 * BS
+    ids = [7, 8, 9, 10, 11, 12, 13]
+    side.update_state_after_alloc(req, Blocks(ids), n)
+    meta = side.build_connector_meta(step(req, ids, 3 * BS, 3 * BS + 1))
+    assert [s.block_ids for s in meta.saves] == [[10, 11, 12]]  # computed over the loads
+    side.update_connector_output(type("Out", (), {  # block 1's load failed: not saved
+        "kv_connector_worker_meta": CWMWorkerMetadata(failed={hs[1], *hs[3:6]})})())
+    out = SchedulerOutput.make_empty()  # vLLM: num_computed_tokens back to block 1
+    out.scheduled_cached_reqs = CachedRequestData(
+        req_ids=["r1"], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
+        new_block_ids=[None], num_computed_tokens=[BS], num_output_tokens=[0])
+    out.num_scheduled_tokens = {"r1": 5 * BS + 1}
+    meta = side.build_connector_meta(out)
+    assert [s.block_hashes for s in meta.saves] == [[hs[1], *hs[3:6]]]
+
+
 def test_hit_sources_name_the_tier(hash_fn, ns, store):
     side = SchedulerSide(ns, ConnectorConfig(), store, StatsCollector(),
                          stored_source=CacheHitSource.HOST)

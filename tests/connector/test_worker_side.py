@@ -172,6 +172,32 @@ def test_a_failed_block_breaks_the_prefix_and_the_rest_is_recomputed(open_store)
     assert dst.take_load_errors() == set()                   # reported once
 
 
+def test_blocks_computed_over_a_failed_load_are_never_saved(open_store):
+    """A step loads a request's prefix and computes its next blocks: when the load fails,
+    those blocks attended to whatever the failed block's pages held. Saved, they would be
+    served later as valid KV under their real hashes; they are not saved, reported failed
+    (saved when vLLM recomputes them), while another request's saves in the step go on."""
+    src = make_worker(open_store, seed=3)
+    save(src, [1, 2], [h(1), h(2)])                          # h(3) was never stored
+    dst = make_worker(open_store, store=src.store, seed=8)
+    dst.start_load_kv(CWMConnectorMetadata(loads=[
+        BlockTransfer("spoiled", [10, 11, 12], [h(1), h(2), h(3)])]))
+    assert dst.take_load_errors() == {12}
+    dst.wait_for_save(CWMConnectorMetadata(saves=[
+        BlockTransfer("spoiled", [13, 14], [h(13), h(14)], num_tokens=5 * 16),
+        BlockTransfer("fine", [5], [h(5)], num_tokens=16)]))
+    dst.store.flush()
+    keys = dst.ns.keys([h(13), h(14), h(5)], dst.rank, b"")
+    assert dst.store.contains_many(keys) == [False, False, True]
+    meta = dst.take_worker_meta()
+    assert {h(13), h(14)} <= meta.failed and (h(5), 0) in meta.stored
+    assert dst.stats.snapshot()["save_errors|reason=load_failed"] == 2
+    dst.wait_for_save(CWMConnectorMetadata(saves=[  # the next step recomputed them: saved
+        BlockTransfer("spoiled", [13], [h(13)], num_tokens=4 * 16)]))
+    dst.store.flush()
+    assert dst.store.contains_many(keys[:1]) == [True]
+
+
 def test_a_blob_of_another_shape_is_a_load_error_not_a_crash(open_store):
     worker = make_worker(open_store)
     other = torch.ones(worker.layout.num_layers, 3, 16, 16)   # 3 heads instead of 2

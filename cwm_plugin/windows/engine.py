@@ -261,7 +261,14 @@ class WindowEngine:
         flat = [k for ks in wkeys for k in ks]
         self._rekey(src, wkeys, src_salt, m.window_salt)
         try:
-            self.store.pin_many(flat)
+            pinned = self.store.pin_many(flat)
+            if pinned and not any(len(set(got)) == len(set(flat)) for got in pinned.values()):
+                # a block evicted between the re-key and the pin: no durable tier holds the
+                # whole window, and a thaw would restore only a prefix of it
+                lost = len(set(flat)) - max(len(set(got)) for got in pinned.values())
+                raise WindowIncomplete(f"{lost} blocks were evicted while being pinned",
+                                       hint="retry, or re-run the conversation so its "
+                                            "blocks are saved again")
             self._claim(m)
         except BaseException:
             self.store.delete_many(flat)

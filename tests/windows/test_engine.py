@@ -140,6 +140,43 @@ def test_the_pin_quota_refuses_and_leaves_nothing_behind(tmp_path):
         store.close()
 
 
+def test_a_block_evicted_between_re_key_and_pin_refuses_the_freeze(store, monkeypatch):
+    """The pin step reports what it pinned: a window claimed with a hole would thaw only a
+    prefix. It is refused, leaving nothing behind, and a retry succeeds."""
+    converse(store, "s", 3 * BS)
+    keys_before = store.usage()["disk"]["keys"]
+    real = store.pin_many
+
+    def evicting(keys, **kw):  # (another process's eviction got to one key first)
+        store.delete_many([keys[-1]])
+        return real(keys, **kw)
+
+    monkeypatch.setattr(store, "pin_many", evicting)
+    with pytest.raises(WindowIncomplete, match="1 blocks were evicted while being pinned"):
+        WindowEngine(store).freeze("t1", "w", session="a", salt="s")
+    assert store.usage()["disk"]["keys"] == keys_before
+    assert WindowEngine(store).list("t1")[1] == 0
+    monkeypatch.undo()
+    assert WindowEngine(store).freeze("t1", "w", session="a", salt="s").num_blocks == 3
+
+
+def test_an_eviction_never_takes_a_blob_pinned_after_it_was_chosen(tmp_path):
+    """Eviction chooses its victims, then removes them: a pin committed in between (the
+    sidecar freezing a window is another process) keeps its blob and keys."""
+    from cwm_plugin.store.tiers.disk import DiskTier
+
+    d = DiskTier(tmp_path, budget=1 << 20)
+    for i in range(3):
+        d.put(f"{i:040x}", b"x" * 100, bytes([i]) * 8)
+    victims = [b for b, _ in d.index.eviction_candidates(300)]
+    assert len(victims) == 3
+    d.pin_many([bytes([1]) * 8])
+    dropped = d.index.remove_blobs(victims, unlink=d._unlink, unpinned_only=True)
+    assert sorted(dropped) == [bytes([0]) * 8, bytes([2]) * 8]
+    assert d.lookup_many([bytes([1]) * 8]) == [f"{1:040x}"] and d.get(f"{1:040x}") == b"x" * 100
+    d.close()
+
+
 def test_two_freezes_of_one_name_at_once_one_wins(store):
     converse(store, "s", 2 * BS)
     results: list[object] = []

@@ -246,7 +246,7 @@ class DiskTier(Tier):
         if not victims or (not force and sum(s for _, s in victims) < need):
             return None
         ids = [b for b, _ in victims]
-        dropped = self.index.remove_blobs(ids, unlink=self._unlink)
+        dropped = self.index.remove_blobs(ids, unlink=self._unlink, unpinned_only=True)
         self.evictions += len(ids)
         log.debug("disk tier: evicted %d blobs", len(ids))
         return dropped

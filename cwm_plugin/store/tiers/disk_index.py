@@ -314,19 +314,27 @@ class DiskIndex:
     def has_blob(self, blob_id: str) -> bool:
         return bool(self._read("SELECT 1 FROM blobs WHERE blob_id=?", (blob_id,)))
 
-    def remove_blobs(self, blob_ids: Sequence[str], *, unlink: Unlink = None) -> list[bytes]:
+    def remove_blobs(self, blob_ids: Sequence[str], *, unlink: Unlink = None,
+                     unpinned_only: bool = False) -> list[bytes]:
         """Drop blob rows and every key pointing to them, ``unlink(blob_ids)`` inside the
-        transaction; returns the keys dropped."""
+        transaction; returns the keys dropped. ``unpinned_only`` (eviction): only the blobs
+        no key pins *now*, checked inside the transaction (a pin committed by another process
+        since the victims were chosen keeps its blob)."""
         def tx(db: sqlite3.Connection) -> list[bytes]:
             dropped: list[bytes] = []
-            for part in _chunks(list(blob_ids)):
+            ids = list(blob_ids)
+            if unpinned_only:
+                ids = [b for part in _chunks(ids) for (b,) in db.execute(
+                    f"SELECT blob_id FROM blobs WHERE pins = 0 AND blob_id IN "
+                    f"({_qs(len(part))})", part)]
+            for part in _chunks(ids):
                 q = _qs(len(part))
                 dropped += [bytes(k) for (k,) in db.execute(
                     f"SELECT key FROM keys WHERE blob_id IN ({q})", part)]
                 db.execute(f"DELETE FROM keys WHERE blob_id IN ({q})", part)
                 db.execute(f"DELETE FROM blobs WHERE blob_id IN ({q})", part)
             if unlink is not None:
-                unlink(blob_ids)
+                unlink(ids)
             return dropped
         return self._tx(tx)
 

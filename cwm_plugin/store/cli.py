@@ -99,7 +99,8 @@ def _gc(args: argparse.Namespace) -> int:
     else:
         removed = ", ".join(f"{t}: {n}" for t, n in report.removed_blobs.items()) or "none"
         print(f"removed blobs ({removed}), {report.orphan_files} orphan files, "
-              f"{report.dangling_keys} dangling keys; freed {report.freed_bytes:,} bytes")
+              f"{report.dangling_keys} dangling keys, {report.expired_entries} expired index "
+              f"entries; freed {report.freed_bytes:,} bytes")
     return 0
 
 

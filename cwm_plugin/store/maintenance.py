@@ -43,6 +43,7 @@ class GCReport:
     removed_blobs: dict[str, int] = field(default_factory=dict)   # tier -> count
     orphan_files: int = 0
     dangling_keys: int = 0
+    expired_entries: int = 0  # Redis index entries of keys and blobs a TTL expired
     freed_bytes: int = 0
 
 
@@ -99,6 +100,9 @@ def collect_garbage(store: KVStore, min_age_s: float = 600.0) -> GCReport:
             if dangling:
                 tier.delete_many(dangling)
             report.dangling_keys += len(dangling)
+            sweep = getattr(tier, "sweep_expired", None)  # (Redis with a TTL)
+            if sweep is not None:
+                report.expired_entries += sweep()
             dead = tier.unreferenced(min_age_s if tier.durable else 0.0)
             before = tier.usage().bytes if dead else 0
             tier.forget_blobs(dead, "gc")

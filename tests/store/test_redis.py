@@ -138,6 +138,30 @@ def test_gc_removes_dangling_keys_and_orphan_bytes(redis_server):
     t.close()
 
 
+def test_gc_sweeps_the_index_entries_a_ttl_expiry_left_behind(redis_server, make_store,
+                                                              kv_block):
+    """Keys and bytes that expire leave their group's index, refs and sizes entries behind
+    (~300 B a block, never freed); gc removes them and leaves live and pinned ones."""
+    from cwm_plugin.store.maintenance import collect_garbage
+
+    s = make_store(redis_url=redis_server.url, redis_prefix="swp", redis_ttl_s=1000,
+                   memory_bytes=0)
+    for name in (b"old", b"live", b"kept"):
+        s.put(k(name), kv_block(len(name) + name[0])).result()
+    s.flush()
+    s.redis.pin_many([k(b"kept")])
+    r = redis.Redis.from_url(redis_server.url)
+    old = s.redis.lookup_many([k(b"old")])[0]
+    r.delete(s.redis._kname(k(b"old")), *s.redis.blobs.names(r, [old]))  # as if expired
+    base = s.redis._gkeys(G)
+    assert r.zcard(base[6]) == 3 and r.hlen(base[1]) == 3
+    report = collect_garbage(s, min_age_s=0)
+    assert report.expired_entries == 2  # the key's index entry, the blob's sizes/refs
+    assert r.zcard(base[6]) == 2 and r.hlen(base[1]) == 2 and r.hlen(base[0]) == 2
+    assert s.contains_many([k(b"live"), k(b"kept"), k(b"old")]) == [True, True, False]
+    assert collect_garbage(s, min_age_s=0).expired_entries == 0
+
+
 def test_reads_go_in_bounded_chunks(redis_server):
     t = RedisTier(redis_server.url, prefix="chunk", max_value_bytes=1 << 20,
                   read_chunk_bytes=2 << 20)

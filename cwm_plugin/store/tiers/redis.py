@@ -307,6 +307,37 @@ class RedisTier(Tier):
         blobs, ok = self._with_bytes(keys)
         return [k for k, b, good in zip(keys, blobs, ok, strict=True) if b and not good]
 
+    def sweep_expired(self) -> int:
+        """Index entries a TTL expiry left behind; returns how many were removed. A key name
+        that expired stays in its group's ``index``, and a blob whose bytes expired stays in
+        ``refs`` / ``sizes`` (~300 bytes a block saved, never freed: under ``noeviction`` they
+        fill ``maxmemory`` in the end). Entries of pinned blobs are left alone."""
+        def run(c: Any) -> int:
+            removed = 0
+            for index in [_s(n) for n in c.scan_iter(match=f"{self.prefix}:{{*}}:index",
+                                                     count=1000)]:
+                base = index[:-len("index")]
+                rests = [_s(r) for r in c.zrange(index, 0, -1)]
+                for i in range(0, len(rests), 500):
+                    part = rests[i:i + 500]
+                    pipe = c.pipeline(transaction=False)
+                    for r in part:
+                        pipe.exists(f"{base}k:{r}")
+                    gone = [r for r, there in zip(part, pipe.execute(), strict=True)
+                            if not there]
+                    if gone:
+                        removed += int(c.zrem(index, *gone))
+                blobs = [_s(b) for b in c.hkeys(f"{base}sizes")]
+                pinned = {_s(b) for b in c.hkeys(f"{base}pinned")}
+                there = self.blobs.present([b for b in blobs if b not in pinned])
+                gone = [b for b, ok in there.items() if not ok]
+                if gone:
+                    c.hdel(f"{base}sizes", *gone)
+                    c.hdel(f"{base}refs", *gone)
+                    removed += len(gone)
+            return removed
+        return self._call(run) if self.ttl_s else 0
+
     def stats(self) -> tuple[int, int]:
         self.totals = self.blobs.totals()
         return self.totals

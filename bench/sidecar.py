@@ -100,7 +100,8 @@ def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
     """The seeding of before: whole session files written, then ``reindex`` (sessions one by
     one, each session's lines embedded in file order, each with the line before it, on torch's
     default threads), MiniLM in ``dtype``."""
-    from cwm_plugin.memory.files import encode_turn, replace_durable, utc_iso
+    from cwm_plugin.memory.durable import replace_durable
+    from cwm_plugin.memory.files import encode_turn, utc_iso
     from cwm_plugin.memory.models import Turn
     from cwm_plugin.sidecar.memory_factory import make_service
     from cwm_plugin.sidecar.settings import MemorySettings

@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.memory.files import MemoryFiles, locked, replace_durable, utc_iso
+from cwm_plugin.memory.durable import locked, replace_durable
+from cwm_plugin.memory.files import MemoryFiles, utc_iso
 from cwm_plugin.memory.models import CATEGORIES, Memory
 from cwm_plugin.memory.persist import tenant_dir
 

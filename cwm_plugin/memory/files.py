@@ -10,23 +10,23 @@ Layout under the root, one folder a tenant::
 
 Every turn record is a visible heading plus a machine line carrying the exact byte length of
 the content, so any text (even text that looks like a header) reads back verbatim, and a torn
-tail from a crash is detected and ignored. Appends take an exclusive ``flock`` (which excludes
-other threads and other processes alike), write, flush and fsync. Files that are replaced
-(memories, summaries) are written to a temporary file, fsynced and renamed over the old one.
+tail from a crash is detected and ignored. Appends and reads go through ``durable.py``
+(an exclusive ``flock`` to append, a shared one to read, so a reader never sees half an
+append; a failed append is cut back); files that are replaced (memories, summaries) are
+written to a temporary file, fsynced and renamed over the old one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
+from cwm_plugin.memory.durable import append_durable, locked, read_locked, replace_durable
 from cwm_plugin.memory.models import Memory, Turn
 from cwm_plugin.memory.names import NAME, check_name
 
@@ -92,80 +92,6 @@ def utc_iso(ts: datetime | None = None) -> str:
     if ts.tzinfo is None:
         ts = ts.replace(tzinfo=UTC)
     return ts.astimezone(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``<path>.lock`` (threads and processes)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
-def append_durable(path: Path, data: bytes, *, sync: bool = True) -> tuple[int, int]:
-    """Append under the lock, flush and fsync (and the folder of a new file); (start, end).
-    ``sync=False`` only flushes (a derived file whose tail may be lost in a crash)."""
-    new = not path.exists()
-    with locked(path), open(path, "ab") as fh:
-        start = fh.seek(0, os.SEEK_END)
-        try:
-            fh.write(data)
-            fh.flush()
-            if sync:
-                os.fsync(fh.fileno())
-        except BaseException:  # a full disk: no torn record left for the next append to follow
-            with contextlib.suppress(OSError):
-                fh.truncate(start)
-            raise
-        end = fh.tell()
-    if new and sync:
-        _fsync_dir(path.parent)
-    return start, end
-
-
-def read_locked(path: Path, offset: int = 0) -> bytes:
-    """The file's bytes from ``offset`` on, read while no append (:func:`locked`) is under
-    way, so never half a record: a shared lock on ``<path>.lock``, or none where it cannot be
-    opened (a read-only copy of the root)."""
-    def read() -> bytes:
-        with open(path, "rb") as data:
-            data.seek(offset)
-            return data.read()
-
-    try:
-        fh = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 - closed below
-    except OSError:
-        return read()
-    with fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_SH)
-        try:
-            return read()
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
-def replace_durable(path: Path, text: str) -> None:
-    """Write a temporary file, fsync it, rename it over ``path``, fsync the folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def encode_turn(turn: Turn) -> bytes:

@@ -34,7 +34,7 @@ import hnswlib
 import numpy as np
 
 from cwm_plugin.memory.chunking import Unit, make_chunk
-from cwm_plugin.memory.files import locked, replace_durable
+from cwm_plugin.memory.durable import locked, replace_durable
 from cwm_plugin.memory.index import SessionState, TenantIndex
 
 log = logging.getLogger(__name__)

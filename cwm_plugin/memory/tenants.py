@@ -24,8 +24,9 @@ from typing import Any
 from tqdm import tqdm
 
 from cwm_plugin.memory import persist
+from cwm_plugin.memory.durable import read_locked
 from cwm_plugin.memory.embeddings import Embedder
-from cwm_plugin.memory.files import MemoryFiles, decode_turns_at, encode_turn, read_locked
+from cwm_plugin.memory.files import MemoryFiles, decode_turns_at, encode_turn
 from cwm_plugin.memory.index import TenantIndex
 from cwm_plugin.memory.memindex import MemoryIndex
 from cwm_plugin.memory.metrics import MemoryMetrics

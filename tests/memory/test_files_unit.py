@@ -148,7 +148,7 @@ def test_a_failed_append_leaves_no_torn_record_and_readers_wait_for_appends(
     turn); a reader takes a shared lock, so it never reads an append under way."""
     import time
 
-    from cwm_plugin.memory import files as F
+    from cwm_plugin.memory import durable as F
 
     files = MemoryFiles(tmp_path)
     turn = Turn("t1", "user", TRICKY, "2024-01-01T00:00:00Z")

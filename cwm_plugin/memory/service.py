@@ -60,6 +60,7 @@ class MemoryService(TranscriptWriter):
         self._guard = threading.Lock()
         self.pending = PendingTurns()  # appended with defer_index, not indexed yet
         self._lines: dict[str, tuple[TenantIndex, LineCorpus]] = {}  # per tenant, per index
+        self._unindexed: set[str] = set()  # tenants whose last inline indexing failed
         self.ratios = TokenRatios()  # index tokens -> a served model's, per tenant
         self.syncs = TenantJobs()  # looks for other writers a selection found due
 

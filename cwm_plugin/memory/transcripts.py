@@ -32,6 +32,7 @@ class TranscriptWriter:
     indexes: TenantIndexes
     pending: PendingTurns
     _lines: dict[str, tuple[TenantIndex, LineCorpus]]
+    _unindexed: set[str]  # tenants whose last inline indexing failed
 
     def lock(self, tenant: str) -> threading.RLock:  # the service's
         raise NotImplementedError
@@ -72,9 +73,12 @@ class TranscriptWriter:
                 # derived: the next look at the files (a search, a build) indexes these turns
                 # A caller told "failed" would send them again: stored twice.
                 self.indexes.metrics.degraded.labels("indexing").inc()
-                log.warning("tenant %s: %d turn(s) stored in session %s but not indexed yet "
-                            "(%s); the next sync with the files indexes them", tenant,
-                            len(records), session, exc)
+                (log.debug if tenant in self._unindexed else log.warning)(
+                    "tenant %s: %d turn(s) stored in session %s but not indexed yet (%s); the "
+                    "next sync with the files indexes them", tenant, len(records), session, exc)
+                self._unindexed.add(tenant)  # (logged once a tenant, counted every time)
+            else:
+                self._unindexed.discard(tenant)
         return [t.turn_id for t in records]
 
     def index_pending(self, tenant: str) -> int:

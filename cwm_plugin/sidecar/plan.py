@@ -150,9 +150,18 @@ def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
     key = f"{digest((history or parts.current)[0])}:{comp.generation if comp else 0}:{t.view}"
     pinned = st.pinned if prompt_cfg.refresh == "conversation" else None
     summary = comp.summary if comp else None
-    if pinned is not None and pinned.key == key and _fits(t, parts, pinned.sel, summary):
-        sel = pinned.sel
-    else:  # (a pinned block this turn's prompt has outgrown is selected again, smaller)
+    with t.stages("count"):  # what the client's instructions, new message and answer leave
+        free = t.max_len - answer_tokens(t.body) - TEMPLATE_MARGIN - \
+            t.counter.count_messages(parts.prefix + parts.current) if t.max_len else None
+    sel = None
+    # memory is never cut to fit: a pinned block this turn's prompt outgrew is selected again
+    if pinned is not None and pinned.key == key:
+        text = P.memory_text(pinned.sel.memory_block, summary)
+        with t.stages("count"):
+            used = _tokens(t, text)
+        if free is None or used <= free:
+            sel = pinned.sel
+    if sel is None:
         with t.stages("count"):
             budget = max(0, memory_budget(cfg, t.counter.count_messages, base, [], t.max_len,
                                           answer_tokens(t.body)) - _tokens(t, summary))
@@ -162,11 +171,12 @@ def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
                       summary=t.view == "quick" and comp is None)
         if t.ident.session is not None:
             st.pinned = Pinned(key, sel)
-    text = P.memory_text(sel.memory_block, summary)
+        text = P.memory_text(sel.memory_block, summary)
+        with t.stages("count"):
+            used = _tokens(t, text)
     with t.stages("count"):
-        if t.max_len:  # the history must fit with what is merged in, else the oldest goes
-            room = t.max_len - answer_tokens(t.body) - TEMPLATE_MARGIN - \
-                t.counter.count_messages(parts.prefix + parts.current) - t.counter.count(text)
+        if free is not None:  # the history must fit with what is merged in, else the oldest goes
+            room = free - used
             more = P.fit_cut(history, t.counter.count_messages, room, cut)
             if more != cut:
                 cut = more
@@ -212,19 +222,6 @@ def _plan_recent(t: TurnInput, parts: P.Parts) -> Plan:
 
 def _tokens(t: TurnInput, text: str | None) -> int:
     return t.counter.count(text) if text else 0
-
-
-def _fits(t: TurnInput, parts: P.Parts, sel: Selected, summary: str | None) -> bool:
-    """Whether memory selected on an earlier turn still fits this turn's context with the
-    client's instructions, its new message and the answer (the oldest history may go, the
-    memory itself is never cut: a longer new message than the memory leaves room for gets a
-    smaller selection, not a prompt vLLM refuses)."""
-    if not t.max_len:
-        return True
-    with t.stages("count"):
-        need = t.counter.count_messages(parts.prefix + parts.current) + answer_tokens(t.body) \
-            + TEMPLATE_MARGIN + _tokens(t, P.memory_text(sel.memory_block, summary))
-    return need <= t.max_len
 
 
 NEAR = 0.05  # a prompt estimated within this share of max_model_len of a threshold: count it

@@ -3,8 +3,9 @@
 ``submit(key, fn)`` runs ``fn()`` on the pool and returns a future; a second submit of a key
 whose save is still running gets the same future, unless it replaces the key's content
 (``replace=True``): then it runs after the one in flight (it was dropped, and a context
-record written by two requests finishing together kept the older one). At most ``depth`` submitted saves are pending:
-the next ``submit`` blocks until one finishes (backpressure on the caller).
+record written by two requests finishing together kept the older one). At most ``depth``
+submitted saves are pending: the next ``submit`` blocks until one finishes (backpressure on
+the caller).
 
 ``behind(fn, key=..., nbytes=...)`` queues follow-up work (write-behind to slower tiers) on a
 pool of its own, bounded in bytes: at most ``behind_bytes`` of blobs wait there. When it is

@@ -272,9 +272,12 @@ def test_a_turn_stored_while_the_embedder_is_down_is_not_reported_failed(make_se
     svc.record_turn("acme", "s1", "user", "Our flight to Lisbon leaves at seven.")
     emb.down = True
     svc.record_turn("acme", "s1", "user", "My gym locker code is ZX-4417.")  # no raise
+    svc.record_turn("acme", "s1", "user", "The locker is on floor three.")
     assert [t["content"] for t in svc.transcript("acme", "s1")] == [
-        "Our flight to Lisbon leaves at seven.", "My gym locker code is ZX-4417."]
-    assert m.degraded.labels("indexing")._value.get() == 1 and "not indexed yet" in caplog.text
+        "Our flight to Lisbon leaves at seven.", "My gym locker code is ZX-4417.",
+        "The locker is on floor three."]
+    assert m.degraded.labels("indexing")._value.get() == 2  # counted each time, logged once
+    assert caplog.text.count("not indexed yet") == 1
     emb.down = False
     hits = svc.search("acme", "gym locker code", 3)
     assert any("ZX-4417" in h.text for h in hits)

@@ -18,6 +18,7 @@ after a seed or algorithm change no old key can be matched. The start-up self-ch
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -29,8 +30,21 @@ from cwm_plugin.connector.fingerprint import model_fingerprint
 
 NAMESPACE_BYTES = 16
 RANK_BYTES = 2
+SCOPE_BYTES = NAMESPACE_BYTES + RANK_BYTES   # what precedes vLLM's block hash in a key
 PROBE_TOKENS = tuple(range(1, 17))
 NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
+HASH_BYTES = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
+
+
+@functools.cache
+def hash_bytes(hash_algo: str) -> int:
+    """How long vLLM's block hashes are under ``--prefix-caching-hash-algo hash_algo``
+    (an algorithm not in the table is asked once)."""
+    if hash_algo in HASH_BYTES:
+        return HASH_BYTES[hash_algo]
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    return len(get_hash_fn_by_name(hash_algo)(b""))
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,16 @@ class Namespace:
     def keys(self, block_hashes: Sequence[bytes], rank: int, extra: bytes = b"") -> list[bytes]:
         scope = self.scoped(extra) + rank.to_bytes(RANK_BYTES, "big")
         return [scope + bytes(h) for h in block_hashes]
+
+    def block_hash(self, key: bytes) -> bytes | None:
+        """vLLM's block hash in a block key of this namespace's hash algorithm (any rank or LoRA
+        scope: the scope is a digest, so it cannot be told apart from another namespace's);
+        None for a key of another length (a context record, a window's manifest, a block of
+        another algorithm). Another key of the same length gives a hash no block has."""
+        key = bytes(key)
+        if len(key) != SCOPE_BYTES + hash_bytes(self.hash_algo):
+            return None
+        return key[SCOPE_BYTES:]
 
 
 def kv_block_hashes(block_hashes: Sequence[bytes], num_blocks: int, ratio: int = 1) -> list[bytes]:

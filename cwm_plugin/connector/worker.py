@@ -287,7 +287,7 @@ class WorkerSide:
                 self.stats.add("saved_bytes", self.block_bytes)
         self._pending = still
         dropped_keys, overflow = self.store.take_dropped()
-        dropped = {k[-32:] for k in dropped_keys if len(k) > 32}
+        dropped = {h for h in map(self.ns.block_hash, dropped_keys) if h is not None}
         if not (self._stored or self._failed or dropped or overflow):
             return None
         meta = CWMWorkerMetadata({(h, i) for h, i in self._stored if h not in self._failed},

@@ -11,6 +11,7 @@ from vllm.v1.core import kv_cache_utils
 
 from cwm_plugin.connector.keys import (
     build_namespace,
+    hash_bytes,
     hash_probe,
     hashes_reproducible,
     kv_block_hashes,
@@ -38,6 +39,20 @@ def test_keys_carry_namespace_rank_and_block_hash():
     k0, k1 = namespace().key(h, 0), namespace().key(h, 1)
     assert k0 != k1 and k0.endswith(h) and len(k0) == 16 + 2 + 32
     assert namespace().keys([h, h], 1) == [k1, k1]
+
+
+@pytest.mark.parametrize("algo,length", [
+    ("sha256", 32), ("sha256_cbor", 32), ("xxhash", 16), ("xxhash_cbor", 16)])
+def test_the_block_hash_comes_back_out_of_a_key_of_its_algorithms_length(algo, length):
+    ns = namespace(hash_algo=algo)
+    h = bytes(range(100, 100 + length))
+    assert hash_bytes(algo) == length
+    for key in (ns.key(h, 0), ns.key(h, 3, b"lora-digest")):
+        assert ns.block_hash(key) == h
+    assert ns.block_hash(ns.key(h + b"x", 0)) is None          # another algorithm's length
+    assert ns.block_hash(b"\x00\x01" + bytes(16) + b"latest") is None   # a context record
+    if algo.startswith("sha256"):                             # vLLM agrees (xxhash may be absent)
+        assert len(get_hash_fn_by_name(algo)((1, 2))) == length
 
 
 def test_kv_block_hashes_use_the_last_hash_block_of_each_kv_block():

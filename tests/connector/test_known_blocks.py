@@ -13,6 +13,7 @@ from test_scheduler_side import Blocks, fill, hashes, make_request, step
 
 from cwm_plugin.connector import records
 from cwm_plugin.connector.config import ConnectorConfig
+from cwm_plugin.connector.known import KnownBlocks
 from cwm_plugin.connector.layout import discover_layout
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.scheduler import SchedulerSide
@@ -133,16 +134,18 @@ def test_a_finished_salted_request_leaves_a_context_record(hash_fn, open_store):
     assert newer.saved_tokens == 4 * BS and store.usage()["disk"]["keys"] == 1
 
 
-def test_worker_reports_blocks_its_store_evicted(open_store):
+@pytest.mark.parametrize("algo,length", [("sha256", 32), ("xxhash", 16)])
+def test_worker_reports_blocks_its_store_evicted(open_store, algo, length):
+    # xxhash block hashes are 16 bytes, sha256 ones 32: both come back out of the store's keys
     cfg, kv = kv_allocation(num_blocks=8)
     fill_random(kv, 4)
     layout, views = discover_layout(vllm_config_for(kv), cfg, kv)
-    ns = namespace(layout.describe())
+    ns = namespace(layout.describe(), hash_algo=algo)
     one = views[0][0].numel() * views[0].element_size() * len(views)
     worker = WorkerSide(open_store(ns.fingerprint, disk_path=None, memory_bytes=2 * one + 4096,
                                    zstd_level=0),
                         StatsCollector(), ns=ns, rank=0, layout=layout, layers=views)
-    hs = [bytes([i]) * 32 for i in range(4)]
+    hs = [bytes([i]) * length for i in range(4)]
     worker.wait_for_save(CWMConnectorMetadata(saves=[BlockTransfer("r", [1, 2, 3, 4], hs)]))
     worker.store.flush()
     meta = worker.take_worker_meta()
@@ -150,3 +153,7 @@ def test_worker_reports_blocks_its_store_evicted(open_store):
     got = worker.store.get_many(ns.keys(hs, 0))
     assert [t is None for t in got] == [h in meta.dropped for h in hs]
     assert all(torch.is_tensor(t) for t in got if t is not None)
+    known = KnownBlocks(1)                                  # what the scheduler believes
+    known.report_stored(meta.stored)
+    known.forget(meta.failed | meta.dropped)
+    assert [known.get(h) is None for h in hs] == [h in meta.dropped for h in hs]

@@ -111,7 +111,7 @@ def test_sigkill_mid_batch_leaves_the_old_state_or_the_new(tmp_path, kind, delay
     assert len(batch) in (0, 3000), len(batch)             # a batch is whole or absent
     assert len({r.pinned for r in batch}) <= 1             # pinned as a whole, or not at all
     if kind == "disk":                                      # counters match the rows
-        (refs, pins), = t.index._read("SELECT refs, pins FROM blobs")
+        (refs, pins), = t.index.db.read("SELECT refs, pins FROM blobs")
         assert refs == len(rows) and pins == sum(r.pinned for r in rows)
     else:
         names = t._gkeys(b"B" * 18)

@@ -84,8 +84,8 @@ def test_disk_refuses_when_only_pinned_left(tmp_path):
 def test_disk_eviction_reads_an_index_of_unpinned_blobs_only(tmp_path):
     # eviction cost must not grow with the number of pins: the planner uses the partial index
     d = DiskTier(tmp_path, budget=1 << 20)
-    plan = d.index._read("EXPLAIN QUERY PLAN SELECT blob_id, size FROM blobs WHERE pins = 0 "
-                         "ORDER BY last_access")
+    plan = d.index.db.read("EXPLAIN QUERY PLAN SELECT blob_id, size FROM blobs WHERE pins = 0 "
+                           "ORDER BY last_access")
     assert any("blobs_evictable" in str(row) for row in plan), plan
     d.close()
 

@@ -21,25 +21,25 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import sqlite3
-import struct
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from cwm_plugin.errors import CorruptBlob, StorageFull, TierUnavailable
-from cwm_plugin.store import codec
 from cwm_plugin.store.tiers.base import KeyInfo, Tier, TierUsage
+from cwm_plugin.store.tiers.disk_db import locked
+from cwm_plugin.store.tiers.disk_files import advise_files, file_lock, fsync_dir, key_of_file
 from cwm_plugin.store.tiers.disk_index import DiskIndex, IndexDamaged
 
 log = logging.getLogger(__name__)
 TOUCH_EVERY_S = 1.0        # LRU touches are batched: one transaction a second at most
 TOUCH_BATCH = 512
+TOUCH_WAIT_S = 0.02        # a read never waits longer for the write lock to touch
 
 
 class DiskTier(Tier):
@@ -56,6 +56,7 @@ class DiskTier(Tier):
         self.quarantine_dir = self.root / "quarantine"
         self._fsync = fsync
         self._lock = threading.Lock()          # serialises budget accounting and eviction
+        self._touch_lock = threading.Lock()    # the touches not written yet (never held long)
         self._touched: set[str] = set()
         self._touched_at = time.monotonic()
         self.evictions = 0
@@ -78,7 +79,7 @@ class DiskTier(Tier):
 
     def _open_index(self, background: bool) -> DiskIndex:
         path = self.root / "index.sqlite"
-        with _file_lock(self.root / "index.lock"):
+        with file_lock(self.root / "index.lock"):
             try:
                 index = DiskIndex(path)
                 index.check()
@@ -109,7 +110,7 @@ class DiskTier(Tier):
         n = bad = 0
         for path in self.blob_dir.glob("*/*/*"):
             try:
-                key = _key_of_file(path)
+                key = key_of_file(path)
                 st = path.stat()
             except (OSError, CorruptBlob) as exc:
                 bad += 1
@@ -155,7 +156,10 @@ class DiskTier(Tier):
         advise_files([self.path(b) for b in blob_ids], "WILLNEED")
 
     def _touch(self, blob_ids: list[str], force: bool = False) -> None:
-        with self._lock:
+        """Record reads for the LRU, batched. Reads (not ``force``) wait ``TOUCH_WAIT_S`` at
+        most for the write lock (another process may hold it for seconds) and keep the
+        touches for the next time when it is busy; the eviction lock is never taken here."""
+        with self._touch_lock:
             self._touched.update(blob_ids)
             due = force or len(self._touched) >= TOUCH_BATCH or \
                 time.monotonic() - self._touched_at >= TOUCH_EVERY_S
@@ -163,7 +167,13 @@ class DiskTier(Tier):
                 return
             ids, self._touched = list(self._touched), set()
             self._touched_at = time.monotonic()
-        self.index.touch(ids)
+        try:
+            self.index.touch(ids, timeout_s=None if force else TOUCH_WAIT_S)
+        except sqlite3.OperationalError as exc:
+            if force or not locked(exc):
+                raise
+            with self._touch_lock:
+                self._touched.update(ids)
 
     def has_blob(self, blob_id: str) -> bool:
         return self.index.has_blob(blob_id)
@@ -232,7 +242,7 @@ class DiskTier(Tier):
             tmp.unlink(missing_ok=True)
             raise
         if self._fsync:
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
 
     def _make_room(self, size: int, *, force: bool = False) -> list[bytes] | None:
         """(under ``_lock``) Evict LRU unpinned blobs so ``size`` fits; the keys dropped, or
@@ -336,68 +346,3 @@ class DiskTier(Tier):
         if self.rebuild_thread is not None:
             self.rebuild_thread.join(timeout=60)
         self.index.close()
-
-
-def _key_of_file(path: Path) -> bytes:
-    """The key a blob file was saved under, from its header (the payload is not read)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CorruptBlob(f"{len(head)}-byte file")
-        (n,) = struct.unpack("<Q", head)
-        if n > codec.MAX_HEADER:
-            raise CorruptBlob(f"header length {n}")
-        head += f.read(n)
-    meta = codec.read_header(head)[0]
-    try:
-        return bytes.fromhex(meta["key"])
-    except (KeyError, ValueError) as exc:
-        raise CorruptBlob("no key in the header") from exc
-
-
-def advise_files(paths: Sequence[Path], advice: str) -> int:
-    """``posix_fadvise(POSIX_FADV_<advice>)`` on each file (``WILLNEED``: start reading it;
-    ``DONTNEED``: drop its clean pages from the page cache, so the next read comes from the
-    device). Returns how many files took the advice (none where the platform has no fadvise;
-    a missing file is skipped)."""
-    flag = getattr(os, f"POSIX_FADV_{advice}", None)
-    if flag is None:
-        return 0
-    n = 0
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, flag)
-            n += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return n
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock across processes (recovery of the index happens once)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -12,29 +12,26 @@ scheduler looks keys up while its workers write). Invariants, kept inside SQLite
 * Every batch operation is one ``BEGIN IMMEDIATE`` transaction: a process killed in the middle
   leaves the old state or the new one.
 
-A busy database is waited for (SQLite's busy timeout) and, when SQLite returns "locked"
-without waiting (a WAL-mode journal change or recovery racing another process), retried with
-backoff until ``timeout_s``. A file that is not a database or fails its integrity check raises
-:class:`IndexDamaged`; the disk tier then moves it aside and rebuilds from the blob files.
+Lookups read through connections of their own and never wait for a writer, which waits for
+SQLite's write lock (another process's) with a deadline on every call (:mod:`.disk_db`). A
+file that is not a database or fails its integrity check raises :class:`IndexDamaged`; the
+disk tier then moves it aside and rebuilds from the blob files.
 """
 
 from __future__ import annotations
 
-import random
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
 
 from cwm_plugin.errors import CWMError
+from cwm_plugin.store.tiers.disk_db import IndexDB
 from cwm_plugin.store.tiers.disk_schema import SCHEMA, SCHEMA_VERSION, statements
 
-T = TypeVar("T")
 Unlink = Callable[[Sequence[str]], None] | None
 CHUNK = 500   # SQLite host-parameter batches
+
 
 class IndexDamaged(CWMError):
     """The index file is not a usable SQLite database (damaged disk, foreign file)."""
@@ -59,97 +56,50 @@ def _damaged(exc: sqlite3.DatabaseError) -> bool:
     return code is None or code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
-def _locked(exc: sqlite3.OperationalError) -> bool:
-    msg = str(exc).lower()
-    return "locked" in msg or "busy" in msg
+def _create_schema(db: sqlite3.Connection) -> None:
+    version = None
+    if db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
+        row = db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
+        version = row[0] if row else None
+    elif db.execute("SELECT 1 FROM sqlite_master WHERE name='blobs'").fetchone():
+        version = "1"
+    if version not in (None, SCHEMA_VERSION):
+        raise sqlite3.DatabaseError(f"index schema {version}, this version reads "
+                                    f"{SCHEMA_VERSION}")
+    for stmt in statements(SCHEMA):
+        db.execute(stmt)
+    db.execute("INSERT OR REPLACE INTO meta(name, value) VALUES('schema', ?)",
+               (SCHEMA_VERSION,))
 
 
 class DiskIndex:
-    """Thread-safe (one connection behind a lock), multi-process-safe (WAL, retries)."""
+    """Thread-safe and multi-process-safe (WAL; connections and deadlines: :mod:`.disk_db`)."""
 
     def __init__(self, path: str | Path, *, timeout_s: float = 30.0) -> None:
         self.path = Path(path)
         self.timeout_s = timeout_s
-        self._lock = threading.RLock()
         try:
-            self._db = self._retry(self._connect)
-            self._retry(self._init_schema)
+            self.db = IndexDB(self.path, timeout_s=timeout_s)
+            try:
+                self._init_schema()
+            except BaseException:
+                self.db.close()
+                raise
         except sqlite3.DatabaseError as exc:
             if not _damaged(exc):  # a full disk, an I/O error, a lock held too long: the
                 raise              # index is fine, the disk is not (the tier is unavailable)
             raise IndexDamaged(f"store index {self.path} is unusable: {exc}",
                                hint="it is moved aside and rebuilt from the blob files") from exc
 
-    def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(str(self.path), timeout=self.timeout_s, isolation_level=None,
-                             check_same_thread=False)
-        try:
-            db.execute(f"PRAGMA busy_timeout={int(self.timeout_s * 1000)}")
-            if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-        except BaseException:
-            db.close()
-            raise
-        return db
-
     def _init_schema(self) -> None:
-        with self._write() as db:
-            version = None
-            if db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
-                row = db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
-                version = row[0] if row else None
-            elif db.execute("SELECT 1 FROM sqlite_master WHERE name='blobs'").fetchone():
-                version = "1"
-            if version not in (None, SCHEMA_VERSION):
-                raise sqlite3.DatabaseError(f"index schema {version}, this version reads "
-                                            f"{SCHEMA_VERSION}")
-            for stmt in statements(SCHEMA):
-                db.execute(stmt)
-            db.execute("INSERT OR REPLACE INTO meta(name, value) VALUES('schema', ?)",
-                       (SCHEMA_VERSION,))
-
-    def _retry(self, fn: Callable[[], T]) -> T:
-        """Run ``fn``, retrying "database is locked" that SQLite returned without waiting."""
-        deadline = time.monotonic() + self.timeout_s
-        delay = 0.005
-        while True:
-            try:
-                return fn()
-            except sqlite3.OperationalError as exc:
-                if not _locked(exc) or time.monotonic() > deadline:
-                    raise
-            time.sleep(delay * (1 + random.random()))
-            delay = min(delay * 2, 0.25)
-
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._retry(lambda: self._db.execute("BEGIN IMMEDIATE"))
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._retry(lambda: self._db.execute("COMMIT"))
-
-    def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """One write transaction, retried whole if SQLite reports the database locked."""
-        def once() -> T:
-            with self._write() as db:
-                return fn(db)
-        return self._retry(once)
-
-    def _read(self, sql: str, args: Sequence = ()) -> list[tuple]:
-        with self._lock:
-            return self._retry(lambda: self._db.execute(sql, tuple(args)).fetchall())
+        self.db.tx(_create_schema)
 
     # --- keys ---------------------------------------------------------------------------------
 
     def lookup_many(self, keys: Sequence[bytes]) -> dict[bytes, str]:
         out: dict[bytes, str] = {}
         for part in _chunks([bytes(k) for k in keys]):
-            for key, blob in self._read(
+            for key, blob in self.db.read(
                     f"SELECT key, blob_id FROM keys WHERE key IN ({_qs(len(part))})", part):
                 out[bytes(key)] = blob
         return out
@@ -181,7 +131,7 @@ class DiskIndex:
                 db.execute("UPDATE keys SET blob_id=? WHERE key=?", (blob_id, key))
                 self._free_unreferenced(db, {row[0]}, unlink)
             return True
-        return self._tx(tx)
+        return self.db.tx(tx)
 
     def link_many(self, links: Sequence[tuple[bytes, str]], *, unlink: Unlink = None
                   ) -> list[bytes]:
@@ -205,7 +155,7 @@ class DiskIndex:
                 done.append(key)
             self._free_unreferenced(db, old, unlink)
             return done
-        return self._tx(tx)
+        return self.db.tx(tx)
 
     def delete_many(self, keys: Sequence[bytes], *, unlink: Unlink = None) -> list[bytes]:
         """Drop keys (and pins); returns the keys that were there. Blobs left without
@@ -221,7 +171,7 @@ class DiskIndex:
                 db.execute(f"DELETE FROM keys WHERE key IN ({_qs(len(part))})", part)
             self._free_unreferenced(db, blobs, unlink)
             return found
-        return self._tx(tx)
+        return self.db.tx(tx)
 
     @staticmethod
     def _free_unreferenced(db: sqlite3.Connection, blob_ids: set[str], unlink: Unlink) -> None:
@@ -264,7 +214,7 @@ class DiskIndex:
                             f"disk for one model and rank, over the quota of {quota_bytes:,}",
                             hint="delete or unpin windows, or raise pin_quota_bytes")
             return done
-        return self._tx(tx)
+        return self.db.tx(tx)
 
     def unpin_many(self, keys: Sequence[bytes]) -> list[bytes]:
         def tx(db: sqlite3.Connection) -> list[bytes]:
@@ -276,7 +226,7 @@ class DiskIndex:
                 db.execute(f"UPDATE keys SET pinned=0, pin_expires=NULL WHERE key IN ({q})",
                            part)
             return done
-        return self._tx(tx)
+        return self.db.tx(tx)
 
     @staticmethod
     def _expire(db: sqlite3.Connection) -> None:
@@ -284,15 +234,15 @@ class DiskIndex:
                    "AND pin_expires <= ?", (time.time(),))
 
     def expire_pins(self) -> None:
-        if self._read("SELECT 1 FROM keys WHERE pin_expires IS NOT NULL AND pin_expires <= ? "
+        if self.db.read("SELECT 1 FROM keys WHERE pin_expires IS NOT NULL AND pin_expires <= ? "
                       "LIMIT 1", (time.time(),)):
-            self._tx(self._expire)
+            self.db.tx(self._expire)
 
     def info_many(self, keys: Sequence[bytes]
                   ) -> list[tuple[bytes, str, bool, float | None, int | None]]:
         out = []
         for part in _chunks([bytes(k) for k in keys]):
-            out += [(bytes(k), b, bool(p), e, s) for k, b, p, e, s in self._read(
+            out += [(bytes(k), b, bool(p), e, s) for k, b, p, e, s in self.db.read(
                 "SELECT k.key, k.blob_id, k.pinned, k.pin_expires, b.size FROM keys k LEFT JOIN "
                 f"blobs b ON b.blob_id = k.blob_id WHERE k.key IN ({_qs(len(part))})", part)]
         return out
@@ -306,13 +256,13 @@ class DiskIndex:
         if prefix:
             sql += " AND substr(k.key, 1, ?) = ?"
             args += [len(prefix), prefix]
-        rows = self._read(sql + " ORDER BY k.key LIMIT ?", (*args, limit))
+        rows = self.db.read(sql + " ORDER BY k.key LIMIT ?", (*args, limit))
         return [(bytes(k), b, bool(p), e, s) for k, b, p, e, s in rows]
 
     # --- blobs --------------------------------------------------------------------------------
 
     def has_blob(self, blob_id: str) -> bool:
-        return bool(self._read("SELECT 1 FROM blobs WHERE blob_id=?", (blob_id,)))
+        return bool(self.db.read("SELECT 1 FROM blobs WHERE blob_id=?", (blob_id,)))
 
     def remove_blobs(self, blob_ids: Sequence[str], *, unlink: Unlink = None,
                      unpinned_only: bool = False) -> list[bytes]:
@@ -336,9 +286,10 @@ class DiskIndex:
             if unlink is not None:
                 unlink(ids)
             return dropped
-        return self._tx(tx)
+        return self.db.tx(tx)
 
-    def touch(self, blob_ids: Sequence[str]) -> None:
+    def touch(self, blob_ids: Sequence[str], *, timeout_s: float | None = None) -> None:
+        """Mark blobs used now (LRU); "database is locked" past ``timeout_s``."""
         if not blob_ids:
             return
         now = time.time()
@@ -347,30 +298,30 @@ class DiskIndex:
             for part in _chunks(list(blob_ids)):
                 db.execute(f"UPDATE blobs SET last_access=? WHERE blob_id IN ({_qs(len(part))})",
                            (now, *part))
-        self._tx(tx)
+        self.db.tx(tx, timeout_s)
 
     def refcount(self, blob_id: str) -> int:
-        rows = self._read("SELECT refs FROM blobs WHERE blob_id=?", (blob_id,))
+        rows = self.db.read("SELECT refs FROM blobs WHERE blob_id=?", (blob_id,))
         return int(rows[0][0]) if rows else 0
 
     def totals(self) -> tuple[int, int]:
         """(bytes, blobs) of every recorded blob (one row, kept by triggers)."""
-        size, count = self._read("SELECT bytes, blobs FROM stats WHERE id=0")[0]
+        size, count = self.db.read("SELECT bytes, blobs FROM stats WHERE id=0")[0]
         return int(size), int(count)
 
     def counts(self) -> tuple[int, int]:
         """(keys, pinned blob bytes)."""
-        (keys,) = self._read("SELECT COUNT(*) FROM keys")[0]
-        (pinned,) = self._read("SELECT COALESCE(SUM(bytes), 0) FROM group_pins")[0]
+        (keys,) = self.db.read("SELECT COUNT(*) FROM keys")[0]
+        (pinned,) = self.db.read("SELECT COALESCE(SUM(bytes), 0) FROM group_pins")[0]
         return int(keys), int(pinned)
 
     def eviction_candidates(self, need: int) -> list[tuple[str, int]]:
         """Least recently used unpinned blobs whose sizes add up to at least ``need``."""
         out: list[tuple[str, int]] = []
         got = 0
-        with self._lock:
-            cur = self._db.execute("SELECT blob_id, size FROM blobs WHERE pins = 0 "
-                                   "ORDER BY last_access")
+        with self.db.reader() as db:
+            cur = db.execute("SELECT blob_id, size FROM blobs WHERE pins = 0 "
+                             "ORDER BY last_access")
             for blob_id, size in cur:
                 if got >= need:
                     break
@@ -380,14 +331,14 @@ class DiskIndex:
         return out
 
     def unreferenced(self, min_age_s: float = 0.0) -> list[str]:
-        return [b for (b,) in self._read("SELECT blob_id FROM blobs WHERE refs <= 0 AND "
+        return [b for (b,) in self.db.read("SELECT blob_id FROM blobs WHERE refs <= 0 AND "
                                          "created <= ?", (time.time() - min_age_s,))]
 
     def all_blobs(self) -> list[str]:
-        return [b for (b,) in self._read("SELECT blob_id FROM blobs")]
+        return [b for (b,) in self.db.read("SELECT blob_id FROM blobs")]
 
     def dangling_keys(self) -> list[bytes]:
-        return [bytes(k) for (k,) in self._read(
+        return [bytes(k) for (k,) in self.db.read(
             "SELECT key FROM keys WHERE blob_id NOT IN (SELECT blob_id FROM blobs)")]
 
     def insert_rebuilt(self, rows: Sequence[tuple[str, int, bytes, float]]) -> None:
@@ -400,17 +351,16 @@ class DiskIndex:
                                                               mtime))
                 db.execute("INSERT OR IGNORE INTO keys(key, blob_id) VALUES(?, ?)",
                            (key, blob_id))
-        self._tx(tx)
+        self.db.tx(tx)
 
     def check(self) -> None:
         """Raise :class:`IndexDamaged` if SQLite's quick check finds damage."""
         try:
-            res = self._read("PRAGMA quick_check")
+            res = self.db.read("PRAGMA quick_check")
         except sqlite3.DatabaseError as exc:
             raise IndexDamaged(f"store index {self.path} is damaged: {exc}") from exc
         if res != [("ok",)]:
             raise IndexDamaged(f"store index {self.path} is damaged: {res[:3]}")
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self.db.close()

@@ -1,0 +1,81 @@
+"""The disk index under another process's write lock: lookups and loads never wait behind a
+writer's busy wait, and writes go through once the lock is released. A real second process
+holds SQLite's write lock (``BEGIN IMMEDIATE``) on the real index file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from cwm_plugin.store.tiers import disk
+from cwm_plugin.store.tiers.disk import DiskTier
+
+pytestmark = pytest.mark.unit
+
+HOLD_S = 3.0
+BOUND_S = 0.5       # generous: the bug was a wait of the whole hold (~3 s)
+HOLDER = """
+import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+db.execute("COMMIT")
+"""
+
+
+def bid(i: int) -> str:
+    return f"{i:040x}"
+
+
+def k(i: int) -> bytes:
+    return b"G" * 18 + i.to_bytes(2, "big")
+
+
+def hold_write_lock(path: str, seconds: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, path, str(seconds)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def timed(fn, *args):
+    t0 = time.monotonic()
+    out = fn(*args)
+    return out, time.monotonic() - t0
+
+
+def test_lookups_and_loads_never_wait_behind_a_writer_busy_waiting(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk, "TOUCH_EVERY_S", 0.0)     # every read also touches (a write)
+    tier = DiskTier(tmp_path, budget=1 << 20)
+    try:
+        for i in range(4):
+            assert tier.put(bid(i), bytes([i]) * 100, k(i))
+        holder = hold_write_lock(str(tmp_path / "index.sqlite"), HOLD_S)
+        results: list[object] = []
+        writer = threading.Thread(target=lambda: results.append(
+            tier.put(bid(9), b"\x09" * 100, k(9))))
+        writer.start()                                  # it waits for the other process
+        time.sleep(0.3)
+        assert writer.is_alive()
+        found, lookup_s = timed(tier.lookup_many, [k(i) for i in range(4)] + [k(9)])
+        datas, load_s = timed(tier.get_many, [bid(0), bid(1)])
+        print(f"lookup {lookup_s:.3f}s, load {load_s:.3f}s under a {HOLD_S}s write lock")
+        assert lookup_s < BOUND_S and load_s < BOUND_S
+        assert found == [bid(i) for i in range(4)] + [None]   # the write is not in yet
+        assert datas == [bytes([0]) * 100, bytes([1]) * 100]
+        assert holder.wait(timeout=30) == 0
+        released = time.time()
+        writer.join(timeout=30)
+        assert results == [True]                        # the writer went through afterwards
+        assert tier.lookup_many([k(9)]) == [bid(9)]
+        assert tier.put(bid(10), b"\x0a" * 100, k(10))
+        assert tier.delete_many([k(10)]) == [k(10)]
+        (last,) = tier.index.db.read("SELECT last_access FROM blobs WHERE blob_id=?", (bid(0),))
+        assert last[0] >= released                      # the touch the lock put off landed
+    finally:
+        tier.close()

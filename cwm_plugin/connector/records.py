@@ -8,8 +8,13 @@ engine can later find a session's latest context from outside vLLM, freeze it (p
 keys) and re-key it for another salt with vLLM's own hashing. With encryption at rest the
 record is sealed under the request's salt like its blocks (it holds token ids).
 
-Key: ``cwm-ctx\\0`` + 10 bytes of ``sha256(salt)`` + ``latest``: each finished request of a
-salt replaces the record (its old blob is freed), so the key always holds the newest.
+Keys: ``cwm-ctx\\0`` + 10 bytes of ``sha256(salt)`` (the salt's group) + ``latest``: each
+finished request of a salt replaces the record (its old blob is freed), so the key always holds
+the newest; + ``turn`` + a 2-byte slot when the request named its client turn
+(:mod:`~cwm_plugin.connector.params`): the record is kept under the turn's slot too, so a
+session's last few client turns can be frozen. The sidecar's own conversation records (what it
+merged into the prompt, the client's messages) live in the same group
+(:mod:`cwm_plugin.windows.conversation`).
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ def record_key(salt: str) -> bytes:
     return salt_group(salt) + b"latest"
 
 
+def turn_record_key(salt: str, slot: int) -> bytes:
+    """Where the record of the client turn in ``slot`` (turn % keep) is kept."""
+    return salt_group(salt) + b"turn" + int(slot).to_bytes(2, "big")
+
+
 @dataclass
 class ContextRecord:
     tokens: list[int]                   # every token id of the request (prompt + output)
@@ -59,6 +69,8 @@ class ContextRecord:
     lora: list[str] | None = None       # [name, path] of the request's adapter
     created: float = 0.0
     version: int = 1
+    turn: int | None = None             # the client turn the request said it was
+    num_prompt_tokens: int | None = None  # tokens[:num_prompt_tokens] were the prompt
 
     @property
     def saved_tokens(self) -> int:

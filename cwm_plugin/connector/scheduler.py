@@ -12,7 +12,10 @@ prefill, chunk by chunk; generated blocks as decoding fills them). The worker co
 out of the paged cache at the end of that step, before the scheduler can free or reuse it, and
 encodes and writes it in the background, so ``request_finished`` never has to hold blocks back.
 When a salted request whose blocks were saved finishes, a context record is written for the
-window engine (:mod:`~cwm_plugin.connector.records`).
+window engine (:mod:`~cwm_plugin.connector.records`), also under its client turn's slot when
+the request names one; a request whose ``kv_transfer_params`` say ``store: false`` (the
+sidecar's background prompts) is neither looked up, saved nor recorded, and ``record: false``
+(a warm-up) leaves the session's records alone (:mod:`~cwm_plugin.connector.params`).
 
 Hit sources for vLLM's ``prompt_tokens_cached_by_source``: blocks the workers reported storing
 are ``host`` (their memory tier) when they have one, blocks in the disk index ``disk``, the rest
@@ -33,6 +36,7 @@ from cwm_plugin.connector.config import ConnectorConfig
 from cwm_plugin.connector.keys import Namespace, kv_block_hashes, lora_extra
 from cwm_plugin.connector.known import KnownBlocks
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
+from cwm_plugin.connector.params import params_of
 from cwm_plugin.connector.selfcheck import SelfCheck, run_selfcheck
 from cwm_plugin.connector.stats import StatsCollector
 from cwm_plugin.store.tiered import KVStore
@@ -87,7 +91,8 @@ class SchedulerSide:
     # --- helpers ------------------------------------------------------------------------------
 
     def _eligible(self, request: Any) -> bool:
-        return not self.cfg.salted_only or bool(getattr(request, "cache_salt", None))
+        return (not self.cfg.salted_only or bool(getattr(request, "cache_salt", None))) \
+            and params_of(request).store
 
     def _cap_blocks(self) -> int:
         return self.cfg.max_stored_tokens_per_request // self.block_size
@@ -260,10 +265,13 @@ class SchedulerSide:
         state = self._reqs.pop(request.request_id, None)
         salt = getattr(request, "cache_salt", None)
         if state is not None and salt and state.saved_blocks and self.cfg.context_records:
-            self._write_record(state, salt)
+            params = params_of(request)
+            if params.record and params.store:
+                self._write_record(state, salt, params.turn, params.slot)
         return False, None
 
-    def _write_record(self, state: _RequestState, salt: str) -> None:
+    def _write_record(self, state: _RequestState, salt: str, turn: int | None,
+                      slot: int | None) -> None:
         req = state.request
         lora = getattr(req, "lora_request", None)
         rec = records.ContextRecord(
@@ -272,9 +280,13 @@ class SchedulerSide:
             workers=[(ns.scoped(state.extra).hex(), rank) for ns, rank in self.workers],
             block_size=self.block_size, hash_block_size=self.block_size // self.hash_ratio,
             hash_algo=self.ns.hash_algo, namespace=asdict(self.ns),
-            lora=[lora.lora_name, str(lora.lora_path)] if lora else None, created=time.time())
-        records.write_record(self.store, records.record_key(salt), asdict(rec),
-                             records.RECORD_LAYOUT, what="a context record", salt=salt)
+            lora=[lora.lora_name, str(lora.lora_path)] if lora else None, created=time.time(),
+            turn=turn, num_prompt_tokens=int(req.num_prompt_tokens))
+        body = asdict(rec)
+        for key in [records.record_key(salt)] + \
+                ([records.turn_record_key(salt, slot)] if slot is not None else []):
+            records.write_record(self.store, key, body, records.RECORD_LAYOUT,
+                                 what="a context record", salt=salt)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

@@ -217,3 +217,51 @@ def test_shutdown_closes_the_store(ns, store):
     side.shutdown()
     with pytest.raises(RuntimeError, match="closed"):
         store.put(b"k" * 50, torch.ones(2))
+
+
+def with_params(req: Request, **cwm) -> Request:
+    req.kv_transfer_params = {"cwm": cwm}
+    return req
+
+
+def finish(side: SchedulerSide, req: Request, ids: list[int]) -> None:
+    side.get_num_new_matched_tokens(req, 0)
+    side.build_connector_meta(step(req, ids, 0, req.num_tokens))
+    side.request_finished(req, ids)
+    side.store.flush()
+
+
+def test_turn_records_are_kept_by_slot_and_background_requests_leave_no_trace(hash_fn, ns,
+                                                                              store):
+    from cwm_plugin.connector import records
+    from cwm_plugin.connector.params import params_of
+
+    side = side_for(ns, store)
+    turn3 = with_params(make_request(hash_fn, "t3", 3 * BS), turn=3, keep=2)
+    finish(side, turn3, [1, 2, 3])
+
+    def rec(key):
+        t = store.get(key, salt="salt")
+        return records.ContextRecord.from_tensor(t) if t is not None else None
+
+    assert rec(records.turn_record_key("salt", 3 % 2)).turn == 3
+    assert rec(records.record_key("salt")).num_prompt_tokens == 3 * BS
+    # the sidecar's summary under the session's salt (it has a salt of its own, but even
+    # so): no lookup, no save, no record
+    bg = with_params(make_request(hash_fn, "bg", 4 * BS), store=False)
+    assert side.get_num_new_matched_tokens(bg, 0) == (0, False)
+    assert side.build_connector_meta(step(bg, [5, 6, 7, 8], 0, 4 * BS)).saves == []
+    side.request_finished(bg, [5, 6, 7, 8])
+    warm = with_params(make_request(hash_fn, "w", 2 * BS + 1), record=False)
+    finish(side, warm, [9, 10, 11])
+    store.flush()
+    latest = rec(records.record_key("salt"))
+    assert latest.turn == 3 and len(latest.tokens) == 3 * BS   # still the client's turn
+    # turn 5 replaces turn 3 in slot 1; malformed parameters are the defaults, never an error
+    finish(side, with_params(make_request(hash_fn, "t5", 3 * BS), turn=5, keep=2), [1, 2, 3])
+    assert rec(records.turn_record_key("salt", 1)).turn == 5
+    for bad in ({"turn": "7"}, {"turn": True, "keep": 0}, {"keep": 10_000}, "cwm"):
+        req = make_request(hash_fn, "x", BS)
+        req.kv_transfer_params = {"cwm": bad}
+        p = params_of(req)
+        assert p.turn is None and p.keep == 8 and p.store and p.record

@@ -29,20 +29,23 @@ def block_keys(tokens: list[int], salt: str, n: int) -> list[list[bytes]]:
     return [[bytes.fromhex(d) + r.to_bytes(2, "big") + h for h in hs] for d, r in WORKERS]
 
 
-def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = None) -> list[int]:
-    """What the connector leaves after a salted request: blocks per worker and a record."""
-    tokens = [(7 * i) % 4000 + 5 for i in range(n_tokens)]
+def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = None,
+             turn: int | None = None, keep: int = 8, seed: int = 0) -> list[int]:
+    """What the connector leaves after a salted request: blocks per worker and a record (also
+    under its turn's slot when the request named its client ``turn``)."""
+    tokens = [(7 * i + seed) % 4000 + 5 for i in range(n_tokens)]
     n = n_tokens // BS if save is None else save
     hs = hashing.chain(tokens, salt=salt, block_size=BS, hash_block_size=BS,
                        hash_algo="sha256", lora=None, num_blocks=n)
     rec = records.ContextRecord(tokens=tokens, block_hashes=[h.hex() for h in hs],
                                 workers=WORKERS, block_size=BS, hash_block_size=BS,
-                                hash_algo="sha256", namespace=NS)
+                                hash_algo="sha256", namespace=NS, turn=turn)
     for (_, rank), keys in zip(WORKERS, block_keys(tokens, salt, n), strict=True):
         for i, key in enumerate(keys):
             store.put(key, block(i, rank), salt=salt).result()
-    store.put(records.record_key(salt), records.json_tensor(asdict(rec)), salt=salt,
-              replace=True).result()
+    for key in [records.record_key(salt)] + \
+            ([records.turn_record_key(salt, turn % keep)] if turn is not None else []):
+        store.put(key, records.json_tensor(asdict(rec)), salt=salt, replace=True).result()
     return tokens
 
 

@@ -51,6 +51,9 @@ class StoreMetrics:
                               ["kind"], **kw)
         self.puts = Counter("puts", "Blocks saved (new blobs written)", **kw)
         self.put_skips = Counter("put_skips", "Saves skipped because the key was present", **kw)
+        self.replicated = Counter("replicated", "Blobs copied to a durable tier that lacked "
+                                  "them (a window made complete on every durable tier)",
+                                  ["tier"], **kw)
         self._raw = 0
         self._stored = 0
 

@@ -3,7 +3,8 @@
 The sidecar tracks how full each session's context is; at ``warn`` (70 % by default) it
 warns the client, at ``checkpoint`` (85 %) it calls :class:`AutoFreeze`, which freezes the
 session as a window ``auto-<session>-<time>`` tagged ``auto`` -- at most once per
-``cooldown_s`` per session, and never failing the conversation (a failed freeze is logged).
+``cooldown_s`` per session, and never failing the conversation (a failed freeze is logged);
+a session keeps its newest ``keep`` auto-checkpoint windows, the older are deleted.
 Thresholds can differ per model. ``check`` answers the same question on demand (the MCP tool
 ``auto_freeze_check``).
 """
@@ -51,6 +52,7 @@ class AutoFreeze:
     engine: WindowEngine
     enabled: bool = True
     cooldown_s: float = 600.0
+    keep: int = 3
     thresholds: Thresholds = field(default_factory=OwnThresholds)
     frozen: int = 0
     _last: dict[tuple[str, str], float] = field(default_factory=dict)
@@ -106,7 +108,20 @@ class AutoFreeze:
             return None
         self.frozen += 1
         log.info("auto-freeze: session %s frozen as %s (%s)", session, name, reason)
+        self._prune(tenant, session)
         return name
+
+    def _prune(self, tenant: str, session: str) -> None:
+        """Delete the session's auto-checkpoint windows past the newest ``keep``."""
+        page, _ = self.engine.list(tenant, tag="auto", session=session, sort="created",
+                                   descending=True, limit=100_000)
+        for old in page[self.keep:]:
+            try:
+                self.engine.delete(tenant, old.name)
+                log.info("auto-freeze: %s deleted (session %s keeps its newest %d)", old.name,
+                         session, self.keep)
+            except CWMError as exc:  # deleted meanwhile, say
+                log.info("auto-freeze: could not delete %s: %s", old.name, exc)
 
     def check(self, tenant: str, session: str, salt: str, *, used_tokens: int | None = None,
               max_tokens: int | None = None, model: str | None = None,

@@ -1,4 +1,5 @@
-"""``cwm window freeze|thaw|clone|ls|status|rm``: context windows from the command line.
+"""``cwm window freeze|thaw|clone|ls|status|update|rm|export|import`` and ``cwm session clear``:
+context windows from the command line.
 
 By default the commands talk to a running sidecar (``--url``, ``--api-key`` or the
 ``CWM_SIDECAR_URL`` / ``CWM_API_KEY`` environment): the tenant is the key's. With
@@ -24,8 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                  "windows")
     sub = group.add_subparsers(dest="window_command", required=True)
 
-    def cmd(name: str, help_: str, fn) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_)
+    def cmd(name: str, help_: str, fn, parent: Any = sub) -> argparse.ArgumentParser:
+        p = parent.add_parser(name, help=help_)
         p.add_argument("--url", default=os.environ.get("CWM_SIDECAR_URL",
                                                        "http://127.0.0.1:8080"))
         p.add_argument("--api-key", default=os.environ.get("CWM_API_KEY"))
@@ -42,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--session", required=True)
     p.add_argument("--tag", action="append", default=[])
     p.add_argument("--description", default="")
+    p.add_argument("--turn", type=int, help="an earlier client turn of the session (one of its "
+                                            "last few; default: the latest)")
+    p.add_argument("--ttl", type=float, dest="ttl_s", help="delete it after this many seconds")
     p = cmd("thaw", "restore a window into a session (default: its own)", _thaw)
     p.add_argument("name")
     p.add_argument("--into", dest="session")
@@ -55,12 +59,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model")
     p.add_argument("--session")
     p.add_argument("-q", "--query", dest="q")
-    p.add_argument("--sort", default="created", choices=("created", "updated", "name", "tokens"))
+    p.add_argument("--sort", default="created",
+                   choices=("created", "updated", "name", "tokens", "size"))
     p.add_argument("--limit", type=int, default=50)
     p = cmd("status", "blocks, bytes and restorable tokens of a window", _status)
     p.add_argument("name")
+    p = cmd("update", "rename a window, or replace its tags or description", _update)
+    p.add_argument("name")
+    p.add_argument("--rename", dest="new_name")
+    p.add_argument("--tag", action="append", dest="tags", help="the new tags (repeat)")
+    p.add_argument("--description")
     p = cmd("rm", "delete a window (blobs a clone still uses stay)", _rm)
     p.add_argument("name")
+    p = cmd("export", "write a window to one portable file", _export)
+    p.add_argument("name")
+    p.add_argument("file")
+    p = cmd("import", "import a window file (same model on this server)", _import)
+    p.add_argument("file")
+    p.add_argument("--name", help="import it under this name")
+    session = subparsers.add_parser("session", help="a session's stored KV")
+    ssub = session.add_subparsers(dest="session_command", required=True)
+    p = cmd("clear", "erase a session's stored KV and records (its windows keep theirs)",
+            _clear, ssub)
+    p.add_argument("session")
 
 
 def client_from_args(args: argparse.Namespace) -> WindowsClient:
@@ -96,7 +117,8 @@ def _out(args: argparse.Namespace, data: dict[str, Any], line: str) -> int:
 
 def _freeze(args: argparse.Namespace) -> int:
     w = client_from_args(args).freeze(args.name, args.session, tags=args.tag,
-                                      description=args.description)
+                                      description=args.description, turn=args.turn,
+                                      ttl_s=args.ttl_s)
     return _out(args, w, f"frozen {w['name']}: {w['pinned_tokens']} of {w['tokens']} tokens "
                          f"pinned in {w['blocks']} blocks (session {w['session']})")
 
@@ -134,6 +156,28 @@ def _status(args: argparse.Namespace) -> int:
     return _out(args, s, f"{s['name']}: {s['restorable_tokens']} of {s['tokens']} tokens "
                          f"restorable; {tiers}; ratio {s['compression_ratio']}; parent "
                          f"{s['parent'] or '-'}; children {', '.join(s['children']) or '-'}")
+
+
+def _update(args: argparse.Namespace) -> int:
+    w = client_from_args(args).update(args.name, name=args.new_name, tags=args.tags,
+                                      description=args.description)
+    return _out(args, w, f"updated {w['name']}: tags {','.join(w['tags']) or '-'}")
+
+
+def _export(args: argparse.Namespace) -> int:
+    r = client_from_args(args).export(args.name, args.file)
+    return _out(args, r, f"exported {args.name} to {args.file} ({r['bytes']:,} bytes)")
+
+
+def _import(args: argparse.Namespace) -> int:
+    w = client_from_args(args).import_file(args.file, args.name)
+    return _out(args, w, f"imported {w['name']}: {w['pinned_tokens']} of {w['tokens']} tokens "
+                         f"in {w['blocks']} blocks")
+
+
+def _clear(args: argparse.Namespace) -> int:
+    r = client_from_args(args).clear_session(args.session)
+    return _out(args, r, f"session {args.session}: {r['keys_deleted']} stored keys erased")
 
 
 def _rm(args: argparse.Namespace) -> int:

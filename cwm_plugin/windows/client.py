@@ -13,6 +13,7 @@ Both return plain dicts shaped like the REST answers, and raise :class:`CWMError
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from cwm_plugin.errors import (
@@ -25,25 +26,36 @@ from cwm_plugin.errors import (
 )
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import ModelMismatch, WindowEngine, WindowIncomplete
+from cwm_plugin.windows.portable import BadWindowFile, export_window, import_window
 
 _BY_CODE: dict[str, type[CWMError]] = {c.code: c for c in (
-    AlreadyExists, NotFound, InvalidInput, Forbidden, WindowIncomplete, ModelMismatch)}
+    AlreadyExists, NotFound, InvalidInput, Forbidden, WindowIncomplete, ModelMismatch,
+    BadWindowFile)}
 
 
 class WindowsClient(Protocol):
-    def freeze(self, name: str, session: str, *, tags: list[str] | None = None,
-               description: str = "") -> dict[str, Any]: ...
+    def freeze(self, name: str, session: str, **options: Any) -> dict[str, Any]: ...
     def thaw(self, name: str, session: str | None = None, *, warm: bool = False,
              model: str | None = None) -> dict[str, Any]: ...
-    def clone(self, name: str, new_name: str) -> dict[str, Any]: ...
+    def clone(self, name: str, new_name: str, **options: Any) -> dict[str, Any]: ...
     def list(self, **filters: Any) -> dict[str, Any]: ...
     def status(self, name: str) -> dict[str, Any]: ...
+    def update(self, name: str, **changes: Any) -> dict[str, Any]: ...
     def delete(self, name: str) -> dict[str, Any]: ...
+    def export(self, name: str, path: str) -> dict[str, Any]: ...
+    def import_file(self, path: str, name: str | None = None) -> dict[str, Any]: ...
+    def clear_session(self, session: str) -> dict[str, Any]: ...
+    def continue_chat(self, session: str, messages: list[dict[str, Any]],
+                      model: str | None) -> dict[str, Any]: ...
     def stats(self) -> dict[str, Any]: ...
     def sessions(self) -> dict[str, Any]: ...
     def health(self) -> dict[str, Any]: ...
     def auto_freeze_config(self, **changes: Any) -> dict[str, Any]: ...
     def auto_freeze_check(self, session: str, **usage: Any) -> dict[str, Any]: ...
+
+
+def _given(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if v is not None}
 
 
 class HttpWindows:
@@ -56,7 +68,7 @@ class HttpWindows:
     def __repr__(self) -> str:
         return f"HttpWindows({self._http.base_url})"
 
-    def _call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+    def _send(self, method: str, path: str, **kw: Any) -> Any:
         import httpx
 
         try:
@@ -64,20 +76,25 @@ class HttpWindows:
         except httpx.HTTPError as exc:
             raise UpstreamError(f"cannot reach the sidecar at {self._http.base_url}: {exc}",
                                 hint="is `cwm serve` running? check --url") from exc
-        try:
-            body = r.json()
-        except ValueError:
-            body = {}
         if r.status_code >= 400:
-            err = body.get("error", {}) if isinstance(body, dict) else {}
+            try:
+                err = r.json().get("error", {})
+            except (ValueError, AttributeError):
+                err = {}
             cls = _BY_CODE.get(str(err.get("code")), CWMError)
             raise cls(str(err.get("message") or f"HTTP {r.status_code}"))
-        return body
+        return r
 
-    def freeze(self, name: str, session: str, *, tags: list[str] | None = None,
-               description: str = "") -> dict[str, Any]:
-        return self._call("POST", "/v1/windows", json={
-            "name": name, "session": session, "tags": tags or [], "description": description})
+    def _call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        try:
+            return self._send(method, path, **kw).json()
+        except ValueError:
+            return {}
+
+    def freeze(self, name: str, session: str, **options: Any) -> dict[str, Any]:
+        """``options``: tags, description, turn, ttl_s, prompt_prefix, messages."""
+        return self._call("POST", "/v1/windows", json={"name": name, "session": session,
+                                                       **_given(options)})
 
     def thaw(self, name: str, session: str | None = None, *, warm: bool = False,
              model: str | None = None) -> dict[str, Any]:
@@ -86,18 +103,52 @@ class HttpWindows:
         return self._call("POST", f"/v1/windows/{name}/thaw",
                           json={"session": session, "warm": warm, "model": model})
 
-    def clone(self, name: str, new_name: str) -> dict[str, Any]:
-        return self._call("POST", f"/v1/windows/{name}/clone", json={"name": new_name})
+    def continue_chat(self, session: str, messages: list[dict[str, Any]],
+                      model: str | None) -> dict[str, Any]:
+        """One chat turn in ``session`` through the sidecar (after a thaw)."""
+        if model is None:
+            raise InvalidInput("the window names no model to continue with")
+        return self._call("POST", "/v1/chat/completions", headers={"X-Session-Id": session},
+                          json={"model": model, "messages": messages})
+
+    def clone(self, name: str, new_name: str, **options: Any) -> dict[str, Any]:
+        return self._call("POST", f"/v1/windows/{name}/clone",
+                          json={"name": new_name, **_given(options)})
 
     def list(self, **filters: Any) -> dict[str, Any]:
-        return self._call("GET", "/v1/windows",
-                          params={k: v for k, v in filters.items() if v is not None})
+        return self._call("GET", "/v1/windows", params=_given(filters))
 
     def status(self, name: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/windows/{name}")
 
+    def update(self, name: str, **changes: Any) -> dict[str, Any]:
+        return self._call("PATCH", f"/v1/windows/{name}", json=_given(changes))
+
     def delete(self, name: str) -> dict[str, Any]:
         return self._call("DELETE", f"/v1/windows/{name}")
+
+    def export(self, name: str, path: str) -> dict[str, Any]:
+        size = 0
+        with self._http.stream("GET", f"/v1/windows/{name}/export") as r:
+            if r.status_code >= 400:
+                r.read()
+                self._send("GET", f"/v1/windows/{name}")  # raises the clear error
+                raise CWMError(f"export answered HTTP {r.status_code}")
+            with open(path, "wb") as out:
+                for chunk in r.iter_bytes():
+                    out.write(chunk)
+                    size += len(chunk)
+        return {"object": "window.export", "name": name, "path": path, "bytes": size}
+
+    def import_file(self, path: str, name: str | None = None) -> dict[str, Any]:
+        with open(path, "rb") as src:
+            return self._call("POST", "/v1/windows/import", content=src,
+                              params=_given({"name": name}),
+                              headers={"Content-Type": "application/octet-stream",
+                                       "Content-Length": str(Path(path).stat().st_size)})
+
+    def clear_session(self, session: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/v1/sessions/{session}/kv")
 
     def stats(self) -> dict[str, Any]:
         return self._call("GET", "/v1/cache/stats")
@@ -109,19 +160,19 @@ class HttpWindows:
         return self._call("GET", "/health")
 
     def auto_freeze_config(self, **changes: Any) -> dict[str, Any]:
-        changes = {k: v for k, v in changes.items() if v is not None}
+        changes = _given(changes)
         if changes:
             return self._call("POST", "/v1/auto_freeze", json=changes)
         return self._call("GET", "/v1/auto_freeze")
 
     def auto_freeze_check(self, session: str, **usage: Any) -> dict[str, Any]:
         return self._call("POST", "/v1/auto_freeze/check",
-                          json={"session": session, **{k: v for k, v in usage.items()
-                                                       if v is not None}})
+                          json={"session": session, **_given(usage)})
 
 
 class LocalWindows:
-    """The engine in this process, for one tenant; ``salt_of(tenant, session)``."""
+    """The engine in this process, for one owner (a tenant, or ``tenant/u-...``);
+    ``salt_of(tenant, session)``."""
 
     def __init__(self, engine: WindowEngine, tenant: str,
                  salt_of: Callable[[str, str], str]) -> None:
@@ -133,11 +184,12 @@ class LocalWindows:
     def __repr__(self) -> str:
         return f"LocalWindows(tenant={self.tenant!r})"
 
-    def freeze(self, name: str, session: str, *, tags: list[str] | None = None,
-               description: str = "") -> dict[str, Any]:
-        m = self.engine.freeze(self.tenant, name, session=session,
-                               salt=self._salt_of(self.tenant, session), tags=tags or [],
-                               description=description)
+    def _salt(self, session: str) -> str:
+        return self._salt_of(self.tenant.split("/", 1)[0], session)
+
+    def freeze(self, name: str, session: str, **options: Any) -> dict[str, Any]:
+        m = self.engine.freeze(self.tenant, name, session=session, salt=self._salt(session),
+                               **_given(options))
         return {"object": "window", **m.public()}
 
     def thaw(self, name: str, session: str | None = None, *, warm: bool = False,
@@ -146,26 +198,53 @@ class LocalWindows:
         if warm:
             raise InvalidInput("a warm-up goes through vLLM: thaw through the sidecar (--url) "
                                "to warm, or send the session's next request")
-        r = self.engine.thaw(self.tenant, name, session=session,
-                             salt=self._salt_of(self.tenant, session), model=model)
+        r = self.engine.thaw(self.tenant, name, session=session, salt=self._salt(session),
+                             model=model)
         return {"object": "window.thaw", **r.public()}
 
-    def clone(self, name: str, new_name: str) -> dict[str, Any]:
-        return {"object": "window", **self.engine.clone(self.tenant, name, new_name).public()}
+    def continue_chat(self, session: str, messages: list[dict[str, Any]],
+                      model: str | None) -> dict[str, Any]:
+        raise InvalidInput("continuing a conversation goes through vLLM: use the sidecar "
+                           "(--url), or send the session's next request yourself")
+
+    def clone(self, name: str, new_name: str, **options: Any) -> dict[str, Any]:
+        m = self.engine.clone(self.tenant, name, new_name, **_given(options))
+        return {"object": "window", **m.public()}
 
     def list(self, **filters: Any) -> dict[str, Any]:
         order = filters.pop("order", "desc")
         text = filters.pop("q", None)
+        if isinstance(filters.get("tag"), list):  # the REST's repeatable tag: all of them
+            filters["tags"] = filters.pop("tag")
         page, total = self.engine.list(self.tenant, text=text, descending=order == "desc",
-                                       **{k: v for k, v in filters.items() if v is not None})
+                                       **_given(filters))
         return {"object": "list", "data": [m.public() for m in page], "total": total}
 
     def status(self, name: str) -> dict[str, Any]:
         return {"object": "window", **self.engine.status(self.tenant, name)}
 
+    def update(self, name: str, **changes: Any) -> dict[str, Any]:
+        m = self.engine.patch(self.tenant, name, new_name=changes.get("name"),
+                              tags=changes.get("tags"), description=changes.get("description"))
+        return {"object": "window", **m.public()}
+
     def delete(self, name: str) -> dict[str, Any]:
         self.engine.delete(self.tenant, name)
         return {"object": "window.deleted", "name": name, "deleted": True}
+
+    def export(self, name: str, path: str) -> dict[str, Any]:
+        with open(path, "wb") as out:
+            summary = export_window(self.engine, self.tenant, name, out)
+        return {"object": "window.export", "path": path, **summary}
+
+    def import_file(self, path: str, name: str | None = None) -> dict[str, Any]:
+        with open(path, "rb") as src:
+            m = import_window(self.engine, self.tenant, src, name)
+        return {"object": "window", **m.public()}
+
+    def clear_session(self, session: str) -> dict[str, Any]:
+        n = self.engine.clear_session(self._salt(session))
+        return {"object": "session.kv.deleted", "session": session, "keys_deleted": n}
 
     def stats(self) -> dict[str, Any]:
         return {"object": "cache.stats", "tiers": self.engine.store.usage()}
@@ -186,5 +265,4 @@ class LocalWindows:
         return self.auto.settings(changes.get("model"))
 
     def auto_freeze_check(self, session: str, **usage: Any) -> dict[str, Any]:
-        return self.auto.check(self.tenant, session, self._salt_of(self.tenant, session),
-                               **usage)
+        return self.auto.check(self.tenant, session, self._salt(session), **usage)

@@ -1,16 +1,21 @@
-"""The window engine: freeze, thaw, clone, list, status and delete context windows, on the real
-KV blocks in the store. No HTTP in here (REST, CLI and MCP call this).
+"""The window engine: freeze, thaw, clone and delete context windows on the real KV blocks in
+the store (list, status and patch: :mod:`.catalog`). No HTTP in here (REST, CLI and MCP call
+this).
 
-* **freeze** finds the session's latest context record (left by the connector when a salted
-  request finished), checks that this process hashes like the vLLM that saved it, waits for the
-  blocks' pending saves to reach a durable tier, then re-keys them under a fresh *window salt*
-  -- the same blobs, new keys (``link_many``, no tensor copy) -- pins those keys (under the
-  store's pin quota) and claims the manifest name atomically. Each window owns its keys, so
-  deleting one never unpins another's blocks, and the session's own keys stay a plain cache.
-* **thaw** re-keys the window's blocks under the target session's salt: the next request of
-  that session, with the same tokens, hits them in vLLM. **clone** re-keys them under a new
-  window salt and pins those: a branch sharing the blobs. **delete** unpins and drops the
-  window's keys; a blob is freed only when no key (a clone's, a session's) points to it.
+* **freeze** takes the session's latest client turn -- or turn ``N`` of its last few -- from
+  the connector's context record and the sidecar's conversation record
+  (:mod:`.conversation`: the client's messages, what was merged into the prompt), checks that
+  this process hashes blocks like the vLLM that saved them, waits until every block is on
+  *every* durable tier (copying a block a tier lacks from one that has it: with Redis in
+  ``behind`` mode the disk has it first) or refuses naming what each tier holds, re-keys the
+  blocks under a fresh *window salt* (the same blobs, new keys: ``link_many``, no tensor
+  copy), pins those keys (under the store's pin quota and the tenant's) and claims the name.
+* **thaw** re-keys the window's blocks under the target session's salt and writes that
+  session's records (a connector record and a conversation record for the window's turn), so
+  its next request -- assembled by the sidecar with the window's prompt state -- hits them,
+  and the thawed session can be frozen again at once. **clone** re-keys under a new window
+  salt: a branch sharing the blobs. **delete** unpins and drops the window's keys; a blob is
+  freed only when no key (a clone's, a session's) points to it.
 * With encryption at rest a blob opens only under its salt, so re-keying re-seals the stored
   bytes for the new salt (a byte copy; nothing is decoded or re-encoded).
 
@@ -24,32 +29,30 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, CWMError, NotFound
-from cwm_plugin.store import crypto
 from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.tiers.base import QuotaExceeded
 from cwm_plugin.windows import hashing
+from cwm_plugin.windows.catalog import WindowCatalog
+from cwm_plugin.windows.conversation import ConversationRecord, ConversationRecords
 from cwm_plugin.windows.model import (
     MANIFEST_LAYOUT,
+    MAX_DESCRIPTION,
     Manifest,
     check_name,
     check_tags,
     manifest_key,
     manifest_salt,
-    tenant_group,
+    thaw_key,
 )
+from cwm_plugin.windows.rekey import WindowIncomplete
+from cwm_plugin.windows.sessions import SessionKV
 
 log = logging.getLogger(__name__)
-
-
-class WindowIncomplete(CWMError):
-    """Blocks a window needs are not (or no longer) stored."""
-
-    code = "window_incomplete"
-    http_status = 409
 
 
 class ModelMismatch(CWMError):
@@ -68,18 +71,39 @@ class ThawResult:
     blocks: int
     messages: list[dict] | None = None
     warm: dict[str, Any] | None = None
+    prompt: dict[str, Any] = field(default_factory=dict, repr=False)  # for the sidecar
+    turn: int | None = None
+    model: str = ""
+    expected: int = 0  # the window's blocks (``blocks``: those restored)
+    warnings: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list, repr=False)   # what a warm-up sends
 
     def public(self) -> dict[str, Any]:
+        hits = (self.warm or {}).get("hits")
         return {"name": self.name, "session": self.session, "tokens": self.tokens,
                 "restorable_tokens": self.restorable_tokens, "blocks": self.blocks,
-                "messages": self.messages, "warm": self.warm}
+                "messages": self.messages, "warm": self.warm, "turn": self.turn,
+                "model": self.model, "warnings": list(self.warnings),
+                "window_name": self.name, "session_id": self.session,
+                "block_count": self.expected, "blocks_expected": self.expected,
+                "blocks_found": self.blocks,
+                "cache_hit": bool(hits) if hits is not None else None,
+                "cache_efficiency": round(hits / self.restorable_tokens, 4)
+                if hits is not None and self.restorable_tokens else None}
 
 
-class WindowEngine:
-    def __init__(self, store: KVStore, *, wait_s: float = 30.0) -> None:
+class WindowEngine(SessionKV, WindowCatalog):
+    def __init__(self, store: KVStore, *, wait_s: float = 30.0, keep_turns: int = 8,
+                 settle_s: float = 3.0, tenant_quota_bytes: int | None = None) -> None:
+        """``wait_s``: how long a freeze waits for a record and its blocks; ``settle_s``: how
+        long it waits for write-behind before copying what a durable tier lacks;
+        ``keep_turns``: client turns a session keeps records of; ``tenant_quota_bytes``:
+        blob bytes one tenant's windows may pin (None: only the store's pin quota)."""
         self.store = store
         self.wait_s = wait_s
+        self.settle_s = settle_s
+        self.tenant_quota_bytes = tenant_quota_bytes
+        self.conversations = ConversationRecords(store, keep_turns)
 
     # --- manifests ----------------------------------------------------------------------------
 
@@ -89,10 +113,13 @@ class WindowEngine:
 
     def get(self, tenant: str, name: str) -> Manifest:
         m = self._read(manifest_key(tenant, check_name(name)), tenant)
-        if m is None or m.tenant != tenant or m.name != name:
+        if m is None or m.tenant != tenant or m.name != name or m.expired():
             raise NotFound(f"no window named {name!r}",
                            hint="list windows with `cwm window ls`")
         return m
+
+    def _ttl(self, m: Manifest) -> float | None:
+        return None if m.expires is None else max(1.0, m.expires - time.time())
 
     def _claim(self, m: Manifest) -> None:
         key = manifest_key(m.tenant, m.name)
@@ -101,174 +128,114 @@ class WindowEngine:
             raise AlreadyExists(f"a window named {m.name!r} already exists",
                                 hint="choose another name or delete that window first")
         try:
-            self.store.pin_many([key])    # as safe from eviction as the window's blocks
+            self.store.pin_many([key], ttl_s=self._ttl(m))  # as safe as the window's blocks
         except BaseException:
             self.store.delete_many([key])
             raise
 
-    def _update(self, m: Manifest) -> None:
+    def _rewrite(self, m: Manifest) -> None:
+        """Replace a window's manifest; if a delete removed it meanwhile, the rewrite (which
+        would stand unpinned) is taken back."""
         m.updated = time.time()
-        self.store.put(manifest_key(m.tenant, m.name), m.to_tensor(), layout=MANIFEST_LAYOUT,
+        key = manifest_key(m.tenant, m.name)
+        self.store.put(key, m.to_tensor(), layout=MANIFEST_LAYOUT,
                        salt=manifest_salt(m.tenant), replace=True).result()
+        if not self.store.pinned(key):
+            self.store.delete_many([key])
+            raise NotFound(f"window {m.name!r} was deleted meanwhile")
 
-    # --- keys ---------------------------------------------------------------------------------
+    def _last_thaw(self, m: Manifest) -> dict | None:
+        t = self.store.get(thaw_key(m.tenant, m.name), salt=manifest_salt(m.tenant),
+                           primary=True)
+        return records.tensor_json(t) if t is not None else None
 
-    def _chain(self, m: Manifest | records.ContextRecord, tokens: Sequence[int], salt: str,
-               n: int) -> list[bytes]:
-        return hashing.chain(tokens, salt=salt, block_size=m.block_size,
-                             hash_block_size=m.hash_block_size, hash_algo=m.hash_algo,
-                             lora=m.lora, num_blocks=n)
+    def _note_thaw(self, m: Manifest, note: dict[str, Any]) -> None:
+        records.write_record(self.store, thaw_key(m.tenant, m.name), note, "cwm-window-thaw",
+                             what="a window's thaw note", salt=manifest_salt(m.tenant))
 
-    @staticmethod
-    def _keys(workers: Sequence[tuple[str, int]], hashes: Sequence[bytes]) -> list[list[bytes]]:
-        return [[bytes.fromhex(d) + int(r).to_bytes(2, "big") + h for h in hashes]
-                for d, r in workers]
-
-    def _restorable(self, keys: list[list[bytes]], *, durable: bool = True) -> int:
-        """Blocks present for every worker, from the first block on."""
-        n = len(keys[0]) if keys else 0
-        if not n:
-            return 0
-        where = self.store.where_many([k for ks in keys for k in ks])
-        ok = [all(where[w * n + i] is not None and (not durable or where[w * n + i] != "memory")
-                  for w in range(len(keys))) for i in range(n)]
-        return next((i for i, good in enumerate(ok) if not good), n)
-
-    def _rekey(self, src: list[list[bytes]], dst: list[list[bytes]], src_salt: str,
-               dst_salt: str) -> None:
-        """Point ``dst`` keys at ``src`` keys' blobs (per worker, one batch per tier)."""
-        pairs = [(d, s) for ds, ss in zip(dst, src, strict=True)
-                 for d, s in zip(ds, ss, strict=True)]
-        if self.store.config.encryption_key:
-            self._reseal(pairs, src_salt, dst_salt)
-        else:
-            self.store.link_many(pairs)
-        missing = sum(1 for ks in dst for k, w in zip(ks, self.store.where_many(ks),
-                                                      strict=True) if w is None)
-        if missing:
-            self.store.delete_many([k for ks in dst for k in ks])
-            raise WindowIncomplete(f"{missing} blocks vanished while being re-keyed",
-                                   hint="they were evicted meanwhile; retry, or re-run the "
-                                        "conversation so its blocks are saved again")
-
-    def _reseal(self, pairs: list[tuple[bytes, bytes]], src_salt: str, dst_salt: str) -> None:
-        master = crypto.parse_master_key(self.store.config.encryption_key or "")
-        src_c, dst_c = (crypto.BlobCipher.derive(master, s) for s in (src_salt, dst_salt))
-        futures = []
-        for new, old in pairs:
-            blob = self.store.get_blob(old)
-            if blob is None:
-                continue
-            plain = crypto.unseal(blob, src_c)
-            futures.append(self.store.put_blob(new, dst_c.seal(plain), replace=True))
-        for f in futures:
-            f.result()
-
-    def _wait_stored(self, keys: list[list[bytes]], wait_s: float) -> int:
-        deadline = time.monotonic() + wait_s
-        n = len(keys[0]) if keys else 0
-        while True:
-            got = self._restorable(keys)
-            if got >= n or time.monotonic() >= deadline:
-                return got
-            time.sleep(0.2)
-
-    def _latest(self, salt: str, deadline: float
-                ) -> tuple[records.ContextRecord, list[bytes]] | None:
-        """The salt's latest context record and its verified block hashes, waiting until
-        ``deadline`` (monotonic) for one being written (a request that just finished)."""
-        t = self.store.get(records.record_key(salt), salt=salt, primary=True)
-        while t is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-            t = self.store.get(records.record_key(salt), salt=salt, primary=True)
-        if t is None:
-            return None
-        rec = records.ContextRecord.from_tensor(t)
-        hashes = rec.hashes()
-        hashing.verified_chain(hashes, rec.tokens, salt=salt, block_size=rec.block_size,
-                               hash_block_size=rec.hash_block_size, hash_algo=rec.hash_algo,
-                               lora=rec.lora)
-        return rec, hashes
+    # --- keys and records ---------------------------------------------------------------------
 
     # --- operations ---------------------------------------------------------------------------
 
-    def move_session(self, old_salt: str, new_salt: str) -> int:
-        """Re-key a session's latest context from ``old_salt`` to ``new_salt`` (its salt after
-        a secret rotation): the blocks stored from the first on get keys under the
-        new salt (the same blobs, as :meth:`thaw` does) and the new salt a context record, so
-        its next request hits them. The old keys stay a plain cache. Returns the blocks moved
-        (0: no record or no stored first block under ``old_salt``, or the new salt has one)."""
-        if self.store.where_many([records.record_key(new_salt)])[0] is not None:
-            return 0  # moved before (by another process), or the session went on already
-        found = self._latest(old_salt, time.monotonic())
-        if found is None:
-            return 0
-        rec, hashes = found
-        keys = self._keys(rec.workers, hashes)
-        n = self._restorable(keys, durable=False)  # the sidecar's store has no memory tier
-        if n == 0:
-            return 0
-        moved = self._chain(rec, rec.tokens, new_salt, n)
-        self._rekey([ks[:n] for ks in keys], self._keys(rec.workers, moved), old_salt, new_salt)
-        rec = replace(rec, block_hashes=[h.hex() for h in moved])
-        self.store.put(records.record_key(new_salt), rec.to_tensor(),
-                       layout=records.RECORD_LAYOUT, salt=new_salt).result()  # a newer wins
-        return n
-
-
     def freeze(self, tenant: str, name: str, *, session: str, salt: str,
                messages: list[dict] | None = None, tags: Sequence[str] = (),
-               description: str = "", wait_s: float | None = None) -> Manifest:
+               description: str = "", wait_s: float | None = None, turn: int | None = None,
+               ttl_s: float | None = None, prompt_prefix: str = "") -> Manifest:
+        """Freeze the session's latest client turn (or ``turn``); ``messages`` override the
+        conversation the sidecar recorded; ``ttl_s``: the window is gone after that long."""
         check_name(name)
         tags = check_tags(tags)
         if self._read(manifest_key(tenant, name), tenant) is not None:
             raise AlreadyExists(f"a window named {name!r} already exists",
                                 hint="choose another name or delete that window first")
-        wait = self.wait_s if wait_s is None else wait_s
-        deadline = time.monotonic() + wait
-        found = self._latest(salt, deadline)
+        deadline = time.monotonic() + (self.wait_s if wait_s is None else wait_s)
+        found = self._record(salt, deadline, turn)
         if found is None:
+            if turn is not None:
+                raise NotFound(f"turn {turn} of session {session!r} is not kept",
+                               hint=f"a session keeps its last {self.conversations.keep} "
+                                    "client turns; freeze without a turn for the latest")
             raise NotFound(f"session {session!r} has no saved context yet",
                            hint="send at least one request in that session (through vLLM "
                                 "with the cwm connector and a durable store) before freezing")
         rec, hashes = found
         keys = self._keys(rec.workers, hashes)
-        got = self._wait_stored(keys, max(0.0, deadline - time.monotonic()))
-        if got < len(hashes):
-            raise WindowIncomplete(
-                f"{len(hashes) - got} of {len(hashes)} blocks of session {session!r} are not on "
-                f"a durable tier; {got * rec.block_size} of {len(rec.tokens)} tokens are "
-                "restorable", hint="they were evicted or are still being written; retry, or "
-                                   "re-send the conversation so its blocks are saved again")
+        self._complete(keys, f"session {session!r}", deadline, block_size=rec.block_size,
+                       tokens=len(rec.tokens))
+        conv = self.conversations.read(salt, rec.turn) if rec.turn is not None else None
+        stored = self._stored_bytes(keys)
+        self._check_tenant_quota(tenant, stored)
         wsalt = "cwm-window:" + secrets.token_hex(16)
         whashes = self._chain(rec, rec.tokens, wsalt, len(hashes))
-        wkeys = self._keys(rec.workers, whashes)
+        now = time.time()
         m = Manifest(name=name, tenant=tenant, session=session, frozen_salt=salt,
                      window_salt=wsalt, tokens=list(rec.tokens), block_size=rec.block_size,
                      hash_block_size=rec.hash_block_size, hash_algo=rec.hash_algo,
                      workers=list(rec.workers), window_hashes=[h.hex() for h in whashes],
                      namespace=rec.namespace, lora=rec.lora, num_blocks=len(hashes),
-                     messages=messages, tags=tags, description=description[:4096],
-                     created=time.time(), updated=time.time())
-        self._pin_new(m, keys, wkeys, salt)
-        log.info("window %s frozen for tenant %s: %d blocks, %d tokens", name, tenant,
-                 len(hashes), len(rec.tokens))
+                     messages=messages if messages is not None else
+                     (conv.messages if conv else None),
+                     tags=tags, description=description[:MAX_DESCRIPTION], created=now,
+                     updated=now, turn=rec.turn, prompt=conv.prompt if conv else {},
+                     stored_bytes=stored, expires=now + ttl_s if ttl_s else None,
+                     prompt_prefix=str(prompt_prefix)[:MAX_DESCRIPTION])
+        self._pin_new(m, keys, self._keys(rec.workers, whashes), salt)
+        log.info("window %s frozen for tenant %s: %d blocks, %d tokens (turn %s)", name, tenant,
+                 len(hashes), len(rec.tokens), rec.turn)
         return m
+
+    def _stored_bytes(self, keys: list[list[bytes]]) -> int:
+        infos = self.store.info_many([k for ks in keys for k in ks])
+        return max((sum(i.size or 0 for i in got if i is not None) for got in infos.values()),
+                   default=0)
+
+    def _check_tenant_quota(self, tenant: str, more: int) -> None:
+        if self.tenant_quota_bytes is None:
+            return
+        used = sum(m.stored_bytes for m in self.manifests(tenant))
+        if used + more > self.tenant_quota_bytes:
+            raise QuotaExceeded(
+                f"the windows of tenant {tenant!r} pin {used} bytes; this one would take them "
+                f"past the tenant's quota of {self.tenant_quota_bytes}",
+                hint="delete windows you no longer need, or give them a TTL")
 
     def _pin_new(self, m: Manifest, src: list[list[bytes]], wkeys: list[list[bytes]],
                  src_salt: str) -> None:
-        """Re-key into the window's keys, pin them, claim the name; undo all on failure."""
+        """Re-key into the window's keys, pin them on every durable tier, claim the name;
+        undo all on failure."""
         flat = [k for ks in wkeys for k in ks]
         self._rekey(src, wkeys, src_salt, m.window_salt)
         try:
-            pinned = self.store.pin_many(flat)
-            if pinned and not any(len(set(got)) == len(set(flat)) for got in pinned.values()):
-                # a block evicted between the re-key and the pin: no durable tier holds the
-                # whole window, and a thaw would restore only a prefix of it
-                lost = len(set(flat)) - max(len(set(got)) for got in pinned.values())
-                raise WindowIncomplete(f"{lost} blocks were evicted while being pinned",
-                                       hint="retry, or re-run the conversation so its "
-                                            "blocks are saved again")
+            pinned = self.store.pin_many(flat, ttl_s=self._ttl(m))
+            short = {t.name: len(set(flat)) - len(set(pinned.get(t.name, [])))
+                     for t in self.store.pin_tiers()}
+            if any(short.values()):
+                # a block evicted between the re-key and the pin, or a tier down: a thaw on a
+                # server that has only that tier would restore a prefix of the window
+                where = ", ".join(f"{t}: {k}" for t, k in short.items() if k)
+                raise WindowIncomplete(f"{max(short.values())} blocks were evicted while being "
+                                       f"pinned ({where})", hint="retry, or re-run the "
+                                       "conversation so its blocks are saved again")
             self._claim(m)
         except BaseException:
             self.store.delete_many(flat)
@@ -276,13 +243,13 @@ class WindowEngine:
 
     def thaw(self, tenant: str, name: str, *, session: str, salt: str,
              model: str | None = None) -> ThawResult:
-        """Re-key the window under ``salt``. A warm-up (a one-token request through vLLM, so
-        the blocks are in its cache) is the caller's: it has the upstream; see
-        :meth:`note_warm`."""
+        """Re-key the window under ``salt`` and write the session's records. A warm-up (a
+        one-token request through vLLM, so the blocks are in its cache) is the caller's: it
+        has the upstream; see :meth:`note_warm`."""
         m = self.get(tenant, name)
         if model is not None:
             self._check_model(m, model)
-        wkeys = self._keys(m.workers, [bytes.fromhex(h) for h in m.window_hashes])
+        wkeys = self.window_keys(m)
         n = self._restorable(wkeys)
         if n == 0 and m.num_blocks:
             raise WindowIncomplete(f"window {name!r} has lost its first block; nothing is "
@@ -291,21 +258,31 @@ class WindowEngine:
                                salt=m.window_salt, block_size=m.block_size,
                                hash_block_size=m.hash_block_size, hash_algo=m.hash_algo,
                                lora=m.lora)
-        tkeys = self._keys(m.workers, self._chain(m, m.tokens, salt, n))
-        self._rekey([ks[:n] for ks in wkeys], tkeys, m.window_salt, salt)
+        thashes = self._chain(m, m.tokens, salt, n)
+        self._rekey([ks[:n] for ks in wkeys], self._keys(m.workers, thashes), m.window_salt,
+                    salt)
+        rec = records.ContextRecord(
+            tokens=list(m.tokens), block_hashes=[h.hex() for h in thashes], workers=m.workers,
+            block_size=m.block_size, hash_block_size=m.hash_block_size, hash_algo=m.hash_algo,
+            namespace=m.namespace, lora=m.lora, created=time.time(), turn=m.turn)
+        conv = ConversationRecord(m.turn, m.messages, m.prompt, m.model) \
+            if m.turn is not None else None
+        self._write_session(salt, rec, conv)
+        warnings = [] if n == m.num_blocks else [
+            f"{m.num_blocks - n} of the window's {m.num_blocks} blocks are gone: only its "
+            f"first {n * m.block_size} tokens are restored"]
         result = ThawResult(name, session, len(m.tokens), n * m.block_size, n, m.messages,
-                            token_ids=list(m.tokens))
-        m.last_thaw = {"session": session, "time": time.time(),
-                       "restorable_tokens": result.restorable_tokens}
-        self._update(m)
+                            prompt=dict(m.prompt), turn=m.turn, model=m.model,
+                            expected=m.num_blocks, warnings=warnings, token_ids=list(m.tokens))
+        self._note_thaw(m, {"session": session, "time": time.time(),
+                            "restorable_tokens": result.restorable_tokens})
         return result
 
-    def note_warm(self, tenant: str, name: str, warm: dict[str, Any]) -> None:
+    def note_warm(self, tenant: str, name: str, session: str, warm: dict[str, Any]) -> None:
         """Record what vLLM measured when a thawed window was warmed up."""
         m = self.get(tenant, name)
-        m.last_thaw = {**(m.last_thaw or {}), "hits": warm.get("hits"),
-                       "warm_seconds": warm.get("seconds")}
-        self._update(m)
+        self._note_thaw(m, {**(self._last_thaw(m) or {}), "session": session,
+                            "hits": warm.get("hits"), "warm_seconds": warm.get("seconds")})
 
     def _check_model(self, m: Manifest, model: str) -> None:
         t = self.store.get(records.served_key(model), primary=True)
@@ -324,79 +301,39 @@ class WindowEngine:
                                 f"than {model!r} is served with ({what})",
                                 hint="thaw it on a server with the settings it was frozen on")
 
-    def clone(self, tenant: str, name: str, new_name: str) -> Manifest:
+    def clone(self, tenant: str, name: str, new_name: str, *, description: str | None = None,
+              tags: Sequence[str] | None = None) -> Manifest:
         check_name(new_name)
         m = self.get(tenant, name)
         if self._read(manifest_key(tenant, new_name), tenant) is not None:
             raise AlreadyExists(f"a window named {new_name!r} already exists",
                                 hint="choose another name")
-        wkeys = self._keys(m.workers, [bytes.fromhex(h) for h in m.window_hashes])
+        wkeys = self.window_keys(m)
         n = self._restorable(wkeys)
         if n < m.num_blocks:
             raise WindowIncomplete(f"window {name!r} has {n} of its {m.num_blocks} blocks",
                                    hint="clone a complete window, or freeze the session again")
+        self._check_tenant_quota(tenant, 0)
         wsalt = "cwm-window:" + secrets.token_hex(16)
         hashes = self._chain(m, m.tokens, wsalt, n)
-        clone = Manifest(**{**m.__dict__, "name": new_name, "window_salt": wsalt,
+        now = time.time()
+        clone = Manifest(**{**asdict(m), "name": new_name, "window_salt": wsalt,
                             "window_hashes": [h.hex() for h in hashes], "parent": name,
-                            "created": time.time(), "updated": time.time(),
-                            "last_thaw": None})
+                            "created": now, "updated": now, "last_thaw": None,
+                            "tags": check_tags(tags) if tags is not None else m.tags,
+                            "description": m.description if description is None
+                            else str(description)[:MAX_DESCRIPTION]})
+        clone.workers = [tuple(w) for w in clone.workers]
         self._pin_new(clone, wkeys, self._keys(m.workers, hashes), m.window_salt)
         return clone
 
     def delete(self, tenant: str, name: str) -> None:
         m = self.get(tenant, name)
-        keys = [k for ks in self._keys(m.workers, [bytes.fromhex(h) for h in m.window_hashes])
-                for k in ks]
-        self.store.unpin_many(keys)
-        self.store.delete_many([*keys, manifest_key(tenant, name)])
+        self._drop(m)
         log.info("window %s deleted for tenant %s", name, tenant)
 
-    def list(self, tenant: str, *, tag: str | None = None, model: str | None = None,
-             session: str | None = None, text: str | None = None, sort: str = "created",
-             descending: bool = True, limit: int = 50, offset: int = 0
-             ) -> tuple[list[Manifest], int]:
-        """(one page of the tenant's windows, how many match)."""
-        keys: set[bytes] = set()
-        for infos in self.store.list_keys(tenant_group(tenant), limit=100_000).values():
-            keys |= {i.key for i in infos}
-        found = [m for k in sorted(keys) if (m := self._read(k, tenant)) is not None
-                 and m.tenant == tenant]
-        needle = (text or "").lower()
-        found = [m for m in found if (tag is None or tag in m.tags)
-                 and (model is None or m.model == model)
-                 and (session is None or m.session == session)
-                 and (not needle or needle in m.name.lower() or needle in m.description.lower())]
-        order = {"created": lambda m: m.created, "updated": lambda m: m.updated,
-                 "name": lambda m: m.name, "tokens": lambda m: len(m.tokens)}
-        if sort not in order:
-            raise CWMError(f"cannot sort by {sort!r}", hint=f"one of {', '.join(order)}")
-        found.sort(key=order[sort], reverse=descending)
-        return found[offset:offset + max(0, limit)], len(found)
-
-    def status(self, tenant: str, name: str) -> dict[str, Any]:
-        m = self.get(tenant, name)
-        wkeys = self._keys(m.workers, [bytes.fromhex(h) for h in m.window_hashes])
-        flat = [k for ks in wkeys for k in ks]
-        tiers: dict[str, dict[str, Any]] = {}
-        stored = 0
-        for tier, infos in self.store.info_many(flat).items():
-            present = [i for i in infos if i is not None]
-            size = sum(i.size or 0 for i in present)
-            tiers[tier] = {"blocks": len(present), "pinned": sum(i.pinned for i in present),
-                           "bytes": size}
-            stored = max(stored, size)
-        ns = m.namespace
-        raw = len(flat) * int(ns.get("num_layers", 0)) * 2 * int(ns.get("num_kv_heads", 0)) * \
-            int(ns.get("head_size", 0)) * m.block_size * _dtype_bytes(str(ns.get("dtype", "")))
-        children = [c.name for c in self.list(tenant, limit=100_000)[0] if c.parent == name]
-        restorable = self._restorable(wkeys)
-        return {**m.public(), "restorable_tokens": restorable * m.block_size,
-                "restorable_blocks": restorable, "tiers": tiers, "stored_bytes": stored,
-                "raw_bytes": raw, "compression_ratio": round(raw / stored, 3) if stored else None,
-                "children": children, "namespace": m.namespace.get("model_fingerprint")}
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-            "fp8": 1, "int8": 1, "uint8": 1}.get(dtype, 2)
+    def _drop(self, m: Manifest) -> None:
+        keys = [k for ks in self.window_keys(m) for k in ks]
+        mkey = manifest_key(m.tenant, m.name)
+        self.store.unpin_many([*keys, mkey])
+        self.store.delete_many([*keys, mkey, thaw_key(m.tenant, m.name)])

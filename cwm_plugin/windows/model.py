@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from cwm_plugin.connector.records import json_tensor, tensor_json
 from cwm_plugin.errors import InvalidInput
 
 PREFIX = b"cwm-win\0"
+THAW_PREFIX = b"cwm-wth\0"
 MANIFEST_LAYOUT = "cwm-window-manifest"
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 TAG = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -52,6 +54,12 @@ def manifest_key(tenant: str, name: str) -> bytes:
     return tenant_group(tenant) + hashlib.sha256(name.encode()).digest()[:16]
 
 
+def thaw_key(tenant: str, name: str) -> bytes:
+    """Where a window's last thaw is noted: beside the manifest, never in it, so a thaw
+    racing a delete cannot bring the manifest back."""
+    return THAW_PREFIX + manifest_key(tenant, name)[len(PREFIX):]
+
+
 def manifest_salt(tenant: str) -> str:
     """What manifests are sealed under when the store encrypts at rest."""
     return "cwm-window-manifest\0" + tenant
@@ -79,8 +87,13 @@ class Manifest:
     created: float = 0.0
     updated: float = 0.0
     parent: str | None = None       # lineage: the window this one was cloned from
-    last_thaw: dict | None = None   # {session, time, restorable_tokens, hits?}
+    last_thaw: dict | None = None   # (read from the thaw record: see ``thaw_key``)
     version: int = 1
+    turn: int | None = None         # the client turn frozen (None: the session's latest)
+    prompt: dict = field(default_factory=dict)   # what the sidecar merged into the prompt
+    stored_bytes: int = 0           # blob bytes of its blocks at freeze (the tenant's quota)
+    expires: float | None = None    # unix time its pins lapse and it is gone (None: never)
+    prompt_prefix: str = ""         # a caller's note of the prompt (context-window-manager)
 
     @property
     def pinned_tokens(self) -> int:
@@ -90,15 +103,23 @@ class Manifest:
     def model(self) -> str:
         return str(self.namespace.get("model", ""))
 
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires is not None and (now or time.time()) >= self.expires
+
     def public(self) -> dict[str, Any]:
-        """Everything a client may see (no salts, no token ids)."""
+        """Everything a client may see (no salts, no token ids). The second group repeats
+        figures under the names the context-window-manager tools return."""
         return {"name": self.name, "session": self.session, "model": self.model,
                 "tokens": len(self.tokens), "pinned_tokens": self.pinned_tokens,
                 "blocks": self.num_blocks, "tags": list(self.tags),
                 "description": self.description, "created": self.created,
-                "updated": self.updated, "parent": self.parent,
+                "updated": self.updated, "parent": self.parent, "turn": self.turn,
                 "messages": len(self.messages) if self.messages is not None else None,
-                "last_thaw": self.last_thaw}
+                "memory_merged": bool(self.prompt), "expires": self.expires,
+                "last_thaw": self.last_thaw,
+                "window_name": self.name, "session_id": self.session,
+                "block_count": self.num_blocks, "token_count": len(self.tokens),
+                "total_size_bytes": self.stored_bytes, "created_at": self.created}
 
     def to_tensor(self) -> torch.Tensor:
         return json_tensor(asdict(self))
@@ -107,4 +128,4 @@ class Manifest:
     def from_tensor(cls, tensor: torch.Tensor) -> Manifest:
         d = tensor_json(tensor)
         d["workers"] = [tuple(w) for w in d["workers"]]
-        return cls(**d)
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})

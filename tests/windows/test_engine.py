@@ -41,8 +41,12 @@ def test_freeze_thaw_into_a_new_session_restores_every_rank(store):
     assert r.restorable_tokens == 5 * BS and r.messages == [{"role": "user", "content": "hi"}]
     for rank, got in enumerate(session_blocks(store, tokens, "salt-b", 5)):
         assert all(torch.equal(t, block(i, rank)) for i, t in enumerate(got))
-    assert store.usage()["disk"]["blobs"] == 10 + 2       # no tensor copy (+ record, manifest)
+    # no tensor copy: the blocks, a's record, the manifest, b's record and the thaw note
+    assert store.usage()["disk"]["blobs"] == 10 + 4
     assert eng.status("t1", "plan")["last_thaw"]["session"] == "b"
+    # the thawed session has its record: it can be frozen again at once, with the same tokens
+    again = eng.freeze("t1", "plan-again", session="b", salt="salt-b", wait_s=0)
+    assert again.tokens == tokens and again.num_blocks == 5
 
 
 def test_move_session_rekeys_a_sessions_latest_context_to_another_salt(tmp_path):
@@ -91,7 +95,8 @@ def test_a_window_survives_its_session_being_evicted_and_clones_survive_the_pare
     assert st["compression_ratio"] and st["raw_bytes"] == 6 * 2 * 2 * 1 * 8 * BS * 4
     eng.delete("t1", "w2")
     eng.delete("t1", "w3")
-    assert store.usage()["disk"]["blobs"] == 6 + 1          # session c's keys still use them
+    # session c's keys still use them (+ the records of sessions s and c)
+    assert store.usage()["disk"]["blobs"] == 6 + 2
     store.delete_many([k.key for ks in store.list_keys().values() for k in ks])
     assert store.usage()["disk"]["blobs"] == 0              # last reference gone: freed
 

@@ -31,7 +31,7 @@ from cwm_plugin.sidecar.background import Maintainer
 from cwm_plugin.sidecar.context import SnapshotHook
 from cwm_plugin.sidecar.counting import ModelCounters
 from cwm_plugin.sidecar.failopen import FailOpen
-from cwm_plugin.sidecar.identity import Authenticator, bearer_key, derive_salt, principal_of
+from cwm_plugin.sidecar.identity import Authenticator, bearer_key, principal_of
 from cwm_plugin.sidecar.memory_api import memory_router
 from cwm_plugin.sidecar.memory_port import MemoryPort, build_memory
 from cwm_plugin.sidecar.metrics import SidecarMetrics
@@ -71,13 +71,15 @@ def open_windows(settings: Settings) -> tuple[WindowEngine | None, AutoFreeze | 
 
     try:
         cfg = StoreConfig.from_dict({**settings.windows.store, "memory_bytes": 0})
-        engine = WindowEngine(KVStore(cfg, registry=CollectorRegistry()),
-                              wait_s=settings.windows.wait_s)
+        w = settings.windows
+        engine = WindowEngine(KVStore(cfg, registry=CollectorRegistry()), wait_s=w.wait_s,
+                              keep_turns=w.keep_turns, settle_s=w.settle_s,
+                              tenant_quota_bytes=w.tenant_quota_bytes)
     except CWMError as exc:
         log.error("context windows are off: the KV store could not be opened: %s", exc)
         return None, None
-    return engine, AutoFreeze(engine, enabled=settings.windows.auto_freeze,
-                              cooldown_s=settings.windows.auto_freeze_cooldown_s,
+    return engine, AutoFreeze(engine, enabled=w.auto_freeze, cooldown_s=w.auto_freeze_cooldown_s,
+                              keep=w.auto_keep,
                               thresholds=CheckpointThresholds(settings.checkpoint))
 
 
@@ -108,6 +110,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
                               settings.memory.background_workers, metrics),
     )
     engine, auto = open_windows(settings)
+    sidecar.windows = engine
     if engine is not None and len(settings.secrets) > 1:  # KV survives a rotation
         sidecar.salt_mover = SaltMover(engine, sidecar.auth, settings.secrets[1:],
                                        metrics.salt_moves)
@@ -196,13 +199,10 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         metrics.mirror_upstream(await router.metrics_texts())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    secret = secrets[0]
     app.include_router(usage_router(sidecar))
     app.include_router(activity_router(sidecar, sidecar.activity))
     app.include_router(memory_router(sidecar))
-    app.include_router(windows_router(sidecar, engine, auto,
-                                      lambda tenant, session: derive_salt(secret, tenant,
-                                                                          session)))
+    app.include_router(windows_router(sidecar, engine, auto))
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unknown(path: str) -> JSONResponse:

@@ -21,7 +21,10 @@ the transcript, so a dropped or merged job loses nothing:
   same way. Each fact is merged (added, duplicate, or replacing a known one: ``factstore.py``)
   with its source (session and turns).
 
-This work goes to the upstreams with the role ``background`` when there are any (a cheaper
+This work runs under a salt of its own (``identity.background_salt``) and asks the connector
+not to store it (``kv_transfer_params``: ``store: false``), so it never replaces the session's
+context records or shares its KV: a window frozen after it is still the conversation. It goes
+to the upstreams with the role ``background`` when there are any (a cheaper
 model, say: ``Router.background_route``), else where the turn went; its tokens are accounted
 to the tenant as ``kind: background`` (``usage.py``) and counted in
 ``cwm_sidecar_background_tokens_total``.
@@ -36,6 +39,7 @@ from cwm_plugin.errors import CWMError, InvalidInput
 from cwm_plugin.memory.details import with_details
 from cwm_plugin.sidecar import llm_prompts
 from cwm_plugin.sidecar.context import SessionState, SnapshotHook, call_hook
+from cwm_plugin.sidecar.identity import background_salt
 from cwm_plugin.sidecar.memory_port import MemoryPort
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.router import Router
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 MAX_SUMMARY_BATCHES = 8  # one update summarises at most this many batches of backlog
 MAX_FACT_BATCHES = 4  # one extraction reads at most this many batches of backlog
 MAX_KNOWN = 12  # known facts listed in an extraction prompt
+NOT_STORED = {"cwm": {"store": False}}  # the connector neither looks up, saves nor records it
 
 
 def _turn_id(turn: dict[str, Any]) -> str:
@@ -121,7 +126,8 @@ class Maintainer:
                     max_tokens: int | None = None) -> str:
         route = await self.router.background_route(model)
         text, usage, ep, answered = await self.router.chat_once(
-            route, messages, salt=salt, extra=extra,
+            route, messages, salt=background_salt(salt),
+            extra={**(extra or {}), "kv_transfer_params": NOT_STORED},
             max_tokens=max_tokens or self.cfg.background_max_tokens)
         self.usage.record(tenant, answered, ep.name, usage, kind=BACKGROUND, work=kind)
         return text
@@ -180,18 +186,19 @@ class Maintainer:
 
     async def run(self, job: Job) -> None:
         """A session's due work (a job of the queue), in order; failures are logged and
-        counted. ``job.info``: tenant, session, model, salt, state, max_model_len, hook, and
-        folder (the session's memory folder; default: the tenant's)."""
+        counted. ``job.info``: tenant, session, model, salt, state, max_model_len, hook,
+        folder (the session's memory folder; default: the tenant's) and owner (whose windows a
+        checkpoint's freeze makes; default: the tenant's)."""
         i = job.info
         state: SessionState = i["state"]
         async with state.lock:  # one job of this session at a time, in turn order
             await self._run(i["tenant"], i["session"], i["model"], i["salt"], state,
                             i["max_model_len"], job.checkpoint, i["hook"],
-                            i.get("folder") or i["tenant"])
+                            i.get("folder") or i["tenant"], i.get("owner") or i["tenant"])
 
     async def _run(self, tenant: str, session: str, model: str, salt: str,
                    state: SessionState, max_model_len: int | None, checkpoint: bool,
-                   hook: SnapshotHook, folder: str) -> None:
+                   hook: SnapshotHook, folder: str, owner: str) -> None:
         summary_due = (self.cfg.summary_every_turns
                        and state.turns_since_summary >= self.cfg.summary_every_turns)
         try:
@@ -205,7 +212,7 @@ class Maintainer:
                 if checkpoint:
                     state.checkpoints += 1
                     self.metrics.checkpoints.labels(tenant, model).inc()
-                    await call_hook(hook, tenant, session, salt,
+                    await call_hook(hook, owner, session, salt,
                                     f"auto-{session}-{state.checkpoints}")
             if self.cfg.extract_facts and state.turns_since_facts >= self.cfg.facts_every_turns:
                 state.turns_since_facts = 0

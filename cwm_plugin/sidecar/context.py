@@ -23,8 +23,9 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from cwm_plugin.sidecar.memory_port import Selected
 from cwm_plugin.sidecar.settings import ThresholdConfig
@@ -85,6 +86,7 @@ class SessionState:
     checkpointing: bool = False  # a checkpoint is under way (not triggered again)
     checkpoints: int = 0
     pinned: Pinned | None = None
+    restored: bool = False  # its prompt state was looked for in the store (windows.py)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one background job at a time
 
     @property
@@ -94,6 +96,36 @@ class SessionState:
     def estimate(self, counted: int) -> int:
         """This turn's prompt size for the thresholds: our count, calibrated."""
         return round(counted * self.calibration)
+
+    def prompt_state(self) -> dict[str, Any]:
+        """What this session merges into its prompt (the pinned memory, the compaction), as
+        a window carries it, so another session continuing the same conversation assembles
+        the same prompt prefix (:meth:`adopt`)."""
+        out: dict[str, Any] = {}
+        if self.pinned is not None:
+            out["pinned"] = {"key": self.pinned.key, "memory_block": self.pinned.sel.memory_block,
+                             "tokens": self.pinned.sel.tokens, "facts": self.pinned.sel.facts}
+        if self.compaction is not None:
+            out["compaction"] = asdict(self.compaction)
+        return out
+
+    def adopt(self, prompt: dict[str, Any] | None) -> bool:
+        """Take over a prompt state from :meth:`prompt_state` (of a frozen window, or of this
+        session before a restart); a malformed one is ignored. True if anything was taken."""
+        self.restored = True
+        try:
+            p, c = (prompt or {}).get("pinned"), (prompt or {}).get("compaction")
+            pinned = Pinned(str(p["key"]), Selected(
+                memory_block=str(p.get("memory_block") or ""), tokens=int(p.get("tokens") or 0),
+                facts=int(p.get("facts") or 0))) if isinstance(p, dict) else None
+            comp = Compaction(int(c["cut"]), str(c["anchor"]),
+                              None if c.get("summary") is None else str(c["summary"]),
+                              int(c["generation"])) if isinstance(c, dict) else None
+        except (KeyError, TypeError, ValueError):
+            log.warning("a stored prompt state could not be read; the session selects anew")
+            return False
+        self.pinned, self.compaction = pinned, comp  # the conversation it continues now
+        return bool(pinned or comp)
 
     def observe(self, counted: int, real: int | None) -> None:
         """After a turn: remember vLLM's figure and how far our count was from it."""

@@ -74,6 +74,11 @@ class Identity:
         return f"Identity(tenant={self.tenant!r}, session={self.session!r})"
 
 
+def owner_of(ident: Identity) -> str:
+    """Whose context windows a request sees: its tenant's, or its user's inside the tenant."""
+    return ident.tenant if ident.user is None else f"{ident.tenant}/{ident.folder}"
+
+
 def hash_key(api_key: str) -> str:
     """The sha256 hex digest stored in the config for ``api_key``."""
     return hashlib.sha256(api_key.encode()).hexdigest()
@@ -81,6 +86,13 @@ def hash_key(api_key: str) -> str:
 
 def derive_salt(secret: bytes, tenant: str, session: str) -> str:
     return hmac.new(secret, f"{tenant}\x00{session}".encode(), hashlib.sha256).hexdigest()
+
+
+def background_salt(salt: str) -> str:
+    """The salt of the sidecar's own work for a session (summaries, fact extraction): derived
+    from the session's (as unguessable), never equal to it, so that work never shares the
+    session's prefix cache, stored KV or context records (a window is the conversation)."""
+    return hmac.new(salt.encode(), b"cwm-background", hashlib.sha256).hexdigest()
 
 
 def validate_session(name: str) -> str:
@@ -162,9 +174,17 @@ class Authenticator:
             session = validate_session(session)
         home = self.perms.home(tenant.name, user)
         return Identity(tenant=tenant.name, session=session or None,
-                        cache_salt=derive_salt(self._secret, tenant.name, session or ""),
+                        cache_salt=self._salt(tenant.name, session or ""),
                         allow_client_cache_salt=tenant.allow_client_cache_salt, user=user,
                         namespace=home.name, folder=home.folder or tenant.name)
+
+    def _salt(self, tenant: str, session: str) -> str:
+        return derive_salt(self._secret, tenant, session)
+
+    def session_salt(self, identity: Identity, session: str) -> str:
+        """The salt of another session of the same caller (the windows routes name sessions
+        in their bodies): what that session's own chat requests are salted with."""
+        return self._salt(identity.tenant, session)
 
     def user_session(self, tenant: str, user: str, secret: bytes | None = None) -> str:
         """The session name for an OpenAI ``user`` value (see the module docstring), with the

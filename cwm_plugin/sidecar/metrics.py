@@ -101,6 +101,9 @@ class SidecarMetrics:
                                   "after a secret rotation, by outcome: moved (its KV re-keyed "
                                   "to the new salt), none (nothing stored), failed",
                                   ("tenant", "outcome"), registry=r)
+        self.windows_restores = Counter(
+            "cwm_sidecar_prompt_restores", "Continuing sessions this process had not seen whose "
+            "stored prompt state was looked up (adopted, error)", ("outcome",), registry=r)
         self.upstream_hits = Gauge("cwm_upstream_prefix_cache_hits",
                                    "vLLM's vllm:prefix_cache_hits, mirrored at scrape",
                                    ("upstream",), registry=r)

@@ -51,7 +51,9 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     if path in SALTED:
         require_model(body)
         route = await sc.router.route(body)
-        forward = {**body, "cache_salt": sc.auth.salt_for(ident, body)}
+        # a client's kv_transfer_params never reach the connector (they could name turns)
+        forward = {**body, "cache_salt": sc.auth.salt_for(ident, body),
+                   "kv_transfer_params": {"cwm": {}}}
         if sc.salt_mover is not None:  # after a secret rotation: the session's KV follows
             await sc.salt_mover.before_forward(ident, body, forward["cache_salt"])
     else:

@@ -17,6 +17,7 @@ from cwm_plugin.sidecar.salt_move import SaltMover
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.usage import UsageLedger
 from cwm_plugin.sidecar.workqueue import Background
+from cwm_plugin.windows.engine import WindowEngine
 
 
 @dataclass
@@ -35,3 +36,4 @@ class Sidecar:
     background: Background = field(default_factory=Background)
     snapshot_hook: SnapshotHook = noop_snapshot
     salt_mover: SaltMover | None = None  # with a windows store and older secret versions
+    windows: WindowEngine | None = None  # with a windows store (turn_records.py)

@@ -8,7 +8,9 @@
 3. plan the prompt (``plan.py``, on a worker thread): the client's messages with memory merged
    in. Any failure there (memory, index, embedder, tokenizer) fails *open*: the request goes
    upstream as the client sent it, flagged in ``X-CWM-Memory-Status`` (``failopen.py``);
-4. forward with the salt, stream or not, failing over to the next upstream serving the model
+4. forward with the salt and the client turn's number (``turn_records.py``: the connector
+   keeps the session's last few turns for windows; a continuing session this process has not
+   seen first adopts its stored prompt state), stream or not, failing over to the next upstream serving the model
    if one is down (connect error or 5xx before any byte was relayed);
 5. before the client sees the end, append the client's new messages and the answer to the
    session's file (one durable append; the index catches up in the background), count usage
@@ -40,13 +42,20 @@ from cwm_plugin.sidecar.activity_api import PROJECT_HEADER, log_turn, project_of
 from cwm_plugin.sidecar.body import read_json_body, require_model
 from cwm_plugin.sidecar.context import Level, SessionState, level_for
 from cwm_plugin.sidecar.failopen import HEADER as STATUS_HEADER
-from cwm_plugin.sidecar.identity import Identity, bearer_key
+from cwm_plugin.sidecar.identity import Identity, bearer_key, owner_of
 from cwm_plugin.sidecar.memory_port import Selected
 from cwm_plugin.sidecar.openai_errors import upstream_error_response
 from cwm_plugin.sidecar.plan import Plan, TurnInput, history_tokens, passthrough, plan_turn
 from cwm_plugin.sidecar.router import Endpoint, Route
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.stream import Collected, ask_usage, relay_sse
+from cwm_plugin.sidecar.turn_records import (
+    answer_message,
+    client_turn,
+    kv_params,
+    restore_prompt,
+    save_turn,
+)
 from cwm_plugin.sidecar.upstream import headers_down, headers_up
 from cwm_plugin.sidecar.workqueue import Job
 
@@ -126,6 +135,7 @@ class Turn:
     ep: Endpoint | None = None  # the upstream that answered
     can_append: bool = True  # the home namespace takes its transcript (access.py) ...
     can_write: bool = True  # ... and its summaries and facts
+    number: int | None = None  # the client turn of its session (turn_records.py)
 
     def served_by(self, ep: Endpoint) -> None:
         """The context limit is the one of the upstream that answered (it may have failed
@@ -168,10 +178,14 @@ class Turn:
         except Exception as exc:  # an embedder outage, say: counted and logged once
             self.sc.failopen.failed(self.ident.tenant, "index", exc)
 
-    async def finish(self, usage: dict[str, Any] | None, answer: str) -> None:
-        """After the response: metrics, thresholds, and the background work that is due."""
+    async def finish(self, usage: dict[str, Any] | None, answer: str,
+                     reply: dict[str, Any]) -> None:
+        """After the response: metrics, thresholds, the turn's conversation record (``reply``:
+        the answer as the client holds it), and the background work that is due."""
         sc, tenant, plan, state = self.sc, self.ident.tenant, self.plan, self.state
         sc.usage.record(tenant, self.model, self.ep.name if self.ep else "", usage)
+        if self.number is not None:
+            save_turn(sc, self.salt, state, self.number, self.model, self.messages, reply)
         if sc.memory is not None:
             sc.metrics.saved_tokens.labels(tenant, self.model).inc(max(0, plan.full - plan.sent))
         real = (usage or {}).get("prompt_tokens")
@@ -207,7 +221,7 @@ class Turn:
             "tenant": tenant, "folder": self.ident.folder, "session": self.ident.session,
             "model": self.model,
             "salt": self.salt, "state": state, "max_model_len": self.max_len,
-            "hook": sc.snapshot_hook})
+            "hook": sc.snapshot_hook, "owner": owner_of(self.ident)})
         if sc.background.submit((self.ident.folder, self.ident.session), job,
                                 force=checkpoint) == "dropped":
             log.info("background queue full: the work due for tenant %s waits for the "
@@ -285,6 +299,8 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     route = await sc.router.route(body)
     model, info = route.model or model, route.info()
     state = sc.tracker.get(ident.folder, ident.session) if ident.session else SessionState()
+    if ident.session is not None:  # a thawed window, a restart: its prompt state first
+        await restore_prompt(sc, salt, state, client_turn(messages, mode, state), messages)
     plan, counter, status = await _plan(sc, {
         "ident": ident, "body": body, "messages": messages, "state": state, "model": model,
         "max_len": sc.settings.context_limit(ident.tenant, info.max_model_len), "mode": mode,
@@ -297,12 +313,15 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
         turn_headers = {"X-CWM-Memory-View": view, "X-CWM-Memory-Tokens": str(plan.injected)}
     else:
         turn_headers = {STATUS_HEADER: status} if status else {}
-    forward = {**body, "model": model, "messages": plan.messages, "cache_salt": salt}
+    number = client_turn(messages, mode, state) if ident.session is not None else None
+    keep = sc.settings.windows.keep_turns if sc.settings.windows else 8
+    forward = {**body, "model": model, "messages": plan.messages, "cache_salt": salt,
+               "kv_transfer_params": kv_params(number, keep)}
     turn = Turn(sc, ident, model, info.max_model_len, salt, messages, state, plan, counter,
                 stages, route, turn_headers,
                 used=state.estimate(plan.prompt_tokens), project=project,
                 can_append=perms.allows(ident.tenant, home, "append"),
-                can_write=perms.allows(ident.tenant, home, "write"))
+                can_write=perms.allows(ident.tenant, home, "write"), number=number)
     if debug:
         p = sc.settings.prompt
         turn.headers["X-CWM-Memory"] = _debug_header(
@@ -337,7 +356,8 @@ async def _once(turn: Turn, forward: dict[str, Any], up: dict[str, str]) -> Resp
     message = ((data.get("choices") or [{}])[0].get("message") or {})
     answer = answer_text(message.get("content"), message.get("tool_calls"))
     await turn.record(answer)
-    await turn.finish(data.get("usage"), answer)  # quick: the work it starts runs later
+    await turn.finish(data.get("usage"), answer,  # quick: the work it starts runs later
+                      answer_message(message.get("content"), message.get("tool_calls")))
     _observe_stages(turn)
     return JSONResponse(data, headers=turn.response_headers(resp.headers))
 
@@ -360,7 +380,8 @@ async def _stream(turn: Turn, forward: dict[str, Any], up: dict[str, str]) -> Re
     async def on_done() -> None:  # before the client sees [DONE] (usage came just before)
         answer = answer_text(collected.text, collected.tool_calls)
         await turn.record(answer)
-        await turn.finish(collected.usage, answer)
+        await turn.finish(collected.usage, answer,
+                          answer_message(collected.text, collected.tool_calls))
         _observe_stages(turn)
 
     async def body():

@@ -1,40 +1,49 @@
 """REST for context windows on the sidecar: routes only translate HTTP to the window engine.
 
-``POST /v1/windows`` ``{"name", "session", "tags"?, "description"?, "messages"?}`` freezes,
-``POST /v1/windows/{name}/thaw`` ``{"session", "warm"?, "model"?}`` thaws (``warm``: one
-``max_tokens=1`` request through vLLM right away, returning the tokens vLLM restored),
-``POST /v1/windows/{name}/clone`` ``{"name"}`` clones, ``GET /v1/windows`` lists (``tag``,
+``POST /v1/windows`` ``{"name", "session", "turn"?, "tags"?, "description"?, "messages"?,
+"ttl_s"?, "prompt_prefix"?}`` freezes the session's latest client turn (or ``turn``: one of
+its last ``windows.keep_turns``), ``POST /v1/windows/{name}/thaw`` ``{"session", "warm"?,
+"model"?}`` thaws (``warm``: one ``max_tokens=1`` request through vLLM right away, returning
+the tokens vLLM restored), ``POST /v1/windows/{name}/clone`` ``{"name", "tags"?,
+"description"?}`` clones, ``GET /v1/windows`` lists (``tag`` (repeatable: all of them),
 ``model``, ``session``, ``q``, ``sort``, ``order``, ``limit``, ``offset``),
-``GET /v1/windows/{name}`` shows the status, ``DELETE /v1/windows/{name}`` deletes. Beside
-them, for agents (the MCP tools): ``GET /v1/sessions``, ``GET /v1/cache/stats``,
-``GET|POST /v1/auto_freeze`` and ``POST /v1/auto_freeze/check``. Every route authenticates
-the tenant from the API key and asks its permissions (``access.py``): reads need read access to
-its own namespace, freeze/thaw/clone/delete and checks write access; ``/v1/cache/stats`` needs
-the ``metrics`` grant and ``POST /v1/auto_freeze`` the ``admin`` grant; sessions map to their ``cache_salt`` as in chat requests, so a
-thaw into session S restores S's next request. Errors are OpenAI-shaped (the app's handler).
-The engine is blocking (store I/O): it runs in a worker thread.
+``GET /v1/windows/{name}`` shows the status, ``PATCH /v1/windows/{name}`` ``{"name"?,
+"tags"?, "description"?}`` renames or re-tags, ``DELETE /v1/windows/{name}`` deletes;
+export and import: :mod:`.windows_files`. Beside them, for agents (the MCP tools):
+``GET /v1/sessions``, ``DELETE /v1/sessions/{session}/kv`` (erase a session's stored KV),
+``GET /v1/cache/stats``, ``GET|POST /v1/auto_freeze`` and ``POST /v1/auto_freeze/check``.
+
+Every route authenticates the key before it reads a body, reads at most ``max_body_bytes``
+(413) and asks the caller's permissions (``access.py``): reads need read access to its home
+namespace, changes write access; ``/v1/cache/stats`` needs the ``metrics`` grant and
+``POST /v1/auto_freeze`` the ``admin`` grant. Windows belong to the caller's home namespace: a
+tenant's, or a user's inside it (``X-CWM-User``), and no other namespace sees them. Sessions
+map to their ``cache_salt`` as in chat requests, so a thaw into session S restores S's next
+request. Errors are OpenAI-shaped (the app's handler). The engine is blocking (store I/O): it
+runs in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from cwm_plugin.errors import CWMError, InvalidInput, UpstreamError
-from cwm_plugin.sidecar.identity import bearer_key, validate_session
+from cwm_plugin.sidecar.body import read_json_body
+from cwm_plugin.sidecar.identity import Identity, bearer_key, owner_of, validate_session
+from cwm_plugin.sidecar.windows_files import windows_files_router
+from cwm_plugin.sidecar.windows_warm import warm_up
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.model import check_name
 
 log = logging.getLogger(__name__)
-SaltOf = Callable[[str, str], str]       # (tenant, session) -> cache_salt
 
 
 class WindowsUnavailable(CWMError):
@@ -49,9 +58,12 @@ class _Body(BaseModel):
 class FreezeBody(_Body):
     name: str = Field(max_length=128)
     session: str = Field(max_length=64)
+    turn: int | None = Field(default=None, ge=1)
     tags: list[str] = Field(default_factory=list, max_length=32)
     description: str = Field(default="", max_length=4096)
     messages: list[dict[str, Any]] | None = Field(default=None, max_length=10_000)
+    ttl_s: float | None = Field(default=None, gt=0)
+    prompt_prefix: str = Field(default="", max_length=4096)
 
 
 class ThawBody(_Body):
@@ -62,6 +74,14 @@ class ThawBody(_Body):
 
 class CloneBody(_Body):
     name: str = Field(max_length=128)
+    tags: list[str] | None = Field(default=None, max_length=32)
+    description: str | None = Field(default=None, max_length=4096)
+
+
+class PatchBody(_Body):
+    name: str | None = Field(default=None, max_length=128)
+    tags: list[str] | None = Field(default=None, max_length=32)
+    description: str | None = Field(default=None, max_length=4096)
 
 
 class AutoFreezeBody(_Body):
@@ -99,56 +119,34 @@ class CheckpointThresholds:
             self.cfg.default = new
 
 
-def _hits(metrics_text: str | None) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for fam in text_string_to_metric_families(metrics_text or ""):
-        for sample in fam.samples:
-            if sample.name in ("vllm:external_prefix_cache_hits_total",
-                               "vllm:external_prefix_cache_hits"):
-                total += float(sample.value)
-    return total
+TagQuery = Annotated[list[str] | None, Query()]
 
 
-async def warm_up(sidecar: Any, token_ids: list[int], salt: str, model: str | None
-                  ) -> dict[str, Any]:
-    """One ``max_tokens=1`` completion of the window's tokens under ``salt``: vLLM loads the
-    restored blocks now; its ``external_prefix_cache_hits`` says how many tokens it restored
-    (on the upstream that answered: ``model``'s, else the default upstream's first model)."""
-    router = sidecar.router
+def session_of(name: str) -> str:
     try:
-        route = await router.any_model(model)
-    except UpstreamError as exc:
-        raise WindowsUnavailable("no upstream serves a model to warm up with",
-                                 hint=exc.message) from None
-    before = {e.name: _hits(await e.client.metrics_text()) for e in route.candidates if e.up}
-    t0 = time.perf_counter()
-    ep, resp = await router.post(route, "/v1/completions", {
-        "model": route.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
-        "cache_salt": salt})
-    seconds = time.perf_counter() - t0
-    if resp.status_code != 200:
-        raise CWMError(f"the warm-up request answered HTTP {resp.status_code}",
-                       hint="the window is thawed; the next request restores it instead")
-    hits = _hits(await ep.client.metrics_text()) - before.get(ep.name, 0.0)
-    return {"model": route.model, "upstream": ep.name, "hits": int(hits),
-            "seconds": round(seconds, 3),
-            "prompt_tokens": (resp.json().get("usage") or {}).get("prompt_tokens")}
+        return validate_session(name)
+    except InvalidInput as exc:
+        raise InvalidInput(f"invalid session {name[:64]!r}", hint=exc.hint) from exc
 
 
-def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze | None,
-                   salt_of: SaltOf) -> APIRouter:
+def windows_router(sidecar: Any, engine: WindowEngine | None,
+                   auto: AutoFreeze | None) -> APIRouter:
     """The routes over ``sidecar`` (its auth, upstream and context tracker); ``engine`` None:
-    windows are not configured (503); ``salt_of(tenant, session)`` derives salts."""
+    windows are not configured (503)."""
     router = APIRouter(prefix="/v1")
     auth = sidecar.auth
+    settings = sidecar.settings
 
-    def tenant_of(request: Request, op: str = "read") -> str:
-        """The caller's principal, allowed ``op`` on its own namespace (windows are its KV)."""
-        tenant = auth.tenant_for(bearer_key(request.headers)).name
-        auth.perms.require(tenant, auth.perms.namespace(tenant), op)
-        return tenant
+    def caller(request: Request, op: str = "read") -> Identity:
+        """The caller, allowed ``op`` on its home namespace (windows are its KV)."""
+        tenant = auth.tenant_for(bearer_key(request.headers))
+        ident = auth.identify(tenant, request.headers, None)
+        auth.perms.require(ident.tenant, auth.perms.namespace(ident.namespace, ident.user), op)
+        return ident
+
+    async def body_of(request: Request, model: type[BaseModel]) -> Any:
+        raw = await read_json_body(request, settings.max_body_bytes, settings.max_json_depth)
+        return model.model_validate(raw)
 
     def granted(request: Request, grant: str, what: str) -> str:
         tenant = auth.tenant_for(bearer_key(request.headers)).name
@@ -163,78 +161,110 @@ def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze |
                                           "connector uses) to the sidecar config")
         return await asyncio.to_thread(fn, eng)
 
-    def session_of(name: str) -> str:
-        try:
-            return validate_session(name)
-        except InvalidInput as exc:
-            raise InvalidInput(f"invalid session {name[:64]!r}", hint=exc.hint) from exc
+    def ttl(value: float | None) -> float | None:
+        cap = settings.windows.max_ttl_s if settings.windows else None
+        if cap is not None and (value is None or value > cap):
+            return cap
+        return value
 
     @router.post("/windows")
-    async def freeze(body: FreezeBody, request: Request) -> dict[str, Any]:
-        tenant = tenant_of(request, "write")
+    async def freeze(request: Request) -> dict[str, Any]:
+        ident = caller(request, "write")
+        body: FreezeBody = await body_of(request, FreezeBody)
         check_name(body.name)
         session = session_of(body.session)
-        m = await run(lambda e: e.freeze(tenant, body.name, session=session,
-                                         salt=salt_of(tenant, session),
-                                         messages=body.messages, tags=body.tags,
-                                         description=body.description))
+        m = await run(lambda e: e.freeze(
+            owner_of(ident), body.name, session=session, salt=auth.session_salt(ident, session),
+            messages=body.messages, tags=body.tags, description=body.description,
+            turn=body.turn, ttl_s=ttl(body.ttl_s), prompt_prefix=body.prompt_prefix))
         return {"object": "window", **m.public()}
 
     @router.post("/windows/{name}/thaw")
-    async def thaw(name: str, body: ThawBody, request: Request) -> dict[str, Any]:
-        tenant = tenant_of(request, "write")
+    async def thaw(name: str, request: Request) -> dict[str, Any]:
+        ident = caller(request, "write")
+        body: ThawBody = await body_of(request, ThawBody)
         session = session_of(body.session)
-        salt = salt_of(tenant, session)
-        r = await run(lambda e: e.thaw(tenant, check_name(name), session=session, salt=salt,
-                                       model=body.model))
+        salt = auth.session_salt(ident, session)
+        r = await run(lambda e: e.thaw(owner_of(ident), check_name(name), session=session,
+                                       salt=salt, model=body.model))
+        sidecar.tracker.get(ident.folder, session).adopt(r.prompt)  # its next turn
         if body.warm:
-            r.warm = await warm_up(sidecar, r.token_ids, salt, body.model)
-            await run(lambda e: e.note_warm(tenant, name, r.warm))
+            r.warm = await warm_up(sidecar, r.token_ids, salt, body.model or r.model or None)
+            if "error" in r.warm:
+                r.warnings.append(f"the warm-up failed: {r.warm['error']}")
+            else:
+                await run(lambda e: e.note_warm(owner_of(ident), name, session, r.warm))
         return {"object": "window.thaw", **r.public()}
 
     @router.post("/windows/{name}/clone")
-    async def clone(name: str, body: CloneBody, request: Request) -> dict[str, Any]:
-        tenant = tenant_of(request, "write")
-        m = await run(lambda e: e.clone(tenant, check_name(name), check_name(body.name)))
+    async def clone(name: str, request: Request) -> dict[str, Any]:
+        ident = caller(request, "write")
+        body: CloneBody = await body_of(request, CloneBody)
+        m = await run(lambda e: e.clone(owner_of(ident), check_name(name),
+                                        check_name(body.name), tags=body.tags,
+                                        description=body.description))
         return {"object": "window", **m.public()}
 
     @router.get("/windows")
-    async def list_windows(request: Request, tag: str | None = None, model: str | None = None,
-                           session: str | None = None, q: str | None = None,
-                           sort: str = "created", order: str = "desc", limit: int = 50,
-                           offset: int = 0) -> dict[str, Any]:
-        tenant = tenant_of(request)
-        if order not in ("asc", "desc") or not 0 < limit <= 1000 or offset < 0:
-            raise InvalidInput("bad list parameters",
-                               hint="order asc|desc, 1 <= limit <= 1000, offset >= 0")
+    async def list_windows(request: Request, tag: TagQuery = None,
+                           model: str | None = None, session: str | None = None,
+                           q: str | None = None, sort: str = "created", order: str = "desc",
+                           limit: int = 50, offset: int = 0) -> dict[str, Any]:
+        ident = caller(request)
+        if order not in ("asc", "desc") or not 0 < limit <= 1000 or offset < 0 \
+                or len(tag or []) > 32:
+            raise InvalidInput("bad list parameters", hint="order asc|desc, 1 <= limit <= "
+                                                           "1000, offset >= 0, at most 32 tags")
         page, total = await run(lambda e: e.list(
-            tenant, tag=tag, model=model, session=session, text=q, sort=sort,
+            owner_of(ident), tags=tag, model=model, session=session, text=q, sort=sort,
             descending=order == "desc", limit=limit, offset=offset))
         return {"object": "list", "data": [m.public() for m in page], "total": total,
-                "offset": offset, "limit": limit}
+                "offset": offset, "limit": limit, "has_next": offset + limit < total}
 
     @router.get("/windows/{name}")
     async def status(name: str, request: Request) -> dict[str, Any]:
-        tenant = tenant_of(request)
-        return {"object": "window", **await run(lambda e: e.status(tenant, check_name(name)))}
+        ident = caller(request)
+        return {"object": "window",
+                **await run(lambda e: e.status(owner_of(ident), check_name(name)))}
+
+    @router.patch("/windows/{name}")
+    async def patch(name: str, request: Request) -> dict[str, Any]:
+        ident = caller(request, "write")
+        body: PatchBody = await body_of(request, PatchBody)
+        m = await run(lambda e: e.patch(owner_of(ident), check_name(name), new_name=body.name,
+                                        tags=body.tags, description=body.description))
+        return {"object": "window", **m.public()}
 
     @router.delete("/windows/{name}")
     async def delete(name: str, request: Request) -> dict[str, Any]:
-        tenant = tenant_of(request, "write")
-        await run(lambda e: e.delete(tenant, check_name(name)))
+        ident = caller(request, "write")
+        await run(lambda e: e.delete(owner_of(ident), check_name(name)))
         return {"object": "window.deleted", "name": name, "deleted": True}
 
     @router.get("/sessions")
     async def sessions(request: Request) -> dict[str, Any]:
-        """This tenant's sessions the sidecar saw since it started and those with windows."""
-        tenant = tenant_of(request)
-        seen = set(sidecar.tracker.sessions(tenant))
+        """The caller's sessions the sidecar saw since it started and those with windows."""
+        ident = caller(request)
+        seen = set(sidecar.tracker.sessions(ident.folder))
         windows: dict[str, int] = {}
         if engine is not None:
-            for m in (await run(lambda e: e.list(tenant, limit=100_000)))[0]:
+            for m in (await run(lambda e: e.list(owner_of(ident), limit=100_000)))[0]:
                 windows[m.session] = windows.get(m.session, 0) + 1
         return {"object": "list", "data": [{"session": s, "windows": windows.get(s, 0)}
                                            for s in sorted(seen | set(windows))]}
+
+    @router.delete("/sessions/{session}/kv")
+    async def clear_session(session: str, request: Request) -> dict[str, Any]:
+        """Erase the session's stored KV and records (its windows keep theirs)."""
+        ident = caller(request, "write")
+        session = session_of(session)
+        n = await run(lambda e: e.clear_session(auth.session_salt(ident, session)))
+        state = sidecar.tracker.peek(ident.folder, session)
+        if state is not None:  # its prompt state goes with its KV
+            state.pinned, state.compaction = None, None
+        return {"object": "session.kv.deleted", "session": session, "keys_deleted": n,
+                "note": "blocks vLLM still holds in its own memory are unreachable without "
+                        "the session's records and are evicted in time"}
 
     @router.get("/cache/stats")
     async def cache_stats(request: Request) -> dict[str, Any]:
@@ -243,22 +273,24 @@ def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze |
 
     @router.get("/auto_freeze")
     async def auto_freeze(request: Request, model: str | None = None) -> dict[str, Any]:
-        tenant_of(request)
+        caller(request)
         return auto_of().settings(model)
 
     @router.post("/auto_freeze")
-    async def auto_freeze_set(body: AutoFreezeBody, request: Request) -> dict[str, Any]:
+    async def auto_freeze_set(request: Request) -> dict[str, Any]:
         granted(request, "admin", "POST /v1/auto_freeze (the deployment's settings)")
+        body: AutoFreezeBody = await body_of(request, AutoFreezeBody)
         auto_of().update(**body.model_dump())
         return auto_of().settings(body.model)
 
     @router.post("/auto_freeze/check")
-    async def auto_freeze_check(body: CheckBody, request: Request) -> dict[str, Any]:
-        tenant = tenant_of(request, "write")
+    async def auto_freeze_check(request: Request) -> dict[str, Any]:
+        ident = caller(request, "write")
+        body: CheckBody = await body_of(request, CheckBody)
         session = session_of(body.session)
         used = body.used_tokens
         if used is None:
-            used = sidecar.tracker.get(tenant, session).last_prompt_tokens
+            used = sidecar.tracker.get(ident.folder, session).last_prompt_tokens
         limit = body.max_tokens
         if limit is None:  # the context limit of the upstream serving the model
             try:
@@ -266,8 +298,9 @@ def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze |
             except UpstreamError:
                 limit = 0
         a = auto_of()
-        return await asyncio.to_thread(a.check, tenant, session, salt_of(tenant, session),
-                                       used_tokens=used, max_tokens=limit, model=body.model)
+        return await asyncio.to_thread(a.check, owner_of(ident), session,
+                                       auth.session_salt(ident, session), used_tokens=used,
+                                       max_tokens=limit, model=body.model)
 
     def auto_of() -> AutoFreeze:
         if auto is None:
@@ -275,4 +308,5 @@ def windows_router(sidecar: Any, engine: WindowEngine | None, auto: AutoFreeze |
                                      hint="add a `windows.store` section to the sidecar config")
         return auto
 
+    router.include_router(windows_files_router(sidecar, run, caller))
     return router

@@ -86,7 +86,9 @@ def test_with_memory_off_the_upstream_gets_exactly_the_clients_body(upstream, si
     r = sdk.chat.completions.create(model="fake", messages=history, temperature=0.3,
                                     max_tokens=20, tools=TOOLS, seed=7, user="u-1")
     assert r.choices[0].message.tool_calls[0].function.name == "weather"
-    assert fake.last() == {**sent[-1], "cache_salt": salt("acme", "exact")}
+    # plus the salt and, for the connector, the client turn (the session's 2nd user message)
+    assert fake.last() == {**sent[-1], "cache_salt": salt("acme", "exact"),
+                           "kv_transfer_params": {"cwm": {"turn": 2, "keep": 8}}}
     headers = fake.headers()
     assert headers["authorization"] == "Bearer upstream-key"  # never the client's key
     assert KEYS["acme"] not in json.dumps(headers)
@@ -207,7 +209,8 @@ def test_embeddings_models_responses_and_tokenize_are_forwarded(upstream, sideca
         sdk.models.retrieve("no-such-model")
     resp = sdk.responses.create(model="fake", input="Say ok")
     assert resp.output_text == "ok"
-    assert fake.last("/v1/responses") == {**sent[-1], "cache_salt": salt("acme", "fwd")}
+    assert fake.last("/v1/responses") == {**sent[-1], "cache_salt": salt("acme", "fwd"),
+                                          "kv_transfer_params": {"cwm": {}}}
     auth = {"Authorization": f"Bearer {KEYS['acme']}"}
     tok = httpx.post(f"{srv.url}/tokenize", headers=auth, json={"model": "fake",
                                                                 "prompt": "a b c"})

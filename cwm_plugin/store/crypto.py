@@ -1,13 +1,15 @@
 """Optional encryption at rest: AES-256-GCM per blob, a key per ``cache_salt``.
 
-The key of a blob is ``HKDF-SHA256(master key, info="cwm-kv-blob-v1" + salt)``, so a stored
-block is unreadable without the salt of the request that saved it (and the master key). A
-sealed blob stays a cwm safetensors container: its header keeps what the store needs without
-the key (the store key, fingerprint, layout, shape, token count) plus the cipher, a key id
-(``sha256("cwm-key-id" + key)[:8]``, never the key) and the nonce; the inner blob's header and
-payload are the ciphertext's associated data and plaintext. A blob sealed under another key
-is :class:`IncompatibleBlob` (a miss, recomputed); a blob whose tag fails under its own key is
-:class:`CorruptBlob`. The master key is never logged.
+The key of a blob is ``HKDF-SHA256(master key, info)``: for a salt, ``info`` is
+``"cwm-kv-blob-v1\\0"`` + the salt's UTF-8; no salt (None) and the empty salt each have their
+own (:func:`_info`; they used to share one, so blobs sealed under either before are now misses,
+recomputed once). A stored block is unreadable without the salt of the request that saved it
+(and the master key). A sealed blob stays a cwm safetensors container: its header keeps what
+the store needs without the key (the store key, fingerprint, layout, shape, token count) plus
+the cipher, a key id (``sha256("cwm-key-id" + key)[:8]``, never the key) and the nonce; the
+inner blob's header and payload are the ciphertext's associated data and plaintext. A blob
+sealed under another key is :class:`IncompatibleBlob` (a miss, recomputed); a blob whose tag
+fails under its own key is :class:`CorruptBlob`. The master key is never logged.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from cwm_plugin.errors import ConfigError, CorruptBlob, IncompatibleBlob
 from cwm_plugin.store import codec
 
 CIPHER = "aes-256-gcm"
-INFO = b"cwm-kv-blob-v1\0"
+INFO = b"cwm-kv-blob-v1\0"                  # + a salt's UTF-8
+NO_SALT_INFO = b"cwm-kv-blob-v2:no-salt"     # neither starts with INFO: no salt's info is theirs
+EMPTY_SALT_INFO = b"cwm-kv-blob-v2:empty-salt"
 _CLEAR = ("format", "format_version", "fingerprint", "layout", "key", "num_tokens", "dtype",
           "shape")
 
@@ -58,8 +62,7 @@ class BlobCipher:
 
     @classmethod
     def derive(cls, master: bytes, salt: str | None) -> BlobCipher:
-        hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
-                    info=INFO + (salt or "").encode())
+        hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_info(salt))
         return cls(hkdf.derive(master))
 
     def seal(self, blob: bytes) -> bytes:
@@ -81,6 +84,13 @@ class BlobCipher:
                                    "recomputed") from exc
         inner = meta["inner"].encode()
         return struct.pack("<Q", len(inner)) + inner + plain
+
+
+def _info(salt: str | None) -> bytes:
+    """HKDF info of ``salt``: one per salt, with None and "" apart."""
+    if salt is None:
+        return NO_SALT_INFO
+    return INFO + salt.encode() if salt else EMPTY_SALT_INFO
 
 
 def _aad(meta: dict[str, str]) -> bytes:
@@ -111,22 +121,21 @@ class Ciphers:
     def __init__(self, master: bytes, size: int = 1024) -> None:
         self._master = master
         self._size = size
-        self._cache: OrderedDict[str, BlobCipher] = OrderedDict()
+        self._cache: OrderedDict[str | None, BlobCipher] = OrderedDict()
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return "Ciphers(<master key hidden>)"
 
     def for_salt(self, salt: str | None) -> BlobCipher:
-        s = salt or ""
         with self._lock:
-            c = self._cache.get(s)
+            c = self._cache.get(salt)
             if c is not None:
-                self._cache.move_to_end(s)
+                self._cache.move_to_end(salt)
                 return c
-        c = BlobCipher.derive(self._master, s)
+        c = BlobCipher.derive(self._master, salt)
         with self._lock:
-            self._cache[s] = c
+            self._cache[salt] = c
             while len(self._cache) > self._size:
                 self._cache.popitem(last=False)
         return c

@@ -68,3 +68,19 @@ def test_a_key_is_32_bytes_of_hex_or_base64():
     for bad in ("zz" * 32, "11" * 16, "not base64!"):
         with pytest.raises(Exception, match="encryption_key"):
             StoreConfig(encryption_key=bad)
+
+
+def test_no_salt_and_the_empty_salt_have_keys_of_their_own_and_salts_keep_theirs():
+    """HKDF gave None and "" one key (a blob of either opened for the other); a salt's key is
+    the one it always had, so salted blobs (and windows' blocks) stay readable."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    master = bytes.fromhex(KEY)
+    ids = {s: crypto.BlobCipher.derive(master, s).key_id for s in (None, "", "alice", "\0")}
+    assert len(set(ids.values())) == 4
+    v1 = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+              info=b"cwm-kv-blob-v1\0alice").derive(master)
+    assert ids["alice"] == crypto.BlobCipher(v1).key_id
+    cache = crypto.Ciphers(master)
+    assert cache.for_salt(None).key_id == ids[None] and cache.for_salt("").key_id == ids[""]

@@ -63,6 +63,18 @@ class IncompatibleBlob(CWMError):
     code = "incompatible_blob"
 
 
+class RefusedBlob(IncompatibleBlob):
+    """A well-formed blob that is not the one its key asked for: another key's or key group's,
+    sealed under another salt, or not sealed where the store encrypts. ``reason`` names which
+    (plaintext, foreign_group, foreign_key, foreign_salt); the block is a miss, recomputed."""
+
+    code = "refused_blob"
+
+    def __init__(self, message: str, *, reason: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.reason = reason
+
+
 class StorageFull(CWMError):
     code = "storage_full"
     retryable = True

@@ -152,6 +152,12 @@ def _meta_crc(meta: dict[str, str]) -> str:
     return f"{crc32(body.encode()):08x}"
 
 
+def _check_meta(meta: dict[str, str]) -> None:
+    if "meta_crc" in meta and meta["meta_crc"] != _meta_crc(meta):
+        raise CorruptBlob("blob metadata checksum mismatch",
+                          hint="the blob header is damaged; the block will be recomputed")
+
+
 def _worth_trying(s: np.ndarray, level: int, sample: int = 128 << 10) -> bool:
     """Skip zstd on a large stream whose first ``sample`` bytes do not shrink (the bf16
     mantissa stream): compressing it in full would only cost time."""
@@ -240,9 +246,8 @@ def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = No
     if version not in READABLE_VERSIONS:
         raise IncompatibleBlob(f"blob format version {version!r} is not {FORMAT_VERSION}",
                                hint="written by another cwm version; recompute or upgrade")
-    if verify and "meta_crc" in meta and meta["meta_crc"] != _meta_crc(meta):
-        raise CorruptBlob("blob metadata checksum mismatch",
-                          hint="the blob header is damaged; the block will be recomputed")
+    if verify:
+        _check_meta(meta)
     if fingerprint is not None and meta.get("fingerprint") != fingerprint:
         raise IncompatibleBlob(
             f"blob belongs to model fingerprint {meta.get('fingerprint')!r}, not {fingerprint!r}",
@@ -391,6 +396,10 @@ def _decompress_into(chunk: memoryview, buf: np.ndarray, name: str) -> np.ndarra
     return buf
 
 
-def peek(data: bytes | bytearray | memoryview) -> dict[str, str]:
-    """The blob's metadata without decoding the payload (raises CorruptBlob if unreadable)."""
-    return read_header(data)[0]
+def peek(data: bytes | bytearray | memoryview, *, verify: bool = False) -> dict[str, str]:
+    """The blob's metadata without decoding the payload (raises CorruptBlob if unreadable, or
+    with ``verify`` if the metadata fails its CRC)."""
+    meta = read_header(data)[0]
+    if verify:
+        _check_meta(meta)
+    return meta

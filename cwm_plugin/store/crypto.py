@@ -7,9 +7,11 @@ recomputed once). A stored block is unreadable without the salt of the request t
 (and the master key). A sealed blob stays a cwm safetensors container: its header keeps what
 the store needs without the key (the store key, fingerprint, layout, shape, token count) plus
 the cipher, a key id (``sha256("cwm-key-id" + key)[:8]``, never the key) and the nonce; the
-inner blob's header and payload are the ciphertext's associated data and plaintext. A blob
-sealed under another key is :class:`IncompatibleBlob` (a miss, recomputed); a blob whose tag
-fails under its own key is :class:`CorruptBlob`. The master key is never logged.
+inner blob's header and payload are the ciphertext's associated data and plaintext, so the
+store key in the clear header is authenticated: a sealed blob belongs to that one key
+(:mod:`.binding` checks it on every read). A blob sealed under another key is
+:class:`RefusedBlob` (a miss, recomputed); a blob whose tag fails under its own key is
+:class:`CorruptBlob`. The master key is never logged.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from cwm_plugin.errors import ConfigError, CorruptBlob, IncompatibleBlob
+from cwm_plugin.errors import ConfigError, CorruptBlob, IncompatibleBlob, RefusedBlob
 from cwm_plugin.store import codec
 
 CIPHER = "aes-256-gcm"
@@ -65,10 +67,15 @@ class BlobCipher:
         hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_info(salt))
         return cls(hkdf.derive(master))
 
-    def seal(self, blob: bytes) -> bytes:
+    def seal(self, blob: bytes, *, key: bytes | None = None) -> bytes:
+        """``blob`` sealed for ``key`` (default: the key it was encoded for): the clear header
+        names it and the tag covers it, so it opens for that key only. A window's block copied
+        to a new key passes the new key; its inner blob is kept as it is."""
         meta, _, start = codec.read_header(blob)
         inner = bytes(memoryview(blob)[8:start]).decode()
         sealed = {k: meta[k] for k in _CLEAR if k in meta}
+        if key is not None:
+            sealed["key"] = bytes(key).hex()
         sealed.update(sealed=CIPHER, key_id=self.key_id, nonce=os.urandom(12).hex(),
                       inner=inner)
         ct = self._aead.encrypt(bytes.fromhex(sealed["nonce"]), memoryview(blob)[start:],
@@ -110,8 +117,9 @@ def unseal(blob: bytes, cipher: BlobCipher | None) -> bytes:
     if meta.get("sealed") != CIPHER:
         raise IncompatibleBlob(f"blob sealed with unknown cipher {meta.get('sealed')!r}")
     if cipher is None or meta.get("key_id") != cipher.key_id:
-        raise IncompatibleBlob("blob is encrypted under another cache_salt or master key",
-                               hint="only the request's own salt opens it; recomputed")
+        raise RefusedBlob("blob is encrypted under another cache_salt or master key",
+                          reason="foreign_salt",
+                          hint="only the request's own salt opens it; recomputed")
     return cipher.open(meta, memoryview(blob)[start:])
 
 

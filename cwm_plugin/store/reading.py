@@ -17,9 +17,12 @@ Two ways to receive blocks:
 
 Both add seconds per stage to an optional :class:`~cwm_plugin.memory.timing.Stages`:
 ``read`` (fetching, wall time of the calling thread), ``decompress``, ``transform`` and
-``copy`` (the sink) summed over the decoding threads. A damaged blob is a counted miss,
-quarantined; a blob of another model, layout or salt an incompatible miss; a key whose bytes
-are gone is dropped from its tier (dangling); a failing tier is counted and skipped.
+``copy`` (the sink) summed over the decoding threads. Every blob is first checked to be the
+key's (:mod:`.binding`: its key group, and with encryption at rest its exact key, its salt and
+that it is sealed at all); one that is not is refused: a counted miss, logged once. A damaged
+blob is a counted miss, quarantined; a blob of another model or layout an incompatible miss; a
+key whose bytes are gone is dropped from its tier (dangling); a failing tier is counted and
+skipped.
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cwm_plugin.errors import CorruptBlob, IncompatibleBlob
+from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, RefusedBlob
 from cwm_plugin.memory.timing import Stages
-from cwm_plugin.store import codec, crypto
+from cwm_plugin.store import binding, codec, crypto
 from cwm_plugin.store.keyspace import TIER_ERRORS
 from cwm_plugin.store.tiers.base import Tier
 
@@ -219,13 +222,14 @@ class ReadPath:
                 cipher: crypto.BlobCipher | None, stages: Stages | None = None
                 ) -> torch.Tensor | None:
         t0 = time.perf_counter()
+        plain = self._open(h, cipher)
+        if plain is None:
+            return None
         try:
-            plain = crypto.unseal(h.data, cipher) if self._ciphers is not None else h.data
             decoded = codec.decode(plain, fingerprint=self.config.fingerprint or None,
                                    layout=layout, verify=self.config.checksum, into=into,
                                    stages=stages)
         except (CorruptBlob, IncompatibleBlob) as exc:
-            self.metrics.misses.labels(h.tier.name).inc()
             self._bad_blob(h, exc)
             return None
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
@@ -233,13 +237,35 @@ class ReadPath:
         self._promote(h)
         return decoded.tensor
 
+    def _open(self, h: _Hit, cipher: crypto.BlobCipher | None) -> bytes | None:
+        """The hit's plain blob once it is found to be its key's (:mod:`.binding`); None: a
+        counted miss."""
+        try:
+            return binding.opened(h.data, h.key, cipher)
+        except (CorruptBlob, IncompatibleBlob) as exc:
+            self._bad_blob(h, exc)
+            return None
+
     def get_blob(self, key: bytes) -> bytes | None:
-        """The stored bytes of ``key`` (not decoded, still sealed if encrypted)."""
+        """The stored bytes of ``key`` (not checked, not decoded, still sealed if encrypted)."""
         for tier in self.tiers:
             for hits in self._fetch(tier, [bytes(key)], [0]):
                 if hits:
                     self.metrics.hits.labels(tier.name).inc()
                     return hits[0].data
+        return None
+
+    def get_plain(self, key: bytes, *, salt: str | None = None) -> bytes | None:
+        """``key``'s blob checked as a read checks it and opened for ``salt``, not decoded
+        (what a window's re-key copies to a new key). None: no tier serves one that is
+        ``key``'s."""
+        cipher = self._cipher(salt)
+        for tier in self.tiers:
+            for hits in self._fetch(tier, [bytes(key)], [0]):
+                plain = self._open(hits[0], cipher) if hits else None
+                if plain is not None:
+                    self.metrics.hits.labels(tier.name).inc()
+                    return plain
         return None
 
     def _promote(self, h: _Hit) -> None:
@@ -254,6 +280,14 @@ class ReadPath:
                 self._behind(tier, h.key, h.blob_id, h.data, wait=False)
 
     def _bad_blob(self, h: _Hit, exc: CorruptBlob | IncompatibleBlob) -> None:
+        """Count, log (once) and, when damaged, quarantine a blob that is a miss."""
+        self.metrics.misses.labels(h.tier.name).inc()
+        if isinstance(exc, RefusedBlob):     # not the key's: left alone (it may be another's)
+            self.metrics.errors.labels(f"refused_{exc.reason}").inc()
+            self._log_once(f"refused-{exc.reason}-{h.tier.name}", "store: refused blob %s for "
+                           "key %s in %s tier (%s): %s; treated as a miss", h.blob_id,
+                           h.key.hex()[:16], h.tier.name, exc.reason, exc)
+            return
         kind = "corrupt" if isinstance(exc, CorruptBlob) else "incompatible"
         self.metrics.errors.labels(kind).inc()
         self._log_once(f"bad-{h.blob_id}", "store: %s blob %s for key %s in %s tier: %s; "

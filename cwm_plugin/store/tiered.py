@@ -14,9 +14,10 @@ which owns its blobs *and* its key index (memory: this process; disk: SQLite; Re
 
 A tier that cannot be opened (unwritable directory, ...) is logged once and left out; a tier
 failing at run time is counted and the store goes on with the others. A damaged blob is a
-counted miss, quarantined; a blob of another model, layout, or sealed under another salt is an
-incompatible miss. With ``encryption_key`` every blob is sealed under its request's salt
-(:mod:`.crypto`).
+counted miss, quarantined; a blob that is not the key's (of another key group; with encryption
+another key's, another salt's, or not sealed) a refused miss (:mod:`.binding`); a blob of another
+model or layout an incompatible miss. With ``encryption_key`` every blob is sealed under its
+request's salt, for its key (:mod:`.crypto`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from cwm_plugin.errors import StorageFull
-from cwm_plugin.store import codec, crypto
+from cwm_plugin.store import binding, codec, crypto
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.hashing import blob_id_of
 from cwm_plugin.store.keyspace import TIER_ERRORS, KeySpace
@@ -130,8 +131,9 @@ class KVStore(ReadPath, KeySpace):
         return True
 
     def put_blob(self, key: bytes, blob: bytes, *, replace: bool = False) -> cf.Future:
-        """Save an already encoded (or sealed) blob, checked to be ours, not decoded."""
-        codec.peek(blob)
+        """Save an already encoded (or sealed) blob, not decoded, checked to be ours and one
+        that a read of ``key`` accepts (:func:`.binding.check`; else :class:`RefusedBlob`)."""
+        binding.check(codec.peek(blob), bytes(key), encrypted=self._ciphers is not None)
         return self._submit(bytes(key), lambda k: self._store_blob(k, bytes(blob),
                                                                    replace=replace),
                             replace=replace)

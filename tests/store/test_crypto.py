@@ -23,7 +23,7 @@ def test_a_block_opens_only_with_its_salt(make_store, tmp_path, kv_block, caplog
         assert torch.equal(s.get(b"k", salt="alice"), x)
         assert s.get(b"k", salt="mallory") is None          # a miss: recomputed, no crash
         assert s.get(b"k") is None
-    assert s.metrics.errors.labels("incompatible")._value.get() == 2
+    assert s.metrics.errors.labels("refused_foreign_salt")._value.get() == 2
     assert s.metrics.errors.labels("corrupt")._value.get() == 0
     assert torch.equal(s.get(b"k", salt="alice"), x)        # never quarantined
     assert KEY not in caplog.text and KEY not in repr(s.config)

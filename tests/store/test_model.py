@@ -20,7 +20,7 @@ from cwm_plugin.store.tiered import KVStore
 
 pytestmark = pytest.mark.unit
 
-KEYS = [f"key{i}".encode() for i in range(6)]
+KEYS = [bytes(18) + f"key{i}".encode() for i in range(6)]   # one group: links share blobs
 FLOOD = 14
 op = st.one_of(
     st.tuples(st.just("put"), st.sampled_from(KEYS), st.integers(0, 3)),

@@ -16,6 +16,11 @@ from cwm_plugin.errors import NotFound
 from cwm_plugin.store.tiered import KVStore
 
 pytestmark = pytest.mark.unit
+G = bytes(18)        # one namespace and rank: keys share blobs only within their group
+
+
+def g(name: bytes) -> bytes:
+    return G + name
 
 
 def test_put_get_memory_only(make_store, kv_block):
@@ -98,24 +103,24 @@ def test_two_stores_writing_one_key_never_tear(tmp_path, make_store, kv_block):
 def test_link_refcount_delete_and_gc(make_store, tmp_path, kv_block):
     s = make_store(disk_path=str(tmp_path / "d"))
     x = kv_block(4)
-    s.put(b"orig", x)
-    s.link(b"clone", b"orig")                  # waits for the pending save
-    blob = s.disk.lookup_many([b"orig"])[0]
-    assert s.disk.lookup_many([b"clone"]) == [blob] and s.disk.index.refcount(blob) == 2
+    s.put(g(b"orig"), x)
+    s.link(g(b"clone"), g(b"orig"))                  # waits for the pending save
+    blob = s.disk.lookup_many([g(b"orig")])[0]
+    assert s.disk.lookup_many([g(b"clone")]) == [blob] and s.disk.index.refcount(blob) == 2
     assert s.usage()["disk"]["blobs"] == 1
-    assert s.delete(b"orig")
-    assert torch.equal(s.get(b"clone"), x)
-    assert s.delete(b"clone") and not s.delete(b"clone")
-    assert s.get(b"clone") is None and s.usage()["disk"]["blobs"] == 0
+    assert s.delete(g(b"orig"))
+    assert torch.equal(s.get(g(b"clone")), x)
+    assert s.delete(g(b"clone")) and not s.delete(g(b"clone"))
+    assert s.get(g(b"clone")) is None and s.usage()["disk"]["blobs"] == 0
     with pytest.raises(NotFound):
-        s.link(b"x", b"nothing")
+        s.link(g(b"x"), g(b"nothing"))
     # an index rebuild that found a blob whose key was saved again meanwhile: unreferenced
-    s.put(b"now", x).result()
-    s.disk.index.insert_rebuilt([("ab" * 20, 12, b"now", time.time())])
+    s.put(g(b"now"), x).result()
+    s.disk.index.insert_rebuilt([("ab" * 20, 12, g(b"now"), time.time())])
     assert s.gc().removed_blobs["disk"] == 0     # younger than gc_min_age_s: left alone
     assert s.disk.has_blob("ab" * 20)
     assert s.gc(min_age_s=0).removed_blobs["disk"] == 1
-    assert not s.disk.has_blob("ab" * 20) and torch.equal(s.get(b"now"), x)
+    assert not s.disk.has_blob("ab" * 20) and torch.equal(s.get(g(b"now")), x)
 
 
 def test_pinned_blocks_survive_eviction(make_store, tmp_path, kv_block):
@@ -143,20 +148,20 @@ def test_pinned_blocks_survive_eviction(make_store, tmp_path, kv_block):
 
 def test_corrupt_blob_is_counted_miss_quarantined_logged_once(make_store, tmp_path, caplog, kv_block):
     s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0)
-    s.put(b"a", kv_block(1)).result()
-    s.link(b"b", b"a")
-    path = s.disk.path(s.disk.lookup_many([b"a"])[0])
+    s.put(g(b"a"), kv_block(1)).result()
+    s.link(g(b"b"), g(b"a"))
+    path = s.disk.path(s.disk.lookup_many([g(b"a")])[0])
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
-        assert s.get(b"a") is None
-        assert s.get(b"b") is None
-        assert s.get(b"a") is None
+        assert s.get(g(b"a")) is None
+        assert s.get(g(b"b")) is None
+        assert s.get(g(b"a")) is None
     assert s.metrics.errors.labels("corrupt")._value.get() == 1
     assert sum("corrupt blob" in r.getMessage() for r in caplog.records) == 1
     assert len(list(s.disk.quarantine_dir.glob("*"))) >= 1
-    assert s.contains_many([b"a", b"b"]) == [False, False]
+    assert s.contains_many([g(b"a"), g(b"b")]) == [False, False]
 
 
 def test_verify_finds_and_quarantines(make_store, tmp_path, kv_block):
@@ -198,10 +203,10 @@ def test_wrong_fingerprint_is_a_miss(make_store, tmp_path, kv_block):
 
 def test_put_blob_and_get_blob(make_store, tmp_path, kv_block):
     s = make_store(disk_path=str(tmp_path / "d"))
-    s.put(b"a", kv_block(1)).result()
-    blob = s.get_blob(b"a")
-    s.put_blob(b"b", blob).result()
-    assert torch.equal(s.get(b"b"), kv_block(1)) and s.get_blob(b"none") is None
+    s.put(g(b"a"), kv_block(1)).result()
+    blob = s.get_blob(g(b"a"))
+    s.put_blob(g(b"b"), blob).result()
+    assert torch.equal(s.get(g(b"b")), kv_block(1)) and s.get_blob(g(b"none")) is None
 
 
 def test_close_is_idempotent_and_put_after_close_fails(make_store, kv_block):

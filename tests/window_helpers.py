@@ -49,5 +49,9 @@ def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = Non
     return tokens
 
 
-def session_blocks(store: KVStore, tokens: list[int], salt: str, n: int) -> list[list]:
-    return [store.get_many(keys) for keys in block_keys(tokens, salt, n)]
+def session_blocks(store: KVStore, tokens: list[int], salt: str, n: int, *,
+                   sealed: bool = False) -> list[list]:
+    """The session's blocks per worker, read as its requests read them (``sealed``: the store
+    encrypts at rest, so only the session's salt opens them)."""
+    return [store.get_many(keys, salt=salt if sealed else None)
+            for keys in block_keys(tokens, salt, n)]

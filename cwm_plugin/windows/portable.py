@@ -196,7 +196,7 @@ def _put_plain(store: Any, keys: list[bytes], blobs: list[bytes], salt: str) -> 
     if store.config.encryption_key:
         cipher = crypto.BlobCipher.derive(crypto.parse_master_key(store.config.encryption_key),
                                           salt)
-    futures = [store.put_blob(k, cipher.seal(b) if cipher else b, replace=True)
+    futures = [store.put_blob(k, cipher.seal(b, key=k) if cipher else b, replace=True)
                for k, b in zip(keys, blobs, strict=True)]
     for f in futures:
         f.result()

@@ -1,0 +1,110 @@
+"""Portable windows over real disk stores: export on one, import into a fresh one, thaw; a
+damaged, truncated or foreign file is refused before anything is written."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import asdict
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from window_helpers import BS, NS, block, converse, session_blocks
+
+from cwm_plugin.connector import records
+from cwm_plugin.errors import AlreadyExists
+from cwm_plugin.store.config import StoreConfig
+from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.windows.engine import WindowEngine
+from cwm_plugin.windows.portable import BadWindowFile, export_window, import_window
+
+pytestmark = pytest.mark.unit
+KEY = "11" * 32
+
+
+def open_store(path, **kw) -> KVStore:
+    return KVStore(StoreConfig(disk_path=str(path), memory_bytes=0, **kw),
+                   registry=CollectorRegistry())
+
+
+def serve(store: KVStore, namespace: dict) -> None:
+    """What a vLLM with the connector leaves in its store: the namespace it serves."""
+    records.write_record(store, records.served_key(namespace["model"]),
+                         {"model": namespace["model"], "namespace": namespace},
+                         records.SERVED_LAYOUT, what="served")
+    store.flush()
+
+
+def keys_in(store: KVStore) -> int:
+    return sum(len(v) for v in store.list_keys(limit=100_000).values())
+
+
+@pytest.mark.parametrize("encrypted", [False, True])
+def test_export_import_thaw_restores_the_same_blocks(tmp_path, encrypted):
+    enc = {"encryption_key": KEY} if encrypted else {}
+    a, b = open_store(tmp_path / "a", **enc), open_store(tmp_path / "b", **enc)
+    tokens = converse(a, "s", 4 * BS + 3)
+    WindowEngine(a).freeze("acme", "trip", session="x", salt="s", tags=["t"],
+                           messages=[{"role": "user", "content": "hi"}])
+    buf = io.BytesIO()
+    summary = export_window(WindowEngine(a), "acme", "trip", buf)
+    assert summary["bytes"] == len(buf.getvalue()) and summary["blocks"] == 4
+    assert b"cwm-window:" not in buf.getvalue() and b'"s"' not in buf.getvalue()  # no salts
+    serve(b, NS)
+    eng = WindowEngine(b)
+    m = import_window(eng, "beta", io.BytesIO(buf.getvalue()), "trip-copy")
+    assert m.name == "trip-copy" and m.tags == ["t"] and m.messages[0]["content"] == "hi"
+    with pytest.raises(AlreadyExists):
+        import_window(eng, "beta", io.BytesIO(buf.getvalue()), "trip-copy")
+    r = eng.thaw("beta", "trip-copy", session="y", salt="salt-y")
+    assert r.restorable_tokens == 4 * BS
+    for rank, got in enumerate(session_blocks(b, tokens, "salt-y", 4, sealed=encrypted)):
+        assert all(torch.equal(t, block(i, rank)) for i, t in enumerate(got))
+    a.close()
+    b.close()
+
+
+def test_damaged_truncated_and_foreign_files_are_refused_and_nothing_is_written(tmp_path):
+    a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")
+    converse(a, "s", 3 * BS)
+    WindowEngine(a).freeze("acme", "trip", session="x", salt="s")
+    buf = io.BytesIO()
+    export_window(WindowEngine(a), "acme", "trip", buf)
+    good = buf.getvalue()
+    eng = WindowEngine(b)
+    before = keys_in(b)
+    with pytest.raises(BadWindowFile, match="no vLLM using this store serves model 'tiny'"):
+        import_window(eng, "acme", io.BytesIO(good))
+    serve(b, {**NS, "dtype": "bfloat16"})          # the same model name, another KV dtype
+    with pytest.raises(BadWindowFile, match="another model or KV layout.*dtype"):
+        import_window(eng, "acme", io.BytesIO(good))
+    serve(b, NS)
+    before = keys_in(b)
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x01
+    cases = {"damaged": bytes(flipped), "truncated": good[:-100], "trailing": good + b"x",
+             "not ours": b"PK\x03\x04" + good[4:], "empty": b""}
+    for what, data in cases.items():
+        with pytest.raises(BadWindowFile) as err:
+            import_window(eng, "acme", io.BytesIO(data))
+        assert err.value.hint or "damaged" in str(err.value) or "truncated" in str(err.value), \
+            what
+    assert keys_in(b) == before and eng.list("acme")[1] == 0
+    assert import_window(eng, "acme", io.BytesIO(good)).num_blocks == 3   # the good one does
+    a.close()
+    b.close()
+
+
+def test_the_file_carries_what_a_window_needs_and_no_secret(tmp_path):
+    a = open_store(tmp_path / "a")
+    converse(a, "s", 2 * BS)
+    m = WindowEngine(a).freeze("acme", "w", session="x", salt="s", description="d")
+    buf = io.BytesIO()
+    export_window(WindowEngine(a), "acme", "w", buf)
+    from cwm_plugin.windows.portable import read_window_file
+    header, blobs = read_window_file(io.BytesIO(buf.getvalue()))
+    man = header["manifest"]
+    assert man["tokens"] == m.tokens and man["namespace"] == asdict(m)["namespace"]
+    assert not {"frozen_salt", "window_salt", "window_hashes", "tenant"} & set(man)
+    assert len(blobs) == 2 * 2                    # two blocks, two TP ranks
+    a.close()

@@ -167,7 +167,7 @@ def build_server(client: WindowsClient) -> Any:
     def window_update(name: str, new_name: str | None = None, tags: list[str] | None = None,
                       description: str | None = None) -> dict[str, Any]:
         """Rename a window, or replace its tags or description."""
-        return client.update(name, name=new_name, tags=tags, description=description)
+        return client.update(name, new_name=new_name, tags=tags, description=description)
 
     @tool
     def window_delete(window_name: str | None = None, delete_blocks: bool = True,

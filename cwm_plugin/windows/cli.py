@@ -159,7 +159,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _update(args: argparse.Namespace) -> int:
-    w = client_from_args(args).update(args.name, name=args.new_name, tags=args.tags,
+    w = client_from_args(args).update(args.name, new_name=args.new_name, tags=args.tags,
                                       description=args.description)
     return _out(args, w, f"updated {w['name']}: tags {','.join(w['tags']) or '-'}")
 

@@ -40,7 +40,9 @@ class WindowsClient(Protocol):
     def clone(self, name: str, new_name: str, **options: Any) -> dict[str, Any]: ...
     def list(self, **filters: Any) -> dict[str, Any]: ...
     def status(self, name: str) -> dict[str, Any]: ...
-    def update(self, name: str, **changes: Any) -> dict[str, Any]: ...
+    def update(self, name: str, *, new_name: str | None = None,
+               tags: list[str] | None = None, description: str | None = None
+               ) -> dict[str, Any]: ...
     def delete(self, name: str) -> dict[str, Any]: ...
     def export(self, name: str, path: str) -> dict[str, Any]: ...
     def import_file(self, path: str, name: str | None = None) -> dict[str, Any]: ...
@@ -121,8 +123,11 @@ class HttpWindows:
     def status(self, name: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/windows/{name}")
 
-    def update(self, name: str, **changes: Any) -> dict[str, Any]:
-        return self._call("PATCH", f"/v1/windows/{name}", json=_given(changes))
+    def update(self, name: str, *, new_name: str | None = None,
+               tags: list[str] | None = None, description: str | None = None
+               ) -> dict[str, Any]:
+        return self._call("PATCH", f"/v1/windows/{name}", json=_given(
+            {"name": new_name, "tags": tags, "description": description}))
 
     def delete(self, name: str) -> dict[str, Any]:
         return self._call("DELETE", f"/v1/windows/{name}")
@@ -195,11 +200,11 @@ class LocalWindows:
     def thaw(self, name: str, session: str | None = None, *, warm: bool = False,
              model: str | None = None) -> dict[str, Any]:
         session = session or self.engine.get(self.tenant, name).session
-        if warm:
-            raise InvalidInput("a warm-up goes through vLLM: thaw through the sidecar (--url) "
-                               "to warm, or send the session's next request")
         r = self.engine.thaw(self.tenant, name, session=session, salt=self._salt(session),
                              model=model)
+        if warm:  # not an error: the thaw stands, and the session's next request restores
+            r.warnings.append("no warm-up: it goes through vLLM (thaw through the sidecar, "
+                              "--url, to warm); the session's next request restores instead")
         return {"object": "window.thaw", **r.public()}
 
     def continue_chat(self, session: str, messages: list[dict[str, Any]],
@@ -223,9 +228,11 @@ class LocalWindows:
     def status(self, name: str) -> dict[str, Any]:
         return {"object": "window", **self.engine.status(self.tenant, name)}
 
-    def update(self, name: str, **changes: Any) -> dict[str, Any]:
-        m = self.engine.patch(self.tenant, name, new_name=changes.get("name"),
-                              tags=changes.get("tags"), description=changes.get("description"))
+    def update(self, name: str, *, new_name: str | None = None,
+               tags: list[str] | None = None, description: str | None = None
+               ) -> dict[str, Any]:
+        m = self.engine.patch(self.tenant, name, new_name=new_name, tags=tags,
+                              description=description)
         return {"object": "window", **m.public()}
 
     def delete(self, name: str) -> dict[str, Any]:

@@ -99,3 +99,108 @@ def test_every_tool_through_a_real_mcp_client_over_stdio(tmp_path):
         "auto-alice-")
     assert out["delete"]["deleted"]
     assert sorted(w["name"] for w in out["after"]["data"])[1:] == ["plan-b"]
+
+
+async def _cwm_calls(args: list[str], env: dict) -> dict:
+    """The context-window-manager's own parameter names, as an agent written for it calls."""
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    params = StdioServerParameters(command=sys.executable,
+                                   args=["-m", "cwm_plugin.cli", "mcp", *args],
+                                   env={**os.environ, **env})
+    out: dict = {}
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+
+        async def call(tool: str, **a):
+            res = await session.call_tool(tool, a)
+            if _field(res, "is_error", "isError"):
+                return ("error", res.content[0].text)
+            return _payload(res)
+
+        out["freeze"] = await call("window_freeze", session_id="alice", window_name="plan",
+                                   description="the plan", tags=["demo"], prompt_prefix="p")
+        out["clone"] = await call("window_clone", source_window="plan",
+                                  new_window_name="plan-b", description="a branch")
+        out["list"] = await call("window_list", tags=["demo"], session_id="alice",
+                                 search="PLA", sort_by="created_at", sort_order="asc",
+                                 limit=10, offset=0)
+        out["bad_sort"] = await call("window_list", sort_by="bogus")
+        out["status"] = await call("window_status", window_name="plan-b",
+                                   include_cache_stats=True, include_lineage=True)
+        out["session"] = await call("window_status", session_id="alice",
+                                    include_cache_stats=True)
+        out["neither"] = await call("window_status")
+        out["thaw"] = await call("window_thaw", window_name="plan-b", new_session_id="bob",
+                                 warm_cache=False)
+        out["renamed"] = await call("window_update", name="plan-b", new_name="plan-c",
+                                    tags=["x"])
+        out["delete"] = await call("window_delete", window_name="plan", delete_blocks=True)
+        out["clear"] = await call("session_clear", session_id="bob")
+        out["after"] = await call("window_list", sort_by="name")
+    return out
+
+
+def _check_cwm_answers(out: dict) -> None:
+    f = out["freeze"]
+    assert f["success"] and f["window_name"] == "plan" and f["session_id"] == "alice"
+    assert f["block_count"] == 3 and f["total_size_bytes"] > 0 and f["token_count"] == 53
+    assert out["clone"]["lineage"] == ["plan"] and out["clone"]["description"] == "a branch"
+    assert [w["window_name"] for w in out["list"]["windows"]] == ["plan", "plan-b"]
+    assert out["list"]["has_next"] is False and out["list"]["total"] == 2
+    assert out["bad_sort"][0] == "error" and "cannot sort by 'bogus'" in out["bad_sort"][1]
+    st = out["status"]
+    assert st["blocks_expected"] == 3 and st["blocks_found"] == 3 and st["warnings"] == []
+    assert st["cache_stats"]["cache_complete"] and st["lineage"]["ancestors"] == ["plan"]
+    assert out["session"]["window_count"] == 2
+    assert out["session"]["cache_stats"]["total_blocks"] == 6
+    assert out["neither"][0] == "error" and "window_name or session_id" in out["neither"][1]
+    t = out["thaw"]
+    assert t["session_id"] == "bob" and t["blocks_found"] == t["blocks_expected"] == 3
+    assert out["renamed"]["name"] == "plan-c" and out["renamed"]["tags"] == ["x"]
+    assert out["delete"]["blocks_deleted"] and out["clear"]["keys_deleted"] > 0
+    assert [w["name"] for w in out["after"]["windows"]] == ["plan-c"]
+
+
+def test_the_context_window_managers_parameters_over_stdio_on_the_store(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from cwm_plugin.store.config import StoreConfig
+    from cwm_plugin.store.tiered import KVStore
+
+    store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
+                    registry=CollectorRegistry())
+    converse(store, derive_salt(SECRET.encode(), "acme", "alice"), 3 * 16 + 5)
+    store.close()
+    (tmp_path / "store.yaml").write_text(f"store:\n  disk_path: {tmp_path / 'kv'}\n")
+    _check_cwm_answers(asyncio.run(_cwm_calls(
+        ["--store", str(tmp_path / "store.yaml"), "--tenant", "acme"],
+        {"CWM_SIDECAR_SECRET": SECRET})))
+
+
+def test_the_context_window_managers_parameters_over_stdio_through_a_running_sidecar(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from cwm_plugin.sidecar.app import create_app
+    from cwm_plugin.sidecar.identity import hash_key
+    from cwm_plugin.sidecar.serving import ServerThread
+    from cwm_plugin.sidecar.settings import Settings
+    from cwm_plugin.store.config import StoreConfig
+    from cwm_plugin.store.tiered import KVStore
+    from cwm_plugin.testing.fake_upstream import FakeUpstream
+
+    store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
+                    registry=CollectorRegistry())
+    converse(store, derive_salt(SECRET.encode(), "acme", "alice"), 3 * 16 + 5)
+    store.close()
+    settings = Settings.model_validate({
+        "secret": SECRET, "memory_enabled": False,
+        "tenants": [{"name": "acme", "key_sha256": [hash_key("k-acme")]}],
+        "windows": {"store": {"disk_path": str(tmp_path / "kv")}, "wait_s": 5}})
+    fake = FakeUpstream(model="tiny")
+    with ServerThread(fake.app) as up:
+        settings.upstream.url = up.url
+        with ServerThread(create_app(settings)) as srv:
+            out = asyncio.run(_cwm_calls(["--url", srv.url], {"CWM_API_KEY": "k-acme"}))
+    _check_cwm_answers(out)

@@ -100,7 +100,8 @@ def _gc(args: argparse.Namespace) -> int:
         removed = ", ".join(f"{t}: {n}" for t, n in report.removed_blobs.items()) or "none"
         print(f"removed blobs ({removed}), {report.orphan_files} orphan files, "
               f"{report.dangling_keys} dangling keys, {report.expired_entries} expired index "
-              f"entries; freed {report.freed_bytes:,} bytes")
+              f"entries, {report.old_format_entries} old-format Redis names; freed "
+              f"{report.freed_bytes:,} bytes")
     return 0
 
 

@@ -4,8 +4,8 @@
 (sealed blobs, which only their request's salt opens, are checked as far as their header).
 ``gc`` removes, per tier, blobs no key points to (on disk only those older than ``min_age_s``:
 a writer in another process may be between writing a file and mapping its key; Redis blobs
-idle for less than that), keys whose blob is gone (dangling), and the disk's orphan and stale
-temp files.
+idle for less than that), keys whose blob is gone (dangling), the disk's orphan and stale
+temp files, and Redis names of an earlier layout (whose blobs then go as unreferenced).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class GCReport:
     orphan_files: int = 0
     dangling_keys: int = 0
     expired_entries: int = 0  # Redis index entries of keys and blobs a TTL expired
+    old_format_entries: int = 0  # Redis names of an earlier layout (nothing reads them)
     freed_bytes: int = 0
 
 
@@ -103,6 +104,9 @@ def collect_garbage(store: KVStore, min_age_s: float = 600.0) -> GCReport:
             sweep = getattr(tier, "sweep_expired", None)  # (Redis with a TTL)
             if sweep is not None:
                 report.expired_entries += sweep()
+            old = getattr(tier, "drop_old_format", None)  # (Redis: before its blobs go)
+            if old is not None:
+                report.old_format_entries += old()
             dead = tier.unreferenced(min_age_s if tier.durable else 0.0)
             before = tier.usage().bytes if dead else 0
             tier.forget_blobs(dead, "gc")

@@ -50,8 +50,8 @@ def test_ttl_pins_persist_the_bytes_and_unpin_gives_the_ttl_back(redis_server):
     r = redis.Redis.from_url(redis_server.url)
     t.put(bid("a"), b"y" * 3000, k(b"1"))
     t.link_many([(k(b"2"), bid("a"))])
-    data = [f"ttl:{{b:{bid('a')}}}{sfx}" for sfx in ("", ":0", ":1", ":2")]
-    key1 = t._kname(k(b"1"))
+    data = [f"ttl:{{b:{bid('a')}}}{sfx}" for sfx in ("", ":0", ":1", ":2", ":m")]  # and counts
+    key1 = t.names.key(k(b"1"))
     assert all(0 < r.ttl(n) <= 100 for n in [*data, key1])
     t.pin_many([k(b"1"), k(b"2")])
     assert all(r.ttl(n) == -1 for n in [*data, key1])
@@ -104,7 +104,7 @@ def test_a_key_whose_bytes_are_gone_answers_absent_is_removed_and_reported(
     s.put(k(b"b"), kv_block(2)).result()
     r = redis.Redis.from_url(redis_server.url)
     if how == "expired":
-        r.persist(s.redis._kname(k(b"a")))   # the index outlives the bytes
+        r.persist(s.redis.names.key(k(b"a")))   # the index outlives the bytes
         time.sleep(1.5)
     else:                                     # maxmemory eviction of the bytes alone
         r.delete(f"cwm:{{b:{s.redis.lookup_many([k(b'a')])[0]}}}")
@@ -140,9 +140,11 @@ def test_gc_removes_dangling_keys_and_orphan_bytes(redis_server):
 
 def test_gc_sweeps_the_index_entries_a_ttl_expiry_left_behind(redis_server, make_store,
                                                               kv_block):
-    """Keys and bytes that expire leave their group's index, refs and sizes entries behind
-    (~300 B a block, never freed); gc removes them and leaves live and pinned ones."""
+    """A key name that expires leaves its shard's index entry behind (never freed otherwise);
+    gc removes it and leaves live and pinned ones. A blob's counts carry its bytes' TTL, so
+    they expire with them (format 2 kept them in hashes, ~300 B a block never freed)."""
     from cwm_plugin.store.maintenance import collect_garbage
+    from cwm_plugin.store.tiers.redis_layout import shard_of
 
     s = make_store(redis_url=redis_server.url, redis_prefix="swp", redis_ttl_s=1000,
                    memory_bytes=0)
@@ -152,14 +154,46 @@ def test_gc_sweeps_the_index_entries_a_ttl_expiry_left_behind(redis_server, make
     s.redis.pin_many([k(b"kept")])
     r = redis.Redis.from_url(redis_server.url)
     old = s.redis.lookup_many([k(b"old")])[0]
-    r.delete(s.redis._kname(k(b"old")), *s.redis.blobs.names(r, [old]))  # as if expired
-    base = s.redis._gkeys(G)
-    assert r.zcard(base[6]) == 3 and r.hlen(base[1]) == 3
+    assert 0 < r.ttl(s.redis.blobs.meta(old)) <= 1000          # the counts expire too
+    r.delete(s.redis.names.key(k(b"old")), *s.redis.blobs.names(r, [old]))  # as if expired
+
+    def entries() -> int:
+        return sum(r.zcard(s.redis.names.index(shard_of(k(n)))) for n in (b"old", b"live",
+                                                                             b"kept"))
+    assert entries() == 3
     report = collect_garbage(s, min_age_s=0)
-    assert report.expired_entries == 2  # the key's index entry, the blob's sizes/refs
-    assert r.zcard(base[6]) == 2 and r.hlen(base[1]) == 2 and r.hlen(base[0]) == 2
+    assert report.expired_entries == 1 and entries() == 2
     assert s.contains_many([k(b"live"), k(b"kept"), k(b"old")]) == [True, True, False]
     assert collect_garbage(s, min_age_s=0).expired_entries == 0
+
+
+def test_format_2_names_are_never_read_and_gc_deletes_them(redis_server, make_store, kv_block):
+    """Format 2 kept a model's whole index under one hash tag (one cluster slot) and its
+    totals in one ``stats`` hash. Those names are not read any more: the block is a miss (it
+    is recomputed and saved again), nothing fails on them, and gc deletes them and then,
+    unreferenced, their blob."""
+    from cwm_plugin.store.maintenance import collect_garbage
+    from cwm_plugin.store.tiers.redis_layout import Names
+
+    r = redis.Redis.from_url(redis_server.url)
+    g, rest, old = G.hex(), b"a".hex(), bid("f")
+    r.set(f"cwm:{{b:{old}}}", b"old bytes")
+    r.set(f"cwm:{{{g}}}:k:{rest}", old)
+    r.hset(f"cwm:{{{g}}}:refs", old, 1)
+    r.hset(f"cwm:{{{g}}}:sizes", old, 9)
+    r.zadd(f"cwm:{{{g}}}:index", {rest: 0})
+    r.set(f"cwm:{{{g}}}:pinbytes", 0)
+    r.hset("cwm:stats", mapping={"bytes": 9, "blobs": 1})
+    s = make_store(redis_url=redis_server.url, memory_bytes=0, redis_write="through")
+    assert s.contains_many([k(b"a")]) == [False] and s.get(k(b"a")) is None
+    assert s.redis.list_keys(G) == [] and s.redis.dangling_keys() == []
+    s.put(k(b"a"), kv_block(1)).result()
+    assert torch.equal(s.get(k(b"a")), kv_block(1))
+    assert [i.key for i in s.redis.list_keys(G)] == [k(b"a")]
+    report = collect_garbage(s, min_age_s=0)
+    assert report.old_format_entries == 6 and report.removed_blobs == {"redis": 1}
+    assert not any(Names("cwm").old_format(n.decode()) for n in r.scan_iter("cwm:*"))
+    assert not r.exists(f"cwm:{{b:{old}}}") and torch.equal(s.get(k(b"a")), kv_block(1))
 
 
 def test_reads_go_in_bounded_chunks(redis_server):
@@ -281,7 +315,9 @@ def test_under_allkeys_lru_pressure_reads_are_right_or_misses(redis_server, make
     # allkeys-lru may evict any name: bytes, keys, refcounts. Content addressing and checksums
     # keep every read right (a block is the saved one, or a miss); nothing raises.
     r = redis.Redis.from_url(redis_server.url)
-    r.config_set("maxmemory", 2 << 20)
+    # 4 MiB, 10 MiB written: at 2 MiB a server's ~1 MiB of its own and the clients' buffers
+    # (a 256 KiB blob each) left room for one blob, and a read's buffers could evict it
+    r.config_set("maxmemory", 4 << 20)
     r.config_set("maxmemory-policy", "allkeys-lru")
     s = make_store(redis_url=redis_server.url, memory_bytes=0, redis_write="through",
                    zstd_level=0)

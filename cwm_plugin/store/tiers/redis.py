@@ -1,51 +1,41 @@
 """Shared Redis tier (single node, Redis Cluster or Valkey): blobs and their key index.
 
 Redis is this tier's own index, so a second server with empty local tiers that shares the Redis
-finds and loads the blocks. Layout under ``<prefix>:`` (format 2):
-
-* per key *group* (namespace + rank, hash tag ``{g}`` = the group's hex, one cluster slot):
-  ``{g}:k:<rest>`` -> blob id (string with the TTL, none while pinned), and the hashes
-  ``{g}:refs`` (blob -> keys), ``{g}:sizes`` (blob -> bytes), ``{g}:pins`` (rest -> expiry),
-  ``{g}:pinned`` (blob -> pinned keys), the counter ``{g}:pinbytes`` and the sorted set
-  ``{g}:pinexp`` of pin expiries. Batch key operations are one Lua script per group
-  (:mod:`.redis_scripts`), atomic.
-* ``{b:<blob id>}`` -> the blob, or for blobs over ``max_value_bytes`` a small manifest naming
-  the parts ``{b:<blob id>}:<i>`` (same slot; written before the manifest: :mod:`.redis_blobs`
-  reads, writes, expires and deletes the bytes). Blob bytes are
-  written before the script that maps a key to them and deleted after the script that frees
-  them; with ``ttl_s`` they expire unless a pinned key points to them.
-* ``stats`` -> hash of ``bytes`` and ``blobs`` (approximate; ``usage()`` recounts).
+finds and loads the blocks. Names (format 3, :mod:`.redis_layout`) spread a model's keys over
+every slot: a key lives in one of 256 shards by a checksum of the key, a blob with its
+reference and pin counts in its own slot, a key group's pinned bytes (the pin quota) in the
+group's slot, the approximate totals in 16 stats hashes. Batch key operations are one Lua
+script per shard and per blob changed (:mod:`.redis_index`, :mod:`.redis_scripts`): atomic
+within a slot, counts never too low across slots. Format 2's names (one slot a model) are
+not read any more; ``gc`` deletes them.
 
 A key whose bytes are gone (TTL expiry, ``maxmemory`` eviction) answers present in the index;
 reads find it *dangling*, remove it and report it dropped (``exists_many`` checks the bytes
-too), and ``gc`` removes the rest. Reads fetch blobs in chunks of at most ``read_chunk_bytes``.
-Every call is bounded by ``timeout_s``; while Redis is unreachable calls fail fast with
-:class:`TierUnavailable` (the store then serves from local tiers), reconnection is retried
-with exponential backoff, and the outage is logged once.
+too), and ``gc`` removes the rest. Reads fetch blobs in chunks of at most ``read_chunk_bytes``
+and look keys up with one pipelined round trip per node. Every call is bounded by
+``timeout_s``; while Redis is unreachable calls fail fast with :class:`TierUnavailable` (the
+store then serves from local tiers), reconnection is retried with exponential backoff, and
+the outage is logged once.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from cwm_plugin.errors import TierUnavailable
-from cwm_plugin.store.tiers.base import (
-    GROUP_BYTES,
-    KeyInfo,
-    QuotaExceeded,
-    Tier,
-    TierUsage,
-    group_of,
-)
+from cwm_plugin.store.tiers.base import KeyInfo, Tier, TierUsage
 from cwm_plugin.store.tiers.redis_blobs import RedisBlobs
 from cwm_plugin.store.tiers.redis_blobs import as_str as _s
 from cwm_plugin.store.tiers.redis_conn import RedisConnection
+from cwm_plugin.store.tiers.redis_index import RedisIndex
+from cwm_plugin.store.tiers.redis_layout import SHARDS, shard_of
 from cwm_plugin.store.tiers.redis_scripts import SCRIPTS
 
 log = logging.getLogger(__name__)
+SCAN_BATCH = 1000
 
 
 class RedisTier(Tier):
@@ -68,40 +58,13 @@ class RedisTier(Tier):
         self._call = self.conn.call
         self.blobs = RedisBlobs(self._call, prefix, ttl_s, max_value_bytes,
                                 max(1, read_chunk_bytes // max_value_bytes))
+        self.names = self.blobs.layout
+        self.index = RedisIndex(self.conn, self.blobs, ttl_s)
         self.totals: tuple[int, int] | None = None     # (bytes, blobs), approximate
 
     @property
     def available(self) -> bool:
         return self.conn.available
-
-    # --- names --------------------------------------------------------------------------------
-
-    def _kprefix(self, group: bytes) -> str:
-        return f"{self.prefix}:{{{group.hex()}}}:k:"
-
-    def _kname(self, key: bytes) -> str:
-        return self._kprefix(group_of(key)) + bytes(key[GROUP_BYTES:]).hex()
-
-    def _gkeys(self, group: bytes) -> list[str]:
-        base = f"{self.prefix}:{{{group.hex()}}}:"
-        return [base + n for n in ("refs", "sizes", "pins", "pinned", "pinbytes", "pinexp",
-                                   "index")]
-
-    @property
-    def _ttl(self) -> str:
-        return str(self.ttl_s) if self.ttl_s else ""
-
-    @staticmethod
-    def _by_group(keys: Iterable[bytes]) -> dict[bytes, list[bytes]]:
-        out: dict[bytes, list[bytes]] = {}
-        for k in keys:
-            out.setdefault(group_of(k), []).append(bytes(k))
-        return out
-
-    def _script(self, name: str, group: bytes, keys: Sequence[bytes], args: Sequence) -> Any:
-        names = self._gkeys(group) + [self._kname(k) for k in keys]
-        argv = [self._ttl, f"{time.time():.3f}", self._kprefix(group), *args]
-        return self._call(lambda c: self.conn.scripts[name](keys=names, args=argv, client=c))
 
     # --- blobs --------------------------------------------------------------------------------
 
@@ -112,27 +75,8 @@ class RedisTier(Tier):
         return self.blobs.has(blob_id)
 
     def put(self, blob_id: str, data: bytes, key: bytes, *, replace: bool = False) -> bool:
-        """Write the blob's bytes (kept if present, TTL renewed), then map ``key`` to it in
-        the key's group (one script)."""
-        created = self._call(lambda c: self.blobs.write(c, blob_id, data))
-        group = group_of(key)
-        res = self._script("map", group, [key], [blob_id, len(data), "1" if replace else ""])
-        if int(res[0]) == 0 and created:       # the key kept another writer's blob
-            self.blobs.delete([blob_id])
-        # a pinned key re-pointed (a window's manifest rewritten by a thaw): the new bytes
-        # are PERSISTed, the old get their TTL back (else the manifest expired with the TTL
-        # and its window vanished, its blocks pinned for good)
-        self._after(res)
-        return True
-
-    def _after(self, res: Sequence) -> None:
-        """Apply a script's blob lists: (.., freed, protect, release) -> delete, PERSIST, EXPIRE."""
-        freed, protect, release = ([_s(b) for b in part] for part in res[-3:])
-        self.blobs.delete(freed)
-        if protect:
-            self._call(lambda c: self.blobs.expire(c, protect, persist=True))
-        if release:
-            self._call(lambda c: self.blobs.expire(c, release))
+        """Write the blob's bytes (kept if present, TTL renewed) and map ``key`` to it."""
+        return self.index.put(blob_id, data, key, replace=replace)
 
     def forget_blobs(self, blob_ids: Sequence[str], reason: str,
                      keys: Sequence[bytes] = ()) -> list[bytes]:
@@ -141,34 +85,16 @@ class RedisTier(Tier):
         dropped: list[bytes] = []
         if keys:
             found = self.lookup_many(keys)
-            dropped = self._unmap_if([(k, b) for k, b in zip(keys, found, strict=True)
-                                      if b is not None and b in set(blob_ids)])
+            dropped = self.index.unmap([(k, b) for k, b in zip(keys, found, strict=True)
+                                        if b is not None and b in set(blob_ids)])
         self.blobs.delete(list(blob_ids))
         self._dropped(dropped, reason)
         return dropped
 
-    def _unmap_if(self, pairs: Sequence[tuple[bytes, str | None]]) -> list[bytes]:
-        """Delete keys that still point to the given blob (any blob for None)."""
-        out: list[bytes] = []
-        groups: dict[bytes, list[tuple[bytes, str | None]]] = {}
-        for k, b in pairs:
-            groups.setdefault(group_of(k), []).append((bytes(k), b))
-        for g, items in groups.items():
-            args = [x for k, b in items for x in (k[GROUP_BYTES:].hex(), b or "")]
-            res = self._script("delete_many", g, [k for k, _ in items], args)
-            out += [g + bytes.fromhex(_s(r)) for r in res[0]]
-            self._after(res)
-        return out
-
     # --- keys ---------------------------------------------------------------------------------
 
     def lookup_many(self, keys: Sequence[bytes]) -> list[str | None]:
-        found: dict[bytes, str | None] = {}
-        for ks in self._by_group(keys).values():
-            vals = self._call(lambda c, ks=ks: c.mget([self._kname(k) for k in ks]))
-            found.update({k: _s(v) if v is not None else None
-                          for k, v in zip(ks, vals, strict=True)})
-        return [found.get(bytes(k)) for k in keys]
+        return self.index.lookup(keys)
 
     def _with_bytes(self, keys: Sequence[bytes]) -> tuple[list[str | None], list[bool]]:
         """(the blob of each key, whether that blob's bytes are there)."""
@@ -183,66 +109,42 @@ class RedisTier(Tier):
         dangling = [(bytes(k), b) for k, b, good in zip(keys, blobs, ok, strict=True)
                     if b is not None and not good]
         if dangling:
-            self._dropped(self._unmap_if(dangling), "dangling")
+            self.forget_dangling(dangling)
         return ok
 
     def forget_dangling(self, pairs: Sequence[tuple[bytes, str]]) -> None:
         """Keys a read found pointing to missing bytes: remove and report them."""
-        self._dropped(self._unmap_if(pairs), "dangling")
+        self._dropped(self.index.unmap(pairs), "dangling")
 
     def link_many(self, links: Sequence[tuple[bytes, str]]) -> list[bytes]:
-        out: list[bytes] = []
-        groups: dict[bytes, list[tuple[bytes, str]]] = {}
-        for k, b in links:
-            groups.setdefault(group_of(k), []).append((bytes(k), b))
-        for g, items in groups.items():
-            args = [x for k, b in items for x in (k[GROUP_BYTES:].hex(), b)]
-            res = self._script("link_many", g, [k for k, _ in items], args)
-            out += [g + bytes.fromhex(_s(r)) for r in res[0]]
-            self._after(res)
-            if self.ttl_s:          # a blob lives as long as its newest key (pinned: no TTL)
-                ids = sorted({b for _, b in items})
-                self._call(lambda c, ids=ids: self.blobs.expire(c, ids, only_if_ttl=True))
-        return out
+        return self.index.link(links)
 
     def delete_many(self, keys: Sequence[bytes]) -> list[bytes]:
-        return self._unmap_if([(bytes(k), None) for k in keys])
+        return self.index.unmap([(bytes(k), None) for k in keys])
 
     def pin_many(self, keys: Sequence[bytes], *, ttl_s: float | None = None,
                  quota_bytes: int | None = None) -> list[bytes]:
-        expires = 0 if ttl_s is None else time.time() + ttl_s
-        out: list[bytes] = []
-        for g, ks in self._by_group(keys).items():
-            args = [f"{expires:.3f}", "" if quota_bytes is None else str(quota_bytes),
-                    *(k[GROUP_BYTES:].hex() for k in ks)]
-            res = self._script("pin_many", g, ks, args)
-            if res and not isinstance(res[0], list) and int(res[0]) == -1:
-                raise QuotaExceeded(f"pinning {len(ks)} keys would hold {int(res[1]):,} pinned "
-                                    f"bytes in Redis for one model and rank, over the quota of "
-                                    f"{quota_bytes:,}",
-                                    hint="delete or unpin windows, or raise pin_quota_bytes")
-            out += [g + bytes.fromhex(_s(r)) for r in res[0]]
-            self._after([[], *res[1:]])
-        return out
+        return self.index.pin(keys, 0 if ttl_s is None else time.time() + ttl_s, quota_bytes)
 
     def unpin_many(self, keys: Sequence[bytes]) -> list[bytes]:
-        out: list[bytes] = []
-        for g, ks in self._by_group(keys).items():
-            res = self._script("unpin_many", g, ks, [k[GROUP_BYTES:].hex() for k in ks])
-            out += [g + bytes.fromhex(_s(r)) for r in res[0]]
-            self._after([[], *res[1:]])
-        return out
+        return self.index.unpin(keys)
 
     def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None,
                   limit: int = 1000) -> list[KeyInfo]:
-        """Keys by prefix: within one group (a prefix of 18+ bytes) an ordered range of the
-        group's index; shorter prefixes SCAN every group (maintenance only)."""
-        if len(prefix) >= GROUP_BYTES:
-            found = self._list_group(prefix, after, limit)
-        else:
-            found = sorted(k for k in self._scan_keys() if k.startswith(prefix)
-                           and (after is None or k > after))[:limit]
-        return [i for i in self.info_many(found) if i is not None]
+        """Keys by prefix, in order: a range of every shard's index, merged."""
+        p = bytes(prefix).hex()
+        lo = f"[{p}" if p else "-"
+        if after is not None and (a := bytes(after).hex()) >= p:
+            lo = f"({a}"
+        hi = f"[{p}\xff" if p else "+"
+
+        def run(c: Any) -> list:
+            pipe = c.pipeline(transaction=False)
+            for s in range(SHARDS):
+                pipe.zrangebylex(self.names.index(s), lo, hi, start=0, num=limit)
+            return pipe.execute()
+        found = sorted({_s(r) for rows in self._call(run) for r in rows})[:limit]
+        return [i for i in self.info_many([bytes.fromhex(r) for r in found]) if i is not None]
 
     def info_many(self, keys: Sequence[bytes]) -> list[KeyInfo | None]:
         keys = [bytes(k) for k in keys]
@@ -252,9 +154,8 @@ class RedisTier(Tier):
         def details(c: Any) -> list:
             pipe = c.pipeline(transaction=False)
             for key, b in rows:
-                names = self._gkeys(group_of(key))
-                pipe.hget(names[2], key[GROUP_BYTES:].hex())
-                pipe.hget(names[1], b)
+                pipe.hget(self.names.pins(shard_of(key)), key.hex())
+                pipe.hget(self.blobs.meta(b), "size")
             return pipe.execute()
         res = self._call(details) if rows else []
         now = time.time()
@@ -264,42 +165,24 @@ class RedisTier(Tier):
                  for (key, b), e, size in zip(rows, expiry, res[1::2], strict=True)}
         return [found.get(k) for k in keys]
 
-    def _list_group(self, prefix: bytes, after: bytes | None, limit: int) -> list[bytes]:
-        group, rest = group_of(prefix), prefix[GROUP_BYTES:].hex()
-        lo = f"[{rest}"
-        if after is not None and after[:GROUP_BYTES] == group and after[GROUP_BYTES:].hex() >= rest:
-            lo = f"({after[GROUP_BYTES:].hex()}"
-        elif after is not None and after[:GROUP_BYTES] > group:
-            return []
-        index = self._gkeys(group)[6]
-        rests = self._call(lambda c: c.zrangebylex(index, lo, f"[{rest}\xff", start=0,
-                                                   num=limit))
-        return [group + bytes.fromhex(_s(r)) for r in rests]
+    # --- maintenance (SCAN: gc and usage only) ------------------------------------------------
+
+    def _scan(self, c: Any, pattern: str) -> list[str]:
+        return [_s(n) for n in c.scan_iter(match=pattern, count=SCAN_BATCH)]
 
     def _scan_keys(self) -> list[bytes]:
-        names = self._call(lambda c: [_s(n) for n in c.scan_iter(
-            match=f"{self.prefix}:{{*}}:k:*", count=1000)])
-        out = []
-        for n in names:
-            head, _, rest = n.rpartition(":k:")
-            out.append(bytes.fromhex(head[head.index("{") + 1:-1]) + bytes.fromhex(rest))
-        return out
-
-    # --- maintenance --------------------------------------------------------------------------
+        names = self._call(lambda c: self._scan(c, self.names.key_pattern))
+        return [k for n in names if (k := self.names.parse_key(n)) is not None]
 
     def blob_ids(self) -> list[str]:
         return self.blobs.ids()
 
-    def _referenced(self) -> set[str]:
-        def run(c: Any) -> set[str]:
-            out: set[str] = set()
-            for name in c.scan_iter(match=f"{self.prefix}:{{*}}:refs", count=1000):
-                out |= {_s(b) for b in c.hkeys(name)}
-            return out
-        return self._call(run)
-
     def unreferenced(self, min_age_s: float = 0.0) -> list[str]:
-        refs = self._referenced()
+        """Blobs no key points to (the keys themselves, not the counts: a count a client
+        left too high when it died does not keep a blob), untouched for ``min_age_s``."""
+        keys = self._scan_keys()
+        refs = {b for i in range(0, len(keys), SCAN_BATCH)
+                for b in self.lookup_many(keys[i:i + SCAN_BATCH]) if b is not None}
         return self.blobs.idle([b for b in self.blob_ids() if b not in refs], min_age_s)
 
     def dangling_keys(self) -> list[bytes]:
@@ -308,35 +191,38 @@ class RedisTier(Tier):
         return [k for k, b, good in zip(keys, blobs, ok, strict=True) if b and not good]
 
     def sweep_expired(self) -> int:
-        """Index entries a TTL expiry left behind; returns how many were removed. A key name
-        that expired stays in its group's ``index``, and a blob whose bytes expired stays in
-        ``refs`` / ``sizes`` (~300 bytes a block saved, never freed: under ``noeviction`` they
-        fill ``maxmemory`` in the end). Entries of pinned blobs are left alone."""
+        """Index entries of key names a TTL expired (they stay in their shard's index; a
+        blob's counts expire with its bytes); returns how many were removed."""
         def run(c: Any) -> int:
             removed = 0
-            for index in [_s(n) for n in c.scan_iter(match=f"{self.prefix}:{{*}}:index",
-                                                     count=1000)]:
-                base = index[:-len("index")]
+            for s in range(SHARDS):
+                index = self.names.index(s)
                 rests = [_s(r) for r in c.zrange(index, 0, -1)]
                 for i in range(0, len(rests), 500):
                     part = rests[i:i + 500]
                     pipe = c.pipeline(transaction=False)
                     for r in part:
-                        pipe.exists(f"{base}k:{r}")
+                        pipe.exists(self.names.key(bytes.fromhex(r)))
                     gone = [r for r, there in zip(part, pipe.execute(), strict=True)
                             if not there]
                     if gone:
                         removed += int(c.zrem(index, *gone))
-                blobs = [_s(b) for b in c.hkeys(f"{base}sizes")]
-                pinned = {_s(b) for b in c.hkeys(f"{base}pinned")}
-                there = self.blobs.present([b for b in blobs if b not in pinned])
-                gone = [b for b, ok in there.items() if not ok]
-                if gone:
-                    c.hdel(f"{base}sizes", *gone)
-                    c.hdel(f"{base}refs", *gone)
-                    removed += len(gone)
             return removed
         return self._call(run) if self.ttl_s else 0
+
+    def drop_old_format(self) -> int:
+        """Delete the names of format 2 (one hash tag a namespace and rank, one ``stats``):
+        nothing reads them any more; their blobs, which no key points to now, go as
+        unreferenced. Returns how many names were deleted."""
+        def run(c: Any) -> int:
+            old = [n for n in self._scan(c, f"{self.prefix}:*") if self.names.old_format(n)]
+            for i in range(0, len(old), 500):
+                pipe = c.pipeline(transaction=False)
+                for n in old[i:i + 500]:
+                    pipe.delete(n)
+                pipe.execute()
+            return len(old)
+        return self._call(run)
 
     def stats(self) -> tuple[int, int]:
         self.totals = self.blobs.totals()
@@ -354,12 +240,12 @@ class RedisTier(Tier):
         return TierUsage(self.name, size, len(ids), None, keys=keys, pinned_bytes=pinned)
 
     def _index_counts(self, c: Any) -> tuple[int, int]:
-        """(keys, pinned bytes) over every group's index and pin counter (SCAN)."""
-        keys = pinned = 0
-        for name in c.scan_iter(match=f"{self.prefix}:{{*}}:index", count=1000):
-            keys += int(c.zcard(name))
-        for name in c.scan_iter(match=f"{self.prefix}:{{*}}:pinbytes", count=1000):
-            pinned += int(c.get(name) or 0)
+        """(keys, pinned bytes): every shard's index, every group's pin counter (SCAN)."""
+        pipe = c.pipeline(transaction=False)
+        for s in range(SHARDS):
+            pipe.zcard(self.names.index(s))
+        keys = sum(int(n) for n in pipe.execute())
+        pinned = sum(int(c.get(n) or 0) for n in self._scan(c, self.names.pinbytes_pattern))
         return keys, pinned
 
     def close(self) -> None:

@@ -2,9 +2,11 @@
 
 ``{b:<blob id>}`` under the tier's prefix holds the blob, or for blobs over ``max_value``
 bytes a manifest (``MANIFEST`` + JSON ``{"n", "size"}``) naming the parts
-``{b:<blob id>}:<i>`` (the same cluster slot, written before the manifest). With a TTL the
-bytes expire unless the key index (:mod:`.redis`) persists them for a pinned key. ``stats``
-keeps approximate totals (``bytes``, ``blobs``) that :meth:`RedisBlobs.recount` corrects.
+``{b:<blob id>}:<i>`` (written with it in one transaction); ``{b:<blob id>}:m`` holds its
+reference and pin counts (all in the blob's slot; the counts are :mod:`.redis_index`'s). With
+a TTL the bytes and the counts expire together unless a pinned key persists them. Approximate totals
+(``bytes``, ``blobs``) are kept in ``STATS_SHARDS`` hashes (no single hot key) that
+:meth:`RedisBlobs.recount` corrects.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from cwm_plugin.store.tiers.redis_layout import STATS_SHARDS, Names
 
 MANIFEST = b"\x00CWMPARTS"
 
@@ -35,6 +39,7 @@ class RedisBlobs:
                  ttl_s: int | None, max_value: int, read_chunk: int) -> None:
         self._call = call
         self.prefix = prefix
+        self.layout = Names(prefix)
         self.ttl_s = ttl_s
         self.max_value = max_value
         self.read_chunk = read_chunk          # blobs a round trip of get_many
@@ -42,12 +47,38 @@ class RedisBlobs:
     def name(self, blob_id: str) -> str:
         return f"{self.prefix}:{{b:{blob_id}}}"
 
+    def meta(self, blob_id: str) -> str:
+        return f"{self.name(blob_id)}:m"
+
     def parts(self, blob_id: str, n: int) -> list[str]:
         return [f"{self.name(blob_id)}:{j}" for j in range(n)]
 
-    @property
-    def stats_key(self) -> str:
-        return f"{self.prefix}:stats"
+    def write(self, c: Any, blob_id: str, data: bytes) -> bool:
+        """Write the bytes unless present, parts before the manifest in one transaction (the
+        blob's slot); True if this call created them."""
+        ex = self.ttl_s or None
+        pipe = c.pipeline(transaction=True)
+        value: bytes = data
+        if len(data) > self.max_value:
+            n = (len(data) + self.max_value - 1) // self.max_value
+            mv = memoryview(data)
+            for j, part in enumerate(self.parts(blob_id, n)):
+                pipe.set(part, bytes(mv[j * self.max_value:(j + 1) * self.max_value]),
+                         ex=ex, nx=True)
+            value = MANIFEST + json.dumps({"n": n, "size": len(data)}).encode()
+        pipe.set(self.name(blob_id), value, ex=ex, nx=True)
+        return bool(pipe.execute()[-1])
+
+    def count(self, c: Any, sizes: dict[str, int], sign: int) -> None:
+        """Add (``sign`` 1) or take (-1) blobs of these sizes from the totals."""
+        if not sizes:
+            return
+        pipe = c.pipeline(transaction=False)
+        for b, size in sizes.items():
+            name = self.layout.stats_of(b)
+            pipe.hincrby(name, "bytes", sign * size)
+            pipe.hincrby(name, "blobs", sign)
+        pipe.execute()
 
     def get_many(self, blob_ids: Sequence[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -77,37 +108,37 @@ class RedisBlobs:
     def has(self, blob_id: str) -> bool:
         return bool(self._call(lambda c: c.exists(self.name(blob_id))))
 
-    def write(self, c: Any, blob_id: str, data: bytes) -> bool:
-        """Write the bytes unless present (then renew a TTL); True if this call created them."""
-        ex = self.ttl_s or None
-        pipe = c.pipeline(transaction=False)
-        value: bytes = data
-        if len(data) > self.max_value:
-            n = (len(data) + self.max_value - 1) // self.max_value
-            mv = memoryview(data)
-            for j, part in enumerate(self.parts(blob_id, n)):
-                pipe.set(part, bytes(mv[j * self.max_value:(j + 1) * self.max_value]),
-                         ex=ex, nx=True)
-            value = MANIFEST + json.dumps({"n": n, "size": len(data)}).encode()
-        pipe.set(self.name(blob_id), value, ex=ex, nx=True)
-        created = bool(pipe.execute()[-1])
-        if created:
-            c.hincrby(self.stats_key, "bytes", len(data))
-            c.hincrby(self.stats_key, "blobs", 1)
-        elif ex:
-            self.expire(c, [blob_id], only_if_ttl=True)
-        return created
-
     def names(self, c: Any, blob_ids: Sequence[str]) -> list[str]:
-        """Every Redis name holding these blobs (values and parts)."""
+        """Every Redis name holding these blobs (values, parts and counts)."""
+        return [n for names in self._names_sizes(c, blob_ids).values() for n in names[0]]
+
+    def _names_sizes(self, c: Any, blob_ids: Sequence[str]) -> dict[str, tuple[list[str], int]]:
+        """Per blob: its names (the value first) and its size."""
         pipe = c.pipeline(transaction=False)
         for b in blob_ids:
             pipe.getrange(self.name(b), 0, 127)
-        names: list[str] = []
-        for b, head in zip(blob_ids, pipe.execute(), strict=True):
+            pipe.strlen(self.name(b))
+        res = pipe.execute() if blob_ids else []
+        out: dict[str, tuple[list[str], int]] = {}
+        for b, head, length in zip(blob_ids, res[0::2], res[1::2], strict=True):
             m = parse_manifest(head)
-            names += [self.name(b), *(self.parts(b, m[0]) if m else [])]
-        return names
+            out[b] = ([self.name(b), self.meta(b), *(self.parts(b, m[0]) if m else [])],
+                      m[1] if m else int(length or 0))
+        return out
+
+    def parts_of(self, heads: dict[str, bytes]) -> dict[str, list[str]]:
+        """The part names of the split blobs among these (``heads``: each value's first
+        bytes)."""
+        return {b: self.parts(b, m[0]) for b, head in heads.items()
+                if (m := parse_manifest(head))}
+
+    def meta_many(self, c: Any, blob_ids: Sequence[str]) -> dict[str, tuple[int, int, str]]:
+        """(pins, size, group hex) of each blob whose counts are there."""
+        pipe = c.pipeline(transaction=False)
+        for b in blob_ids:
+            pipe.hmget(self.meta(b), ["pins", "size", "grp"])
+        return {b: (int(p), int(s or 0), as_str(g or b"")) for b, (p, s, g)
+                in zip(blob_ids, pipe.execute(), strict=True) if p is not None}
 
     def expire(self, c: Any, blob_ids: Sequence[str], *, only_if_ttl: bool = False,
                persist: bool = False) -> None:
@@ -133,18 +164,18 @@ class RedisBlobs:
             return
 
         def run(c: Any) -> None:
-            names = self.names(c, blob_ids)
+            found = self._names_sizes(c, list(dict.fromkeys(blob_ids)))
             pipe = c.pipeline(transaction=False)
-            for b in blob_ids:
-                pipe.strlen(self.name(b))
-            sizes = pipe.execute()
-            pipe = c.pipeline(transaction=False)
-            for n in names:
-                pipe.delete(n)
-            gone = sum(pipe.execute()[:len(names)])
-            if gone:
-                c.hincrby(self.stats_key, "blobs", -len(blob_ids))
-                c.hincrby(self.stats_key, "bytes", -sum(int(s or 0) for s in sizes))
+            for names, _ in found.values():
+                for n in names:
+                    pipe.delete(n)
+            res = iter(pipe.execute())
+            gone = {}
+            for b, (names, size) in found.items():
+                dels = [next(res) for _ in names]
+                if dels[0]:                   # the value was there: one blob fewer
+                    gone[b] = size
+            self.count(c, gone, -1)
         self._call(run)
 
     def present(self, blob_ids: Sequence[str]) -> dict[str, bool]:
@@ -183,10 +214,19 @@ class RedisBlobs:
             for length, head in zip(res[0::2], res[1::2], strict=True):
                 manifest = parse_manifest(head)
                 total += manifest[1] if manifest else int(length or 0)
-            c.hset(self.stats_key, mapping={"bytes": total, "blobs": len(blob_ids)})
+            pipe = c.pipeline(transaction=False)
+            for i in range(STATS_SHARDS):
+                pipe.hset(self.layout.stats(i), mapping={
+                    "bytes": total if i == 0 else 0, "blobs": len(blob_ids) if i == 0 else 0})
+            pipe.execute()
             return total
         return self._call(run)
 
     def totals(self) -> tuple[int, int]:
-        vals = self._call(lambda c: c.hmget(self.stats_key, ["bytes", "blobs"]))
-        return int(vals[0] or 0), int(vals[1] or 0)
+        def run(c: Any) -> list:
+            pipe = c.pipeline(transaction=False)
+            for i in range(STATS_SHARDS):
+                pipe.hmget(self.layout.stats(i), ["bytes", "blobs"])
+            return pipe.execute()
+        rows = self._call(run)
+        return sum(int(r[0] or 0) for r in rows), sum(int(r[1] or 0) for r in rows)

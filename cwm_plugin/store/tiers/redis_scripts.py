@@ -1,180 +1,161 @@
-"""Lua scripts of the Redis tier's key index: one script a batch operation, one hash slot.
+"""Lua scripts of the Redis tier: each runs in one hash slot, atomically (names: ``redis_layout``).
 
-Every script works inside one key *group* (namespace + rank), whose names share the hash tag
-``{<group hex>}`` and so one slot of a Redis Cluster (see ``redis.py`` for the layout). The
-common ``KEYS`` are ``refs, sizes, pins, pinned, pinbytes, pinexp, index`` followed by the key
-names ``k:<rest>`` (``index`` is a sorted set of the group's rests, for ordered listing); ``ARGV`` starts with the TTL ('' for none) and the current time. A script checks
-everything before it writes, so an error (a quota) leaves nothing half-done; Redis runs it
-atomically. Blob bytes live in their own slots and are written before, and deleted after, the
-script that references or frees them (a crash between leaves an orphan that ``gc`` removes,
-never a key pointing to bytes that were not written).
+*Blob scripts* (``KEYS``: the blob's value and its meta hash) keep a blob's reference and pin
+counts with its bytes (written before, in one transaction: blob bytes never go through Lua):
+``blob_ref`` adds reference and pin deltas (counting a blob just written) and, when no
+reference is left, deletes the value and the meta in the same step, returning ``{refs (0
+freed, -1 not held, -2 unknown), pins before, pins after, size, grp, the freed value's head}``;
+``drop_parts`` then deletes a freed blob's parts unless it was written again meanwhile.
 
-Returned blob lists tell the client what to do with blob bytes: ``freed`` (no key left: delete
-the bytes), ``protect`` (first pinned key: PERSIST the bytes), ``release`` (last pin gone:
-give the bytes their TTL back).
+*Key scripts* (``KEYS``: the shard's index, its pins hash, then key names; ``ARGV``: the TTL
+('' for none), the time, then per-key arguments) change the keys of one shard: ``set_keys``
+(first writer wins unless replacing), ``delete_keys``, ``pin_keys``, ``unpin_keys``.
+
+A reference or pin is counted on the blob *before* a key points to it or is pinned, and given
+back *after* the key stopped; so a client that dies between two scripts leaves a count too
+high (the blob kept until ``gc``, which goes by the keys themselves, or its TTL), never too
+low (bytes deleted under a key). *Quota scripts* reserve a group's pinned bytes before pins.
 """
 
-_COMMON = """
-local REFS, SIZES, PINS, PINNED, PINBYTES, PINEXP = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local INDEX = KEYS[7]
-local TTL, NOW = ARGV[1], tonumber(ARGV[2])
-local function size_of(b) return tonumber(redis.call('HGET', SIZES, b) or '0') end
-local function pin_ref(b, delta, protect, release)
-  local n = redis.call('HINCRBY', PINNED, b, delta)
-  if delta > 0 and n == 1 then
-    redis.call('INCRBY', PINBYTES, size_of(b)); table.insert(protect, b)
-  elseif delta < 0 and n <= 0 then
-    redis.call('HDEL', PINNED, b); redis.call('DECRBY', PINBYTES, size_of(b))
-    table.insert(release, b)
+# ARGV: refs delta, pins delta, and to count a blob whose bytes were just written: its size,
+# its group (hex), '1' if this client created the bytes (counts left from an evicted value of
+# the same id are reset). A reference is only taken on a blob whose bytes are there.
+BLOB_REF = """
+local v, m = KEYS[1], KEYS[2]
+local dr, dp = tonumber(ARGV[1]), tonumber(ARGV[2])
+local there = redis.call('EXISTS', v) == 1
+if there and ARGV[3] and ARGV[3] ~= '' then
+  if ARGV[5] == '1' then redis.call('DEL', m) end
+  if redis.call('EXISTS', m) == 0 then
+    redis.call('HSET', m, 'refs', 0, 'pins', 0, 'size', ARGV[3], 'grp', ARGV[4])
+    local t = redis.call('PTTL', v)
+    if t > 0 then redis.call('PEXPIRE', m, t) end
   end
 end
-local function unref(b, freed)
-  local n = redis.call('HINCRBY', REFS, b, -1)
-  if n <= 0 then
-    redis.call('HDEL', REFS, b); redis.call('HDEL', SIZES, b); redis.call('HDEL', PINNED, b)
-    table.insert(freed, b)
-  end
+if not there or redis.call('EXISTS', m) == 0 then
+  if not there then redis.call('DEL', m) end
+  if dr > 0 then return {-1, 0, 0, '0', '', ''} end
+  return {-2, 0, 0, '0', '', ''}
 end
--- drop the pin of key name k (rest r) pointing to blob b
-local function unpin_key(k, r, b, protect, release)
-  if redis.call('HDEL', PINS, r) == 1 then
-    redis.call('ZREM', PINEXP, r)
-    if b then
-      pin_ref(b, -1, protect, release)
-      if TTL ~= '' then redis.call('EXPIRE', k, TTL) end
-    end
-    return true
-  end
-  return false
+local pins0 = tonumber(redis.call('HGET', m, 'pins') or '0')
+local refs = redis.call('HINCRBY', m, 'refs', dr)
+local pins = pins0
+if dp ~= 0 then
+  pins = math.max(0, pins0 + dp)
+  redis.call('HSET', m, 'pins', pins)
 end
--- pins whose expiry passed (their key names are rebuilt from the k: prefix)
-local function expire_pins(kprefix, protect, release)
-  for _, r in ipairs(redis.call('ZRANGEBYSCORE', PINEXP, '-inf', NOW)) do
-    local k = kprefix .. r
-    unpin_key(k, r, redis.call('GET', k), protect, release)
-  end
+local size, grp = redis.call('HGET', m, 'size') or '0', redis.call('HGET', m, 'grp') or ''
+if refs <= 0 then
+  local head = redis.call('GETRANGE', v, 0, 127)
+  redis.call('DEL', v, m)
+  return {0, pins0, 0, size, grp, head}
 end
+return {refs, pins0, pins, size, grp, ''}
 """
 
-# ARGV: ttl, now, kprefix, blob, size, replace ('1': re-point a key that points elsewhere)
-# KEYS[8]: k -> {1 mapped | 0 the key kept another blob, freed, protect, release}
-MAP = _COMMON + """
-local k, b = KEYS[8], ARGV[4]
-local old = redis.call('GET', k)
-if old == b then
-  if TTL ~= '' and redis.call('TTL', k) >= 0 then redis.call('EXPIRE', k, TTL) end
-  return {1, {}, {}, {}}
-end
-if old and ARGV[6] ~= '1' then return {0, {}, {}, {}} end
-local protect, release, freed = {}, {}, {}
-redis.call('HSET', SIZES, b, ARGV[5])
-redis.call('HINCRBY', REFS, b, 1)
-if old then
-  local r = string.sub(k, #ARGV[3] + 1)
-  if redis.call('HEXISTS', PINS, r) == 1 then
-    pin_ref(b, 1, protect, release)
-    pin_ref(old, -1, protect, release)
-  end
-  unref(old, freed)
-  redis.call('SET', k, b, 'KEEPTTL')
-elseif TTL ~= '' then redis.call('SET', k, b, 'EX', TTL)
-else redis.call('SET', k, b) end
-redis.call('ZADD', INDEX, 0, string.sub(k, #ARGV[3] + 1))
-return {1, freed, protect, release}
+# KEYS: a freed blob's value, then its parts: deleted unless the value is back (written again,
+# parts first, in one transaction, since the value was freed)
+DROP_PARTS = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for i = 2, #KEYS do redis.call('DEL', KEYS[i]) end
+return 1
 """
 
-# ARGV: ttl, now, kprefix, then pairs (rest, blob); KEYS[8..]: k names in pair order
-# -> {linked rests, freed, protect, release}
-LINK_MANY = _COMMON + """
-local linked, freed, protect, release = {}, {}, {}, {}
-for i = 8, #KEYS do
-  local k = KEYS[i]
-  local r, b = ARGV[4 + (i - 8) * 2], ARGV[5 + (i - 8) * 2]
-  if redis.call('HEXISTS', SIZES, b) == 1 then
-    local old = redis.call('GET', k)
-    if old ~= b then
-      local pinned = redis.call('HEXISTS', PINS, r) == 1
-      redis.call('HINCRBY', REFS, b, 1)
-      if pinned then pin_ref(b, 1, protect, release) end
-      if old then
-        if pinned then pin_ref(old, -1, protect, release) end
-        unref(old, freed)
-        redis.call('SET', k, b, 'KEEPTTL')
-      elseif TTL ~= '' and not pinned then redis.call('SET', k, b, 'EX', TTL)
-      else redis.call('SET', k, b) end
-      redis.call('ZADD', INDEX, 0, r)
-    end
-    table.insert(linked, r)
-  end
-end
-return {linked, freed, protect, release}
+_KEYS = """
+local INDEX, PINS, TTL, NOW = KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2])
+local out = {}
 """
 
-# ARGV: ttl, now, kprefix, then per key: rest, expected blob ('' = any)
-# -> {deleted rests, freed, protect, release}
-DELETE_MANY = _COMMON + """
-local found, freed, protect, release = {}, {}, {}, {}
-for i = 8, #KEYS do
-  local k = KEYS[i]
-  local r, want = ARGV[4 + (i - 8) * 2], ARGV[5 + (i - 8) * 2]
+# ARGV: ttl, now, then per key: key hex, blob, replace ('1': re-point a key that points
+# elsewhere) -> per key {key hex, 1 same blob | 0 kept another | 2 set, old blob or '', pinned}
+SET_KEYS = _KEYS + """
+for i = 3, #KEYS do
+  local k, r, b, replace = KEYS[i], ARGV[i * 3 - 6], ARGV[i * 3 - 5], ARGV[i * 3 - 4]
+  local pinned = redis.call('HEXISTS', PINS, r)
+  local old = redis.call('GET', k)
+  if old == b then
+    if TTL ~= '' and redis.call('TTL', k) >= 0 then redis.call('EXPIRE', k, TTL) end
+    table.insert(out, {r, 1, b, pinned})
+  elseif old and replace ~= '1' then
+    table.insert(out, {r, 0, old, pinned})
+  else
+    if old then redis.call('SET', k, b, 'KEEPTTL')
+    elseif TTL ~= '' and pinned == 0 then redis.call('SET', k, b, 'EX', TTL)
+    else redis.call('SET', k, b) end
+    redis.call('ZADD', INDEX, 0, r)
+    table.insert(out, {r, 2, old or '', pinned})
+  end
+end
+return out
+"""
+
+# ARGV: ttl, now, then per key: key hex, expected blob ('' = any)
+# -> per key deleted {key hex, blob, pinned 0/1}
+DELETE_KEYS = _KEYS + """
+for i = 3, #KEYS do
+  local k, r, want = KEYS[i], ARGV[i * 2 - 3], ARGV[i * 2 - 2]
   local b = redis.call('GET', k)
   if not b then redis.call('ZREM', INDEX, r) end
   if b and (want == '' or want == b) then
-    unpin_key(k, r, b, protect, release)
+    local pinned = redis.call('HDEL', PINS, r)
     redis.call('DEL', k)
     redis.call('ZREM', INDEX, r)
-    unref(b, freed)
-    table.insert(found, r)
+    table.insert(out, {r, b, pinned})
   end
 end
-return {found, freed, protect, release}
+return out
 """
 
-# ARGV: ttl, now, kprefix, expires (0 = never), quota ('' = none), then rests
-# -> {pinned rests, protect, release} or {-1, pinned bytes it would take}
-PIN_MANY = _COMMON + """
-local protect, release = {}, {}
-expire_pins(ARGV[3], protect, release)
-local expires, quota = tonumber(ARGV[4]), ARGV[5]
-local blobs, add, seen = {}, 0, {}
-for i = 8, #KEYS do
-  local b = redis.call('GET', KEYS[i])
-  blobs[i] = b
-  if b and not seen[b] and redis.call('HEXISTS', PINS, ARGV[i - 2]) == 0
-      and tonumber(redis.call('HGET', PINNED, b) or '0') == 0 then
-    seen[b] = true
-    add = add + size_of(b)
-  end
-end
-local now_bytes = tonumber(redis.call('GET', PINBYTES) or '0')
-if quota ~= '' and add > 0 and now_bytes + add > tonumber(quota) then
-  return {-1, now_bytes + add}
-end
-local pinned = {}
-for i = 8, #KEYS do
-  local k, r, b = KEYS[i], ARGV[i - 2], blobs[i]
+# ARGV: ttl, now, expires (0 = never), then key hexes -> per key pinned {key hex, blob, was 0/1}
+PIN_KEYS = _KEYS + """
+for i = 3, #KEYS do
+  local k, r = KEYS[i], ARGV[i + 1]
+  local b = redis.call('GET', k)
   if b then
-    if redis.call('HEXISTS', PINS, r) == 0 then pin_ref(b, 1, protect, release) end
-    redis.call('HSET', PINS, r, expires)
-    if expires > 0 then redis.call('ZADD', PINEXP, expires, r)
-    else redis.call('ZREM', PINEXP, r) end
+    local was = redis.call('HEXISTS', PINS, r)
+    redis.call('HSET', PINS, r, ARGV[3])
     redis.call('PERSIST', k)
-    table.insert(pinned, r)
+    table.insert(out, {r, b, was})
   end
 end
-return {pinned, protect, release}
+return out
 """
 
-# ARGV: ttl, now, kprefix, then rests -> {unpinned rests, protect, release}
-UNPIN_MANY = _COMMON + """
-local protect, release, done = {}, {}, {}
-expire_pins(ARGV[3], protect, release)
-for i = 8, #KEYS do
-  local k, r = KEYS[i], ARGV[i - 4]
-  if unpin_key(k, r, redis.call('GET', k), protect, release) then table.insert(done, r) end
+# ARGV: ttl, now, only expired ('1': only pins whose expiry passed), then key hexes
+# -> per key unpinned {key hex, blob or ''}
+UNPIN_KEYS = _KEYS + """
+for i = 3, #KEYS do
+  local k, r = KEYS[i], ARGV[i + 1]
+  local e = tonumber(redis.call('HGET', PINS, r) or '-1')
+  if e >= 0 and (ARGV[3] ~= '1' or (e > 0 and e <= NOW)) then
+    redis.call('HDEL', PINS, r)
+    local b = redis.call('GET', k)
+    if b and TTL ~= '' then redis.call('EXPIRE', k, TTL) end
+    table.insert(out, {r, b or ''})
+  end
 end
-return {done, protect, release}
+return out
 """
 
-SCRIPTS = {"map": MAP, "link_many": LINK_MANY, "delete_many": DELETE_MANY,
-           "pin_many": PIN_MANY, "unpin_many": UNPIN_MANY}
+# KEYS: a group's pinbytes; ARGV: bytes to add, quota ('' = none) -> {1, total} or {-1, total}
+RESERVE = """
+local total = tonumber(redis.call('GET', KEYS[1]) or '0') + tonumber(ARGV[1])
+if ARGV[2] ~= '' and tonumber(ARGV[1]) > 0 and total > tonumber(ARGV[2]) then
+  return {-1, total}
+end
+redis.call('INCRBY', KEYS[1], ARGV[1])
+return {1, total}
+"""
+
+# KEYS: a group's pinexp; ARGV: now, key hexes -> drops those whose expiry is still past
+UNEXPIRE = """
+for i = 2, #ARGV do
+  local s = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if s and tonumber(s) <= tonumber(ARGV[1]) then redis.call('ZREM', KEYS[1], ARGV[i]) end
+end
+return 1
+"""
+
+SCRIPTS = {"blob_ref": BLOB_REF, "drop_parts": DROP_PARTS, "set_keys": SET_KEYS,
+           "delete_keys": DELETE_KEYS, "pin_keys": PIN_KEYS, "unpin_keys": UNPIN_KEYS,
+           "reserve": RESERVE, "unexpire": UNEXPIRE}

@@ -122,19 +122,35 @@ def read_window_file(src: IO[bytes]) -> tuple[dict[str, Any], list[bytes]]:
     return {"manifest": manifest, "blobs": entries}, blobs
 
 
+def _served(engine: Any, model: str) -> list[dict[str, Any]]:
+    """The namespaces the vLLMs using this store serve ``model`` under (by their served
+    name or by the namespace's model name: a window names the latter)."""
+    keys: set[bytes] = {records.served_key(model)}
+    for infos in engine.store.list_keys(records.SERVED_PREFIX, limit=10_000).values():
+        keys |= {i.key for i in infos}
+    out = []
+    for key in sorted(keys):
+        t = engine.store.get(key, primary=True)
+        if t is None:
+            continue
+        ns = records.tensor_json(t).get("namespace", {})
+        if ns.get("model") == model or key == records.served_key(model):
+            out.append(ns)
+    return out
+
+
 def _check_compatible(engine: Any, m: Manifest, blobs: list[bytes]) -> None:
     """The importing store's vLLM must serve the window's model with the same namespace."""
-    t = engine.store.get(records.served_key(m.model), primary=True)
-    if t is None:
+    served = _served(engine, m.model)
+    if not served:
         raise BadWindowFile(f"no vLLM using this store serves model {m.model!r}",
                             hint="start vLLM with the cwm connector and this store first, "
                                  "then import the window")
-    served = records.tensor_json(t).get("namespace", {})
-    diff = sorted(k for k in set(served) | set(m.namespace)
-                  if served.get(k) != m.namespace.get(k))
-    if diff:
-        what = "; ".join(f"{k}: {m.namespace.get(k)!r} in the file vs {served.get(k)!r} "
-                         "here" for k in diff[:6])
+    if not any(ns == m.namespace for ns in served):
+        ns = served[0]
+        diff = sorted(k for k in set(ns) | set(m.namespace) if ns.get(k) != m.namespace.get(k))
+        what = "; ".join(f"{k}: {m.namespace.get(k)!r} in the file vs {ns.get(k)!r} here"
+                         for k in diff[:6])
         raise BadWindowFile(f"the window was exported for another model or KV layout ({what})",
                             hint="import it on a server with the settings it was frozen on")
     for i, blob in enumerate(blobs):

@@ -18,6 +18,11 @@ then, ``--samples`` times each (the median is reported):
   restore (external hits = the window's blocks) with tokens identical to the recompute;
 * ``ttft_recompute_s``: the same prompt under a fresh salt (nothing cached), and
   ``ttft_prefix_cache_s``: vLLM's own prefix-cache hit, the floor.
+
+Then (``bench/_windows_memory.py``; ``--no-memory`` skips it) the default configuration: a
+thaw into a new session through ``cwm serve`` with memory and its background work on (hit
+fraction, first-token time vs recompute and vs vLLM's own prefix hit), and export/import time
+and file size per 1k tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 from pathlib import Path
 
 from _common import machine, write_json
+from _windows_memory import measure as measure_memory
 from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 from ttft import HITS, stream_ttft
@@ -97,6 +103,9 @@ def run(args: argparse.Namespace) -> dict:
             bar.update(1)
         bar.close()
         store.close()
+        if args.memory:
+            out.update(measure_memory(server, store_cfg, AutoTokenizer.from_pretrained(model),
+                                      args.tokens, args.samples, work))
     out.update({k: statistics.median(v) for k, v in samples.items()})
     out["prompt_tokens"] = n_prompt
     out["first_recompute_s"] = cold_s
@@ -117,6 +126,17 @@ def table(r: dict) -> str:
     for name, s in rows:
         lines.append(f"{name:42s} {s:9.3f} {r['ttft_recompute_s'] / s:12.1f}x")
     lines.append(f"bytes a clone adds: {r['clone_bytes']:,} (a manifest; no KV copied)")
+    if "memory_thaw_ttft_s" in r:
+        rec, floor = r["memory_recompute_ttft_s"], r["memory_prefix_cache_ttft_s"]
+        lines += [f"with memory on ({r['memory_window_tokens']}-token window through cwm "
+                  f"serve): thaw into a new session, next turn's first token "
+                  f"{r['memory_thaw_ttft_s']:.3f} s ({rec / r['memory_thaw_ttft_s']:.1f}x "
+                  f"faster than recompute {rec:.3f} s; {r['memory_thaw_ttft_s'] / floor:.2f}x "
+                  f"vLLM's own prefix hit {floor:.3f} s); external hits "
+                  f"{r['memory_thaw_hit_fraction']:.3f} of the window's tokens",
+                  f"export {r['export_s']:.3f} s, import into a fresh store "
+                  f"{r['import_s']:.3f} s, file {r['export_bytes']:,} bytes "
+                  f"({r['export_bytes_per_1k_tokens']:,.0f} a 1k tokens)"]
     return "\n".join(lines)
 
 
@@ -125,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=8000)
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--json", type=Path)
+    p.add_argument("--no-memory", dest="memory", action="store_false",
+                   help="skip the memory-on thaw and the export/import")
     args = p.parse_args(argv)
     result = run(args)
     print(table(result))

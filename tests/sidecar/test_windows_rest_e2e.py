@@ -37,10 +37,10 @@ def kv_vllm(tiny_model, store_dir, tmp_path_factory) -> Iterator[VLLMServer]:
         yield server
 
 
-def sidecar(kv_vllm, store_dir, tiny_model, tmp_path, memory: bool = False,
+def sidecar(kv_vllm, store_dir, tiny_model, tmp_path, memory_on: bool = False,
             **over) -> ServerThread:
     settings = make_settings(kv_vllm.base_url, tmp_path / "memory", tiny_model,
-                             memory_enabled=memory,
+                             memory_enabled=memory_on,
                              windows={"store": {"disk_path": str(store_dir)}, "wait_s": 30},
                              **over)
     return ServerThread(create_app(settings)).start()
@@ -49,7 +49,17 @@ def sidecar(kv_vllm, store_dir, tiny_model, tmp_path, memory: bool = False,
 def chat(client, session: str, messages: list[dict], max_tokens: int = 12):
     return client.chat.completions.create(model="tiny", messages=messages,
                                           max_tokens=max_tokens, temperature=0.0,
-                                          extra_headers={"X-Session-Id": session})
+                                          extra_headers={"X-Session-Id": session},
+                                          extra_body={"return_token_ids": True})
+
+
+def cold_run(kv_vllm, reply, max_tokens: int = 12) -> list[int]:
+    """The greedy tokens of ``reply``'s exact prompt recomputed under a fresh salt."""
+    out = kv_vllm.post("/v1/completions", {
+        "model": "tiny", "prompt": list(reply.prompt_token_ids), "max_tokens": max_tokens,
+        "temperature": 0.0, "cache_salt": f"cold-{time.monotonic_ns()}",
+        "return_token_ids": True})
+    return out["choices"][0]["token_ids"]
 
 
 def words(n: int, seed: int) -> str:
@@ -61,7 +71,7 @@ def test_windows_over_rest_are_exact_and_isolated_per_tenant(kv_vllm, store_dir,
                                                              tmp_path):
     from openai import OpenAI
 
-    srv = sidecar(kv_vllm, store_dir, tiny_model, tmp_path)
+    srv = sidecar(kv_vllm, store_dir, tiny_model, tmp_path, memory_on=True)  # as shipped
     try:
         acme = OpenAI(base_url=f"{srv.url}/v1", api_key=KEYS["acme"])
         history = [{"role": "system", "content": "You are helpful."}]
@@ -101,11 +111,12 @@ def test_windows_over_rest_are_exact_and_isolated_per_tenant(kv_vllm, store_dir,
         assert thawed.status_code == 200, thawed.text
         assert thawed.json()["warm"]["hits"] >= 3 * 128         # vLLM measured the restore
         question = [*history, {"role": "user", "content": "What comes next?"}]
-        want = chat(acme, "carol", question).choices[0].message.content   # cold
         before = kv_vllm.metric("vllm:prefix_cache_hits")
-        assert chat(acme, "bob", question).choices[0].message.content == want
-        # the warm-up already loaded the window into vLLM's own cache for bob's salt
+        reply = chat(acme, "bob", question)
+        # the warm-up already loaded the window into vLLM's own cache for bob's salt, and
+        # bob's prompt (with the memory the window's conversation had) begins with it
         assert kv_vllm.metric("vllm:prefix_cache_hits") - before >= 3 * 128
+        assert list(reply.choices[0].token_ids) == cold_run(kv_vllm, reply)
 
         out = subprocess.run([sys.executable, "-m", "cwm_plugin.cli", "window", "ls", "--url",
                               srv.url, "--api-key", KEYS["acme"], "--json"],
@@ -127,16 +138,19 @@ def test_the_checkpoint_threshold_freezes_the_session_for_real(kv_vllm, store_di
                                                                tmp_path):
     from openai import OpenAI
 
-    # the context accounting behind the warning and the checkpoint is the memory's
-    srv = sidecar(kv_vllm, store_dir, tiny_model, tmp_path, memory=True,
-                  checkpoint={"default": {"warn": 0.2, "checkpoint": 0.3}})
+    # the context accounting behind the warning and the checkpoint is the memory's; its
+    # background work (a summary at the checkpoint, facts every turn) runs as it ships
+    srv = sidecar(kv_vllm, store_dir, tiny_model, tmp_path, memory_on=True,
+                  checkpoint={"default": {"warn": 0.2, "checkpoint": 0.3}},
+                  memory={"extract_facts": True, "facts_every_turns": 1})
     try:
         acme = OpenAI(base_url=f"{srv.url}/v1", api_key=KEYS["acme"])
+        first = [{"role": "user", "content": words(400, 3)}]
         raw = acme.chat.completions.with_raw_response.create(
-            model="tiny", max_tokens=4, temperature=0.0,
-            messages=[{"role": "user", "content": words(400, 3)}],
+            model="tiny", max_tokens=4, temperature=0.0, messages=first,
             extra_headers={"X-Session-Id": "dave"})
         assert raw.headers.get("x-cwm-context-warning")
+        answer = raw.parse().choices[0].message.content
         api = httpx.Client(base_url=srv.url, timeout=120,
                            headers={"Authorization": f"Bearer {KEYS['acme']}"})
         deadline = time.monotonic() + 90
@@ -146,8 +160,22 @@ def test_the_checkpoint_threshold_freezes_the_session_for_real(kv_vllm, store_di
             time.sleep(0.5)
         assert autos and autos[0]["name"].startswith("auto-dave-")
         assert autos[0]["session"] == "dave" and autos[0]["pinned_tokens"] >= 128
+        assert autos[0]["turn"] == 1          # the client's turn, not the summary's prompt
         check = api.post("/v1/auto_freeze/check", json={"session": "dave"}).json()
         assert check["level"] == "checkpoint" and check["frozen"] is None   # cooling down
         assert SECRET not in json.dumps(check)
+        # what it froze thaws into a new session whose next turn restores it
+        t = api.post(f"/v1/windows/{autos[0]['name']}/thaw", json={"session": "erin"}).json()
+        assert t["messages"] == [*first, {"role": "assistant", "content": answer}]
+        nxt = [*t["messages"], {"role": "user", "content": "And then?"}]
+        before = kv_vllm.metric(HITS)
+        reply = acme.chat.completions.create(
+            model="tiny", max_tokens=6, temperature=0.0, messages=nxt,
+            extra_headers={"X-Session-Id": "erin"}, extra_body={"return_token_ids": True})
+        assert kv_vllm.metric(HITS) - before >= 0.9 * t["tokens"]
+        cold = kv_vllm.post("/v1/completions", {
+            "model": "tiny", "prompt": list(reply.prompt_token_ids), "max_tokens": 6,
+            "temperature": 0.0, "cache_salt": "cold", "return_token_ids": True})
+        assert cold["choices"][0]["token_ids"] == list(reply.choices[0].token_ids)
     finally:
         srv.stop()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cwm_plugin.errors import CWMError, InvalidInput, UpstreamError
 from cwm_plugin.sidecar.body import read_json_body
@@ -146,7 +146,12 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
 
     async def body_of(request: Request, model: type[BaseModel]) -> Any:
         raw = await read_json_body(request, settings.max_body_bytes, settings.max_json_depth)
-        return model.model_validate(raw)
+        try:
+            return model.model_validate(raw)
+        except ValidationError as exc:  # 400 naming the fields, never echoing the input
+            where = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ())) or 'body'}: "
+                              f"{e.get('msg', 'invalid')}" for e in exc.errors())
+            raise InvalidInput(f"invalid request: {where}") from None
 
     def granted(request: Request, grant: str, what: str) -> str:
         tenant = auth.tenant_for(bearer_key(request.headers)).name

@@ -164,3 +164,19 @@ def test_behind_mode_freeze_completes_every_durable_tier_or_says_what_is_missing
         WindowEngine(sidecar_side, wait_s=0.5, settle_s=0).freeze("acme", "w2", session="a",
                                                                   salt="s")
     sidecar_side.close()
+
+
+def test_auto_checkpoints_keep_the_newest_per_session(store, monkeypatch):
+    from cwm_plugin.windows import auto as auto_mod
+    from cwm_plugin.windows.auto import AutoFreeze
+
+    turn(store, "s", 1, 2 * BS)
+    turn(store, "t", 1, 2 * BS)
+    eng = WindowEngine(store, wait_s=0)
+    af = AutoFreeze(eng, cooldown_s=0, keep=2)
+    stamps = iter(f"2026112600000{i}" for i in range(9))
+    monkeypatch.setattr(auto_mod.time, "strftime", lambda fmt: next(stamps))
+    made = [af.freeze_now("acme", "a", "s", "test") for _ in range(4)]
+    other = af.freeze_now("acme", "b", "t", "test")
+    left = {w.name for w in eng.list("acme", tag="auto", limit=100)[0]}
+    assert left == {made[2], made[3], other}       # the newest two of a, b's own untouched

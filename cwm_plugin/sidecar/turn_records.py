@@ -53,15 +53,17 @@ def answer_message(content: str | None, tool_calls: list[dict[str, Any]] | None
 
 async def restore_prompt(sc: Any, salt: str, state: SessionState, turn: int,
                          messages: list[dict[str, Any]]) -> None:
-    """Adopt the stored prompt state of the turn before ``turn`` for a session this process
-    has not seen continuing a conversation (never fails the turn: a miss selects anew)."""
-    if sc.windows is None or state.restored or turn <= 1 or state.pinned is not None \
+    """Adopt the stored prompt state of the turn this request continues (the one before
+    ``turn`` when it starts with a new user message, else ``turn`` itself: tool results) for a
+    session this process has not seen (never fails the turn: a miss selects anew)."""
+    previous = turn - 1 if messages and messages[-1].get("role") == "user" else turn
+    if sc.windows is None or state.restored or previous < 1 or state.pinned is not None \
             or not any(m.get("role") == "assistant" for m in messages):
         return
     state.restored = True
     try:
         rec = await asyncio.wait_for(asyncio.to_thread(
-            sc.windows.conversations.read, salt, turn - 1), RESTORE_TIMEOUT_S)
+            sc.windows.conversations.read, salt, previous), RESTORE_TIMEOUT_S)
     except Exception as exc:  # a store that is down or slow: the turn goes on without
         sc.metrics.windows_restores.labels("error").inc()
         log.info("the prompt state of a continuing session could not be read: %s", exc)

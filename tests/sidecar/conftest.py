@@ -12,7 +12,7 @@ from sidecar_helpers import Recorder, make_settings
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
-from cwm_plugin.testing.vllm_server import VLLMServer
+from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
 # Development aid: CWM_SIDECAR_TEST_VLLM_PORT=P reuses a tiny-model `vllm serve` already running
 # on 127.0.0.1:P (started with --enable-prompt-tokens-details) instead of starting one per module (tests of prefix-cache counters then see
@@ -29,6 +29,21 @@ def tiny_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     # usage.prompt_tokens_details.cached_tokens lets the sidecar count prefix hits per tenant.
     server = VLLMServer(model_dir=tiny_model, log_dir=tmp_path_factory.mktemp("vllm"),
                         extra_args=["--enable-prompt-tokens-details"])
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory) -> Path:
+    """The module's KV store folder: vLLM's connector writes it, the sidecar's windows read it."""
+    return tmp_path_factory.mktemp("kv")
+
+
+@pytest.fixture(scope="module")
+def kv_vllm(tiny_model, store_dir, tmp_path_factory) -> Iterator[VLLMServer]:
+    """The tiny model served by vLLM with the cwm connector on ``store_dir``."""
+    server = VLLMServer(model_dir=tiny_model, log_dir=tmp_path_factory.mktemp("vllm"),
+                        extra_args=cwm_connector_args({"disk_path": str(store_dir)}))
     with server:
         yield server
 

@@ -11,7 +11,6 @@ window's tokens from the store and answers exactly what a cold run of the same p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,7 +19,6 @@ from sidecar_helpers import KEYS, make_settings, metric_value, runtime, wait_idl
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
-from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
 pytestmark = pytest.mark.e2e
 HITS = "vllm:external_prefix_cache_hits"
@@ -29,17 +27,6 @@ FACTS = ["The user's sister Anna lives in Chur and keeps bees.",
          "The user prefers trains to cars and travels with a folding bike."]
 
 
-@pytest.fixture(scope="module")
-def store_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("kv")
-
-
-@pytest.fixture(scope="module")
-def kv_vllm(tiny_model, store_dir, tmp_path_factory) -> Iterator[VLLMServer]:
-    server = VLLMServer(model_dir=tiny_model, log_dir=tmp_path_factory.mktemp("vllm"),
-                        extra_args=cwm_connector_args({"disk_path": str(store_dir)}))
-    with server:
-        yield server
 
 
 def default_sidecar(url: str, root: Path, tiny_model: Path, store_dir: Path,

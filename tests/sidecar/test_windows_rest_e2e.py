@@ -9,8 +9,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,23 +16,11 @@ from sidecar_helpers import KEYS, SECRET, make_settings
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
-from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
 pytestmark = pytest.mark.e2e
 HITS = "vllm:external_prefix_cache_hits"
 
 
-@pytest.fixture(scope="module")
-def store_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("kv")
-
-
-@pytest.fixture(scope="module")
-def kv_vllm(tiny_model, store_dir, tmp_path_factory) -> Iterator[VLLMServer]:
-    server = VLLMServer(model_dir=tiny_model, log_dir=tmp_path_factory.mktemp("vllm"),
-                        extra_args=cwm_connector_args({"disk_path": str(store_dir)}))
-    with server:
-        yield server
 
 
 def sidecar(kv_vllm, store_dir, tiny_model, tmp_path, memory_on: bool = False,

@@ -22,13 +22,6 @@ from cwm_plugin.windows.engine import ModelMismatch, WindowEngine, WindowIncompl
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
-                registry=CollectorRegistry())
-    yield s
-    s.close()
-
 
 def test_freeze_thaw_into_a_new_session_restores_every_rank(store):
     tokens = converse(store, "salt-a", 5 * BS + 3)

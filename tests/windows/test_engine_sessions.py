@@ -23,13 +23,6 @@ pytestmark = pytest.mark.unit
 PROMPT = {"pinned": {"key": "k:0:full", "memory_block": "the user lives in Chur", "tokens": 6}}
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
-                registry=CollectorRegistry())
-    yield s
-    s.close()
-
 
 def turn(store: KVStore, salt: str, n: int, tokens: int, keep: int = 8) -> list[int]:
     """Client turn ``n``: the connector's records and the sidecar's conversation record."""

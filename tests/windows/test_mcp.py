@@ -5,6 +5,7 @@ leaves them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -33,25 +34,33 @@ def _payload(result) -> dict:
     return json.loads(result.content[0].text)
 
 
-async def _session_calls(store_yaml: str) -> dict:
+@contextlib.asynccontextmanager
+async def _mcp(args: list[str], env: dict):
+    """``cwm mcp ARGS`` over stdio with the official SDK's client; yields (session, call):
+    ``call(tool, **args)`` answers the tool's payload, or ("error", text)."""
     from mcp import ClientSession, StdioServerParameters
     from mcp.client.stdio import stdio_client
 
-    params = StdioServerParameters(
-        command=sys.executable, args=["-m", "cwm_plugin.cli", "mcp", "--store", store_yaml,
-                                      "--tenant", "acme"],
-        env={**os.environ, "CWM_SIDECAR_SECRET": SECRET})
-    out: dict = {}
+    params = StdioServerParameters(command=sys.executable,
+                                   args=["-m", "cwm_plugin.cli", "mcp", *args],
+                                   env={**os.environ, **env})
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
-        out["tools"] = {t.name for t in (await session.list_tools()).tools}
 
-        async def call(tool: str, **args):
-            res = await session.call_tool(tool, args)
+        async def call(tool: str, **a):
+            res = await session.call_tool(tool, a)
             if _field(res, "is_error", "isError"):
                 return ("error", res.content[0].text)
             return _payload(res)
 
+        yield session, call
+
+
+async def _session_calls(store_yaml: str) -> dict:
+    out: dict = {}
+    async with _mcp(["--store", store_yaml, "--tenant", "acme"],
+                    {"CWM_SIDECAR_SECRET": SECRET}) as (session, call):
+        out["tools"] = {t.name for t in (await session.list_tools()).tools}
         out["freeze"] = await call("window_freeze", name="plan", session="alice",
                                    tags=["demo"])
         out["dup"] = await call("window_freeze", name="plan", session="alice")
@@ -103,22 +112,8 @@ def test_every_tool_through_a_real_mcp_client_over_stdio(tmp_path):
 
 async def _cwm_calls(args: list[str], env: dict) -> dict:
     """The context-window-manager's own parameter names, as an agent written for it calls."""
-    from mcp import ClientSession, StdioServerParameters
-    from mcp.client.stdio import stdio_client
-
-    params = StdioServerParameters(command=sys.executable,
-                                   args=["-m", "cwm_plugin.cli", "mcp", *args],
-                                   env={**os.environ, **env})
     out: dict = {}
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-        await session.initialize()
-
-        async def call(tool: str, **a):
-            res = await session.call_tool(tool, a)
-            if _field(res, "is_error", "isError"):
-                return ("error", res.content[0].text)
-            return _payload(res)
-
+    async with _mcp(args, env) as (_, call):
         out["freeze"] = await call("window_freeze", session_id="alice", window_name="plan",
                                    description="the plan", tags=["demo"], prompt_prefix="p")
         out["clone"] = await call("window_clone", source_window="plan",

@@ -11,8 +11,9 @@ import os
 import sys
 
 import pytest
-from window_helpers import converse
+from window_helpers import NS, converse
 
+from cwm_plugin.connector import records
 from cwm_plugin.sidecar.identity import derive_salt
 
 pytestmark = pytest.mark.unit
@@ -110,7 +111,7 @@ def test_every_tool_through_a_real_mcp_client_over_stdio(tmp_path):
     assert sorted(w["name"] for w in out["after"]["data"])[1:] == ["plan-b"]
 
 
-async def _cwm_calls(args: list[str], env: dict) -> dict:
+async def _cwm_calls(args: list[str], env: dict, export: str) -> dict:
     """The context-window-manager's own parameter names, as an agent written for it calls."""
     out: dict = {}
     async with _mcp(args, env) as (_, call):
@@ -133,8 +134,17 @@ async def _cwm_calls(args: list[str], env: dict) -> dict:
                                     tags=["x"])
         out["delete"] = await call("window_delete", window_name="plan", delete_blocks=True)
         out["clear"] = await call("session_clear", session_id="bob")
-        out["after"] = await call("window_list", sort_by="name")
+        out["export"] = await call("window_export", name="plan-c", path=export)
+        out["import"] = await call("window_import", path=export, name="plan-d")
+        out["after"] = await call("window_list", sort_by="name", sort_order="asc")
     return out
+
+
+def serve_tiny(store) -> None:
+    """The served-model record a vLLM with the connector leaves (an import checks it)."""
+    records.write_record(store, records.served_key("tiny"), {"model": "tiny", "namespace": NS},
+                         records.SERVED_LAYOUT, what="the served-model record")
+    store.flush()
 
 
 def _check_cwm_answers(out: dict) -> None:
@@ -155,7 +165,8 @@ def _check_cwm_answers(out: dict) -> None:
     assert t["session_id"] == "bob" and t["blocks_found"] == t["blocks_expected"] == 3
     assert out["renamed"]["name"] == "plan-c" and out["renamed"]["tags"] == ["x"]
     assert out["delete"]["blocks_deleted"] and out["clear"]["keys_deleted"] > 0
-    assert [w["name"] for w in out["after"]["windows"]] == ["plan-c"]
+    assert out["export"]["bytes"] > 0 and out["import"]["blocks"] == 3
+    assert [w["name"] for w in out["after"]["windows"]] == ["plan-c", "plan-d"]
 
 
 def test_the_context_window_managers_parameters_over_stdio_on_the_store(tmp_path):
@@ -167,11 +178,12 @@ def test_the_context_window_managers_parameters_over_stdio_on_the_store(tmp_path
     store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
                     registry=CollectorRegistry())
     converse(store, derive_salt(SECRET.encode(), "acme", "alice"), 3 * 16 + 5)
+    serve_tiny(store)
     store.close()
     (tmp_path / "store.yaml").write_text(f"store:\n  disk_path: {tmp_path / 'kv'}\n")
     _check_cwm_answers(asyncio.run(_cwm_calls(
         ["--store", str(tmp_path / "store.yaml"), "--tenant", "acme"],
-        {"CWM_SIDECAR_SECRET": SECRET})))
+        {"CWM_SIDECAR_SECRET": SECRET}, str(tmp_path / "plan.cwmw"))))
 
 
 def test_the_context_window_managers_parameters_over_stdio_through_a_running_sidecar(tmp_path):
@@ -188,6 +200,7 @@ def test_the_context_window_managers_parameters_over_stdio_through_a_running_sid
     store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
                     registry=CollectorRegistry())
     converse(store, derive_salt(SECRET.encode(), "acme", "alice"), 3 * 16 + 5)
+    serve_tiny(store)
     store.close()
     settings = Settings.model_validate({
         "secret": SECRET, "memory_enabled": False,
@@ -197,5 +210,6 @@ def test_the_context_window_managers_parameters_over_stdio_through_a_running_sid
     with ServerThread(fake.app) as up:
         settings.upstream.url = up.url
         with ServerThread(create_app(settings)) as srv:
-            out = asyncio.run(_cwm_calls(["--url", srv.url], {"CWM_API_KEY": "k-acme"}))
+            out = asyncio.run(_cwm_calls(["--url", srv.url], {"CWM_API_KEY": "k-acme"},
+                                         str(tmp_path / "plan.cwmw")))
     _check_cwm_answers(out)

@@ -23,7 +23,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -124,6 +124,14 @@ def check(entry: Entry) -> None:
             raise InvalidInput(f"activity field {name} must be a whole number >= 0")
 
 
+def _by(entry: Entry, principal: str | Collection[str] | None) -> bool:
+    """Whether ``entry`` was written by ``principal`` (a name, several, None: anyone)."""
+    if principal is None:
+        return True
+    return entry.principal == principal if isinstance(principal, str) \
+        else entry.principal in principal
+
+
 class ActivityLog:
     """``activity.jsonl`` (the chain) and ``activity.md`` (readable) under ``root``."""
 
@@ -172,22 +180,23 @@ class ActivityLog:
         return list(reversed(list(self._newest_first())))
 
     def quick(self, *, hours: float = 24.0, limit: int = 10,
-              principal: str | None = None) -> list[Entry]:
-        """The last ``limit`` entries of the last ``hours`` (of ``principal`` when given),
-        oldest first: where to pick up. Reads the file from its end only as far as needed."""
+              principal: str | Collection[str] | None = None) -> list[Entry]:
+        """The last ``limit`` entries of the last ``hours`` (of ``principal`` when given: a
+        name or several), oldest first: where to pick up. Reads the file from its end only as
+        far as needed."""
         since = time.time() - hours * 3600
         out: list[Entry] = []
         for e in self._newest_first():
             if e.time < since or len(out) >= limit:
                 break
-            if principal is None or e.principal == principal:
+            if _by(e, principal):
                 out.append(e)
         return out[::-1]
 
     def page(self, *, offset: int = 0, limit: int = 100,
-             principal: str | None = None) -> tuple[list[Entry], int]:
+             principal: str | Collection[str] | None = None) -> tuple[list[Entry], int]:
         """Entries ``offset`` .. ``offset + limit`` (oldest first) and how many there are."""
-        every = [e for e in self.entries() if principal is None or e.principal == principal]
+        every = [e for e in self.entries() if _by(e, principal)]
         return every[offset:offset + limit], len(every)
 
     def verify(self) -> list[str]:

@@ -13,16 +13,18 @@ namespace the principal may read (:meth:`Permissions.shared`: their durable memo
 
 A refusal is a :class:`PermissionDenied` (HTTP 403, ``permission_denied``) that names the rule:
 "principal `claude` has RO on namespace `llama` (default: a provider reads the other
-providers' namespaces): writes need RW".
+providers' namespaces): writes need RW". A name that is no namespace here and one the principal
+has no access to at all answer alike (:meth:`Permissions.open`: 404 ``namespace_not_found``,
+the same message), so an answer never tells which principals exist.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 
-from cwm_plugin.errors import Forbidden, InvalidInput
+from cwm_plugin.errors import Forbidden, InvalidInput, NotFound
 from cwm_plugin.sidecar.access_config import NAMESPACE, Access, AccessSettings
 
 ACTIVITY, GLOBAL, PROJECT, USER = "activity", "global", "project:", "/user"
@@ -34,6 +36,12 @@ class PermissionDenied(Forbidden):
     """The matrix refuses an operation, or a grant is missing (HTTP 403)."""
 
     code = "permission_denied"
+
+
+class NamespaceNotFound(NotFound):
+    """No such namespace, or none the principal may use (HTTP 404, alike on purpose)."""
+
+    code = "namespace_not_found"
 
 
 @dataclass(frozen=True)
@@ -65,8 +73,9 @@ class Permissions:
 
     # --- namespaces ---------------------------------------------------------------------------
 
-    def namespace(self, name: str, user: str | None = None) -> Namespace:
-        """The namespace called ``name`` for a request acting for ``user`` (400 if unknown)."""
+    def _named(self, name: str) -> Namespace | None:
+        """The namespace ``name`` stands for (a user's without its folder), None when it
+        names no principal here; 400 when it is no namespace name at all."""
         if not isinstance(name, str) or not NAMESPACE.fullmatch(name):
             raise InvalidInput(f"invalid namespace {str(name)[:80]!r}",
                                hint="<principal>, <principal>/user, global, project:<name> "
@@ -79,13 +88,41 @@ class Permissions:
             return Namespace(name, "project", folder="project." + name[len(PROJECT):])
         owner = name.removesuffix(USER)
         if owner not in self.principals:
-            raise InvalidInput(f"no namespace {name!r}: {owner!r} is no principal here")
+            return None
         if owner == name:
             return Namespace(name, "principal", owner, owner)
+        return Namespace(name, "user", owner)
+
+    def namespace(self, name: str, user: str | None = None) -> Namespace:
+        """The namespace called ``name`` for a request acting for ``user`` (400 if unknown)."""
+        ns = self._named(name)
+        if ns is None:
+            raise InvalidInput(f"no namespace {name!r}")
+        if ns.kind != "user":
+            return ns
         if user is None:
             raise InvalidInput(f"namespace {name!r} is a user's: the request names no user",
                                hint="send the OpenAI `user` field or an X-CWM-User header")
-        return Namespace(name, "user", owner, self._user_folder(owner, user))
+        return replace(ns, folder=self._user_folder(str(ns.owner), user))
+
+    def open(self, principal: str, name: str, user: str | None, op: str) -> Namespace:
+        """The namespace ``name`` for ``principal`` acting for ``user``, ``op`` allowed there:
+        404 alike for no such namespace and one it has no access to at all, 403 naming the
+        rule for one it may use but not for ``op``."""
+        ns = self._named(name)
+        if ns is None or self.decide(principal, ns).access is Access.NONE:
+            raise NamespaceNotFound(f"no namespace `{name}` is open to principal "
+                                    f"`{principal}`",
+                                    hint="GET /v1/memory/namespaces lists yours; the operator "
+                                         "grants more under access.rules")
+        ns = self.namespace(name, user)
+        self.require(principal, ns, op)
+        return ns
+
+    def readable_principals(self, principal: str) -> list[str]:
+        """The principals whose own namespace ``principal`` may read (itself included)."""
+        return [p for p in self.principals
+                if p == principal or self.allows(principal, self.namespace(p), "read")]
 
     def home(self, principal: str, user: str | None) -> Namespace:
         """Where a request's memory is written: its user's namespace, else its principal's."""

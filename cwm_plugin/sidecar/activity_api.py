@@ -7,7 +7,10 @@ the defaults of ``model`` and ``limit_tokens``); the session is the body's or
 ``X-Session-Id``, the project the body's or ``X-CWM-Project``; the context use, when the body
 gives none, is the session's last turn through this sidecar. ``GET /v1/activity?view=quick``
 (the last ``hours`` (24) hours, at most ``limit`` (10) entries) or ``view=full`` (every entry,
-oldest first, ``offset`` / ``limit`` (100) to page) answers entries and the chain's ``head``.
+oldest first, ``offset`` / ``limit`` (100) to page) answers entries and the chain's ``head``:
+the caller's own and, with ``activity.read: shared`` (the default), those of the principals
+whose namespace it may read (``access.py``: providers each other's; a tenant only its own
+unless a rule grants more); ``own``: its own only; ``all``: every entry.
 No route rewrites or deletes an entry: ``PUT``, ``PATCH`` and ``DELETE`` on ``/v1/activity``
 (and below it) answer 405. With ``activity.log_turns`` each chat turn is appended too
 (:func:`log_turn`, in the background; a failure is counted and logged, never the turn's).
@@ -27,7 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cwm_plugin.activity.log import MAX_NAME, MAX_TEXT, ActivityLog, Entry
 from cwm_plugin.errors import CWMError, InvalidInput
-from cwm_plugin.sidecar.identity import bearer_key, validate_session
+from cwm_plugin.sidecar.api_schema import body_doc
+from cwm_plugin.sidecar.caller import model_body, principal_of
+from cwm_plugin.sidecar.identity import validate_session
 from cwm_plugin.sidecar.openai_errors import error_response
 from cwm_plugin.sidecar.settings import Settings, TenantConfig
 
@@ -102,11 +107,20 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
     router = APIRouter(prefix="/v1")
     settings: Settings = sidecar.settings
 
+    perms = sidecar.auth.perms
+
     def caller(request: Request, op: str) -> TenantConfig:
         """The caller's principal, allowed ``op`` on the ``activity`` namespace."""
-        who = sidecar.auth.tenant_for(bearer_key(request.headers))
-        sidecar.auth.perms.require(who.name, sidecar.auth.perms.namespace("activity"), op)
+        who = principal_of(request)
+        perms.require(who.name, perms.namespace("activity"), op)
         return who
+
+    def readable(principal: str) -> set[str] | None:
+        """Whose entries ``principal`` reads (None: everyone's)."""
+        read = settings.activity.read if settings.activity else "shared"
+        if read == "all":
+            return None
+        return {principal} if read == "own" else set(perms.readable_principals(principal))
 
     def need() -> ActivityLog:
         if activity is None:
@@ -115,9 +129,10 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
                                            "sidecar config")
         return activity
 
-    @router.post("/activity", status_code=201)
-    async def append(body: ActivityBody, request: Request) -> dict[str, Any]:
+    @router.post("/activity", status_code=201, openapi_extra=body_doc(ActivityBody))
+    async def append(request: Request) -> dict[str, Any]:
         who = caller(request, "append")
+        body = await model_body(request, ActivityBody)
         tenant, act = who.name, need()
         session = body.session or request.headers.get("x-session-id") or None
         if session is not None:
@@ -141,7 +156,7 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
                    limit: int | None = None, offset: int = 0) -> dict[str, Any]:
         tenant = caller(request, "read").name
         act = need()
-        own = tenant if settings.activity and settings.activity.read == "own" else None
+        own = readable(tenant)
         if view not in ("quick", "full") or offset < 0 or hours <= 0 \
                 or not 0 < (limit or 1) <= 1000:
             raise InvalidInput("bad activity parameters",

@@ -3,12 +3,16 @@
 Routes: ``POST /v1/chat/completions`` (memory, salt, streaming), ``POST /v1/completions`` and
 ``/v1/responses`` (salt only), ``POST /v1/embeddings``, ``/tokenize``, ``/detokenize``,
 ``GET /v1/models``, ``/v1/models/{id}`` (relayed), ``GET /health``, ``GET /metrics``,
+``GET /openapi.json`` (:mod:`~cwm_plugin.sidecar.api_schema`),
 ``GET /v1/usage`` (:mod:`~cwm_plugin.sidecar.usage`), ``POST|GET /v1/activity``
 (:mod:`~cwm_plugin.sidecar.activity_api`), ``/v1/memory/...``
 (:mod:`~cwm_plugin.sidecar.memory_api`) and the context windows' routes
 (:mod:`~cwm_plugin.sidecar.windows_api`). Requests go to one of several upstreams
 (:mod:`~cwm_plugin.sidecar.router`: routing, health checks, failover). Who may do what:
-:mod:`~cwm_plugin.sidecar.access`. Every error leaves as an OpenAI-shaped body.
+:mod:`~cwm_plugin.sidecar.access`. Every route authenticates through one dependency before
+it reads a byte of its body, which is bounded (:mod:`~cwm_plugin.sidecar.caller`); per-tenant
+rates and token quotas: :mod:`~cwm_plugin.sidecar.ratelimit`. Every error leaves as an
+OpenAI-shaped body.
 ``app.state.sidecar`` holds the app's runtime; assign ``app.state.sidecar.snapshot_hook`` to
 take a KV snapshot at auto-checkpoints.
 """
@@ -19,24 +23,36 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from cwm_plugin.errors import CWMError
 from cwm_plugin.sidecar.activity_api import activity_router, open_activity
+from cwm_plugin.sidecar.api_schema import ERRORS, RELAYED, ChatBody, body_doc, openapi
 from cwm_plugin.sidecar.background import Maintainer
+from cwm_plugin.sidecar.caller import (
+    AUTHENTICATED,
+    Anyone,
+    authenticate,
+    authenticate_optional,
+    check_routes,
+    principal_of,
+)
 from cwm_plugin.sidecar.context import SnapshotHook
 from cwm_plugin.sidecar.counting import ModelCounters
 from cwm_plugin.sidecar.failopen import FailOpen
-from cwm_plugin.sidecar.identity import Authenticator, bearer_key, principal_of
+from cwm_plugin.sidecar.identity import Authenticator
 from cwm_plugin.sidecar.memory_api import memory_router
 from cwm_plugin.sidecar.memory_port import MemoryPort, build_memory
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.openai_errors import error_response, from_cwm_error
-from cwm_plugin.sidecar.passthrough import SALTED, model_entry, relay_get, relay_post
+from cwm_plugin.sidecar.passthrough import model_entry, relay_get, relay_post
+from cwm_plugin.sidecar.ratelimit import TenantLimits
 from cwm_plugin.sidecar.router import Router
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.salt_move import SaltMover
@@ -94,7 +110,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     if memory is None and settings.memory_enabled:
         memory = build_memory(settings.memory, metrics.registry)
     router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)
-    usage = UsageLedger(settings.pricing, metrics)
+    limits = TenantLimits(settings.rate_limits, settings.principals(), metrics.rate_limited)
+    usage = UsageLedger(settings.pricing, metrics, spend=limits.spend)
     sidecar = Sidecar(
         settings=settings,
         auth=Authenticator(settings.tenants, secrets[0],
@@ -105,7 +122,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         maintainer=Maintainer(router, memory, metrics, settings.memory, usage)
         if memory else None,
         counters=ModelCounters(settings.memory),
-        failopen=FailOpen(metrics), usage=usage, activity=open_activity(settings),
+        failopen=FailOpen(metrics), usage=usage, limits=limits,
+        activity=open_activity(settings),
         background=Background(settings.memory.background_queue_limit,
                               settings.memory.background_workers, metrics),
     )
@@ -151,35 +169,47 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
                           f"{e.get('msg', 'invalid')}" for e in exc.errors())
         return error_response(400, f"invalid request: {where}", "invalid_input")
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        """The client went away while sending its body: nobody reads the answer."""
+        return error_response(400, "the client closed the connection", "client_disconnected")
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return error_response(500, "internal error in the sidecar", "internal_error")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=AUTHENTICATED, responses=ERRORS,
+              openapi_extra=body_doc(ChatBody, sse=True))
     async def chat(request: Request) -> Response:
         return await handle_chat(sidecar, request)
 
-    for path in (*SALTED, "/v1/embeddings", "/tokenize", "/detokenize"):
-        app.add_api_route(path, _poster(sidecar, path), methods=["POST"])
+    for path, model in RELAYED.items():
+        app.add_api_route(path, _poster(sidecar, path), methods=["POST"],
+                          dependencies=AUTHENTICATED, responses=ERRORS,
+                          openapi_extra=body_doc(model, sse=path in ("/v1/completions",
+                                                                      "/v1/responses")))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=AUTHENTICATED, responses=ERRORS)
     async def models(request: Request) -> Response:
         return await relay_get(sidecar, request, "/v1/models")
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", dependencies=AUTHENTICATED, responses=ERRORS)
     async def model(model_id: str, request: Request) -> Response:
         return await model_entry(sidecar, request, model_id)
 
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        """Every upstream checked now: ``ok`` when all are up, ``degraded`` (HTTP 503 only
-        when none is) otherwise. Only that to a caller without the ``admin`` grant; to one
-        with it also ``upstream`` (the default upstream, as before), ``upstreams``, ..."""
-        ups = await router.check_all()
+    @app.get("/health", responses=ERRORS)
+    async def health(who: Anyone) -> JSONResponse:
+        """``ok`` when every upstream is up, ``degraded`` (HTTP 503 only when none is)
+        otherwise, as the router last saw them (requests and its background checks every
+        ``routing.health.interval_s``): a call asks no upstream. Only that to a caller without
+        the ``admin`` grant; to one with it, every upstream checked now and also ``upstream``
+        (the default upstream), ``upstreams``, ``memory``, ``background_tasks``."""
+        admin = sidecar.auth.perms.granted(who.name if who else None, "admin")
+        ups = await router.check_all() if admin else router.states()
         alive = any(u["up"] for u in ups)
         status = "ok" if all(u["up"] for u in ups) else "degraded"
-        if not sidecar.auth.perms.granted(principal_of(sidecar, request), "admin"):
+        if not admin:
             return JSONResponse({"status": status}, status_code=200 if alive else 503)
         default = next(u for u in ups if u["name"] == router.default.name)
         up = {"ok": default["up"], "models": default["models"]} if default["up"] \
@@ -189,23 +219,29 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
                              "background_tasks": sidecar.background.pending},
                             status_code=200 if alive else 503)
 
-    @app.get("/metrics")
+    metrics_auth = authenticate_optional if settings.access.metrics_public else authenticate
+
+    @app.get("/metrics", responses=ERRORS, dependencies=[Depends(metrics_auth)])
     async def metrics_route(request: Request) -> Response:
         """Prometheus text; needs a key with the ``metrics`` grant unless ``metrics_public``."""
         if not settings.access.metrics_public:
-            sidecar.auth.perms.require_grant(
-                sidecar.auth.tenant_for(bearer_key(request.headers)).name, "metrics",
-                "/metrics")
+            sidecar.auth.perms.require_grant(principal_of(request).name, "metrics", "/metrics")
         metrics.mirror_upstream(await router.metrics_texts())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    app.include_router(usage_router(sidecar))
-    app.include_router(activity_router(sidecar, sidecar.activity))
-    app.include_router(memory_router(sidecar))
-    app.include_router(windows_router(sidecar, engine, auto))
+    @app.get("/openapi.json", dependencies=AUTHENTICATED, responses=ERRORS)
+    async def openapi_route() -> dict[str, Any]:
+        """This API's OpenAPI description."""
+        return openapi(app)
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    for sub in (usage_router(sidecar), activity_router(sidecar, sidecar.activity),
+                memory_router(sidecar), windows_router(sidecar, engine, auto)):
+        app.include_router(sub, dependencies=AUTHENTICATED, responses=ERRORS)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"],
+                   dependencies=AUTHENTICATED, include_in_schema=False)
     async def unknown(path: str) -> JSONResponse:
         return error_response(404, f"no route /{path} in the sidecar", "unknown_route")
 
+    check_routes(app)
     return app

@@ -12,6 +12,10 @@ the transcript, so a dropped or merged job loses nothing:
   moving ``upto_turn`` on, so no turn is skipped however long the backlog); the model's text is
   stored with the names, dates and decisions of the turns it covers, merged with the previous
   summary's (``memory/details.py``: kept whatever the model wrote);
+- an input that cannot fit never stalls a session: a single turn longer than a batch's room
+  is cut to fit (its head and tail kept, counted ``outcome=truncated``), and a batch the
+  model still refuses (an HTTP 4xx: over its context as *it* counts) is skipped, its cursor
+  moved past it (``outcome=skipped``), so the next batch and the session's next jobs go on;
 - facts (every ``facts_every_turns`` turns) are extracted from the turns after the facts
   cursor (``cursors/<session>.json``), with the tenant's known facts and their keys in the
   prompt; the answer must be strict JSON accepted by the memory package's ``parse_facts`` (one
@@ -42,7 +46,7 @@ from cwm_plugin.sidecar.context import SessionState, SnapshotHook, call_hook
 from cwm_plugin.sidecar.identity import background_salt
 from cwm_plugin.sidecar.memory_port import MemoryPort
 from cwm_plugin.sidecar.metrics import SidecarMetrics
-from cwm_plugin.sidecar.router import Router
+from cwm_plugin.sidecar.router import Router, UpstreamRejected
 from cwm_plugin.sidecar.settings import MemorySettings
 from cwm_plugin.sidecar.usage import BACKGROUND, UsageLedger
 from cwm_plugin.sidecar.workqueue import Job
@@ -91,9 +95,17 @@ class Maintainer:
             if start >= len(turns):
                 break
             used = self.memory.count_messages(llm_prompts.summary_messages(previous, ""))
-            lines, end = self._batch(turns, start, used, max_model_len)
+            lines, end = self._batch(tenant, turns, start, used, max_model_len)
             messages = llm_prompts.summary_messages(previous, "\n".join(lines))
-            text = await self._call(tenant, model, salt, "summary", messages)
+            try:
+                text = await self._call(tenant, model, salt, "summary", messages)
+            except UpstreamRejected as exc:  # this batch never fits: move past it
+                self._skipped(tenant, "summary", exc)
+                previous = previous or "(the first turns were too long to summarise)"
+                await self.memory.set_summary(folder, session, previous,
+                                              upto_turn=ids[end - 1])
+                start = end
+                continue
             if not text.strip():
                 self.metrics.background.labels(tenant, "summary", "empty").inc()
                 return previous
@@ -103,11 +115,13 @@ class Maintainer:
             previous, start = text, end
         return previous
 
-    def _batch(self, turns: list[dict[str, Any]], start: int, used: int,
+    def _batch(self, tenant: str, turns: list[dict[str, Any]], start: int, used: int,
                max_model_len: int | None) -> tuple[list[str], int]:
         """Transcript lines from ``start`` on (at least one) that fit half the context with
-        what the prompt already uses; returns them and the index after the last."""
+        what the prompt already uses; returns them and the index after the last. A first line
+        too long for the whole context is cut to fit it."""
         budget = int((max_model_len or 2048) * 0.5) - self.cfg.background_max_tokens
+        hard = int((max_model_len or 2048) * 0.9) - self.cfg.background_max_tokens
         lines: list[str] = []
         end = start
         while end < len(turns):  # oldest first
@@ -116,10 +130,30 @@ class Maintainer:
             cost = self.memory.count(line) + 2
             if lines and used + cost > budget:
                 break
+            if used + cost > hard:  # alone over the model's context (10 % kept for margin)
+                line = self._cut(line, max(16, hard - used - 2))
+                cost = self.memory.count(line) + 2
+                self.metrics.background.labels(tenant, "input", "truncated").inc()
             lines.append(line)
             used += cost
             end += 1
         return lines, end
+
+    def _cut(self, line: str, room: int) -> str:
+        """``line`` within ``room`` tokens: its head and tail, the middle marked as left out."""
+        keep = len(line)
+        while keep > 0:
+            keep = int(keep * min(0.9, room / max(1, self.memory.count(line[:keep]))))
+            cut = f"{line[:keep // 2]} [... {len(line) - keep} characters left out ...] " \
+                  f"{line[len(line) - keep // 2:]}"
+            if self.memory.count(cut) <= room:
+                return cut
+        return line[:room]
+
+    def _skipped(self, tenant: str, kind: str, exc: UpstreamRejected) -> None:
+        self.metrics.background.labels(tenant, kind, "skipped").inc()
+        log.warning("background %s for tenant %s: the model refused a batch (%s); skipped, "
+                    "the session's work goes on after it", kind, tenant, exc.message[:200])
 
     async def _call(self, tenant: str, model: str, salt: str, kind: str,
                     messages: list[dict[str, Any]], extra: dict[str, Any] | None = None,
@@ -149,10 +183,13 @@ class Maintainer:
             known = [(m.key, m.text) for m in await self.memory.memories(folder)
                      if m.key][-MAX_KNOWN:]
             used = self.memory.count_messages(llm_prompts.facts_messages("", known))
-            lines, end = self._batch(turns, start, used, max_model_len)
+            lines, end = self._batch(tenant, turns, start, used, max_model_len)
             source = f"session:{session}#{ids[start]}..{ids[end - 1]}"
-            merged += await self._extract(tenant, model, salt, "\n".join(lines), known, source,
-                                          folder)
+            try:
+                merged += await self._extract(tenant, model, salt, "\n".join(lines), known,
+                                              source, folder)
+            except UpstreamRejected as exc:  # this batch never fits: move past it
+                self._skipped(tenant, "facts", exc)
             await self.memory.set_cursor(folder, session, "facts", ids[end - 1])
             start = end
         return merged

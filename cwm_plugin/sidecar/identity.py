@@ -18,11 +18,19 @@ for, its home namespace (``access.py``), and the session's ``cache_salt``.
   ``secret_versions.py``): stable, safe
   as a file name, and it does not reveal the user (a plain hash of an address could be
   reversed by guessing).
-* ``cache_salt`` = HMAC-SHA256(server secret, tenant + NUL + session), 64 hex digits: stable
-  for a session, unguessable without the secret, and different for every (tenant, session).
-  A tenant allowed to choose its salt sends ``cache_salt``; what is forwarded is
-  HMAC-SHA256(server secret, "client" NUL tenant NUL salt), so two tenants choosing the same
-  string never share KV.
+* ``cache_salt`` (:func:`derive_salt`, 64 hex digits: stable for a session, unguessable
+  without the secret): for a request naming a user, HMAC-SHA256(server secret, "kv-user" NUL
+  tenant NUL session NUL uid), where uid is the user's ``u-`` name above, so two users of one
+  tenant sending the same ``X-Session-Id`` never share KV or prefix cache; without a user (or
+  for a tenant with ``users_share_kv``: a tenant-wide shared prefix, configured on purpose)
+  HMAC-SHA256(server secret, tenant NUL session), as it always was. No two inputs give one
+  message: a session name holds no NUL, so the per-user message (three NULs) is never a
+  (tenant, session) one, and the labels keep it apart from the client salts below. A tenant
+  allowed to choose its salt sends ``cache_salt``; what is forwarded is HMAC-SHA256(server
+  secret, "client" NUL tenant NUL salt), or "client-user" NUL tenant NUL uid NUL salt for a
+  user, so two tenants (or users) choosing the same string never share KV. Every salt --
+  chat, relays, windows, salt moves after a rotation -- comes from
+  :meth:`Authenticator.session_salt` / :meth:`Authenticator.salt_for`, for any secret version.
 """
 
 from __future__ import annotations
@@ -32,7 +40,6 @@ import hmac
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from cwm_plugin.errors import Forbidden, InvalidInput
 from cwm_plugin.sidecar.access import Permissions
@@ -62,6 +69,8 @@ class Identity:
     cache_salt: str
     allow_client_cache_salt: bool = False
     user: str | None = None  # as the client sent it (never logged)
+    users_share_kv: bool = False  # the tenant's: the user is not part of the salt
+    sessionless: bool = False  # it named neither session nor user (identify)
     namespace: str = ""  # the home namespace's name: <principal> or <principal>/user
     folder: str = ""  # its memory folder: the principal's name, or u-<32 hex> for a user
 
@@ -84,8 +93,20 @@ def hash_key(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
-def derive_salt(secret: bytes, tenant: str, session: str) -> str:
-    return hmac.new(secret, f"{tenant}\x00{session}".encode(), hashlib.sha256).hexdigest()
+def derive_salt(secret: bytes, tenant: str, session: str, uid: str | None = None) -> str:
+    """A session's ``cache_salt``; ``uid``: its user's ``u-`` name under the same secret (see
+    the module docstring)."""
+    msg = f"{tenant}\x00{session}" if uid is None else \
+        f"kv-user\x00{tenant}\x00{session}\x00{uid}"
+    return hmac.new(secret, msg.encode(), hashlib.sha256).hexdigest()
+
+
+def owner_salt(owner: str, session: str) -> tuple[str, str, str | None]:
+    """:func:`derive_salt`'s (tenant, session, uid) for a session of a windows owner (a tenant,
+    or ``tenant/u-...``: a user's, see :func:`owner_of`), for tools that have the store and the
+    secret but no request (``cwm window --store``)."""
+    tenant, _, uid = owner.partition("/")
+    return tenant, session, uid or None
 
 
 def background_salt(salt: str) -> str:
@@ -102,15 +123,6 @@ def validate_session(name: str) -> str:
             hint="use 1-64 letters, digits, _ . - (starting with a letter or digit, no ..)",
         )
     return name
-
-
-def principal_of(sc: Any, request: Any) -> str | None:
-    """The principal of a request's key, or None (no key, or an unknown one): for routes that
-    answer anonymous callers too, with less (``/health``)."""
-    try:
-        return sc.auth.tenant_for(bearer_key(request.headers)).name
-    except Unauthorized:
-        return None
 
 
 def bearer_key(headers: Mapping[str, str]) -> str | None:
@@ -166,6 +178,7 @@ class Authenticator:
             user = body["user"]
         if user is not None and (not isinstance(user, str) or not user or len(user) > 1024):
             raise InvalidInput("`user` must be a non-empty string of at most 1024 characters")
+        sessionless = not session and user is None
         if not session and user is not None:
             session = self.user_folder(tenant.name, user)
         if not session and self._shared_default:
@@ -173,18 +186,25 @@ class Authenticator:
         if session:
             session = validate_session(session)
         home = self.perms.home(tenant.name, user)
-        return Identity(tenant=tenant.name, session=session or None,
-                        cache_salt=self._salt(tenant.name, session or ""),
-                        allow_client_cache_salt=tenant.allow_client_cache_salt, user=user,
-                        namespace=home.name, folder=home.folder or tenant.name)
+        ident = Identity(tenant=tenant.name, session=session or None, cache_salt="",
+                         allow_client_cache_salt=tenant.allow_client_cache_salt, user=user,
+                         users_share_kv=tenant.users_share_kv, sessionless=sessionless,
+                         namespace=home.name, folder=home.folder or tenant.name)
+        object.__setattr__(ident, "cache_salt", self.session_salt(ident, session or ""))
+        return ident
 
-    def _salt(self, tenant: str, session: str) -> str:
-        return derive_salt(self._secret, tenant, session)
+    def _uid(self, identity: Identity, secret: bytes) -> str | None:
+        """The user's part of the caller's salts under ``secret`` (None: not per user)."""
+        if identity.user is None or identity.users_share_kv:
+            return None
+        return self.user_session(identity.tenant, identity.user, secret)
 
-    def session_salt(self, identity: Identity, session: str) -> str:
-        """The salt of another session of the same caller (the windows routes name sessions
-        in their bodies): what that session's own chat requests are salted with."""
-        return self._salt(identity.tenant, session)
+    def session_salt(self, identity: Identity, session: str, secret: bytes | None = None) -> str:
+        """The salt of ``session`` for this caller (the windows routes name sessions in their
+        bodies: what that session's own chat requests are salted with), with the newest secret
+        unless another version is given: the one derivation of every session salt."""
+        secret = secret or self._secret
+        return derive_salt(secret, identity.tenant, session, self._uid(identity, secret))
 
     def user_session(self, tenant: str, user: str, secret: bytes | None = None) -> str:
         """The session name for an OpenAI ``user`` value (see the module docstring), with the
@@ -213,22 +233,34 @@ class Authenticator:
         salt = body["cache_salt"]
         if not isinstance(salt, str) or not salt or len(salt) > 256:
             raise InvalidInput("cache_salt must be a non-empty string of at most 256 characters")
-        return self.client_salt(identity.tenant, salt)
+        return self.client_salt(identity.tenant, salt, uid=self._uid(identity, self._secret))
 
-    def client_salt(self, tenant: str, salt: str, secret: bytes | None = None) -> str:
-        """The salt forwarded for a client's own ``cache_salt`` (namespaced by the tenant),
-        with the newest secret unless another version is given."""
-        return hmac.new(secret or self._secret, f"client\x00{tenant}\x00{salt}".encode(),
-                        hashlib.sha256).hexdigest()
+    def client_salt(self, tenant: str, salt: str, secret: bytes | None = None,
+                    uid: str | None = None) -> str:
+        """The salt forwarded for a client's own ``cache_salt`` (namespaced by the tenant and,
+        with ``uid``, the user), with the newest secret unless another version is given."""
+        msg = f"client\x00{tenant}\x00{salt}" if uid is None else \
+            f"client-user\x00{tenant}\x00{uid}\x00{salt}"
+        return hmac.new(secret or self._secret, msg.encode(), hashlib.sha256).hexdigest()
 
-    def salt_under(self, secret: bytes, identity: Identity, body: Mapping[str, object]) -> str:
-        """The salt this request had under another version of the secret (call after
-        :meth:`salt_for`, which checks a client's ``cache_salt``): a session named after the
-        user had that version's name too."""
+    def salts_under(self, secret: bytes, identity: Identity,
+                    body: Mapping[str, object]) -> list[str]:
+        """The salts this request's KV may have been stored under with another version of the
+        secret (call after :meth:`salt_for`, which checks a client's ``cache_salt``), most
+        likely first: the one this derivation gives under that version (a session named after
+        the user had that version's name too); for the user's own session, also the salt a
+        sidecar gave it before the user was part of salts (that session's name already
+        belonged to the user alone; a session named by ``X-Session-Id`` is not moved from it,
+        since other users may have shared it)."""
         if "cache_salt" in body:
-            return self.client_salt(identity.tenant, str(body["cache_salt"]), secret)
+            return [self.client_salt(identity.tenant, str(body["cache_salt"]), secret,
+                                     self._uid(identity, secret))]
         session = identity.session or ""
-        if identity.user is not None and session == self.user_session(identity.tenant,
-                                                                         identity.user):
-            session = self.user_session(identity.tenant, identity.user, secret)
-        return derive_salt(secret, identity.tenant, session)
+        own = identity.user is not None and \
+            session == self.user_session(identity.tenant, identity.user)
+        if own:
+            session = self.user_session(identity.tenant, str(identity.user), secret)
+        out = [self.session_salt(identity, session, secret)]
+        if own and not identity.users_share_kv:
+            out.append(derive_salt(secret, identity.tenant, session))
+        return out

@@ -1,7 +1,7 @@
 """REST over memory namespaces, every route checked against the permission matrix (``access.py``).
 
-``GET /v1/memory/namespaces`` lists what the caller may do where (its principal, for the user
-of ``X-CWM-User`` when given); ``GET /v1/memory/facts?namespace=N`` lists the durable memories
+``GET /v1/memory/namespaces`` lists the namespaces the caller may use and what it may do there
+(its principal, for the user of ``X-CWM-User`` when given; none it has no access to); ``GET /v1/memory/facts?namespace=N`` lists the durable memories
 in force (read); ``POST /v1/memory/facts`` ``{"namespace"?, "text", "category"?, "importance"?,
 "key"?}`` merges one (write); ``GET /v1/memory/search?namespace=N&q=...&k=`` searches the
 namespace's conversations and memories (read); ``GET /v1/memory/view?namespace=N&view=quick|full
@@ -9,7 +9,9 @@ namespace's conversations and memories (read); ``GET /v1/memory/view?namespace=N
 count (the served ``model``'s, else the memory's tokenizer; read; ``memory_view.py``); ``POST /v1/memory/turns`` ``{"namespace"?,
 "session", "role", "content"}`` appends a turn to a session's transcript (append). The
 namespace defaults to the request's home (the user's, else the principal's); the activity log
-is ``/v1/activity``. A refusal is an OpenAI-shaped 403 naming the rule; memory off: 503.
+is ``/v1/activity``. A namespace that does not exist and one the caller has no access to
+answer alike (404 ``namespace_not_found``); one it may use, but not so, a 403 naming the rule;
+memory off: 503. Bodies are read after the caller is authenticated (``caller.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cwm_plugin.errors import CWMError, InvalidInput
 from cwm_plugin.sidecar.access import ACTIVITY, GLOBAL, USER, Namespace
-from cwm_plugin.sidecar.identity import Identity, bearer_key, validate_session
+from cwm_plugin.sidecar.access_config import Access
+from cwm_plugin.sidecar.api_schema import body_doc
+from cwm_plugin.sidecar.caller import identity_of, model_body
+from cwm_plugin.sidecar.identity import Identity, validate_session
 from cwm_plugin.sidecar.memory_port import MemoryPort
 from cwm_plugin.sidecar.memory_view import VIEWS, build_view
 
@@ -40,7 +45,7 @@ class _Body(BaseModel):
 
 class FactBody(_Body):
     text: str = Field(min_length=1, max_length=2000)
-    category: str = "fact"
+    category: str = Field(default="fact", min_length=1, max_length=64)
     importance: float = Field(default=0.5, ge=0, le=1)
     key: str = Field(default="", max_length=60)
 
@@ -54,21 +59,15 @@ class TurnBody(_Body):
 def memory_router(sidecar: Any) -> APIRouter:
     """The routes over ``sidecar.memory`` (None: 503), authenticated like every other."""
     router = APIRouter(prefix="/v1/memory")
-    auth = sidecar.auth
-    perms = auth.perms
-
-    def who(request: Request) -> Identity:
-        """The caller: its principal, and the user of its ``X-CWM-User`` header if any."""
-        return auth.identify(auth.tenant_for(bearer_key(request.headers)), request.headers,
-                             None)
+    perms = sidecar.auth.perms
+    who = identity_of  # the caller: its principal, and the user of its X-CWM-User header
 
     def where(ident: Identity, name: str | None, op: str) -> tuple[MemoryPort, Namespace]:
         """The memory and the namespace ``name`` (default: the home), ``op`` allowed there."""
-        ns = perms.namespace(name or ident.namespace, ident.user)
+        ns = perms.open(ident.tenant, name or ident.namespace, ident.user, op)
         if ns.folder is None:
             raise InvalidInput(f"namespace {ns.name!r} is not memory",
                                hint="the activity log is /v1/activity")
-        perms.require(ident.tenant, ns, op)
         if sidecar.memory is None:
             raise MemoryUnavailable("memory is off on this sidecar")
         return sidecar.memory, ns
@@ -83,6 +82,8 @@ def memory_router(sidecar: Any) -> APIRouter:
         for name in names:
             ns = perms.namespace(name, ident.user)
             d = perms.decide(ident.tenant, ns)
+            if d.access is Access.NONE:
+                continue
             rows.append({"namespace": ns.name, "access": d.access.value, "rule": d.rule,
                          "home": ns.name == ident.namespace})
         return {"object": "list", "principal": ident.tenant, "data": rows}
@@ -95,9 +96,10 @@ def memory_router(sidecar: Any) -> APIRouter:
             {"id": m.id, "text": m.text, "category": m.category, "importance": m.importance,
              "key": m.key, "created": m.created} for m in got]}
 
-    @router.post("/facts", status_code=201)
-    async def add_fact(body: FactBody, request: Request) -> dict[str, Any]:
+    @router.post("/facts", status_code=201, openapi_extra=body_doc(FactBody))
+    async def add_fact(request: Request) -> dict[str, Any]:
         ident = who(request)
+        body = await model_body(request, FactBody)
         mem, ns = where(ident, body.namespace, "write")
         got = await mem.add_fact(ns.folder, body.text, body.category, body.importance,
                                  key=body.key, source=f"api:{ident.tenant}")
@@ -133,9 +135,11 @@ def memory_router(sidecar: Any) -> APIRouter:
         return {"object": "memory.view", "namespace": ns.name, "counted_with": model or "memory",
                 **got.public()}
 
-    @router.post("/turns", status_code=201)
-    async def append_turn(body: TurnBody, request: Request) -> dict[str, Any]:
-        mem, ns = where(who(request), body.namespace, "append")
+    @router.post("/turns", status_code=201, openapi_extra=body_doc(TurnBody))
+    async def append_turn(request: Request) -> dict[str, Any]:
+        ident = who(request)
+        body = await model_body(request, TurnBody)
+        mem, ns = where(ident, body.namespace, "append")
         session = validate_session(body.session)
         ids = await mem.record_turns(ns.folder, session, [(body.role, body.content)])
         return {"object": "memory.turn", "namespace": ns.name, "session": session,

@@ -101,6 +101,15 @@ class SidecarMetrics:
                                   "after a secret rotation, by outcome: moved (its KV re-keyed "
                                   "to the new salt), none (nothing stored), failed",
                                   ("tenant", "outcome"), registry=r)
+        self.rate_limited = Counter("cwm_sidecar_rate_limited", "Requests refused with 429: "
+                                    "over the principal's request rate (limit=requests) or "
+                                    "token quota (tokens); storage_error: the limits' storage "
+                                    "failed and the request passed", ("tenant", "limit"),
+                                    registry=r)
+        self.streams_cut = Counter("cwm_sidecar_streams_cut", "Streamed answers that ended "
+                                   "before their end (the client went away, or the upstream "
+                                   "failed): billed and recorded up to what was relayed",
+                                   ("tenant", "model", "route"), registry=r)
         self.windows_restores = Counter(
             "cwm_sidecar_prompt_restores", "Continuing sessions this process had not seen whose "
             "stored prompt state was looked up (adopted, error)", ("outcome",), registry=r)

@@ -47,7 +47,9 @@ def error_response(status: int, message: str, code: str, *,
 
 
 def from_cwm_error(exc: CWMError) -> JSONResponse:
-    return error_response(exc.http_status, str(exc), exc.code)
+    """The error's status and message, with the headers it carries (``Retry-After``)."""
+    return error_response(exc.http_status, str(exc), exc.code,
+                          headers=getattr(exc, "headers", None))
 
 
 def sse_error(status: int, message: str, code: str) -> bytes:

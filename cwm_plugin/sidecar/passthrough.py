@@ -20,11 +20,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from cwm_plugin.sidecar.body import read_json_body, require_model
-from cwm_plugin.sidecar.identity import bearer_key
+from cwm_plugin.sidecar.body import require_model
+from cwm_plugin.sidecar.caller import identity_of, json_body
 from cwm_plugin.sidecar.openai_errors import ModelNotFound, upstream_error_response
 from cwm_plugin.sidecar.runtime import Sidecar
-from cwm_plugin.sidecar.stream import Collected, ask_usage, relay_sse
+from cwm_plugin.sidecar.stream import Collected, ask_usage, relay_sse, relayed_usage
 from cwm_plugin.sidecar.turn import SSE_HEADERS, route_headers
 from cwm_plugin.sidecar.upstream import headers_down, headers_up
 
@@ -44,9 +44,8 @@ def _relayed(resp: Any, extra: dict[str, str] | None = None) -> Response:
 
 async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     """``POST path`` to the upstream (see the module docstring)."""
-    tenant_cfg = sc.auth.tenant_for(bearer_key(request.headers))
-    body = await read_json_body(request, sc.settings.max_body_bytes, sc.settings.max_json_depth)
-    ident = sc.auth.identify(tenant_cfg, request.headers, body)
+    body = await json_body(request)
+    ident = identity_of(request, body)
     forward = body
     if path in SALTED:
         require_model(body)
@@ -91,8 +90,10 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
         finally:
             await handle.close()
 
-    def after() -> None:
-        sc.usage.record(ident.tenant, model, handle.ep.name, collected.usage)
+    def after() -> None:  # also after a client went away: what was relayed is billed
+        if not collected.usage:
+            sc.metrics.streams_cut.labels(ident.tenant, model, labels[2]).inc()
+        sc.usage.record(ident.tenant, model, handle.ep.name, relayed_usage(collected, None))
 
     return StreamingResponse(body_iter(), media_type="text/event-stream",
                              headers={**SSE_HEADERS, **down}, background=BackgroundTask(after))
@@ -101,7 +102,6 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
 async def relay_get(sc: Sidecar, request: Request, path: str) -> Response:
     """``GET path`` (the model list) relayed as it came from the default upstream; with
     several upstreams, the model list is theirs merged (the first entry of a model wins)."""
-    sc.auth.tenant_for(bearer_key(request.headers))
     if len(sc.router.endpoints) == 1 or path != "/v1/models":
         _, resp = await sc.router.get(sc.router.default_route(), path,
                                       headers=headers_up(request.headers))

@@ -237,3 +237,27 @@ def _counted(t: TurnInput, out: list[Message], sel: Selected, text: str, full: i
     return Plan(messages=out, sel=sel, text=text, prompt_tokens=prompt,
                 sent=t.counter.count_messages(out), full=full,
                 injected=t.counter.count(text) if text else 0)
+
+
+def debug_header(sel: Selected, compacted: bool, mode: str, cap: int,
+                  recent: int, prompt_tokens: int | None = None, sent: int | None = None,
+                  full: int | None = None, injected: int | None = None,
+                  view: str = "full") -> str:
+    """``X-CWM-Memory`` (``X-CWM-Debug: 1``): what was selected and why, as JSON within
+    ``cap`` bytes (reasons, then hits, dropped until it fits)."""
+    info: dict[str, Any] = {"mode": mode, "view": view, "tokens": sel.tokens,
+                            "injected": injected, "recent": recent,
+                            "prompt_tokens": prompt_tokens, "sent": sent, "full": full,
+                            "compacted": compacted, "facts": sel.facts,
+                            "retrieval_ms": round(sel.seconds * 1000, 2),
+                            "hits": sel.hits, "reasons": sel.reasons}
+    for _ in range(len(sel.hits) + 2):
+        text = json.dumps(info, separators=(",", ":"), ensure_ascii=True, default=str)
+        if len(text) <= cap:
+            return text
+        if info.get("reasons") is not None:
+            info["reasons"] = None
+        elif info["hits"]:
+            info["hits"] = info["hits"][:-1]
+            info["truncated"] = True
+    return json.dumps({"truncated": True, "tokens": sel.tokens})

@@ -39,6 +39,14 @@ from cwm_plugin.sidecar.upstream import Upstream
 
 log = logging.getLogger(__name__)
 BACKGROUND_ROLE = "background"
+
+
+class UpstreamRejected(UpstreamError):
+    """The upstream refused a request of the sidecar's own with an HTTP 4xx (a prompt over
+    its context, say): sending it again will not help."""
+
+    code = "upstream_rejected"
+
 CLASSIFY = "classify"
 
 
@@ -292,8 +300,9 @@ class Router:
         try:
             ep, resp = await self.post(route, "/v1/chat/completions", body)
             if resp.status_code != 200:
-                raise UpstreamError(f"upstream chat answered HTTP {resp.status_code}: "
-                                    f"{resp.text[:200]}")
+                kind = UpstreamRejected if resp.status_code < 500 else UpstreamError
+                raise kind(f"upstream chat answered HTTP {resp.status_code}: "
+                           f"{resp.text[:200]}")
         except UpstreamError:
             if route.fallback is None:
                 raise
@@ -318,8 +327,13 @@ class Router:
         log.warning("upstream %s failed (%s): failing over to %s", src.name, why, dst.name)
 
     async def check_all(self) -> list[dict[str, Any]]:
-        """Check every upstream now; their states (names, roles, models; never a URL)."""
+        """Check every upstream now; their states (:meth:`states`)."""
         await asyncio.gather(*(self.health.check(e) for e in self.endpoints))
+        return self.states()
+
+    def states(self) -> list[dict[str, Any]]:
+        """Every upstream's state as last seen by a request or a background health check
+        (names, roles, models; never a URL): nothing is asked."""
         return [{"name": e.name, "up": e.up, "roles": e.cfg.roles,
                  "models": sorted(e.cfg.models or e.known),
                  "context_limit": e.cfg.context_limit} for e in self.endpoints]

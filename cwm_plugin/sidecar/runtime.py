@@ -12,6 +12,7 @@ from cwm_plugin.sidecar.failopen import FailOpen
 from cwm_plugin.sidecar.identity import Authenticator
 from cwm_plugin.sidecar.memory_port import MemoryPort
 from cwm_plugin.sidecar.metrics import SidecarMetrics
+from cwm_plugin.sidecar.ratelimit import TenantLimits
 from cwm_plugin.sidecar.router import Router
 from cwm_plugin.sidecar.salt_move import SaltMover
 from cwm_plugin.sidecar.settings import Settings
@@ -31,6 +32,7 @@ class Sidecar:
     counters: ModelCounters
     failopen: FailOpen
     usage: UsageLedger
+    limits: TenantLimits
     activity: ActivityLog | None = None
     tracker: ContextTracker = field(default_factory=ContextTracker)
     background: Background = field(default_factory=Background)

@@ -3,9 +3,10 @@
 After a rotation (``secret_versions.py``) every session's ``cache_salt`` changes, so without
 more its KV would be computed again. With a windows store (``windows:``: the KV store vLLM's
 connector writes), a session's first salted request while an older version is in its grace
-period derives the salt it had under each older version in turn (``Authenticator.salt_under``:
-its session name too, when that came from the user) and, for the first that left a context
-record, re-keys that context under the new salt before the request is forwarded
+period derives the salts it may have had under each older version in turn
+(``Authenticator.salts_under``: the same derivation under that version, its session name too
+when that came from the user; for a user's own session also the salt from before users were
+part of salts) and, for the first that left a context record, re-keys that context under the new salt before the request is forwarded
 (:meth:`~cwm_plugin.windows.engine.WindowEngine.move_session`: thaw's re-keying, the same blobs
 under new keys, no tensor copy), so vLLM restores the prefix instead of computing it.
 
@@ -87,8 +88,7 @@ class SaltMover:
     async def _move(self, ident: Identity, body: Mapping[str, object], salt: str,
                     older: list[bytes]) -> int:
         tenant = ident.tenant
-        for secret in older:
-            old = self.auth.salt_under(secret, ident, body)
+        for old in [o for secret in older for o in self.auth.salts_under(secret, ident, body)]:
             if old == salt:
                 continue
             try:

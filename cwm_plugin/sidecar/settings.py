@@ -25,23 +25,39 @@ from pydantic import (
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.sidecar.access_config import AccessSettings
 from cwm_plugin.sidecar.secret_versions import SecretVersion, in_grace
+from cwm_plugin.sidecar.settings_limits import RateLimitSettings, check_rate
 from cwm_plugin.sidecar.settings_routing import DEFAULT_RULES as DEFAULT_RULES
+from cwm_plugin.sidecar.settings_routing import NAME as NAME
+from cwm_plugin.sidecar.settings_routing import UPSTREAM_OWN, RoutingSettings
 from cwm_plugin.sidecar.settings_routing import HealthSettings as HealthSettings
 from cwm_plugin.sidecar.settings_routing import RouteRule as RouteRule
-from cwm_plugin.sidecar.settings_routing import RoutingSettings
 from cwm_plugin.sidecar.settings_routing import Strict as _Strict
+from cwm_plugin.sidecar.settings_routing import UpstreamConfig as UpstreamConfig
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 class TenantConfig(_Strict):
-    """One tenant: its name (a folder name under the memory root) and its keys' sha256."""
+    """One tenant: its name (a folder name under the memory root), its keys' sha256, and what
+    it shares: ``users_share_kv`` (requests of different users naming one session share its
+    KV and prefix cache; default: the user is part of the salt), ``stateless_memory`` (a
+    request naming neither session nor user gets memory selected from the tenant's; default:
+    none, since one key often serves many people). Its own ``rate_limit`` / ``token_quota``
+    (``settings_limits.py``) replace ``rate_limits``' defaults."""
 
     name: str
     key_sha256: list[str] = Field(min_length=1)
     allow_client_cache_salt: bool = False  # HMAC'd with the tenant before it is forwarded
     history: Literal["full", "recent"] | None = None  # None: prompt.history
+    users_share_kv: bool = False
+    stateless_memory: bool = False
+    rate_limit: str | None = None  # None: rate_limits.rate_limit
+    token_quota: str | None = None  # None: rate_limits.token_quota
+
+    @field_validator("rate_limit", "token_quota")
+    @classmethod
+    def _rate(cls, v: str | None) -> str | None:
+        return check_rate(v)
 
     @field_validator("name")
     @classmethod
@@ -73,55 +89,6 @@ class ProviderConfig(TenantConfig):
 RESERVED = re.compile(r"^(global|activity|project\..*|u-[0-9a-f]{32})$")
 
 
-class UpstreamConfig(_Strict):
-    """One model server (vLLM's OpenAI server): where it is, what it serves, its roles, and how
-    patient to be with it. ``upstream:`` alone is the one default upstream; ``upstreams:``
-    lists several, each taking the fields it does not set from ``upstream:``."""
-
-    name: str = "default"
-    url: str = "http://127.0.0.1:8000"
-    # The served model names; empty: whatever its /v1/models lists (asked when needed).
-    models: list[str] = Field(default_factory=list)
-    # The context limit in tokens; None: the model's max_model_len from its /v1/models.
-    context_limit: int | None = Field(default=None, ge=1)
-    # default / code / large / background, or any name a routing rule uses.
-    roles: list[str] = Field(default_factory=lambda: ["default"])
-    connect_timeout_s: float = 3.0
-    read_timeout_s: float = 600.0
-    write_timeout_s: float = 30.0
-    pool_timeout_s: float = 10.0
-    connect_retries: int = Field(default=2, ge=0, le=10)
-    max_connections: int = Field(default=200, ge=1)
-    max_keepalive: int = Field(default=50, ge=1)
-    models_ttl_s: float = 30.0
-    # Sent to vLLM as `Authorization: Bearer` (vLLM's --api-key): the file's `api_key`, else
-    # the environment variable named here (when set). Never logged.
-    api_key: SecretStr | None = None
-    api_key_env: str = "CWM_UPSTREAM_API_KEY"
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not NAME.fullmatch(v):
-            raise ValueError(f"upstream name {v!r} must match {NAME.pattern}")
-        return v
-
-    @field_validator("roles")
-    @classmethod
-    def _roles(cls, v: list[str]) -> list[str]:
-        for role in v:
-            if not NAME.fullmatch(role):
-                raise ValueError(f"role {role!r} must match {NAME.pattern}")
-        return v
-
-    def key(self) -> str | None:
-        if self.api_key is not None:
-            return self.api_key.get_secret_value()
-        return os.environ.get(self.api_key_env) or None
-
-
-# Fields of an `upstreams:` entry that are its own, never taken from `upstream:`.
-UPSTREAM_OWN = ("name", "url", "models", "context_limit", "roles")
 
 
 class Price(_Strict):
@@ -145,13 +112,15 @@ class PricingSettings(_Strict):
 class ActivitySettings(_Strict):
     """The append-only activity log (``cwm_plugin/activity``): ``POST|GET /v1/activity``.
     ``log_turns`` appends one line a chat turn (its first ``turn_preview_chars`` characters of
-    question and answer; 0: none). ``read``: ``all`` (every principal reads the whole log, so
-    one picks up where another left off) or ``own`` (only the entries it wrote)."""
+    question and answer; 0: none). ``read``: ``shared`` (a principal reads its own entries
+    and those of the principals whose namespace it may read: by default providers each
+    other's, a tenant only its own; ``access.rules`` grant more), ``own`` (only its own) or
+    ``all`` (every principal reads the whole log)."""
 
     root: Path = Path("./cwm-activity")
     log_turns: bool = False
     turn_preview_chars: int = Field(default=120, ge=0, le=500)
-    read: Literal["all", "own"] = "all"
+    read: Literal["shared", "own", "all"] = "shared"
 
 
 class EmbedderConfig(_Strict):
@@ -304,6 +273,9 @@ class Settings(_Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     prompt: PromptSettings = PromptSettings()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # a route's own limit, by its path as the API lists it ("/v1/memory/turns": 1048576)
+    max_body_bytes_by_route: dict[str, int] = Field(default_factory=dict)
+    rate_limits: RateLimitSettings = RateLimitSettings()
     max_json_depth: int = Field(default=64, ge=4, le=1000)  # deeper bodies get 400
     debug_header_max_bytes: int = Field(default=4096, ge=256)
     memory_enabled: bool = True
@@ -356,6 +328,14 @@ class Settings(_Strict):
         own = next((p.context_limit for p in self.providers if p.name == principal), None)
         limits = [x for x in (upstream, own) if x]
         return min(limits) if limits else None
+
+    def body_limit(self, route: str) -> int:
+        """The most bytes a request body of ``route`` (its path template) may have."""
+        if route in self.max_body_bytes_by_route:
+            return self.max_body_bytes_by_route[route]
+        if route == "/v1/windows/import" and self.windows is not None:
+            return self.windows.max_import_bytes
+        return self.max_body_bytes
 
     def endpoints(self) -> list[UpstreamConfig]:
         """The upstreams, in order: ``upstreams`` when given, else ``[upstream]``."""

@@ -1,11 +1,15 @@
-"""Routing settings (``routing:`` in the sidecar's config): the classifier's rules, aliases,
-background work's model and the upstream health checks (see ``routing.py`` and ``router.py``)."""
+"""Routing settings: the upstreams (``upstream:``, ``upstreams:``) and ``routing:`` (the
+classifier's rules, aliases, background work's model and the upstream health checks; see
+``routing.py`` and ``router.py``)."""
 
 from __future__ import annotations
 
+import os
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 class Strict(BaseModel):
@@ -70,3 +74,54 @@ class RoutingSettings(Strict):
     rules: list[RouteRule] = Field(default_factory=lambda: list(DEFAULT_RULES))
     background_model: str | None = None
     health: HealthSettings = HealthSettings()
+
+
+class UpstreamConfig(Strict):
+    """One model server (vLLM's OpenAI server): where it is, what it serves, its roles, and how
+    patient to be with it. ``upstream:`` alone is the one default upstream; ``upstreams:``
+    lists several, each taking the fields it does not set from ``upstream:``."""
+
+    name: str = "default"
+    url: str = "http://127.0.0.1:8000"
+    # The served model names; empty: whatever its /v1/models lists (asked when needed).
+    models: list[str] = Field(default_factory=list)
+    # The context limit in tokens; None: the model's max_model_len from its /v1/models.
+    context_limit: int | None = Field(default=None, ge=1)
+    # default / code / large / background, or any name a routing rule uses.
+    roles: list[str] = Field(default_factory=lambda: ["default"])
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 600.0
+    write_timeout_s: float = 30.0
+    pool_timeout_s: float = 10.0
+    connect_retries: int = Field(default=2, ge=0, le=10)
+    max_connections: int = Field(default=200, ge=1)
+    max_keepalive: int = Field(default=50, ge=1)
+    models_ttl_s: float = 30.0
+    # Sent to vLLM as `Authorization: Bearer` (vLLM's --api-key): the file's `api_key`, else
+    # the environment variable named here (when set). Never logged.
+    api_key: SecretStr | None = None
+    api_key_env: str = "CWM_UPSTREAM_API_KEY"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME.fullmatch(v):
+            raise ValueError(f"upstream name {v!r} must match {NAME.pattern}")
+        return v
+
+    @field_validator("roles")
+    @classmethod
+    def _roles(cls, v: list[str]) -> list[str]:
+        for role in v:
+            if not NAME.fullmatch(role):
+                raise ValueError(f"role {role!r} must match {NAME.pattern}")
+        return v
+
+    def key(self) -> str | None:
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        return os.environ.get(self.api_key_env) or None
+
+
+# Fields of an `upstreams:` entry that are its own, never taken from `upstream:`.
+UPSTREAM_OWN = ("name", "url", "models", "context_limit", "roles")

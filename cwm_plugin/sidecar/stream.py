@@ -9,7 +9,9 @@ puts on the terminal chunk) is put back at the end of the terminal chunk, so the
 exactly the stream vLLM sends a client that did not ask for usage. ``on_done`` runs before the
 ``[DONE]`` event is passed on (the turn is in memory before the client learns it has ended). An
 upstream failure in mid-stream becomes one OpenAI-shaped error event; the stream never hangs
-beyond the upstream read timeout.
+beyond the upstream read timeout. A stream that ends before its end (the client went away, or
+the upstream failed) is billed for what was relayed (:func:`relayed_usage`: vLLM streams a
+token a chunk) unless its usage had already come.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Collected:
     parts: list[str] = field(default_factory=list)
     calls: dict[int, dict[str, str]] = field(default_factory=dict)  # streamed tool calls
     usage: dict[str, Any] | None = None
+    chunks: int = 0  # chunks that carried text or a tool call's fragment (a token each)
     finish_reason: str | None = None
     done: bool = False
     error: str | None = None
@@ -61,7 +64,9 @@ class Collected:
             piece = delta.get("content") if chat else choice.get("text")
             if piece:
                 self.parts.append(piece)
+                self.chunks += 1
             for call in delta.get("tool_calls") or [] if chat else []:
+                self.chunks += 1
                 fn = call.get("function") or {}
                 got = self.calls.setdefault(int(call.get("index", 0)),
                                             {"name": "", "arguments": ""})
@@ -71,6 +76,19 @@ class Collected:
                 self.finish_reason = choice["finish_reason"]
         if "error" in obj:
             self.error = str(obj["error"])[:300]
+
+
+CUT_MARK = "[cut off: the stream ended before the answer did]"
+
+
+def relayed_usage(collected: Collected, prompt_tokens: int | None) -> dict[str, Any]:
+    """The usage of a stream that ended early: its own if it came, else the tokens relayed
+    (and the prompt's, estimated by the caller when it knows them)."""
+    if collected.usage:
+        return collected.usage
+    prompt = prompt_tokens or 0
+    return {"prompt_tokens": prompt, "completion_tokens": collected.chunks,
+            "total_tokens": prompt + collected.chunks, "estimated": True}
 
 
 EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # SSE allows CRLF, LF or CR line ends

@@ -1,7 +1,7 @@
 """One chat turn through the sidecar (``POST /v1/chat/completions``).
 
-1. authenticate (key -> tenant), read the bounded body, resolve the session (or none: a
-   stateless request), derive the salt;
+1. authenticated (key -> tenant, its rate; ``caller.py``), read the bounded body, resolve the
+   session (or none: a stateless request), derive the salt;
 2. route it (``router.py``: the upstreams serving its model, or, for ``model: auto``, the
    role the classifier picks; 404 for an unknown model) and get the model's token counter
    (``counting.py``);
@@ -12,7 +12,8 @@
    keeps the session's last few turns for windows; a continuing session this process has not
    seen first adopts its stored prompt state), stream or not, failing over to the next upstream serving the model
    if one is down (connect error or 5xx before any byte was relayed);
-5. before the client sees the end, append the client's new messages and the answer to the
+5. before the client sees the end (a stream cut short: once it is known to be, with what was
+   relayed, marked as cut), append the client's new messages and the answer to the
    session's file (one durable append; the index catches up in the background), count usage
    (``usage.py``) and the context thresholds against the limit of the upstream that answered,
    and queue what is due (summary, facts, checkpoint) as one job of the session on the bounded
@@ -25,7 +26,6 @@ Where the time goes (everything but the upstream's own time) is reported per req
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -39,16 +39,23 @@ from cwm_plugin.memory.history import prefix_length
 from cwm_plugin.memory.timing import Stages
 from cwm_plugin.sidecar import prompt as P
 from cwm_plugin.sidecar.activity_api import PROJECT_HEADER, log_turn, project_of, turn_entry
-from cwm_plugin.sidecar.body import read_json_body, require_model
+from cwm_plugin.sidecar.body import require_model
+from cwm_plugin.sidecar.caller import identity_of, json_body, principal_of
 from cwm_plugin.sidecar.context import Level, SessionState, level_for
 from cwm_plugin.sidecar.failopen import HEADER as STATUS_HEADER
-from cwm_plugin.sidecar.identity import Identity, bearer_key, owner_of
-from cwm_plugin.sidecar.memory_port import Selected
+from cwm_plugin.sidecar.identity import Identity, owner_of
 from cwm_plugin.sidecar.openai_errors import upstream_error_response
-from cwm_plugin.sidecar.plan import Plan, TurnInput, history_tokens, passthrough, plan_turn
+from cwm_plugin.sidecar.plan import (
+    Plan,
+    TurnInput,
+    debug_header,
+    history_tokens,
+    passthrough,
+    plan_turn,
+)
 from cwm_plugin.sidecar.router import Endpoint, Route
 from cwm_plugin.sidecar.runtime import Sidecar
-from cwm_plugin.sidecar.stream import Collected, ask_usage, relay_sse
+from cwm_plugin.sidecar.stream import CUT_MARK, Collected, ask_usage, relay_sse, relayed_usage
 from cwm_plugin.sidecar.turn_records import (
     answer_message,
     client_turn,
@@ -240,28 +247,6 @@ class Turn:
         return out
 
 
-def _debug_header(sel: Selected, compacted: bool, mode: str, cap: int,
-                  recent: int, prompt_tokens: int | None = None, sent: int | None = None,
-                  full: int | None = None, injected: int | None = None,
-                  view: str = "full") -> str:
-    info: dict[str, Any] = {"mode": mode, "view": view, "tokens": sel.tokens,
-                            "injected": injected, "recent": recent,
-                            "prompt_tokens": prompt_tokens, "sent": sent, "full": full,
-                            "compacted": compacted, "facts": sel.facts,
-                            "retrieval_ms": round(sel.seconds * 1000, 2),
-                            "hits": sel.hits, "reasons": sel.reasons}
-    for _ in range(len(sel.hits) + 2):
-        text = json.dumps(info, separators=(",", ":"), ensure_ascii=True, default=str)
-        if len(text) <= cap:
-            return text
-        if info.get("reasons") is not None:
-            info["reasons"] = None
-        elif info["hits"]:
-            info["hits"] = info["hits"][:-1]
-            info["truncated"] = True
-    return json.dumps({"truncated": True, "tokens": sel.tokens})
-
-
 async def _plan(sc: Sidecar, turn_in: dict[str, Any], stages: Stages) -> tuple[Plan, Any, str]:
     """The plan, the counter and the memory status header ("" when all went well)."""
     ident: Identity = turn_in["ident"]
@@ -282,9 +267,9 @@ async def _plan(sc: Sidecar, turn_in: dict[str, Any], stages: Stages) -> tuple[P
 async def handle_chat(sc: Sidecar, request: Request) -> Response:
     stages = Stages()
     t0 = time.perf_counter()
-    tenant_cfg = sc.auth.tenant_for(bearer_key(request.headers))
-    body = await read_json_body(request, sc.settings.max_body_bytes, sc.settings.max_json_depth)
-    ident = sc.auth.identify(tenant_cfg, request.headers, body)
+    tenant_cfg = principal_of(request)  # authenticated before the body was read (caller.py)
+    body = await json_body(request)
+    ident = identity_of(request, body)
     model = require_model(body)
     salt = sc.auth.salt_for(ident, body)
     messages = P.validate_messages(body.get("messages"))
@@ -306,7 +291,10 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
         "max_len": sc.settings.context_limit(ident.tenant, info.max_model_len), "mode": mode,
         "info": info, "shared": shared,
         "view": view,
-        "readable": perms.allows(ident.tenant, home, "read")}, stages)
+        # a request naming neither session nor user may be anyone's (one key often serves
+        # many people): no memory of other conversations unless its tenant turns that on
+        "readable": perms.allows(ident.tenant, home, "read") and
+        (not ident.sessionless or tenant_cfg.stateless_memory)}, stages)
     if sc.memory is not None and not status:
         sc.metrics.retrieval_seconds.labels(ident.tenant, model).observe(plan.sel.seconds)
         sc.metrics.injected_tokens.labels(ident.tenant, model).inc(plan.injected)
@@ -324,7 +312,7 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
                 can_write=perms.allows(ident.tenant, home, "write"), number=number)
     if debug:
         p = sc.settings.prompt
-        turn.headers["X-CWM-Memory"] = _debug_header(
+        turn.headers["X-CWM-Memory"] = debug_header(
             plan.sel, state.compacted, f"{mode}/{p.placement}/{p.refresh}",
             sc.settings.debug_header_max_bytes, len(plan.messages), plan.prompt_tokens,
             plan.sent, plan.full, plan.injected, view)
@@ -384,13 +372,28 @@ async def _stream(turn: Turn, forward: dict[str, Any], up: dict[str, str]) -> Re
                           answer_message(collected.text, collected.tool_calls))
         _observe_stages(turn)
 
+    async def cut() -> None:
+        """The stream ended before [DONE] (the client went away, or the upstream failed):
+        billed and recorded up to what was relayed, the answer marked as cut."""
+        await handle.close()
+        sc.metrics.streams_cut.labels(turn.ident.tenant, turn.model, "chat").inc()
+        answer = answer_text(collected.text, collected.tool_calls)
+        marked = f"{answer}\n{CUT_MARK}" if answer else CUT_MARK
+        await turn.record(marked)
+        await turn.finish(relayed_usage(collected, turn.plan.prompt_tokens), marked,
+                          answer_message(collected.text, collected.tool_calls))
+        _observe_stages(turn)
+
     async def body():
         try:
             async for piece in relay_sse(handle.chunks(), collected, chat=True,
                                          strip_usage=not client_wants_usage, on_done=on_done):
                 yield piece
         finally:
-            await handle.close()
+            if collected.done:
+                await handle.close()
+            else:  # not awaited here: a client gone away cancelled this task
+                sc.background.spawn(cut(), name=f"cut-{turn.ident.tenant}")
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={**SSE_HEADERS, **headers})

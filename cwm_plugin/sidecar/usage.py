@@ -8,19 +8,21 @@ and the sidecar's own work for a tenant (``kind: background``: summaries, facts;
 tokens x ``input_per_1m`` + cached ones x ``cached_input_per_1m`` (else the input price) +
 completion tokens x ``output_per_1m``, per million. ``GET /v1/usage`` answers the calling
 tenant's own rows only (per model, upstream and kind, since the app started; the Prometheus
-counters are what outlives a restart), ``?model=`` narrows it.
+counters are what outlives a restart), ``?model=`` narrows it. Each answer's tokens are also
+spent from the principal's token quota (``spend``: ``ratelimit.py``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
-from cwm_plugin.sidecar.identity import bearer_key
+from cwm_plugin.sidecar.caller import Principal
 from cwm_plugin.sidecar.metrics import SidecarMetrics, tokens_of
 from cwm_plugin.sidecar.settings import PricingSettings
 
@@ -39,9 +41,11 @@ class Tally:
 class UsageLedger:
     """Tallies keyed by (principal, model, upstream, kind), and the metrics that go with them."""
 
-    def __init__(self, pricing: PricingSettings, metrics: SidecarMetrics) -> None:
+    def __init__(self, pricing: PricingSettings, metrics: SidecarMetrics,
+                 spend: Callable[[str, int], None] | None = None) -> None:
         self.pricing = pricing
         self.metrics = metrics
+        self.spend = spend
         self.since = time.time()
         self._rows: dict[tuple[str, str, str, str], Tally] = {}
         self._lock = threading.Lock()
@@ -72,6 +76,8 @@ class UsageLedger:
         else:
             self.metrics.observe_background(principal, model, work, usage)
         self.metrics.cost.labels(principal, model, kind).inc(cost)
+        if self.spend is not None:
+            self.spend(principal, prompt + completion)
 
     def report(self, principal: str, model: str | None = None) -> dict[str, Any]:
         """``principal``'s rows and their total (the body of ``GET /v1/usage``)."""
@@ -94,8 +100,7 @@ def usage_router(sidecar: Any) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
     @router.get("/usage")
-    async def usage(request: Request, model: str | None = None) -> dict[str, Any]:
-        tenant = sidecar.auth.tenant_for(bearer_key(request.headers)).name
-        return sidecar.usage.report(tenant, model)
+    async def usage(who: Principal, model: str | None = None) -> dict[str, Any]:
+        return sidecar.usage.report(who.name, model)
 
     return router

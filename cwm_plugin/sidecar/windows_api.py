@@ -13,8 +13,8 @@ export and import: :mod:`.windows_files`. Beside them, for agents (the MCP tools
 ``GET /v1/sessions``, ``DELETE /v1/sessions/{session}/kv`` (erase a session's stored KV),
 ``GET /v1/cache/stats``, ``GET|POST /v1/auto_freeze`` and ``POST /v1/auto_freeze/check``.
 
-Every route authenticates the key before it reads a body, reads at most ``max_body_bytes``
-(413) and asks the caller's permissions (``access.py``): reads need read access to its home
+Every route authenticates the key before it reads a body (the app's dependency,
+``caller.py``), reads at most the route's limit (413) and asks the caller's permissions (``access.py``): reads need read access to its home
 namespace, changes write access; ``/v1/cache/stats`` needs the ``metrics`` grant and
 ``POST /v1/auto_freeze`` the ``admin`` grant. Windows belong to the caller's home namespace: a
 tenant's, or a user's inside it (``X-CWM-User``), and no other namespace sees them. Sessions
@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from cwm_plugin.errors import CWMError, InvalidInput, UpstreamError
-from cwm_plugin.sidecar.body import read_json_body
-from cwm_plugin.sidecar.identity import Identity, bearer_key, owner_of, validate_session
+from cwm_plugin.sidecar.api_schema import body_doc
+from cwm_plugin.sidecar.caller import identity_of, model_body, principal_of
+from cwm_plugin.sidecar.identity import Identity, owner_of, validate_session
 from cwm_plugin.sidecar.windows_files import windows_files_router
 from cwm_plugin.sidecar.windows_warm import warm_up
 from cwm_plugin.windows.auto import AutoFreeze
@@ -139,22 +140,12 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
 
     def caller(request: Request, op: str = "read") -> Identity:
         """The caller, allowed ``op`` on its home namespace (windows are its KV)."""
-        tenant = auth.tenant_for(bearer_key(request.headers))
-        ident = auth.identify(tenant, request.headers, None)
+        ident = identity_of(request)
         auth.perms.require(ident.tenant, auth.perms.namespace(ident.namespace, ident.user), op)
         return ident
 
-    async def body_of(request: Request, model: type[BaseModel]) -> Any:
-        raw = await read_json_body(request, settings.max_body_bytes, settings.max_json_depth)
-        try:
-            return model.model_validate(raw)
-        except ValidationError as exc:  # 400 naming the fields, never echoing the input
-            where = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ())) or 'body'}: "
-                              f"{e.get('msg', 'invalid')}" for e in exc.errors())
-            raise InvalidInput(f"invalid request: {where}") from None
-
     def granted(request: Request, grant: str, what: str) -> str:
-        tenant = auth.tenant_for(bearer_key(request.headers)).name
+        tenant = principal_of(request).name
         auth.perms.require_grant(tenant, grant, what)
         return tenant
 
@@ -172,10 +163,10 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
             return cap
         return value
 
-    @router.post("/windows")
+    @router.post("/windows", openapi_extra=body_doc(FreezeBody))
     async def freeze(request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
-        body: FreezeBody = await body_of(request, FreezeBody)
+        body = await model_body(request, FreezeBody)
         check_name(body.name)
         session = session_of(body.session)
         m = await run(lambda e: e.freeze(
@@ -184,10 +175,10 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
             turn=body.turn, ttl_s=ttl(body.ttl_s), prompt_prefix=body.prompt_prefix))
         return {"object": "window", **m.public()}
 
-    @router.post("/windows/{name}/thaw")
+    @router.post("/windows/{name}/thaw", openapi_extra=body_doc(ThawBody))
     async def thaw(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
-        body: ThawBody = await body_of(request, ThawBody)
+        body = await model_body(request, ThawBody)
         session = session_of(body.session)
         salt = auth.session_salt(ident, session)
         r = await run(lambda e: e.thaw(owner_of(ident), check_name(name), session=session,
@@ -201,10 +192,10 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
                 await run(lambda e: e.note_warm(owner_of(ident), name, session, r.warm))
         return {"object": "window.thaw", **r.public()}
 
-    @router.post("/windows/{name}/clone")
+    @router.post("/windows/{name}/clone", openapi_extra=body_doc(CloneBody))
     async def clone(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
-        body: CloneBody = await body_of(request, CloneBody)
+        body = await model_body(request, CloneBody)
         m = await run(lambda e: e.clone(owner_of(ident), check_name(name),
                                         check_name(body.name), tags=body.tags,
                                         description=body.description))
@@ -232,10 +223,10 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         return {"object": "window",
                 **await run(lambda e: e.status(owner_of(ident), check_name(name)))}
 
-    @router.patch("/windows/{name}")
+    @router.patch("/windows/{name}", openapi_extra=body_doc(PatchBody))
     async def patch(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
-        body: PatchBody = await body_of(request, PatchBody)
+        body = await model_body(request, PatchBody)
         m = await run(lambda e: e.patch(owner_of(ident), check_name(name), new_name=body.name,
                                         tags=body.tags, description=body.description))
         return {"object": "window", **m.public()}
@@ -281,17 +272,17 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         caller(request)
         return auto_of().settings(model)
 
-    @router.post("/auto_freeze")
+    @router.post("/auto_freeze", openapi_extra=body_doc(AutoFreezeBody))
     async def auto_freeze_set(request: Request) -> dict[str, Any]:
         granted(request, "admin", "POST /v1/auto_freeze (the deployment's settings)")
-        body: AutoFreezeBody = await body_of(request, AutoFreezeBody)
+        body = await model_body(request, AutoFreezeBody)
         auto_of().update(**body.model_dump())
         return auto_of().settings(body.model)
 
-    @router.post("/auto_freeze/check")
+    @router.post("/auto_freeze/check", openapi_extra=body_doc(CheckBody))
     async def auto_freeze_check(request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
-        body: CheckBody = await body_of(request, CheckBody)
+        body = await model_body(request, CheckBody)
         session = session_of(body.session)
         used = body.used_tokens
         if used is None:

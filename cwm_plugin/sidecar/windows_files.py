@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from cwm_plugin.sidecar.api_schema import body_doc
 from cwm_plugin.sidecar.identity import Identity, owner_of
 from cwm_plugin.sidecar.openai_errors import BodyTooLarge
 from cwm_plugin.windows.model import check_name
@@ -33,7 +34,7 @@ def windows_files_router(sidecar: Any, run: Callable[..., Any],
     """The two routes; ``run(fn)`` runs ``fn(engine)`` in a thread (503 without windows),
     ``caller(request, op)`` authenticates and checks access (windows_api.py)."""
     router = APIRouter()  # included by the windows router, under its /v1
-    limit = sidecar.settings.windows.max_import_bytes if sidecar.settings.windows else 0
+    limit = sidecar.settings.body_limit("/v1/windows/import")
 
     @router.get("/windows/{name}/export")
     async def export(name: str, request: Request) -> StreamingResponse:
@@ -58,7 +59,7 @@ def windows_files_router(sidecar: Any, run: Callable[..., Any],
             "Content-Disposition": f'attachment; filename="{name}.cwmw"',
             "Content-Length": str(summary["bytes"])})
 
-    @router.post("/windows/import")
+    @router.post("/windows/import", openapi_extra=body_doc(binary=True))
     async def import_(request: Request, name: str | None = None) -> dict[str, Any]:
         ident = caller(request, "write")
         if name is not None:

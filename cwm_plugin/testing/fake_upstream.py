@@ -5,7 +5,9 @@ Everything vLLM's answer depends on that the sidecar does not touch (the model's
 scripted here; what the sidecar sends is recorded exactly (body and headers), so a test can
 compare it with what the client sent. Chat answers come from ``script(body) -> reply`` where a
 reply is ``{"content": str}`` or ``{"tool_calls": [...]}``; the default answers "ok".
-Streams are written with CRLF line ends when ``crlf`` is set (the SSE format allows it).
+Streams are written with CRLF line ends when ``crlf`` is set (the SSE format allows it), a
+chunk every ``stream_delay`` seconds. Like vLLM, a body it cannot use is a 400, never a 500, and
+a chat prompt over ``max_prompt_tokens`` (as ``usage_of`` counts) a 400 naming the context.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ class FakeUpstream:
         self.embeddings_down = False  # answer /v1/embeddings with 503 (an outage)
         self.chat_status = 200  # answer chats with this HTTP status (500: a broken engine)
         self.chat_delay = 0.0  # seconds before a chat is answered (a stuck engine)
+        self.stream_delay = 0.0  # seconds between two streamed chunks (a model generating)
+        self.max_prompt_tokens: int | None = None  # longer chat prompts: 400, as vLLM
         self.calls: list[tuple[str, dict[str, Any], dict[str, str]]] = []
+        self.model_lists = 0  # GET /v1/models answered (health checks, model lookups)
         self.app = FastAPI()
         self._routes()
 
@@ -89,7 +94,12 @@ class FakeUpstream:
         def event(obj: dict[str, Any]) -> bytes:
             return f"data: {json.dumps(obj)}{end}{end}".encode()
 
-        def gen():
+        async def gen():
+            for piece in pieces():
+                yield piece
+                await asyncio.sleep(self.stream_delay)
+
+        def pieces():
             if msg.get("tool_calls"):
                 for i, call in enumerate(msg["tool_calls"]):
                     yield event({**base, "choices": [{"index": 0, "delta": {"tool_calls": [
@@ -149,6 +159,7 @@ class FakeUpstream:
 
         @app.get("/v1/models")
         async def models() -> JSONResponse:
+            self.model_lists += 1
             return JSONResponse({"object": "list", "data": [
                 {"id": self.model, "object": "model", "created": 0, "owned_by": "fake",
                  "root": self.root, "max_model_len": self.max_model_len}]})
@@ -157,9 +168,23 @@ class FakeUpstream:
         async def post(path: str, request: Request) -> Response:
             body = await request.json()
             self.calls.append((f"/{path}", body, dict(request.headers)))
+            try:
+                return await answer(path, body, request)
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+                return JSONResponse({"error": {"message": f"bad request: {exc!r}"[:200],
+                                               "type": "BadRequestError", "code": 400}},
+                                    status_code=400)
+
+        async def answer(path: str, body: dict[str, Any], request: Request) -> Response:
             rid = {"x-request-id": request.headers.get("x-request-id", "fake-rid")}
             if path == "v1/chat/completions":
                 await asyncio.sleep(self.chat_delay)
+                if self.max_prompt_tokens is not None and \
+                        usage_of(body, 0)["prompt_tokens"] > self.max_prompt_tokens:
+                    return JSONResponse({"error": {
+                        "message": f"This model's maximum context length is "
+                                   f"{self.max_prompt_tokens} tokens", "type":
+                        "BadRequestError", "code": 400}}, status_code=400)
                 if self.chat_status != 200:
                     return JSONResponse({"error": {"message": "engine dead", "type": "x",
                                                    "code": self.chat_status}},

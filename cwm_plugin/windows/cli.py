@@ -88,7 +88,7 @@ def client_from_args(args: argparse.Namespace) -> WindowsClient:
     if args.store:
         from prometheus_client import CollectorRegistry
 
-        from cwm_plugin.sidecar.identity import derive_salt
+        from cwm_plugin.sidecar.identity import derive_salt, owner_salt
         from cwm_plugin.store.config import StoreConfig
         from cwm_plugin.store.tiered import KVStore
         from cwm_plugin.windows.engine import WindowEngine
@@ -103,7 +103,7 @@ def client_from_args(args: argparse.Namespace) -> WindowsClient:
         cfg.memory_bytes = 0
         store = KVStore(cfg, registry=CollectorRegistry())
         return LocalWindows(WindowEngine(store), args.tenant,
-                            lambda t, s: derive_salt(secret.encode(), t, s))
+                            lambda owner, s: derive_salt(secret.encode(), *owner_salt(owner, s)))
     if not args.api_key:
         raise ConfigError("no API key", hint="pass --api-key or set CWM_API_KEY (or use "
                                              "--store FILE --tenant NAME)")

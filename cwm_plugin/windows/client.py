@@ -176,8 +176,8 @@ class HttpWindows:
 
 
 class LocalWindows:
-    """The engine in this process, for one owner (a tenant, or ``tenant/u-...``);
-    ``salt_of(tenant, session)``."""
+    """The engine in this process, for one owner (a tenant, or ``tenant/u-...``: a user's,
+    whose sessions are salted per user); ``salt_of(owner, session)``."""
 
     def __init__(self, engine: WindowEngine, tenant: str,
                  salt_of: Callable[[str, str], str]) -> None:
@@ -190,7 +190,7 @@ class LocalWindows:
         return f"LocalWindows(tenant={self.tenant!r})"
 
     def _salt(self, session: str) -> str:
-        return self._salt_of(self.tenant.split("/", 1)[0], session)
+        return self._salt_of(self.tenant, session)
 
     def freeze(self, name: str, session: str, **options: Any) -> dict[str, Any]:
         m = self.engine.freeze(self.tenant, name, session=session, salt=self._salt(session),

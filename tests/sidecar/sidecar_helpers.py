@@ -8,6 +8,8 @@ forwards: it is how the tests see the exact prompt vLLM received.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import time
 from pathlib import Path
@@ -74,8 +76,15 @@ def scripted_app(answer: Any, usage: Any) -> FastAPI:
     return app
 
 
-def salt(tenant: str, session: str) -> str:
-    return derive_salt(SECRET.encode(), tenant, session)
+def salt(tenant: str, session: str, user: str | None = None) -> str:
+    """The ``cache_salt`` of a session (of ``user``'s: HMAC(secret, "kv-user", tenant, session,
+    the user's u- name), written out here rather than asked of the code under test)."""
+    if user is None:
+        return derive_salt(SECRET.encode(), tenant, session)
+    uid = "u-" + hmac.new(SECRET.encode(), f"user\x00{tenant}\x00{user}".encode(),
+                          hashlib.sha256).hexdigest()[:32]
+    return hmac.new(SECRET.encode(), f"kv-user\x00{tenant}\x00{session}\x00{uid}".encode(),
+                    hashlib.sha256).hexdigest()
 
 
 class Recorder:

@@ -110,6 +110,16 @@ def test_every_principal_namespace_and_operation(srv, principal, ns, op):
     if ns == "activity" and op == "write":  # append-only whatever the matrix says
         assert r.status_code == 405, r.text
         return
+    if access == "none":  # answered as if there were no such namespace (nothing tells)
+        unknown = attempt(srv, principal, "nobody" + ns.removeprefix(ns.split("/")[0])
+                          if not ns.startswith("project:") else "project:nothing-here", op)
+        assert (r.status_code, unknown.status_code) == (404, 404), (r.text, unknown.text)
+        assert r.json()["error"]["code"] == unknown.json()["error"]["code"] == \
+            "namespace_not_found"
+        assert r.json()["error"]["message"].replace(ns, "X") == \
+            unknown.json()["error"]["message"].replace(unknown.request.url.params.get(
+                "namespace") or json.loads(unknown.request.content)["namespace"], "X")
+        return
     assert r.status_code == 403, r.text
     err = r.json()["error"]
     assert err["code"] == "permission_denied"

@@ -41,7 +41,7 @@ def sidecar(upstream: ServerThread, root: Path, **activity) -> ServerThread:
 
 
 def test_appends_name_the_caller_and_read_back_quick_and_full(upstream, tmp_path):
-    srv = sidecar(upstream, tmp_path)
+    srv = sidecar(upstream, tmp_path, read="all")  # every principal reads the whole log
     try:
         url = f"{srv.url}/v1/activity"
         assert chat(srv, "acme", "Plan the release", session="s1").status_code == 200
@@ -89,6 +89,35 @@ def test_read_own_shows_a_principal_only_its_entries(upstream, tmp_path):
             assert [e["principal"] for e in got["data"]] == ["beta"]
     finally:
         srv.stop()
+
+
+def test_by_default_a_tenant_reads_only_its_own_entries(upstream, tmp_path):
+    """The log is per tenant unless the operator grants more: with ``log_turns`` another
+    tenant never reads acme's chat previews; a rule giving beta RO on acme's namespace shares
+    acme's entries with beta (and only with beta)."""
+    srv = sidecar(upstream, tmp_path, log_turns=True)
+    try:
+        assert chat(srv, "acme", "my password is hunter2", session="s1").status_code == 200
+        wait_idle(srv)
+        httpx.post(f"{srv.url}/v1/activity", headers=auth("beta"), json={"what": "beta's"})
+        for view in ("quick", "full"):
+            got = httpx.get(f"{srv.url}/v1/activity?view={view}", headers=auth("beta")).json()
+            assert [e["what"] for e in got["data"]] == ["beta's"], got
+            assert "hunter2" not in json.dumps(got)
+        mine = httpx.get(f"{srv.url}/v1/activity", headers=auth("acme")).json()["data"]
+        assert [e["principal"] for e in mine] == ["acme"]
+        assert "hunter2" in mine[0]["what"]
+    finally:
+        srv.stop()
+    settings = make_settings(upstream.url, tmp_path / "memory", "tiktoken:cl100k_base",
+                             activity={"root": str(tmp_path / "activity")},
+                             access={"rules": [{"principal": "beta", "namespace": "acme",
+                                                "access": "RO"}]})
+    with ServerThread(create_app(settings)) as srv:
+        seen = {t: [e["principal"] for e in httpx.get(
+            f"{srv.url}/v1/activity?view=full", headers=auth(t)).json()["data"]]
+            for t in ("beta", "gamma")}
+        assert seen == {"beta": ["acme", "beta"], "gamma": []}
 
 
 def test_each_chat_turn_is_logged_with_its_context_use(upstream, tmp_path):

@@ -38,9 +38,14 @@ def test_keys_map_to_tenants_and_unknown_keys_are_refused():
 def test_salt_is_hmac_of_tenant_and_session_and_differs_per_session():
     a = auth()
     t = a.tenant_for("key-a")
-    ident = a.identify(t, {"x-session-id": "s1"}, {"user": "ignored"})
+    ident = a.identify(t, {"x-session-id": "s1"}, {})
     want = hmac.new(SECRET, b"acme\x00s1", hashlib.sha256).hexdigest()
     assert ident.cache_salt == want and len(want) == 64
+    # a user is part of the salt: ("kv-user", tenant, session, the user's u- name)
+    uid = "u-" + hmac.new(SECRET, b"user\x00acme\x00alice", hashlib.sha256).hexdigest()[:32]
+    alice = a.identify(t, {"x-session-id": "s1"}, {"user": "alice"})
+    assert alice.cache_salt == hmac.new(SECRET, f"kv-user\x00acme\x00s1\x00{uid}".encode(),
+                                        hashlib.sha256).hexdigest()
     assert ident.cache_salt not in repr(ident)
     other = a.identify(t, {}, {"user": "s1-other"})
     assert other.session == a.user_session("acme", "s1-other") and other.cache_salt != want
@@ -174,6 +179,15 @@ def test_a_user_acts_in_its_own_namespace_header_first():
     # X-Session-Id names the session; the user still decides the namespace
     both = a.identify(acme, {"x-session-id": "s1", "x-cwm-user": "alice"}, {})
     assert (both.session, both.folder) == ("s1", ident.folder)
-    assert both.cache_salt == plain.cache_salt  # the salt is (tenant, session), as before
+    bob = a.identify(acme, {"x-session-id": "s1", "x-cwm-user": "bob"}, {})
+    # the user is part of the salt: users sending one X-Session-Id never share KV ...
+    assert len({both.cache_salt, bob.cache_salt, plain.cache_salt}) == 3
+    # ... unless their tenant shares it on purpose (a tenant-wide shared prefix)
+    shared = Authenticator([TenantConfig(name="acme", key_sha256=[hash_key("key-a")],
+                                         users_share_kv=True)], SECRET)
+    t = shared.tenant_for("key-a")
+    assert shared.identify(t, {"x-session-id": "s1", "x-cwm-user": "alice"}, {}).cache_salt \
+        == shared.identify(t, {"x-session-id": "s1", "x-cwm-user": "bob"}, {}).cache_salt \
+        == plain.cache_salt
     with pytest.raises(InvalidInput):
         a.identify(acme, {"x-cwm-user": ""}, {})

@@ -87,7 +87,7 @@ def test_with_memory_off_the_upstream_gets_exactly_the_clients_body(upstream, si
                                     max_tokens=20, tools=TOOLS, seed=7, user="u-1")
     assert r.choices[0].message.tool_calls[0].function.name == "weather"
     # plus the salt and, for the connector, the client turn (the session's 2nd user message)
-    assert fake.last() == {**sent[-1], "cache_salt": salt("acme", "exact"),
+    assert fake.last() == {**sent[-1], "cache_salt": salt("acme", "exact", user="u-1"),
                            "kv_transfer_params": {"cwm": {"turn": 2, "keep": 8}}}
     headers = fake.headers()
     assert headers["authorization"] == "Bearer upstream-key"  # never the client's key

@@ -78,8 +78,9 @@ def test_a_rotation_finds_and_moves_a_users_memory_within_grace(fake, tmp_path):
         assert not (root / a_old).exists()  # ... and moved to the new one
         turns = (root / a_new / "sessions" / f"{a_new}.md").read_text()
         assert "ZX-4417" in turns and "What is my locker code?" in turns
-        # the salt is the newest version's, for the session's new name
-        want = hmac.new(NEW.encode(), f"acme\x00{a_new}".encode(), hashlib.sha256).hexdigest()
+        # the salt is the newest version's, for the session's new name and its user
+        want = hmac.new(NEW.encode(), f"kv-user\x00acme\x00{a_new}\x00{a_new}".encode(),
+                        hashlib.sha256).hexdigest()
         assert sent["cache_salt"] == want
         wait_idle(srv)
     finally:

@@ -91,8 +91,9 @@ def test_a_sessions_kv_moves_to_its_new_salt_once_within_grace(tmp_path):
                              "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200
         store = runtime(srv).salt_mover.engine.store
-        new_alice = derive_salt(NEW.encode(), "acme", user_name(NEW, "acme",
-                                                                "alice@example.com"))
+        a_new = user_name(NEW, "acme", "alice@example.com")  # its salt is per user now:
+        new_alice = hmac.new(NEW.encode(), f"kv-user\x00acme\x00{a_new}\x00{a_new}".encode(),
+                             hashlib.sha256).hexdigest()  # moved from the salt before that
         assert all(t is not None for ts in session_blocks(store, tokens[alice], new_alice, 3)
                    for t in ts)
         # concurrent first requests of one session wait for one move

@@ -13,10 +13,11 @@ import json
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from sidecar_helpers import chat, make_settings, metric_value, runtime, sse_events
+from sidecar_helpers import chat, make_settings, metric_value, runtime, sse_events, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.sidecar.stream import CUT_MARK
 
 pytestmark = pytest.mark.unit
 
@@ -74,8 +75,10 @@ def test_a_stream_broken_midway_ends_with_an_error_event(sidecar_on_bad_upstream
     events = sse_events(r.text)
     assert [e["choices"][0]["delta"]["content"] for e in events[:2]] == ["Hel", "lo"]
     assert events[-1]["error"]["type"] == "upstream_error" and "[DONE]" not in events
-    # The half answer is not recorded as a turn; what was there stays.
-    assert [t["content"] for t in svc.transcript("acme", "brk")] == ["kept from before"]
+    # The half answer is recorded as far as it came, marked as cut; what was there stays.
+    wait_idle(srv)
+    assert [t["content"] for t in svc.transcript("acme", "brk")] == \
+        ["kept from before", "go", f"Hello\n{CUT_MARK}"]
 
 
 def test_a_stalled_upstream_is_a_504_and_a_failing_one_a_502(sidecar_on_bad_upstream):

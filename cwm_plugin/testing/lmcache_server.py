@@ -25,6 +25,7 @@ class LMCacheServer:
     log_dir: Path
     l1_gb: int = 1
     chunk_size: int = 256
+    l2_fs: bool = True              # False: CPU offload only (L1), no fs store behind it
     port: int = 0
     _proc: subprocess.Popen | None = field(default=None, init=False)
 
@@ -35,11 +36,11 @@ class LMCacheServer:
             if found is None:
                 raise RuntimeError("lmcache is not installed: CWM_WITH_LMCACHE=1 bash scripts/setup.sh")
             exe = Path(found)
+        l2 = ["--l2-adapter", json.dumps({"type": "fs", "base_path": str(self.store_dir)})]
         return [str(exe), "server", "--host", "127.0.0.1", "--port", str(self.port),
                 "--l1-size-gb", str(self.l1_gb), "--eviction-policy", "LRU",
                 "--chunk-size", str(self.chunk_size), "--supported-transfer-mode", "auto",
-                "--disable-observability", "--disable-metrics",
-                "--l2-adapter", json.dumps({"type": "fs", "base_path": str(self.store_dir)})]
+                "--disable-observability", "--disable-metrics", *(l2 if self.l2_fs else [])]
 
     @property
     def log_path(self) -> Path:

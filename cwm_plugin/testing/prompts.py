@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from cwm_plugin.testing.locomo import load_conversations
 from cwm_plugin.testing.models import shared_dir
@@ -18,11 +18,13 @@ def conversation_lines() -> Iterator[str]:
         yield from conv.lines()
 
 
-def conversation_prompt(tokenizer, n_tokens: int, *, skip_lines: int = 0) -> str:
-    """About ``n_tokens`` tokens (never more) of conversation, starting ``skip_lines`` in."""
+def conversation_prompt(tokenizer, n_tokens: int, *, skip_lines: int = 0,
+                        source: Iterable[str] | None = None) -> str:
+    """About ``n_tokens`` tokens (never more) of conversation, starting ``skip_lines`` in;
+    ``source``: the lines to take them from (default :func:`conversation_lines`)."""
     lines: list[str] = []
     total = 0
-    for i, line in enumerate(conversation_lines()):
+    for i, line in enumerate(conversation_lines() if source is None else source):
         if i < skip_lines:
             continue
         cost = len(tokenizer.encode("\n" + line, add_special_tokens=False))

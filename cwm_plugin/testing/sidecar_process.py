@@ -20,7 +20,7 @@ from cwm_plugin.testing.procs import free_port, stop_process_group, tail, wait_u
 @dataclass
 class SidecarProcess:
     config: Path
-    upstream: str
+    upstream: str | None            # None: the config's ``upstreams:`` list
     log_dir: Path
     secret: str
     port: int = 0
@@ -39,8 +39,8 @@ class SidecarProcess:
     def start(self) -> SidecarProcess:
         self.port = self.port or free_port()
         cmd = [sys.executable, "-m", "cwm_plugin.cli", "serve", "--config", str(self.config),
-               "--upstream", self.upstream, "--port", str(self.port),
-               "--log-level", self.log_level]
+               *(["--upstream", self.upstream] if self.upstream else []),
+               "--port", str(self.port), "--log-level", self.log_level]
         env = {**os.environ, "CWM_SIDECAR_SECRET": self.secret, "HF_HUB_OFFLINE": "1"}
         with open(self.log_path, "ab") as out:  # the child keeps its own descriptor
             self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,

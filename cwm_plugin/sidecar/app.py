@@ -29,6 +29,7 @@ import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from cwm_plugin.errors import CWMError
@@ -169,6 +170,15 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
                           f"{e.get('msg', 'invalid')}" for e in exc.errors())
         return error_response(400, f"invalid request: {where}", "invalid_input")
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """What the router answers itself (a path no route matches, such as one holding a
+        line break): in the OpenAI shape too."""
+        code = "unknown_route" if exc.status_code == 404 else "http_error"
+        return error_response(exc.status_code, f"no route {request.method} for this path"
+                              if exc.status_code == 404 else str(exc.detail), code,
+                              headers=getattr(exc, "headers", None))
+
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
         """The client went away while sending its body: nobody reads the answer."""
@@ -221,7 +231,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
 
     metrics_auth = authenticate_optional if settings.access.metrics_public else authenticate
 
-    @app.get("/metrics", responses=ERRORS, dependencies=[Depends(metrics_auth)])
+    @app.get("/metrics", dependencies=[Depends(metrics_auth)], responses={
+        **ERRORS, 200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_route(request: Request) -> Response:
         """Prometheus text; needs a key with the ``metrics`` grant unless ``metrics_public``."""
         if not settings.access.metrics_public:

@@ -70,7 +70,8 @@ def upstream_error_response(status: int, content: bytes,
     if isinstance(body, dict):
         inner = body.get("error") if isinstance(body.get("error"), dict) else body
         message = inner.get("message") if isinstance(inner.get("message"), str) else None
-        if message is not None and status < 500 and "error" in body:
+        if message is not None and status < 500 and "error" in body \
+                and isinstance(inner.get("type"), str):
             return JSONResponse(body, status_code=status, headers=headers)  # OpenAI-shaped
     if message is None:
         message = content[:300].decode(errors="replace") if content else f"HTTP {status}"

@@ -1,0 +1,311 @@
+"""bench/serving.py's faults under load: each a round of the workload (``--fault-rounds`` more
+rounds of every user) with a fault injected a third of the way in, reported as failed requests
+and ITL p99 against a fault-free round of the same shape.
+
+On the ``cwm_redis`` server (its Redis reached through the bench's TCP proxy), continuing the
+main phase's users:
+* ``none``            the fault-free baseline round;
+* ``redis_restart``   redis-server stopped and started again on its port (empty: no
+  persistence) after ``--redis-down-s`` seconds;
+* ``redis_blackhole`` the proxy holds every byte both ways for ``--blackhole-s`` (10) seconds:
+  a Redis that accepts connections and never answers;
+* ``store_gc``        ``cwm store gc --config`` (disk + Redis, the shipped minimum age) run
+  again and again until the round ends.
+
+On servers of their own:
+* ``tiny_budgets``    the same users on a fresh server whose memory tier holds 2 blocks, disk
+  tier 4 blocks, Redis ``maxmemory`` a few blocks (``volatile-lru``; the shipped TTL makes
+  blobs evictable): every tier evicts all the time (baseline: ``none``);
+* ``sidecar_kill``    two vLLMs sharing the Redis, ``cwm serve`` in front routing sessions
+  (``X-Session-Id``; the sidecar salts them) to the first, which is SIGKILLed mid-round; the
+  sidecar fails over to the second, which restores from Redis. Baseline: the same two servers
+  and sidecar, a fault-free round just before (after one unreported warm-up round: the
+  sidecar's salts are not the bench's, so every session starts cold there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from _serving_configs import SERVED, connector_args, shipped_redis
+from _serving_workload import Request, Runner, Session
+
+from cwm_plugin.testing.redis_cluster import RedisCluster
+from cwm_plugin.testing.redis_server import RedisServer
+from cwm_plugin.testing.vllm_server import VLLMServer
+
+log = logging.getLogger("bench.serving")
+Action = Callable[[threading.Event], None]
+
+
+async def round_with(runner: Runner, sessions: Sequence[Session], rounds: int, phase: str,
+                     action: Action | None = None, at_s: float = 0.0) -> list[Request]:
+    """``rounds`` rounds of ``sessions``; ``action(done)`` starts ``at_s`` seconds in, in a
+    thread (``done`` is set when the round's requests are all answered)."""
+    done = threading.Event()
+
+    async def inject() -> None:
+        await asyncio.sleep(at_s)
+        log.info("%s: injecting the fault %.1fs into the round", phase, at_s)
+        await asyncio.to_thread(action, done)
+        log.info("%s: fault over", phase)
+
+    task = asyncio.create_task(inject()) if action else None
+    try:
+        return await runner.run(sessions, rounds, phase)
+    finally:
+        done.set()
+        if task is not None:
+            await task
+
+
+@dataclass
+class RedisHolder:
+    """The bench's redis-server, restartable on the same port (the proxy keeps pointing there)."""
+
+    server: RedisServer
+    restarts: int = 0
+    workdirs: list[Path] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def restart(self, down_s: float) -> None:
+        port = self.server.port
+        self.server.stop()
+        time.sleep(down_s)
+        self.server = RedisServer(port=port).start()
+        self.restarts += 1
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def restart_redis(holder: RedisHolder, down_s: float) -> Action:
+    return lambda done: holder.restart(down_s)
+
+
+def black_hole(proxy: Any, seconds: float) -> Action:
+    def act(done: threading.Event) -> None:
+        proxy.black_hole(True)
+        try:
+            time.sleep(seconds)
+        finally:
+            proxy.black_hole(False)
+    return act
+
+
+def store_gc(config: Path, work: Path, runs: list[dict[str, Any]]) -> Action:
+    """``cwm store gc --config`` over and over until the round is done; each run's exit code
+    and seconds go into ``runs``."""
+    exe = Path(sys.executable).parent / "cwm"
+    cmd = [str(exe) if exe.exists() else "cwm", "store", "gc", "--config", str(config), "--json"]
+
+    def act(done: threading.Event) -> None:
+        with open(work / "store-gc.log", "ab") as out:
+            while not done.is_set():
+                t0 = time.monotonic()
+                rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                    timeout=600).returncode
+                runs.append({"rc": rc, "seconds": round(time.monotonic() - t0, 3)})
+    return act
+
+
+def store_yaml(path: Path, store: dict[str, Any]) -> Path:
+    """The store's settings as ``cwm store`` reads them."""
+    keep = {k: v for k, v in store.items() if v is not None}
+    path.write_text(yaml.safe_dump({"store": keep}))
+    return path
+
+
+def kill_server(server: VLLMServer) -> Action:
+    """SIGKILL the whole ``vllm serve`` process group (a crash: no flush), then reap it."""
+    def act(done: threading.Event) -> None:
+        if server.pid is not None:
+            os.killpg(server.pid, signal.SIGKILL)
+        server.stop()
+    return act
+
+
+def squeeze_redis(holder: RedisHolder, maxmemory: int) -> Callable[[], Callable[[], None]]:
+    """Set Redis's ``maxmemory`` (volatile-lru) now; the returned call sets it back."""
+    def apply() -> Callable[[], None]:
+        c = holder.client()
+        old = c.config_get("maxmemory*")
+        c.config_set("maxmemory-policy", "volatile-lru")
+        c.config_set("maxmemory", maxmemory)
+        log.info("redis squeezed to %d bytes (was %s)", maxmemory, old)
+
+        def undo() -> None:
+            c.config_set("maxmemory", old.get("maxmemory", "0"))
+            c.config_set("maxmemory-policy", old.get("maxmemory-policy", "noeviction"))
+            c.close()
+        return undo
+    return apply
+
+
+def sidecar_yaml(path: Path, model: Path, urls: dict[str, str], key_sha256: str,
+                 served: str) -> Path:
+    path.write_text(yaml.safe_dump({
+        "tenants": [{"name": "bench", "key_sha256": [key_sha256]}],
+        "memory_enabled": False,
+        "memory": {"root": str(path.parent / "sidecar-memory"), "tokenizer": str(model)},
+        "upstream": {"connect_timeout_s": 2, "connect_retries": 1, "read_timeout_s": 600},
+        "upstreams": [{"name": n, "url": u, "models": [served], "roles": ["default"]}
+                      for n, u in urls.items()],
+        "routing": {"health": {"interval_s": 2, "timeout_s": 2}}}))
+    return path
+
+
+def commands_per_node(ports: Sequence[int]) -> dict[int, int]:
+    """``total_commands_processed`` of each Redis node (the INFO call itself included)."""
+    import redis
+
+    out = {}
+    for p in ports:
+        c = redis.Redis(host="127.0.0.1", port=p, socket_timeout=5)
+        try:
+            out[p] = int(c.info("stats")["total_commands_processed"])
+        finally:
+            c.close()
+    return out
+
+
+def command_stats(ports: Sequence[int]) -> dict[int, dict[str, int]]:
+    """Calls per command of each node (INFO commandstats)."""
+    import redis
+
+    out: dict[int, dict[str, int]] = {}
+    for p in ports:
+        c = redis.Redis(host="127.0.0.1", port=p, socket_timeout=5)
+        try:
+            out[p] = {k.removeprefix("cmdstat_"): int(v["calls"])
+                      for k, v in c.info("commandstats").items()}
+        finally:
+            c.close()
+    return out
+
+
+def shares(before: dict[int, int], after: dict[int, int]) -> dict[str, Any]:
+    grown = {p: after[p] - before[p] - 1 for p in after}   # less our own INFO
+    total = sum(grown.values()) or 1
+    return {"commands": {str(p): n for p, n in grown.items()},
+            "share": {str(p): round(n / total, 3) for p, n in grown.items()},
+            "max_share": round(max(grown.values()) / total, 3) if grown else None}
+
+
+class FaultRounds:
+    """:class:`serving.Bench`'s fault rounds (it provides ``phase``, ``play``, ``warm``,
+    ``sessions``, ``servers``, ``spec``, ``args`` and ``out``)."""
+
+    phase: Any
+    play: Any
+    warm: Any
+    sessions: Any
+    servers: Any
+    spec: Any
+    args: Any
+    out: dict[str, Any]
+
+    def fault(self, name: str, server: Any, sessions: list[Session], base: dict[str, Any],
+              action: Action | None, **kw: Any) -> dict[str, Any]:
+        at = self.args.fault_at * (base.get("duration_s") or 10.0)
+        got = self.phase(server, sessions, self.args.fault_rounds, f"fault-{name}",
+                         action=action, at_s=at, **kw)
+        got.update(baseline_itl_p99_s=base.get("itl_p99_s"), injected_at_s=at)
+        self.out["fault_rounds"][name] = got
+        return got
+
+    def redis_faults(self, server: Any, sessions: list[Session], redis: RedisHolder,
+                     proxy: Any) -> None:
+        base = self.phase(server, sessions, self.args.fault_rounds, "fault-none")
+        self.out["fault_rounds"]["none"] = self.base = {**base,
+                                                        "baseline_itl_p99_s": base["itl_p99_s"]}
+        self.fault("redis_restart", server, sessions, base,
+                   restart_redis(redis, self.args.redis_down_s))
+        self.fault("redis_blackhole", server, sessions, base,
+                   black_hole(proxy, self.args.blackhole_s))
+        store = shipped_redis(f"redis://127.0.0.1:{redis.port}/0",
+                              self.servers.work / "redis-disk")["store"]
+        runs: list[dict[str, Any]] = []
+        cfg = store_yaml(self.servers.work / "gc-store.yaml", store)
+        self.fault("store_gc", server, sessions, base, store_gc(cfg, self.servers.work,
+                                                                       runs))
+        self.out["fault_rounds"]["store_gc"]["gc_runs"] = runs
+
+    def tiny_budgets(self, sessions: list[Session], redis: RedisHolder,
+                     proxy: Any) -> None:
+        block = self.servers.sizes.kv_bytes_per_token * 128
+        extra = shipped_redis(proxy.url, self.servers.work / "tiny-disk",
+                              memory_bytes=2 * block, disk_bytes=4 * block)
+        undo = squeeze_redis(redis, 8 * block + (4 << 20))()
+        try:
+            with self.servers.vllm(connector_args(extra)) as server:
+                self.warm(server.base_url, "tiny")
+                self.fault("tiny_budgets", server, sessions, getattr(self, "base", {}), None)
+        finally:
+            undo()
+
+    def sidecar(self, redis: RedisHolder) -> None:
+        from cwm_plugin.sidecar.identity import hash_key
+        from cwm_plugin.testing.sidecar_process import SidecarProcess
+
+        work = self.servers.work
+        url = f"redis://127.0.0.1:{redis.port}/0"
+        a, b = (self.servers.vllm(connector_args(shipped_redis(url, work / f"sc-{n}")))
+                for n in "ab")
+        key = secrets.token_hex(16)
+        try:
+            a.start()
+            b.start()
+            cfg = sidecar_yaml(work / "sidecar.yaml", self.servers.model,
+                                      {"a": a.base_url, "b": b.base_url}, hash_key(key), SERVED)
+            with SidecarProcess(cfg, None, work, secrets.token_hex(32)) as sc:
+                sessions = self.sessions("sidecar")
+                kw = {"salted": False, "api_key": key}
+                self.play(sc.url, sessions, 1, "sidecar-warm", **kw)
+                base = self.phase(a, sessions, self.args.fault_rounds, "sidecar-none",
+                                  **kw, url=sc.url)
+                self.out["sidecar_baseline"] = base
+                self.fault("sidecar_kill", b, sessions, base, kill_server(a), **kw,
+                           url=sc.url)
+        finally:
+            a.stop()
+            b.stop()
+
+    def cluster(self) -> None:
+        with RedisCluster() as cl:
+            ports = [n.port for n in cl.nodes]
+            extra = shipped_redis(cl.url, self.servers.work / "cluster-disk",
+                                  redis_cluster=True)
+            with self.servers.vllm(connector_args(extra)) as server:
+                self.warm(server.base_url, "cluster")
+                before, stats0 = commands_per_node(ports), command_stats(ports)
+                got = self.phase(server, self.sessions("cluster"), self.spec.rounds,
+                                 "cluster")
+                after, stats1 = commands_per_node(ports), command_stats(ports)
+            self.out["redis_cluster"] = {
+                **got, **shares(before, after),
+                "commandstats": {str(p): {k: v - stats0[p].get(k, 0) for k, v in s.items()
+                                          if v - stats0[p].get(k, 0)}
+                                 for p, s in stats1.items()}}
+

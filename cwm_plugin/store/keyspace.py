@@ -5,6 +5,11 @@ group): where keys are, link (re-point keys to other keys' blobs, no copy), pin 
 under the pin quota), unpin, delete, and what each tier's index holds. A tier that fails is
 counted and logged once (an outage the tier reports itself is only counted) and the operation
 goes on with the others: the result says, per tier, which keys it applied to.
+
+A *lease* (:meth:`KeySpace.lease_many`) protects keys for a short while (between the
+connector's lookup and its load): a pin with an expiry and no quota, taken only on keys no
+longer-lived pin protects (a window's pin is never shortened nor removed by one), released by
+:meth:`KeySpace.release` on the keys whose pin is still the lease's own, or left to expire.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from cwm_plugin.errors import NotFound, TierUnavailable
 from cwm_plugin.store.config import StoreConfig
@@ -22,6 +29,36 @@ from cwm_plugin.store.tiers.base import KeyInfo, Tier
 
 log = logging.getLogger(__name__)
 TIER_ERRORS = (TierUnavailable, OSError, sqlite3.Error)
+LEASE_SLACK_S = 0.005   # a tier's stamp of a lease's expiry (Redis keeps milliseconds)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The keys a lease pinned, per tier, and when those pins expire (unix time, between
+    ``expires_from`` and ``expires_to``: each tier stamps its own reading of the clock)."""
+
+    keys: dict[str, list[bytes]] = field(default_factory=dict)
+    expires_from: float = 0.0
+    expires_to: float = 0.0
+
+    @property
+    def size(self) -> int:
+        return sum(len(k) for k in self.keys.values())
+
+    def expired(self) -> bool:
+        return time.time() >= self.expires_from
+
+    def owns(self, info: KeyInfo | None) -> bool:
+        """Whether ``info``'s pin is still this lease's own (not renewed, not replaced)."""
+        return info is not None and info.pinned and info.pin_expires is not None and \
+            self.expires_from - LEASE_SLACK_S <= info.pin_expires <= \
+            self.expires_to + LEASE_SLACK_S
+
+
+def _outlives(info: KeyInfo | None, until: float) -> bool:
+    """Whether a pin protects the key until ``until`` already (one without expiry does)."""
+    return info is not None and info.pinned and (info.pin_expires is None
+                                                 or info.pin_expires >= until)
 
 
 class KeySpace:
@@ -129,6 +166,42 @@ class KeySpace:
         for k in keys:
             self._saves.wait_key(k)
         return self._each_tier("delete", self.tiers, lambda t: t.delete_many(keys))
+
+    def lease_many(self, keys: Sequence[bytes], *, ttl_s: float,
+                   tiers: Sequence[Tier] | None = None) -> Lease:
+        """Protect ``keys`` from eviction, expiry and gc for ``ttl_s`` seconds in ``tiers``
+        (default: the durable ones): a pin with that expiry and no quota on every present key
+        that no pin protects as long already (a shorter lease is renewed; a window's pin is
+        left as it is). A tier that fails is counted and skipped (its keys unprotected)."""
+        keys = list(dict.fromkeys(bytes(k) for k in keys))
+        out: dict[str, list[bytes]] = {}
+        lo = time.time() + ttl_s
+        for tier in self.durable if tiers is None else tiers:
+            try:
+                infos = tier.info_many(keys)
+                free = [k for k, i in zip(keys, infos, strict=True)
+                        if i is not None and not _outlives(i, time.time() + ttl_s)]
+                if free:
+                    out[tier.name] = tier.pin_many(free, ttl_s=ttl_s)
+            except TIER_ERRORS as exc:
+                self._tier_failed(tier, "lease", exc, "index")
+        return Lease({t: ks for t, ks in out.items() if ks}, lo, time.time() + ttl_s)
+
+    def release(self, lease: Lease) -> int:
+        """Unpin the keys whose pin is still ``lease``'s own (one another lease renewed, or
+        someone pinned for longer meanwhile, is left); returns how many were unpinned."""
+        n = 0
+        for tier in self.tiers:
+            keys = lease.keys.get(tier.name)
+            if not keys:
+                continue
+            try:
+                mine = [k for k, i in zip(keys, tier.info_many(keys), strict=True)
+                        if lease.owns(i)]
+                n += len(tier.unpin_many(mine)) if mine else 0
+            except TIER_ERRORS as exc:
+                self._tier_failed(tier, "release", exc, "index")
+        return n
 
     def pin(self, key: bytes) -> None:
         if not any(self.pin_many([key]).values()):

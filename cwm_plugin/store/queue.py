@@ -5,7 +5,8 @@ whose save is still running gets the same future, unless it replaces the key's c
 (``replace=True``): then it runs after the one in flight (it was dropped, and a context
 record written by two requests finishing together kept the older one). At most ``depth``
 submitted saves are pending: the next ``submit`` blocks until one finishes (backpressure on
-the caller).
+the caller), or with ``wait`` seconds given raises :class:`QueueFull` after that long (vLLM's
+step must not wait for a stuck disk or Redis: the caller drops that save and counts it).
 
 ``behind(fn, key=..., nbytes=...)`` queues follow-up work (write-behind to slower tiers) on a
 pool of its own, bounded in bytes: at most ``behind_bytes`` of blobs wait there. When it is
@@ -29,12 +30,17 @@ from cwm_plugin.store.threads import unpin
 log = logging.getLogger(__name__)
 
 
+class QueueFull(RuntimeError):
+    """``depth`` saves are pending and the caller asked not to wait for a slot."""
+
+
 class SaveQueue:
     def __init__(self, workers: int, depth: int, *, behind_bytes: int = 256 << 20,
                  name: str = "cwm-store") -> None:
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=unpin)
         self._behind_pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=f"{name}-behind",
                                                   initializer=unpin)
+        self.depth = depth
         self._slots = threading.BoundedSemaphore(depth)
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
@@ -56,11 +62,13 @@ class SaveQueue:
         with self._lock:
             return len(self._pending)
 
-    def submit(self, key: bytes, fn: Callable[[], Any], *, replace: bool = False) -> cf.Future:
+    def submit(self, key: bytes, fn: Callable[[], Any], *, replace: bool = False,
+               wait: float | None = None) -> cf.Future:
         """``fn`` on the pool; while the key's save runs, the same future, or with ``replace``
         (new content for the key: a context record, a window's manifest) a follow-up run
         after it, the newest one only (last writer wins; a replaced follow-up's future
-        completes with the one that replaced it)."""
+        completes with the one that replaced it). ``wait``: the longest to wait for a slot
+        (None: as long as it takes), then :class:`QueueFull`."""
         if self.closed:
             raise RuntimeError("the KV store is closed")
         with self._lock:                            # claim the key atomically
@@ -78,7 +86,8 @@ class SaveQueue:
             self._inflight[key] = outer
             self._pending.add(outer)
         try:
-            self._slots.acquire()                   # backpressure: blocks at depth
+            if not self._slots.acquire(timeout=wait):     # backpressure: blocks at depth
+                raise QueueFull(f"{self.depth} saves pending")
             try:
                 inner = self._pool.submit(fn)
             except BaseException:

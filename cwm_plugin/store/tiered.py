@@ -88,15 +88,19 @@ class KVStore(ReadPath, KeySpace):
     # --- saving -------------------------------------------------------------------------------
 
     def put(self, key: bytes, tensor: torch.Tensor, *, num_tokens: int = 0, layout: str = "",
-            salt: str | None = None, replace: bool = False) -> cf.Future:
+            salt: str | None = None, replace: bool = False, wait: float | None = None
+            ) -> cf.Future:
         """Save a block in the background; the future resolves when the "through" tiers hold
         it. ``salt``: the request's cache_salt (the blob is sealed under it when encryption at
         rest is on). A key already stored is skipped, unless ``replace`` (records that are
-        rewritten: the key is re-pointed and its old blob freed)."""
+        rewritten: the key is re-pointed and its old blob freed). ``wait``: while
+        ``queue_depth`` saves are pending, the longest to wait for one to finish (None: as long
+        as it takes), then :class:`~cwm_plugin.store.queue.QueueFull` (callers on vLLM's step
+        drop the save)."""
         def job(k: bytes) -> None:
             self._store_blob(k, self._encode(k, tensor, num_tokens, layout, salt),
                              replace=replace)
-        return self._submit(bytes(key), job, replace=replace)
+        return self._submit(bytes(key), job, replace=replace, wait=wait)
 
     def _encode(self, key: bytes, tensor: torch.Tensor, num_tokens: int, layout: str,
                 salt: str | None) -> bytes:
@@ -138,11 +142,12 @@ class KVStore(ReadPath, KeySpace):
                                                                    replace=replace),
                             replace=replace)
 
-    def _submit(self, key: bytes, job, *, replace: bool = False) -> cf.Future:
+    def _submit(self, key: bytes, job, *, replace: bool = False, wait: float | None = None
+                ) -> cf.Future:
         if self._saves.closed:
             raise RuntimeError("the KV store is closed")
         return self._saves.submit(key, lambda: self._run_save(key, job, replace),
-                                  replace=replace)
+                                  replace=replace, wait=wait)
 
     def _run_save(self, key: bytes, job, replace: bool = False) -> None:
         target = (self.durable or self.tiers or [None])[0]

@@ -36,6 +36,23 @@ class ConnectorConfig:
     context_records: bool = True
     # How long the scheduler trusts a lookup of the durable tiers (seconds).
     lookup_cache_s: float = field(default=2.0, metadata=limits(min=0, max=3600))
+    # How long it trusts the workers' report that a block is stored, where a durable tier
+    # holds it (another process may evict it there unseen); memory-only stores: for ever.
+    stored_trust_s: float = field(default=60.0, metadata=limits(min=0, max=86400))
+    # Lookups of the store run in the background: vLLM's step waits this long at most for one
+    # (a fast store costs no extra step), then the request waits a step and asks again ...
+    lookup_wait_ms: float = field(default=2.0, metadata=limits(min=0, max=60_000))
+    # ... until this deadline, after which the blocks not known yet are misses (computed).
+    lookup_deadline_ms: float = field(default=500.0, metadata=limits(min=1, max=600_000))
+    # Promised blocks are pinned this long (durable tiers: from the lookup; the worker's
+    # memory tier: during the load) so nothing evicts them before they are loaded; 0: off.
+    lease_ttl_s: float = field(default=30.0, metadata=limits(min=0, max=3600))
+    # The most a step waits for room in the store's save queue (a burst larger than
+    # queue_depth); past it, with the store stuck, the step's remaining blocks are not saved.
+    save_wait_ms: float = field(default=20.0, metadata=limits(min=0, max=60_000))
+    # CPU workers load in the background (the request waits, the others decode); GPU workers
+    # load synchronously, their copies overlapping the forward pass.
+    async_loads: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "kv_connector_extra_config")

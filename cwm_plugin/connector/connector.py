@@ -11,7 +11,12 @@ process). Start-up, in vLLM's order:
    its layout (pipeline stages differ), opens its store (no memory tier: it only looks keys up,
    with Redis' short lookup timeout) and makes its :class:`SchedulerSide`, which counts a block
    as stored only when every worker holds it;
-3. the scheduler's first lookup runs the hashing self-check (after vLLM initialised hashing).
+3. the scheduler's first lookup runs the hashing self-check (after vLLM initialised hashing),
+   in the background like every lookup.
+
+A promised block that fails to load must be recomputed, never fail its request: the scheduler
+side sets vLLM's ``kv_load_failure_policy`` to ``recompute`` when it is ``fail`` (vLLM's
+default; vLLM reads it right after making the connector), and logs that it did.
 
 Until step 2 the scheduler side answers "nothing stored" and plans no saves. Each store gets a
 private metrics registry, forwarded into vLLM's ``/metrics`` every step
@@ -42,6 +47,7 @@ from cwm_plugin.connector.records import SERVED_LAYOUT, served_key, write_record
 from cwm_plugin.connector.scheduler import SchedulerSide, hit_source_of_saves
 from cwm_plugin.connector.stats import CWMConnectorStats, StatsCollector
 from cwm_plugin.connector.worker import WorkerSide
+from cwm_plugin.errors import ConfigError
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.tiered import KVStore
 
@@ -62,6 +68,29 @@ def use_vllm_log_handlers() -> None:
     ours.setLevel(theirs.level or logging.INFO)
 
 
+def recompute_load_failures(ktc: Any) -> None:
+    """Make vLLM recompute blocks that fail to load (a cache miss must never fail a request):
+    set ``kv_load_failure_policy`` to ``recompute``; refuse to start if it cannot be set."""
+    policy = getattr(ktc, "kv_load_failure_policy", "recompute")
+    if policy == "recompute":
+        return
+    try:
+        ktc.kv_load_failure_policy = "recompute"
+    except Exception as exc:  # a frozen or validating config
+        raise ConfigError(f"cwm connector: vLLM's kv_load_failure_policy is {policy!r} and "
+                          f"could not be changed ({exc})",
+                          hint='add "kv_load_failure_policy": "recompute" to '
+                               "--kv-transfer-config: a block evicted between the lookup and "
+                               "the load must be recomputed, not fail the request") from exc
+    if ktc.kv_load_failure_policy != "recompute":
+        raise ConfigError(f"cwm connector: vLLM's kv_load_failure_policy stays {policy!r}",
+                          hint='add "kv_load_failure_policy": "recompute" to '
+                               "--kv-transfer-config")
+    log.warning("cwm connector: kv_load_failure_policy was %r; set to \"recompute\": a block "
+                "that cannot be loaded (evicted or damaged after the lookup) is recomputed "
+                "instead of failing its request", policy)
+
+
 class CWMConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -75,10 +104,8 @@ class CWMConnector(KVConnectorBase_V1):
                       "(set PYTHONHASHSEED or use sha256): saved KV could never be found after a "
                       "restart, so saving is off", self.hash_algo)
             self.cfg.save_enabled = False
-        if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
-            log.warning("cwm connector: kv_load_failure_policy is %r; set it to \"recompute\" so "
-                        "a corrupt or missing block is recomputed instead of failing the request",
-                        ktc.kv_load_failure_policy)
+        if role == KVConnectorRole.SCHEDULER:
+            recompute_load_failures(ktc)
         if role == KVConnectorRole.SCHEDULER and not getattr(vllm_config, "shutdown_timeout", 0):
             log.warning("cwm connector: vLLM's --shutdown-timeout is 0, so on SIGTERM it kills its "
                         "workers at once and saves still being written are lost (those blocks "
@@ -119,14 +146,18 @@ class CWMConnector(KVConnectorBase_V1):
                        if t.data_ptr() in at}
         self._worker = WorkerSide(store, self.stats, ns=ns, rank=rank, layout=layout,
                                   layers=views, index=stage * ns.tp_size + rank,
-                                  layer_index=layer_index)
-        log.info("cwm connector (worker, stage %d rank %d) ready: namespace %s, model %s",
-                 stage, rank, ns.fingerprint, ns.model)
+                                  layer_index=layer_index, async_loads=self.cfg.async_loads,
+                                  lease_ttl_s=self.cfg.lease_ttl_s,
+                                  save_wait_s=self.cfg.save_wait_ms / 1000)
+        log.info("cwm connector (worker, stage %d rank %d) ready: namespace %s, model %s, "
+                 "loads %s", stage, rank, ns.fingerprint, ns.model,
+                 "in the background" if self._worker.async_loads else "before the forward pass")
 
     def get_handshake_metadata(self) -> CWMHandshake | None:
         if self._worker is None:
             return None
-        return CWMHandshake(self._worker.layout_name, self._worker.rank)
+        return CWMHandshake(self._worker.layout_name, self._worker.rank,
+                            self._worker.async_loads)
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Layouts keyed by (pipeline rank, TP rank): every worker's namespace is looked up."""
@@ -135,12 +166,12 @@ class CWMConnector(KVConnectorBase_V1):
             log.error("cwm connector: not every worker sent its KV layout (got %s of %d); "
                       "loading and saving stay off", sorted(layouts), len(metadata))
             return
-        self._adopt_layouts(layouts)
+        self._adopt_layouts(layouts, all(m.async_loads for m in metadata.values()))
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
 
-    def _adopt_layouts(self, layouts: dict[tuple[int, int], str]) -> None:
+    def _adopt_layouts(self, layouts: dict[tuple[int, int], str], async_loads: bool) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
 
         namespaces = {lay: self._namespace(lay) for lay in set(layouts.values())}
@@ -152,7 +183,8 @@ class CWMConnector(KVConnectorBase_V1):
         self._scheduler = SchedulerSide(
             ns, self.cfg, store, self.stats, hash_fn=get_hash_fn_by_name(self.hash_algo),
             hash_ratio=max(1, spec_block // hash_block),
-            stored_source=hit_source_of_saves(self.store_settings), workers=workers)
+            stored_source=hit_source_of_saves(self.store_settings), workers=workers,
+            async_loads=async_loads)
         served = getattr(self._vllm_config.model_config, "served_model_name", None) or ns.model
         served = str(served[0] if isinstance(served, list | tuple) else served)
         write_record(store, served_key(served), {
@@ -160,7 +192,8 @@ class CWMConnector(KVConnectorBase_V1):
             "workers": [(n.digest.hex(), r) for n, r in workers]}, SERVED_LAYOUT,
             what="the served-model record")
         log.info("cwm connector (scheduler) ready: namespace %s, model %s, KV layout %s, "
-                 "%d worker(s)", ns.fingerprint, ns.model, ns.layout, len(workers))
+                 "%d worker(s), %s loads", ns.fingerprint, ns.model, ns.layout, len(workers),
+                 "asynchronous" if self._scheduler.async_loads else "synchronous")
 
     def _side(self) -> SchedulerSide | None:
         if self._scheduler is None and not self._warned_no_layout:
@@ -221,6 +254,12 @@ class CWMConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if self._worker is not None and isinstance(meta, CWMConnectorMetadata):
             self._worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose background load is done (their failed blocks come with
+        ``get_block_ids_with_load_errors`` in the same pass); no sends."""
+        done = self._worker.get_finished() if self._worker is not None else set()
+        return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

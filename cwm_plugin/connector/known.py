@@ -5,7 +5,10 @@ A block hash is *known* (loadable, from a given tier) when
 
 * every worker (TP rank x pipeline stage) reported saving it (``report_stored``): kept until
   a worker reports it dropped or failed (its store evicted it, found it dangling, could not
-  load it) -- this is how blocks that live only in the workers' memory tiers are found;
+  load it) -- this is how blocks that live only in the workers' memory tiers are found -- and
+  for ``stored_ttl_s`` at most where a durable tier holds it too: another process (a second
+  server's eviction, ``cwm store gc``, Redis' TTL or maxmemory) may remove it there unseen, so
+  after that the scheduler asks the store again;
 * or a lookup of the durable tiers found every worker's key: kept for ``lookup_ttl_s`` only,
   since another process (a second server, ``gc``, Redis' TTL) may remove it meanwhile.
 
@@ -29,10 +32,12 @@ PLANNED_TTL_S = 600.0     # a save never reported (lost at shutdown) stops block
 
 class KnownBlocks:
     def __init__(self, n_workers: int, *, lookup_ttl_s: float = 2.0,
+                 stored_ttl_s: float = math.inf,
                  stored_source: CacheHitSource = CacheHitSource.HOST,
                  limit: int = LIMIT) -> None:
         self.n_workers = max(1, n_workers)
         self.lookup_ttl_s = lookup_ttl_s
+        self.stored_ttl_s = stored_ttl_s
         self.stored_source = stored_source
         self.limit = limit
         self._known: OrderedDict[bytes, tuple[CacheHitSource, float]] = OrderedDict()
@@ -52,7 +57,7 @@ class KnownBlocks:
         """Blocks a lookup of the durable tiers found (for ``lookup_ttl_s``)."""
         until = time.monotonic() + self.lookup_ttl_s
         for h, source in found.items():
-            if self._known.get(h, (None, 0.0))[1] != math.inf:
+            if self._known.get(h, (None, 0.0))[1] < until:   # a report of a save lasts longer
                 self._put(self._known, h, (source, until))
 
     def plan(self, hashes: Iterable[bytes]) -> None:
@@ -79,7 +84,8 @@ class KnownBlocks:
             if len(seen) >= self.n_workers:
                 del self._partial[h]
                 self._planned.pop(h, None)
-                self._put(self._known, h, (self.stored_source, math.inf))
+                self._put(self._known, h, (self.stored_source,
+                                           time.monotonic() + self.stored_ttl_s))
 
     def forget(self, hashes: Iterable[bytes]) -> None:
         for h in hashes:

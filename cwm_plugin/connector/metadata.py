@@ -62,8 +62,9 @@ class CWMWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class CWMHandshake(KVConnectorHandshakeMetadata):
-    """A worker's KV layout (``KVLayout.describe()``) and TP rank, sent once after
-    ``register_kv_caches``."""
+    """A worker's KV layout (``KVLayout.describe()``), TP rank and whether it loads in the
+    background, sent once after ``register_kv_caches``."""
 
     layout: str
     tp_rank: int = 0
+    async_loads: bool = False

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from cwm_plugin.store.queue import QueueFull
+
 log = logging.getLogger(__name__)
 
 PREFIX = b"cwm-ctx\0"
@@ -95,18 +97,24 @@ class ContextRecord:
 
 
 def write_record(store: Any, key: bytes, obj: object, layout: str, *, what: str,
-                 salt: str | None = None) -> None:
+                 salt: str | None = None, wait: float | None = None) -> bool:
     """Save a JSON record under ``key`` (replacing an older one) in the background; a failure
-    is logged, never raised (records are recomputable; serving goes on)."""
+    is logged, never raised (records are recomputable; serving goes on). ``wait`` (on vLLM's
+    step: 0): how long to wait when the store's save queue is full before the record is
+    dropped. Returns whether it was queued."""
     def done(fut: Any) -> None:
         if not fut.cancelled() and fut.exception() is not None:
             log.warning("cwm connector: could not save %s: %s", what, fut.exception())
 
     try:
-        store.put(key, json_tensor(obj), layout=layout, salt=salt,
-                  replace=True).add_done_callback(done)
+        store.put(key, json_tensor(obj), layout=layout, salt=salt, replace=True,
+                  wait=wait).add_done_callback(done)
+    except QueueFull:         # the caller counts it
+        return False
     except Exception as exc:  # a closed or full store
         log.warning("cwm connector: could not save %s: %s", what, exc)
+        return False
+    return True
 
 
 def json_tensor(obj: object) -> torch.Tensor:

@@ -17,6 +17,16 @@ the request names one; a request whose ``kv_transfer_params`` say ``store: false
 sidecar's background prompts) is neither looked up, saved nor recorded, and ``record: false``
 (a warm-up) leaves the session's records alone (:mod:`~cwm_plugin.connector.params`).
 
+Nothing here waits on the store. Lookups run in the background (:mod:`.lookups`): a request
+whose lookup still runs is answered ``None`` (vLLM asks again next step) until a deadline, past
+which its unknown blocks are misses. Promised blocks are leased in the durable tiers
+(:mod:`.leases`) until their load is done. CPU workers load in the background: a hit is
+answered ``(n, True)``, the request waits in vLLM's WAITING_FOR_REMOTE_KVS until the workers
+report it loaded (``get_finished``), and decoding requests go on meanwhile. A load that fails is
+recomputed (the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute``) and that
+request is promised nothing again. Saves are planned from what is known in memory: a block
+some tier holds already is skipped by the worker's store, in the background.
+
 Hit sources for vLLM's ``prompt_tokens_cached_by_source``: blocks the workers reported storing
 are ``host`` (their memory tier) when they have one, blocks in the disk index ``disk``, the rest
 (Redis) ``external_unspecified``.
@@ -24,7 +34,9 @@ are ``host`` (their memory tier) when they have one, blocks in the disk index ``
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -35,6 +47,8 @@ from cwm_plugin.connector import records
 from cwm_plugin.connector.config import ConnectorConfig
 from cwm_plugin.connector.keys import Namespace, kv_block_hashes, lora_extra
 from cwm_plugin.connector.known import KnownBlocks
+from cwm_plugin.connector.leases import Leases
+from cwm_plugin.connector.lookups import Lookups
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.params import params_of
 from cwm_plugin.connector.selfcheck import SelfCheck, run_selfcheck
@@ -42,10 +56,6 @@ from cwm_plugin.connector.stats import StatsCollector
 from cwm_plugin.store.tiered import KVStore
 
 log = logging.getLogger(__name__)
-
-SOURCE_OF_TIER = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
-                  "redis": CacheHitSource.EXTERNAL_UNSPECIFIED}
-_RANK = {CacheHitSource.HOST: 0, CacheHitSource.DISK: 1, CacheHitSource.EXTERNAL_UNSPECIFIED: 2}
 
 
 @dataclass
@@ -58,6 +68,7 @@ class _RequestState:
     lookup_start: int = 0
     lookup_sources: list[CacheHitSource] = field(default_factory=list)
     load: BlockTransfer | None = None
+    load_failed: bool = False   # a promised block did not load: recompute, promise no more
 
 
 def hit_source_of_saves(store_settings: Any) -> CacheHitSource:
@@ -72,7 +83,8 @@ class SchedulerSide:
     def __init__(self, ns: Namespace, cfg: ConnectorConfig, store: KVStore,
                  stats: StatsCollector, *, hash_fn: Any = None, hash_ratio: int = 1,
                  stored_source: CacheHitSource = CacheHitSource.HOST,
-                 workers: list[tuple[Namespace, int]] | None = None) -> None:
+                 workers: list[tuple[Namespace, int]] | None = None,
+                 async_loads: bool = False) -> None:
         self.ns = ns
         self.cfg = cfg
         self.store = store
@@ -84,9 +96,19 @@ class SchedulerSide:
         # (namespace of the worker's pipeline stage, its TP rank), in worker-index order
         self.workers = workers or [(ns, 0)]
         self.known = KnownBlocks(len(self.workers), lookup_ttl_s=cfg.lookup_cache_s,
+                                 stored_ttl_s=cfg.stored_trust_s if store.durable else math.inf,
                                  stored_source=stored_source)
+        self.lookups = Lookups(store, self.workers, stats, wait_s=cfg.lookup_wait_ms / 1000,
+                               deadline_s=cfg.lookup_deadline_ms / 1000)
+        self.leases = Leases(store, stats, ttl_s=cfg.lease_ttl_s)
+        # the workers load in the background (CPU) and report it in get_finished
+        self.async_loads = async_loads and cfg.async_loads
         self._reqs: dict[str, _RequestState] = {}
+        # loads sent to the workers and not reported done: req id -> (load, asynchronous)
+        self._loading: dict[str, tuple[BlockTransfer, bool]] = {}
         self._reset_pending = False
+        self._selfcheck_started = False
+        self._warned: set[str] = set()
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -108,26 +130,32 @@ class SchedulerSide:
         state.request = request
         return state
 
-    def _lookup(self, hashes: list[bytes], extra: bytes = b"") -> list[CacheHitSource | None]:
-        """Where each block can be loaded from (None: not on every worker). Blocks of a
-        LoRA request (``extra``) are not cached: their keys differ by adapter content."""
-        out: list[CacheHitSource | None] = [None if extra else self.known.get(h)
-                                            for h in hashes]
-        unknown = [h for h, s in zip(hashes, out, strict=True) if s is None]
-        if not unknown:
-            return out
-        n = len(unknown)
-        where = self.store.where_many([k for ns, rank in self.workers
-                                       for k in ns.keys(unknown, rank, extra)])
-        found: dict[bytes, CacheHitSource] = {}
-        for j, h in enumerate(unknown):
-            tiers = [where[w * n + j] for w in range(len(self.workers))]
-            if all(tiers):
-                found[h] = max((SOURCE_OF_TIER.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED)
-                                for t in tiers), key=lambda s: _RANK.get(s, 2))
-        if not extra:
-            self.known.found(found)
-        return [s or found.get(h) for s, h in zip(out, hashes, strict=True)]
+    def _keys(self, hashes: list[bytes], extra: bytes) -> list[bytes]:
+        """Every worker's keys of ``hashes``."""
+        return [k for ns, rank in self.workers for k in ns.keys(hashes, rank, extra)]
+
+    def _sources(self, req_id: str, hashes: list[bytes], extra: bytes
+                 ) -> list[CacheHitSource] | None:
+        """Where each block of the loadable prefix of ``hashes`` comes from, or None while
+        the lookup of the blocks not known runs. Blocks of a LoRA request (``extra``) are not
+        cached: their keys differ by adapter content."""
+        known = [None if extra else self.known.get(h) for h in hashes]
+        unknown = [h for h, s in zip(hashes, known, strict=True) if s is None]
+        if unknown:
+            found = self.lookups.resolve(req_id, unknown, extra)
+            if found is None:
+                return None
+            if not extra:
+                self.known.found(found)
+            known = [s or found.get(h) for s, h in zip(known, hashes, strict=True)]
+        return list(itertools.takewhile(lambda s: s is not None, known))
+
+    def _start_selfcheck(self) -> None:
+        """The hashing self-check reads and writes the store: it runs before the first
+        lookup job, off the step (after vLLM initialised its hashing)."""
+        if not self._selfcheck_started and self.hash_fn is not None:
+            self._selfcheck_started = True
+            self.lookups.before_next(self._check_hashing)
 
     def _check_hashing(self) -> None:
         if self.selfcheck is not None or self.hash_fn is None:
@@ -143,29 +171,38 @@ class SchedulerSide:
 
     # --- vLLM hooks ---------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        self._check_hashing()
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Tokens loadable past ``num_computed_tokens``; None while the lookup runs (vLLM
+        skips the request this step); True with a hit when the workers load asynchronously."""
+        self._start_selfcheck()
         state = self._state(request)
         state.lookup_sources = []
-        if not self.cfg.load_enabled or not self._eligible(request):
+        rid = request.request_id
+        if not self.cfg.load_enabled or not self._eligible(request) or state.load_failed:
             return 0, False
         # Leave at least one token to compute: vLLM needs a forward pass to sample from.
         max_blocks = min((request.num_tokens - 1) // self.block_size, self._cap_blocks())
         start = num_computed_tokens // self.block_size
         if start >= max_blocks:
+            self.lookups.forget(rid)
             return 0, False
         t0 = time.perf_counter()
         hashes = self._hashes(request, max_blocks)[start:]
-        sources: list[CacheHitSource] = []
-        for source in self._lookup(hashes, state.extra):
-            if source is None:
-                break
-            sources.append(source)
+        sources = self._sources(rid, hashes, state.extra)
+        self.stats.add("lookup_seconds", time.perf_counter() - t0)
+        if sources is None:
+            self.stats.add("lookups_deferred")
+            return None, False
         state.lookup_start, state.lookup_sources = start, sources
         self.stats.lookup(queried=len(hashes) * self.block_size,
                           hit=len(sources) * self.block_size)
-        self.stats.add("lookup_seconds", time.perf_counter() - t0)
-        return len(sources) * self.block_size, False
+        if sources:        # protected from eviction until loaded (in the background)
+            self.leases.take(rid, self._keys(hashes[:len(sources)], state.extra))
+        else:
+            self.leases.release(rid)
+        n = len(sources) * self.block_size
+        return n, n > 0 and self.async_loads
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
@@ -194,6 +231,7 @@ class SchedulerSide:
         state.saved_blocks = max(state.saved_blocks, start + n)
 
     def build_connector_meta(self, scheduler_output: Any) -> CWMConnectorMetadata:
+        self.lookups.new_step()
         meta = CWMConnectorMetadata(reset=self._reset_pending)
         self._reset_pending = False
         for new in scheduler_output.scheduled_new_reqs:
@@ -201,12 +239,12 @@ class SchedulerSide:
             if state is None:
                 continue
             state.block_ids = list(new.block_ids[0])
-            # Blocks computed before this step (local prefix cache or loaded by us) are either
-            # stored already or were computed by this server earlier: check, don't re-save.
+            # Blocks computed before this step (local prefix cache or loaded by us) are known
+            # stored or planned, or were computed here before: the worker's store skips any it
+            # holds already (no lookup on the step).
             state.handled_blocks = 0
             self._plan_save(state, new.req_id, new.num_computed_tokens
-                            + scheduler_output.num_scheduled_tokens.get(new.req_id, 0), meta,
-                            check_existing=True)
+                            + scheduler_output.num_scheduled_tokens.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
@@ -222,17 +260,21 @@ class SchedulerSide:
             state.handled_blocks = min(state.handled_blocks,
                                        cached.num_computed_tokens[i] // self.block_size)
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            self._plan_save(state, req_id, done, meta, check_existing=req_id in cached.resumed_req_ids)
+            self._plan_save(state, req_id, done, meta)
         for state in self._reqs.values():
             if state.load is not None:
                 meta.loads.append(state.load)
+                self._loading[state.load.req_id] = (state.load, self.async_loads)
                 state.load = None
         for req_id in scheduler_output.finished_req_ids:
             self._reqs.pop(req_id, None)
+            self._end(req_id)
         return meta
 
     def _plan_save(self, state: _RequestState, req_id: str, tokens_done: int,
-                   meta: CWMConnectorMetadata, *, check_existing: bool) -> None:
+                   meta: CWMConnectorMetadata) -> None:
+        """Plan the blocks completed by ``tokens_done`` that are neither planned nor known
+        stored (a block held somewhere unknown to us is skipped by the worker's store)."""
         if not self.cfg.save_enabled or not self._eligible(state.request):
             return
         limit = tokens_done if self.cfg.save_decode_blocks else min(
@@ -243,11 +285,8 @@ class SchedulerSide:
         hashes = self._hashes(state.request, n_full)
         n_full = len(hashes)
         start = state.handled_blocks
-        candidates = [i for i in range(start, n_full)
-                      if state.extra or not self.known.planned(hashes[i])]
-        present = self._lookup([hashes[i] for i in candidates], state.extra) if check_existing \
-            else [None if state.extra else self.known.get(hashes[i]) for i in candidates]
-        todo = [i for i, p in zip(candidates, present, strict=True) if p is None]
+        todo = [i for i in range(start, n_full) if state.extra or (
+            not self.known.planned(hashes[i]) and self.known.get(hashes[i]) is None)]
         state.handled_blocks = n_full
         state.saved_blocks = max(state.saved_blocks, n_full)
         if todo:
@@ -263,6 +302,7 @@ class SchedulerSide:
         # Saves copy blocks out at the end of the step that computed them, so nothing here
         # needs the blocks any longer.
         state = self._reqs.pop(request.request_id, None)
+        self._end(request.request_id)
         salt = getattr(request, "cache_salt", None)
         if state is not None and salt and state.saved_blocks and self.cfg.context_records:
             params = params_of(request)
@@ -285,10 +325,49 @@ class SchedulerSide:
         body = asdict(rec)
         for key in [records.record_key(salt)] + \
                 ([records.turn_record_key(salt, slot)] if slot is not None else []):
-            records.write_record(self.store, key, body, records.RECORD_LAYOUT,
-                                 what="a context record", salt=salt)
+            if not records.write_record(self.store, key, body, records.RECORD_LAYOUT,
+                                        what="a context record", salt=salt, wait=0):
+                self.stats.add("save_errors", reason="backpressure")
+                self._warn("records", "the store's save queue is full: context records are "
+                           "dropped until it drains (counted as cwm:connector_save_errors"
+                           "{reason=backpressure})")
+
+    def _end(self, req_id: str) -> None:
+        """A request is finished: no lookup for it any more; its lease goes, unless its load
+        still runs (then when the workers report it done)."""
+        self.lookups.forget(req_id)
+        if req_id not in self._loading:
+            self.leases.release(req_id)
+
+    def _loads_done(self, connector_output: Any) -> None:
+        """Loads the workers finished (asynchronous: reported in ``finished_recving``;
+        synchronous: in the step that sent them): release their leases; a load with a block
+        that failed (``invalid_block_ids``) is recomputed by vLLM, and its request is never
+        promised blocks again (a block the index still lists would fail the same way)."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        received = set(getattr(connector_output, "finished_recving", None) or ())
+        for req_id, (load, asynchronous) in list(self._loading.items()):
+            if asynchronous and req_id not in received:
+                continue
+            del self._loading[req_id]
+            self.leases.release(req_id)
+            if invalid.isdisjoint(load.block_ids):
+                continue
+            self.stats.add("load_failures_recomputed")
+            if (state := self._reqs.get(req_id)) is not None:
+                state.load_failed = True
+            self._warn("load", "promised blocks could not be loaded (evicted, deleted or "
+                       "damaged after the lookup); vLLM recomputes them (counted as "
+                       "cwm:connector_load_failures_recomputed)")
+
+    def _warn(self, tag: str, msg: str) -> None:
+        """Log once per kind of trouble (it is counted every time)."""
+        if tag not in self._warned:
+            self._warned.add(tag)
+            log.warning("cwm connector: %s", msg)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        self._loads_done(connector_output)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, CWMWorkerMetadata):
             return
@@ -308,4 +387,6 @@ class SchedulerSide:
         return True
 
     def shutdown(self) -> None:
+        self.lookups.shutdown()
+        self.leases.shutdown()
         self.store.close()

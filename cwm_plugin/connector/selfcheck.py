@@ -62,7 +62,7 @@ def _read(store: KVStore, key: bytes) -> dict[str, Any] | None:
 
 def _write(store: KVStore, key: bytes, record: dict[str, Any]) -> None:
     # Not waited for: this runs inside vLLM's scheduling step, which a slow tier must not stall.
-    write_record(store, key, record, RECORD_LAYOUT, what="the namespace record")
+    write_record(store, key, record, RECORD_LAYOUT, what="the namespace record", wait=0)
 
 
 def run_selfcheck(store: KVStore, ns: Namespace, hash_fn: Any, block_size: int) -> SelfCheck:

@@ -25,7 +25,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 CONNECTOR_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lookups": ("Scheduler lookups of a request's blocks in the store", ()),
     "lookup_tokens": ("Tokens asked for in lookups (beyond the locally cached ones)", ()),
-    "lookup_seconds": ("Seconds the scheduler spent looking a request's blocks up", ()),
+    "lookup_seconds": ("Seconds vLLM's scheduling step spent on the connector's lookups (the "
+                       "store is asked in the background; this is the step's share)", ()),
+    "lookups_deferred": ("Lookups still running in the background when vLLM asked: the request "
+                         "waited a step (answer None) while the others went on", ()),
+    "lookup_timeouts": ("Lookups not done by lookup_deadline_ms: the blocks not known were "
+                        "counted as misses and computed", ()),
+    "async_loads": ("Loads run in the background (CPU workers), by outcome: ok, or failed "
+                    "(some blocks recomputed)", ("outcome",)),
+    "leases": ("Leases protecting promised blocks from eviction until their load, by event: "
+               "taken, released, expired (released after their TTL), failed (none taken)",
+               ("event",)),
+    "load_failures_recomputed": ("Requests whose promised blocks failed to load and were "
+                                 "recomputed instead of failing", ()),
     "hit_tokens": ("Tokens the store could provide in lookups", ()),
     "loaded_blocks": ("Blocks loaded into the paged KV cache, by the tier that served them",
                       ("tier",)),
@@ -42,9 +54,9 @@ CONNECTOR_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "saved_blocks": ("Blocks the store accepted", ()),
     "saved_bytes": ("Bytes of KV in the blocks the store accepted", ()),
     "save_seconds": ("Seconds the step spent copying blocks out for saving", ()),
-    "save_errors": ("Blocks whose save was refused at once (refused), failed later (failed) "
-                    "or was not made: computed over a failed load (load_failed)",
-                    ("reason",)),
+    "save_errors": ("Blocks (and records) whose save was refused at once (refused), failed "
+                    "later (failed) or was not made: computed over a failed load (load_failed), "
+                    "or the store's save queue was full (backpressure)", ("reason",)),
     "selfcheck_failures": ("Start-up self-checks that found vLLM's block hashes changed since "
                            "the store was filled", ()),
     "dropped_blocks": ("Blocks the workers' stores reported dropped (evicted, expired, "

@@ -18,6 +18,9 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from cwm_plugin.connector.keys import Namespace
 
 BS = 16
+# Scheduler settings under which a lookup answers at the first ask (it may wait a minute for
+# the store): the planning tests; the tests of deferred lookups use their own.
+SYNC = {"lookup_wait_ms": 60_000}
 
 
 def namespace(layout: str = "CPU_ATTN/vec/LBHNC/auto/float32/2x2x16x16/cpu", **kw) -> Namespace:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from connector_helpers import BS, fill_random, kv_allocation, namespace, vllm_config_for
+from connector_helpers import BS, SYNC, fill_random, kv_allocation, namespace, vllm_config_for
 from test_scheduler_side import Blocks, fill, hashes, make_request, step
 
 from cwm_plugin.connector import records
@@ -74,7 +74,7 @@ def test_every_rank_must_report_a_block_stored(hash_fn, open_store):
 def test_durable_lookups_are_trusted_only_briefly(hash_fn, open_store):
     ns = namespace()
     store = open_store(ns.fingerprint)
-    side = SchedulerSide(ns, ConnectorConfig(lookup_cache_s=0.3), store, StatsCollector())
+    side = SchedulerSide(ns, ConnectorConfig(lookup_cache_s=0.3, **SYNC), store, StatsCollector())
     req = make_request(hash_fn, "r1", 2 * BS + 1)
     fill(store, ns.keys(hashes(req, 2), 0))
     assert side.get_num_new_matched_tokens(req, 0)[0] == 2 * BS
@@ -110,7 +110,7 @@ def test_reset_cache_forgets_everything_and_empties_the_workers_memory(hash_fn, 
 def test_a_finished_salted_request_leaves_a_context_record(hash_fn, open_store):
     ns = namespace()
     store = open_store(ns.fingerprint)
-    side = SchedulerSide(ns, ConnectorConfig(), store, StatsCollector(),
+    side = SchedulerSide(ns, ConnectorConfig(**SYNC), store, StatsCollector(),
                          workers=[(ns, 0), (ns, 1)])
     for salt in ("s1", None):
         req = make_request(hash_fn, f"r-{salt}", 3 * BS + 5, salt=salt)

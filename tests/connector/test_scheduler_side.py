@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from connector_helpers import BS, namespace
+from connector_helpers import BS, SYNC, namespace
 from vllm import SamplingParams
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -32,7 +32,7 @@ def store(open_store, ns):
 
 
 def side_for(ns, store, **cfg) -> SchedulerSide:
-    return SchedulerSide(ns, ConnectorConfig(**cfg), store, StatsCollector())
+    return SchedulerSide(ns, ConnectorConfig(**{**SYNC, **cfg}), store, StatsCollector())
 
 
 def make_request(hash_fn, rid: str, n_tokens: int, salt: str | None = "salt") -> Request:
@@ -87,7 +87,7 @@ def test_lookup_counts_the_stored_prefix_and_leaves_one_token(hash_fn, ns, store
 def test_a_block_is_stored_only_when_every_rank_holds_it(hash_fn, ns, store):
     # TP=2: rank 1's blob of a prefix is gone. The scheduler must neither promise the block
     # (rank 1 would fail to load it on every request) nor skip saving it again.
-    side = SchedulerSide(ns, ConnectorConfig(lookup_cache_s=0), store, StatsCollector(),
+    side = SchedulerSide(ns, ConnectorConfig(lookup_cache_s=0, **SYNC), store, StatsCollector(),
                          workers=[(ns, 0), (ns, 1)])
     req = make_request(hash_fn, "r1", 3 * BS)
     fill(store, ns.keys(hashes(req, 2), 0))                 # only rank 0 has them
@@ -182,7 +182,7 @@ def test_a_request_rolled_back_by_a_failed_load_has_its_blocks_planned_again(has
 
 
 def test_hit_sources_name_the_tier(hash_fn, ns, store):
-    side = SchedulerSide(ns, ConnectorConfig(), store, StatsCollector(),
+    side = SchedulerSide(ns, ConnectorConfig(**SYNC), store, StatsCollector(),
                          stored_source=CacheHitSource.HOST)
     req = make_request(hash_fn, "r1", 4 * BS + 1)
     hs = hashes(req, 4)

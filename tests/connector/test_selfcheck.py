@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from connector_helpers import BS, namespace
+from connector_helpers import BS, SYNC, namespace
 from vllm import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
@@ -39,7 +39,7 @@ def vllm_hashing(monkeypatch):
 
 def start(ns, store) -> SchedulerSide:
     """What a server start makes: a scheduler side over the same durable store."""
-    return SchedulerSide(ns, ConnectorConfig(), store, StatsCollector(), hash_fn=SHA)
+    return SchedulerSide(ns, ConnectorConfig(**SYNC), store, StatsCollector(), hash_fn=SHA)
 
 
 def request(rid: str) -> Request:

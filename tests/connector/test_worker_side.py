@@ -21,14 +21,15 @@ def h(i: int) -> bytes:
 
 
 def make_worker(open_store, *, rank: int = 0, seed: int | None = None, store=None,
-                **store_kw) -> WorkerSide:
+                async_loads: bool = True, **store_kw) -> WorkerSide:
     cfg, kv = kv_allocation(num_blocks=NB)
     if seed is not None:
         fill_random(kv, seed)
     layout, views = discover_layout(vllm_config_for(kv), cfg, kv)
     ns = namespace(layout.describe())
     store = store if store is not None else open_store(ns.fingerprint, **store_kw)
-    return WorkerSide(store, StatsCollector(), ns=ns, rank=rank, layout=layout, layers=views)
+    return WorkerSide(store, StatsCollector(), ns=ns, rank=rank, layout=layout, layers=views,
+                      async_loads=async_loads)
 
 
 def save(worker: WorkerSide, block_ids: list[int], hashes: list[bytes]) -> None:
@@ -37,16 +38,24 @@ def save(worker: WorkerSide, block_ids: list[int], hashes: list[bytes]) -> None:
     worker.store.flush()
 
 
+def finish_loads(worker: WorkerSide) -> set[int]:
+    """The block ids that failed, once the step's loads are done (CPU workers load in the
+    background and report them as vLLM collects its step's output)."""
+    assert worker.loader.wait(timeout=60)
+    worker.get_finished()
+    return worker.take_load_errors()
+
+
 def load(worker: WorkerSide, block_ids: list[int], hashes: list[bytes]) -> set[int]:
     worker.start_load_kv(CWMConnectorMetadata(loads=[BlockTransfer("req", block_ids, hashes)]))
-    return worker.take_load_errors()
+    return finish_loads(worker)
 
 
 def load_step(worker: WorkerSide, *requests: tuple[list[int], list[bytes]]) -> set[int]:
     """One step loading several requests; returns the block ids that failed."""
     worker.start_load_kv(CWMConnectorMetadata(loads=[
         BlockTransfer(f"r{i}", ids, hashes) for i, (ids, hashes) in enumerate(requests)]))
-    return worker.take_load_errors()
+    return finish_loads(worker)
 
 
 def same_blocks(src: WorkerSide, dst: WorkerSide, pairs) -> None:
@@ -84,10 +93,10 @@ def test_saved_blocks_load_bit_exactly_into_other_block_ids(open_store):
 def staged(worker: WorkerSide, chunk_blocks: int, staging_blocks: int = 64) -> WorkerSide:
     """Switch a CPU worker to the device path (pinned staging and copies are synchronous on a
     CPU; the GPU half is tests/connector/test_device_load.py)."""
-    worker._writer = None
-    worker._device = DeviceLoader(worker.layers, worker.layout.per_block, worker.dtype,
-                                  scratch_bytes=chunk_blocks * worker.block_bytes,
-                                  staging_bytes=staging_blocks * worker.block_bytes)
+    worker.loader.writer = None
+    worker.loader.device = DeviceLoader(worker.layers, worker.layout.per_block, worker.dtype,
+                                        scratch_bytes=chunk_blocks * worker.block_bytes,
+                                        staging_bytes=staging_blocks * worker.block_bytes)
     return worker
 
 
@@ -105,8 +114,8 @@ def test_the_staged_path_of_device_caches_loads_the_same_blocks(open_store):
                      ([12, 13, 14], [h(4), h(2), h(1)])) == {10, 11}
     same_blocks(src, dst, ((3, 9), (4, 12), (2, 13), (1, 14)))
     assert torch.count_nonzero(block(dst, 10)) == 0 and torch.count_nonzero(block(dst, 11)) == 0
-    staging = dst._device._host
-    assert load(dst, [15], [h(2)]) == set() and dst._device._host is staging      # reused
+    staging = dst.loader.device._host
+    assert load(dst, [15], [h(2)]) == set() and dst.loader.device._host is staging      # reused
     assert torch.equal(block(dst, 15), block(src, 2))
     dst.wait_layer("model.layers.0.self_attn.attn")           # no events on a CPU: a no-op
 
@@ -121,7 +130,7 @@ def test_a_restore_longer_than_the_staging_goes_in_rounds(open_store):
                      ([8, 9, 10], [h(4), h(9), h(2)])) == {9, 10}
     same_blocks(src, dst, ((1, 5), (2, 6), (3, 7), (4, 8)))
     assert torch.count_nonzero(block(dst, 10)) == 0
-    assert dst._device._host.shape[0] == 2                  # never grew past the bound
+    assert dst.loader.device._host.shape[0] == 2                  # never grew past the bound
     assert dst.stats.snapshot()["load_errors"] == 2
 
 
@@ -179,7 +188,7 @@ def test_blocks_computed_over_a_failed_load_are_never_saved(open_store):
     (saved when vLLM recomputes them), while another request's saves in the step go on."""
     src = make_worker(open_store, seed=3)
     save(src, [1, 2], [h(1), h(2)])                          # h(3) was never stored
-    dst = make_worker(open_store, store=src.store, seed=8)
+    dst = make_worker(open_store, store=src.store, seed=8, async_loads=False)  # (a GPU's)
     dst.start_load_kv(CWMConnectorMetadata(loads=[
         BlockTransfer("spoiled", [10, 11, 12], [h(1), h(2), h(3)])]))
     assert dst.take_load_errors() == {12}

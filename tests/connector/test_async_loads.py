@@ -1,0 +1,120 @@
+"""CPU workers load in the background and never let vLLM's step wait on the store: real
+tensors (vLLM's own KV allocator) over a real store."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from test_worker_side import block, h, make_worker, save
+
+from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata
+
+pytestmark = pytest.mark.unit
+STEP_BOUND_S = 0.2      # generous for a loaded 2-core machine
+
+
+def gate_reads(store, monkeypatch) -> threading.Event:
+    """Hold the store's reads until the event is set (a stuck disk or Redis)."""
+    opened = threading.Event()
+    real = store.read_into
+
+    def read_into(*args, **kw):
+        opened.wait(30)
+        return real(*args, **kw)
+    monkeypatch.setattr(store, "read_into", read_into)
+    return opened
+
+
+def test_a_load_runs_in_the_background_and_is_reported_once_in_the_cache(open_store,
+                                                                         monkeypatch):
+    src = make_worker(open_store, seed=1)
+    save(src, [1, 2, 3], [h(1), h(2), h(3)])
+    dst = make_worker(open_store, store=src.store)
+    assert dst.async_loads
+    opened = gate_reads(dst.store, monkeypatch)
+    t0 = time.monotonic()
+    dst.start_load_kv(CWMConnectorMetadata(loads=[BlockTransfer("r1", [5, 6, 7],
+                                                                [h(1), h(2), h(3)])]))
+    assert time.monotonic() - t0 < STEP_BOUND_S              # the step went on
+    assert dst.get_finished() == set() and dst.take_load_errors() == set()
+    assert torch.count_nonzero(block(dst, 5)) == 0
+    opened.set()
+    assert dst.loader.wait(timeout=30)
+    assert dst.get_finished() == {"r1"} and dst.take_load_errors() == set()
+    for a, b in ((1, 5), (2, 6), (3, 7)):
+        assert torch.equal(block(dst, b), block(src, a))
+    assert dst.get_finished() == set()                       # reported once
+    assert dst.stats.snapshot()["async_loads|outcome=ok"] == 1
+
+
+def test_failed_blocks_come_in_the_pass_that_reports_the_request_finished(open_store):
+    src = make_worker(open_store, seed=3)
+    save(src, [1, 2], [h(1), h(2)])                          # h(3) was never stored
+    dst = make_worker(open_store, store=src.store)
+    dst.start_load_kv(CWMConnectorMetadata(loads=[BlockTransfer("r1", [10, 11, 12, 13],
+                                                                [h(1), h(2), h(3), h(4)])]))
+    assert dst.loader.wait(timeout=30)
+    assert dst.take_load_errors() == set()                   # not before the request is done
+    assert dst.get_finished() == {"r1"}
+    assert dst.take_load_errors() == {12, 13}                # vLLM asks right after
+    assert dst.take_worker_meta().failed == {h(3), h(4)}
+    assert dst.stats.snapshot()["async_loads|outcome=failed"] == 1
+    # vLLM recomputes blocks 12 and 13 in a later step: nothing spoils that step's saves
+    dst.wait_for_save(CWMConnectorMetadata(saves=[BlockTransfer("r1", [12], [h(3)],
+                                                                num_tokens=48)]))
+    dst.store.flush()
+    assert dst.store.contains_many([dst.ns.key(h(3), 0)]) == [True]
+
+
+def test_promised_blocks_stay_in_the_memory_tier_until_loaded(open_store, monkeypatch):
+    """The worker's memory tier is an LRU: saves during a load would evict the blocks it is
+    about to read. They are pinned (a lease) until the load is done, then evictable again."""
+    src = make_worker(open_store, seed=5, disk_path=None, memory_bytes=1 << 20)
+    per_block = src.block_bytes + 1024
+    dst = make_worker(open_store, seed=6, disk_path=None, memory_bytes=4 * per_block)
+    save(dst, [1, 2], [h(1), h(2)])
+    opened = gate_reads(dst.store, monkeypatch)
+    dst.start_load_kv(CWMConnectorMetadata(loads=[BlockTransfer("r1", [9, 10], [h(1), h(2)])]))
+    save(dst, [3, 4, 5, 6], [h(3), h(4), h(5), h(6)])        # would evict h(1), h(2)
+    keys = dst.ns.keys([h(1), h(2)], 0, b"")
+    assert dst.store.contains_many(keys) == [True, True]
+    opened.set()
+    assert dst.loader.wait(timeout=30)
+    assert dst.get_finished() == {"r1"} and dst.take_load_errors() == set()
+    assert torch.equal(block(dst, 9), block(dst, 1)) and torch.equal(block(dst, 10), block(dst, 2))
+    assert not any(info.pinned for k in keys for info in dst.store.key_info(k).values())
+
+
+def test_a_full_save_queue_drops_saves_instead_of_stalling_the_step(open_store, monkeypatch):
+    worker = make_worker(open_store, seed=7, queue_depth=2)
+    opened = threading.Event()
+    disk = worker.store.disk
+    real_put = disk.put
+
+    def stuck_put(*args, **kw):                 # the disk is stuck (another process's lock)
+        opened.wait(30)
+        return real_put(*args, **kw)
+    monkeypatch.setattr(disk, "put", stuck_put)
+    t0 = time.monotonic()
+    worker.wait_for_save(CWMConnectorMetadata(saves=[BlockTransfer(
+        "r1", [1, 2, 3, 4, 5], [h(i) for i in range(1, 6)], num_tokens=80)]))
+    assert time.monotonic() - t0 < STEP_BOUND_S
+    counted = worker.stats.snapshot()
+    assert counted["save_errors|reason=backpressure"] == 3
+    opened.set()
+    worker.store.flush()
+    meta = worker.take_worker_meta()
+    assert meta.failed == {h(3), h(4), h(5)}                 # the scheduler forgets them
+    assert meta.stored == {(h(1), 0), (h(2), 0)}
+
+
+def test_a_burst_larger_than_the_queue_waits_for_room_while_the_store_moves(open_store):
+    worker = make_worker(open_store, seed=8, queue_depth=2)
+    worker.save_wait_s = 30.0                    # room comes as the disk writes
+    save(worker, [1, 2, 3, 4, 5], [h(i) for i in range(1, 6)])
+    meta = worker.take_worker_meta()
+    assert meta.stored == {(h(i), 0) for i in range(1, 6)} and not meta.failed
+    assert "save_errors|reason=backpressure" not in worker.stats.snapshot()

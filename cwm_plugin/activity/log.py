@@ -23,7 +23,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -124,12 +124,15 @@ def check(entry: Entry) -> None:
             raise InvalidInput(f"activity field {name} must be a whole number >= 0")
 
 
-def _by(entry: Entry, principal: str | Collection[str] | None) -> bool:
-    """Whether ``entry`` was written by ``principal`` (a name, several, None: anyone)."""
+Who = str | Callable[[str], bool] | None  # a principal, a test of one, or anyone
+
+
+def _by(entry: Entry, principal: Who) -> bool:
+    """Whether ``entry`` was written by ``principal`` (a name, a test, None: anyone)."""
     if principal is None:
         return True
     return entry.principal == principal if isinstance(principal, str) \
-        else entry.principal in principal
+        else principal(entry.principal)
 
 
 class ActivityLog:
@@ -180,9 +183,9 @@ class ActivityLog:
         return list(reversed(list(self._newest_first())))
 
     def quick(self, *, hours: float = 24.0, limit: int = 10,
-              principal: str | Collection[str] | None = None) -> list[Entry]:
+              principal: Who = None) -> list[Entry]:
         """The last ``limit`` entries of the last ``hours`` (of ``principal`` when given: a
-        name or several), oldest first: where to pick up. Reads the file from its end only as
+        name or a test of one), oldest first: where to pick up. Reads the file from its end only as
         far as needed."""
         since = time.time() - hours * 3600
         out: list[Entry] = []
@@ -194,7 +197,7 @@ class ActivityLog:
         return out[::-1]
 
     def page(self, *, offset: int = 0, limit: int = 100,
-             principal: str | Collection[str] | None = None) -> tuple[list[Entry], int]:
+             principal: Who = None) -> tuple[list[Entry], int]:
         """Entries ``offset`` .. ``offset + limit`` (oldest first) and how many there are."""
         every = [e for e in self.entries() if _by(e, principal)]
         return every[offset:offset + limit], len(every)

@@ -2,7 +2,8 @@
 
 ``POST /v1/activity`` ``{"what", "output"?, "session"?, "project"?, "model"?,
 "used_tokens"?, "limit_tokens"?}`` appends one entry (201) whose principal is the caller's
-(the authenticated tenant, never a field of the body; a provider's model and context limit are
+(the authenticated tenant, or ``tenant/u-...`` for a request acting for a user: never a field
+of the body; a provider's model and context limit are
 the defaults of ``model`` and ``limit_tokens``); the session is the body's or
 ``X-Session-Id``, the project the body's or ``X-CWM-Project``; the context use, when the body
 gives none, is the session's last turn through this sidecar. ``GET /v1/activity?view=quick``
@@ -10,7 +11,9 @@ gives none, is the session's last turn through this sidecar. ``GET /v1/activity?
 oldest first, ``offset`` / ``limit`` (100) to page) answers entries and the chain's ``head``:
 the caller's own and, with ``activity.read: shared`` (the default), those of the principals
 whose namespace it may read (``access.py``: providers each other's; a tenant only its own
-unless a rule grants more); ``own``: its own only; ``all``: every entry.
+unless a rule grants more); ``own``: its own only; ``all``: every entry. A request acting for
+a user sees its principal's own entries and that user's, never another user's; one acting for
+no user sees its principal's and all its users' (the key's holder).
 No route rewrites or deletes an entry: ``PUT``, ``PATCH`` and ``DELETE`` on ``/v1/activity``
 (and below it) answer 405. With ``activity.log_turns`` each chat turn is appended too
 (:func:`log_turn`, in the background; a failure is counted and logged, never the turn's).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -31,10 +35,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from cwm_plugin.activity.log import MAX_NAME, MAX_TEXT, ActivityLog, Entry
 from cwm_plugin.errors import CWMError, InvalidInput
 from cwm_plugin.sidecar.api_schema import body_doc
-from cwm_plugin.sidecar.caller import model_body, principal_of
-from cwm_plugin.sidecar.identity import validate_session
+from cwm_plugin.sidecar.caller import identity_of, model_body, principal_of
+from cwm_plugin.sidecar.identity import Identity, owner_of, validate_session
 from cwm_plugin.sidecar.openai_errors import error_response
-from cwm_plugin.sidecar.settings import Settings, TenantConfig
+from cwm_plugin.sidecar.settings import Settings
 
 log = logging.getLogger(__name__)
 PROJECT_HEADER = "x-cwm-project"
@@ -99,7 +103,7 @@ async def log_turn(sc: Any, entry: Entry) -> None:
     try:
         await asyncio.to_thread(sc.activity.append, entry)
     except Exception as exc:
-        sc.failopen.failed(entry.principal, "activity", exc)
+        sc.failopen.failed(entry.principal.partition("/")[0], "activity", exc)
 
 
 def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
@@ -109,18 +113,28 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
 
     perms = sidecar.auth.perms
 
-    def caller(request: Request, op: str) -> TenantConfig:
-        """The caller's principal, allowed ``op`` on the ``activity`` namespace."""
-        who = principal_of(request)
-        perms.require(who.name, perms.namespace("activity"), op)
-        return who
+    def caller(request: Request, op: str) -> Identity:
+        """The caller, its principal allowed ``op`` on the ``activity`` namespace."""
+        ident = identity_of(request)
+        perms.require(ident.tenant, perms.namespace("activity"), op)
+        return ident
 
-    def readable(principal: str) -> set[str] | None:
-        """Whose entries ``principal`` reads (None: everyone's)."""
+    def readable(ident: Identity) -> Callable[[str], bool] | None:
+        """Whose entries the caller reads (None: everyone's; see the module docstring)."""
         read = settings.activity.read if settings.activity else "shared"
         if read == "all":
             return None
-        return {principal} if read == "own" else set(perms.readable_principals(principal))
+        mine = owner_of(ident)
+        others = set() if read == "own" else \
+            set(perms.readable_principals(ident.tenant)) - {ident.tenant}
+
+        def sees(principal: str) -> bool:
+            tenant, _, user = principal.partition("/")
+            if tenant == ident.tenant:
+                return principal == mine or not user or ident.user is None
+            return not user and tenant in others
+
+        return sees
 
     def need() -> ActivityLog:
         if activity is None:
@@ -131,15 +145,16 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
 
     @router.post("/activity", status_code=201, openapi_extra=body_doc(ActivityBody))
     async def append(request: Request) -> dict[str, Any]:
-        who = caller(request, "append")
+        ident = caller(request, "append")
+        who = principal_of(request)
         body = await model_body(request, ActivityBody)
-        tenant, act = who.name, need()
+        tenant, act = owner_of(ident), need()
         session = body.session or request.headers.get("x-session-id") or None
         if session is not None:
             session = validate_session(session)
         used, limit = body.used_tokens, body.limit_tokens
         if used is None and limit is None and session is not None:
-            state = sidecar.tracker.peek(tenant, session)
+            state = sidecar.tracker.peek(ident.folder, session)
             if state is not None and state.last_prompt_tokens:
                 used, limit = state.last_prompt_tokens, state.last_limit
         if used is not None and limit is None:  # a provider's own context limit
@@ -154,9 +169,8 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
     @router.get("/activity")
     async def read(request: Request, view: str = "quick", hours: float = 24.0,
                    limit: int | None = None, offset: int = 0) -> dict[str, Any]:
-        tenant = caller(request, "read").name
         act = need()
-        own = readable(tenant)
+        own = readable(caller(request, "read"))
         if view not in ("quick", "full") or offset < 0 or hours <= 0 \
                 or not 0 < (limit or 1) <= 1000:
             raise InvalidInput("bad activity parameters",

@@ -22,6 +22,7 @@ from starlette.background import BackgroundTask
 
 from cwm_plugin.sidecar.body import require_model
 from cwm_plugin.sidecar.caller import identity_of, json_body
+from cwm_plugin.sidecar.identity import owner_of
 from cwm_plugin.sidecar.openai_errors import ModelNotFound, upstream_error_response
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.stream import Collected, ask_usage, relay_sse, relayed_usage
@@ -66,7 +67,8 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
         ep, resp = await sc.router.post(route, path, forward, headers=up)
         sc.metrics.requests.labels(*labels, str(resp.status_code)).inc()
         if resp.status_code == 200 and path in SALTED:
-            sc.usage.record(ident.tenant, model, ep.name, resp.json().get("usage"))
+            sc.usage.record(ident.tenant, model, ep.name, resp.json().get("usage"),
+                            owner=owner_of(ident))
         return _relayed(resp, route_headers(route, ep))
     client_wants_usage = True  # (the Responses API reports it in its last event anyway)
     if path == "/v1/completions":
@@ -93,7 +95,8 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     def after() -> None:  # also after a client went away: what was relayed is billed
         if not collected.usage:
             sc.metrics.streams_cut.labels(ident.tenant, model, labels[2]).inc()
-        sc.usage.record(ident.tenant, model, handle.ep.name, relayed_usage(collected, None))
+        sc.usage.record(ident.tenant, model, handle.ep.name, relayed_usage(collected, None),
+                        owner=owner_of(ident))
 
     return StreamingResponse(body_iter(), media_type="text/event-stream",
                              headers={**SSE_HEADERS, **down}, background=BackgroundTask(after))

@@ -190,7 +190,8 @@ class Turn:
         """After the response: metrics, thresholds, the turn's conversation record (``reply``:
         the answer as the client holds it), and the background work that is due."""
         sc, tenant, plan, state = self.sc, self.ident.tenant, self.plan, self.state
-        sc.usage.record(tenant, self.model, self.ep.name if self.ep else "", usage)
+        sc.usage.record(tenant, self.model, self.ep.name if self.ep else "", usage,
+                        owner=owner_of(self.ident))
         if self.number is not None:
             save_turn(sc, self.salt, state, self.number, self.model, self.messages, reply)
         if sc.memory is not None:
@@ -208,7 +209,7 @@ class Turn:
         if sc.activity is not None and sc.settings.activity and sc.settings.activity.log_turns:
             asked = [P.text_of(m) for m in new_inputs(self.messages) if m["role"] == "user"]
             sc.background.spawn(log_turn(sc, turn_entry(
-                sc.settings, principal=tenant, session=self.ident.session,
+                sc.settings, principal=owner_of(self.ident), session=self.ident.session,
                 project=self.project, model=self.model, question=asked[-1] if asked else "",
                 answer=answer, used=prompt_tokens, limit=self.max_len)),
                 name=f"activity-{tenant}")

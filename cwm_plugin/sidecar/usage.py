@@ -8,7 +8,10 @@ and the sidecar's own work for a tenant (``kind: background``: summaries, facts;
 tokens x ``input_per_1m`` + cached ones x ``cached_input_per_1m`` (else the input price) +
 completion tokens x ``output_per_1m``, per million. ``GET /v1/usage`` answers the calling
 tenant's own rows only (per model, upstream and kind, since the app started; the Prometheus
-counters are what outlives a restart), ``?model=`` narrows it. Each answer's tokens are also
+counters, per tenant, are what outlives a restart), ``?model=`` narrows it: a request acting
+for a user gets that user's rows (a client answer is kept under ``tenant/u-...``), one acting
+for no user its tenant's with all its users'. At most ``MAX_ROWS`` rows are kept per app; past
+that a user's answer is added to its tenant's row (nothing grows without bound). Each answer's tokens are also
 spent from the principal's token quota (``spend``: ``ratelimit.py``).
 """
 
@@ -20,13 +23,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
-from cwm_plugin.sidecar.caller import Principal
+from cwm_plugin.sidecar.caller import identity_of
+from cwm_plugin.sidecar.identity import owner_of
 from cwm_plugin.sidecar.metrics import SidecarMetrics, tokens_of
 from cwm_plugin.sidecar.settings import PricingSettings
 
 CLIENT, BACKGROUND = "client", "background"
+MAX_ROWS = 100_000
 
 
 @dataclass
@@ -57,15 +62,19 @@ class UsageLedger:
                 + completion * p.output_per_1m) / 1e6
 
     def record(self, principal: str, model: str, upstream: str, usage: dict[str, Any] | None,
-               kind: str = CLIENT, work: str = "background") -> None:
+               kind: str = CLIENT, work: str = "background", owner: str | None = None) -> None:
         """Count one answer's ``usage`` (nothing when it reported none); ``work`` names the
-        sidecar's own work (summary, facts) for ``kind: background``."""
+        sidecar's own work (summary, facts) for ``kind: background``; ``owner``: the user's
+        ``tenant/u-...`` when the request acted for one."""
         if not isinstance(usage, dict) or not usage:
             return
         prompt, completion, cached = tokens_of(usage)
         cost = self.cost(model, prompt, completion, cached)
         with self._lock:
-            t = self._rows.setdefault((principal, model, upstream, kind), Tally())
+            key = (owner or principal, model, upstream, kind)
+            if key not in self._rows and len(self._rows) >= MAX_ROWS:
+                key = (principal, model, upstream, kind)
+            t = self._rows.setdefault(key, Tally())
             t.requests += 1
             t.prompt_tokens += prompt
             t.completion_tokens += completion
@@ -79,12 +88,17 @@ class UsageLedger:
         if self.spend is not None:
             self.spend(principal, prompt + completion)
 
-    def report(self, principal: str, model: str | None = None) -> dict[str, Any]:
-        """``principal``'s rows and their total (the body of ``GET /v1/usage``)."""
+    def report(self, principal: str, model: str | None = None,
+               owner: str | None = None) -> dict[str, Any]:
+        """The rows of ``owner`` (a user's ``tenant/u-...``), else of ``principal`` and its
+        users, and their total (the body of ``GET /v1/usage``)."""
+        def mine(p: str) -> bool:
+            return p == owner if owner else p == principal or p.startswith(principal + "/")
+
         with self._lock:
             rows = [({"model": m, "upstream": u, "kind": k}, asdict(t))
                     for (p, m, u, k), t in sorted(self._rows.items())
-                    if p == principal and (model is None or m == model)]
+                    if mine(p) and (model is None or m == model)]
         total = Tally()
         for _, t in rows:
             for name, value in t.items():
@@ -100,7 +114,9 @@ def usage_router(sidecar: Any) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
     @router.get("/usage")
-    async def usage(who: Principal, model: str | None = None) -> dict[str, Any]:
-        return sidecar.usage.report(who.name, model)
+    async def usage(request: Request, model: str | None = None) -> dict[str, Any]:
+        ident = identity_of(request)
+        return sidecar.usage.report(ident.tenant, model,
+                                    owner_of(ident) if ident.user is not None else None)
 
     return router

@@ -131,7 +131,7 @@ def test_every_principal_namespace_and_operation(srv, principal, ns, op):
 
 
 def test_a_providers_model_and_context_limit_fill_its_activity_entries(srv):
-    r = httpx.post(f"{srv.url}/v1/activity", headers=auth("llama"), timeout=30,
+    r = httpx.post(f"{srv.url}/v1/activity", headers=auth("llama", None), timeout=30,
                    json={"what": "refactored the parser", "used_tokens": 2048})
     assert r.status_code == 201, r.text
     e = r.json()

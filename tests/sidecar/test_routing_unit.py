@@ -352,4 +352,4 @@ def test_the_documented_routing_examples_are_valid():
 
     s = Settings.model_validate({**block("upstreams"), **block("activity")})
     assert [u.name for u in s.endpoints()] == ["a", "b", "coder", "big", "cheap"]
-    assert s.endpoints()[2].context_limit == 32768 and s.activity.read == "all"
+    assert s.endpoints()[2].context_limit == 32768 and s.activity.read == "shared"

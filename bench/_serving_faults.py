@@ -26,6 +26,7 @@ On servers of their own:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -104,7 +105,58 @@ def restart_redis(holder: RedisHolder, down_s: float) -> Action:
     return lambda done: holder.restart(down_s)
 
 
-def black_hole(proxy: Any, seconds: float) -> Action:
+class ProxyProcess:
+    """``cwm_plugin.testing.tcp_proxy`` in a process of its own in front of the bench's Redis
+    (in the bench's process its threads would share the GIL with the client it measures),
+    driven over its stdin; the Redis can restart behind it on the same port."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> ProxyProcess:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "cwm_plugin.testing.tcp_proxy", "--target",
+             f"127.0.0.1:{self.target_port}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, bufsize=1)
+        self.port = int(self._proc.stdout.readline())
+        return self
+
+    def command(self, cmd: str) -> None:
+        assert self._proc is not None
+        self._proc.stdin.write(cmd + "\n")
+        self._proc.stdin.flush()
+        if (reply := self._proc.stdout.readline().strip()) != "ok":
+            raise RuntimeError(f"tcp proxy: {cmd}: {reply!r}")
+
+    def black_hole(self, on: bool) -> None:
+        self.command("blackhole" if on else "resume")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.write("quit\n")
+                self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    def __enter__(self) -> ProxyProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def black_hole(proxy: ProxyProcess, seconds: float) -> Action:
     def act(done: threading.Event) -> None:
         proxy.black_hole(True)
         try:

@@ -300,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                   questions)
     log.info("sizes: %s", sizes.as_dict())
     redis = faults.RedisHolder(RedisServer().start())
-    from _serving_proxy import TcpProxy  # until cwm_plugin/testing/tcp_proxy.py lands
-    proxy = TcpProxy(redis.port).start()
+    proxy = faults.ProxyProcess(redis.port).start()
     try:
         for name in tqdm(args.configs, desc="configs", unit="config"):
             bench.guard(name, bench.config, name, redis, proxy)

@@ -1,7 +1,7 @@
 """bench/serving.py's pieces without vLLM: the workload generator on fake text and a fake
 tokenizer, the runner against a fake streaming OpenAI client (schedule, token times, failures,
 history), the statistics, the sweep's measure, the goals and tables, the sizing and the TCP
-proxy's black hole. Structure only: nothing here asserts a speed."""
+proxy process's black hole. Structure only: nothing here asserts a speed."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 def mods(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     return SimpleNamespace(**{n: importlib.import_module(f"_serving_{n}")
-                              for n in ("workload", "report", "configs", "proxy", "faults")})
+                              for n in ("workload", "report", "configs", "faults")})
 
 
 class WordTokenizer:
@@ -157,7 +157,7 @@ def test_sizes_follow_the_model_config_and_the_shipped_redis_config(mods, tmp_pa
     assert json.loads(args[1])["kv_connector_extra_config"]["store"]["disk_path"]
 
 
-def test_the_proxy_relays_and_holds_everything_while_black_holed(mods):
+def test_the_proxy_process_relays_and_holds_everything_while_black_holed(mods):
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
 
@@ -167,7 +167,7 @@ def test_the_proxy_relays_and_holds_everything_while_black_holed(mods):
             while data := conn.recv(1024):
                 conn.sendall(data)
     threading.Thread(target=echo, daemon=True).start()
-    with mods.proxy.TcpProxy(port) as proxy, \
+    with mods.faults.ProxyProcess(port) as proxy, \
             socket.create_connection(("127.0.0.1", proxy.port), timeout=2) as c:
         c.sendall(b"ping")
         assert c.recv(16) == b"ping"

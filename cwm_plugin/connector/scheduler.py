@@ -56,6 +56,7 @@ from cwm_plugin.connector.stats import StatsCollector
 from cwm_plugin.store.tiered import KVStore
 
 log = logging.getLogger(__name__)
+SHUTDOWN_FLUSH_S = 30          # the longest a shutdown waits for context records being written
 
 
 @dataclass
@@ -387,6 +388,8 @@ class SchedulerSide:
         return True
 
     def shutdown(self) -> None:
+        """Stop the lookups and leases (a stuck store is not waited for: leases expire), then
+        write the pending records, for ``SHUTDOWN_FLUSH_S`` at most."""
         self.lookups.shutdown()
         self.leases.shutdown()
-        self.store.close()
+        self.store.close(timeout=SHUTDOWN_FLUSH_S)

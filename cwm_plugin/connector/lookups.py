@@ -135,7 +135,11 @@ class Lookups:
             prelude, self._prelude = self._prelude, None
         if prelude is not None:
             prelude()
-        return self.where(hashes, extra)
+        t0 = time.perf_counter()
+        try:
+            return self.where(hashes, extra)
+        finally:
+            self.stats.add("lookup_store_seconds", time.perf_counter() - t0)
 
     def _result(self, fut: cf.Future) -> Found:
         try:

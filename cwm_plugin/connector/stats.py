@@ -27,6 +27,8 @@ CONNECTOR_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lookup_tokens": ("Tokens asked for in lookups (beyond the locally cached ones)", ()),
     "lookup_seconds": ("Seconds vLLM's scheduling step spent on the connector's lookups (the "
                        "store is asked in the background; this is the step's share)", ()),
+    "lookup_store_seconds": ("Seconds the background lookups spent asking the store (off the "
+                             "step)", ()),
     "lookups_deferred": ("Lookups still running in the background when vLLM asked: the request "
                          "waited a step (answer None) while the others went on", ()),
     "lookup_timeouts": ("Lookups not done by lookup_deadline_ms: the blocks not known were "

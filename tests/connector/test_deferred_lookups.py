@@ -120,6 +120,7 @@ def test_a_stuck_store_defers_the_request_not_the_step(hash_fn, ns, store, monke
     counted = side.stats.snapshot()
     assert counted["lookups_deferred"] >= 2 and "lookup_timeouts" not in counted
     assert counted["lookup_seconds"] < 3 * STEP_BOUND_S     # the steps' share only
+    assert counted["lookup_store_seconds"] > 0               # the store's time, off the step
 
 
 def test_a_fast_store_answers_in_the_same_step(hash_fn, ns, store):

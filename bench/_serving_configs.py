@@ -38,7 +38,14 @@ HIT_METRICS = {"external_hit_tokens": "vllm:external_prefix_cache_hits",
                "external_query_tokens": "vllm:external_prefix_cache_queries",
                "prefix_hit_tokens": "vllm:prefix_cache_hits",
                "prefix_query_tokens": "vllm:prefix_cache_queries",
-               "preemptions": "vllm:num_preemptions"}
+               "preemptions": "vllm:num_preemptions",
+               # ours (0 elsewhere): why a restore did or did not happen
+               "loaded_blocks": "cwm:connector_loaded_blocks",
+               "lookups_deferred": "cwm:connector_lookups_deferred",
+               "lookup_timeouts": "cwm:connector_lookup_timeouts",
+               "load_errors": "cwm:connector_load_errors",
+               "load_failures_recomputed": "cwm:connector_load_failures_recomputed",
+               "save_errors": "cwm:connector_save_errors"}
 
 
 def default_dtype() -> str:

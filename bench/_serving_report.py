@@ -56,6 +56,14 @@ def summarize(reqs: Sequence[Request]) -> dict[str, Any]:
             "errors": errors(reqs)}
 
 
+def timeline(reqs: Sequence[Request]) -> list[list[Any]]:
+    """Every request as [user, round, sent (s from the first), TTFT, tokens, error]."""
+    t0 = min((r.sent for r in reqs), default=0.0)
+    return [[r.user, r.round, round(r.sent - t0, 3),
+             None if r.ttft is None else round(r.ttft, 4), len(r.token_times), r.error]
+            for r in reqs]
+
+
 def errors(reqs: Sequence[Request], keep: int = 3) -> dict[str, int]:
     """How many requests failed with each message (the first ``keep`` kinds, shortened)."""
     out: dict[str, int] = {}

@@ -29,7 +29,7 @@ output tokens a second, vLLM's external and own prefix-cache hit tokens, failed 
 
 A table with ratios against ``vllm`` and ``lmcache`` of this run and the issue's goals are
 printed; the JSON (``--json``) names the machine, the load average and the commit with the
-files that differed from it. ``--quick``: 4 users, 3 rounds, 400-token contexts, 2 sweep
+files that differed from it. ``--quick``: 4 users, 3 rounds, 600-token contexts, 2 sweep
 points on 2 configs; every part still runs (about ten vLLM starts: ~10 minutes on 2 cores).
 Exit status 1 if a part failed to run (the goals are reported, not enforced).
 """
@@ -70,10 +70,10 @@ from cwm_plugin.testing.prompts import conversation_lines
 from cwm_plugin.testing.redis_server import RedisServer
 
 log = logging.getLogger("bench.serving")
-FULL = {"users": 8, "rounds": 4, "answer_tokens": 16, "context_tokens": 1200, "qps": 0.5,
-        "sweep_users": [4, 12], "sweep_configs": ["vllm", "lmcache", "cwm_cpu"],
+FULL = {"users": 8, "rounds": 6, "answer_tokens": 16, "context_tokens": 1200, "qps": 0.6,
+        "sweep_users": [4, 16], "sweep_configs": ["vllm", "lmcache", "cwm_cpu"],
         "fault_rounds": 2, "greedy_sessions": 3}
-QUICK = {"users": 4, "rounds": 3, "answer_tokens": 16, "context_tokens": 400, "qps": 1.0,
+QUICK = {"users": 4, "rounds": 3, "answer_tokens": 16, "context_tokens": 600, "qps": 0.6,
          "sweep_users": [2, 6], "sweep_configs": ["vllm", "cwm_cpu"], "fault_rounds": 2,
          "greedy_sessions": 2}
 PARTS = ("sweep", "fits", "greedy", "faults", "tiny_budgets", "sidecar", "cluster")
@@ -155,7 +155,7 @@ class Bench(faults.FaultRounds):
         reqs = self.play(url or server.base_url, sessions, rounds, phase, **kw)
         offered = (kw.get("spec") or self.spec).qps
         return {**report.summarize(reqs), "offered_requests_per_s": offered,
-                **grew(before, hit_counters(server))}
+                **grew(before, hit_counters(server)), "timeline": report.timeline(reqs)}
 
     def floor(self, server: Any) -> None:
         """One user alone, rounds 1.. served from vLLM's own prefix cache: the TTFT floor."""
@@ -177,7 +177,8 @@ class Bench(faults.FaultRounds):
             for k in range(self.args.repeat):
                 main = self.sessions(f"main{k}")
                 runs.append(self.phase(server, main, self.spec.rounds, f"{name}-main{k}"))
-            self.out["configs"][name] = {**report.median_of(runs), "repeats": runs}
+            self.out["configs"][name] = {**report.median_of(runs),
+                                         **({"repeats": runs} if len(runs) > 1 else {})}
             if "sweep" in self.args.parts and name in self.args.sweep_configs:
                 self.sweep_points(name, server)
             if name == "cwm_cpu" and "greedy" in self.args.parts:

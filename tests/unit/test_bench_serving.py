@@ -103,6 +103,8 @@ def test_the_runner_streams_every_round_and_records_tokens_failures_and_history(
     assert set(mods.report.KEYS) <= set(s) and s["failed_requests"] == 2
     assert s["requests"] == 6 and s["requests_per_s"] > 0 and s["ttft_p50_s"] > 0
     assert s["errors"] == {"ConnectionError: upstream gone": 2}
+    line = mods.report.timeline(reqs)
+    assert len(line) == 6 and line[0][2] == 0.0 and {x[4] for x in line} == {0, 4}
     med = mods.report.median_of([s, s])
     assert med["failed_requests"] == 4 and med["ttft_p95_s"] == s["ttft_p95_s"]
 

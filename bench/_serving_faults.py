@@ -318,7 +318,7 @@ class FaultRounds:
             undo()
 
     def sidecar(self, redis: RedisHolder) -> None:
-        from cwm_plugin.sidecar.identity import hash_key
+        from cwm_plugin.sidecar.identity.authenticator import hash_key
         from cwm_plugin.testing.sidecar_process import SidecarProcess
 
         work = self.servers.work

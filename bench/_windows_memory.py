@@ -29,7 +29,7 @@ from ttft import HITS
 
 from cwm_plugin.connector import records
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.identity import Identity, hash_key
+from cwm_plugin.sidecar.identity.authenticator import Identity, hash_key
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.store.config import StoreConfig

@@ -11,7 +11,7 @@ session's date as the timestamp. Other files (README, ...) are skipped.
 Replay simulates the sidecar: before each turn is recorded, it is sent the way the sidecar
 sends it (the client's messages are the session so far plus the new one; the selection budget
 is the sidecar's memory budget *plus* the recent messages it keeps verbatim, from
-``cwm_plugin.sidecar.budget``; the prompt is assembled by ``cwm_plugin.sidecar.prompt`` as
+``cwm_plugin.sidecar.turn.budget``; the prompt is assembled by ``cwm_plugin.sidecar.turn.prompt`` as
 in the token-saving mode, ``history: recent``);
 ``token_ratio`` = tokens of those messages / tokens of the whole conversation so far plus the
 new message (full-history replay), summed over all turns.
@@ -56,9 +56,9 @@ from cwm_plugin.memory.files import utc_iso
 from cwm_plugin.memory.models import MemoryConfig, Turn
 from cwm_plugin.memory.service import MemoryService
 from cwm_plugin.memory.tokens import make_counter
-from cwm_plugin.sidecar import prompt as P
-from cwm_plugin.sidecar.budget import DEFAULT_ANSWER_TOKENS, memory_budget, recent_tail
 from cwm_plugin.sidecar.settings import MemorySettings
+from cwm_plugin.sidecar.turn import prompt as P
+from cwm_plugin.sidecar.turn.budget import DEFAULT_ANSWER_TOKENS, memory_budget, recent_tail
 from cwm_plugin.testing import locomo
 
 MODES = ("bm25", "vector", "hybrid")

@@ -58,7 +58,7 @@ from _common import machine, percentile, table, write_json
 from _sidecar_client import KEY, SYSTEM, post, prefix_runs
 
 from cwm_plugin.memory.importer import Conversation, import_sessions
-from cwm_plugin.sidecar.identity import hash_key
+from cwm_plugin.sidecar.identity.authenticator import hash_key
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing import locomo
 from cwm_plugin.testing.fake_upstream import FakeUpstream
@@ -103,8 +103,8 @@ def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
     from cwm_plugin.memory.durable import replace_durable
     from cwm_plugin.memory.files import encode_turn, utc_iso
     from cwm_plugin.memory.models import Turn
-    from cwm_plugin.sidecar.memory_factory import make_service
     from cwm_plugin.sidecar.settings import MemorySettings
+    from cwm_plugin.sidecar.turn.memory_factory import make_service
 
     before = {**cfg_mem, "root": str(root), "vector_context_mode": "pair",  # as before: lines
               "embedder": {**cfg_mem["embedder"], "threads": None, "dtype": dtype}}  # pairs
@@ -144,8 +144,8 @@ def import_memory(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
                   whole: Conversation) -> dict:
     """``cwm memory import``'s path until the tenant holds ``chunks`` chunks (plus ``whole``,
     one session with a whole LoCoMo conversation, for the token-saving measurement)."""
-    from cwm_plugin.sidecar.memory_factory import make_service
     from cwm_plugin.sidecar.settings import MemorySettings
+    from cwm_plugin.sidecar.turn.memory_factory import make_service
 
     service = make_service(MemorySettings.model_validate(cfg_mem))
     done = tokens = 0

@@ -26,8 +26,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """``make_service`` keywords: the config file's memory section, then the flags."""
     kw: dict[str, Any] = {"tokenizer": "tiktoken:cl100k_base", "embedder": "local"}
     if args.config:
-        from cwm_plugin.sidecar.memory_factory import service_kwargs
         from cwm_plugin.sidecar.settings import load_settings
+        from cwm_plugin.sidecar.turn.memory_factory import service_kwargs
 
         kw = service_kwargs(load_settings(args.config).memory)
     if args.root is not None:

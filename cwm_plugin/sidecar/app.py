@@ -3,15 +3,15 @@
 Routes: ``POST /v1/chat/completions`` (memory, salt, streaming), ``POST /v1/completions`` and
 ``/v1/responses`` (salt only), ``POST /v1/embeddings``, ``/tokenize``, ``/detokenize``,
 ``GET /v1/models``, ``/v1/models/{id}`` (relayed), ``GET /health``, ``GET /metrics``,
-``GET /openapi.json`` (:mod:`~cwm_plugin.sidecar.api_schema`),
-``GET /v1/usage`` (:mod:`~cwm_plugin.sidecar.usage`), ``POST|GET /v1/activity``
-(:mod:`~cwm_plugin.sidecar.activity_api`), ``/v1/memory/...``
-(:mod:`~cwm_plugin.sidecar.memory_api`) and the context windows' routes
-(:mod:`~cwm_plugin.sidecar.windows_api`). Requests go to one of several upstreams
-(:mod:`~cwm_plugin.sidecar.router`: routing, health checks, failover). Who may do what:
-:mod:`~cwm_plugin.sidecar.access`. Every route authenticates through one dependency before
-it reads a byte of its body, which is bounded (:mod:`~cwm_plugin.sidecar.caller`); per-tenant
-rates and token quotas: :mod:`~cwm_plugin.sidecar.ratelimit`. Every error leaves as an
+``GET /openapi.json`` (:mod:`~cwm_plugin.sidecar.api.schema`),
+``GET /v1/usage`` (:mod:`~cwm_plugin.sidecar.api.usage`), ``POST|GET /v1/activity``
+(:mod:`~cwm_plugin.sidecar.api.activity`), ``/v1/memory/...``
+(:mod:`~cwm_plugin.sidecar.api.memory`) and the context windows' routes
+(:mod:`~cwm_plugin.sidecar.api.windows`). Requests go to one of several upstreams
+(:mod:`~cwm_plugin.sidecar.upstream.router`: routing, health checks, failover). Who may do what:
+:mod:`~cwm_plugin.sidecar.identity.access`. Every route authenticates through one dependency before
+it reads a byte of its body, which is bounded (:mod:`~cwm_plugin.sidecar.identity.caller`); per-tenant
+rates and token quotas: :mod:`~cwm_plugin.sidecar.identity.ratelimit`. Every error leaves as an
 OpenAI-shaped body.
 ``app.state.sidecar`` holds the app's runtime; assign ``app.state.sidecar.snapshot_hook`` to
 take a KV snapshot at auto-checkpoints.
@@ -33,10 +33,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from cwm_plugin.errors import CWMError
-from cwm_plugin.sidecar.activity_api import activity_router, open_activity
-from cwm_plugin.sidecar.api_schema import ERRORS, RELAYED, ChatBody, body_doc, openapi
-from cwm_plugin.sidecar.background import Maintainer
-from cwm_plugin.sidecar.caller import (
+from cwm_plugin.sidecar.api.activity import activity_router, open_activity
+from cwm_plugin.sidecar.api.errors import error_response, from_cwm_error
+from cwm_plugin.sidecar.api.memory import memory_router
+from cwm_plugin.sidecar.api.relay import model_entry, relay_get, relay_post
+from cwm_plugin.sidecar.api.schema import ERRORS, RELAYED, ChatBody, body_doc, openapi
+from cwm_plugin.sidecar.api.usage import usage_router
+from cwm_plugin.sidecar.api.windows import CheckpointThresholds, windows_router
+from cwm_plugin.sidecar.background.maintainer import Maintainer
+from cwm_plugin.sidecar.background.queue import Background
+from cwm_plugin.sidecar.identity.authenticator import Authenticator
+from cwm_plugin.sidecar.identity.caller import (
     AUTHENTICATED,
     Anyone,
     authenticate,
@@ -44,25 +51,19 @@ from cwm_plugin.sidecar.caller import (
     check_routes,
     principal_of,
 )
-from cwm_plugin.sidecar.context import SnapshotHook
-from cwm_plugin.sidecar.counting import ModelCounters
-from cwm_plugin.sidecar.failopen import FailOpen
-from cwm_plugin.sidecar.identity import Authenticator
-from cwm_plugin.sidecar.memory_api import memory_router
-from cwm_plugin.sidecar.memory_port import MemoryPort, build_memory
+from cwm_plugin.sidecar.identity.ratelimit import TenantLimits
+from cwm_plugin.sidecar.identity.salt_move import SaltMover
+from cwm_plugin.sidecar.identity.secret_versions import folder_locator
 from cwm_plugin.sidecar.metrics import SidecarMetrics
-from cwm_plugin.sidecar.openai_errors import error_response, from_cwm_error
-from cwm_plugin.sidecar.passthrough import model_entry, relay_get, relay_post
-from cwm_plugin.sidecar.ratelimit import TenantLimits
-from cwm_plugin.sidecar.router import Router
 from cwm_plugin.sidecar.runtime import Sidecar
-from cwm_plugin.sidecar.salt_move import SaltMover
-from cwm_plugin.sidecar.secret_versions import folder_locator
 from cwm_plugin.sidecar.settings import Settings
-from cwm_plugin.sidecar.turn import handle_chat
-from cwm_plugin.sidecar.usage import UsageLedger, usage_router
-from cwm_plugin.sidecar.windows_api import CheckpointThresholds, windows_router
-from cwm_plugin.sidecar.workqueue import Background
+from cwm_plugin.sidecar.turn.chat import handle_chat
+from cwm_plugin.sidecar.turn.counting import ModelCounters
+from cwm_plugin.sidecar.turn.failopen import FailOpen
+from cwm_plugin.sidecar.turn.memory_port import MemoryPort, build_memory
+from cwm_plugin.sidecar.turn.session import SnapshotHook
+from cwm_plugin.sidecar.upstream.router import Router
+from cwm_plugin.sidecar.usage import UsageLedger
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
 
@@ -107,7 +108,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     ``snapshot_hook(tenant, session, cache_salt, name)`` (sync or async) is called at each
     automatic checkpoint to take a named snapshot of the session's KV (default: no-op)."""
     metrics = SidecarMetrics()
-    secrets = settings.server_secrets()  # newest first (secret_versions.py)
+    secrets = settings.server_secrets()  # newest first (identity/secret_versions.py)
     if memory is None and settings.memory_enabled:
         memory = build_memory(settings.memory, metrics.registry)
     router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)

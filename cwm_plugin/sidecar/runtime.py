@@ -5,19 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cwm_plugin.activity.log import ActivityLog
-from cwm_plugin.sidecar.background import Maintainer
-from cwm_plugin.sidecar.context import ContextTracker, SnapshotHook, noop_snapshot
-from cwm_plugin.sidecar.counting import ModelCounters
-from cwm_plugin.sidecar.failopen import FailOpen
-from cwm_plugin.sidecar.identity import Authenticator
-from cwm_plugin.sidecar.memory_port import MemoryPort
+from cwm_plugin.sidecar.background.maintainer import Maintainer
+from cwm_plugin.sidecar.background.queue import Background
+from cwm_plugin.sidecar.identity.authenticator import Authenticator
+from cwm_plugin.sidecar.identity.ratelimit import TenantLimits
+from cwm_plugin.sidecar.identity.salt_move import SaltMover
 from cwm_plugin.sidecar.metrics import SidecarMetrics
-from cwm_plugin.sidecar.ratelimit import TenantLimits
-from cwm_plugin.sidecar.router import Router
-from cwm_plugin.sidecar.salt_move import SaltMover
 from cwm_plugin.sidecar.settings import Settings
+from cwm_plugin.sidecar.turn.counting import ModelCounters
+from cwm_plugin.sidecar.turn.failopen import FailOpen
+from cwm_plugin.sidecar.turn.memory_port import MemoryPort
+from cwm_plugin.sidecar.turn.session import ContextTracker, SnapshotHook, noop_snapshot
+from cwm_plugin.sidecar.upstream.router import Router
 from cwm_plugin.sidecar.usage import UsageLedger
-from cwm_plugin.sidecar.workqueue import Background
 from cwm_plugin.windows.engine import WindowEngine
 
 
@@ -38,4 +38,4 @@ class Sidecar:
     background: Background = field(default_factory=Background)
     snapshot_hook: SnapshotHook = noop_snapshot
     salt_mover: SaltMover | None = None  # with a windows store and older secret versions
-    windows: WindowEngine | None = None  # with a windows store (turn_records.py)
+    windows: WindowEngine | None = None  # with a windows store (turn/records.py)

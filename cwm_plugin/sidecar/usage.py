@@ -12,7 +12,7 @@ counters, per tenant, are what outlives a restart), ``?model=`` narrows it: a re
 for a user gets that user's rows (a client answer is kept under ``tenant/u-...``), one acting
 for no user its tenant's with all its users'. At most ``MAX_ROWS`` rows are kept per app; past
 that a user's answer is added to its tenant's row (nothing grows without bound). Each answer's tokens are also
-spent from the principal's token quota (``spend``: ``ratelimit.py``).
+spent from the principal's token quota (``spend``: ``identity/ratelimit.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fastapi import APIRouter, Request
-
-from cwm_plugin.sidecar.caller import identity_of
-from cwm_plugin.sidecar.identity import owner_of
 from cwm_plugin.sidecar.metrics import SidecarMetrics, tokens_of
 from cwm_plugin.sidecar.settings import PricingSettings
 
@@ -107,16 +103,3 @@ class UsageLedger:
                 "currency": self.pricing.currency,
                 "data": [{**key, **t, "cost": round(t["cost"], 9)} for key, t in rows],
                 "total": {**asdict(total), "cost": round(total.cost, 9)}}
-
-
-def usage_router(sidecar: Any) -> APIRouter:
-    """``GET /v1/usage``: the calling tenant's own usage."""
-    router = APIRouter(prefix="/v1")
-
-    @router.get("/usage")
-    async def usage(request: Request, model: str | None = None) -> dict[str, Any]:
-        ident = identity_of(request)
-        return sidecar.usage.report(ident.tenant, model,
-                                    owner_of(ident) if ident.user is not None else None)
-
-    return router

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from cwm_plugin.sidecar.identity import derive_salt, hash_key
+from cwm_plugin.sidecar.identity.authenticator import derive_salt, hash_key
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import Settings
 

@@ -17,7 +17,7 @@ from sidecar_helpers import make_settings, wait_idle
 
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.identity import hash_key
+from cwm_plugin.sidecar.identity.authenticator import hash_key
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import load_settings
 from cwm_plugin.testing.fake_upstream import FakeUpstream

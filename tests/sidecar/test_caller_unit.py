@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from sidecar_helpers import ADMIN, KEYS, make_settings
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.caller import AUTHENTICATED, check_routes
+from cwm_plugin.sidecar.identity.caller import AUTHENTICATED, check_routes
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 

@@ -17,7 +17,7 @@ from sidecar_helpers import make_settings, runtime, wait_idle
 
 from cwm_plugin.activity.log import ActivityLog
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.identity import hash_key
+from cwm_plugin.sidecar.identity.authenticator import hash_key
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 
@@ -109,7 +109,12 @@ def test_concurrent_writers_stay_in_their_namespaces(srv):
     posted = [e for e in entries if e.what.startswith("wrote ")]
     turns = [e for e in entries if e.what.startswith("chat: ")]
     assert len(posted) == len(turns) == len(WRITERS) * TURNS == len(entries) // 2
-    assert all(MARK.search(e.what).group(1) == e.principal for e in entries)
+    # every entry under its writer: the principal's, or its user's inside it (tenant/u-...)
+    for e in entries:
+        principal, user = MARK.search(e.what).groups()
+        want = principal if user == "none" else \
+            f"{principal}/{sc.auth.perms.home(principal, user).folder}"
+        assert e.principal == want, (e.principal, e.what)
 
 
 def test_retrieval_after_concurrent_writes_never_leaks(srv, fake):

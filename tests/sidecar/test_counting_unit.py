@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from cwm_plugin.sidecar.counting import ModelCounters
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import MemorySettings
-from cwm_plugin.sidecar.upstream import ModelInfo
+from cwm_plugin.sidecar.turn.counting import ModelCounters
+from cwm_plugin.sidecar.upstream.client import ModelInfo
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.unit

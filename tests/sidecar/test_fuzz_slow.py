@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from sidecar_helpers import KEYS, SECRET
 
-from cwm_plugin.sidecar.identity import hash_key
+from cwm_plugin.sidecar.identity.authenticator import hash_key
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.sidecar_process import SidecarProcess

@@ -9,7 +9,12 @@ import re
 import pytest
 
 from cwm_plugin.errors import ConfigError, Forbidden, InvalidInput
-from cwm_plugin.sidecar.identity import Authenticator, Unauthorized, bearer_key, hash_key
+from cwm_plugin.sidecar.identity.authenticator import (
+    Authenticator,
+    Unauthorized,
+    bearer_key,
+    hash_key,
+)
 from cwm_plugin.sidecar.settings import Settings, TenantConfig, load_settings
 
 pytestmark = pytest.mark.unit

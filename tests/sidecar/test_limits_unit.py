@@ -10,7 +10,7 @@ import pytest
 from sidecar_helpers import ADMIN, KEYS, make_settings, metric_value, runtime, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.identity import hash_key
+from cwm_plugin.sidecar.identity.authenticator import hash_key
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 

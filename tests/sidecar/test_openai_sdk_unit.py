@@ -18,7 +18,7 @@ import pytest
 from sidecar_helpers import ADMIN, KEYS, SECRET, make_settings, metric_value, runtime, salt
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.identity import Authenticator
+from cwm_plugin.sidecar.identity.authenticator import Authenticator
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from cwm_plugin.sidecar import prompt as P
-from cwm_plugin.sidecar.stream import Collected, relay_sse
+from cwm_plugin.sidecar.turn import prompt as P
+from cwm_plugin.sidecar.upstream.stream import Collected, relay_sse
 
 pytestmark = pytest.mark.unit
 
@@ -142,8 +142,8 @@ def test_relay_puts_the_fingerprint_back_where_vllm_puts_it_without_usage():
 
 
 def test_debug_header_is_compact_ascii_and_capped():
-    from cwm_plugin.sidecar.memory_port import Selected
-    from cwm_plugin.sidecar.turn import _debug_header
+    from cwm_plugin.sidecar.turn.plan import debug_header as _debug_header
+    from cwm_plugin.sidecar.turn.memory_port import Selected
 
     sel = Selected(memory_block="x", tokens=120, reasons=["keep chunk é" * 20] * 50,
                    hits=[{"chunk_id": f"{i:012d}", "source": "session:s", "score": 0.5}
@@ -158,7 +158,7 @@ def test_debug_header_is_compact_ascii_and_capped():
 
 def test_debug_hits_carry_a_short_one_line_preview():
     from cwm_plugin.memory.models import Hit
-    from cwm_plugin.sidecar.memory_port import PREVIEW_CHARS, _hit_dict
+    from cwm_plugin.sidecar.turn.memory_port import PREVIEW_CHARS, _hit_dict
 
     hit = Hit(text="user: my hive\n  is called   Honeycomb Hall" + " x" * 200, score=0.81234,
               source="session:monday", chunk_id="c" * 64, turn_ids=["t1"])

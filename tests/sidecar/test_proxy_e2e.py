@@ -335,7 +335,7 @@ def test_cwm_serve_runs_the_sidecar_from_a_config_file(tiny_vllm, tiny_model, tm
 
     import yaml
 
-    from cwm_plugin.sidecar.identity import Authenticator, hash_key
+    from cwm_plugin.sidecar.identity.authenticator import Authenticator, hash_key
     from cwm_plugin.testing.sidecar_process import SidecarProcess
 
     config = tmp_path / "sidecar.yaml"

@@ -18,7 +18,7 @@ from sidecar_helpers import KEYS, make_settings, wait_idle
 
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.identity import Authenticator, hash_key
+from cwm_plugin.sidecar.identity.authenticator import Authenticator, hash_key
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import Settings, TenantConfig, load_settings
 from cwm_plugin.testing.fake_upstream import FakeUpstream

@@ -19,7 +19,7 @@ from sidecar_helpers import KEYS, chat, make_settings, metric_value, runtime
 from window_helpers import BS, block, converse, session_blocks
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.identity import derive_salt
+from cwm_plugin.sidecar.identity.authenticator import derive_salt
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.tiered import KVStore
@@ -135,7 +135,7 @@ def test_past_its_grace_an_old_salt_is_not_looked_up(tmp_path):
 
 def test_a_forgotten_session_is_not_moved_twice(tmp_path, monkeypatch):
     """Nothing remembered (as after a restart): the new salt's context record says it moved."""
-    from cwm_plugin.sidecar import salt_move
+    from cwm_plugin.sidecar.identity import salt_move
 
     monkeypatch.setattr(salt_move, "REMEMBER", 0)
     tokens = old_sessions(tmp_path / "kv", ["s1"])
@@ -165,7 +165,7 @@ def test_a_store_that_fails_the_move_never_fails_the_request(tmp_path, caplog, m
         def down(*_a, **_k):
             raise TierUnavailable("redis at redis://127.0.0.1:1/0 is unreachable")
         monkeypatch.setattr(runtime(srv).salt_mover.engine, "move_session", down)
-        with caplog.at_level("WARNING", logger="cwm_plugin.sidecar.salt_move"):
+        with caplog.at_level("WARNING", logger="cwm_plugin.sidecar.identity.salt_move"):
             assert chat(srv, "acme", "hello").status_code == 200
             assert chat(srv, "acme", "hello", session="s2").status_code == 200
         assert fake.last()["cache_salt"] == derive_salt(NEW.encode(), "acme", "s2")

@@ -18,9 +18,9 @@ import pytest
 from sidecar_helpers import KEYS, make_settings, metric_value, runtime, salt, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.identity import hash_key
+from cwm_plugin.sidecar.identity.authenticator import hash_key
 from cwm_plugin.sidecar.serving import ServerThread
-from cwm_plugin.sidecar.stream import CUT_MARK
+from cwm_plugin.sidecar.upstream.stream import CUT_MARK
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.unit

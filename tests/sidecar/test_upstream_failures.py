@@ -17,7 +17,7 @@ from sidecar_helpers import chat, make_settings, metric_value, runtime, sse_even
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
-from cwm_plugin.sidecar.stream import CUT_MARK
+from cwm_plugin.sidecar.upstream.stream import CUT_MARK
 
 pytestmark = pytest.mark.unit
 

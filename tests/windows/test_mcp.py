@@ -14,7 +14,7 @@ import pytest
 from window_helpers import NS, converse
 
 from cwm_plugin.connector import records
-from cwm_plugin.sidecar.identity import derive_salt
+from cwm_plugin.sidecar.identity.authenticator import derive_salt
 
 pytestmark = pytest.mark.unit
 SECRET = "ab" * 32
@@ -190,7 +190,7 @@ def test_the_context_window_managers_parameters_over_stdio_through_a_running_sid
     from prometheus_client import CollectorRegistry
 
     from cwm_plugin.sidecar.app import create_app
-    from cwm_plugin.sidecar.identity import hash_key
+    from cwm_plugin.sidecar.identity.authenticator import hash_key
     from cwm_plugin.sidecar.serving import ServerThread
     from cwm_plugin.sidecar.settings import Settings
     from cwm_plugin.store.config import StoreConfig

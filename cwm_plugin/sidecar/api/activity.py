@@ -1,0 +1,197 @@
+"""The activity log on the sidecar: ``POST /v1/activity`` appends, ``GET /v1/activity`` reads.
+
+``POST /v1/activity`` ``{"what", "output"?, "session"?, "project"?, "model"?,
+"used_tokens"?, "limit_tokens"?}`` appends one entry (201) whose principal is the caller's
+(the authenticated tenant, or ``tenant/u-...`` for a request acting for a user: never a field
+of the body; a provider's model and context limit are
+the defaults of ``model`` and ``limit_tokens``); the session is the body's or
+``X-Session-Id``, the project the body's or ``X-CWM-Project``; the context use, when the body
+gives none, is the session's last turn through this sidecar. ``GET /v1/activity?view=quick``
+(the last ``hours`` (24) hours, at most ``limit`` (10) entries) or ``view=full`` (every entry,
+oldest first, ``offset`` / ``limit`` (100) to page) answers entries and the chain's ``head``:
+the caller's own and, with ``activity.read: shared`` (the default), those of the principals
+whose namespace it may read (``identity/access.py``: providers each other's; a tenant only its own
+unless a rule grants more); ``own``: its own only; ``all``: every entry. A request acting for
+a user sees its principal's own entries and that user's, never another user's; one acting for
+no user sees its principal's and all its users' (the key's holder).
+No route rewrites or deletes an entry: ``PUT``, ``PATCH`` and ``DELETE`` on ``/v1/activity``
+(and below it) answer 405. With ``activity.log_turns`` each chat turn is appended too
+(:func:`log_turn`, in the background; a failure is counted and logged, never the turn's).
+The log is file I/O under a lock: it runs on a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from cwm_plugin.activity.log import MAX_NAME, MAX_TEXT, ActivityLog, Entry
+from cwm_plugin.errors import CWMError, InvalidInput
+from cwm_plugin.sidecar.api.errors import error_response
+from cwm_plugin.sidecar.api.schema import body_doc
+from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of, validate_session
+from cwm_plugin.sidecar.identity.caller import identity_of, model_body, principal_of
+from cwm_plugin.sidecar.settings import Settings
+
+log = logging.getLogger(__name__)
+PROJECT_HEADER = "x-cwm-project"
+PROJECT = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")
+
+
+class ActivityUnavailable(CWMError):
+    code = "activity_unavailable"
+    http_status = 503
+
+
+class ActivityBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    what: str = Field(min_length=1, max_length=MAX_TEXT)
+    output: str = Field(default="", max_length=MAX_TEXT)
+    session: str | None = Field(default=None, max_length=64)
+    project: str | None = Field(default=None, max_length=128)
+    model: str | None = Field(default=None, max_length=MAX_NAME)
+    used_tokens: int | None = Field(default=None, ge=0)
+    limit_tokens: int | None = Field(default=None, ge=1)
+
+
+def open_activity(settings: Settings) -> ActivityLog | None:
+    """The deployment's log, or None when not configured or its folder cannot be made."""
+    if settings.activity is None:
+        return None
+    try:
+        return ActivityLog(settings.activity.root)
+    except OSError as exc:
+        log.error("the activity log is off: cannot use %s: %s", settings.activity.root,
+                  exc.strerror)
+        return None
+
+
+def project_of(value: str | None) -> str | None:
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    if not PROJECT.fullmatch(value):
+        raise InvalidInput("invalid project", hint="1-128 characters, no control characters")
+    return value
+
+
+def preview(text: str, chars: int) -> str:
+    return " ".join(text.split())[:chars] if chars else ""
+
+
+def turn_entry(settings: Settings, *, principal: str, session: str | None,
+               project: str | None, model: str, question: str, answer: str,
+               used: int | None, limit: int | None) -> Entry:
+    """The entry for one chat turn: who, where, a one-line what and output, context use."""
+    chars = settings.activity.turn_preview_chars if settings.activity else 0
+    asked = preview(question, chars)
+    return Entry(principal=principal, session=session, project=project, model=model,
+                 what=f"chat: {asked}" if asked else "chat turn",
+                 output=preview(answer, chars), used_tokens=used, limit_tokens=limit)
+
+
+async def log_turn(sc: Any, entry: Entry) -> None:
+    """Append a turn's entry (in the background); a failure is counted, never raised."""
+    try:
+        await asyncio.to_thread(sc.activity.append, entry)
+    except Exception as exc:
+        sc.failopen.failed(entry.principal.partition("/")[0], "activity", exc)
+
+
+def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
+    """The routes over ``activity`` (None: 503), authenticated like every other."""
+    router = APIRouter(prefix="/v1")
+    settings: Settings = sidecar.settings
+
+    perms = sidecar.auth.perms
+
+    def caller(request: Request, op: str) -> Identity:
+        """The caller, its principal allowed ``op`` on the ``activity`` namespace."""
+        ident = identity_of(request)
+        perms.require(ident.tenant, perms.namespace("activity"), op)
+        return ident
+
+    def readable(ident: Identity) -> Callable[[str], bool] | None:
+        """Whose entries the caller reads (None: everyone's; see the module docstring)."""
+        read = settings.activity.read if settings.activity else "shared"
+        if read == "all":
+            return None
+        mine = owner_of(ident)
+        others = set() if read == "own" else \
+            set(perms.readable_principals(ident.tenant)) - {ident.tenant}
+
+        def sees(principal: str) -> bool:
+            tenant, _, user = principal.partition("/")
+            if tenant == ident.tenant:
+                return principal == mine or not user or ident.user is None
+            return not user and tenant in others
+
+        return sees
+
+    def need() -> ActivityLog:
+        if activity is None:
+            raise ActivityUnavailable("the activity log is not configured on this sidecar",
+                                      hint="add an `activity: {root: DIR}` section to the "
+                                           "sidecar config")
+        return activity
+
+    @router.post("/activity", status_code=201, openapi_extra=body_doc(ActivityBody))
+    async def append(request: Request) -> dict[str, Any]:
+        ident = caller(request, "append")
+        who = principal_of(request)
+        body = await model_body(request, ActivityBody)
+        tenant, act = owner_of(ident), need()
+        session = body.session or request.headers.get("x-session-id") or None
+        if session is not None:
+            session = validate_session(session)
+        used, limit = body.used_tokens, body.limit_tokens
+        if used is None and limit is None and session is not None:
+            state = sidecar.tracker.peek(ident.folder, session)
+            if state is not None and state.last_prompt_tokens:
+                used, limit = state.last_prompt_tokens, state.last_limit
+        if used is not None and limit is None:  # a provider's own context limit
+            limit = getattr(who, "context_limit", None)
+        entry = Entry(principal=tenant, what=body.what, output=body.output, session=session,
+                      project=project_of(body.project or request.headers.get(PROJECT_HEADER)),
+                      model=body.model or getattr(who, "model", None), used_tokens=used,
+                      limit_tokens=limit)
+        done = await asyncio.to_thread(act.append, entry)
+        return {"object": "activity.entry", **done.public()}
+
+    @router.get("/activity")
+    async def read(request: Request, view: str = "quick", hours: float = 24.0,
+                   limit: int | None = None, offset: int = 0) -> dict[str, Any]:
+        act = need()
+        own = readable(caller(request, "read"))
+        if view not in ("quick", "full") or offset < 0 or hours <= 0 \
+                or not 0 < (limit or 1) <= 1000:
+            raise InvalidInput("bad activity parameters",
+                               hint="view quick|full, hours > 0, 1 <= limit <= 1000, "
+                                    "offset >= 0")
+        if view == "quick":
+            entries = await asyncio.to_thread(act.quick, hours=hours, limit=limit or 10,
+                                              principal=own)
+            total = len(entries)
+        else:
+            entries, total = await asyncio.to_thread(act.page, offset=offset,
+                                                     limit=limit or 100, principal=own)
+        return {"object": "list", "view": view, "data": [e.public() for e in entries],
+                "total": total, "offset": offset if view == "full" else 0,
+                "head": await asyncio.to_thread(act.head)}
+
+    async def refuse(request: Request) -> JSONResponse:
+        return error_response(405, "the activity log is append-only: entries cannot be "
+                                   "changed or deleted", "append_only",
+                              headers={"Allow": "GET, POST"})
+
+    for path in ("/activity", "/activity/{rest:path}"):
+        router.add_api_route(path, refuse, methods=["PUT", "PATCH", "DELETE"])
+    return router

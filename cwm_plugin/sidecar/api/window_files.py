@@ -1,0 +1,83 @@
+"""Exporting and importing windows over HTTP (:mod:`cwm_plugin.windows.portable`).
+
+``GET /v1/windows/{name}/export`` answers the window's export file
+(``application/octet-stream``); ``POST /v1/windows/import[?name=]`` takes one as the raw body,
+at most ``windows.max_import_bytes`` (413 past it), spooled to a temporary file (not kept in
+memory), checked whole before anything is written (a damaged file or one for another model is
+a 400 and the store is unchanged). Both authenticate before reading or writing a byte, and
+need read (export) or write (import) access to the caller's home namespace; windows are the
+caller's (its tenant's, or its user's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from cwm_plugin.sidecar.api.errors import BodyTooLarge
+from cwm_plugin.sidecar.api.schema import body_doc
+from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
+from cwm_plugin.windows.model import check_name
+from cwm_plugin.windows.portable import export_window, import_window
+
+CHUNK = 1 << 20
+SPOOL = 8 << 20  # a file smaller than this stays in memory
+
+
+def windows_files_router(sidecar: Any, run: Callable[..., Any],
+                         caller: Callable[[Request, str], Identity]) -> APIRouter:
+    """The two routes; ``run(fn)`` runs ``fn(engine)`` in a thread (503 without windows),
+    ``caller(request, op)`` authenticates and checks access (windows.py)."""
+    router = APIRouter()  # included by the windows router, under its /v1
+    limit = sidecar.settings.body_limit("/v1/windows/import")
+
+    @router.get("/windows/{name}/export")
+    async def export(name: str, request: Request) -> StreamingResponse:
+        ident = caller(request, "read")
+        check_name(name)
+        spool = tempfile.SpooledTemporaryFile(max_size=SPOOL)  # noqa: SIM115 - closed below
+        try:
+            summary = await run(lambda e: export_window(e, owner_of(ident), name, spool))
+        except BaseException:
+            spool.close()
+            raise
+        spool.seek(0)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                while data := await asyncio.to_thread(spool.read, CHUNK):
+                    yield data
+            finally:
+                spool.close()
+
+        return StreamingResponse(chunks(), media_type="application/octet-stream", headers={
+            "Content-Disposition": f'attachment; filename="{name}.cwmw"',
+            "Content-Length": str(summary["bytes"])})
+
+    @router.post("/windows/import", openapi_extra=body_doc(binary=True))
+    async def import_(request: Request, name: str | None = None) -> dict[str, Any]:
+        ident = caller(request, "write")
+        if name is not None:
+            check_name(name)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(f"window file over {limit} bytes",
+                               hint="raise windows.max_import_bytes in the sidecar config")
+        with tempfile.SpooledTemporaryFile(max_size=SPOOL) as spool:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"window file over {limit} bytes",
+                                       hint="raise windows.max_import_bytes")
+                await asyncio.to_thread(spool.write, chunk)
+            spool.seek(0)
+            m = await run(lambda e: import_window(e, owner_of(ident), spool, name))
+        return {"object": "window", **m.public()}
+
+    return router

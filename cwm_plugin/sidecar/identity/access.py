@@ -1,0 +1,201 @@
+"""Principals, namespaces and the permission matrix; every memory, window and admin route and
+retrieval itself ask :class:`Permissions` (the settings: ``settings/access.py``).
+
+A *principal* is who holds the API key: a tenant (``tenants:``) or a provider (``providers:``,
+an agent sharing the deployment's memory with the others). A *namespace* is where memory lives
+(:class:`Namespace`): the principal's own (its folder under the memory root, as before), the
+user's within it (``<principal>/user``: the folder ``u-<HMAC(secret, principal, user)>``, so
+only requests for that user ever reach it), ``global`` (folder ``global``), a project
+(``project:<name>``, folder ``project.<name>``) or the activity log (``activity``). A request
+acts as one principal for at most one user: its memory is written to the user's namespace when
+it names a user, else to the principal's, and a selection reads that one plus every other
+namespace the principal may read (:meth:`Permissions.shared`: their durable memories).
+
+A refusal is a :class:`PermissionDenied` (HTTP 403, ``permission_denied``) that names the rule:
+"principal `claude` has RO on namespace `llama` (default: a provider reads the other
+providers' namespaces): writes need RW". A name that is no namespace here and one the principal
+has no access to at all answer alike (:meth:`Permissions.open`: 404 ``namespace_not_found``,
+the same message), so an answer never tells which principals exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
+
+from cwm_plugin.errors import Forbidden, InvalidInput, NotFound
+from cwm_plugin.sidecar.settings.access import NAMESPACE, Access, AccessSettings
+
+ACTIVITY, GLOBAL, PROJECT, USER = "activity", "global", "project:", "/user"
+NEEDS = {"read": "RO, APPEND or RW", "append": "APPEND or RW", "write": "RW"}
+UserFolder = Callable[[str, str], str]  # (principal, user) -> the user's memory folder
+
+
+class PermissionDenied(Forbidden):
+    """The matrix refuses an operation, or a grant is missing (HTTP 403)."""
+
+    code = "permission_denied"
+
+
+class NamespaceNotFound(NotFound):
+    """No such namespace, or none the principal may use (HTTP 404, alike on purpose)."""
+
+    code = "namespace_not_found"
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """A namespace: its ``name`` (as rules and errors say it), what kind it is, the principal
+    owning it (a principal's or a user's) and its memory folder (None: the activity log)."""
+
+    name: str
+    kind: str  # principal | user | global | project | activity
+    owner: str | None = None
+    folder: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    access: Access
+    rule: str  # what decided: "access.rules[0]" or "default: ..."
+
+
+class Permissions:
+    """The permission matrix of one deployment (see the module docstring)."""
+
+    def __init__(self, settings: AccessSettings, tenants: list[str], providers: list[str],
+                 user_folder: UserFolder) -> None:
+        self.settings = settings
+        self.providers = set(providers)
+        self.principals = [*tenants, *providers]
+        self._user_folder = user_folder
+
+    # --- namespaces ---------------------------------------------------------------------------
+
+    def _named(self, name: str) -> Namespace | None:
+        """The namespace ``name`` stands for (a user's without its folder), None when it
+        names no principal here; 400 when it is no namespace name at all."""
+        if not isinstance(name, str) or not NAMESPACE.fullmatch(name):
+            raise InvalidInput(f"invalid namespace {str(name)[:80]!r}",
+                               hint="<principal>, <principal>/user, global, project:<name> "
+                                    "or activity")
+        if name == ACTIVITY:
+            return Namespace(ACTIVITY, "activity")
+        if name == GLOBAL:
+            return Namespace(GLOBAL, "global", folder=GLOBAL)
+        if name.startswith(PROJECT):
+            return Namespace(name, "project", folder="project." + name[len(PROJECT):])
+        owner = name.removesuffix(USER)
+        if owner not in self.principals:
+            return None
+        if owner == name:
+            return Namespace(name, "principal", owner, owner)
+        return Namespace(name, "user", owner)
+
+    def namespace(self, name: str, user: str | None = None) -> Namespace:
+        """The namespace called ``name`` for a request acting for ``user`` (400 if unknown)."""
+        ns = self._named(name)
+        if ns is None:
+            raise InvalidInput(f"no namespace {name!r}")
+        if ns.kind != "user":
+            return ns
+        if user is None:
+            raise InvalidInput(f"namespace {name!r} is a user's: the request names no user",
+                               hint="send the OpenAI `user` field or an X-CWM-User header")
+        return replace(ns, folder=self._user_folder(str(ns.owner), user))
+
+    def open(self, principal: str, name: str, user: str | None, op: str) -> Namespace:
+        """The namespace ``name`` for ``principal`` acting for ``user``, ``op`` allowed there:
+        404 alike for no such namespace and one it has no access to at all, 403 naming the
+        rule for one it may use but not for ``op``."""
+        ns = self._named(name)
+        if ns is None or self.decide(principal, ns).access is Access.NONE:
+            raise NamespaceNotFound(f"no namespace `{name}` is open to principal "
+                                    f"`{principal}`",
+                                    hint="GET /v1/memory/namespaces lists yours; the operator "
+                                         "grants more under access.rules")
+        ns = self.namespace(name, user)
+        self.require(principal, ns, op)
+        return ns
+
+    def readable_principals(self, principal: str) -> list[str]:
+        """The principals whose own namespace ``principal`` may read (itself included)."""
+        return [p for p in self.principals
+                if p == principal or self.allows(principal, self.namespace(p), "read")]
+
+    def home(self, principal: str, user: str | None) -> Namespace:
+        """Where a request's memory is written: its user's namespace, else its principal's."""
+        return self.namespace(principal + USER if user is not None else principal, user)
+
+    # --- the matrix ----------------------------------------------------------------------------
+
+    def decide(self, principal: str, ns: Namespace) -> Decision:
+        """The first rule matching (principal, namespace), else the default."""
+        for i, r in enumerate(self.settings.rules):
+            if r.principal in ("*", principal) and fnmatchcase(ns.name, r.namespace):
+                return Decision(r.access, f"access.rules[{i}]: {r.principal} {r.access.value} "
+                                          f"on {r.namespace}")
+        return self._default(principal, ns)
+
+    def _default(self, principal: str, ns: Namespace) -> Decision:
+        if ns.kind == "activity":
+            return Decision(Access.APPEND, "default: the activity log is APPEND for all")
+        if ns.kind == "global":
+            if principal == self.settings.global_owner:
+                return Decision(Access.RW, "default: `global` is RW for its owner")
+            return Decision(Access.RO, "default: `global` is RO but for access.global_owner")
+        if ns.kind == "project":
+            return Decision(Access.NONE, "default: a project is open only through "
+                                         "access.rules")
+        if ns.owner == principal:
+            return Decision(Access.RW, "default: a principal's own namespace")
+        if principal in self.providers and ns.owner in self.providers:
+            return Decision(Access.RO, "default: a provider reads the other providers' "
+                                       "namespaces")
+        return Decision(Access.NONE, "default: a tenant's namespace is its own")
+
+    def allows(self, principal: str, ns: Namespace, op: str) -> bool:
+        return self.decide(principal, ns).access.allows(op)
+
+    def require(self, principal: str, ns: Namespace, op: str) -> Decision:
+        """The decision, or :class:`PermissionDenied` naming the rule that refused."""
+        d = self.decide(principal, ns)
+        if not d.access.allows(op):
+            raise PermissionDenied(
+                f"principal `{principal}` has {d.access.value} on namespace `{ns.name}` "
+                f"({d.rule}): {op}s need {NEEDS[op]}",
+                hint="ask the operator for a rule under access.rules in the sidecar config")
+        return d
+
+    def shared(self, principal: str, user: str | None,
+               project: str | None = None) -> list[Namespace]:
+        """The namespaces besides the request's home (:meth:`home`) a selection reads: every
+        principal's and (for the same user) every user's namespace the principal may read,
+        ``global``, and the request's project when it may read it."""
+        home = self.home(principal, user)
+        names = [GLOBAL, *self.principals]
+        if user is not None:
+            names += [p + USER for p in self.principals]
+        if project is not None and NAMESPACE.fullmatch(PROJECT + project):
+            names.append(PROJECT + project)
+        out = []
+        for name in names:
+            ns = self.namespace(name, user)
+            if ns.name != home.name and self.allows(principal, ns, "read"):
+                out.append(ns)
+        return out
+
+    # --- grants ------------------------------------------------------------------------------
+
+    def granted(self, principal: str | None, grant: str) -> bool:
+        g = self.settings.grants
+        return principal is not None and (grant in g.get(principal, ()) or
+                                          grant in g.get("*", ()))
+
+    def require_grant(self, principal: str, grant: str, what: str) -> None:
+        if not self.granted(principal, grant):
+            raise PermissionDenied(f"principal `{principal}` lacks the `{grant}` grant, "
+                                   f"which {what} needs",
+                                   hint=f"add {grant} under access.grants.{principal} in the "
+                                        "sidecar config")

@@ -1,0 +1,110 @@
+"""A session's KV stays reachable through a secret rotation: it moves to the new salt.
+
+After a rotation (``secret_versions.py``) every session's ``cache_salt`` changes, so without
+more its KV would be computed again. With a windows store (``windows:``: the KV store vLLM's
+connector writes), a session's first salted request while an older version is in its grace
+period derives the salts it may have had under each older version in turn
+(``Authenticator.salts_under``: the same derivation under that version, its session name too
+when that came from the user; for a user's own session also the salt from before users were
+part of salts) and, for the first that left a context record, re-keys that context under the new salt before the request is forwarded
+(:meth:`~cwm_plugin.windows.engine.WindowEngine.move_session`: thaw's re-keying, the same blobs
+under new keys, no tensor copy), so vLLM restores the prefix instead of computing it.
+
+Once per salt: requests of the session arriving meanwhile wait for the same move, and the
+salts done are remembered (a digest each, the newest ``REMEMBER``; one forgotten, or a process
+restarted, costs one store lookup: a new salt with a context record is not moved again).
+Counted in ``cwm_sidecar_salt_moves_total{tenant,outcome}`` (moved, none, failed) and logged
+once. A failure never fails the request (it computes, as without a store). Once every older
+version is past its ``until``, nothing is looked up any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from prometheus_client import Counter
+
+from cwm_plugin.sidecar.identity.authenticator import Authenticator, Identity
+from cwm_plugin.sidecar.identity.secret_versions import SecretVersion, alive
+from cwm_plugin.windows.engine import WindowEngine
+
+log = logging.getLogger(__name__)
+REMEMBER = 65_536  # salts whose move is done, remembered by digest
+
+
+@dataclass
+class SaltMover:
+    """Moves sessions' KV from their salts under older secret versions to the newest's."""
+
+    engine: WindowEngine
+    auth: Authenticator
+    older: list[SecretVersion]  # the versions after the newest, newest first
+    counter: Counter  # SidecarMetrics.salt_moves
+    _values: list[tuple[SecretVersion, bytes]] = field(init=False, repr=False)
+    _running: dict[str, asyncio.Future[int]] = field(default_factory=dict, init=False,
+                                                     repr=False)
+    _done: OrderedDict[bytes, None] = field(default_factory=OrderedDict, init=False,
+                                            repr=False)
+    _warned: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._values = [(v, v.read()) for v in self.older if alive(v)]
+
+    def secrets(self, now: datetime | None = None) -> list[bytes]:
+        """The older versions still in their grace period, newest first."""
+        return [value for v, value in self._values if alive(v, now)]
+
+    async def before_forward(self, ident: Identity, body: Mapping[str, object],
+                             salt: str) -> int:
+        """Move the KV of the request's session to ``salt`` (its salt now) if this is its
+        first request here in a grace period; the blocks moved (0: none, or moved before)."""
+        older = self.secrets()
+        if not older:
+            self._done.clear()
+            return 0
+        key = hashlib.sha256(salt.encode()).digest()[:16]
+        if key in self._done:
+            return 0
+        move = self._running.get(salt)
+        if move is not None:  # the session's move is under way: wait for it
+            await asyncio.shield(move)
+            return 0
+        move = self._running[salt] = asyncio.ensure_future(self._move(ident, body, salt, older))
+        move.add_done_callback(lambda _: self._finished(salt, key))
+        return await asyncio.shield(move)  # a client gone away leaves it to finish
+
+    def _finished(self, salt: str, key: bytes) -> None:
+        self._running.pop(salt, None)
+        self._done[key] = None
+        if len(self._done) > REMEMBER:
+            self._done.popitem(last=False)
+
+    async def _move(self, ident: Identity, body: Mapping[str, object], salt: str,
+                    older: list[bytes]) -> int:
+        tenant = ident.tenant
+        for old in [o for secret in older for o in self.auth.salts_under(secret, ident, body)]:
+            if old == salt:
+                continue
+            try:
+                blocks = await asyncio.to_thread(self.engine.move_session, old, salt)
+            except Exception as exc:  # the store, say: the request computes its prefix
+                self.counter.labels(tenant, "failed").inc()
+                (log.debug if self._warned else log.warning)(
+                    "tenant %s: a session's KV could not move to its new salt after the secret "
+                    "rotation (%s); its next request computes it (later failures: counted in "
+                    "cwm_sidecar_salt_moves_total{outcome=failed})", tenant, exc)
+                self._warned = True
+                return 0
+            if blocks:
+                self.counter.labels(tenant, "moved").inc()
+                log.info("tenant %s: a session's KV (%d blocks) moved to its new salt after "
+                         "the secret rotation", tenant, blocks)
+                return blocks
+        self.counter.labels(tenant, "none").inc()
+        return 0

@@ -1,0 +1,85 @@
+"""What a client turn leaves behind for context windows, and what it picks up again.
+
+* The turn's number goes to vLLM in ``kv_transfer_params`` (``{"cwm": {"turn", "keep"}}``,
+  :mod:`cwm_plugin.connector.params`): the connector keeps the context record of each of the
+  session's last ``keep`` client turns, so a freeze takes the latest client turn (or an
+  earlier one), never the sidecar's own background prompts (which run under a salt of their
+  own). A client's own ``kv_transfer_params`` are never forwarded.
+* After the answer, with a windows store configured, the sidecar leaves the turn's
+  :class:`~cwm_plugin.windows.conversation.ConversationRecord` (the client's messages and the
+  answer, up to ``windows.max_message_bytes``; what it merged into the prompt) in the store,
+  written in the background.
+* A session this process has not seen that continues a conversation (a thawed window, a
+  restart, another sidecar) takes the prompt state of its previous turn from the store first,
+  so its prompt begins with the tokens its KV was computed for (memory selected once per
+  conversation stays the same block).
+
+The turn number is the count of the client's user messages (full history mode), or the
+session's recorded turns + 1 (``recent`` mode, where the history is the server's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from cwm_plugin.sidecar.turn.session import SessionState
+from cwm_plugin.windows.conversation import ConversationRecord, capped_messages
+
+log = logging.getLogger(__name__)
+RESTORE_TIMEOUT_S = 1.0  # a store that does not answer within this costs the turn nothing more
+
+
+def client_turn(messages: list[dict[str, Any]], mode: str, state: SessionState) -> int:
+    if mode == "recent":
+        return state.turns_recorded + 1
+    return max(1, sum(1 for m in messages if m.get("role") == "user"))
+
+
+def kv_params(turn: int | None, keep: int) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a client request (None: a stateless one)."""
+    return {"cwm": {"turn": turn, "keep": keep}} if turn is not None else {"cwm": {}}
+
+
+def answer_message(content: str | None, tool_calls: list[dict[str, Any]] | None
+                   ) -> dict[str, Any]:
+    """The answer as the client holds it in its history (what it sends back next turn)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    return msg
+
+
+async def restore_prompt(sc: Any, salt: str, state: SessionState, turn: int,
+                         messages: list[dict[str, Any]]) -> None:
+    """Adopt the stored prompt state of the turn this request continues (the one before
+    ``turn`` when it starts with a new user message, else ``turn`` itself: tool results) for a
+    session this process has not seen (never fails the turn: a miss selects anew)."""
+    previous = turn - 1 if messages and messages[-1].get("role") == "user" else turn
+    if sc.windows is None or state.restored or previous < 1 or state.pinned is not None \
+            or not any(m.get("role") == "assistant" for m in messages):
+        return
+    state.restored = True
+    try:
+        rec = await asyncio.wait_for(asyncio.to_thread(
+            sc.windows.conversations.read, salt, previous), RESTORE_TIMEOUT_S)
+    except Exception as exc:  # a store that is down or slow: the turn goes on without
+        sc.metrics.windows_restores.labels("error").inc()
+        log.info("the prompt state of a continuing session could not be read: %s", exc)
+        return
+    if rec is not None and state.adopt(rec.prompt):
+        sc.metrics.windows_restores.labels("adopted").inc()
+
+
+def save_turn(sc: Any, salt: str, state: SessionState, turn: int, model: str,
+              messages: list[dict[str, Any]], answer: dict[str, Any]) -> None:
+    """Leave the turn's conversation record in the store (in the background; never raises)."""
+    if sc.windows is None:
+        return
+    kept, dropped = capped_messages([*messages, answer], sc.settings.windows.max_message_bytes)
+    try:
+        sc.windows.conversations.write(salt, ConversationRecord(
+            turn, kept, state.prompt_state(), model, messages_dropped=dropped))
+    except Exception as exc:  # a closed or full store: the KV still freezes without it
+        log.warning("a conversation record could not be queued: %s", exc)

@@ -142,8 +142,8 @@ def test_relay_puts_the_fingerprint_back_where_vllm_puts_it_without_usage():
 
 
 def test_debug_header_is_compact_ascii_and_capped():
-    from cwm_plugin.sidecar.turn.plan import debug_header as _debug_header
     from cwm_plugin.sidecar.turn.memory_port import Selected
+    from cwm_plugin.sidecar.turn.plan import debug_header as _debug_header
 
     sel = Selected(memory_block="x", tokens=120, reasons=["keep chunk é" * 20] * 50,
                    hits=[{"chunk_id": f"{i:012d}", "source": "session:s", "score": 0.5}

@@ -22,7 +22,9 @@ def breakdown_of(d: dict[str, float], ttft: float) -> dict[str, float]:
     def phase(p: str) -> float:
         return d.get(f"cwm:connector_load_phase_seconds|{p}", 0.0)
 
-    lookup = d.get("cwm:connector_lookup_seconds", 0.0)
+    # the request waits for its lookup in the background (lookup_store) plus the step's share
+    lookup = d.get("cwm:connector_lookup_store_seconds", 0.0) + \
+        d.get("cwm:connector_lookup_seconds", 0.0)
     wall = summed("cwm:connector_load_seconds")
     return {"scheduler_lookup_s": lookup, "worker_lookup_s": phase("lookup"),
             "read_s": phase("read"), "decompress_s": phase("decompress"),

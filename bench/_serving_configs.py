@@ -7,8 +7,8 @@ KV cache holds only a fraction of the active users' KV.
 * ``cwm_cpu``   our connector, CPU memory tier only, sized to hold every user;
 * ``cwm_disk``  our connector, disk tier only (memory tier off; page cache as it is);
 * ``cwm_redis`` our connector as configs/connector-shared-redis.json ships it (memory + disk +
-  Redis behind, TTL, salted only), against a real redis-server the bench starts, reached
-  through a TCP proxy the bench controls (for the black-hole fault);
+  Redis behind, TTL, salted only), against a real redis-server the bench starts (the fault
+  rounds run on a second such server that reaches it through a TCP proxy);
 * ``fits``      the reference: vLLM alone with a cache that holds every user.
 
 vLLM's cache is set in blocks (``--num-gpu-blocks-override``): ``VLLM_CPU_KVCACHE_SPACE`` counts

@@ -2,8 +2,8 @@
 rounds of every user) with a fault injected a third of the way in, reported as failed requests
 and ITL p99 against a fault-free round of the same shape.
 
-On the ``cwm_redis`` server (its Redis reached through the bench's TCP proxy), continuing the
-main phase's users:
+On a second ``cwm_redis`` server (same disk folder; its Redis reached through
+cwm_plugin/testing/tcp_proxy.py in a process of its own), continuing the main phase's users:
 * ``none``            the fault-free baseline round;
 * ``redis_restart``   redis-server stopped and started again on its port (empty: no
   persistence) after ``--redis-down-s`` seconds;
@@ -84,6 +84,10 @@ class RedisHolder:
     @property
     def port(self) -> int:
         return self.server.port
+
+    @property
+    def url(self) -> str:
+        return self.server.url
 
     def restart(self, down_s: float) -> None:
         port = self.server.port
@@ -287,8 +291,16 @@ class FaultRounds:
         self.out["fault_rounds"][name] = got
         return got
 
-    def redis_faults(self, server: Any, sessions: list[Session], redis: RedisHolder,
-                     proxy: Any) -> None:
+    def redis_faults(self, sessions: list[Session], redis: RedisHolder, proxy: Any) -> None:
+        """The Redis faults on a ``cwm_redis`` server of their own whose Redis is behind the
+        proxy (the main row's server reaches Redis straight: on 2 cores a proxy process in
+        the path slowed the scheduler's 80 ms lookups); same disk folder, same sessions."""
+        with self.servers.serve("cwm_redis", redis_url=proxy.url) as server:
+            self.warm(server.base_url, "faults")
+            self._redis_faults(server, sessions, redis, proxy)
+
+    def _redis_faults(self, server: Any, sessions: list[Session], redis: RedisHolder,
+                      proxy: Any) -> None:
         base = self.phase(server, sessions, self.args.fault_rounds, "fault-none")
         self.out["fault_rounds"]["none"] = self.base = {**base,
                                                         "baseline_itl_p99_s": base["itl_p99_s"]}
@@ -296,18 +308,16 @@ class FaultRounds:
                    restart_redis(redis, self.args.redis_down_s))
         self.fault("redis_blackhole", server, sessions, base,
                    black_hole(proxy, self.args.blackhole_s))
-        store = shipped_redis(f"redis://127.0.0.1:{redis.port}/0",
-                              self.servers.work / "redis-disk")["store"]
+        store = shipped_redis(redis.url, self.servers.work / "redis-disk")["store"]
         runs: list[dict[str, Any]] = []
         cfg = store_yaml(self.servers.work / "gc-store.yaml", store)
         self.fault("store_gc", server, sessions, base, store_gc(cfg, self.servers.work,
                                                                        runs))
         self.out["fault_rounds"]["store_gc"]["gc_runs"] = runs
 
-    def tiny_budgets(self, sessions: list[Session], redis: RedisHolder,
-                     proxy: Any) -> None:
+    def tiny_budgets(self, sessions: list[Session], redis: RedisHolder) -> None:
         block = self.servers.sizes.kv_bytes_per_token * 128
-        extra = shipped_redis(proxy.url, self.servers.work / "tiny-disk",
+        extra = shipped_redis(redis.url, self.servers.work / "tiny-disk",
                               memory_bytes=2 * block, disk_bytes=4 * block)
         undo = squeeze_redis(redis, 8 * block + (4 << 20))()
         try:

@@ -167,9 +167,8 @@ class Bench(faults.FaultRounds):
         self.out["floor_ttft_s"] = statistics.median(ttfts) if ttfts else math.nan
         self.out["slo_ttft_s"] = self.args.slo_x * self.out["floor_ttft_s"]
 
-    def config(self, name: str, redis: faults.RedisHolder | None, proxy: Any) -> None:
-        url = proxy.url if proxy is not None else None
-        with self.servers.serve(name, redis_url=url) as server:
+    def config(self, name: str, redis: faults.RedisHolder, proxy: Any) -> None:
+        with self.servers.serve(name, redis_url=redis.url) as server:
             self.warm(server.base_url, name)
             if "floor_ttft_s" not in self.out:     # on the first server (vllm's)
                 self.floor(server)
@@ -183,10 +182,10 @@ class Bench(faults.FaultRounds):
                 self.sweep_points(name, server)
             if name == "cwm_cpu" and "greedy" in self.args.parts:
                 self.guard("greedy", self.greedy, server, main)
-            if name == "cwm_redis" and "faults" in self.args.parts:
-                self.guard("faults", self.redis_faults, server, main, redis, proxy)
+        if name == "cwm_redis" and "faults" in self.args.parts:
+            self.guard("faults", self.redis_faults, main, redis, proxy)
         if name == "cwm_redis" and "tiny_budgets" in self.args.parts:
-            self.guard("tiny_budgets", self.tiny_budgets, main, redis, proxy)
+            self.guard("tiny_budgets", self.tiny_budgets, main, redis)
 
     def sweep_points(self, name: str, server: Any) -> None:
         """More users at the same per-user rate, fewest first; larger N are left out once a

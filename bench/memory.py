@@ -4,7 +4,7 @@
 
 Every ``*.json`` file in ``--data`` holding a LoCoMo conversation (flat, as in locomo-dev, or a
 ``{"conversation": ..., "qa": ...}`` sample, or a list of samples as in locomo10.json) is
-replayed into a fresh memory root: one tenant a conversation, one session a LoCoMo session,
+replayed into a fresh memory root: one folder a conversation, one session a LoCoMo session,
 each turn recorded with its ``dia_id`` as the turn id, its speaker as the role and the
 session's date as the timestamp. Other files (README, ...) are skipped.
 
@@ -68,7 +68,7 @@ BUDGETS = {"1k": 1024, "2k": 2048, "4k": 4096}
 DEFAULT_BUDGET = MemorySettings().budget_tokens
 
 
-def replay(svc: MemoryService, tenant: str, conv: locomo.Conversation, mem: MemorySettings | None,
+def replay(svc: MemoryService, folder: str, conv: locomo.Conversation, mem: MemorySettings | None,
            max_len: int, bar: tqdm) -> tuple[int, int]:
     """Record every turn as the sidecar would; returns (tokens sent, tokens of full history).
 
@@ -78,7 +78,7 @@ def replay(svc: MemoryService, tenant: str, conv: locomo.Conversation, mem: Memo
     turns kept verbatim); the prompt is assembled by the sidecar's ``prompt.merge`` (the
     token-saving mode, ``history: recent``); "sent"
     counts those messages and "full" the whole conversation so far plus the new message, with
-    the same counter. With ``mem`` None the turns are appended to the files and the tenant is
+    the same counter. With ``mem`` None the turns are appended to the files and the folder is
     then rebuilt from them by ``reindex`` (batched embedding, much faster); both totals 0.
     """
     a = conv.sessions.get("speaker_a")
@@ -91,7 +91,7 @@ def replay(svc: MemoryService, tenant: str, conv: locomo.Conversation, mem: Memo
             speaker = str(t.get("speaker", "user"))
             content = locomo.turn_text(t)
             if mem is None:
-                svc.files.append_turn(tenant, session, Turn(
+                svc.files.append_turn(folder, session, Turn(
                     str(t["dia_id"]), _role(speaker), content, utc_iso(when)))
                 bar.update(1)
                 continue
@@ -100,19 +100,19 @@ def replay(svc: MemoryService, tenant: str, conv: locomo.Conversation, mem: Memo
             budget = memory_budget(mem, count, [new], recent_tail(split.history,
                                                                   mem.recent_turns),
                                    max_len, DEFAULT_ANSWER_TOKENS)
-            sel = svc.select_context(tenant, session, [*msgs, new], budget)
+            sel = svc.select_context(folder, session, [*msgs, new], budget)
             built = P.merge(split.prefix + (sel.recent or []) + split.current,
                             P.memory_text(sel.memory_block, sel.summary), "system")
             sent += count(built)
             full += history + count([new])
-            svc.record_turn(tenant, session, _role(speaker), content, turn_id=str(t["dia_id"]),
+            svc.record_turn(folder, session, _role(speaker), content, turn_id=str(t["dia_id"]),
                             ts=when)
             role = "user" if speaker == a else "assistant"
             msgs.append({"role": role, "content": f"{speaker}: {content}"})
             history += count(msgs[-1:])
             bar.update(1)
     if mem is None:
-        svc.reindex(tenant, progress=False)
+        svc.reindex(folder, progress=False)
     return sent, full
 
 
@@ -133,7 +133,7 @@ def recall_at_k(hits: list, evidence: set[str]) -> dict[str, float]:
     return out
 
 
-def recall_in_budget(svc: MemoryService, tenant: str, question: str, evidence: set[str],
+def recall_in_budget(svc: MemoryService, folder: str, question: str, evidence: set[str],
                      mode: str) -> tuple[dict[str, float], float]:
     """Recall of what the selection injects within each budget (the memory block the sidecar
     merges into the prompt, every header and separator counted), and the seconds the
@@ -142,7 +142,7 @@ def recall_in_budget(svc: MemoryService, tenant: str, question: str, evidence: s
     msgs = [{"role": "user", "content": question}]
     for name, budget in BUDGETS.items():
         t0 = time.perf_counter()
-        sel = svc.select_context(tenant, None, msgs, budget, summary=False, bump=False,
+        sel = svc.select_context(folder, None, msgs, budget, summary=False, bump=False,
                                  mode=mode)
         if budget == DEFAULT_BUDGET:
             seconds = time.perf_counter() - t0

@@ -68,6 +68,7 @@ from cwm_plugin.testing.vllm_server import VLLMServer
 
 log = logging.getLogger("bench.sidecar")
 TENANT = "bench"
+FOLDER = TENANT  # its memory folder: a tenant's own is named after it
 PER_SESSION = 100
 STAGES = ("auth", "history", "embed", "keyword", "vector", "fusion", "count", "files")
 
@@ -113,11 +114,11 @@ def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
     t0 = time.perf_counter()
     for k, conv in enumerate(copies(lines, 90_000, n)):  # text no import below repeats
         records = [Turn(f"b{k}-{i}", r, t, utc_iso()) for i, (r, t) in enumerate(conv.turns)]
-        replace_durable(service.files.session_path(TENANT, conv.session),
+        replace_durable(service.files.session_path(FOLDER, conv.session),
                         b"".join(encode_turn(t) for t in records).decode())
-    made = service.reindex(TENANT, progress=False)
+    made = service.reindex(FOLDER, progress=False)
     seconds = time.perf_counter() - t0
-    tokens = sum(u.tokens for st in service.index(TENANT).sessions.values() for u in st.units)
+    tokens = sum(u.tokens for st in service.index(FOLDER).sessions.values() for u in st.units)
     used = getattr(getattr(service.embedder, "inner", service.embedder), "dtype_used", dtype)
     service.close()
     return {"chunks": made, "tokens": tokens, "seconds": round(seconds, 2),
@@ -142,7 +143,7 @@ def pooled(runs: list[dict]) -> dict:
 
 def import_memory(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks: int,
                   whole: Conversation) -> dict:
-    """``cwm memory import``'s path until the tenant holds ``chunks`` chunks (plus ``whole``,
+    """``cwm memory import``'s path until the folder holds ``chunks`` chunks (plus ``whole``,
     one session with a whole LoCoMo conversation, for the token-saving measurement)."""
     from cwm_plugin.sidecar.settings import MemorySettings
     from cwm_plugin.sidecar.turn.memory_factory import make_service
@@ -153,7 +154,7 @@ def import_memory(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
     first = 0
     batch = [whole, *copies(lines, first, max(1, math.ceil(chunks / 14)))]
     while done < chunks:
-        stats = import_sessions(service, TENANT, batch, progress=True,
+        stats = import_sessions(service, FOLDER, batch, progress=True,
                                 workers=os.cpu_count() or 1)
         done, tokens, seconds = done + stats.chunks, tokens + stats.tokens, \
             seconds + stats.seconds
@@ -253,7 +254,7 @@ def turns_lost(root: Path, done: dict[str, list[str]]) -> int:
 
     files, lost = MemoryFiles(root), 0
     for session, questions in done.items():
-        turns = files.read_turns(TENANT, session)
+        turns = files.read_turns(FOLDER, session)
         users = {t.content for t in turns if t.role == "user"}
         lost += sum(q not in users for q in questions)
         lost += max(0, len(questions) - sum(t.role == "assistant" for t in turns))

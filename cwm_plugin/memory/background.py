@@ -1,6 +1,6 @@
-"""Work a request found due but need not wait for: one thread, at most one job a tenant queued.
+"""Work a request found due but need not wait for: one thread, at most one job a folder queued.
 
-A selection that finds a tenant's look for other writers due (``tenants.py``) queues it here
+A selection that finds a folder's look for other writers due (``folders.py``) queues it here
 and goes on with the index it has; the next selection sees what the look found.
 """
 
@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 log = logging.getLogger(__name__)
 
 
-class TenantJobs:
-    """``soon(tenant, job)`` runs ``job(tenant)`` on a background thread, unless a job of
-    that tenant is queued or running already; ``close()`` waits for what is queued."""
+class FolderJobs:
+    """``soon(folder, job)`` runs ``job(folder)`` on a background thread, unless a job of
+    that folder is queued or running already; ``close()`` waits for what is queued."""
 
     def __init__(self, name: str = "cwm-memory-sync") -> None:
         self._name = name
@@ -25,25 +25,25 @@ class TenantJobs:
         self._guard = threading.Lock()
         self._closed = False
 
-    def soon(self, tenant: str, job: Callable[[str], None]) -> bool:
-        """Queue ``job(tenant)``; False when one is queued already or this is closed."""
+    def soon(self, folder: str, job: Callable[[str], None]) -> bool:
+        """Queue ``job(folder)``; False when one is queued already or this is closed."""
         with self._guard:
-            if self._closed or tenant in self._queued:
+            if self._closed or folder in self._queued:
                 return False
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix=self._name)
-            self._queued.add(tenant)
-            self._pool.submit(self._run, tenant, job)
+            self._queued.add(folder)
+            self._pool.submit(self._run, folder, job)
         return True
 
-    def _run(self, tenant: str, job: Callable[[str], None]) -> None:
+    def _run(self, folder: str, job: Callable[[str], None]) -> None:
         try:
-            job(tenant)
+            job(folder)
         except Exception:  # noqa: BLE001 - a background job must not kill the thread
-            log.exception("background job for tenant %s failed", tenant)
+            log.exception("background job for folder %s failed", folder)
         finally:
             with self._guard:
-                self._queued.discard(tenant)
+                self._queued.discard(folder)
 
     def close(self) -> None:
         with self._guard:

@@ -48,7 +48,7 @@ class LuceneBM25(BM25Okapi):
     """BM25 with Lucene's idf ``log(1 + (N - n + 0.5) / (n + 0.5))``: always positive.
 
     rank-bm25's Okapi idf is zero for a term in half the documents and negative (floored to a
-    constant) above that, so a new tenant with two chunks scores every query 0, and frequent
+    constant) above that, so a new folder with two chunks scores every query 0, and frequent
     words all get the same floor. Lucene's form keeps the ordering and stays positive.
     """
 

@@ -25,15 +25,15 @@ class Problem:
         return f"{where}: {self.what}"
 
 
-def check_tenant(files: MemoryFiles, tenant: str) -> list[Problem]:
+def check_folder(files: MemoryFiles, folder: str) -> list[Problem]:
     out: list[Problem] = []
-    base = files.tenant_dir(tenant)
-    _, bad = files.scan_memories(tenant)
+    base = files.folder_dir(folder)
+    _, bad = files.scan_memories(folder)
     for n, line in bad:
-        out.append(Problem(f"{tenant}/memories.md", n, "not a valid memory line (skipped): "
+        out.append(Problem(f"{folder}/memories.md", n, "not a valid memory line (skipped): "
                                                        + line[:80]))
-    for session in files.sessions(tenant):
-        path = files.session_path(tenant, session)
+    for session in files.sessions(folder):
+        path = files.session_path(folder, session)
         data = path.read_bytes()
         covered = sum(len(encode_turn(t)) for t in decode_turns(data))
         if covered != len(data):
@@ -49,7 +49,7 @@ def check_tenant(files: MemoryFiles, tenant: str) -> list[Problem]:
     return out
 
 
-def check(files: MemoryFiles, tenant: str | None = None) -> list[Problem]:
-    """Every problem of one tenant's files, or of every tenant's."""
-    tenants = [tenant] if tenant else files.tenants()
-    return [p for t in tenants for p in check_tenant(files, t)]
+def check(files: MemoryFiles, folder: str | None = None) -> list[Problem]:
+    """Every problem of one folder's files, or of every folder's."""
+    folders = [folder] if folder else files.folders()
+    return [p for t in folders for p in check_folder(files, t)]

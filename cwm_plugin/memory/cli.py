@@ -1,4 +1,4 @@
-"""``cwm memory``: reindex, import, search, add, check and show a tenant's file-first memory.
+"""``cwm memory``: reindex, import, search, add, check and show a folder's file-first memory.
 
 Settings come from ``--config`` (the sidecar's YAML: its ``memory`` section, so that an index
 written here is the one the sidecar loads) and from flags, which win over the file. Without
@@ -63,18 +63,27 @@ def _common(p: argparse.ArgumentParser) -> None:
         g.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
 
 
+def _folder(p: argparse.ArgumentParser, required: bool = False) -> None:
+    # --tenant: the flag users know (a tenant's memory is the folder of its name); --folder
+    # also names a user's or a shared one, as the memory package calls them
+    p.add_argument("--tenant", "--folder", dest="folder", metavar="FOLDER", required=required,
+                   help="the memory folder under the root: a tenant's name, a user's "
+                        "u-<32 hex>, global or project.<name>"
+                        + ("" if required else " (default: all)"))
+
+
 def cmd_reindex(args: argparse.Namespace) -> int:
     svc = _service(args)
-    n = svc.reindex(args.tenant, progress=True)
+    n = svc.reindex(args.folder, progress=True)
     print(f"{n} chunks indexed")
     return 0
 
 
 def cmd_search(args: argparse.Namespace) -> int:
     svc = _service(args)
-    hits = svc.search(args.tenant, args.query, args.k, mode=args.mode, session=args.session)
+    hits = svc.search(args.folder, args.query, args.k, mode=args.mode, session=args.session)
     if args.memories:
-        hits = svc.search_memories(args.tenant, args.query, args.k, mode=args.mode) + hits
+        hits = svc.search_memories(args.folder, args.query, args.k, mode=args.mode) + hits
     if args.json:
         print(json.dumps([h.__dict__ for h in hits], indent=2))
         return 0
@@ -86,7 +95,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 def cmd_add(args: argparse.Namespace) -> int:
     svc = _service(args)
-    m = svc.add_memory(args.tenant, args.text, args.category, args.importance)
+    m = svc.add_memory(args.folder, args.text, args.category, args.importance)
     print(f"{m.id} ({m.category}, {m.importance:.2f}) {m.text}")
     return 0
 
@@ -97,15 +106,15 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     files = MemoryFiles(args.root)
     if args.session:
-        for t in files.read_turns(args.tenant, args.session):
+        for t in files.read_turns(args.folder, args.session):
             print(f"[{t.ts}] {t.turn_id} {t.role}: {t.content}")
-        got = files.read_summary(args.tenant, args.session)
+        got = files.read_summary(args.folder, args.session)
         if got:
             print(f"\nsummary (up to {got[1] or '?'}): {got[0]}")
         return 0
-    print(f"sessions: {', '.join(files.sessions(args.tenant)) or '(none)'}")
-    counts = access_counts(args.root, args.tenant)
-    for m in files.read_memories(args.tenant, history=True):
+    print(f"sessions: {', '.join(files.sessions(args.folder)) or '(none)'}")
+    counts = access_counts(args.root, args.folder)
+    for m in files.read_memories(args.folder, history=True):
         m.access_count += counts.get(m.id, 0)
         where = f" ({m.source})" if m.source else ""
         if m.active:
@@ -122,7 +131,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     conversations = [c for path in args.files for c in read_conversations(path)]
     svc = _service(args)
     try:
-        stats = import_sessions(svc, args.tenant, conversations, progress=True,
+        stats = import_sessions(svc, args.folder, conversations, progress=True,
                                 workers=args.workers)
     finally:
         svc.close()
@@ -135,10 +144,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     from cwm_plugin.memory.check import check
     from cwm_plugin.memory.files import MemoryFiles
 
-    problems = check(MemoryFiles(args.root), args.tenant)
+    problems = check(MemoryFiles(args.root), args.folder)
     for p in problems:
         print(p)
-    print(f"{len(problems)} problem(s) in {args.tenant or 'all tenants'}")
+    print(f"{len(problems)} problem(s) in {args.folder or 'all folders'}")
     return 1 if problems else 0
 
 
@@ -150,21 +159,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("reindex", help="rebuild the indexes from the markdown files and save "
                                        "them (a running sidecar on this root loads them)")
     _common(p)
-    p.add_argument("--tenant")
+    _folder(p)
     p.set_defaults(func=cmd_reindex)
 
     p = sub.add_parser("import", help="import past conversations in bulk: OpenAI messages "
                                       "(.jsonl, one conversation a line) or LoCoMo (.json)")
     _common(p)
-    p.add_argument("--tenant", required=True)
+    _folder(p, required=True)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="processes embedding a large import (local MiniLM; default: one a core)")
     p.add_argument("files", nargs="+", type=Path)
     p.set_defaults(func=cmd_import)
 
-    p = sub.add_parser("search", help="search a tenant's memory")
+    p = sub.add_parser("search", help="search a folder's memory")
     _common(p)
-    p.add_argument("--tenant", required=True)
+    _folder(p, required=True)
     p.add_argument("query")
     p.add_argument("-k", type=int, default=5)
     p.add_argument("--mode", default="hybrid", choices=("hybrid", "bm25", "vector"))
@@ -176,7 +185,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("add", help="add a durable memory")
     _common(p)
-    p.add_argument("--tenant", required=True)
+    _folder(p, required=True)
     p.add_argument("--category", required=True, choices=CATEGORIES)
     p.add_argument("--importance", type=float, default=0.5)
     p.add_argument("text")
@@ -185,11 +194,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="list damaged lines in the memory files (they are "
                                      "skipped when read); exit 1 if there are any")
     p.add_argument("--root", type=Path, required=True)
-    p.add_argument("--tenant")
+    _folder(p)
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("show", help="show a tenant's sessions and memories, or one transcript")
+    p = sub.add_parser("show", help="show a folder's sessions and memories, or one transcript")
     p.add_argument("--root", type=Path, required=True)
-    p.add_argument("--tenant", required=True)
+    _folder(p, required=True)
     p.add_argument("--session")
     p.set_defaults(func=cmd_show)

@@ -1,7 +1,7 @@
 """Durable memories (``memories.md``): added, deduplicated, updated, counted when used.
 
 Reading never writes the markdown: how often a memory was selected is a derived statistic kept
-in ``<root>/.index/<tenant>/access.json`` (:func:`access_counts`; lost with the index folder,
+in ``<root>/.index/<folder>/access.json`` (:func:`access_counts`; lost with the index folder,
 which is fine), added to the count a memory line carries from older versions.
 
 A new fact is merged into the memories in force (:func:`merge`):
@@ -37,7 +37,7 @@ from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.durable import locked, replace_durable
 from cwm_plugin.memory.files import MemoryFiles, utc_iso
 from cwm_plugin.memory.models import CATEGORIES, Memory
-from cwm_plugin.memory.persist import tenant_dir
+from cwm_plugin.memory.persist import folder_dir
 
 DUPLICATE = 0.92
 RELATED = 0.5
@@ -81,7 +81,7 @@ def merge(mems: list[Memory], new: Memory, similar: Similar) -> tuple[list[Memor
 
 
 class FactStore:
-    """One memory root's durable memories; ``lock(tenant)`` serialises a tenant's changes."""
+    """One memory root's durable memories; ``lock(folder)`` serialises a folder's changes."""
 
     def __init__(self, files: MemoryFiles, similar: Similar,
                  lock: Callable[[str], AbstractContextManager[object]]) -> None:
@@ -89,9 +89,9 @@ class FactStore:
         self.similar = similar
         self.lock = lock
 
-    def add(self, tenant: str, text: str, category: str, importance: float = 0.5, *,
+    def add(self, folder: str, text: str, category: str, importance: float = 0.5, *,
             key: str = "", source: str = "") -> Merged:
-        """Merge one fact into the tenant's memories (see :func:`merge`)."""
+        """Merge one fact into the folder's memories (see :func:`merge`)."""
         if category not in CATEGORIES:
             raise InvalidInput(f"memory category {category!r} is unknown",
                                hint=f"use one of {', '.join(CATEGORIES)}")
@@ -110,37 +110,37 @@ class FactStore:
             got.append(merged)
             return out
 
-        with self.lock(tenant):
-            self.files.update_memories(tenant, change)
+        with self.lock(folder):
+            self.files.update_memories(folder, change)
         return got[0]
 
-    def bump(self, tenant: str, ids: list[str]) -> None:
+    def bump(self, folder: str, ids: list[str]) -> None:
         """Count one more use of each of these memories (in the derived ``access.json``;
         ``memories.md`` is left as it is)."""
-        path = access_path(self.files.root, tenant)
-        with self.lock(tenant), locked(path):
-            counts = access_counts(self.files.root, tenant)
+        path = access_path(self.files.root, folder)
+        with self.lock(folder), locked(path):
+            counts = access_counts(self.files.root, folder)
             for i in ids:
                 counts[i] = counts.get(i, 0) + 1
             replace_durable(path, json.dumps(counts, sort_keys=True))
 
-    def with_counts(self, tenant: str, mems: list[Memory]) -> list[Memory]:
+    def with_counts(self, folder: str, mems: list[Memory]) -> list[Memory]:
         """``mems`` with the uses counted since (``access.json``) added to their counts."""
-        counts = access_counts(self.files.root, tenant)
+        counts = access_counts(self.files.root, folder)
         for m in mems:
             m.access_count += counts.get(m.id, 0)
         return mems
 
 
-def access_path(root: Path, tenant: str) -> Path:
-    return tenant_dir(root, tenant) / "access.json"
+def access_path(root: Path, folder: str) -> Path:
+    return folder_dir(root, folder) / "access.json"
 
 
-def access_counts(root: Path, tenant: str) -> dict[str, int]:
+def access_counts(root: Path, folder: str) -> dict[str, int]:
     """Uses of each memory (by id) recorded in the derived file; {} when there is none (or it
     is damaged: the counts are statistics, never the truth)."""
     try:
-        data = json.loads(access_path(root, tenant).read_text())
+        data = json.loads(access_path(root, folder).read_text())
     except (OSError, ValueError):
         return {}
     if not isinstance(data, dict):

@@ -1,12 +1,13 @@
 """Markdown files, the source of truth: transcripts, daily logs, durable memories, summaries.
 
-Layout under the root, one folder a tenant::
+Layout under the root, one folder a memory (in the sidecar: a principal's own, a user's
+``u-<32 hex>``, ``global`` or ``project.<name>``)::
 
-    <root>/<tenant>/sessions/<session>.md     one turn appended at a time, never rewritten
-    <root>/<tenant>/daily/<YYYY-MM-DD>.md      one line a turn, for people reading along
-    <root>/<tenant>/memories.md                durable memories, one line each
-    <root>/<tenant>/summaries/<session>.md     the running summary of a session
-    <root>/<tenant>/cursors/<session>.json     the last turn fact extraction covered
+    <root>/<folder>/sessions/<session>.md     one turn appended at a time, never rewritten
+    <root>/<folder>/daily/<YYYY-MM-DD>.md      one line a turn, for people reading along
+    <root>/<folder>/memories.md                durable memories, one line each
+    <root>/<folder>/summaries/<session>.md     the running summary of a session
+    <root>/<folder>/cursors/<session>.json     the last turn fact extraction covered
 
 Every turn record is a visible heading plus a machine line carrying the exact byte length of
 the content, so any text (even text that looks like a header) reads back verbatim, and a torn
@@ -153,30 +154,30 @@ class MemoryFiles:
 
     # --- paths -----------------------------------------------------------------------------
 
-    def tenant_dir(self, tenant: str) -> Path:
-        return self.root / check_name("tenant", tenant)
+    def folder_dir(self, folder: str) -> Path:
+        return self.root / check_name("folder", folder)
 
-    def session_path(self, tenant: str, session: str) -> Path:
-        return self.tenant_dir(tenant) / "sessions" / f"{check_name('session', session)}.md"
+    def session_path(self, folder: str, session: str) -> Path:
+        return self.folder_dir(folder) / "sessions" / f"{check_name('session', session)}.md"
 
-    def summary_path(self, tenant: str, session: str) -> Path:
-        return self.tenant_dir(tenant) / "summaries" / f"{check_name('session', session)}.md"
+    def summary_path(self, folder: str, session: str) -> Path:
+        return self.folder_dir(folder) / "summaries" / f"{check_name('session', session)}.md"
 
-    def memories_path(self, tenant: str) -> Path:
-        return self.tenant_dir(tenant) / "memories.md"
+    def memories_path(self, folder: str) -> Path:
+        return self.folder_dir(folder) / "memories.md"
 
-    def tenants(self) -> list[str]:
-        """The tenants' folders; a folder whose name no tenant could have ("alice copy",
-        ".index") is not one."""
+    def folders(self) -> list[str]:
+        """The memory folders under the root; a folder whose name no memory folder could have
+        ("alice copy", ".index") is not one."""
         if not self.root.is_dir():
             return []
         return sorted(self._named(p.name for p in self.root.iterdir() if p.is_dir()
                                   and not p.name.startswith(".")))
 
-    def sessions(self, tenant: str) -> list[str]:
-        """The tenant's session files; a stray file whose name no session could have ("s1
+    def sessions(self, folder: str) -> list[str]:
+        """The folder's session files; a stray file whose name no session could have ("s1
         copy.md", macOS's "._s1.md") is skipped and logged, never a failed index build."""
-        d = self.tenant_dir(tenant) / "sessions"
+        d = self.folder_dir(folder) / "sessions"
         return sorted(self._named(p.stem for p in d.glob("*.md"))) if d.is_dir() else []
 
     def _named(self, names: Iterable[str]) -> list[str]:
@@ -186,39 +187,39 @@ class MemoryFiles:
                 out.append(name)
             elif name not in self._strays:
                 self._strays.add(name)
-                log.warning("memory root %s: %r is not a valid tenant or session name; "
+                log.warning("memory root %s: %r is not a valid folder or session name; "
                             "skipped (rename or move it)", self.root, name)
         return out
 
     # --- transcripts -------------------------------------------------------------------------
 
-    def append_turn(self, tenant: str, session: str, turn: Turn) -> tuple[int, int]:
+    def append_turn(self, folder: str, session: str, turn: Turn) -> tuple[int, int]:
         """Append one record; returns its (start, end) byte offsets in the session file."""
-        return self.append_turns(tenant, session, [turn])
+        return self.append_turns(folder, session, [turn])
 
-    def append_turns(self, tenant: str, session: str, turns: list[Turn]) -> tuple[int, int]:
+    def append_turns(self, folder: str, session: str, turns: list[Turn]) -> tuple[int, int]:
         """Append records in one durable write (one fsync for an exchange, not one a turn);
         returns their (start, end) byte offsets in the session file."""
-        path = self.session_path(tenant, session)
+        path = self.session_path(folder, session)
         path.parent.mkdir(parents=True, exist_ok=True)
         span = append_durable(path, b"".join(encode_turn(t) for t in turns))
-        self._daily(tenant, session, turns)
+        self._daily(folder, session, turns)
         return span
 
-    def read_turns(self, tenant: str, session: str) -> list[Turn]:
-        return self.read_turns_from(tenant, session, 0)[0]
+    def read_turns(self, folder: str, session: str) -> list[Turn]:
+        return self.read_turns_from(folder, session, 0)[0]
 
-    def read_turns_from(self, tenant: str, session: str, offset: int) -> tuple[list[Turn], int]:
+    def read_turns_from(self, folder: str, session: str, offset: int) -> tuple[list[Turn], int]:
         """Complete turns from byte ``offset`` on, and the offset after the last of them."""
-        path = self.session_path(tenant, session)
+        path = self.session_path(folder, session)
         if not path.exists():
             return [], offset
         turns, used = decode_turns_at(read_locked(path, offset))
         return turns, offset + used
 
-    def session_stats(self, tenant: str) -> dict[str, tuple[int, int]]:
-        """``{session: (size, mtime_ns)}`` of the tenant's session files (one directory scan)."""
-        d = self.tenant_dir(tenant) / "sessions"
+    def session_stats(self, folder: str) -> dict[str, tuple[int, int]]:
+        """``{session: (size, mtime_ns)}`` of the folder's session files (one directory scan)."""
+        d = self.folder_dir(folder) / "sessions"
         out: dict[str, tuple[int, int]] = {}
         try:
             entries = list(os.scandir(d))
@@ -234,11 +235,11 @@ class MemoryFiles:
                 out[e.name[:-3]] = (st.st_size, st.st_mtime_ns)
         return out
 
-    def session_size(self, tenant: str, session: str) -> int:
-        path = self.session_path(tenant, session)
+    def session_size(self, folder: str, session: str) -> int:
+        path = self.session_path(folder, session)
         return path.stat().st_size if path.exists() else 0
 
-    def _daily(self, tenant: str, session: str, turns: list[Turn]) -> None:
+    def _daily(self, folder: str, session: str, turns: list[Turn]) -> None:
         by_day: dict[str, list[str]] = {}
         for turn in turns:
             day, _, clock = turn.ts.partition("T")
@@ -249,26 +250,26 @@ class MemoryFiles:
             by_day.setdefault(day or "undated", []).append(
                 f"- {clock or turn.ts} [{session}] {turn.role}: {one_line} ({turn.turn_id})\n")
         for day, lines in by_day.items():
-            path = self.tenant_dir(tenant) / "daily" / f"{day}.md"
+            path = self.folder_dir(folder) / "daily" / f"{day}.md"
             path.parent.mkdir(parents=True, exist_ok=True)
             # the daily log is for people reading along: no fsync (the session file has one)
             append_durable(path, "".join(lines).encode("utf-8"), sync=False)
 
     # --- durable memories --------------------------------------------------------------------
 
-    def read_memories(self, tenant: str, *, history: bool = False) -> list[Memory]:
+    def read_memories(self, folder: str, *, history: bool = False) -> list[Memory]:
         """The durable memories in force (with ``history``: the replaced ones too); a line that
-        does not parse is skipped (and logged): a broken line must never take the tenant's
+        does not parse is skipped (and logged): a broken line must never take the folder's
         memory down (``cwm memory check`` lists them)."""
-        mems, bad = self.scan_memories(tenant)
+        mems, bad = self.scan_memories(folder)
         for n, _ in bad:
-            log.warning("tenant %s: memories.md line %d is not a valid memory line; skipped "
-                        "(run `cwm memory check`)", tenant, n)
+            log.warning("folder %s: memories.md line %d is not a valid memory line; skipped "
+                        "(run `cwm memory check`)", folder, n)
         return mems if history else [m for m in mems if m.active]
 
-    def scan_memories(self, tenant: str) -> tuple[list[Memory], list[tuple[int, str]]]:
+    def scan_memories(self, folder: str) -> tuple[list[Memory], list[tuple[int, str]]]:
         """``(memories, [(line number, line) of every memory line that does not parse])``."""
-        path = self.memories_path(tenant)
+        path = self.memories_path(folder)
         if not path.exists():
             return [], []
         out: list[Memory] = []
@@ -284,14 +285,14 @@ class MemoryFiles:
                 out.append(m)
         return out, bad
 
-    def update_memories(self, tenant: str, fn) -> list[Memory]:
+    def update_memories(self, folder: str, fn) -> list[Memory]:
         """Read, change (``fn(list) -> list``, every memory, replaced ones included) and
         atomically rewrite memories.md, locked: the memories in force, then the history of
         replaced ones. Lines that do not parse are written back as they were (for a person to
         fix)."""
-        path = self.memories_path(tenant)
+        path = self.memories_path(folder)
         with locked(path):
-            parsed, bad = self.scan_memories(tenant)
+            parsed, bad = self.scan_memories(folder)
             mems = fn(parsed)
             lines = ["# Durable memories", ""]
             lines += [memory_line(m) for m in mems if m.active]
@@ -304,10 +305,10 @@ class MemoryFiles:
 
     # --- summaries ---------------------------------------------------------------------------
 
-    def read_summary(self, tenant: str, session: str) -> tuple[str, str] | None:
+    def read_summary(self, folder: str, session: str) -> tuple[str, str] | None:
         """``(text, upto_turn)`` or ``None``; a damaged header line is logged and ignored
         (the summary is then taken as covering no turn, so the next update redoes it)."""
-        path = self.summary_path(tenant, session)
+        path = self.summary_path(folder, session)
         if not path.exists():
             return None
         head, _, text = path.read_text(encoding="utf-8", errors="replace").partition("\n")
@@ -315,22 +316,22 @@ class MemoryFiles:
             return (head + "\n" + text).strip(), ""
         meta = summary_meta(head)
         if meta is None:
-            log.warning("tenant %s: the header of summary %s is damaged; ignored (run `cwm "
-                        "memory check`)", tenant, session)
+            log.warning("folder %s: the header of summary %s is damaged; ignored (run `cwm "
+                        "memory check`)", folder, session)
             return text.strip(), ""
         return text.strip(), str(meta.get("upto_turn", ""))
 
-    def read_cursor(self, tenant: str, session: str, name: str) -> str:
+    def read_cursor(self, folder: str, session: str, name: str) -> str:
         """The id of the last turn the work ``name`` covered in the session ("" if none)."""
-        path = self.tenant_dir(tenant) / "cursors" / f"{check_name('session', session)}.json"
+        path = self.folder_dir(folder) / "cursors" / f"{check_name('session', session)}.json"
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return ""
         return str(data.get(name, "")) if isinstance(data, dict) else ""
 
-    def write_cursor(self, tenant: str, session: str, name: str, turn_id: str) -> None:
-        path = self.tenant_dir(tenant) / "cursors" / f"{check_name('session', session)}.json"
+    def write_cursor(self, folder: str, session: str, name: str, turn_id: str) -> None:
+        path = self.folder_dir(folder) / "cursors" / f"{check_name('session', session)}.json"
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -339,7 +340,7 @@ class MemoryFiles:
         data[name] = turn_id
         replace_durable(path, json.dumps(data) + "\n")
 
-    def write_summary(self, tenant: str, session: str, text: str, upto_turn: str) -> None:
+    def write_summary(self, folder: str, session: str, text: str, upto_turn: str) -> None:
         meta = _mark_safe_json({"upto_turn": upto_turn, "updated": utc_iso()})
-        replace_durable(self.summary_path(tenant, session),
+        replace_durable(self.summary_path(folder, session),
                         f"{SUMMARY_MARK}{meta}{END}\n{text.strip()}\n")

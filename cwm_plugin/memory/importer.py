@@ -1,4 +1,4 @@
-"""``cwm memory import``: past conversations into a tenant's memory, in bulk.
+"""``cwm memory import``: past conversations into a folder's memory, in bulk.
 
 Formats (``read_conversations``):
 
@@ -213,11 +213,11 @@ def embedding_pool(service: Any, workers: int, texts: int) -> Iterator[Callable 
         yield compute
 
 
-def import_sessions(service: Any, tenant: str, conversations: list[Conversation], *,
+def import_sessions(service: Any, folder: str, conversations: list[Conversation], *,
                     progress: bool = True, workers: int = 1) -> ImportStats:
-    """Write and index ``conversations`` into ``tenant``'s memory (see the module docstring);
+    """Write and index ``conversations`` into ``folder``'s memory (see the module docstring);
     ``workers`` processes embed a large import (the local MiniLM model only)."""
-    check_name("tenant", tenant)
+    check_name("folder", folder)
     t0 = time.perf_counter()
     merged: dict[str, list[Turn]] = {}  # one append a session, conversations in order
     for c in conversations:  # everything checked before anything is written
@@ -225,9 +225,9 @@ def import_sessions(service: Any, tenant: str, conversations: list[Conversation]
         ts = utc_iso() if c.ts is None else iso_time(c.ts, f"session {c.session}: ts")
         merged.setdefault(c.session, []).extend(
             Turn(new_turn_id(), check_role(role), text, ts) for role, text in c.turns)
-    with service.lock(tenant):
-        idx = service.indexes.get(tenant)  # loaded or built first: appends land on top of it
-        written = [(s, r, *service.files.append_turns(tenant, s, r))
+    with service.lock(folder):
+        idx = service.indexes.get(folder)  # loaded or built first: appends land on top of it
+        written = [(s, r, *service.files.append_turns(folder, s, r))
                    for s, r in merged.items() if r]
         units = [idx.units(r) for _, r, _, _ in written]
         prevs = [idx.last_unit(s) for s, _, _, _ in written]
@@ -237,7 +237,7 @@ def import_sessions(service: Any, tenant: str, conversations: list[Conversation]
         embedded = [np.zeros((len(ins), idx.embedder.dims), np.float32) for ins in inputs]
         order = sorted(range(len(texts)), key=lambda k: len(texts[k][2]))
         chars = sum(len(t) for _, _, t in texts)  # progress: tokens, pro rata of the text
-        with tqdm(total=tokens, desc=f"import {tenant}", unit="tok", unit_scale=True,
+        with tqdm(total=tokens, desc=f"import {folder}", unit="tok", unit_scale=True,
                   disable=not progress) as bar, \
                 embedding_pool(service, workers, len(texts)) as compute:
             for a in range(0, len(order), SLICE):
@@ -250,9 +250,9 @@ def import_sessions(service: Any, tenant: str, conversations: list[Conversation]
         before = len(idx.chunks)
         for w, (session, records, start, end) in enumerate(written):
             vecs = idx.line_vectors(prevs[w], units[w], embedded[w])
-            service.indexes.appended(tenant, session, records, start, end,
+            service.indexes.appended(folder, session, records, start, end,
                                      prepared=(units[w], vecs))
-        service.indexes.save(tenant)
+        service.indexes.save(folder)
         chunks = len(idx.chunks) - before
     return ImportStats(len(written), sum(len(r) for _, r, _, _ in written), chunks, tokens,
                        time.perf_counter() - t0)

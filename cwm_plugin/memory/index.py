@@ -1,6 +1,6 @@
-"""One tenant's derived chunk index: its chunks, BM25 over them, line and chunk vectors.
+"""One folder's derived chunk index: its chunks, BM25 over them, line and chunk vectors.
 
-Everything here is rebuilt from the tenant's transcript files and kept up to date turn by turn
+Everything here is rebuilt from the folder's transcript files and kept up to date turn by turn
 (``add_turns``): chunking is incremental (only the session's last, open chunk changes), line
 vectors are appended (turns are never rewritten), and BM25's statistics are updated chunk by
 chunk (``bm25.py``). A session whose file was edited by hand is dropped (``drop_session``) and
@@ -68,8 +68,8 @@ def knn_labels(index: hnswlib.Index, qvec: np.ndarray, k: int, live: int) -> set
     return set(knn_ordered(index, qvec, k, live))
 
 
-class TenantIndex:
-    """Chunks of every session of one tenant, searchable by BM25 and vectors."""
+class FolderIndex:
+    """Chunks of every session of one folder, searchable by BM25 and vectors."""
 
     def __init__(self, embedder: Embedder, counter: TokenCounter, chunk_tokens: int,
                  overlap: int, context_lines: int = 1, chunk_weight: float = 1.0,

@@ -22,7 +22,7 @@ from cwm_plugin.memory.models import Hit, Memory
 
 
 class MemoryIndex:
-    """One tenant's durable memories, searchable like chunks (``source="memory"``)."""
+    """One folder's durable memories, searchable like chunks (``source="memory"``)."""
 
     def __init__(self, embedder: Embedder, memories: list[Memory],
                  signature: tuple[int, int] | None = None) -> None:

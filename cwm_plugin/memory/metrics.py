@@ -13,7 +13,7 @@ class MemoryMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.retrieval = Histogram(
-            "cwm_memory_retrieval_seconds", "Time to search a tenant's memory", ["mode"],
+            "cwm_memory_retrieval_seconds", "Time to search a folder's memory", ["mode"],
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=self.registry)
         self.chunks = Counter("cwm_memory_chunks_indexed_total",

@@ -1,4 +1,4 @@
-"""Validation of tenant and session names: they become folder and file names.
+"""Validation of memory folder and session names: they become folder and file names.
 
 A name is 1-64 characters of letters, digits, ``_``, ``-`` and ``.``, starting with a letter or
 digit, with no ``..``: no path traversal, no separators, no NUL, no hidden files.

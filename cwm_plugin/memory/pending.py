@@ -1,9 +1,9 @@
 """Recorded turns: their records, and those appended with ``defer_index`` awaiting indexing.
 
 A caller answering a client appends turns to the session file at once (durable) and leaves
-embedding their lines for later (``MemoryService.index_pending``); a search of the tenant runs
+embedding their lines for later (``MemoryService.index_pending``); a search of the folder runs
 that first, so it sees every turn this process appended. ``PendingTurns`` keeps those batches
-per tenant, in order, lets one indexing a tenant take them at a time, and puts them back in
+per folder, in order, lets one indexing a folder take them at a time, and puts them back in
 front when the indexing fails (an embedder that is down), so nothing is lost.
 """
 
@@ -45,38 +45,38 @@ def turn_records(turns: list[tuple[str, str]], turn_ids: list[str | None] | None
 
 
 class PendingTurns:
-    """Batches of appended turns not indexed yet, per tenant, in the order appended."""
+    """Batches of appended turns not indexed yet, per folder, in the order appended."""
 
     def __init__(self) -> None:
         self._batches: dict[str, list[Batch]] = {}
-        self._indexing: dict[str, threading.RLock] = {}  # one indexing a tenant at a time
+        self._indexing: dict[str, threading.RLock] = {}  # one indexing a folder at a time
         self._guard = threading.Lock()
 
-    def add(self, tenant: str, batch: Batch) -> None:
+    def add(self, folder: str, batch: Batch) -> None:
         with self._guard:
-            self._batches.setdefault(tenant, []).append(batch)
+            self._batches.setdefault(folder, []).append(batch)
 
-    def waiting(self, tenant: str) -> int:
+    def waiting(self, folder: str) -> int:
         with self._guard:
-            return len(self._batches.get(tenant, ()))
+            return len(self._batches.get(folder, ()))
 
-    def tenants(self) -> list[str]:
-        """The tenants with batches waiting."""
+    def folders(self) -> list[str]:
+        """The folders with batches waiting."""
         with self._guard:
             return [t for t, b in self._batches.items() if b]
 
     @contextmanager
-    def take(self, tenant: str) -> Iterator[list[Batch]]:
-        """The tenant's waiting batches, taken while holding its indexing turn (waiting for an
+    def take(self, folder: str) -> Iterator[list[Batch]]:
+        """The folder's waiting batches, taken while holding its indexing turn (waiting for an
         indexing under way); given back in front of newer ones if the body raises."""
         with self._guard:
-            lock = self._indexing.setdefault(tenant, threading.RLock())
+            lock = self._indexing.setdefault(folder, threading.RLock())
         with lock:
             with self._guard:
-                todo = self._batches.pop(tenant, [])
+                todo = self._batches.pop(folder, [])
             try:
                 yield todo
             except BaseException:  # (a batch already added is a no-op the second time)
                 with self._guard:
-                    self._batches[tenant] = todo + self._batches.get(tenant, [])
+                    self._batches[folder] = todo + self._batches.get(folder, [])
                 raise

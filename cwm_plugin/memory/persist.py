@@ -1,6 +1,6 @@
-"""The derived chunk index of a tenant on disk, so a restart does not rebuild it.
+"""The derived chunk index of a folder on disk, so a restart does not rebuild it.
 
-Layout: ``<root>/.index/<tenant>/CURRENT`` names a generation folder next to it that holds
+Layout: ``<root>/.index/<folder>/CURRENT`` names a generation folder next to it that holds
 
 - ``manifest.json``: format, the settings the index depends on (embedder, tokenizer, chunk
   size, overlap, context lines), and for each session file the byte ``offset`` indexed so
@@ -12,11 +12,11 @@ Layout: ``<root>/.index/<tenant>/CURRENT`` names a generation folder next to it 
 
 A generation is written completely (files fsynced) before ``CURRENT`` is replaced atomically
 (temporary file + rename), and older generations are removed afterwards, under a lock that
-writers of one tenant share: a reader sees the old index or the new one, never a mix, and a
+writers of one folder share: a reader sees the old index or the new one, never a mix, and a
 crash leaves at worst an unused folder (removed by a later save once an hour old). ``load``
 returns ``None`` when there is nothing usable (no index, other settings, unreadable files): the
 caller rebuilds from the markdown files, which stay the truth. Whether each session file still
-matches its mark is checked by the caller (``tenants.py``).
+matches its mark is checked by the caller (``folders.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 
 from cwm_plugin.memory.chunking import Unit, make_chunk
 from cwm_plugin.memory.durable import locked, replace_durable
-from cwm_plugin.memory.index import SessionState, TenantIndex
+from cwm_plugin.memory.index import FolderIndex, SessionState
 
 log = logging.getLogger(__name__)
 FORMAT = 1
@@ -53,7 +53,7 @@ class FileMark:
     digest: str  # sha256 hex of the first ``offset`` bytes
 
 
-def fingerprint(idx: TenantIndex) -> dict[str, object]:
+def fingerprint(idx: FolderIndex) -> dict[str, object]:
     """Everything the stored chunks and vectors depend on."""
     return {"format": FORMAT, "embedder": idx.embedder.name, "dims": idx.embedder.dims,
             "tokenizer": idx.counter.name, "chunk_tokens": idx.chunk_tokens,
@@ -61,13 +61,13 @@ def fingerprint(idx: TenantIndex) -> dict[str, object]:
             "context_mode": idx.context_mode}
 
 
-def tenant_dir(root: Path, tenant: str) -> Path:
-    return Path(root) / INDEX_DIR / tenant
+def folder_dir(root: Path, folder: str) -> Path:
+    return Path(root) / INDEX_DIR / folder
 
 
-def current_generation(root: Path, tenant: str) -> str | None:
+def current_generation(root: Path, folder: str) -> str | None:
     try:
-        return (tenant_dir(root, tenant) / "CURRENT").read_text().strip() or None
+        return (folder_dir(root, folder) / "CURRENT").read_text().strip() or None
     except OSError:
         return None
 
@@ -79,9 +79,9 @@ def _write(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
-def save(idx: TenantIndex, marks: dict[str, FileMark], root: Path, tenant: str) -> str:
-    """Write a new generation of the tenant's index and make it current; returns its name."""
-    base = tenant_dir(root, tenant)
+def save(idx: FolderIndex, marks: dict[str, FileMark], root: Path, folder: str) -> str:
+    """Write a new generation of the folder's index and make it current; returns its name."""
+    base = folder_dir(root, folder)
     gen = f"g{time.time_ns():x}-{os.getpid()}-{secrets.token_hex(2)}"
     tmp = base / f".{gen}.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -90,7 +90,7 @@ def save(idx: TenantIndex, marks: dict[str, FileMark], root: Path, tenant: str) 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # (a full disk is not filled further)
         raise
-    # Two savers of one tenant (the sidecar and `cwm memory reindex`) take turns here, so
+    # Two savers of one folder (the sidecar and `cwm memory reindex`) take turns here, so
     # CURRENT always names a folder that exists; each removes the generations before its own
     # and unfinished ones a crashed writer left (hidden, older than STALE_TMP_S).
     with locked(base / "CURRENT"):
@@ -107,7 +107,7 @@ def save(idx: TenantIndex, marks: dict[str, FileMark], root: Path, tenant: str) 
     return gen
 
 
-def _write_generation(idx: TenantIndex, marks: dict[str, FileMark], tmp: Path) -> None:
+def _write_generation(idx: FolderIndex, marks: dict[str, FileMark], tmp: Path) -> None:
     """The index's files in ``tmp``, synced."""
     sessions = {name: {"units": [[u.text, u.turn_id, u.ts, u.tokens] for u in st.units],
                        "labels": st.labels,
@@ -124,22 +124,22 @@ def _write_generation(idx: TenantIndex, marks: dict[str, FileMark], tmp: Path) -
             os.fsync(fh.fileno())
 
 
-def load(idx: TenantIndex, root: Path, tenant: str) -> tuple[dict[str, FileMark], str] | None:
+def load(idx: FolderIndex, root: Path, folder: str) -> tuple[dict[str, FileMark], str] | None:
     """Fill the empty ``idx`` from the current generation; ``(marks, generation)`` or None."""
-    gen = current_generation(root, tenant)
+    gen = current_generation(root, folder)
     if gen is None:
         return None
-    folder = tenant_dir(root, tenant) / gen
+    gen_dir = folder_dir(root, folder) / gen
     try:
-        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest = json.loads((gen_dir / "manifest.json").read_text())
         if {k: manifest.get(k) for k in fingerprint(idx)} != fingerprint(idx):
-            log.info("index of tenant %s was built with other settings: rebuilding", tenant)
+            log.info("index of folder %s was built with other settings: rebuilding", folder)
             return None
-        sessions = json.loads((folder / "sessions.json").read_text(encoding="utf-8"))
-        vectors = np.load(folder / "vectors.npy")
+        sessions = json.loads((gen_dir / "sessions.json").read_text(encoding="utf-8"))
+        vectors = np.load(gen_dir / "vectors.npy")
         n = int(manifest["n_vectors"])
         hnsw = hnswlib.Index(space="cosine", dim=idx.embedder.dims)
-        hnsw.load_index(str(folder / "lines.hnsw"), max_elements=max(1024, n))
+        hnsw.load_index(str(gen_dir / "lines.hnsw"), max_elements=max(1024, n))
         if vectors.shape != (n, idx.embedder.dims) or hnsw.get_current_count() != n:
             raise ValueError("vector counts disagree")
         for name, raw in sessions.items():
@@ -158,7 +158,8 @@ def load(idx: TenantIndex, root: Path, tenant: str) -> tuple[dict[str, FileMark]
         idx.vectors, idx.hnsw, idx.deleted = vectors, hnsw, int(manifest["deleted"])
         marks = {s: FileMark(**m) for s, m in manifest["marks"].items()}
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-        log.warning("index of tenant %s at %s is unusable (%s): rebuilding", tenant, folder, exc)
+        log.warning("index of folder %s at %s is unusable (%s): rebuilding", folder, gen_dir,
+                    exc)
         return None
     idx.offsets = {s: m.offset for s, m in marks.items()}
     return marks, gen

@@ -1,10 +1,10 @@
-"""The index's token counts turned into the served model's: one ratio a tenant and tokenizer.
+"""The index's token counts turned into the served model's: one ratio a folder and tokenizer.
 
 The index counts each line with its own tokenizer (``index_tokenizer``) when the line is
 indexed; a selection budgets in the served model's tokens. Counting a first turn's ~400
 candidate lines again with the served tokenizer took 35-60 ms of ~100 in the sidecar at 10k
 chunks; instead a line costs its index count times the ratio of the two tokenizers on the
-tenant's own text, measured once on a sample of lines counted both ways. The packer's costs
+folder's own text, measured once on a sample of lines counted both ways. The packer's costs
 were estimates already: the assembled block is counted exactly, packed again with the room it
 left unused and cut back should it be over, so the budget holds exactly as before.
 """
@@ -21,17 +21,17 @@ MIN_SAMPLE = 32  # fewer lines than this: count exactly, measure on a later sele
 
 
 class TokenRatios:
-    """``ratios.of(tenant, counter, lines)`` -> served tokens per index token, or None."""
+    """``ratios.of(folder, counter, lines)`` -> served tokens per index token, or None."""
 
     def __init__(self) -> None:
         self._ratios: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
 
-    def of(self, tenant: str, counter: TokenCounter,
+    def of(self, folder: str, counter: TokenCounter,
            lines: Iterable[tuple[str, int]]) -> float | None:
-        """The ratio for ``counter`` on ``tenant``'s text, measured on ``lines`` (text, index
+        """The ratio for ``counter`` on ``folder``'s text, measured on ``lines`` (text, index
         count) the first time; None while there are too few lines to measure it."""
-        key = (tenant, counter.name)
+        key = (folder, counter.name)
         with self._lock:
             got = self._ratios.get(key)
         if got is not None:
@@ -52,7 +52,7 @@ class TokenRatios:
             self._ratios[key] = ratio
         return ratio
 
-    def forget(self, tenant: str) -> None:
+    def forget(self, folder: str) -> None:
         with self._lock:
-            for key in [k for k in self._ratios if k[0] == tenant]:
+            for key in [k for k in self._ratios if k[0] == folder]:
                 del self._ratios[key]

@@ -1,4 +1,4 @@
-"""BM25, vector and hybrid search over a corpus (a tenant's chunks or its durable memories).
+"""BM25, vector and hybrid search over a corpus (a folder's chunks or its durable memories).
 
 Candidates: ``k * candidate_multiplier`` documents from each method (BM25's best by score; for
 vectors, the documents holding the nearest ``k * candidate_multiplier * 2`` vectors in
@@ -22,7 +22,7 @@ conversations).
 Priors: a document's hybrid score is multiplied by its corpus's ``prior`` (1 for chunks;
 ``0.5 + importance`` for durable memories, so importance still weighs in). Recency (optional):
 the score is multiplied by ``0.5 ** (age_days / half_life)``, the age taken from the corpus's
-newest document (not the wall clock), so an idle tenant's memory does not fade. MMR (optional):
+newest document (not the wall clock), so an idle folder's memory does not fade. MMR (optional):
 greedy re-ranking by ``lambda * score - (1 - lambda) * max_sim_to_picked``, the similarity
 between documents being the cosine of their vectors.
 """
@@ -44,7 +44,7 @@ MODES = ("hybrid", "bm25", "vector")
 
 
 class Corpus(Protocol):
-    """What search needs of an index (``TenantIndex``, ``MemoryIndex``)."""
+    """What search needs of an index (``FolderIndex``, ``MemoryIndex``)."""
 
     @property
     def n_vectors(self) -> int: ...

@@ -16,7 +16,7 @@ A line's score, each part min-max normalised over the query's candidate lines (a
 - ``chunk_prior_weight`` (0.5) x the hybrid score of the best chunk holding the line, over the
   ``k`` best chunks (``search_index``), divided by the best chunk's: the chunk's context;
 - ``speaker_weight`` (0.2) when the query names the line's speaker (a role that is a name, as
-  in an imported conversation) and no other speaker of the tenant: BM25F's field boost for
+  in an imported conversation) and no other speaker of the folder: BM25F's field boost for
   "who said it";
 - ``date_weight`` (0.2) times how near the line's time stamp is to a day or month the query
   names ("on 16 June, 2023", "in August": ``dates.py``): 1 inside it, 0 a week away.
@@ -39,7 +39,7 @@ import numpy as np
 from cwm_plugin.memory.bm25 import BM25Corpus
 from cwm_plugin.memory.chunking import Unit
 from cwm_plugin.memory.dates import nearness, periods
-from cwm_plugin.memory.index import SessionState, TenantIndex
+from cwm_plugin.memory.index import FolderIndex, SessionState
 from cwm_plugin.memory.models import Hit, MemoryConfig
 from cwm_plugin.memory.search import search_index
 from cwm_plugin.memory.timing import Stages
@@ -72,8 +72,8 @@ def speaker(unit: Unit) -> str:
 
 
 class LineCorpus:
-    """BM25 over a tenant's lines, alone and with their neighbours, kept in step with its
-    ``TenantIndex`` (lines are appended; a dropped session's lines are removed)."""
+    """BM25 over a folder's lines, alone and with their neighbours, kept in step with its
+    ``FolderIndex`` (lines are appended; a dropped session's lines are removed)."""
 
     def __init__(self) -> None:
         self.alone = BM25Corpus()
@@ -84,7 +84,7 @@ class LineCorpus:
         self._speakers: dict[str, set[str]] = {}  # per session
         self._synced: tuple[int, int] | None = None  # (index.changes, sessions) at last sync
 
-    def sync(self, index: TenantIndex) -> None:
+    def sync(self, index: FolderIndex) -> None:
         """Follow the index's appends and drops (nothing to walk when it has not changed: a
         walk over 700 sessions cost ~2.5 ms a search)."""
         state = (index.changes, len(index.sessions))
@@ -112,7 +112,7 @@ class LineCorpus:
             self._count[session] = len(units)
         self._synced = state
         if len(self.alone) - before >= FREEZE_AFTER:
-            gc.freeze()  # long-lived, like the index (``TenantIndexes.get``)
+            gc.freeze()  # long-lived, like the index (``FolderIndexes.get``)
 
     def _drop(self, session: str) -> None:
         self.by_label = {lab: d for lab, d in self.by_label.items()
@@ -124,7 +124,7 @@ class LineCorpus:
         self._speakers.pop(session, None)
 
     def speakers(self) -> set[str]:
-        """Every speaker (the role before ": ") of the tenant's lines."""
+        """Every speaker (the role before ": ") of the folder's lines."""
         return set().union(*self._speakers.values()) - {""}
 
 
@@ -141,10 +141,10 @@ def _minmax(x: np.ndarray) -> np.ndarray:
     return (x - lo) / (hi - lo)
 
 
-def rank_lines(index: TenantIndex, corpus: LineCorpus, query: str, qvec: np.ndarray | None,
+def rank_lines(index: FolderIndex, corpus: LineCorpus, query: str, qvec: np.ndarray | None,
                cfg: MemoryConfig, *, mode: str = "hybrid", k_chunks: int = 20,
                stages: Stages | None = None) -> list[Line]:
-    """The tenant's lines scored for ``query`` (see the module docstring), best first."""
+    """The folder's lines scored for ``query`` (see the module docstring), best first."""
     stages = stages or Stages()
     if not index.n_docs:
         return []
@@ -233,7 +233,7 @@ def _date_boost(query: str, units: list[Unit], weight: float) -> np.ndarray:
         else np.zeros(len(units))
 
 
-def _chunk_lines(index: TenantIndex, hit: Hit) -> list[str]:
+def _chunk_lines(index: FolderIndex, hit: Hit) -> list[str]:
     session = hit.source.removeprefix("session:")
     for b, e, cid in index.sessions.get(session, SessionState()).spans:
         if cid == hit.chunk_id:
@@ -241,11 +241,11 @@ def _chunk_lines(index: TenantIndex, hit: Hit) -> list[str]:
     return []
 
 
-def _unit(index: TenantIndex, key: str) -> Unit:
+def _unit(index: FolderIndex, key: str) -> Unit:
     session, _, row = key.rpartition(SEP)
     return index.sessions[session].units[int(row)]
 
 
-def _label(index: TenantIndex, key: str) -> int:
+def _label(index: FolderIndex, key: str) -> int:
     session, _, row = key.rpartition(SEP)
     return index.sessions[session].labels[int(row)]

@@ -26,6 +26,8 @@ def test_cli_add_show_reindex_search(tmp_path: Path, counter, capsys) -> None:
     assert "1 chunks indexed" in capsys.readouterr().out
     assert main(["memory", "search", *common, "--tenant", "acme", "balcony basil"]) == 0
     assert "turns t1" in capsys.readouterr().out
+    assert main(["memory", "search", *common, "--folder", "acme", "balcony basil"]) == 0
+    assert "turns t1" in capsys.readouterr().out  # --folder: another name for --tenant
     assert main(["memory", "show", "--root", str(tmp_path), "--tenant", "acme"]) == 0
     out = capsys.readouterr().out
     assert "s1" in out and "mint tea" in out

@@ -126,11 +126,11 @@ def test_a_pool_of_worker_processes_embeds_like_the_service(tmp_path: Path, coun
     svc.close()
 
 
-def test_imported_times_and_speakers_cannot_write_outside_the_tenant(tmp_path: Path,
+def test_imported_times_and_speakers_cannot_write_outside_the_folder(tmp_path: Path,
                                                                      counter) -> None:
     """A ``ts`` names a daily file and goes into a record's heading; a speaker becomes a
     role: a crafted one is refused (JSONL ``ts``) or made safe (a LoCoMo speaker) before
-    anything is written, so no import reaches another tenant's files or forges records."""
+    anything is written, so no import reaches another folder's files or forges records."""
     root = tmp_path / "mem"
     svc = MemoryService(MemoryConfig(root=root), HashingEmbedder(), counter)
     svc.record_turn("bob", "notes", "user", "Bob's own note.")
@@ -173,8 +173,8 @@ def test_stray_files_in_the_memory_root_are_skipped_not_fatal(tmp_path: Path, co
     (sessions / "._s1.md").write_bytes(b"\x00\x05binary")
     (root / "acme copy").mkdir()
     svc = MemoryService(MemoryConfig(root=root), HashingEmbedder(), counter)
-    assert svc.files.sessions("acme") == ["s1"] and svc.files.tenants() == ["acme"]
-    assert svc.reindex(progress=False) == 1  # all tenants: the stray folder is no tenant
+    assert svc.files.sessions("acme") == ["s1"] and svc.files.folders() == ["acme"]
+    assert svc.reindex(progress=False) == 1  # all folders: "acme copy" is none
     assert "cello" in svc.search("acme", "cello lesson", 1, mode="bm25")[0].text
-    assert "'s1 copy' is not a valid tenant or session name" in caplog.text
+    assert "'s1 copy' is not a valid folder or session name" in caplog.text
     svc.close()

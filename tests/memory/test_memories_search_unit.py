@@ -81,7 +81,7 @@ LOCKER_QUESTION = [{"role": "user", "content": "Remind me of my locker code ZX-4
 
 
 def facts_service(make_service, minilm):
-    """A service whose tenant ``acme`` holds FACTS and one turn of session ``s1``."""
+    """A service whose folder ``acme`` holds FACTS and one turn of session ``s1``."""
     svc = make_service(minilm, max_facts=1)
     for text, cat, imp in FACTS:
         svc.add_memory("acme", text, cat, imp)
@@ -116,12 +116,12 @@ def test_a_selection_counts_uses_without_writing_or_re_indexing(make_service, mi
 
 
 def test_a_selection_leaves_every_file_byte_identical(make_service, minilm) -> None:
-    """Reading never writes: content and mtime of every file under the tenant's folder are
+    """Reading never writes: content and mtime of every file under the memory folder are
     the same after selections (with and without the deferred count of uses)."""
     svc = facts_service(make_service, minilm)
     svc.set_summary("acme", "s1", "They talked about the gym.", upto_turn="")
     svc.select_context("acme", "s1", LOCKER_QUESTION, 2000, bump=False)  # indexes built
-    folder = svc.files.tenant_dir("acme")
+    folder = svc.files.folder_dir("acme")
 
     def snapshot() -> dict[str, tuple[bytes, int]]:
         return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)

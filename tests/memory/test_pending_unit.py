@@ -29,13 +29,13 @@ def test_a_failed_indexing_gives_its_batches_back_in_front_of_newer_ones() -> No
         assert [b[2] for b in todo] == [0, 1] and p.waiting("acme") == 0
         p.add("acme", ("s", [], 2, 3))  # appended while the indexing runs
         raise RuntimeError("embedder down")
-    assert p.tenants() == ["acme"] and p.waiting("acme") == 3
+    assert p.folders() == ["acme"] and p.waiting("acme") == 3
     with p.take("acme") as todo:
         assert [b[2] for b in todo] == [0, 1, 2]
-    assert p.waiting("acme") == 0 and p.tenants() == []
+    assert p.waiting("acme") == 0 and p.folders() == []
 
 
-def test_one_indexing_a_tenant_at_a_time() -> None:
+def test_one_indexing_a_folder_at_a_time() -> None:
     p = PendingTurns()
     p.add("acme", ("s", [], 0, 1))
     inside, release, order = threading.Event(), threading.Event(), []

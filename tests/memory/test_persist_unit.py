@@ -11,7 +11,7 @@ import pytest
 
 from cwm_plugin.cli import main
 from cwm_plugin.memory.metrics import MemoryMetrics
-from cwm_plugin.memory.persist import current_generation, tenant_dir
+from cwm_plugin.memory.persist import current_generation, folder_dir
 
 pytestmark = pytest.mark.unit
 
@@ -99,7 +99,7 @@ def test_unusable_or_foreign_index_is_rebuilt(make_service) -> None:
     fill(svc)
     svc.close()
     root = svc.config.root
-    folder = tenant_dir(root, "acme") / current_generation(root, "acme")
+    folder = folder_dir(root, "acme") / current_generation(root, "acme")
     (folder / "sessions.json").write_text("{not json")
     fresh = make_service(root=root, chunk_tokens=40, chunk_overlap=10)
     assert fresh.search("acme", "locker", 1)[0].turn_ids
@@ -116,7 +116,7 @@ def test_reindex_elsewhere_is_picked_up_by_a_running_service(make_service) -> No
     other.reindex("acme", progress=False)
     gen = current_generation(running.config.root, "acme")
     running.search("acme", "x", 1)
-    assert running.indexes._tenants["acme"].generation == gen
+    assert running.indexes._folders["acme"].generation == gen
 
 
 def test_cli_reindex_writes_the_index_and_shows_progress(make_service, capsys) -> None:
@@ -130,7 +130,7 @@ def test_cli_reindex_writes_the_index_and_shows_progress(make_service, capsys) -
     assert "chunks indexed" in out.out
     assert "reindex" in out.err and "2/2" in out.err and "session" in out.err  # tqdm's bar
     gen = current_generation(root, "acme")
-    manifest = json.loads((tenant_dir(root, "acme") / gen / "manifest.json").read_text())
+    manifest = json.loads((folder_dir(root, "acme") / gen / "manifest.json").read_text())
     assert set(manifest["marks"]) == {"s0", "s1"}
     size = os.path.getsize(svc.files.session_path("acme", "s0"))
     assert manifest["marks"]["s0"]["offset"] == manifest["marks"]["s0"]["size"] == size
@@ -145,7 +145,7 @@ def test_index_save_is_atomic_generation_swap(make_service) -> None:
     assert svc.save() == 1
     second = current_generation(svc.config.root, "acme")
     assert second != first
-    names = sorted(p.name for p in Path(tenant_dir(svc.config.root, "acme")).iterdir()
+    names = sorted(p.name for p in Path(folder_dir(svc.config.root, "acme")).iterdir()
                    if not p.name.endswith(".lock"))
     assert names == sorted(["CURRENT", second])  # the old generation is gone, no leftovers
 
@@ -159,13 +159,13 @@ def test_concurrent_savers_leave_current_naming_a_whole_generation(make_service)
     svc = make_service(chunk_tokens=40, chunk_overlap=10)
     fill(svc)
     svc.reindex("acme", progress=False)
-    base = Path(tenant_dir(svc.config.root, "acme"))
+    base = Path(folder_dir(svc.config.root, "acme"))
     crashed = base / ".g0-dead.tmp"                # a writer that died mid-save, long ago
     crashed.mkdir()
     os.utime(crashed, (time.time() - 2 * persist.STALE_TMP_S,) * 2)
     young = base / ".g1-busy.tmp"                  # one being written right now
     young.mkdir()
-    t = svc.indexes._tenants["acme"]
+    t = svc.indexes._folders["acme"]
     marks = {s: m.frozen() for s, m in t.marks.items()}
 
     def saver() -> None:
@@ -210,7 +210,7 @@ def test_an_index_that_cannot_be_saved_is_kept_in_memory_and_counted(make_servic
     degraded = m.degraded.labels("index_save")._value.get()
     assert degraded >= 2 and caplog.text.count("could not be saved") == 1
     assert current_generation(svc.config.root, "acme") is None
-    assert not [p for p in tenant_dir(svc.config.root, "acme").iterdir()
+    assert not [p for p in folder_dir(svc.config.root, "acme").iterdir()
                 if p.name.endswith(".tmp")]  # nothing half-written left behind
     with pytest.raises(OSError, match="No space"):
         svc.reindex("acme", progress=False)

@@ -1,4 +1,4 @@
-"""Search: hybrid combination on a crafted corpus, tenant isolation, rebuild from files."""
+"""Search: hybrid combination on a crafted corpus, folder isolation, rebuild from files."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ CORPUS = [
 ]
 
 
-def fill(svc, tenant: str = "acme") -> None:
+def fill(svc, folder: str = "acme") -> None:
     for tid, text in CORPUS:
-        svc.record_turn(tenant, "s1", "user", text, turn_id=tid)
+        svc.record_turn(folder, "s1", "user", text, turn_id=tid)
 
 
 def top(hits, n: int) -> list[str]:
@@ -84,7 +84,7 @@ def test_mmr_recency_and_session_filter(make_service, minilm) -> None:
     assert all(h.source == "session:s2" for h in only)
 
 
-def test_tenant_isolation(make_service, minilm, tmp_path) -> None:
+def test_folder_isolation(make_service, minilm, tmp_path) -> None:
     svc = make_service(minilm)
     svc.record_turn("alpha", "s1", "user", "The vault password is banana-42.")
     svc.add_memory("alpha", "Alpha's vault password is banana-42.", "fact")
@@ -145,11 +145,11 @@ def test_two_writers_on_one_root_see_each_other(make_service) -> None:
 
 def test_index_grows_past_its_initial_capacity(counter) -> None:
     from cwm_plugin.memory.embeddings import HashingEmbedder
-    from cwm_plugin.memory.index import TenantIndex
+    from cwm_plugin.memory.index import FolderIndex
     from cwm_plugin.memory.models import MemoryConfig, Turn
     from cwm_plugin.memory.search import search_index
 
-    idx = TenantIndex(HashingEmbedder(384), counter, 200, 40)
+    idx = FolderIndex(HashingEmbedder(384), counter, 200, 40)
     emb = HashingEmbedder(384)
     turns = [Turn(f"t{i}", "user", f"note number {i} mentions word{i}", "2024-01-01T00:00:00Z")
              for i in range(1500)]
@@ -264,7 +264,7 @@ def test_an_indexing_brings_the_line_corpus_and_other_writers_in_before_the_next
     assert len(corpus.alone) == before + 2  # both new lines, no search needed
     assert "t" in svc.indexes.get("acme").sessions
     svc.record_turns("acme", "s", [("user", "my kayak is teal")], defer_index=True)
-    monkeypatch.setattr(svc.indexes, "refresh", lambda tenant: 1 / 0)
+    monkeypatch.setattr(svc.indexes, "refresh", lambda folder: 1 / 0)
     assert svc.index_pending("acme") == 1 and not svc.pending.waiting("acme")
     assert any("kayak" in c.text for c in svc.indexes.get("acme").chunks.values())
 

@@ -188,7 +188,7 @@ def test_the_index_line_counts_are_reused_as_they_are_for_the_same_tokenizer(fil
 
 def test_another_tokenizer_prices_lines_at_a_ratio_measured_once(filled, counter) -> None:
     """A served model's tokenizer: the index's counts times the ratio of the two tokenizers,
-    measured once on the tenant's best lines; the block still counted exactly, in budget."""
+    measured once on the folder's best lines; the block still counted exactly, in budget."""
     other = _Doubled(counter, "another-tokenizer")
     q = [{"role": "user", "content": "What about Portuguese and the trip to Kyoto?"}]
     first = filled.select_context("acme", None, q, 800, counter=other, bump=False)

@@ -1,5 +1,5 @@
 """The look for other writers off a selection's path: background jobs, and a scan taken
-before the tenant's lock that never drops a session written after it."""
+before the folder's lock that never drops a session written after it."""
 
 from __future__ import annotations
 
@@ -8,24 +8,24 @@ import time
 
 import pytest
 
-from cwm_plugin.memory.background import TenantJobs
+from cwm_plugin.memory.background import FolderJobs
 
 pytestmark = pytest.mark.unit
 
 ASK = [{"role": "user", "content": "walrus"}]
 
 
-def test_one_job_a_tenant_at_a_time_and_a_failing_job_does_not_stop_the_rest(caplog) -> None:
-    jobs = TenantJobs()
+def test_one_job_a_folder_at_a_time_and_a_failing_job_does_not_stop_the_rest(caplog) -> None:
+    jobs = FolderJobs()
     gate, ran = threading.Event(), []
 
-    def slow(tenant: str) -> None:
+    def slow(folder: str) -> None:
         gate.wait(10)
-        ran.append((tenant, threading.current_thread().name))
+        ran.append((folder, threading.current_thread().name))
 
     assert jobs.soon("acme", slow)
     assert not jobs.soon("acme", slow)  # queued already: not twice
-    assert jobs.soon("globex", lambda t: 1 / 0)  # another tenant queues beside it
+    assert jobs.soon("globex", lambda t: 1 / 0)  # another folder queues beside it
     gate.set()
     deadline = time.monotonic() + 10
     while jobs.soon("acme", lambda t: ran.append((t, "again"))) is False:
@@ -34,7 +34,7 @@ def test_one_job_a_tenant_at_a_time_and_a_failing_job_does_not_stop_the_rest(cap
     jobs.close()  # waits for what is queued
     assert ran[0][0] == "acme" and ran[0][1].startswith("cwm-memory-sync")
     assert ran[-1] == ("acme", "again")
-    assert "background job for tenant globex failed" in caplog.text
+    assert "background job for folder globex failed" in caplog.text
     assert not jobs.soon("acme", slow)  # closed
 
 
@@ -43,12 +43,12 @@ def test_a_selection_leaves_a_due_look_for_other_writers_to_the_background(make_
     svc = make_service(sync_interval_s=0.05)
     svc.record_turn("acme", "s", "user", "warm up the index")
     svc.select_context("acme", None, ASK, 200, bump=False, mode="bm25")
-    other = make_service(root=svc.config.root)  # another process writing the same tenant
+    other = make_service(root=svc.config.root)  # another process writing the same folder
     other.record_turn("acme", "t", "user", "a walrus named Olga")
     scans: list[str] = []
     real = svc.files.session_stats
-    monkeypatch.setattr(svc.files, "session_stats", lambda tenant: scans.append(
-        threading.current_thread().name) or real(tenant))
+    monkeypatch.setattr(svc.files, "session_stats", lambda folder: scans.append(
+        threading.current_thread().name) or real(folder))
     time.sleep(0.06)  # the look is due
     first = svc.select_context("acme", None, ASK, 200, bump=False, mode="bm25")
     assert "Olga" not in first.memory_block  # not looked for on the request's path ...
@@ -72,7 +72,7 @@ def test_a_scan_taken_before_the_lock_never_drops_a_session_written_after_it(
     svc = make_service(sync_interval_s=0.0)
     svc.record_turn("acme", "old", "user", "the mauve canoe")
     svc.index("acme")
-    (svc.files.tenant_dir("acme") / "sessions" / "old.md").unlink()  # a session goes
+    (svc.files.folder_dir("acme") / "sessions" / "old.md").unlink()  # a session goes
     stats = svc.files.session_stats("acme")  # taken without the lock ...
     svc.record_turn("acme", "new", "user", "the teal kayak")  # ... then one appears
     with svc.lock("acme"):

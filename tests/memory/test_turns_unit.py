@@ -102,7 +102,7 @@ def test_warm_loads_the_index_and_builds_the_line_corpus(make_service) -> None:
     svc = make_service()
     svc.record_turn("acme", "s1", "user", "We hiked the Dolomites in June.")
     svc.record_turn("acme", "s1", "assistant", "That sounds wonderful.")
-    svc.indexes._tenants.clear()  # as after a restart: nothing loaded
+    svc.indexes._folders.clear()  # as after a restart: nothing loaded
     svc._lines.clear()
     svc.warm("acme")
     assert svc.indexes.loaded("acme")
@@ -142,5 +142,5 @@ def test_ranked_lines_are_what_a_selection_packs_from(make_service, counter) -> 
     sel = svc.select_context("acme", None, [{"role": "user", "content": "Who plays the cello?"}],
                              40, summary=False, bump=False)
     assert [t for h in sel.hits for t in h.turn_ids] == ["cello"]
-    with pytest.raises(Exception, match="tenant"):
+    with pytest.raises(Exception, match="folder name"):
         svc.ranked_lines("../other", "cello")

@@ -1,7 +1,7 @@
 """A thin async adapter over the memory package's ``MemoryService``.
 
 The memory service is synchronous (files, indexes, an embedding model) and serialises each
-tenant's index changes itself. The sidecar calls it from the event loop through
+folder's index changes itself. The sidecar calls it from the event loop through
 :func:`asyncio.to_thread`, so a slow embedding never blocks other requests; code that already
 runs on a worker thread (``plan.py``) calls the service directly through ``port.now``.
 ``count``/``count_messages`` use the index's local counter (chunk-sized estimates for the
@@ -64,7 +64,7 @@ class MemoryPort:
         self.now = service  # synchronous access, for code on a worker thread
         self.counter = counter
 
-    async def _call(self, tenant: str, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    async def _call(self, folder: str, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         return await asyncio.to_thread(fn, *args, **kw)
 
     # --- counting ---------------------------------------------------------------------------
@@ -98,82 +98,82 @@ class MemoryPort:
             fact_ids=[m.id for m in facts] if isinstance(facts, list | tuple) else [],
         )
 
-    async def select(self, tenant: str, session: str, messages: list[dict[str, Any]],
+    async def select(self, folder: str, session: str, messages: list[dict[str, Any]],
                      budget_tokens: int, query: str | None, counter: Any = None) -> Selected:
         t0 = time.perf_counter()
-        sel = await self._call(tenant, self.service.select_context, tenant, session, messages,
+        sel = await self._call(folder, self.service.select_context, folder, session, messages,
                                budget_tokens, query=query, counter=counter)
         return self.selected(sel, time.perf_counter() - t0)
 
-    async def transcript(self, tenant: str, session: str) -> list[dict[str, Any]]:
-        return await self._call(tenant, self.service.transcript, tenant, session)
+    async def transcript(self, folder: str, session: str) -> list[dict[str, Any]]:
+        return await self._call(folder, self.service.transcript, folder, session)
 
-    async def summary(self, tenant: str, session: str) -> str | None:
-        s = await self._call(tenant, self.service.summary, tenant, session)
+    async def summary(self, folder: str, session: str) -> str | None:
+        s = await self._call(folder, self.service.summary, folder, session)
         if s is None or isinstance(s, str):
             return s
         return getattr(s, "text", None) or str(s)
 
-    async def warm(self, tenant: str) -> None:
-        """Load the tenant's index from its files now rather than on its first request."""
+    async def warm(self, folder: str) -> None:
+        """Load the folder's index from its files now rather than on its first request."""
         try:
-            await self._call(tenant, self.service.warm, tenant)
-        except Exception:  # a broken tenant folder must not stop the server; requests will say
-            log.exception("loading the memory index of tenant %s failed", tenant)
+            await self._call(folder, self.service.warm, folder)
+        except Exception:  # a broken folder must not stop the server; requests will say
+            log.exception("loading the memory index of folder %s failed", folder)
 
     # --- writes -------------------------------------------------------------------------------
 
-    async def record_turn(self, tenant: str, session: str, role: str, content: str) -> str:
-        return await self._call(tenant, self.service.record_turn, tenant, session, role, content)
+    async def record_turn(self, folder: str, session: str, role: str, content: str) -> str:
+        return await self._call(folder, self.service.record_turn, folder, session, role, content)
 
-    async def record_turns(self, tenant: str, session: str, turns: list[tuple[str, str]],
+    async def record_turns(self, folder: str, session: str, turns: list[tuple[str, str]],
                            defer_index: bool = False) -> list[str]:
         """Append turns in order, adjacent in the file, in one durable write (``defer_index``:
         index them later, see :meth:`after_record`)."""
-        return await self._call(tenant, self.service.record_turns, tenant, session, turns,
+        return await self._call(folder, self.service.record_turns, folder, session, turns,
                                 defer_index=defer_index)
 
-    async def after_record(self, tenant: str, sel: Selected) -> None:
+    async def after_record(self, folder: str, sel: Selected) -> None:
         """Off the client's path: index the turns just recorded and count the use of the
         durable memories the turn's selection took. A failure leaves the turns to the next
         look at the files (they are in the session file already)."""
-        await self._call(tenant, self.service.index_pending, tenant)
+        await self._call(folder, self.service.index_pending, folder)
         if sel.fact_ids:
-            await self._call(tenant, self.service.bump, tenant, sel.fact_ids)
+            await self._call(folder, self.service.bump, folder, sel.fact_ids)
 
-    async def summary_state(self, tenant: str, session: str) -> tuple[str | None, str]:
+    async def summary_state(self, folder: str, session: str) -> tuple[str | None, str]:
         """``(summary or None, id of the last turn it covers or "")``."""
-        return await self._call(tenant, self.service.summary_state, tenant, session)
+        return await self._call(folder, self.service.summary_state, folder, session)
 
     async def close(self) -> None:
         """Save what changed in the indexes and close the embedding cache."""
         await self._call("", self.service.close)
 
-    async def set_summary(self, tenant: str, session: str, text: str, upto_turn: str) -> None:
-        await self._call(tenant, self.service.set_summary, tenant, session, text,
+    async def set_summary(self, folder: str, session: str, text: str, upto_turn: str) -> None:
+        await self._call(folder, self.service.set_summary, folder, session, text,
                          upto_turn=upto_turn)
 
-    async def add_memory(self, tenant: str, text: str, category: str,
+    async def add_memory(self, folder: str, text: str, category: str,
                          importance: float = 0.5) -> Any:
-        return await self._call(tenant, self.service.add_memory, tenant, text, category,
+        return await self._call(folder, self.service.add_memory, folder, text, category,
                                 importance)
 
-    async def add_fact(self, tenant: str, text: str, category: str, importance: float = 0.5,
+    async def add_fact(self, folder: str, text: str, category: str, importance: float = 0.5,
                        *, key: str = "", source: str = "") -> Any:
         """Merge an extracted fact (``Merged``: the memory in force and the outcome)."""
-        return await self._call(tenant, self.service.add_fact, tenant, text, category,
+        return await self._call(folder, self.service.add_fact, folder, text, category,
                                 importance, key=key, source=source)
 
-    async def memories(self, tenant: str) -> list[Any]:
+    async def memories(self, folder: str) -> list[Any]:
         """The durable memories in force."""
-        return await self._call(tenant, self.service.memories, tenant)
+        return await self._call(folder, self.service.memories, folder)
 
-    async def cursor(self, tenant: str, session: str, name: str) -> str:
+    async def cursor(self, folder: str, session: str, name: str) -> str:
         """The last turn the work ``name`` (``facts``) covered in the session, or ""."""
-        return await self._call(tenant, self.service.files.read_cursor, tenant, session, name)
+        return await self._call(folder, self.service.files.read_cursor, folder, session, name)
 
-    async def set_cursor(self, tenant: str, session: str, name: str, turn_id: str) -> None:
-        await self._call(tenant, self.service.files.write_cursor, tenant, session, name,
+    async def set_cursor(self, folder: str, session: str, name: str, turn_id: str) -> None:
+        await self._call(folder, self.service.files.write_cursor, folder, session, name,
                          turn_id)
 
 

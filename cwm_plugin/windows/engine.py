@@ -150,8 +150,14 @@ class WindowEngine(SessionKV, WindowCatalog):
         return records.tensor_json(t) if t is not None else None
 
     def _note_thaw(self, m: Manifest, note: dict[str, Any]) -> None:
-        records.write_record(self.store, thaw_key(m.tenant, m.name), note, "cwm-window-thaw",
-                             what="a window's thaw note", salt=manifest_salt(m.tenant))
+        """Note the last thaw (written before the thaw answers, so a status right after sees
+        it; a failure is logged, never fails the thaw)."""
+        try:
+            self.store.put(thaw_key(m.tenant, m.name), records.json_tensor(note),
+                           layout="cwm-window-thaw", salt=manifest_salt(m.tenant),
+                           replace=True).result()
+        except Exception as exc:  # a full or closed store: the thaw itself stands
+            log.warning("window %s: its thaw note could not be saved: %s", m.name, exc)
 
     # --- keys and records ---------------------------------------------------------------------
 

@@ -188,7 +188,9 @@ class Servers:
 def hit_counters(server: VLLMServer) -> dict[str, float]:
     """vLLM's prefix-cache and connector counters (tokens), for differences around a phase."""
     m = server.metrics()
-    return {k: m.get(name, m.get(name + "_total", 0.0)) for k, name in HIT_METRICS.items()}
+    out = {k: m.get(name, m.get(name + "_total", 0.0)) for k, name in HIT_METRICS.items()}
+    out["lease_failures"] = server.metric_where("cwm:connector_leases", event="failed")
+    return out
 
 
 def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -102,7 +102,7 @@ class AutoFreeze:
         name = f"auto-{safe}-{time.strftime('%Y%m%d%H%M%S')}"
         try:
             self.engine.freeze(tenant, name, session=session, salt=salt, tags=["auto"],
-                               description=reason[:200])
+                               description=reason[:200], auto=True)
         except CWMError as exc:                   # never fails the conversation
             log.warning("auto-freeze of session %s failed: %s", session, exc)
             return None
@@ -112,10 +112,11 @@ class AutoFreeze:
         return name
 
     def _prune(self, tenant: str, session: str) -> None:
-        """Delete the session's auto-checkpoint windows past the newest ``keep``."""
+        """Delete the session's auto-checkpoint windows past the newest ``keep`` (only those
+        auto-freeze made and nobody cloned, renamed or re-tagged: a tag is the user's)."""
         page, _ = self.engine.list(tenant, tag="auto", session=session, sort="created",
                                    descending=True, limit=100_000)
-        for old in page[self.keep:]:
+        for old in [m for m in page if m.auto][self.keep:]:
             try:
                 self.engine.delete(tenant, old.name)
                 log.info("auto-freeze: %s deleted (session %s keeps its newest %d)", old.name,

@@ -128,6 +128,7 @@ class WindowCatalog:
               tags: list[str] | None = None, description: str | None = None) -> Manifest:
         """Rename a window and/or replace its tags or description."""
         m = self.get(tenant, name)
+        m.auto = False  # edited: the caller's now, never pruned as an auto-checkpoint
         if tags is not None:
             m.tags = check_tags(tags)
         if description is not None:

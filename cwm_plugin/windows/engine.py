@@ -166,7 +166,8 @@ class WindowEngine(SessionKV, WindowCatalog):
     def freeze(self, tenant: str, name: str, *, session: str, salt: str,
                messages: list[dict] | None = None, tags: Sequence[str] = (),
                description: str = "", wait_s: float | None = None, turn: int | None = None,
-               ttl_s: float | None = None, prompt_prefix: str = "") -> Manifest:
+               ttl_s: float | None = None, prompt_prefix: str = "",
+               auto: bool = False) -> Manifest:
         """Freeze the session's latest client turn (or ``turn``); ``messages`` override the
         conversation the sidecar recorded; ``ttl_s``: the window is gone after that long."""
         check_name(name)
@@ -204,7 +205,7 @@ class WindowEngine(SessionKV, WindowCatalog):
                      tags=tags, description=description[:MAX_DESCRIPTION], created=now,
                      updated=now, turn=rec.turn, prompt=conv.prompt if conv else {},
                      stored_bytes=stored, expires=now + ttl_s if ttl_s else None,
-                     prompt_prefix=str(prompt_prefix)[:MAX_DESCRIPTION])
+                     prompt_prefix=str(prompt_prefix)[:MAX_DESCRIPTION], auto=auto)
         self._pin_new(m, keys, self._keys(rec.workers, whashes), salt)
         log.info("window %s frozen for tenant %s: %d blocks, %d tokens (turn %s)", name, tenant,
                  len(hashes), len(rec.tokens), rec.turn)
@@ -319,13 +320,14 @@ class WindowEngine(SessionKV, WindowCatalog):
         if n < m.num_blocks:
             raise WindowIncomplete(f"window {name!r} has {n} of its {m.num_blocks} blocks",
                                    hint="clone a complete window, or freeze the session again")
-        self._check_tenant_quota(tenant, 0)
+        self._check_tenant_quota(tenant, m.stored_bytes)  # its manifest counts them too
         wsalt = "cwm-window:" + secrets.token_hex(16)
         hashes = self._chain(m, m.tokens, wsalt, n)
         now = time.time()
         clone = Manifest(**{**asdict(m), "name": new_name, "window_salt": wsalt,
                             "window_hashes": [h.hex() for h in hashes], "parent": name,
                             "created": now, "updated": now, "last_thaw": None,
+                            "auto": False,
                             "tags": check_tags(tags) if tags is not None else m.tags,
                             "description": m.description if description is None
                             else str(description)[:MAX_DESCRIPTION]})

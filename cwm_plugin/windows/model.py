@@ -94,6 +94,7 @@ class Manifest:
     stored_bytes: int = 0           # blob bytes of its blocks at freeze (the tenant's quota)
     expires: float | None = None    # unix time its pins lapse and it is gone (None: never)
     prompt_prefix: str = ""         # a caller's note of the prompt (context-window-manager)
+    auto: bool = False              # made by auto-checkpoint (pruned; a clone or edit is not)
 
     @property
     def pinned_tokens(self) -> int:

@@ -56,14 +56,16 @@ class KeyPlumbing:
         """Point ``dst`` keys at ``src`` keys' blobs (per worker, one batch per tier)."""
         pairs = [(d, s) for ds, ss in zip(dst, src, strict=True)
                  for d, s in zip(ds, ss, strict=True)]
+        flat = [k for ks in dst for k in ks]
+        had = {k for k, w in zip(flat, self.store.where_many(flat), strict=True) if w}
         if self.store.config.encryption_key:
             self._reseal(pairs, src_salt, dst_salt)
         else:
             self.store.link_many(pairs)
         missing = sum(1 for ks in dst for k, w in zip(ks, self.store.where_many(ks),
                                                       strict=True) if w is None)
-        if missing:
-            self.store.delete_many([k for ks in dst for k in ks])
+        if missing:  # take back what this call linked (a session's own KV stays)
+            self.store.delete_many([k for k in flat if k not in had])
             raise WindowIncomplete(f"{missing} blocks vanished while being re-keyed",
                                    hint="they were evicted meanwhile; retry, or re-run the "
                                         "conversation so its blocks are saved again")

@@ -21,6 +21,8 @@ from cwm_plugin.windows.conversation import (
 )
 from cwm_plugin.windows.rekey import KeyPlumbing
 
+NEW_SESSION_WAIT_S = 3.0
+
 
 class SessionKV(KeyPlumbing):
     conversations: ConversationRecords
@@ -31,6 +33,10 @@ class SessionKV(KeyPlumbing):
         hashes, waiting until ``deadline`` (monotonic) for one being written."""
         key = records.record_key(salt) if turn is None else \
             records.turn_record_key(salt, turn % self.conversations.keep)
+        if not any(self.store.list_keys(records.salt_group(salt), limit=1).values()):
+            # nothing of this session at all: a record about to land comes within moments, an
+            # unknown session should not hold a caller (and a thread) for the whole wait
+            deadline = min(deadline, time.monotonic() + NEW_SESSION_WAIT_S)
         while True:
             t = self.store.get(key, salt=salt, primary=True)
             rec = records.ContextRecord.from_tensor(t) if t is not None else None

@@ -20,7 +20,7 @@ from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from window_helpers import NS, converse  # noqa: E402
+from window_helpers import NS, WORKERS, converse  # noqa: E402
 
 pytestmark = pytest.mark.unit
 ACME = {"Authorization": f"Bearer {KEYS['acme']}"}
@@ -108,7 +108,7 @@ def test_export_import_over_http_a_failed_warm_up_and_users_windows(fake, tmp_pa
                     registry=CollectorRegistry())
     converse(store, salt("acme", "alice"), 3 * 16 + 5)
     records.write_record(store, records.served_key("tiny"),
-                         {"model": "tiny", "namespace": NS}, records.SERVED_LAYOUT, what="x")
+                         {"model": "tiny", "namespace": NS, "workers": [list(w) for w in WORKERS]}, records.SERVED_LAYOUT, what="x")
     store.close()
     srv = start(up, tmp_path, tiny_model)
     try:
@@ -137,6 +137,12 @@ def test_export_import_over_http_a_failed_warm_up_and_users_windows(fake, tmp_pa
         assert httpx.get(f"{srv.url}/v1/windows/mine", headers=ACME).status_code == 404
         other = {**ACME, "X-CWM-User": "dave@example.com"}
         assert httpx.get(f"{srv.url}/v1/windows/mine", headers=other).status_code == 404
+        warmed = httpx.post(f"{srv.url}/v1/windows/plan/thaw", headers=ACME, timeout=60,
+                            json={"session": "carl", "warm": True})
+        assert warmed.status_code == 200 and "usage" not in warmed.json()["warm"]
+        # the warm-up's prefill is the caller's usage (and spent from its quota)
+        assert httpx.get(f"{srv.url}/v1/usage", headers=ACME).json()["total"][
+            "prompt_tokens"] >= 3 * 16
         up.stop()                                     # the engine is gone: warm-up fails
         r = httpx.post(f"{srv.url}/v1/windows/plan/thaw", headers=ACME, timeout=60,
                        json={"session": "bob", "warm": True})

@@ -169,7 +169,10 @@ def test_auto_checkpoints_keep_the_newest_per_session(store, monkeypatch):
     af = AutoFreeze(eng, cooldown_s=0, keep=2)
     stamps = iter(f"2026112600000{i}" for i in range(9))
     monkeypatch.setattr(auto_mod.time, "strftime", lambda fmt: next(stamps))
-    made = [af.freeze_now("acme", "a", "s", "test") for _ in range(4)]
+    made = [af.freeze_now("acme", "a", "s", "test")]
+    eng.clone("acme", made[0], "kept-by-the-user")      # a clone keeps the tag and session
+    made += [af.freeze_now("acme", "a", "s", "test") for _ in range(3)]
     other = af.freeze_now("acme", "b", "t", "test")
     left = {w.name for w in eng.list("acme", tag="auto", limit=100)[0]}
-    assert left == {made[2], made[3], other}       # the newest two of a, b's own untouched
+    # the newest two of a, b's own and the user's clone untouched
+    assert left == {made[2], made[3], other, "kept-by-the-user"}

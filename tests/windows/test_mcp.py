@@ -11,7 +11,7 @@ import os
 import sys
 
 import pytest
-from window_helpers import NS, converse
+from window_helpers import NS, WORKERS, converse
 
 from cwm_plugin.connector import records
 from cwm_plugin.sidecar.identity.authenticator import derive_salt
@@ -142,7 +142,7 @@ async def _cwm_calls(args: list[str], env: dict, export: str) -> dict:
 
 def serve_tiny(store) -> None:
     """The served-model record a vLLM with the connector leaves (an import checks it)."""
-    records.write_record(store, records.served_key("tiny"), {"model": "tiny", "namespace": NS},
+    records.write_record(store, records.served_key("tiny"), {"model": "tiny", "namespace": NS, "workers": [list(w) for w in WORKERS]},
                          records.SERVED_LAYOUT, what="the served-model record")
     store.flush()
 

@@ -9,7 +9,7 @@ from dataclasses import asdict
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from window_helpers import BS, NS, block, converse, session_blocks
+from window_helpers import BS, NS, WORKERS, block, converse, session_blocks
 
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists
@@ -27,10 +27,11 @@ def open_store(path, **kw) -> KVStore:
                    registry=CollectorRegistry())
 
 
-def serve(store: KVStore, namespace: dict) -> None:
+def serve(store: KVStore, namespace: dict, workers=WORKERS) -> None:
     """What a vLLM with the connector leaves in its store: the namespace it serves."""
     records.write_record(store, records.served_key(namespace["model"]),
-                         {"model": namespace["model"], "namespace": namespace},
+                         {"model": namespace["model"], "namespace": namespace,
+                          "workers": [list(w) for w in workers]},
                          records.SERVED_LAYOUT, what="served")
     store.flush()
 
@@ -101,10 +102,69 @@ def test_the_file_carries_what_a_window_needs_and_no_secret(tmp_path):
     m = WindowEngine(a).freeze("acme", "w", session="x", salt="s", description="d")
     buf = io.BytesIO()
     export_window(WindowEngine(a), "acme", "w", buf)
-    from cwm_plugin.windows.portable import read_window_file
-    header, blobs = read_window_file(io.BytesIO(buf.getvalue()))
-    man = header["manifest"]
+    from cwm_plugin.windows.window_file import check_file
+    checked = check_file(io.BytesIO(buf.getvalue()))
+    man = checked.header.manifest
     assert man["tokens"] == m.tokens and man["namespace"] == asdict(m)["namespace"]
     assert not {"frozen_salt", "window_salt", "window_hashes", "tenant"} & set(man)
-    assert len(blobs) == 2 * 2                    # two blocks, two TP ranks
+    assert len(checked.offsets) == 2 * 2          # two blocks, two TP ranks
     a.close()
+
+
+def rewritten(good: bytes, change) -> bytes:
+    """``good`` with its header changed by ``change(header)`` and its checksums made right
+    again: what a hostile tenant can post."""
+    import hashlib
+    import json
+    import struct
+
+    from cwm_plugin.windows.window_file import MAGIC
+    n = struct.unpack(">Q", good[len(MAGIC):len(MAGIC) + 8])[0]
+    start = len(MAGIC) + 8
+    header = json.loads(good[start:start + n])
+    change(header)
+    raw = json.dumps(header).encode()
+    body = MAGIC + struct.pack(">Q", len(raw)) + raw + good[start + n:-32]
+    return body + hashlib.sha256(body).digest()
+
+
+def test_a_hostile_file_never_chooses_where_its_keys_land(tmp_path):
+    """Workers and fields come from the file: checksums prove nothing about intent."""
+    from cwm_plugin.windows.model import tenant_group
+
+    a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")
+    converse(a, "s", 3 * BS)
+    converse(b, "v", 3 * BS)
+    WindowEngine(b).freeze("victim", "theirs", session="x", salt="v")
+    WindowEngine(a).freeze("acme", "trip", session="x", salt="s")
+    buf = io.BytesIO()
+    export_window(WindowEngine(a), "acme", "trip", buf)
+    good = buf.getvalue()
+    serve(b, NS)
+    eng = WindowEngine(b)
+    before = keys_in(b)
+    victim = tenant_group("victim")
+
+    def aim(h):  # the keys' scope: the victim's window listing
+        h["manifest"]["workers"] = [[victim[:16].hex(), int.from_bytes(victim[16:], "big")]]
+
+    hostile = {
+        "workers aimed at another tenant's listing": aim,
+        "a worker digest of another length": lambda h: h["manifest"].update(
+            workers=[["ab", 0], ["ab" * 16, 1]]),
+        "a string worker": lambda h: h["blobs"][0].update(worker="0"),
+        "a huge size": lambda h: h["blobs"][0].update(size=1 << 40),
+        "block_size 0": lambda h: h["manifest"].update(block_size=0),
+        "more blocks than tokens": lambda h: h["manifest"].update(num_blocks=99),
+        "a duplicated block": lambda h: h["blobs"].__setitem__(1, dict(h["blobs"][0])),
+        "a LoRA adapter": lambda h: h["manifest"].update(lora=["x", "/etc"]),
+        "a manifest that is a list": lambda h: h.update(manifest=[1]),
+    }
+    for what, change in hostile.items():
+        with pytest.raises(BadWindowFile):
+            import_window(eng, "mallory", io.BytesIO(rewritten(good, change)), "w")
+        assert keys_in(b) == before, what
+    assert [m.name for m in eng.list("victim")[0]] == ["theirs"]
+    eng.status("victim", "theirs")
+    a.close()
+    b.close()

@@ -4,8 +4,8 @@ The thawed session takes over the window's prompt state at once in this process 
 wrote it to the store for every other one), so its next turn is assembled to begin with the
 window's tokens. A warm-up (``warm: true``) sends one ``max_tokens=1`` completion of the
 window's tokens under the session's salt through vLLM, on the window's model, and reports the
-tokens vLLM restored (its ``external_prefix_cache_hits``). A warm-up that fails after a good
-thaw is reported in the answer (``warm.error``, a warning), never as a failed thaw.
+tokens vLLM restored (its ``external_prefix_cache_hits``); its tokens are the caller's usage,
+spent from its quota like any request's. A warm-up that fails after a good thaw is reported in the answer (``warm.error``, a warning), never as a failed thaw.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ async def warm_up(sidecar: Any, token_ids: list[int], salt: str, model: str | No
         log.warning("a warm-up after a thaw failed: %s", exc)
         return {"model": model, "error": str(exc),
                 "hint": "the window is thawed; the session's next request restores it"}
+    usage = resp.json().get("usage") or {}
     return {"model": route.model, "upstream": ep.name, "hits": int(hits),
-            "seconds": round(seconds, 3),
-            "prompt_tokens": (resp.json().get("usage") or {}).get("prompt_tokens")}
+            "seconds": round(seconds, 3), "prompt_tokens": usage.get("prompt_tokens"),
+            "usage": usage}

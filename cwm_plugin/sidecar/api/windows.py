@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -45,6 +46,9 @@ from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.model import check_name
 
 log = logging.getLogger(__name__)
+
+
+WINDOW_THREADS = 4  # window operations at once (store I/O; a freeze may wait for a record)
 
 
 class WindowsUnavailable(CWMError):
@@ -137,6 +141,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     router = APIRouter(prefix="/v1")
     auth = sidecar.auth
     settings = sidecar.settings
+    pool = ThreadPoolExecutor(WINDOW_THREADS, thread_name_prefix="cwm-windows")
 
     def caller(request: Request, op: str = "read") -> Identity:
         """The caller, allowed ``op`` on its home namespace (windows are its KV)."""
@@ -155,7 +160,9 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
             raise WindowsUnavailable("context windows are not configured on this sidecar",
                                      hint="add a `windows.store` section (the KV store vLLM's "
                                           "connector uses) to the sidecar config")
-        return await asyncio.to_thread(fn, eng)
+        # a pool of their own: a freeze may wait seconds for a record or a tier, and chat's
+        # turns (memory selection) must never queue behind window operations
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, eng)
 
     def ttl(value: float | None) -> float | None:
         cap = settings.windows.max_ttl_s if settings.windows else None
@@ -186,6 +193,9 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         sidecar.tracker.get(ident.folder, session).adopt(r.prompt)  # its next turn
         if body.warm:
             r.warm = await warm_up(sidecar, r.token_ids, salt, body.model or r.model or None)
+            usage = r.warm.pop("usage", None)  # the caller's tokens, like any request's
+            sidecar.usage.record(ident.tenant, str(r.warm.get("model") or ""),
+                                 str(r.warm.get("upstream") or ""), usage, owner=owner_of(ident))
             if "error" in r.warm:
                 r.warnings.append(f"the warm-up failed: {r.warm['error']}")
             else:
@@ -294,9 +304,10 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
             except UpstreamError:
                 limit = 0
         a = auto_of()
-        return await asyncio.to_thread(a.check, owner_of(ident), session,
-                                       auth.session_salt(ident, session), used_tokens=used,
-                                       max_tokens=limit, model=body.model)
+        salt = auth.session_salt(ident, session)
+        return await asyncio.get_running_loop().run_in_executor(pool, lambda: a.check(
+            owner_of(ident), session, salt, used_tokens=used, max_tokens=limit,
+            model=body.model))
 
     def auto_of() -> AutoFreeze:
         if auto is None:

@@ -163,7 +163,8 @@ def config_table(configs: dict[str, dict[str, Any]], fits: dict[str, Any] | None
                "tok/s": c["output_tokens_per_s"],
                "ext hits": int(c.get("external_hit_tokens", 0)),
                "vllm hits": int(c.get("prefix_hit_tokens", 0)),
-               "failed": c["failed_requests"]}
+               "failed": c["failed_requests"],
+               "load 1m": (c.get("load_average") or [math.nan])[0]}
         for base in ("vllm", "lmcache"):
             b = configs.get(base)
             if b and name in configs:

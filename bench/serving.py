@@ -155,6 +155,7 @@ class Bench(faults.FaultRounds):
         reqs = self.play(url or server.base_url, sessions, rounds, phase, **kw)
         offered = (kw.get("spec") or self.spec).qps
         return {**report.summarize(reqs), "offered_requests_per_s": offered,
+                "load_average": load_average(),
                 **grew(before, hit_counters(server)), "timeline": report.timeline(reqs)}
 
     def floor(self, server: Any) -> None:
@@ -186,6 +187,33 @@ class Bench(faults.FaultRounds):
             self.guard("faults", self.redis_faults, main, redis, proxy)
         if name == "cwm_redis" and "tiny_budgets" in self.args.parts:
             self.guard("tiny_budgets", self.tiny_budgets, main, redis)
+
+    def result(self, load_before: list[float], t_start: float, work: Path) -> dict[str, Any]:
+        """The JSON of the run so far: figures, sweep, goals, machine, workload, sizes."""
+        out, spec, args = dict(self.out), self.spec, self.args
+        slo = out.get("slo_ttft_s", math.nan)
+        out["sweep"] = {"users": sorted({n for p in self.sweep.values() for n in p}),
+                        "slo_ttft_s": slo, "slo_x_floor": args.slo_x,
+                        "per_user_rate": spec.qps / spec.users,
+                        "points": {k: {str(n): {m: p[m] for m in report.KEYS if m in p}
+                                       for n, p in sorted(v.items())}
+                                   for k, v in self.sweep.items()},
+                        "most_users_within_slo": {k: report.most_users_within(v, slo)
+                                                  for k, v in self.sweep.items()}}
+        for name, c in out["configs"].items():
+            c["peak_requests_per_s"] = max(p["requests_per_s"]
+                                           for p in self.sweep.get(name, {0: c}).values())
+        out["goals"] = report.goals(out["configs"], out.get("fits"), {
+            k: v for k, v in out["fault_rounds"].items() if k != "none"})
+        out.update(machine=machine(), load_average={"before": load_before,
+                                                    "after": load_average()},
+                   model="SmolLM2-135M-Instruct", dtype=args.dtype, quick=args.quick,
+                   workload={**dataclasses.asdict(spec), "gap_s": spec.gap_s,
+                             "fault_rounds": args.fault_rounds, "repeat": args.repeat},
+                   sizes=self.servers.sizes.as_dict(),
+                   wall_s=round(time.monotonic() - t_start, 1), code=code_state(),
+                   work_dir=str(work))
+        return out
 
     def sweep_points(self, name: str, server: Any) -> None:
         """More users at the same per-user rate, fewest first; larger N are left out once a
@@ -301,40 +329,20 @@ def main(argv: list[str] | None = None) -> int:
     log.info("sizes: %s", sizes.as_dict())
     redis = faults.RedisHolder(RedisServer().start())
     proxy = faults.ProxyProcess(redis.port).start()
+    meta = {"load_before": load_before, "t_start": t_start, "work": work}
+    parts = [(name, bench.config, (name, redis, proxy)) for name in args.configs]
+    parts += [(p, fn, a) for p, fn, a in (("fits", bench.fits, ()),
+                                           ("sidecar", bench.sidecar, (redis,)),
+                                           ("cluster", bench.cluster, ()))
+              if p in args.parts]
     try:
-        for name in tqdm(args.configs, desc="configs", unit="config"):
-            bench.guard(name, bench.config, name, redis, proxy)
-        if "fits" in args.parts:
-            bench.guard("fits", bench.fits)
-        if "sidecar" in args.parts:
-            bench.guard("sidecar", bench.sidecar, redis)
-        if "cluster" in args.parts:
-            bench.guard("cluster", bench.cluster)
+        for part, fn, a in tqdm(parts, desc="parts", unit="part"):
+            bench.guard(part, fn, *a)
+            write_json(args.json, {**bench.result(**meta), "complete": False})
     finally:
         proxy.stop()
         redis.stop()
-    out = bench.out
-    slo = out.get("slo_ttft_s", math.nan)
-    out["sweep"] = {"users": sorted({n for p in bench.sweep.values() for n in p}),
-                    "slo_ttft_s": slo, "slo_x_floor": args.slo_x,
-                    "per_user_rate": spec.qps / spec.users,
-                    "points": {k: {str(n): {m: p[m] for m in report.KEYS if m in p}
-                                   for n, p in sorted(v.items())}
-                               for k, v in bench.sweep.items()},
-                    "most_users_within_slo": {k: report.most_users_within(v, slo)
-                                              for k, v in bench.sweep.items()}}
-    for name, c in out["configs"].items():
-        c["peak_requests_per_s"] = max(p["requests_per_s"]
-                                       for p in bench.sweep.get(name, {0: c}).values())
-    out["goals"] = report.goals(out["configs"], out.get("fits"), {
-        k: v for k, v in out["fault_rounds"].items() if k != "none"})
-    out.update(machine=machine(), load_average={"before": load_before, "after": load_average()},
-               model="SmolLM2-135M-Instruct", dtype=args.dtype, quick=args.quick,
-               workload={**dataclasses.asdict(spec), "gap_s": spec.gap_s,
-                         "fault_rounds": args.fault_rounds, "repeat": args.repeat},
-               sizes=sizes.as_dict(), wall_s=round(time.monotonic() - t_start, 1),
-               code=code_state(),
-               work_dir=str(work))
+    out = {**bench.result(**meta), "complete": True}
     write_json(args.json, out)
     print(report.render(out, bench.sweep))
     for part, err in out["errors"].items():

@@ -70,7 +70,10 @@ class Leases:
     def release(self, req_id: str) -> None:
         """Release ``req_id``'s lease (in the background, once it is taken)."""
         held = self._held.pop(req_id, None)
-        if held is None or held[1].cancel():     # never started: nothing was pinned
+        if held is None:
+            return
+        if held[1].cancel():     # never started: nothing was pinned; its room is free again
+            self._room.release()
             return
         held[1].add_done_callback(self._release_later)
 

@@ -84,6 +84,7 @@ class Loader:
         self._failed: set[bytes] = set()   # hashes the scheduler must stop promising
         self._spoiled: set[str] = set()    # requests whose synchronous load failed this step
         self._warned = False
+        self._sync_done: set[str] = set()
 
     # --- starting -----------------------------------------------------------------------------
 
@@ -91,9 +92,11 @@ class Loader:
         """This step's loads: queued in the background, or done before returning."""
         if self.device is not None:
             self._load_device(loads)
+            self._sync_done.update(t.req_id for t in loads)
         elif self._pool is None:
             for t in loads:
                 self._give_up(t, self._load(t), spoils=True)
+                self._sync_done.add(t.req_id)
         else:
             for t in loads:
                 lease = self._protect(t)
@@ -139,6 +142,12 @@ class Loader:
             self._give_up(t, good, spoils=False)
             self.stats.add("async_loads", outcome="ok" if good == len(t.block_ids) else "failed")
         return {t.req_id for t, _ in done}
+
+    def take_sync_done(self) -> set[str]:
+        """Requests whose synchronous load ran since the last call (reported in the worker
+        metadata of the step that ran it)."""
+        done, self._sync_done = self._sync_done, set()
+        return done
 
     def take_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

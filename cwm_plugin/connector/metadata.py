@@ -53,11 +53,15 @@ class CWMWorkerMetadata(KVConnectorWorkerMetadata):
     dropped: set[bytes] = field(default_factory=set)
     # A worker dropped more than it could list: forget every block believed stored.
     overflow: bool = False
+    # Requests whose synchronous load (device workers) this step's forward pass waited for:
+    # settled by this output, whichever step the scheduler is building meanwhile.
+    loaded: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, CWMWorkerMetadata)
         return CWMWorkerMetadata(self.stored | other.stored, self.failed | other.failed,
-                                 self.dropped | other.dropped, self.overflow or other.overflow)
+                                 self.dropped | other.dropped, self.overflow or other.overflow,
+                                 self.loaded | other.loaded)
 
 
 @dataclass

@@ -342,14 +342,17 @@ class SchedulerSide:
 
     def _loads_done(self, connector_output: Any) -> None:
         """Loads the workers finished (asynchronous: reported in ``finished_recving``;
-        synchronous: in the step that sent them): release their leases; a load with a block
+        synchronous: named in the worker metadata of the step that ran them): release their leases; a load with a block
         that failed (``invalid_block_ids``) is recomputed by vLLM, and its request is never
         promised blocks again (a block the index still lists would fail the same way)."""
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         received = set(getattr(connector_output, "finished_recving", None) or ())
-        for req_id, (load, asynchronous) in list(self._loading.items()):
-            if asynchronous and req_id not in received:
-                continue
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, CWMWorkerMetadata):  # synchronous loads the workers ran
+            received |= meta.loaded
+        for req_id, (load, _) in list(self._loading.items()):
+            if req_id not in received:  # (with async scheduling the next step is built
+                continue                # before this output arrives: settle by name)
             del self._loading[req_id]
             self.leases.release(req_id)
             if invalid.isdisjoint(load.block_ids):

@@ -188,10 +188,11 @@ class WorkerSide:
         self._pending = still
         dropped_keys, overflow = self.store.take_dropped()
         dropped = {h for h in map(self.ns.block_hash, dropped_keys) if h is not None}
-        if not (self._stored or self._failed or dropped or overflow):
+        loaded = self.loader.take_sync_done()
+        if not (self._stored or self._failed or dropped or overflow or loaded):
             return None
         meta = CWMWorkerMetadata({(h, i) for h, i in self._stored if h not in self._failed},
-                                 set(self._failed), dropped, overflow)
+                                 set(self._failed), dropped, overflow, loaded)
         self._stored, self._failed = set(), set()
         return meta
 

@@ -250,3 +250,55 @@ def _new_step(req: Request, block_ids: list[int]):
     out.scheduled_new_reqs = [NewRequestData.from_request(req, (block_ids,))]
     out.num_scheduled_tokens = {}
     return out
+
+
+def test_leases_cancelled_before_they_ran_give_their_backlog_room_back(store, monkeypatch):
+    """A request ending while its lease waits behind a stuck store frees its place: after
+    more such cancellations than the backlog holds, a lease is still taken."""
+    from cwm_plugin.connector.leases import Leases
+
+    stuck, go = threading.Event(), threading.Event()
+    leases = Leases(store, StatsCollector(), ttl_s=30, backlog=3)
+    real = leases._lease
+
+    def slow(keys):
+        if not stuck.is_set():
+            stuck.set()
+            go.wait(10)           # the first job holds the only lease thread
+        return real(keys)
+
+    monkeypatch.setattr(leases, "_lease", slow)
+    leases.take("first", [b"k" * 50])
+    stuck.wait(5)
+    for i in range(10):        # queued behind it, then their requests end
+        leases.take(f"r{i}", [bytes([i]) * 50])
+        leases.release(f"r{i}")
+    go.set()
+    leases.take("later", [b"z" * 50])
+    assert leases.holding("later")            # room was given back: a lease was queued
+    assert leases.stats.snapshot().get("leases|failed", 0) == 0
+    leases.shutdown()
+
+
+def test_a_synchronous_load_is_settled_by_the_output_that_names_it(hash_fn, ns, store):
+    """Device workers load in the step (not in the background); with vLLM's async scheduling
+    the next step is built before this step's output arrives, so an output that does not name
+    the load (an earlier step's) must not release its lease or lose its failed blocks."""
+    req = make_request(hash_fn, "r1", 3 * BS + 1)
+    keys = keys_of(ns, req, 3)
+    fill(store, keys)
+    side = side_for(ns, store, **SYNC, lease_ttl_s=30, async_loads=False)
+    n, asynchronous = side.get_num_new_matched_tokens(req, 0)
+    assert (n, asynchronous) == (3 * BS, False)
+    wait_until(lambda: side.stats.snapshot().get("leases|event=taken") == 1, timeout=10,
+               interval=0.02, what="the lease")
+    side.update_state_after_alloc(req, Blocks([4, 5, 6, 7]), n)
+    side.build_connector_meta(_new_step(req, [4, 5, 6, 7]))
+    side.update_connector_output(Output(invalid={5}))     # the previous step's output
+    time.sleep(0.2)
+    assert store.key_info(keys[1])["disk"].pinned and "load_failures_recomputed" not in \
+        side.stats.snapshot()
+    side.update_connector_output(Output(invalid={5}, meta=CWMWorkerMetadata(loaded={"r1"})))
+    wait_until(lambda: not store.key_info(keys[1])["disk"].pinned, timeout=10, interval=0.02,
+               what="the lease's release")
+    assert side.stats.snapshot()["load_failures_recomputed"] == 1

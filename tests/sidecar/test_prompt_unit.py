@@ -145,14 +145,20 @@ def test_debug_header_is_compact_ascii_and_capped():
     from cwm_plugin.sidecar.turn.memory_port import Selected
     from cwm_plugin.sidecar.turn.plan import debug_header as _debug_header
 
-    sel = Selected(memory_block="x", tokens=120, reasons=["keep chunk é" * 20] * 50,
+    sel = Selected(memory_block="## Memory\nuser said my hive is Honeycomb Hall é\n" * 20,
+                   tokens=120, reasons=["keep chunk é" * 20] * 50,
                    hits=[{"chunk_id": f"{i:012d}", "source": "session:s", "score": 0.5}
                          for i in range(40)])
     full = _debug_header(sel, False, "cache_aware", 100_000, 2)
-    assert json.loads(full)["reasons"] and full.isascii() and ": " not in full
+    whole = json.loads(full)
+    assert whole["reasons"] and full.isascii() and ": " not in full
+    assert whole["block"] == sel.memory_block  # the injected text, as injected
+    no_block = json.loads(_debug_header(sel, False, "cache_aware", len(full) - 10, 2))
+    assert no_block["block"] is None and no_block["reasons"] and len(no_block["hits"]) == 40
     capped = _debug_header(sel, False, "cache_aware", 600, 2)
     info = json.loads(capped)
     assert len(capped) <= 600 and info["truncated"] and info["reasons"] is None
+    assert info["block"] is None
     assert 0 < len(info["hits"]) < 40 and info["tokens"] == 120
 
 

@@ -249,18 +249,22 @@ def debug_header(sel: Selected, compacted: bool, mode: str, cap: int,
                   full: int | None = None, injected: int | None = None,
                   view: str = "full") -> str:
     """``X-CWM-Memory`` (``X-CWM-Debug: 1``): what was selected and why, as JSON within
-    ``cap`` bytes (reasons, then hits, dropped until it fits)."""
+    ``cap`` bytes: ``block`` is the memory text injected into the prompt (the caller's own
+    memory), dropped whole when it does not fit; then reasons, then hits, until it fits."""
     info: dict[str, Any] = {"mode": mode, "view": view, "tokens": sel.tokens,
                             "injected": injected, "recent": recent,
                             "prompt_tokens": prompt_tokens, "sent": sent, "full": full,
                             "compacted": compacted, "facts": sel.facts,
                             "retrieval_ms": round(sel.seconds * 1000, 2),
-                            "hits": sel.hits, "reasons": sel.reasons}
-    for _ in range(len(sel.hits) + 2):
+                            "hits": sel.hits, "reasons": sel.reasons,
+                            "block": sel.memory_block or None}
+    for _ in range(len(sel.hits) + 3):
         text = json.dumps(info, separators=(",", ":"), ensure_ascii=True, default=str)
         if len(text) <= cap:
             return text
-        if info.get("reasons") is not None:
+        if info.get("block") is not None:
+            info["block"] = None
+        elif info.get("reasons") is not None:
             info["reasons"] = None
         elif info["hits"]:
             info["hits"] = info["hits"][:-1]

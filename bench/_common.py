@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import platform
@@ -58,16 +57,14 @@ def cpu_model() -> str:
 
 
 def machine() -> dict[str, Any]:
+    """Where a figure was measured: the CPU, its ISA and the dtype it computes in."""
     import os
 
-    flags = ""
-    with contextlib.suppress(OSError):
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                      if ln.startswith("flags")), "")
-    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+    from cwm_plugin.compute_dtype import compute_dtype, isa
+
     return {"python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "processor": platform.processor(), "cpu": cpu_model(),
-            "isa": isa}
+            "isa": isa(), "compute_dtype": compute_dtype()}
 
 
 def load_average() -> list[float]:

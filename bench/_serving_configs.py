@@ -48,16 +48,6 @@ HIT_METRICS = {"external_hit_tokens": "vllm:external_prefix_cache_hits",
                "save_errors": "cwm:connector_save_errors"}
 
 
-def default_dtype() -> str:
-    """bf16 where the CPU has bf16 arithmetic (avx512_bf16 / AMX), else float32: emulated bf16
-    was 3.3x slower on an AVX2-only EPYC (../shared/notes/vllm-cpu.md, last section)."""
-    with contextlib.suppress(OSError):
-        flags = Path("/proc/cpuinfo").read_text()
-        if "avx512_bf16" in flags or "amx_bf16" in flags:
-            return "bfloat16"
-    return "float32"
-
-
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     """K and V of every layer for one token: 2 x layers x KV heads x head_dim x dtype bytes."""
     c = json.loads((Path(model_dir) / "config.json").read_text())

@@ -57,7 +57,6 @@ from _serving_configs import (
     SERVED,
     Servers,
     Sizes,
-    default_dtype,
     grew,
     hit_counters,
     kv_bytes_per_token,
@@ -65,6 +64,7 @@ from _serving_configs import (
 from _serving_workload import Request, Runner, Session, WorkloadSpec, build_sessions
 from tqdm import tqdm
 
+from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.testing.models import build_smollm2
 from cwm_plugin.testing.prompts import conversation_lines
 from cwm_plugin.testing.redis_server import RedisServer
@@ -292,13 +292,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fault-at", type=float, default=0.3, help="of the baseline round's time")
     ap.add_argument("--blackhole-s", type=float, default=10.0)
     ap.add_argument("--redis-down-s", type=float, default=2.0)
-    ap.add_argument("--dtype", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--dtype", default="auto", help="auto (this CPU's: cwm_plugin.compute_dtype), "
+                    "bfloat16, float32 or float16")
     args = ap.parse_args(argv)
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.parts = [p for p in PARTS if p not in args.skip]
-    args.dtype = args.dtype or default_dtype()
+    args.dtype = compute_dtype(args.dtype)
     return args
 
 

@@ -57,6 +57,7 @@ import yaml
 from _common import machine, percentile, table, write_json
 from _sidecar_client import KEY, SYSTEM, post, prefix_runs
 
+from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.memory.importer import Conversation, import_sessions
 from cwm_plugin.sidecar.identity.authenticator import hash_key
 from cwm_plugin.sidecar.serving import ServerThread
@@ -353,7 +354,7 @@ def main() -> int:
     if args.hit_model == "smollm2":
         log.info("prefix cache (SmolLM2): default placement vs direct, %d turns", len(talk))
         folder = build_smollm2()
-        small = VLLMServer(model_dir=folder, served_name="smollm2", dtype="bfloat16",
+        small = VLLMServer(model_dir=folder, served_name="smollm2", dtype=compute_dtype(),
                            max_model_len=8192, kv_cache_gib=2, log_dir=work).start()
         try:  # counted with SmolLM2's own tokenizer (its folder, from vLLM's /v1/models)
             hit = prefix_runs(config, small.base_url, work, secret, "smollm2", talk,

@@ -53,6 +53,7 @@ from _common import bandwidth, evict_page_cache, load_average, machine
 from _ttft_report import BREAKDOWN, breakdown_of, goals, table, throughput
 from tqdm import tqdm
 
+from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.testing.lmcache_server import LMCacheServer
 from cwm_plugin.testing.models import build_smollm2
 from cwm_plugin.testing.prompts import conversation_prompt
@@ -321,12 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="prompts of 1k and 2k tokens")
     ap.add_argument("--samples", type=int, default=3, help="requests a cell (median)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--dtype", default="auto", help="auto (this CPU's: cwm_plugin.compute_dtype), "
+                    "bfloat16, float32 or float16")
     ap.add_argument("--lengths", type=int, nargs="*")
     ap.add_argument("--kv-cache-gib", type=int, default=2)
     ap.add_argument("--skip-lmcache", action="store_true")
     ap.add_argument("--skip-redis", action="store_true")
     args = ap.parse_args(argv)
+    args.dtype = compute_dtype(args.dtype)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     lengths = args.lengths or ([1000, 2000] if args.quick else [1000, 4000, 8000])
     lengths = [min(n, 8000) for n in lengths]  # SmolLM2's context is 8192

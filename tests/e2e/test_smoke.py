@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from cwm_plugin.compute_dtype import compute_dtype
+
 pytestmark = pytest.mark.e2e
 
 
@@ -36,7 +38,7 @@ def test_smollm2_serves_a_chat_deterministically(smollm2_model, vllm_factory):
     # differ, and a 135M model's greedy answer with them): not asserted. What must hold
     # everywhere: the chat template applies, greedy decoding repeats itself, the answer is
     # text the tokenizer round-trips.
-    server = vllm_factory(smollm2_model, served_name="smollm2", dtype="bfloat16",
+    server = vllm_factory(smollm2_model, served_name="smollm2", dtype=compute_dtype(),
                           max_model_len=4096).start()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     first = server.chat(messages, max_tokens=24, return_token_ids=True)

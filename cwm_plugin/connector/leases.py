@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cwm_plugin.connector.stats import StatsCollector
+from cwm_plugin.connector.warn_once import WarnOnce
 from cwm_plugin.store.keyspace import Lease
 from cwm_plugin.store.threads import unpin
 
@@ -46,7 +47,7 @@ class Leases:
         self._room = threading.BoundedSemaphore(backlog)
         self._held: dict[str, tuple[frozenset[bytes], cf.Future]] = {}
         self._lock = threading.Lock()
-        self._warned: set[str] = set()
+        self._warn = WarnOnce(log)
 
     def take(self, req_id: str, keys: Sequence[bytes]) -> None:
         """Lease ``keys`` for request ``req_id`` (in the background). A request whose keys are
@@ -118,14 +119,6 @@ class Leases:
         except Exception as exc:      # it expires on its own
             self._warn("release", "could not release a lease: %s", exc)
         self.stats.add("leases", event="expired" if expired else "released")
-
-    def _warn(self, tag: str, msg: str, *args: object) -> None:
-        """Log once per kind of trouble (it is counted every time)."""
-        with self._lock:
-            if tag in self._warned:
-                return
-            self._warned.add(tag)
-        log.warning("cwm connector: " + msg, *args)
 
     def shutdown(self) -> None:
         """Stop without waiting for a stuck store (leases not released expire)."""

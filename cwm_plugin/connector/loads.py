@@ -44,6 +44,7 @@ from cwm_plugin.connector.keys import Namespace
 from cwm_plugin.connector.layout import KVLayout
 from cwm_plugin.connector.metadata import BlockTransfer
 from cwm_plugin.connector.stats import StatsCollector
+from cwm_plugin.connector.warn_once import WarnOnce
 from cwm_plugin.kernels.blocks import BlockWriter
 from cwm_plugin.memory.timing import Stages
 from cwm_plugin.store.keyspace import Lease
@@ -83,7 +84,7 @@ class Loader:
         self._errors: set[int] = set()     # block ids vLLM must recompute
         self._failed: set[bytes] = set()   # hashes the scheduler must stop promising
         self._spoiled: set[str] = set()    # requests whose synchronous load failed this step
-        self._warned = False
+        self._warn = WarnOnce(log)
         self._sync_done: set[str] = set()
 
     # --- starting -----------------------------------------------------------------------------
@@ -117,10 +118,8 @@ class Loader:
         try:
             good = self._load(t)
         except Exception as exc:     # a closed store, a bug: recomputed, never a crash
-            if not self._warned:
-                self._warned = True
-                log.warning("cwm connector: a background load failed (%r); its blocks are "
-                            "recomputed", exc)
+            self._warn("background", "a background load failed (%r); its blocks are "
+                       "recomputed", exc)
         finally:
             if lease is not None and lease.size:
                 self.store.release(lease)

@@ -33,6 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from cwm_plugin.connector.keys import Namespace
 from cwm_plugin.connector.stats import StatsCollector
+from cwm_plugin.connector.warn_once import WarnOnce
 from cwm_plugin.store.threads import unpin
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class Lookups:
         self._budget = wait_s
         self._lock = threading.Lock()
         self._prelude: Callable[[], None] | None = None
-        self._warned: set[str] = set()
+        self._warn = WarnOnce(log)
 
     def new_step(self) -> None:
         """A new scheduler step: its waiting budget is whole again."""
@@ -161,13 +162,6 @@ class Lookups:
                 found[h] = max((SOURCE_OF_TIER.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED)
                                 for t in tiers), key=lambda s: _RANK.get(s, 2))
         return found
-
-    def _warn(self, tag: str, msg: str, *args: object) -> None:
-        with self._lock:
-            if tag in self._warned:
-                return
-            self._warned.add(tag)
-        log.warning("cwm connector: " + msg, *args)
 
     def shutdown(self) -> None:
         """Stop without waiting for a stuck store."""

@@ -53,6 +53,7 @@ from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, C
 from cwm_plugin.connector.params import params_of
 from cwm_plugin.connector.selfcheck import SelfCheck, run_selfcheck
 from cwm_plugin.connector.stats import StatsCollector
+from cwm_plugin.connector.warn_once import WarnOnce
 from cwm_plugin.store.tiered import KVStore
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class SchedulerSide:
         self._loading: dict[str, tuple[BlockTransfer, bool]] = {}
         self._reset_pending = False
         self._selfcheck_started = False
-        self._warned: set[str] = set()
+        self._warn = WarnOnce(log)
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -363,12 +364,6 @@ class SchedulerSide:
             self._warn("load", "promised blocks could not be loaded (evicted, deleted or "
                        "damaged after the lookup); vLLM recomputes them (counted as "
                        "cwm:connector_load_failures_recomputed)")
-
-    def _warn(self, tag: str, msg: str) -> None:
-        """Log once per kind of trouble (it is counted every time)."""
-        if tag not in self._warned:
-            self._warned.add(tag)
-            log.warning("cwm connector: %s", msg)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._loads_done(connector_output)

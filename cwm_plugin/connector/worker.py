@@ -38,6 +38,7 @@ from cwm_plugin.connector.layout import KVLayout
 from cwm_plugin.connector.loads import Loader
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.stats import StatsCollector
+from cwm_plugin.connector.warn_once import WarnOnce
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.kernels import jit
 from cwm_plugin.kernels.blocks import gather_blocks
@@ -71,7 +72,7 @@ class WorkerSide:
         self._pending: list[tuple[bytes, Future]] = []
         self._stored: set[tuple[bytes, int]] = set()
         self._failed: set[bytes] = set()
-        self._warned: set[str] = set()
+        self._warn = WarnOnce(log)
         self.save_wait_s = save_wait_s
         self.layer_index = dict(layer_index or {})    # vLLM layer name -> index in layers
         self.loader = Loader(store, stats, ns=ns, rank=rank, layout=layout, layers=layers,
@@ -161,12 +162,6 @@ class WorkerSide:
                 self._failed.update(bytes(h) for h in t.block_hashes)
                 self.stats.add("save_errors", len(t.block_hashes), reason="load_failed")
         return kept
-
-    def _warn(self, tag: str, msg: str) -> None:
-        """Log once per kind of trouble (it is counted every time)."""
-        if tag not in self._warned:
-            self._warned.add(tag)
-            log.warning("cwm connector: %s", msg)
 
     def take_worker_meta(self) -> CWMWorkerMetadata | None:
         self._failed |= self.loader.take_failed()

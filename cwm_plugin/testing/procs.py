@@ -1,4 +1,5 @@
-"""Small helpers shared by the server fixtures: free ports, readiness polling, process groups."""
+"""Small helpers shared by the server fixtures: free ports, readiness polling, process groups,
+and another process holding a SQLite write lock (the disk index busy elsewhere)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -83,3 +85,24 @@ def tail(path: str | os.PathLike[str], n: int = 60) -> str:
             return "".join(f.readlines()[-n:])
     except OSError:
         return ""
+
+
+_LOCK_HOLDER = """
+import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+db.execute("COMMIT")
+"""
+
+
+def hold_sqlite_write_lock(path: str | os.PathLike[str], seconds: float) -> subprocess.Popen:
+    """Another process takes the database's write lock and holds it ``seconds``; returns once
+    the lock is held (``wait()`` on the process answers 0 once it let go)."""
+    proc = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(path), str(seconds)],
+                            stdout=subprocess.PIPE, text=True)
+    if proc.stdout is None or proc.stdout.readline().strip() != "locked":
+        proc.kill()
+        raise RuntimeError(f"could not take the write lock of {path}")
+    return proc

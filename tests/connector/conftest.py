@@ -1,10 +1,12 @@
-"""Fixtures of the connector tests: vLLM's hashing initialised, stores that always close."""
+"""Fixtures of the connector tests: vLLM's hashing initialised, stores that always close, a
+namespace and its store for the scheduler-side tests."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
 import pytest
+from connector_helpers import namespace
 from prometheus_client import CollectorRegistry
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
@@ -36,3 +38,13 @@ def open_store(tmp_path) -> Iterator[Callable[..., KVStore]]:
     yield make
     for store in made:
         store.close()
+
+
+@pytest.fixture
+def ns():
+    return namespace()
+
+
+@pytest.fixture
+def store(open_store, ns):
+    return open_store(ns.fingerprint)

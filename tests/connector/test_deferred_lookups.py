@@ -4,14 +4,12 @@ requests and block hashing over a real disk store (SQLite index)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
-from connector_helpers import BS, SYNC, namespace
+from connector_helpers import BS, SYNC
 from vllm import SamplingParams
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.request import Request
@@ -21,28 +19,10 @@ from cwm_plugin.connector.keys import kv_block_hashes
 from cwm_plugin.connector.metadata import CWMWorkerMetadata
 from cwm_plugin.connector.scheduler import SchedulerSide
 from cwm_plugin.connector.stats import StatsCollector
-from cwm_plugin.testing.procs import wait_until
+from cwm_plugin.testing.procs import hold_sqlite_write_lock, wait_until
 
 pytestmark = pytest.mark.unit
 STEP_BOUND_S = 0.2     # generous for a loaded 2-core machine: the stall was the store's time
-HOLDER = """
-import sqlite3, sys, time
-db = sqlite3.connect(sys.argv[1], isolation_level=None)
-db.execute("BEGIN IMMEDIATE")
-print("locked", flush=True)
-time.sleep(float(sys.argv[2]))
-db.execute("COMMIT")
-"""
-
-
-@pytest.fixture
-def ns():
-    return namespace()
-
-
-@pytest.fixture
-def store(open_store, ns):
-    return open_store(ns.fingerprint)
 
 
 def side_for(ns, store, *, async_loads: bool = False, **cfg) -> SchedulerSide:
@@ -154,10 +134,7 @@ def test_a_locked_sqlite_index_costs_the_step_nothing_and_the_lease_waits(hash_f
     keys = keys_of(ns, req, 3)
     fill(store, keys)
     side = side_for(ns, store, lookup_wait_ms=2_000, lease_ttl_s=30)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "store" /
-                                                                 "index.sqlite"), "1.5"],
-                              stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "locked"
+    holder = hold_sqlite_write_lock(tmp_path / "store" / "index.sqlite", 1.5)
     answer, seconds = timed(side.get_num_new_matched_tokens, req, 0)
     assert answer == (3 * BS, False) and seconds < 1.0
     assert not store.key_info(keys[0])["disk"].pinned      # the lease waits for the lock

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from connector_helpers import BS, SYNC, namespace
+from connector_helpers import BS, SYNC
 from vllm import SamplingParams
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -19,16 +19,6 @@ from cwm_plugin.connector.stats import StatsCollector
 from cwm_plugin.store.config import StoreConfig
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture
-def ns():
-    return namespace()
-
-
-@pytest.fixture
-def store(open_store, ns):
-    return open_store(ns.fingerprint)
 
 
 def side_for(ns, store, **cfg) -> SchedulerSide:

@@ -13,8 +13,6 @@ stalls the engine and nothing fails a request.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ import httpx
 import pytest
 from test_connector import DEV_MODE, HITS, complete_ids, long_text
 
+from cwm_plugin.testing.procs import hold_sqlite_write_lock
 from cwm_plugin.testing.tcp_proxy import TcpProxy
 from cwm_plugin.testing.vllm_server import SHUTDOWN_TIMEOUT_S, VLLMServer, kv_transfer_config
 
@@ -30,14 +29,6 @@ pytestmark = pytest.mark.e2e
 
 STUCK_S = 6.0         # how long the store is stuck
 MAX_GAP_S = 1.5       # between two tokens of a stream (a stalled step: seconds; this busy box: <0.5 s)
-HOLDER = """
-import sqlite3, sys, time
-db = sqlite3.connect(sys.argv[1], isolation_level=None)
-db.execute("BEGIN IMMEDIATE")
-print("locked", flush=True)
-time.sleep(float(sys.argv[2]))
-db.execute("COMMIT")
-"""
 
 
 def start(vllm_factory, model: Path, store: dict, *extra: str, recompute: bool = False,
@@ -152,9 +143,7 @@ def test_a_locked_disk_index_stalls_no_stream(tiny_model, vllm_factory, tmp_path
     server.reset_prefix_cache()
     with Streams(server) as streams:
         time.sleep(3.0)
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(root / "index.sqlite"),
-                                   str(STUCK_S)], stdout=subprocess.PIPE, text=True)
-        assert holder.stdout.readline().strip() == "locked"
+        holder = hold_sqlite_write_lock(root / "index.sqlite", STUCK_S)
         t0 = time.monotonic()
         assert complete_ids(server, returning, "back") == cold  # looked up and loaded
         returned_s = time.monotonic() - t0

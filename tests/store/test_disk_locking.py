@@ -4,8 +4,6 @@ holds SQLite's write lock (``BEGIN IMMEDIATE``) on the real index file."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
@@ -13,19 +11,12 @@ import pytest
 
 from cwm_plugin.store.tiers import disk
 from cwm_plugin.store.tiers.disk import DiskTier
+from cwm_plugin.testing.procs import hold_sqlite_write_lock
 
 pytestmark = pytest.mark.unit
 
 HOLD_S = 3.0
 BOUND_S = 0.5       # generous: the bug was a wait of the whole hold (~3 s)
-HOLDER = """
-import sqlite3, sys, time
-db = sqlite3.connect(sys.argv[1], isolation_level=None)
-db.execute("BEGIN IMMEDIATE")
-print("locked", flush=True)
-time.sleep(float(sys.argv[2]))
-db.execute("COMMIT")
-"""
 
 
 def bid(i: int) -> str:
@@ -34,13 +25,6 @@ def bid(i: int) -> str:
 
 def k(i: int) -> bytes:
     return b"G" * 18 + i.to_bytes(2, "big")
-
-
-def hold_write_lock(path: str, seconds: float) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, path, str(seconds)],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
-    return proc
 
 
 def timed(fn, *args):
@@ -55,7 +39,7 @@ def test_lookups_and_loads_never_wait_behind_a_writer_busy_waiting(tmp_path, mon
     try:
         for i in range(4):
             assert tier.put(bid(i), bytes([i]) * 100, k(i))
-        holder = hold_write_lock(str(tmp_path / "index.sqlite"), HOLD_S)
+        holder = hold_sqlite_write_lock(str(tmp_path / "index.sqlite"), HOLD_S)
         results: list[object] = []
         writer = threading.Thread(target=lambda: results.append(
             tier.put(bid(9), b"\x09" * 100, k(9))))

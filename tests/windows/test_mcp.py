@@ -81,7 +81,8 @@ async def _session_calls(store_yaml: str) -> dict:
     return out
 
 
-def test_every_tool_through_a_real_mcp_client_over_stdio(tmp_path):
+def _a_conversation(tmp_path, serve: bool = True) -> None:
+    """A disk store under tmp_path/kv holding alice's conversation (then served once)."""
     from prometheus_client import CollectorRegistry
 
     from cwm_plugin.store.config import StoreConfig
@@ -90,7 +91,13 @@ def test_every_tool_through_a_real_mcp_client_over_stdio(tmp_path):
     store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
                     registry=CollectorRegistry())
     converse(store, derive_salt(SECRET.encode(), "acme", "alice"), 3 * 16 + 5)
+    if serve:
+        serve_tiny(store)
     store.close()
+
+
+def test_every_tool_through_a_real_mcp_client_over_stdio(tmp_path):
+    _a_conversation(tmp_path, serve=False)
     (tmp_path / "store.yaml").write_text(f"store:\n  disk_path: {tmp_path / 'kv'}\n")
     out = asyncio.run(_session_calls(str(tmp_path / "store.yaml")))
     assert out["tools"] >= TOOLS
@@ -170,16 +177,7 @@ def _check_cwm_answers(out: dict) -> None:
 
 
 def test_the_context_window_managers_parameters_over_stdio_on_the_store(tmp_path):
-    from prometheus_client import CollectorRegistry
-
-    from cwm_plugin.store.config import StoreConfig
-    from cwm_plugin.store.tiered import KVStore
-
-    store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
-                    registry=CollectorRegistry())
-    converse(store, derive_salt(SECRET.encode(), "acme", "alice"), 3 * 16 + 5)
-    serve_tiny(store)
-    store.close()
+    _a_conversation(tmp_path)
     (tmp_path / "store.yaml").write_text(f"store:\n  disk_path: {tmp_path / 'kv'}\n")
     _check_cwm_answers(asyncio.run(_cwm_calls(
         ["--store", str(tmp_path / "store.yaml"), "--tenant", "acme"],
@@ -187,21 +185,13 @@ def test_the_context_window_managers_parameters_over_stdio_on_the_store(tmp_path
 
 
 def test_the_context_window_managers_parameters_over_stdio_through_a_running_sidecar(tmp_path):
-    from prometheus_client import CollectorRegistry
-
     from cwm_plugin.sidecar.app import create_app
     from cwm_plugin.sidecar.identity.authenticator import hash_key
     from cwm_plugin.sidecar.serving import ServerThread
     from cwm_plugin.sidecar.settings import Settings
-    from cwm_plugin.store.config import StoreConfig
-    from cwm_plugin.store.tiered import KVStore
     from cwm_plugin.testing.fake_upstream import FakeUpstream
 
-    store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
-                    registry=CollectorRegistry())
-    converse(store, derive_salt(SECRET.encode(), "acme", "alice"), 3 * 16 + 5)
-    serve_tiny(store)
-    store.close()
+    _a_conversation(tmp_path)
     settings = Settings.model_validate({
         "secret": SECRET, "memory_enabled": False,
         "tenants": [{"name": "acme", "key_sha256": [hash_key("k-acme")]}],

@@ -149,5 +149,8 @@ def test_an_exported_window_imported_into_a_fresh_store_restores_exactly(
     expected = ask(b, turn, "fresh")
     before = b.metric(HITS)
     assert ask(b, turn, "salt-b") == expected
-    assert b.metric(HITS) - before >= 0.9 * len(w.tokens)
+    # every block the window holds (its full blocks: a partial last block is never stored, so
+    # a bound on len(w.tokens) failed whenever the conversation ended early in a block)
+    assert w.pinned_tokens >= 0.8 * len(w.tokens)
+    assert b.metric(HITS) - before == w.pinned_tokens
     eng_b.store.close()

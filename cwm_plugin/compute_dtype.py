@@ -10,6 +10,11 @@ SmolLM2 recompute took 48.3 s in bfloat16 against 14.6 s in float32, and vLLM's 
 
 The store keeps dtypes apart by itself: the KV dtype is part of every key's namespace, so KV
 saved by a bfloat16 server is never restored into a float32 one (it is recomputed).
+
+A process whose kernels are capped below AVX-512 (``ATEN_CPU_CAPABILITY=avx2`` for PyTorch,
+``ONEDNN_MAX_CPU_ISA=AVX2`` for oneDNN) computes like an AVX2-only machine, whatever the CPU
+has: the flags read from this machine drop AVX-512 and AMX then, so the choice follows the
+kernels that actually run (and an AVX-512 host can measure what an AVX2 one would see).
 """
 
 from __future__ import annotations
@@ -26,14 +31,35 @@ ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "f
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     """The CPU's feature flags (x86 ``flags``, Arm ``Features``), empty where unknown."""
-    if cpuinfo is None:
+    this_machine = cpuinfo is None
+    if this_machine:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
         except OSError:
             return set()
     line = next((ln for ln in cpuinfo.splitlines()
                  if re.match(r"(flags|Features)\s*:", ln)), "")
-    return set(line.partition(":")[2].split())
+    flags = set(line.partition(":")[2].split())
+    return capped(flags, kernel_isa_cap()) if this_machine else flags
+
+
+def kernel_isa_cap(env: dict[str, str] | None = None) -> str | None:
+    """The ISA this process's kernels are capped to: ``avx2`` (no AVX-512 at all), ``avx512``
+    (no bfloat16 or AMX instructions), or ``None`` when uncapped."""
+    env = os.environ if env is None else env
+    aten = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    onednn = env.get("ONEDNN_MAX_CPU_ISA", "").strip().lower()
+    if aten in ("default", "avx2") or onednn.startswith(("sse", "avx2")) or onednn == "avx":
+        return "avx2"
+    if onednn in ("avx512_core", "avx512_core_vnni"):
+        return "avx512"
+    return None
+
+
+def capped(flags: set[str], cap: str | None) -> set[str]:
+    """``flags`` less what a kernel cap (:func:`kernel_isa_cap`) keeps from running."""
+    dropped = {"avx2": ("avx512", "amx"), "avx512": ("avx512_bf16", "amx")}.get(cap or "")
+    return {f for f in flags if not f.startswith(dropped)} if dropped else flags
 
 
 def native_bf16(flags: set[str] | None = None) -> bool:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from cwm_plugin.compute_dtype import compute_dtype, cpu_flags, isa, native_bf16
+from cwm_plugin.compute_dtype import (
+    capped,
+    compute_dtype,
+    cpu_flags,
+    isa,
+    kernel_isa_cap,
+    native_bf16,
+)
 
 ZEN3_AVX2 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n"
              "flags\t\t: fpu sse2 avx avx2 fma bmi2 sha_ni\n")
@@ -48,3 +55,25 @@ def test_the_user_overrides_it(monkeypatch):
 def test_this_machine_is_read():
     assert compute_dtype() in ("bfloat16", "float32")
     assert (compute_dtype() == "bfloat16") == native_bf16()
+
+
+@pytest.mark.parametrize(("env", "cap"), [
+    ({}, None), ({"ATEN_CPU_CAPABILITY": "avx2"}, "avx2"), ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, "avx2"),
+    ({"ONEDNN_MAX_CPU_ISA": "avx2_vnni"}, "avx2"), ({"ATEN_CPU_CAPABILITY": "avx512"}, None),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, "avx512"),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, None), ({"ONEDNN_MAX_CPU_ISA": "ALL"}, None)])
+def test_a_kernel_isa_cap_is_read_from_the_environment(env, cap):
+    assert kernel_isa_cap(env) == cap
+
+
+def test_capped_kernels_compute_like_the_cpu_kind_they_are_capped_to(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 on an AVX-512 bf16 host runs PyTorch's AVX2 kernels, where
+    bfloat16 is emulated: the choice follows the kernels, not the CPU."""
+    sapphire = cpu_flags(SAPPHIRE)
+    assert isa(capped(sapphire, "avx2")) == "avx2"
+    assert compute_dtype(None, capped(sapphire, "avx2")) == "float32"
+    assert isa(capped(sapphire, "avx512")) == "avx512"
+    assert not native_bf16(capped(sapphire, "avx512"))
+    assert capped(sapphire, None) == sapphire
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert isa() in ("avx2", "other") and compute_dtype() == "float32"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,7 +15,9 @@ from cwm_plugin.cli import main
 pytestmark = pytest.mark.unit
 
 
-def test_store_cli(tmp_path, make_store, kv_block, capsys):
+def test_store_cli(tmp_path, make_store, kv_block, capsys, monkeypatch):
+    # in this process: the test run must not lower its own priority (a subprocess checks it)
+    monkeypatch.setattr("cwm_plugin.store.cli.MAINTENANCE_NICE", 0)
     root = tmp_path / "d"
     s = make_store(disk_path=str(root))
     for i in range(3):
@@ -42,3 +47,24 @@ def test_store_cli(tmp_path, make_store, kv_block, capsys):
 def test_store_cli_needs_a_store(capsys):
     assert main(["store", "usage"]) == 2
     assert "config_error" in capsys.readouterr().err
+
+
+def test_maintenance_yields_the_cores_to_serving(tmp_path):
+    """``cwm store gc`` (and usage, verify) run at nice +10 and the lowest best-effort I/O
+    priority unless told otherwise: a gc loop at normal priority took a core from vLLM."""
+    probe = ("import os, psutil, sys; from cwm_plugin.cli import main; "
+             "import cwm_plugin.store.cli as c; seen = {}; "
+             "orig = c.yield_to_serving; "
+             "c.yield_to_serving = lambda n: (orig(n), seen.update(nice=os.nice(0), "
+             "io=tuple(psutil.Process().ionice())))[0]; "
+             "main(sys.argv[1:]); print(seen['nice'], seen['io'][0] == psutil.IOPRIO_CLASS_BE, "
+             "seen['io'][1])")
+    root = str(tmp_path / "d")
+    base = os.nice(0)
+    out = subprocess.run([sys.executable, "-c", probe, "store", "gc", "--disk-path", root,
+                          "--json"], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split()[-3:] == [str(min(base + 10, 19)), "True", "7"], out.stderr
+    out = subprocess.run([sys.executable, "-c", probe, "store", "usage", "--disk-path", root,
+                          "--nice", "0"], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.split()[-3] == str(base), out.stderr

@@ -110,6 +110,10 @@ class SidecarMetrics:
                                    "before their end (the client went away, or the upstream "
                                    "failed): billed and recorded up to what was relayed",
                                    ("tenant", "model", "route"), registry=r)
+        self.streams_resumed = Counter(
+            "cwm_sidecar_streams_resumed", "Streamed chat answers whose upstream failed "
+            "mid-answer and that went on from the relayed text on another upstream",
+            ("tenant", "model", "upstream", "to"), registry=r)
         self.windows_restores = Counter(
             "cwm_sidecar_prompt_restores", "Continuing sessions this process had not seen whose "
             "stored prompt state was looked up (adopted, error)", ("outcome",), registry=r)

@@ -6,7 +6,8 @@ scripted here; what the sidecar sends is recorded exactly (body and headers), so
 compare it with what the client sent. Chat answers come from ``script(body) -> reply`` where a
 reply is ``{"content": str}`` or ``{"tool_calls": [...]}``; the default answers "ok".
 Streams are written with CRLF line ends when ``crlf`` is set (the SSE format allows it), a
-chunk every ``stream_delay`` seconds. Like vLLM, a body it cannot use is a 400, never a 500, and
+chunk every ``stream_delay`` seconds; ``stream_cut_after`` N drops the connection after N
+chunks (a server killed mid-answer). Like vLLM, a body it cannot use is a 400, never a 500, and
 a chat prompt over ``max_prompt_tokens`` (as ``usage_of`` counts) a 400 naming the context.
 """
 
@@ -43,6 +44,7 @@ class FakeUpstream:
         self.chat_status = 200  # answer chats with this HTTP status (500: a broken engine)
         self.chat_delay = 0.0  # seconds before a chat is answered (a stuck engine)
         self.stream_delay = 0.0  # seconds between two streamed chunks (a model generating)
+        self.stream_cut_after: int | None = None  # die after this many chunks (a killed server)
         self.max_prompt_tokens: int | None = None  # longer chat prompts: 400, as vLLM
         self.calls: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.model_lists = 0  # GET /v1/models answered (health checks, model lookups)
@@ -95,7 +97,9 @@ class FakeUpstream:
             return f"data: {json.dumps(obj)}{end}{end}".encode()
 
         async def gen():
-            for piece in pieces():
+            for i, piece in enumerate(pieces()):
+                if self.stream_cut_after is not None and i >= self.stream_cut_after:
+                    raise ConnectionAbortedError("the fake upstream died mid-answer")
                 yield piece
                 await asyncio.sleep(self.stream_delay)
 

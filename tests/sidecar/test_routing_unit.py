@@ -304,6 +304,44 @@ def test_a_5xx_or_a_dead_upstream_fails_over_streamed_or_not(tmp_path):
             s.stop()
 
 
+def test_an_upstream_dying_mid_answer_is_resumed_on_the_other_from_the_relayed_text(tmp_path):
+    """A streamed answer whose server dies after two tokens goes on, on the other server, from
+    exactly the text the client already has: same salt, the text as a final assistant message
+    to continue, the token limits less what was relayed; the client sees one unbroken stream."""
+    a, b, sa, sb, srv = pair(tmp_path)
+    a.script = lambda body: {"content": "alpha beta gamma delta"}
+    b.script = lambda body: {"content": "gamma delta"}
+    try:
+        a.stream_cut_after = 2   # "alpha ", "beta ", then the connection drops
+        r = chat(srv, "acme", "tell me", stream=True, max_tokens=8, min_tokens=4)
+        events = sse_events(r.text)
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert not any(isinstance(e, dict) and "error" in e for e in events), events
+        text = "".join((c["delta"].get("content") or "") for e in events
+                       if isinstance(e, dict) for c in e.get("choices") or [])
+        assert text == "alpha beta gamma delta "
+        first, cont = a.last(), b.last()
+        assert cont["messages"] == [*first["messages"],
+                                    {"role": "assistant", "content": "alpha beta "}]
+        assert cont["continue_final_message"] is True and cont["add_generation_prompt"] is False
+        assert (cont["max_tokens"], cont["min_tokens"]) == (6, 2)
+        assert cont["cache_salt"] == first["cache_salt"] and "continue_final_message" not in first
+        assert metric_value(srv, "cwm_sidecar_streams_resumed_total", upstream="a", to="b") == 1
+        assert metric_value(srv, "cwm_sidecar_streams_cut_total") in (None, 0)
+        # a tool call cannot be continued: the client gets the error event, as before
+        a.stream_cut_after, b.calls = 1, []
+        a.script = lambda body: {"tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}
+        runtime(srv).router.endpoints[0].up = True   # a is back (as a health check would say)
+        r = chat(srv, "acme", "call", stream=True, session="s2")
+        events = sse_events(r.text)
+        assert any(isinstance(e, dict) and "error" in e for e in events) and b.bodies() == []
+    finally:
+        for s in (srv, sa, sb):
+            s.stop()
+
+
 def test_a_timeout_is_not_retried_elsewhere(tmp_path):
     """The request reached a server that may still be working on it: a 504, not a second
     generation on another server."""

@@ -34,7 +34,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cwm_plugin.errors import InvalidInput
+from cwm_plugin.errors import InvalidInput, UpstreamError
 from cwm_plugin.memory.history import prefix_length
 from cwm_plugin.memory.timing import Stages
 from cwm_plugin.sidecar.api.activity import PROJECT_HEADER, log_turn, project_of, turn_entry
@@ -63,6 +63,8 @@ from cwm_plugin.sidecar.turn.records import (
 )
 from cwm_plugin.sidecar.turn.session import Level, SessionState, level_for
 from cwm_plugin.sidecar.upstream.client import headers_down, headers_up
+from cwm_plugin.sidecar.upstream.endpoints import StreamHandle
+from cwm_plugin.sidecar.upstream.resume import resumable_events
 from cwm_plugin.sidecar.upstream.router import Endpoint, Route
 from cwm_plugin.sidecar.upstream.stream import (
     CUT_MARK,
@@ -391,9 +393,17 @@ async def _stream(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -
                           answer_message(collected.text, collected.tool_calls))
         _observe_stages(turn)
 
+    def resumed(nxt: StreamHandle, exc: UpstreamError) -> None:
+        collected.carried = collected.chunks
+        turn.served_by(nxt.ep)
+        sc.metrics.streams_resumed.labels(turn.ident.tenant, turn.model, handle.ep.name,
+                                          nxt.ep.name).inc()
+
     async def body():
+        events = resumable_events(sc.router, turn.route, "/v1/chat/completions", forward,
+                                  handle, collected, headers=up, on_resume=resumed)
         try:
-            async for piece in relay_sse(handle.chunks(), collected, chat=True,
+            async for piece in relay_sse(events, collected, chat=True,
                                          strip_usage=not client_wants_usage, on_done=on_done):
                 yield piece
         finally:

@@ -40,6 +40,7 @@ class Collected:
     finish_reason: str | None = None
     done: bool = False
     error: str | None = None
+    carried: int = 0  # tokens relayed before the stream was resumed on another upstream
 
     @property
     def text(self) -> str:
@@ -53,6 +54,12 @@ class Collected:
     def feed(self, obj: dict[str, Any], *, chat: bool) -> None:
         if obj.get("usage"):
             self.usage = obj["usage"]
+            if self.carried and isinstance(self.usage.get("completion_tokens"), int):
+                # a resumed answer: the continuation counted only its own tokens
+                self.usage = {**self.usage, "completion_tokens":
+                              self.usage["completion_tokens"] + self.carried,
+                              "total_tokens": int(self.usage.get("total_tokens") or 0)
+                              + self.carried}
         elif obj.get("type") == "response.completed":  # the Responses API's final event
             done = obj.get("response")
             if isinstance(done, dict) and isinstance(done.get("usage"), dict):

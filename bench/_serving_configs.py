@@ -126,13 +126,16 @@ class Servers:
     sizes: Sizes
     work: Path
     all_users: int                  # every user the run will ever have on one server
+    max_num_batched_tokens: int = 2048  # vLLM's token budget a step (CPU default 2048)
 
     def vllm(self, extra: list[str], *, blocks: int | None = None,
              env: dict[str, str] | None = None) -> VLLMServer:
         return VLLMServer(model_dir=self.model, served_name=SERVED, dtype=self.dtype,
                           max_model_len=self.sizes.max_model_len, log_dir=self.work,
                           extra_args=["--block-size", str(BLOCK), "--num-gpu-blocks-override",
-                                      str(blocks or self.sizes.vllm_blocks), *extra],
+                                      str(blocks or self.sizes.vllm_blocks),
+                                      "--max-num-batched-tokens",
+                                      str(self.max_num_batched_tokens), *extra],
                           env={"VLLM_SERVER_DEV_MODE": "1", **(env or {})},
                           startup_timeout=600)
 

@@ -4,7 +4,8 @@ within the TTFT objective", the issue's goals and the printed tables.
 TTFT is send to first token (queueing included); returning requests are rounds after a user's
 first (the ones whose KV vLLM may have evicted). ITL is the time between two tokens of one
 answer; ``itl_while_prefill`` keeps only the gaps that overlap another returning request's
-wait for its first token (while it restores and prefills): the stall restores put on decoding.
+wait for its first token (while it restores and prefills) and no first turn's cold prefill:
+the stall restores put on decoding.
 Requests/s counts completed requests over the phase's span (first send to last answer).
 """
 
@@ -24,14 +25,22 @@ KEYS = ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "returning_ttft_p50_s",
 
 
 def itl_while_prefill(reqs: Sequence[Request]) -> list[float]:
-    """Token gaps of any request that overlap another returning request's [send, first token)."""
-    windows = sorted((r.sent, r.first, r.user) for r in reqs
-                     if r.returning and r.first is not None)
+    """Token gaps of any request that overlap another returning request's [send, first token)
+    and no first turn's: a first turn is a cold prefill in every config (no KV anywhere yet),
+    so a gap it stalls measures the workload's arrivals, not what restoring costs decoding."""
+    def windows(returning: bool) -> list[tuple[float, float, str]]:
+        return [(r.sent, r.first, r.user) for r in reqs
+                if r.returning == returning and r.first is not None]
+
+    def overlaps(a: float, b: float, user: str, ws: list[tuple[float, float, str]]) -> bool:
+        return any(s < b and f > a and u != user for s, f, u in ws)
+
+    back, cold = windows(True), windows(False)
     out: list[float] = []
     for r in reqs:
         t = r.token_times
         for a, b in zip(t, t[1:], strict=False):
-            if any(s < b and f > a and u != r.user for s, f, u in windows if s < b):
+            if overlaps(a, b, r.user, back) and not overlaps(a, b, r.user, cold):
                 out.append(b - a)
     return out
 
@@ -118,14 +127,14 @@ def _ratio(a: Any, b: Any) -> float | None:
         return None
 
 
-def _goal(value: float | None, limit: float, at_most: bool) -> dict[str, Any]:
+def goal(value: float | None, limit: float, at_most: bool) -> dict[str, Any]:
     met = None if value is None else (value <= limit if at_most else value >= limit)
     return {"value": value, "goal": f"{'<=' if at_most else '>='} {limit}", "met": met}
 
 
 def peak(c: dict[str, Any]) -> float | None:
     """Most requests a second a config completed at any offered rate of the run (its sweep
-    points included): its throughput where the sweep saturates it."""
+    points and its closed-loop ``saturated`` phase included): its throughput."""
     return c.get("peak_requests_per_s", c.get("requests_per_s"))
 
 
@@ -135,19 +144,19 @@ def goals(configs: dict[str, dict[str, Any]], fits: dict[str, Any] | None,
     cpu, vl, lm = (configs.get(k, {}) for k in ("cwm_cpu", "vllm", "lmcache"))
     p95 = "returning_ttft_p95_s"
     out = {
-        "returning_ttft_p95_cwm_cpu_vs_vllm": _goal(_ratio(cpu.get(p95), vl.get(p95)), 0.2, True),
-        "returning_ttft_p95_cwm_cpu_vs_lmcache": _goal(_ratio(cpu.get(p95), lm.get(p95)), 0.5,
+        "returning_ttft_p95_cwm_cpu_vs_vllm": goal(_ratio(cpu.get(p95), vl.get(p95)), 0.2, True),
+        "returning_ttft_p95_cwm_cpu_vs_lmcache": goal(_ratio(cpu.get(p95), lm.get(p95)), 0.5,
                                                        True),
-        "peak_requests_per_s_cwm_cpu_vs_vllm": _goal(_ratio(peak(cpu), peak(vl)), 3.0, False),
-        "peak_requests_per_s_cwm_cpu_vs_lmcache": _goal(_ratio(peak(cpu), peak(lm)), 1.3,
+        "peak_requests_per_s_cwm_cpu_vs_vllm": goal(_ratio(peak(cpu), peak(vl)), 3.0, False),
+        "peak_requests_per_s_cwm_cpu_vs_lmcache": goal(_ratio(peak(cpu), peak(lm)), 1.3,
                                                         False),
-        "itl_p99_while_restoring_cwm_cpu_vs_fits": _goal(
+        "itl_p99_while_restoring_cwm_cpu_vs_fits": goal(
             _ratio(cpu.get("itl_while_prefill_p99_s"),
                    (fits or {}).get("itl_while_prefill_p99_s")), 1.2, True),
     }
     for name, f in faults.items():
-        out[f"fault_{name}_failed_requests"] = _goal(f.get("failed_requests"), 0, True)
-        out[f"fault_{name}_itl_p99_vs_baseline"] = _goal(
+        out[f"fault_{name}_failed_requests"] = goal(f.get("failed_requests"), 0, True)
+        out[f"fault_{name}_itl_p99_vs_baseline"] = goal(
             _ratio(f.get("itl_p99_s"), f.get("baseline_itl_p99_s")), 2.0, True)
     return out
 

@@ -17,11 +17,14 @@ output tokens a second, vLLM's external and own prefix-cache hit tokens, failed 
 * a sweep over the number of users at the same per-user rate on ``--sweep-configs``: the most
   users served with returning TTFT p95 within the objective (LMCache's headline measure); a
   larger N is left out once a smaller one missed it while saturated. A config's peak
-  requests/s (the most it completed at any offered rate of the run) is its throughput where
-  the sweep saturates it; the requests/s goals compare those;
+  requests/s is the most it completed in any phase of the run: the sweep's points, or the
+  ``saturated`` phase after the main rounds, where the main users send their next
+  ``--saturated-rounds`` rounds in a closed loop (all returning, KV evicted from vLLM, the
+  server never idle); the requests/s goals compare those;
 * ``fits``: the same workload on vLLM with a cache that holds every user (the ITL reference);
 * the greedy check: sample sessions' last turn on ``cwm_cpu``, restored from the CPU tier
-  after dropping vLLM's prefix cache, vs the same prompt under a fresh salt (a recompute);
+  after dropping vLLM's prefix cache, vs the session replayed round by round under a fresh
+  salt (a recompute-only run), and vs its last prompt in one piece;
 * faults under load (bench/_serving_faults.py), each a round with failed requests and ITL p99
   against its fault-free round;
 * a Redis Cluster run: the shipped Redis config on a real 3-master cluster, each master's share
@@ -72,10 +75,10 @@ from cwm_plugin.testing.redis_server import RedisServer
 log = logging.getLogger("bench.serving")
 FULL = {"users": 8, "rounds": 6, "answer_tokens": 16, "context_tokens": 1200, "qps": 0.6,
         "sweep_users": [4, 16], "sweep_configs": ["vllm", "lmcache", "cwm_cpu"],
-        "fault_rounds": 2, "greedy_sessions": 3}
+        "fault_rounds": 2, "greedy_sessions": 3, "saturated_rounds": 3}
 QUICK = {"users": 4, "rounds": 3, "answer_tokens": 16, "context_tokens": 600, "qps": 0.6,
          "sweep_users": [2, 6], "sweep_configs": ["vllm", "cwm_cpu"], "fault_rounds": 2,
-         "greedy_sessions": 2}
+         "greedy_sessions": 2, "saturated_rounds": 2}
 PARTS = ("sweep", "fits", "greedy", "faults", "tiny_budgets", "sidecar", "cluster")
 
 
@@ -179,6 +182,7 @@ class Bench(faults.FaultRounds):
                 runs.append(self.phase(server, main, self.spec.rounds, f"{name}-main{k}"))
             self.out["configs"][name] = {**report.median_of(runs),
                                          **({"repeats": runs} if len(runs) > 1 else {})}
+            self.saturated(name, server, main)
             if "sweep" in self.args.parts and name in self.args.sweep_configs:
                 self.sweep_points(name, server)
             if name == "cwm_cpu" and "greedy" in self.args.parts:
@@ -187,6 +191,16 @@ class Bench(faults.FaultRounds):
             self.guard("faults", self.redis_faults, main, redis, proxy)
         if name == "cwm_redis" and "tiny_budgets" in self.args.parts:
             self.guard("tiny_budgets", self.tiny_budgets, main, redis)
+
+    def saturated(self, name: str, server: Any, sessions: list[Session]) -> None:
+        """The main users' next rounds in a closed loop (each sends again as soon as its answer
+        is in): every request a returning one whose KV vLLM has evicted, the server kept busy.
+        Its completed requests/s is the config's throughput for returning sessions."""
+        closed = dataclasses.replace(self.spec, qps=0)
+        sat = self.phase(server, sessions, self.args.saturated_rounds, f"{name}-saturated",
+                         spec=closed)
+        self.out["configs"][name]["saturated"] = {k: v for k, v in sat.items()
+                                                  if k != "timeline"}
 
     def result(self, load_before: list[float], t_start: float, work: Path) -> dict[str, Any]:
         """The JSON of the run so far: figures, sweep, goals, machine, workload, sizes."""
@@ -201,15 +215,21 @@ class Bench(faults.FaultRounds):
                         "most_users_within_slo": {k: report.most_users_within(v, slo)
                                                   for k, v in self.sweep.items()}}
         for name, c in out["configs"].items():
-            c["peak_requests_per_s"] = max(p["requests_per_s"]
-                                           for p in self.sweep.get(name, {0: c}).values())
+            c["peak_requests_per_s"] = max(
+                [p["requests_per_s"] for p in self.sweep.get(name, {0: c}).values()]
+                + [c.get("saturated", {}).get("requests_per_s", 0.0)])
         out["goals"] = report.goals(out["configs"], out.get("fits"), {
             k: v for k, v in out["fault_rounds"].items() if k != "none"})
+        if g := out.get("greedy_check"):
+            same = sum(o["identical"] for o in g["sessions"])
+            out["goals"]["greedy_last_turns_identical_to_recompute"] = report.goal(
+                same / max(1, len(g["sessions"])), 1.0, False)
         out.update(machine=machine(), load_average={"before": load_before,
                                                     "after": load_average()},
                    model="SmolLM2-135M-Instruct", dtype=args.dtype, quick=args.quick,
                    workload={**dataclasses.asdict(spec), "gap_s": spec.gap_s,
-                             "fault_rounds": args.fault_rounds, "repeat": args.repeat},
+                             "fault_rounds": args.fault_rounds, "repeat": args.repeat,
+                             "max_num_batched_tokens": args.max_num_batched_tokens},
                    sizes=self.servers.sizes.as_dict(),
                    wall_s=round(time.monotonic() - t_start, 1), code=code_state(),
                    work_dir=str(work))
@@ -246,30 +266,50 @@ class Bench(faults.FaultRounds):
             self.out["errors"][part] = f"{type(e).__name__}: {e}"
 
     def greedy(self, server: Any, sessions: list[Session]) -> None:
+        """Sample sessions' last turn restored from the CPU tier against two recomputes under
+        fresh salts: the session replayed round by round (a recompute-only run: each round's
+        prompt computed afresh and its answer decoded, as the workload computed it) and the
+        whole prompt in one piece. In bfloat16 a token's KV computed while decoding differs in
+        its last bits from the same token's KV computed in a prefill, so only the replay is
+        the like-for-like reference; the one-piece match is reported beside it."""
+        kw = {"max_tokens": self.spec.answer_tokens, "ignore_eos": True,
+              "min_tokens": self.spec.answer_tokens, "return_token_ids": True}
+
+        def ids(messages: list[dict[str, str]], salt: str) -> list[int]:
+            return server.chat(messages, cache_salt=salt, **kw)["choices"][0]["token_ids"]
+
         out = []
         for s in sessions[:self.args.greedy_sessions]:
             messages = s.messages[:-1]             # the last turn's prompt
-            kw = {"max_tokens": self.spec.answer_tokens, "ignore_eos": True,
-                  "min_tokens": self.spec.answer_tokens, "return_token_ids": True}
             server.reset_prefix_cache()            # vLLM's own cache: the next one restores
             h0 = hit_counters(server)["external_hit_tokens"]
             restored = server.chat(messages, cache_salt=s.salt, **kw)
             h1 = hit_counters(server)["external_hit_tokens"]
-            cold = server.chat(messages, cache_salt=f"{s.salt}-cold-{secrets.token_hex(4)}", **kw)
+            replay_salt = f"{s.salt}-replay-{secrets.token_hex(4)}"
+            for i, m in enumerate(messages[:-1]):
+                if m["role"] == "user":
+                    ids(messages[:i + 1], replay_salt)
+            replayed = ids(messages, replay_salt)
+            one_piece = ids(messages, f"{s.salt}-cold-{secrets.token_hex(4)}")
             h2 = hit_counters(server)["external_hit_tokens"]
-            a, b = restored["choices"][0], cold["choices"][0]
+            a = restored["choices"][0]["token_ids"]
             out.append({"session": s.name, "prompt_tokens": restored["usage"]["prompt_tokens"],
                         "restored_tokens": h1 - h0, "recompute_hits": h2 - h1,
-                        "identical": a["token_ids"] == b["token_ids"],
+                        "identical": a == replayed, "identical_to_one_piece": a == one_piece,
+                        "first_divergence_from_one_piece": next(
+                            (k for k, (x, y) in enumerate(zip(a, one_piece, strict=True))
+                             if x != y), None),
                         "workload_answer_identical":
-                            a["message"]["content"] == s.messages[-1]["content"]})
+                            restored["choices"][0]["message"]["content"]
+                            == s.messages[-1]["content"]})
         self.out["greedy_check"] = {
             "sessions": out, "all_identical": all(o["identical"] for o in out),
             "all_restored": all(o["restored_tokens"] > 0 and o["recompute_hits"] == 0
                                 for o in out),
             "how": "last turn on cwm_cpu after dropping vLLM's prefix cache (restored from "
-                   "the CPU tier) vs the same prompt under a fresh salt (recomputed), one at "
-                   "a time, temperature 0"}
+                   "the CPU tier) vs the session replayed round by round under a fresh salt "
+                   "(recompute only; 'identical') and vs its last prompt in one piece under "
+                   "another fresh salt, one at a time, temperature 0"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -294,6 +334,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--redis-down-s", type=float, default=2.0)
     ap.add_argument("--dtype", default="auto", help="auto (this CPU's: cwm_plugin.compute_dtype), "
                     "bfloat16, float32 or float16")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=128,
+                    help="vLLM's token budget a step, every config alike: a cold prefill is "
+                         "chunked so that decoding requests get a token every ~0.15 s on 2 "
+                         "cores (vLLM's CPU default, 2048, stalls them ~2 s a prefill)")
     args = ap.parse_args(argv)
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
@@ -318,14 +362,17 @@ def main(argv: list[str] | None = None) -> int:
     spec = WorkloadSpec(users=args.users, rounds=args.rounds, answer_tokens=args.answer_tokens,
                         system_tokens=args.system_tokens, context_tokens=args.context_tokens,
                         qps=args.qps, think_s=args.think_s, seed=args.seed)
-    # the longest a user's prompt gets: the main rounds, then 5 fault rounds on cwm_redis
-    longest = spec.prompt_tokens_after(spec.rounds + 5 * args.fault_rounds) + spec.answer_tokens
+    # the longest a user's prompt gets: the main and saturated rounds, then 5 fault rounds
+    # on cwm_redis
+    longest = spec.prompt_tokens_after(spec.rounds + args.saturated_rounds +
+                                       5 * args.fault_rounds) + spec.answer_tokens
     sizes = Sizes(users=spec.users, user_tokens=spec.prompt_tokens_after(spec.rounds),
                   kv_bytes_per_token=kv_bytes_per_token(model, args.dtype),
                   fraction=args.kv_fraction, max_model_len=128 * math.ceil(longest / 128 + 1))
     work = Path(tempfile.mkdtemp(prefix="cwm-bench-serving-", dir=Path.home()))
     everyone = spec.users * args.repeat + sum(args.sweep_users) + 4
-    bench = Bench(args, spec, Servers(model, args.dtype, sizes, work, everyone), tok, lines,
+    bench = Bench(args, spec, Servers(model, args.dtype, sizes, work, everyone,
+                                         args.max_num_batched_tokens), tok, lines,
                   questions)
     log.info("sizes: %s", sizes.as_dict())
     redis = faults.RedisHolder(RedisServer().start())

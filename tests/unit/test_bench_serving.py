@@ -114,6 +114,12 @@ def test_itl_while_prefill_keeps_only_gaps_overlapping_another_users_wait(mods):
     a = R("p", "a", 0, sent=0.0, token_times=[1.0, 1.1, 3.0, 3.1])
     b = R("p", "b", 1, sent=2.0, token_times=[2.9, 3.0])    # returning: waits 2.0..2.9
     assert mods.report.itl_while_prefill([a, b]) == pytest.approx([1.9])
+    # a first turn's cold prefill (no KV anywhere yet, in any config) overlapping the gap
+    # takes it out: that stall is the workload's arrivals, not a restore's cost
+    c = R("p", "c", 0, sent=1.5, token_times=[2.5])
+    assert mods.report.itl_while_prefill([a, b, c]) == []
+    late = R("p", "c", 0, sent=3.05, token_times=[3.2])   # after the gap: it stays
+    assert mods.report.itl_while_prefill([a, b, late]) == pytest.approx([1.9])
 
 
 def test_the_sweep_goals_and_tables(mods):

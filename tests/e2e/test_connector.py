@@ -135,29 +135,31 @@ def test_restore_after_restart_is_token_identical_and_salts_stay_apart(tiny_mode
 
 
 def test_corrupted_kv_changes_output_unless_the_checksum_catches_it(tiny_model, vllm_factory, tmp_path):
+    """The blobs are corrupted on disk under a running server (disk tier only, vLLM's own
+    cache dropped), so the next request reads them back: one server a config, not two."""
     prompt = long_text(3, 700)
+
+    def cold_then_corrupted(store: dict, root: Path) -> tuple[VLLMServer, list[int], list[int]]:
+        server = serve(vllm_factory, tiny_model, {"disk_path": str(root), "zstd_level": 0,
+                                                  "memory_bytes": 0, **store},
+                       env=DEV_MODE).start()
+        cold = complete_ids(server, prompt, "salt-N")
+        full_blocks = len(server.tokenize(prompt)) // 128
+        wait_until(lambda: server.metric("cwm:connector_saved_blocks") >= full_blocks,
+                   timeout=60, what="the prompt's blocks saved to disk")
+        assert corrupt_blobs(root) >= full_blocks
+        server.reset_prefix_cache()
+        return server, cold, complete_ids(server, prompt, "salt-N")
+
     # Negative control: raw payload, no checksum -> the corrupted KV is loaded and used.
-    raw = {"disk_path": str(tmp_path / "raw"), "zstd_level": 0, "checksum": False,
-           "memory_bytes": 0}
-    server = serve(vllm_factory, tiny_model, raw).start()
-    cold = complete_ids(server, prompt, "salt-N")
-    server.stop()
-    assert corrupt_blobs(tmp_path / "raw") > 0
-    server.start()
-    corrupted = complete_ids(server, prompt, "salt-N")
+    server, cold, corrupted = cold_then_corrupted({"checksum": False}, tmp_path / "raw")
     assert server.metric(HITS) > 0, "the corrupted blocks were not loaded"
     assert corrupted != cold, "corrupted KV did not change the output: the test proves nothing"
     server.stop()
 
     # Same corruption with the checksum on: detected, recomputed, identical output.
-    safe = {"disk_path": str(tmp_path / "safe"), "zstd_level": 0, "checksum": True,
-            "memory_bytes": 0}
-    server = serve(vllm_factory, tiny_model, safe).start()
-    assert complete_ids(server, prompt, "salt-N") == cold
-    server.stop()
-    assert corrupt_blobs(tmp_path / "safe") > 0
-    server.start()
-    assert complete_ids(server, prompt, "salt-N") == cold
+    server, cold_safe, after = cold_then_corrupted({"checksum": True}, tmp_path / "safe")
+    assert cold_safe == cold and after == cold
     assert server.metric("cwm:connector_load_errors") > 0, "the corruption went unnoticed"
 
 

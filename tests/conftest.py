@@ -16,6 +16,16 @@ from cwm_plugin.testing.vllm_server import VLLMServer
 logging.basicConfig(level=logging.INFO)
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which CPU kind ran the suite and the dtype its models computed in (issue 30: the test
+    time depends on both), at the top of every run's output."""
+    from cwm_plugin.compute_dtype import compute_dtype, isa, kernel_isa_cap
+
+    cap = kernel_isa_cap()
+    return (f"cwm: cpu isa {isa()}{f' (kernels capped to {cap})' if cap else ''}, "
+            f"compute dtype {compute_dtype()}")
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """A random-weight 4-layer Llama with a locally trained tokenizer (built once, cached)."""

@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from cwm_plugin.compute_dtype import compute_dtype, native_bf16
+from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.errors import ConfigError, UpstreamError
 from cwm_plugin.memory.metrics import MemoryMetrics
 
@@ -94,8 +94,9 @@ class MiniLMEmbedder:
     thread embeds a short query as fast as two on this model and never stalls when another
     process holds a core (two threads then wait on each other: a 10 ms query took 300 ms).
 
-    ``dtype``: the model's precision. ``auto``: bfloat16 where the CPU multiplies it natively
-    (``native_bf16``) and its vectors agree with float32's (cosine >= ``BF16_COSINE_MIN`` on
+    ``dtype``: the model's precision. ``auto``: bfloat16 where :func:`compute_dtype` says so
+    (the CPU multiplies it natively and its kernels are not capped, or ``CWM_DTYPE``) and its
+    vectors agree with float32's (cosine >= ``BF16_COSINE_MIN`` on
     check texts, tested at load), else float32; ``dtype_used`` says which. On a 2-core AMD
     EPYC with AVX512-BF16: a LoCoMo question 9.7 -> 6.2 ms p50 (15.5 -> 7.5 ms p99), 1,024
     lines sorted by length 75 -> 138 a second, at cosine >= 0.9999 with float32's vectors."""
@@ -130,8 +131,7 @@ class MiniLMEmbedder:
         self._lock = threading.Lock()
         self._frozen: Any = None  # the model traced and frozen for one text (built on use)
         self.dtype_used = "float32"
-        if dtype == "bfloat16" or (dtype == "auto" and native_bf16()
-                                   and compute_dtype() == "bfloat16"):  # CWM_DTYPE may say no
+        if dtype == "bfloat16" or (dtype == "auto" and compute_dtype() == "bfloat16"):
             self._try_bf16()
 
     def _try_bf16(self) -> None:

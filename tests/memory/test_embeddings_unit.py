@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
+from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.errors import ConfigError, UpstreamError
 from cwm_plugin.memory import embeddings as E
 from cwm_plugin.memory.embeddings import (
@@ -81,6 +83,7 @@ def test_one_text_through_the_frozen_graph_equals_the_batched_eager_model(minilm
     np.testing.assert_allclose((singles * batched).sum(1), 1.0, atol=tol)
 
 
+AVX2, BF16_CPU = {"avx2"}, {"avx2", "avx512f", "avx512_bf16"}  # CPU flags for compute_dtype
 TEXTS = ["What did Caroline research?", "ok", "When is the tax return due " * 20]
 
 
@@ -90,9 +93,9 @@ def test_float32_when_asked_or_when_the_cpu_lacks_bfloat16(minilm, monkeypatch) 
     assert exact.dtype_used == "float32"
     got = np.stack([exact.embed([q])[0] for q in TEXTS])  # the frozen float32 graph
     np.testing.assert_allclose((got * want).sum(1), 1.0, atol=1e-5)
-    monkeypatch.setattr(E, "native_bf16", lambda: False)
+    monkeypatch.setattr(E, "compute_dtype", partial(compute_dtype, flags=AVX2))
     assert MiniLMEmbedder(minilm.folder).dtype_used == "float32"
-    monkeypatch.setattr(E, "native_bf16", lambda: True)
+    monkeypatch.setattr(E, "compute_dtype", partial(compute_dtype, flags=BF16_CPU))
     assert MiniLMEmbedder(minilm.folder).dtype_used == "bfloat16"
 
 
@@ -110,7 +113,7 @@ def test_vectors_of_each_dtype_are_kept_apart(minilm, tmp_path, monkeypatch) -> 
     vb = b.embed(text)  # a miss in its own file: a bfloat16 vector, not float32's from a's
     assert not np.array_equal(va, vb) and np.array_equal(vb, b.embed(text))
     assert len(list(tmp_path.glob("*.sqlite"))) == 2
-    monkeypatch.setattr(E, "native_bf16", lambda: True)
+    monkeypatch.setattr(E, "compute_dtype", partial(compute_dtype, flags=BF16_CPU))
     monkeypatch.setenv("CWM_DTYPE", "float32")
     assert MiniLMEmbedder(minilm.folder).dtype_used == "float32"
 

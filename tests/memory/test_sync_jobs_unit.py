@@ -46,11 +46,17 @@ def test_a_selection_leaves_a_due_look_for_other_writers_to_the_background(make_
     other = make_service(root=svc.config.root)  # another process writing the same folder
     other.record_turn("acme", "t", "user", "a walrus named Olga")
     scans: list[str] = []
-    real = svc.files.session_stats
-    monkeypatch.setattr(svc.files, "session_stats", lambda folder: scans.append(
-        threading.current_thread().name) or real(folder))
+    real, gate = svc.files.session_stats, threading.Event()
+
+    def scan(folder: str):
+        scans.append(threading.current_thread().name)
+        gate.wait(10)  # the look holds until the request's selection is done (no race)
+        return real(folder)
+
+    monkeypatch.setattr(svc.files, "session_stats", scan)
     time.sleep(0.06)  # the look is due
     first = svc.select_context("acme", None, ASK, 200, bump=False, mode="bm25")
+    gate.set()
     assert "Olga" not in first.memory_block  # not looked for on the request's path ...
     svc.syncs.close()  # ... but in the background: wait for it
     assert scans and all(name.startswith("cwm-memory-sync") for name in scans)

@@ -3,17 +3,23 @@
 A conversation runs on server A through the sidecar; A is stopped (the connector flushes its
 saves to Redis on the way down); the next turn goes to server B, which restores the earlier
 prefix from Redis (``vllm:external_prefix_cache_hits``) instead of recomputing it, and answers
-exactly what a cold recompute on B answers.
+exactly what a cold recompute on B answers. Then A is back and the server streaming the next
+answer is SIGKILLed mid-answer: the sidecar resumes the stream on the other one from the text
+already relayed.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+
 import openai
 import pytest
-from sidecar_helpers import KEYS, make_settings
+from sidecar_helpers import KEYS, make_settings, metric_value
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.procs import wait_until
 from cwm_plugin.testing.vllm_server import cwm_connector_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
@@ -74,3 +80,26 @@ def test_a_session_that_fails_over_restores_its_kv_on_the_other_server(
         assert second.choices[0].message.content == cold["choices"][0]["message"]["content"]
         print(f"failover: earlier prefix {prefix} tokens, restored on B {restored:.0f} of "
               f"{second.usage.prompt_tokens}; answer identical to a cold recompute")
+
+        # A is back; the server streaming the next answer is SIGKILLed mid-answer: the stream
+        # goes on, on the other, from the text already relayed (one unbroken answer).
+        a.start()
+        history += [{"role": "assistant", "content": second.choices[0].message.content},
+                    {"role": "user", "content": "Go on at length. " + text(12)}]
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=history, max_tokens=120, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True})
+        where = raw.headers["x-cwm-upstream"]
+        victim, other = (b, "a") if where == "b" else (a, "b")
+        pieces, finish = [], None
+        for chunk in raw.parse():
+            for c in chunk.choices:
+                if c.delta.content:
+                    pieces.append(c.delta.content)
+                finish = c.finish_reason or finish
+            if len(pieces) == 5 and victim.alive():
+                os.killpg(victim.pid, signal.SIGKILL)
+        wait_until(lambda: not victim.alive(), timeout=30, what=f"{where} gone")
+        assert finish == "length" and len(pieces) > 60, (finish, len(pieces))
+        assert metric_value(srv, "cwm_sidecar_streams_resumed_total", upstream=where,
+                            to=other) == 1

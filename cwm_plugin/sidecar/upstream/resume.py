@@ -4,8 +4,8 @@ A ``vllm serve`` killed while it streams an answer cuts the client's stream: the
 so far cannot be taken back, so failing over to another upstream means going on from them,
 not starting again. :func:`resumable_events` relays the upstream's stream in whole SSE events;
 when the upstream fails (a broken connection, not a timeout: a slow upstream may still be
-generating) and the answer so far is plain text from one choice, it asks the next healthy
-upstream serving the route for the rest: the same request with the relayed text as a final
+generating) and the answer so far is plain text from one choice, it asks the next upstream
+serving the route (healthy ones first) for the rest: the same request with the relayed text as a final
 assistant message that vLLM continues (``continue_final_message``, no new generation prompt),
 ``max_tokens``/``max_completion_tokens``/``min_tokens`` less the tokens already relayed (vLLM
 streams a token a chunk), and relays that stream after the events already sent. The cache
@@ -75,7 +75,10 @@ async def resumable_events(
                 raise
             except UpstreamError as exc:
                 body = continuation(forward, collected)
-                others = [ep for ep in route.candidates if ep.name not in tried and ep.up]
+                # the healthy ones first; one marked down by an old failure may be back (a
+                # connect error there fails over to the next, as for a new request)
+                others = sorted((ep for ep in route.candidates if ep.name not in tried),
+                                key=lambda ep: not ep.up)
                 if body is None or not others or resumes >= max_resumes:
                     raise
                 router.health.failed(handle.ep, exc.code)

@@ -87,7 +87,7 @@ def test_a_session_that_fails_over_restores_its_kv_on_the_other_server(
         history += [{"role": "assistant", "content": second.choices[0].message.content},
                     {"role": "user", "content": "Go on at length. " + text(12)}]
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=history, max_tokens=120, temperature=0.0, stream=True,
+            model="tiny", messages=history, max_tokens=240, temperature=0.0, stream=True,
             extra_body={"ignore_eos": True})
         where = raw.headers["x-cwm-upstream"]
         victim, other = (b, "a") if where == "b" else (a, "b")
@@ -97,9 +97,9 @@ def test_a_session_that_fails_over_restores_its_kv_on_the_other_server(
                 if c.delta.content:
                     pieces.append(c.delta.content)
                 finish = c.finish_reason or finish
-            if len(pieces) == 5 and victim.alive():
+            if len(pieces) == 2 and victim.alive():  # early: most of the answer is to come
                 os.killpg(victim.pid, signal.SIGKILL)
         wait_until(lambda: not victim.alive(), timeout=30, what=f"{where} gone")
-        assert finish == "length" and len(pieces) > 60, (finish, len(pieces))
+        assert finish == "length" and len(pieces) > 120, (finish, len(pieces))
         assert metric_value(srv, "cwm_sidecar_streams_resumed_total", upstream=where,
                             to=other) == 1

@@ -337,6 +337,18 @@ def test_an_upstream_dying_mid_answer_is_resumed_on_the_other_from_the_relayed_t
         r = chat(srv, "acme", "call", stream=True, session="s2")
         events = sse_events(r.text)
         assert any(isinstance(e, dict) and "error" in e for e in events) and b.bodies() == []
+        # the other upstream refuses the continuation: the client gets the error event (what
+        # was relayed stays relayed and billed), nothing hangs
+        a.script = lambda body: {"content": "alpha beta gamma delta"}
+        a.stream_cut_after, b.chat_status = 2, 500
+        runtime(srv).router.endpoints[0].up = True
+        r = chat(srv, "acme", "again", stream=True, session="s3")
+        events = sse_events(r.text)
+        assert r.status_code == 200 and any(isinstance(e, dict) and "error" in e for e in events)
+        assert b.last()["continue_final_message"] is True
+        assert metric_value(srv, "cwm_sidecar_streams_resumed_total", upstream="a", to="b") == 1
+        wait_until(lambda: metric_value(srv, "cwm_sidecar_streams_cut_total") >= 1,
+                   timeout=10, what="the cut stream counted")
     finally:
         for s in (srv, sa, sb):
             s.stop()

@@ -14,10 +14,12 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cwm_plugin.errors import ConfigError
-from cwm_plugin.windows.client import HttpWindows, LocalWindows, WindowsClient
+
+if TYPE_CHECKING:  # the client imports torch (through the store): `cwm --help`, `cwm store gc`
+    from cwm_plugin.windows.client import WindowsClient  # and friends start without it
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -91,6 +93,7 @@ def client_from_args(args: argparse.Namespace) -> WindowsClient:
         from cwm_plugin.sidecar.identity.authenticator import derive_salt, owner_salt
         from cwm_plugin.store.config import StoreConfig
         from cwm_plugin.store.tiered import KVStore
+        from cwm_plugin.windows.client import LocalWindows
         from cwm_plugin.windows.engine import WindowEngine
 
         if not args.tenant:
@@ -107,6 +110,8 @@ def client_from_args(args: argparse.Namespace) -> WindowsClient:
     if not args.api_key:
         raise ConfigError("no API key", hint="pass --api-key or set CWM_API_KEY (or use "
                                              "--store FILE --tenant NAME)")
+    from cwm_plugin.windows.client import HttpWindows
+
     return HttpWindows(args.url, args.api_key)
 
 

@@ -63,3 +63,21 @@ def test_lookups_and_loads_never_wait_behind_a_writer_busy_waiting(tmp_path, mon
         assert last[0] >= released                      # the touch the lock put off landed
     finally:
         tier.close()
+
+
+def test_opening_an_existing_index_takes_no_write_lock(tmp_path):
+    """Every ``cwm store`` run opens the index, at idle CPU priority: a write transaction at
+    open would hold the lock that the server's saves and leases need for as long as serving
+    keeps that process off the cores. Opening an index that has its schema only reads, so it
+    goes through while another process holds the write lock."""
+    from cwm_plugin.store.tiers.disk_index import DiskIndex
+
+    path = tmp_path / "index.sqlite"
+    DiskIndex(path).close()                             # created once (a write)
+    holder = hold_sqlite_write_lock(str(path), HOLD_S)
+    try:
+        index, open_s = timed(lambda: DiskIndex(path, timeout_s=BOUND_S))
+        assert open_s < BOUND_S
+        index.close()
+    finally:
+        assert holder.wait(timeout=30) == 0

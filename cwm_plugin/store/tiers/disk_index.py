@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from cwm_plugin.errors import CWMError
-from cwm_plugin.store.tiers.disk_db import IndexDB
+from cwm_plugin.store.tiers.disk_db import IndexDB, locked
 from cwm_plugin.store.tiers.disk_schema import SCHEMA, SCHEMA_VERSION, statements
 
 Unlink = Callable[[Sequence[str]], None] | None
@@ -56,14 +56,21 @@ def _damaged(exc: sqlite3.DatabaseError) -> bool:
     return code is None or code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
-def _create_schema(db: sqlite3.Connection) -> None:
-    version = None
+def _schema_version(db: sqlite3.Connection) -> str | None:
+    """The index's schema version; None for an empty file."""
     if db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
         row = db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
-        version = row[0] if row else None
-    elif db.execute("SELECT 1 FROM sqlite_master WHERE name='blobs'").fetchone():
-        version = "1"
-    if version not in (None, SCHEMA_VERSION):
+        return row[0] if row else None
+    if db.execute("SELECT 1 FROM sqlite_master WHERE name='blobs'").fetchone():
+        return "1"
+    return None
+
+
+def _create_schema(db: sqlite3.Connection) -> None:
+    version = _schema_version(db)
+    if version == SCHEMA_VERSION:
+        return
+    if version is not None:
         raise sqlite3.DatabaseError(f"index schema {version}, this version reads "
                                     f"{SCHEMA_VERSION}")
     for stmt in statements(SCHEMA):
@@ -92,6 +99,17 @@ class DiskIndex:
                                hint="it is moved aside and rebuilt from the blob files") from exc
 
     def _init_schema(self) -> None:
+        """Create the schema in a write transaction, only if it is not there yet: every
+        ``cwm store`` run opens the index, and a write lock taken by a process that runs
+        at idle priority (:func:`cwm_plugin.store.cli.yield_to_serving`) would be held for as
+        long as serving keeps the cores busy, stalling the server's own writes."""
+        try:
+            with self.db.reader() as db:
+                if _schema_version(db) == SCHEMA_VERSION:
+                    return
+        except sqlite3.OperationalError as exc:
+            if not locked(exc):    # (locked: another process creates it; the write waits)
+                raise
         self.db.tx(_create_schema)
 
     # --- keys ---------------------------------------------------------------------------------
@@ -269,7 +287,10 @@ class DiskIndex:
         """Drop blob rows and every key pointing to them, ``unlink(blob_ids)`` inside the
         transaction; returns the keys dropped. ``unpinned_only`` (eviction): only the blobs
         no key pins *now*, checked inside the transaction (a pin committed by another process
-        since the victims were chosen keeps its blob)."""
+        since the victims were chosen keeps its blob). Nothing to drop takes no write lock."""
+        if not blob_ids:
+            return []
+
         def tx(db: sqlite3.Connection) -> list[bytes]:
             dropped: list[bytes] = []
             ids = list(blob_ids)

@@ -30,7 +30,7 @@ window manifest, reads as valid).
 from __future__ import annotations
 
 from cwm_plugin.errors import CorruptBlob, RefusedBlob
-from cwm_plugin.store import codec, crypto
+from cwm_plugin.store import container, crypto
 from cwm_plugin.store.tiers.base import GROUP_BYTES, group_of
 
 HINT = ("not this key's blob: the store was written to outside cwm, or a bug; a read takes it "
@@ -41,7 +41,7 @@ def opened(blob: bytes, key: bytes, cipher: crypto.BlobCipher | None) -> bytes:
     """The plain blob of ``blob``, read under ``key``, once it is found to be that key's.
     ``cipher``: the request salt's when the store encrypts at rest, else None (a sealed blob
     is then returned as it is: decoding calls it incompatible)."""
-    meta = codec.peek(blob, verify=True)
+    meta = container.peek(blob, verify=True)
     check(meta, key, encrypted=cipher is not None)
     return blob if cipher is None else crypto.unseal(blob, cipher)
 

@@ -84,14 +84,21 @@ def yield_to_serving(nice: int) -> None:
         log.debug("I/O priority left as it is: %s", e)
 
 
-def _open(args: argparse.Namespace):
+def _open(args: argparse.Namespace, *, decoding: bool = False):
+    """The store's tiers (a :class:`~cwm_plugin.store.tier_set.TierSet`: gc and usage read
+    no payload, so they go without torch), or with ``decoding`` the whole
+    :class:`~cwm_plugin.store.tiered.KVStore`; either at the maintenance priority."""
     config = config_from_args(args)
     yield_to_serving(MAINTENANCE_NICE if args.nice is None else args.nice)
     from prometheus_client import CollectorRegistry
 
-    from cwm_plugin.store.tiered import KVStore
+    if decoding:
+        from cwm_plugin.store.tiered import KVStore
 
-    return KVStore(config, registry=CollectorRegistry())
+        return KVStore(config, registry=CollectorRegistry())
+    from cwm_plugin.store.tier_set import TierSet
+
+    return TierSet(config, registry=CollectorRegistry())
 
 
 def _usage(args: argparse.Namespace) -> int:
@@ -111,7 +118,7 @@ def _usage(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    with _open(args) as store:
+    with _open(args, decoding=True) as store:
         report = store.verify(progress=not args.no_progress)
     if args.json:
         print(json.dumps({**asdict(report), "clean": report.clean}, indent=2))

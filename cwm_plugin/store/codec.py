@@ -1,8 +1,9 @@
 """Blob codec: one tensor <-> bytes, bit-exact, self-describing, checksummed.
 
-The container is a plain safetensors file (any safetensors reader can open it): its
-``__metadata__`` holds the format version, model fingerprint, layout, dtype, shape, key, token
-count, codec parameters, the payload checksum and a CRC-32 of the metadata itself; its tensors
+The container (:mod:`.container`, which reads and writes its header without torch) is a plain
+safetensors file (any safetensors reader can open it): its ``__metadata__`` holds the format
+version, model fingerprint, layout, dtype, shape, key, token count, codec parameters, the
+payload checksum and a CRC-32 of the metadata itself; its tensors
 are ``uint8`` *streams* made by a byte transform (:mod:`cwm_plugin.kernels.shuffle`), each
 compressed with zstd or kept raw when zstd would not shrink it.
 
@@ -30,7 +31,6 @@ with the ``none`` or ``bytes`` transform of every format are still read; older `
 from __future__ import annotations
 
 import json
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,16 +42,10 @@ import zstandard
 
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob
 from cwm_plugin.kernels import shuffle as sh
+from cwm_plugin.store.container import FORMAT, check_meta, crc32, meta_crc, pack, read_header
 
-try:     # ISA-L's CRC-32: the same values as zlib's, ~7x faster (27 vs 4 GB/s a core here)
-    from isal.isal_zlib import crc32
-except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same checksums
-    from zlib import crc32
-
-FORMAT = "cwm-kv"
 FORMAT_VERSION = 3
 READABLE_VERSIONS = ("1", "2", "3")
-MAX_HEADER = 1 << 20
 RAW_IF_ABOVE = 0.97       # keep a stream raw when zstd saves less than 3%
 MAX_ZSTD_EXPANSION = 1 << 16   # no zstd frame grows more than this (RLE blocks: ~32768x)
 
@@ -142,20 +136,8 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
                               if c == "raw"]) if checksum else "",
     }
     if checksum:
-        meta["meta_crc"] = _meta_crc(meta)
-    return _pack(meta, payloads)
-
-
-def _meta_crc(meta: dict[str, str]) -> str:
-    """CRC-32 of every metadata field but itself, so damage to the header is caught too."""
-    body = json.dumps({k: v for k, v in meta.items() if k != "meta_crc"}, sort_keys=True)
-    return f"{crc32(body.encode()):08x}"
-
-
-def _check_meta(meta: dict[str, str]) -> None:
-    if "meta_crc" in meta and meta["meta_crc"] != _meta_crc(meta):
-        raise CorruptBlob("blob metadata checksum mismatch",
-                          hint="the blob header is damaged; the block will be recomputed")
+        meta["meta_crc"] = meta_crc(meta)
+    return pack(meta, payloads)
 
 
 def _worth_trying(s: np.ndarray, level: int, sample: int = 128 << 10) -> bool:
@@ -176,54 +158,6 @@ def _raw_crc(raw: list) -> str:
     for p in raw:
         crc = crc32(p, crc)
     return f"crc32-raw:{crc:08x}"
-
-
-def _pack(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": meta}
-    offset = 0
-    for i, p in enumerate(payloads):
-        n = len(p) if isinstance(p, bytes) else int(p.size)
-        header[f"s{i:02d}"] = {"dtype": "U8", "shape": [n], "data_offsets": [offset, offset + n]}
-        offset += n
-    hj = json.dumps(header, separators=(",", ":")).encode()
-    hj += b" " * (-len(hj) % 8)
-    parts = [struct.pack("<Q", len(hj)), hj]
-    parts += [p if isinstance(p, bytes) else memoryview(np.ascontiguousarray(p)).cast("B")
-              for p in payloads]
-    return b"".join(parts)                  # one copy of the payload
-
-
-def pack_raw(meta: dict[str, str], payload: bytes) -> bytes:
-    """A container of ``meta`` (its CRC added) and one opaque payload (sealed blobs)."""
-    meta = {**meta, "meta_crc": ""}
-    meta["meta_crc"] = _meta_crc(meta)
-    return _pack(meta, [payload])
-
-
-def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[str, Any], int]:
-    """Parse and check the container header: (metadata, tensor entries, data start)."""
-    mv = memoryview(data)
-    if len(mv) < 8:
-        raise CorruptBlob(f"blob of {len(mv)} bytes is too short to be a cwm blob",
-                          hint="it was truncated; the block will be recomputed")
-    (n,) = struct.unpack("<Q", mv[:8])
-    if n < 2 or n > MAX_HEADER or 8 + n > len(mv):
-        raise CorruptBlob(f"blob header length {n} does not fit a {len(mv)}-byte blob",
-                          hint="truncated or not a cwm blob")
-    try:
-        header = json.loads(bytes(mv[8:8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptBlob(f"blob header is not valid JSON: {exc}",
-                          hint="damaged or not a cwm blob") from exc
-    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
-        raise CorruptBlob("blob header has no metadata", hint="not a cwm blob")
-    meta = header.pop("__metadata__")
-    if meta.get("format") != FORMAT:
-        raise CorruptBlob(f"blob format is {meta.get('format')!r}, not {FORMAT!r}",
-                          hint="this is not a cwm KV blob")
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise CorruptBlob("blob metadata values must be strings", hint="damaged blob")
-    return meta, header, 8 + n
 
 
 def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = None,
@@ -247,7 +181,7 @@ def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = No
         raise IncompatibleBlob(f"blob format version {version!r} is not {FORMAT_VERSION}",
                                hint="written by another cwm version; recompute or upgrade")
     if verify:
-        _check_meta(meta)
+        check_meta(meta)
     if fingerprint is not None and meta.get("fingerprint") != fingerprint:
         raise IncompatibleBlob(
             f"blob belongs to model fingerprint {meta.get('fingerprint')!r}, not {fingerprint!r}",
@@ -394,12 +328,3 @@ def _decompress_into(chunk: memoryview, buf: np.ndarray, name: str) -> np.ndarra
         raise CorruptBlob(f"stream {name} decompressed to {'more' if extra else got} bytes, "
                           f"not {want}", hint="damaged blob")
     return buf
-
-
-def peek(data: bytes | bytearray | memoryview, *, verify: bool = False) -> dict[str, str]:
-    """The blob's metadata without decoding the payload (raises CorruptBlob if unreadable, or
-    with ``verify`` if the metadata fails its CRC)."""
-    meta = read_header(data)[0]
-    if verify:
-        _check_meta(meta)
-    return meta

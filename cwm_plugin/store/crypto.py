@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from cwm_plugin.errors import ConfigError, CorruptBlob, IncompatibleBlob, RefusedBlob
-from cwm_plugin.store import codec
+from cwm_plugin.store import container
 
 CIPHER = "aes-256-gcm"
 INFO = b"cwm-kv-blob-v1\0"                  # + a salt's UTF-8
@@ -71,7 +71,7 @@ class BlobCipher:
         """``blob`` sealed for ``key`` (default: the key it was encoded for): the clear header
         names it and the tag covers it, so it opens for that key only. A window's block copied
         to a new key passes the new key; its inner blob is kept as it is."""
-        meta, _, start = codec.read_header(blob)
+        meta, _, start = container.read_header(blob)
         inner = bytes(memoryview(blob)[8:start]).decode()
         sealed = {k: meta[k] for k in _CLEAR if k in meta}
         if key is not None:
@@ -80,7 +80,7 @@ class BlobCipher:
                       inner=inner)
         ct = self._aead.encrypt(bytes.fromhex(sealed["nonce"]), memoryview(blob)[start:],
                                 _aad(sealed))
-        return codec.pack_raw(sealed, ct)
+        return container.pack_raw(sealed, ct)
 
     def open(self, meta: dict[str, str], payload: memoryview) -> bytes:
         try:
@@ -111,7 +111,7 @@ def is_sealed(meta: dict[str, str]) -> bool:
 
 def unseal(blob: bytes, cipher: BlobCipher | None) -> bytes:
     """The plain blob of ``blob`` (returned as is when it is not sealed)."""
-    meta, _, start = codec.read_header(blob)
+    meta, _, start = container.read_header(blob)
     if not is_sealed(meta):
         return blob
     if meta.get("sealed") != CIPHER:

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, TierUnavailable
-from cwm_plugin.store import codec, crypto
+from cwm_plugin.store import container, crypto
+from cwm_plugin.store.tier_set import update_gauge
 
 if TYPE_CHECKING:
+    from cwm_plugin.store.tier_set import TierSet
     from cwm_plugin.store.tiered import KVStore
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ def verify_all(store: KVStore, *, progress: bool = True) -> VerifyReport:
     """Decode every blob of every tier with checksum verification; quarantine bad ones."""
     from tqdm import tqdm
 
+    from cwm_plugin.store.codec import decode  # (torch: gc and usage go without it)
+
     report = VerifyReport()
     lists = []
     for tier in store.tiers:
@@ -74,11 +78,11 @@ def verify_all(store: KVStore, *, progress: bool = True) -> VerifyReport:
                     continue
                 report.bytes_checked += len(data)
                 try:
-                    if crypto.is_sealed(codec.peek(data)):
+                    if crypto.is_sealed(container.peek(data)):
                         report.sealed += 1
                         report.ok += 1
                         continue
-                    codec.decode(data, verify=True)
+                    decode(data, verify=True)
                 except CorruptBlob as exc:
                     report.corrupt.append(f"{tier.name}:{blob_id}")
                     store.metrics.errors.labels("corrupt").inc()
@@ -91,7 +95,7 @@ def verify_all(store: KVStore, *, progress: bool = True) -> VerifyReport:
     return report
 
 
-def collect_garbage(store: KVStore, min_age_s: float = 600.0) -> GCReport:
+def collect_garbage(store: KVStore | TierSet, min_age_s: float = 600.0) -> GCReport:
     """Drop unreferenced blobs, dangling keys, orphan and stale temp files (see the module
     docstring)."""
     report = GCReport()
@@ -124,5 +128,6 @@ def collect_garbage(store: KVStore, min_age_s: float = 600.0) -> GCReport:
                 continue
             report.orphan_files += 1
             report.freed_bytes += size
-    store._gauges()
+    for tier in store.tiers:
+        update_gauge(tier, store.metrics)
     return report

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from cwm_plugin.errors import StorageFull
-from cwm_plugin.store import binding, codec, crypto
+from cwm_plugin.store import binding, codec, container, crypto
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.hashing import blob_id_of
 from cwm_plugin.store.keyspace import TIER_ERRORS, KeySpace
@@ -40,6 +40,7 @@ from cwm_plugin.store.opening import open_tiers
 from cwm_plugin.store.queue import SaveQueue
 from cwm_plugin.store.reading import ReadPath
 from cwm_plugin.store.threads import unpin
+from cwm_plugin.store.tier_set import tier_usage, update_gauge
 from cwm_plugin.store.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class KVStore(ReadPath, KeySpace):
     def put_blob(self, key: bytes, blob: bytes, *, replace: bool = False) -> cf.Future:
         """Save an already encoded (or sealed) blob, not decoded, checked to be ours and one
         that a read of ``key`` accepts (:func:`.binding.check`; else :class:`RefusedBlob`)."""
-        binding.check(codec.peek(blob), bytes(key), encrypted=self._ciphers is not None)
+        binding.check(container.peek(blob), bytes(key), encrypted=self._ciphers is not None)
         return self._submit(bytes(key), lambda k: self._store_blob(k, bytes(blob),
                                                                    replace=replace),
                             replace=replace)
@@ -270,13 +271,7 @@ class KVStore(ReadPath, KeySpace):
 
     def usage(self) -> dict[str, dict[str, int | None]]:
         """Bytes, blobs, keys and pinned bytes per tier (Redis is recounted: for the CLI)."""
-        out: dict[str, dict[str, int | None]] = {}
-        for tier in self.tiers:
-            u = tier.usage()
-            out[u.name] = {"bytes": u.bytes, "blobs": u.blobs, "budget": u.budget,
-                           "keys": u.keys, "pinned_bytes": u.pinned_bytes}
-            self.metrics.tier_usage(u.name, u.bytes, u.blobs)
-        return out
+        return tier_usage(self.tiers, self.metrics)
 
     def verify(self, progress: bool = True):
         from cwm_plugin.store.maintenance import verify_all
@@ -290,17 +285,11 @@ class KVStore(ReadPath, KeySpace):
                                else min_age_s)
 
     def _gauge(self, tier: Tier) -> None:
-        with contextlib.suppress(*TIER_ERRORS):
-            if tier.name == "redis":
-                if tier.totals is not None:
-                    self.metrics.tier_usage("redis", *tier.totals)
-            else:
-                u = tier.usage()
-                self.metrics.tier_usage(u.name, u.bytes, u.blobs)
+        update_gauge(tier, self.metrics)
 
     def _gauges(self) -> None:
         for tier in self.tiers:
-            self._gauge(tier)
+            update_gauge(tier, self.metrics)
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish pending saves, then close the tiers. With ``timeout``, saves not started

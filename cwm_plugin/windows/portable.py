@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, CWMError, InvalidInput
-from cwm_plugin.store import codec, crypto
+from cwm_plugin.store import container, crypto
 from cwm_plugin.windows.model import Manifest, check_name, manifest_key
 from cwm_plugin.windows.rekey import WindowIncomplete
 from cwm_plugin.windows.window_file import (
@@ -144,7 +144,7 @@ def import_window(engine: Any, owner: str, src: IO[bytes], name: str | None = No
                             hint="import it under another name (--name)")
     for i in range(len(checked.header.blobs)):
         try:
-            codec.peek(read_blob(src, checked, i), verify=True)
+            container.peek(read_blob(src, checked, i), verify=True)
         except CWMError as exc:
             raise BadWindowFile(f"block {i} of the window file is not a KV block ({exc})") \
                 from None

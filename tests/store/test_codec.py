@@ -15,7 +15,7 @@ from kv_helpers import random_bits as random_tensor
 
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob
 from cwm_plugin.kernels import shuffle as sh
-from cwm_plugin.store import codec
+from cwm_plugin.store import codec, container
 
 pytestmark = pytest.mark.unit
 
@@ -55,7 +55,7 @@ def test_container_is_safetensors_with_metadata():
     blob = codec.encode(t, key=b"\xab", fingerprint="model-x", num_tokens=16, layout="cpu")
     streams = safetensors.torch.load(blob)          # any safetensors reader opens it
     assert all(v.dtype == torch.uint8 for v in streams.values())
-    meta = codec.peek(blob)
+    meta = container.peek(blob)
     assert meta["fingerprint"] == "model-x" and meta["key"] == "ab"
     assert json.loads(meta["shape"]) == [2, 8, 16] and meta["dtype"] == "bfloat16"
     assert meta["checksum"].startswith("crc32-raw:") and meta["format_version"] == "3"
@@ -141,7 +141,7 @@ def test_header_sizes_are_checked_before_allocating(verify):
 
     t = kv_like((2, 2, 8, 16))
     blob = codec.encode(t, key=b"k", fingerprint="fp", checksum=False)
-    streams = json.loads(codec.peek(blob)["streams"])
+    streams = json.loads(container.peek(blob)["streams"])
     huge = [[name, c, 1 << 40] for name, c, _ in streams]
     cases = [_rewrite_meta(blob, shape="[1099511627776, 2, 8, 16]"),      # 2^40 rows
              _rewrite_meta(blob, streams=json.dumps(huge)),
@@ -162,9 +162,9 @@ def test_zstd_stream_that_lost_its_checksum_is_corrupt():
     t = kv_like((2, 2, 16, 64))
     checked = codec.encode(t, key=b"k", fingerprint="fp")
     plain = codec.encode(t, key=b"k", fingerprint="fp", checksum=False)
-    meta = {k: v for k, v in codec.peek(checked).items() if k != "meta_crc"}
+    meta = {k: v for k, v in container.peek(checked).items() if k != "meta_crc"}
     frames = [v.numpy() for _, v in sorted(safetensors.torch.load(plain).items())]
-    forged = codec._pack(meta, frames)          # same streams, frames without XXH64
+    forged = container.pack(meta, frames)          # same streams, frames without XXH64
     assert same_bits(codec.decode(forged, verify=False).tensor, t)
     with pytest.raises(CorruptBlob, match="checksum"):
         codec.decode(forged)
@@ -182,8 +182,8 @@ def test_format_1_blobs_bytes_read_exp_refused():
     t = torch.randn(3, 8, 16).to(torch.float16)
     raw = codec.encode(t, key=b"k", fingerprint="fp", level=0)
     planes = sh.split(t, "bytes").streams                   # high byte first
-    meta = {k: v for k, v in codec.peek(raw).items() if k != "meta_crc"}
-    v1 = codec._pack({**meta, "format_version": "1", "transform": "bytes",
+    meta = {k: v for k, v in container.peek(raw).items() if k != "meta_crc"}
+    v1 = container.pack({**meta, "format_version": "1", "transform": "bytes",
                       "checksum": codec._checksum_of(t),       # format 1: CRC of the tensor
                       "streams": json.dumps([["plane0", "raw", t.numel()],
                                              ["plane1", "raw", t.numel()]])},
@@ -218,7 +218,7 @@ def test_production_size_bf16_block():
     assert same_bits(codec.decode(blob, fingerprint="fp", layout="L").tensor, t)
     into = torch.empty_like(t)
     assert codec.decode(blob, into=into).tensor is into and same_bits(into, t)
-    streams = {name: c for name, c, _ in json.loads(codec.peek(blob)["streams"])}
+    streams = {name: c for name, c, _ in json.loads(container.peek(blob)["streams"])}
     assert streams["exp4"] == "zstd"
     assert len(blob) < 0.75 * t.numel() * 2
 
@@ -231,7 +231,7 @@ def test_bf16_signs_folded_by_default_planes_on_request_and_every_variant_decode
     t = kv_like((30, 3, 128, 128), seed=4)
 
     def streams(**kw) -> list[list]:
-        return json.loads(codec.peek(codec.encode(t, key=b"k", fingerprint="fp", **kw))["streams"])
+        return json.loads(container.peek(codec.encode(t, key=b"k", fingerprint="fp", **kw))["streams"])
 
     assert streams() == streams(transform="kvsplit:folded")
     assert streams(sign_planes=True) == streams(transform="kvsplit")

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from cwm_plugin.store import codec, crypto
+from cwm_plugin.store import codec, container, crypto
 from cwm_plugin.store.config import StoreConfig
 
 pytestmark = pytest.mark.unit
@@ -36,7 +36,7 @@ def test_the_stored_bytes_hide_the_tensor_and_name_only_a_key_id(make_store, tmp
     x = kv_block(2)
     s.put(b"k", x, salt="alice").result()
     blob = s.get_blob(b"k")
-    meta = codec.peek(blob)
+    meta = container.peek(blob)
     assert meta["sealed"] == "aes-256-gcm" and meta["key"] == b"k".hex()
     assert meta["key_id"] == crypto.BlobCipher.derive(bytes.fromhex(KEY), "alice").key_id
     raw = x.view(torch.uint8).numpy().tobytes()

@@ -116,7 +116,14 @@ def test_a_key_whose_bytes_are_gone_answers_absent_is_removed_and_reported(
 
 
 def test_gc_removes_dangling_keys_and_orphan_bytes(redis_server):
-    t = RedisTier(redis_server.url, prefix="gc")
+    from prometheus_client import CollectorRegistry
+
+    from cwm_plugin.store.config import StoreConfig
+    from cwm_plugin.store.tier_set import TierSet
+
+    store = TierSet(StoreConfig(memory_bytes=0, redis_url=redis_server.url, redis_prefix="gc"),
+                    registry=CollectorRegistry())     # what `cwm store gc` opens
+    (t,) = store.tiers
     r = redis.Redis.from_url(redis_server.url)
     t.put(bid("a"), b"a", k(b"1"))
     t.put(bid("b"), b"b", k(b"2"))
@@ -124,14 +131,7 @@ def test_gc_removes_dangling_keys_and_orphan_bytes(redis_server):
     r.set(f"gc:{{b:{bid('c')}}}", b"c")        # a writer died before mapping its key
     assert t.dangling_keys() == [k(b"1")]
     assert t.unreferenced(min_age_s=3600) == [] and t.unreferenced() == [bid("c")]
-    from cwm_plugin.store.maintenance import collect_garbage
-
-    class Store:                               # the two things gc needs of a KVStore
-        tiers, disk = [t], None
-
-        def _gauges(self):
-            pass
-    report = collect_garbage(Store(), min_age_s=0)
+    report = store.gc(min_age_s=0)
     assert report.dangling_keys == 1 and report.removed_blobs == {"redis": 1}
     assert t.lookup_many([k(b"1"), k(b"2")]) == [None, bid("b")]
     assert sorted(t.blob_ids()) == [bid("b")]

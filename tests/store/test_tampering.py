@@ -23,7 +23,7 @@ import torch
 from window_helpers import BS, block, block_keys, converse
 
 from cwm_plugin.errors import RefusedBlob
-from cwm_plugin.store import codec
+from cwm_plugin.store import codec, container
 from cwm_plugin.store.tiered import KVStore
 from cwm_plugin.windows.engine import WindowEngine, WindowIncomplete
 
@@ -165,7 +165,7 @@ def test_a_replayed_old_blob_of_the_same_key_is_refused(place, kv_block, caplog,
         salt = SALT
     assert torch.equal(s.get(k, salt=salt), kv_block(2))
     place.overwrite(s, k, then)
-    assert codec.peek(place.read(s, k))["key"] == k.hex()       # it names the right key
+    assert container.peek(place.read(s, k))["key"] == k.hex()       # it names the right key
     assert_refused(s, k, salt, "foreign_salt", caplog)
 
 
@@ -229,7 +229,7 @@ def test_windows_shared_blobs_read_back_under_their_new_keys(place, encrypted):
         got = s.get_many(keys, salt="salt-b")
         assert all(torch.equal(t, block(i, rank)) for i, t in enumerate(got))
         if encrypted:                    # each copy is sealed for its own key
-            assert [codec.peek(place.read(s, k))["key"] for k in keys] == [k.hex() for k in keys]
+            assert [container.peek(place.read(s, k))["key"] for k in keys] == [k.hex() for k in keys]
         else:                            # the session's blob, shared
             assert place.blob_of(s, keys[0]) == place.blob_of(
                 s, block_keys(tokens, "salt-a", 1)[rank][0])

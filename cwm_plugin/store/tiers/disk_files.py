@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from cwm_plugin.errors import CorruptBlob
-from cwm_plugin.store import codec
+from cwm_plugin.store import container
 
 
 def key_of_file(path: Path) -> bytes:
@@ -21,10 +21,10 @@ def key_of_file(path: Path) -> bytes:
         if len(head) < 8:
             raise CorruptBlob(f"{len(head)}-byte file")
         (n,) = struct.unpack("<Q", head)
-        if n > codec.MAX_HEADER:
+        if n > container.MAX_HEADER:
             raise CorruptBlob(f"header length {n}")
         head += f.read(n)
-    meta = codec.read_header(head)[0]
+    meta = container.read_header(head)[0]
     try:
         return bytes.fromhex(meta["key"])
     except (KeyError, ValueError) as exc:

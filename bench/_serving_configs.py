@@ -183,6 +183,11 @@ def hit_counters(server: VLLMServer) -> dict[str, float]:
     m = server.metrics()
     out = {k: m.get(name, m.get(name + "_total", 0.0)) for k, name in HIT_METRICS.items()}
     out["lease_failures"] = server.metric_where("cwm:connector_leases", event="failed")
+    # vLLM's own inter-token times (engine side, no client or network in them): how many
+    # there were, and how many took longer than 0.15 s (a bucket edge of its histogram)
+    out["server_itls"] = server.metric("vllm:inter_token_latency_seconds_count")
+    out["server_itls_over_150ms"] = out["server_itls"] - server.metric_where(
+        "vllm:inter_token_latency_seconds_bucket", le="0.15")
     return out
 
 

@@ -10,7 +10,10 @@ cwm_plugin/testing/tcp_proxy.py in a process of its own), continuing the main ph
 * ``redis_blackhole`` the proxy holds every byte both ways for ``--blackhole-s`` (10) seconds:
   a Redis that accepts connections and never answers;
 * ``store_gc``        ``cwm store gc --config`` (disk + Redis, the shipped minimum age) run
-  again and again until the round ends.
+  every ``--gc-every-s`` seconds (start to start; back to back if a run takes longer) until
+  the round ends: a scheduled job run far more often than a real one (``0``: back to back,
+  a process always running, which on 2 cores costs even vLLM alone ~2x its ITL p99 at
+  idle priority).
 
 On servers of their own:
 * ``tiny_budgets``    the same users on a fresh server whose memory tier holds 2 blocks, disk
@@ -170,9 +173,9 @@ def black_hole(proxy: ProxyProcess, seconds: float) -> Action:
     return act
 
 
-def store_gc(config: Path, work: Path, runs: list[dict[str, Any]]) -> Action:
-    """``cwm store gc --config`` over and over until the round is done; each run's exit code
-    and seconds go into ``runs``."""
+def store_gc(config: Path, work: Path, runs: list[dict[str, Any]], every_s: float) -> Action:
+    """``cwm store gc --config`` every ``every_s`` seconds until the round is done; each
+    run's exit code and seconds go into ``runs``."""
     exe = Path(sys.executable).parent / "cwm"
     cmd = [str(exe) if exe.exists() else "cwm", "store", "gc", "--config", str(config), "--json"]
 
@@ -183,6 +186,7 @@ def store_gc(config: Path, work: Path, runs: list[dict[str, Any]]) -> Action:
                 rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT,
                                     timeout=600).returncode
                 runs.append({"rc": rc, "seconds": round(time.monotonic() - t0, 3)})
+                done.wait(max(0.0, every_s - (time.monotonic() - t0)))
     return act
 
 
@@ -311,9 +315,9 @@ class FaultRounds:
         store = shipped_redis(redis.url, self.servers.work / "redis-disk")["store"]
         runs: list[dict[str, Any]] = []
         cfg = store_yaml(self.servers.work / "gc-store.yaml", store)
-        self.fault("store_gc", server, sessions, base, store_gc(cfg, self.servers.work,
-                                                                       runs))
-        self.out["fault_rounds"]["store_gc"]["gc_runs"] = runs
+        self.fault("store_gc", server, sessions, base,
+                   store_gc(cfg, self.servers.work, runs, self.args.gc_every_s))
+        self.out["fault_rounds"]["store_gc"].update(gc_runs=runs, gc_every_s=self.args.gc_every_s)
 
     def tiny_budgets(self, sessions: list[Session], redis: RedisHolder) -> None:
         block = self.servers.sizes.kv_bytes_per_token * 128

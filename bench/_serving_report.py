@@ -206,6 +206,8 @@ def fault_table(faults: dict[str, dict[str, Any]]) -> str:
              "itl p99": f["itl_p99_s"], "baseline itl p99": f["baseline_itl_p99_s"],
              "x baseline": _ratio(f["itl_p99_s"], f["baseline_itl_p99_s"]) or math.nan,
              "ttft p95": f["ttft_p95_s"],
+             "vllm itl>0.15s": f"{f.get('server_itls_over_150ms', 0):.0f}/"
+                               f"{f.get('server_itls', 0):.0f}",
              "errors": "; ".join(f"{n}x {e[:60]}" for e, n in f.get("errors", {}).items())}
             for k, f in faults.items()]
     return table(rows, list(rows[0]) if rows else [])

@@ -37,6 +37,7 @@ def check_meta(meta: dict[str, str]) -> None:
 
 
 def pack(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
+    """A container of ``meta`` (as given) and ``payloads`` as ``uint8`` streams s00, s01..."""
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
     for i, p in enumerate(payloads):

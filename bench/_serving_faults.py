@@ -49,7 +49,7 @@ from _serving_workload import Request, Runner, Session
 
 from cwm_plugin.testing.redis_cluster import RedisCluster
 from cwm_plugin.testing.redis_server import RedisServer
-from cwm_plugin.testing.vllm_server import VLLMServer
+from cwm_plugin.testing.vllm_server import VLLMServer, start_all
 
 log = logging.getLogger("bench.serving")
 Action = Callable[[threading.Event], None]
@@ -341,8 +341,7 @@ class FaultRounds:
                 for n in "ab")
         key = secrets.token_hex(16)
         try:
-            a.start()
-            b.start()
+            start_all(a, b)
             cfg = sidecar_yaml(work / "sidecar.yaml", self.servers.model,
                                       {"a": a.base_url, "b": b.base_url}, hash_key(key), SERVED)
             with SidecarProcess(cfg, None, work, secrets.token_hex(32)) as sc:

@@ -18,7 +18,12 @@ import pytest
 from cwm_plugin.store.tiers.disk import advise_files
 from cwm_plugin.testing.procs import wait_until
 from cwm_plugin.testing.redis_server import RedisServer
-from cwm_plugin.testing.vllm_server import SHUTDOWN_TIMEOUT_S, VLLMServer, cwm_connector_args
+from cwm_plugin.testing.vllm_server import (
+    SHUTDOWN_TIMEOUT_S,
+    VLLMServer,
+    cwm_connector_args,
+    start_all,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -189,14 +194,13 @@ def test_second_server_restores_through_shared_redis(tiny_model, vllm_factory, t
     import redis
 
     prompt = long_text(4, 700)
-    one = serve(vllm_factory, tiny_model, {"disk_path": str(tmp_path / "one"),
-                                           "redis_url": redis_server.url}).start()
+    one, two = start_all(*(serve(vllm_factory, tiny_model, {"disk_path": str(tmp_path / n),
+                                                            "redis_url": redis_server.url})
+                           for n in ("one", "two")))
     cold = complete_ids(one, prompt, "shared")
     one.stop()  # the connector flushes its write-behind queue on shutdown
     assert redis.Redis.from_url(redis_server.url).dbsize() > 0
     # Another process with empty local tiers finds the blocks in Redis.
-    two = serve(vllm_factory, tiny_model, {"disk_path": str(tmp_path / "two"),
-                                           "redis_url": redis_server.url}).start()
     assert complete_ids(two, prompt, "shared") == cold
     assert two.metric(HITS) >= 512
 

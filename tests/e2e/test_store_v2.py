@@ -12,7 +12,7 @@ import pytest
 from test_connector import HITS, complete_ids, long_text, serve
 
 from cwm_plugin.testing.procs import wait_until
-from cwm_plugin.testing.vllm_server import SHUTDOWN_TIMEOUT_S, kv_transfer_config
+from cwm_plugin.testing.vllm_server import SHUTDOWN_TIMEOUT_S, kv_transfer_config, start_all
 
 pytestmark = pytest.mark.e2e
 
@@ -68,15 +68,15 @@ def test_a_block_the_store_dropped_is_never_promised_under_policy_fail(
 def test_a_different_hf_override_gets_no_external_hits(tiny_model, vllm_factory, tmp_path):
     store = {"disk_path": str(tmp_path / "store")}
     prompt = long_text(50, 700)
-    plain = serve(vllm_factory, tiny_model, store).start()
+    override = json.dumps({"rope_theta": 20000.0})
+    plain, changed = start_all(serve(vllm_factory, tiny_model, store),
+                               serve(vllm_factory, tiny_model, store, "--hf-overrides", override))
     complete_ids(plain, prompt, "s")
     plain.stop()
     from cwm_plugin.store.tiers.disk_index import DiskIndex
     index = DiskIndex(tmp_path / "store" / "index.sqlite")
     assert index.totals()[1] >= 5                            # the blocks are there ...
     index.close()
-    changed = serve(vllm_factory, tiny_model, store,
-                    "--hf-overrides", json.dumps({"rope_theta": 20000.0})).start()
     complete_ids(changed, prompt, "s")
     assert changed.metric(HITS) == 0                         # ... but not for this engine
 
@@ -87,10 +87,10 @@ def test_two_servers_share_kv_through_a_redis_cluster(tiny_model, vllm_factory, 
     store = {"redis_url": redis_cluster.url, "redis_cluster": True, "memory_bytes": 0,
              "redis_prefix": "e2e", "redis_write": "through", "redis_max_value_bytes": 65536}
     prompt = long_text(60, 700)
-    one = serve(vllm_factory, tiny_model, store).start()
+    one, two = start_all(serve(vllm_factory, tiny_model, store),
+                         serve(vllm_factory, tiny_model, {**store}))   # nothing local at all
     cold = complete_ids(one, prompt, "shared")
     one.stop()
-    two = serve(vllm_factory, tiny_model, {**store}).start()   # nothing local at all
     assert complete_ids(two, prompt, "shared") == cold
     hits = two.metric(HITS)
     assert hits >= 512

@@ -15,6 +15,7 @@ from test_connector import HITS, long_text, serve
 
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.testing.vllm_server import start_all
 from cwm_plugin.windows.engine import WindowEngine
 
 pytestmark = pytest.mark.e2e
@@ -98,7 +99,8 @@ def test_a_window_frozen_on_one_server_thaws_on_another_through_redis(
     # Redis as shipped: written behind the disk, so at freeze time it may lack blocks the
     # disk has; the freeze waits for them or copies them, and server B gets every block
     shared = {"redis_url": redis_server.url, "redis_write": "behind"}
-    a = serve(vllm_factory, tiny_model, {**shared, "disk_path": str(tmp_path / "a")}).start()
+    a, b = start_all(*(serve(vllm_factory, tiny_model, {**shared, "disk_path": str(tmp_path / n)})
+                       for n in "ab"))
     history = conversation(a, "salt-a")
     eng_a = engine_on({**shared, "disk_path": str(tmp_path / "a")})
     w = eng_a.freeze("acme", "handover", session="a", salt="salt-a")
@@ -106,7 +108,6 @@ def test_a_window_frozen_on_one_server_thaws_on_another_through_redis(
     assert tiers["redis"]["complete"] and tiers["redis"]["blocks"] == w.num_blocks
     eng_a.store.close()
     a.stop()
-    b = serve(vllm_factory, tiny_model, {**shared, "disk_path": str(tmp_path / "b")}).start()
     eng_b = engine_on(shared)                      # server B's side: Redis only
     assert [m.name for m in eng_b.list("acme")[0]] == ["handover"]
     eng_b.thaw("acme", "handover", session="b", salt="salt-b", model="tiny")
@@ -123,7 +124,8 @@ def test_an_exported_window_imported_into_a_fresh_store_restores_exactly(
         tiny_model, vllm_factory, tmp_path):
     from cwm_plugin.windows.portable import BadWindowFile, export_window, import_window
 
-    a = serve(vllm_factory, tiny_model, {"disk_path": str(tmp_path / "a")}).start()
+    a, b = start_all(*(serve(vllm_factory, tiny_model, {"disk_path": str(tmp_path / n)})
+                       for n in "ab"))                       # b: a store of its own
     history = conversation(a, "salt-a")
     eng_a = engine_on({"disk_path": str(tmp_path / "a")})
     w = eng_a.freeze("acme", "trip", session="a", salt="salt-a", messages=history)
@@ -133,7 +135,6 @@ def test_an_exported_window_imported_into_a_fresh_store_restores_exactly(
     eng_a.store.close()
     a.stop()
 
-    b = serve(vllm_factory, tiny_model, {"disk_path": str(tmp_path / "b")}).start()  # fresh
     eng_b = engine_on({"disk_path": str(tmp_path / "b")})
     flipped = bytearray(path.read_bytes())
     flipped[len(flipped) // 3] ^= 0x40

@@ -20,7 +20,7 @@ from sidecar_helpers import KEYS, make_settings, metric_value
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.procs import wait_until
-from cwm_plugin.testing.vllm_server import cwm_connector_args
+from cwm_plugin.testing.vllm_server import cwm_connector_args, start_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 HITS = "vllm:external_prefix_cache_hits"
@@ -39,7 +39,7 @@ def test_a_session_that_fails_over_restores_its_kv_on_the_other_server(
         store = {"disk_path": str(tmp_path / name), "redis_url": redis_server.url}
         return vllm_factory(tiny_model, extra_args=cwm_connector_args(store))
 
-    a, b = server("a").start(), server("b").start()
+    a, b = start_all(server("a"), server("b"))
     settings = make_settings(a.base_url, tmp_path / "memory", tiny_model, memory_enabled=False,
                              upstreams=[{"name": "a", "url": a.base_url},
                                         {"name": "b", "url": b.base_url}],

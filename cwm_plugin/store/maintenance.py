@@ -95,9 +95,11 @@ def verify_all(store: KVStore, *, progress: bool = True) -> VerifyReport:
     return report
 
 
-def collect_garbage(store: KVStore | TierSet, min_age_s: float = 600.0) -> GCReport:
+def collect_garbage(store: KVStore | TierSet, min_age_s: float | None = None) -> GCReport:
     """Drop unreferenced blobs, dangling keys, orphan and stale temp files (see the module
-    docstring)."""
+    docstring); ``min_age_s`` defaults to the store's ``gc_min_age_s``."""
+    if min_age_s is None:
+        min_age_s = store.config.gc_min_age_s
     report = GCReport()
     for tier in store.tiers:
         try:

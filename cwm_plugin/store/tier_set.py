@@ -60,8 +60,7 @@ class TierSet:
 
     def gc(self, min_age_s: float | None = None):
         from cwm_plugin.store.maintenance import collect_garbage
-        return collect_garbage(self, self.config.gc_min_age_s if min_age_s is None
-                               else min_age_s)
+        return collect_garbage(self, min_age_s)
 
     def close(self) -> None:
         for tier in self.tiers:

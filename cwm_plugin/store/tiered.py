@@ -281,8 +281,7 @@ class KVStore(ReadPath, KeySpace):
         """Drop unreferenced blobs older than ``min_age_s`` (default: ``gc_min_age_s``),
         dangling keys and orphan files."""
         from cwm_plugin.store.maintenance import collect_garbage
-        return collect_garbage(self, self.config.gc_min_age_s if min_age_s is None
-                               else min_age_s)
+        return collect_garbage(self, min_age_s)
 
     def _gauge(self, tier: Tier) -> None:
         update_gauge(tier, self.metrics)

@@ -16,13 +16,14 @@ log = logging.getLogger(__name__)
 
 class FolderJobs:
     """``soon(folder, job)`` runs ``job(folder)`` on a background thread, unless a job of
-    that folder is queued or running already; ``close()`` waits for what is queued."""
+    that folder is queued or running already; ``idle()`` waits until nothing is; ``close()``
+    waits for what is queued and takes no more."""
 
     def __init__(self, name: str = "cwm-memory-sync") -> None:
         self._name = name
         self._pool: ThreadPoolExecutor | None = None
         self._queued: set[str] = set()
-        self._guard = threading.Lock()
+        self._guard = threading.Condition()
         self._closed = False
 
     def soon(self, folder: str, job: Callable[[str], None]) -> bool:
@@ -44,6 +45,12 @@ class FolderJobs:
         finally:
             with self._guard:
                 self._queued.discard(folder)
+                self._guard.notify_all()
+
+    def idle(self, timeout: float | None = None) -> bool:
+        """Wait until no job is queued or running; False if ``timeout`` passed first."""
+        with self._guard:
+            return self._guard.wait_for(lambda: not self._queued, timeout)
 
     def close(self) -> None:
         with self._guard:

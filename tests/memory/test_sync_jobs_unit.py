@@ -31,6 +31,7 @@ def test_one_job_a_folder_at_a_time_and_a_failing_job_does_not_stop_the_rest(cap
     while jobs.soon("acme", lambda t: ran.append((t, "again"))) is False:
         assert time.monotonic() < deadline  # queued again once the first one finished
         time.sleep(0.01)
+    assert jobs.idle(10)
     jobs.close()  # waits for what is queued
     assert ran[0][0] == "acme" and ran[0][1].startswith("cwm-memory-sync")
     assert ran[-1] == ("acme", "again")
@@ -43,6 +44,7 @@ def test_a_selection_leaves_a_due_look_for_other_writers_to_the_background(make_
     svc = make_service(sync_interval_s=0.05)
     svc.record_turn("acme", "s", "user", "warm up the index")
     svc.select_context("acme", None, ASK, 200, bump=False, mode="bm25")
+    assert svc.syncs.idle(10)  # a look the warm-up found due is over before Olga is written
     other = make_service(root=svc.config.root)  # another process writing the same folder
     other.record_turn("acme", "t", "user", "a walrus named Olga")
     scans: list[str] = []

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2
 from cwm_plugin.testing.redis_cluster import RedisCluster
 from cwm_plugin.testing.redis_server import RedisServer
@@ -67,9 +69,37 @@ def vllm_factory(tmp_path: Path) -> Iterator:
         server.stop()
 
 
-@pytest.fixture(scope="module")
+# Development aid: CWM_TEST_TINY_PORT=P (or CWM_TEST_SMOLLM2_PORT=P) reuses a `vllm serve` of
+# the tiny model (of SmolLM2, served as smollm2, --max-model-len 4096) already running on
+# 127.0.0.1:P, started with --enable-prompt-tokens-details.
+REUSE_TINY = os.environ.get("CWM_TEST_TINY_PORT")
+REUSE_SMOLLM2 = os.environ.get("CWM_TEST_SMOLLM2_PORT")
+
+
+@pytest.fixture(scope="session")
 def tiny_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A plain ``vllm serve`` of the tiny model (no connector), shared by a module's tests."""
-    server = VLLMServer(model_dir=tiny_model, log_dir=tmp_path_factory.mktemp("vllm"))
+    """A plain ``vllm serve`` of the tiny model (no connector), started once for every test
+    that needs no more (each start costs ~30 s): its tests use their own cache salts and
+    compare the prefix-cache counters as deltas, so earlier traffic does not matter.
+    usage.prompt_tokens_details.cached_tokens lets the sidecar count prefix hits per tenant."""
+    if REUSE_TINY:
+        yield VLLMServer(model_dir=tiny_model, port=int(REUSE_TINY))
+        return
+    server = VLLMServer(model_dir=tiny_model, log_dir=tmp_path_factory.mktemp("vllm"),
+                        extra_args=["--enable-prompt-tokens-details"])
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def smollm2_vllm(smollm2_model: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[VLLMServer]:
+    """SmolLM2-135M-Instruct served by ``vllm serve`` in this CPU's compute dtype, started once
+    for every test of the real model."""
+    if REUSE_SMOLLM2:
+        yield VLLMServer(model_dir=smollm2_model, served_name="smollm2", port=int(REUSE_SMOLLM2))
+        return
+    server = VLLMServer(model_dir=smollm2_model, served_name="smollm2", dtype=compute_dtype(),
+                        max_model_len=4096, log_dir=tmp_path_factory.mktemp("vllm"))
     with server:
         yield server

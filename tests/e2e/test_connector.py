@@ -141,31 +141,32 @@ def test_restore_after_restart_is_token_identical_and_salts_stay_apart(tiny_mode
 
 def test_corrupted_kv_changes_output_unless_the_checksum_catches_it(tiny_model, vllm_factory, tmp_path):
     """The blobs are corrupted on disk under a running server (disk tier only, vLLM's own
-    cache dropped), so the next request reads them back: one server a config, not two."""
+    cache dropped), so the next request reads them back: one server a config, both started
+    side by side."""
     prompt = long_text(3, 700)
 
-    def cold_then_corrupted(store: dict, root: Path) -> tuple[VLLMServer, list[int], list[int]]:
-        server = serve(vllm_factory, tiny_model, {"disk_path": str(root), "zstd_level": 0,
-                                                  "memory_bytes": 0, **store},
-                       env=DEV_MODE).start()
+    def corrupted(server: VLLMServer, root: Path) -> tuple[list[int], list[int]]:
         cold = complete_ids(server, prompt, "salt-N")
         full_blocks = len(server.tokenize(prompt)) // 128
         wait_until(lambda: server.metric("cwm:connector_saved_blocks") >= full_blocks,
                    timeout=60, what="the prompt's blocks saved to disk")
         assert corrupt_blobs(root) >= full_blocks
         server.reset_prefix_cache()
-        return server, cold, complete_ids(server, prompt, "salt-N")
+        return cold, complete_ids(server, prompt, "salt-N")
 
-    # Negative control: raw payload, no checksum -> the corrupted KV is loaded and used.
-    server, cold, corrupted = cold_then_corrupted({"checksum": False}, tmp_path / "raw")
-    assert server.metric(HITS) > 0, "the corrupted blocks were not loaded"
-    assert corrupted != cold, "corrupted KV did not change the output: the test proves nothing"
-    server.stop()
-
-    # Same corruption with the checksum on: detected, recomputed, identical output.
-    server, cold_safe, after = cold_then_corrupted({"checksum": True}, tmp_path / "safe")
-    assert cold_safe == cold and after == cold
-    assert server.metric("cwm:connector_load_errors") > 0, "the corruption went unnoticed"
+    # Negative control: raw payload, no checksum; and the same corruption with the checksum on.
+    raw, safe = start_all(*(serve(vllm_factory, tiny_model,
+                                  {"disk_path": str(tmp_path / name), "zstd_level": 0,
+                                   "memory_bytes": 0, "checksum": checksum}, env=DEV_MODE)
+                            for name, checksum in (("raw", False), ("safe", True))))
+    cold, after_raw = corrupted(raw, tmp_path / "raw")
+    assert raw.metric(HITS) > 0, "the corrupted blocks were not loaded"
+    assert after_raw != cold, "corrupted KV did not change the output: the test proves nothing"
+    raw.stop()
+    # With the checksum: detected, recomputed, identical output.
+    cold_safe, after_safe = corrupted(safe, tmp_path / "safe")
+    assert cold_safe == cold and after_safe == cold
+    assert safe.metric("cwm:connector_load_errors") > 0, "the corruption went unnoticed"
 
 
 def test_chunked_prefill_and_concurrent_salted_requests_restore_identically(

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from cwm_plugin.compute_dtype import compute_dtype
-
 pytestmark = pytest.mark.e2e
 
 
@@ -33,13 +31,12 @@ def test_empty_cache_salt_is_rejected(tiny_vllm):
 
 
 @pytest.mark.slow
-def test_smollm2_serves_a_chat_deterministically(smollm2_model, vllm_factory):
+def test_smollm2_serves_a_chat_deterministically(smollm2_vllm):
     # What the answer says is the model's numerics on this CPU (AVX2 and AVX-512 kernels
     # differ, and a 135M model's greedy answer with them): not asserted. What must hold
     # everywhere: the chat template applies, greedy decoding repeats itself, the answer is
     # text the tokenizer round-trips.
-    server = vllm_factory(smollm2_model, served_name="smollm2", dtype=compute_dtype(),
-                          max_model_len=4096).start()
+    server = smollm2_vllm
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     first = server.chat(messages, max_tokens=24, return_token_ids=True)
     again = server.chat(messages, max_tokens=24, return_token_ids=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,24 +12,6 @@ from sidecar_helpers import Recorder, make_settings
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
-
-# Development aid: CWM_SIDECAR_TEST_VLLM_PORT=P reuses a tiny-model `vllm serve` already running
-# on 127.0.0.1:P (started with --enable-prompt-tokens-details) instead of starting one per module (tests of prefix-cache counters then see
-# that server's earlier traffic too, which they tolerate: they compare deltas).
-REUSE_PORT = os.environ.get("CWM_SIDECAR_TEST_VLLM_PORT")
-
-
-@pytest.fixture(scope="module")
-def tiny_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """The tiny model served by vLLM for this module (or the reused one, see above)."""
-    if REUSE_PORT:
-        yield VLLMServer(model_dir=tiny_model, port=int(REUSE_PORT))
-        return
-    # usage.prompt_tokens_details.cached_tokens lets the sidecar count prefix hits per tenant.
-    server = VLLMServer(model_dir=tiny_model, log_dir=tmp_path_factory.mktemp("vllm"),
-                        extra_args=["--enable-prompt-tokens-details"])
-    with server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -5,20 +5,13 @@ and injection."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from sidecar_helpers import KEYS, Recorder, chat, make_settings, metric_value, runtime, wait_idle
 
-from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
-from cwm_plugin.testing.vllm_server import VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-# Development aid: CWM_TEST_SMOLLM2_PORT=P reuses a SmolLM2 `vllm serve` (served as smollm2,
-# --max-model-len 4096) already running on 127.0.0.1:P.
-REUSE_PORT = os.environ.get("CWM_TEST_SMOLLM2_PORT")
 BUDGET = 200  # memory budget: a few lines of transcript, or a fact and a few lines
 
 RECIPES = [  # an imported session about cooking: it outranks the allergy for a dinner question
@@ -37,17 +30,6 @@ RECIPES = [  # an imported session about cooking: it outranks the allergy for a 
 ]
 STATEMENT = "By the way, I am severely allergic to peanuts, so please always keep that in mind."
 QUESTION = "Can you suggest a recipe for dinner tonight?"
-
-
-@pytest.fixture(scope="module")
-def smollm2_vllm(smollm2_model, tmp_path_factory):
-    if REUSE_PORT:
-        yield VLLMServer(model_dir=smollm2_model, served_name="smollm2", port=int(REUSE_PORT))
-        return
-    server = VLLMServer(model_dir=smollm2_model, served_name="smollm2", dtype=compute_dtype(),
-                        max_model_len=4096, log_dir=tmp_path_factory.mktemp("vllm"))
-    with server:
-        yield server
 
 
 def test_a_fact_from_one_session_is_extracted_stored_and_injected_into_a_later_one(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2
+from cwm_plugin.testing.procs import stop_process_group
 from cwm_plugin.testing.redis_cluster import RedisCluster
 from cwm_plugin.testing.redis_server import RedisServer
 from cwm_plugin.testing.vllm_server import VLLMServer
@@ -54,9 +56,21 @@ def redis_cluster() -> Iterator[RedisCluster]:
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def exiting_servers() -> Iterator[list[subprocess.Popen]]:
+    """``vllm serve`` processes told to stop and left to exit while later tests run (vLLM's
+    graceful exit is ~5 s of interpreter teardown a server, ~20 test servers); waited for, or
+    killed, when the session ends."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        stop_process_group(proc, grace=60.0)
+
+
 @pytest.fixture
-def vllm_factory(tmp_path: Path) -> Iterator:
-    """Make ``VLLMServer`` objects whose logs land in the test's folder; all are stopped after."""
+def vllm_factory(tmp_path: Path, exiting_servers: list[subprocess.Popen]) -> Iterator:
+    """Make ``VLLMServer`` objects whose logs land in the test's folder; all are stopped after
+    the test (told to, not waited for: see ``exiting_servers``)."""
     made: list[VLLMServer] = []
 
     def make(model_dir: Path, **kw) -> VLLMServer:
@@ -66,7 +80,8 @@ def vllm_factory(tmp_path: Path) -> Iterator:
 
     yield make
     for server in made:
-        server.stop()
+        if (proc := server.stop_soon()) is not None:
+            exiting_servers.append(proc)
 
 
 # Development aid: CWM_TEST_TINY_PORT=P (or CWM_TEST_SMOLLM2_PORT=P) reuses a `vllm serve` of

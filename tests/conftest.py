@@ -12,7 +12,7 @@ import pytest
 
 from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2
-from cwm_plugin.testing.procs import stop_process_group
+from cwm_plugin.testing.procs import wait_process_group
 from cwm_plugin.testing.redis_cluster import RedisCluster
 from cwm_plugin.testing.redis_server import RedisServer
 from cwm_plugin.testing.vllm_server import VLLMServer
@@ -64,7 +64,7 @@ def exiting_servers() -> Iterator[list[subprocess.Popen]]:
     procs: list[subprocess.Popen] = []
     yield procs
     for proc in procs:
-        stop_process_group(proc, grace=60.0)
+        wait_process_group(proc, grace=60.0)  # signalled already: not twice
 
 
 @pytest.fixture

@@ -66,12 +66,23 @@ def stop_process_group(proc: subprocess.Popen, *, grace: float = 20.0) -> None:
     The leader may exit before its children have finished (a worker still flushing its
     saves): the group is waited for, not just the leader, so nothing is killed mid-flush.
     """
-    deadline = time.monotonic() + grace
+    terminate_leader(proc)
+    wait_process_group(proc, grace=grace)
+
+
+def terminate_leader(proc: subprocess.Popen) -> None:
+    """SIGTERM ``proc`` (the leader of its process group) if it still runs, and return."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace)
+
+
+def wait_process_group(proc: subprocess.Popen, *, grace: float = 20.0) -> None:
+    """Wait up to ``grace`` seconds for ``proc``'s whole process group to exit (after
+    :func:`terminate_leader`), then SIGKILL what is left."""
+    deadline = time.monotonic() + grace
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace)
     while group_members(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -7,12 +7,10 @@ arguments (so a store on disk or in Redis outlives it).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +22,13 @@ from typing import Any
 
 import httpx
 
-from cwm_plugin.testing.procs import free_port, stop_process_group, tail, wait_until
+from cwm_plugin.testing.procs import (
+    free_port,
+    stop_process_group,
+    tail,
+    terminate_leader,
+    wait_until,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,14 +149,13 @@ class VLLMServer:
             self._proc = None
 
     def stop_soon(self) -> subprocess.Popen | None:
-        """SIGTERM and return at once: the process, for :func:`stop_process_group` to wait for
+        """SIGTERM and return at once: the process, for :func:`wait_process_group` to wait for
         later. vLLM's graceful exit takes ~5 s of interpreter teardown after its work is done
         (plain vLLM as well); a caller that needs nothing more from the server (a test's
         teardown) need not wait for it."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+        if proc is not None:
+            terminate_leader(proc)
         return proc
 
     def restart(self) -> VLLMServer:

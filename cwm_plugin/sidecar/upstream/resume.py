@@ -11,9 +11,11 @@ assistant message that vLLM continues (``continue_final_message``, no new genera
 streams a token a chunk), and relays that stream after the events already sent. The cache
 salt travels with the request, so the other server restores the session's KV from the shared
 tier and only prefills the answer so far. A partial event of the dead stream is dropped; the
-continuation's first chunk (its role) is harmless to OpenAI clients. Tool calls, several
-choices or a failure before anything was relayed are not resumed this way (the last is
-retried whole by the router before the first byte reaches the client).
+continuation's first chunk (its role) is harmless to OpenAI clients. A server that dies after
+its response began but before its first token (it had sent the headers, or only the role
+chunk: a request sent just before a kill) is asked nothing special: the same request goes
+whole to the next upstream (one that dies before answering at all is retried whole by the
+router). Tool calls and several choices are not resumed.
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ LIMITS = ("max_tokens", "max_completion_tokens")
 
 
 def continuation(forward: dict[str, Any], collected: Collected) -> dict[str, Any] | None:
-    """The request that goes on from what ``collected`` relayed, or ``None`` where the
-    answer cannot be continued (tool calls, several choices, nothing relayed, or done)."""
-    if (collected.done or collected.calls or not collected.text
-            or int(forward.get("n") or 1) != 1 or not isinstance(forward.get("messages"), list)):
+    """The request that goes on from what ``collected`` relayed: the same request when no
+    token was relayed yet, else the continuation; ``None`` where the answer cannot be
+    continued (tool calls, several choices, or done)."""
+    if collected.done or collected.calls or int(forward.get("n") or 1) != 1:
+        return None
+    if not collected.chunks:
+        return dict(forward)
+    if not collected.text or not isinstance(forward.get("messages"), list):
         return None
     body = {**forward, "messages": [*forward["messages"],
                                     {"role": "assistant", "content": collected.text}],

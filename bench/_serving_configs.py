@@ -29,7 +29,7 @@ import contextlib
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,7 @@ class Servers:
     work: Path
     all_users: int                  # every user the run will ever have on one server
     max_num_batched_tokens: int = 2048  # vLLM's token budget a step (CPU default 2048)
+    store_override: dict[str, Any] = field(default_factory=dict)  # our configs' store settings
 
     def vllm(self, extra: list[str], *, blocks: int | None = None,
              env: dict[str, str] | None = None) -> VLLMServer:
@@ -153,14 +154,15 @@ class Servers:
     def cwm_args(self, name: str, redis_url: str | None = None) -> list[str]:
         if name == "cwm_cpu":
             store = {"memory_bytes": self.tier_bytes(), "disk_path": None, "redis_url": None}
-            return cwm_connector_args(store)
+            return cwm_connector_args({**store, **self.store_override})
         if name == "cwm_disk":
             store = {"memory_bytes": 0, "disk_path": str(self.work / "disk"),
                      "disk_bytes": 4 * self.tier_bytes(), "redis_url": None}
-            return cwm_connector_args(store)
+            return cwm_connector_args({**store, **self.store_override})
         if name == "cwm_redis":
             assert redis_url is not None
-            return connector_args(shipped_redis(redis_url, self.work / "redis-disk"))
+            return connector_args(shipped_redis(redis_url, self.work / "redis-disk",
+                                                **self.store_override))
         raise ValueError(name)
 
     @contextlib.contextmanager

@@ -8,7 +8,8 @@ Each config runs in a fresh ``vllm serve`` of the real SmolLM2-135M (bf16 where 
 bf16 arithmetic, else float32), block size 128, the same workload and seed
 (bench/_serving_workload.py: shared system prompt, a LoCoMo context per user, R rounds of
 A-token answers, arrivals at ``--qps``); bench/_serving_configs.py says what each config is and
-how vLLM's cache is sized (``--kv-fraction`` of the users' KV after the main rounds).
+how vLLM's cache is sized (``--kv-fraction`` of the users' KV after the main rounds;
+``--store JSON``: settings over our configs' store, e.g. ``{"zstd_level": 0}``).
 Per config: TTFT p50/p95/p99 (all, and returning rounds), ITL p50/p99, completed requests and
 output tokens a second, vLLM's external and own prefix-cache hit tokens, failed requests. Then:
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import math
 import secrets
@@ -232,7 +234,8 @@ class Bench(faults.FaultRounds):
                    model="SmolLM2-135M-Instruct", dtype=args.dtype, quick=args.quick,
                    workload={**dataclasses.asdict(spec), "gap_s": spec.gap_s,
                              "fault_rounds": args.fault_rounds, "repeat": args.repeat,
-                             "max_num_batched_tokens": args.max_num_batched_tokens},
+                             "max_num_batched_tokens": args.max_num_batched_tokens,
+                             "store_override": args.store},
                    sizes=self.servers.sizes.as_dict(),
                    wall_s=round(time.monotonic() - t_start, 1), code=code_state(),
                    work_dir=str(work))
@@ -343,6 +346,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="vLLM's token budget a step, every config alike: a cold prefill is "
                          "chunked so that decoding requests get a token every ~0.15 s on 2 "
                          "cores (vLLM's CPU default, 2048, stalls them ~2 s a prefill)")
+    ap.add_argument("--store", type=json.loads, default={}, metavar="JSON",
+                    help='store settings over our configs\' own, e.g. \'{"zstd_level": 0}\'')
     args = ap.parse_args(argv)
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
@@ -377,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="cwm-bench-serving-", dir=Path.home()))
     everyone = spec.users * args.repeat + sum(args.sweep_users) + 4
     bench = Bench(args, spec, Servers(model, args.dtype, sizes, work, everyone,
-                                         args.max_num_batched_tokens), tok, lines,
+                                         args.max_num_batched_tokens, args.store), tok, lines,
                   questions)
     log.info("sizes: %s", sizes.as_dict())
     redis = faults.RedisHolder(RedisServer().start())

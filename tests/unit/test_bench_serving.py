@@ -163,6 +163,13 @@ def test_sizes_follow_the_model_config_and_the_shipped_redis_config(mods, tmp_pa
     assert extra["store"]["redis_url"] == "redis://h:1/0" and extra["salted_only"] is True
     args = c.connector_args(extra)
     assert json.loads(args[1])["kv_connector_extra_config"]["store"]["disk_path"]
+    # --store: settings over every one of our configs' own (a run with raw blobs)
+    servers = c.Servers(tmp_path, "bfloat16", sizes, tmp_path, 10,
+                        store_override={"zstd_level": 0})
+    for name in ("cwm_cpu", "cwm_disk", "cwm_redis"):
+        store = json.loads(servers.cwm_args(name, "redis://h:1/0")[1])[
+            "kv_connector_extra_config"]["store"]
+        assert store["zstd_level"] == 0, name
 
 
 def test_the_proxy_process_relays_and_holds_everything_while_black_holed(mods):

@@ -49,7 +49,7 @@ def pack(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
     hj += b" " * (-len(hj) % 8)
     parts = [struct.pack("<Q", len(hj)), hj]
     if not all(isinstance(p, bytes) for p in payloads):
-        import numpy as np      # here, not at the top: maintenance packs no arrays (~50 ms)
+        import numpy as np  # here, not at the top: maintenance packs no arrays (~50 ms)
 
         parts += [p if isinstance(p, bytes) else memoryview(np.ascontiguousarray(p)).cast("B")
                   for p in payloads]

@@ -72,3 +72,39 @@ def test_maintenance_yields_the_cores_to_serving(tmp_path):
                           "--nice", "0"], capture_output=True, text=True, timeout=120,
                          check=True)
     assert out.stdout.split()[-4::3] == [str(base), "False"], out.stderr
+
+
+def test_gc_every_keeps_collecting_in_one_process_until_sigterm(tmp_path, make_store, kv_block):
+    """``gc --every``: one long-lived process (no interpreter start a run, the bulk of a run's
+    CPU), a report a pass, blobs that become garbage while it runs are collected, SIGTERM ends
+    it cleanly."""
+    root = tmp_path / "d"
+    s = make_store(disk_path=str(root))
+    s.put(b"k0", kv_block(0)).result()
+    s.close()
+    proc = subprocess.Popen([sys.executable, "-m", "cwm_plugin.cli", "store", "gc",
+                             "--disk-path", str(root), "--min-age", "0", "--json",
+                             "--every", "0.2", "--nice", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert first["removed_blobs"] == {"disk": 0} and first["seconds"] >= 0
+        s = make_store(disk_path=str(root))           # garbage appears while it runs
+        s.disk.index.insert_rebuilt([("cd" * 20, 6, b"k0", time.time())])
+        s.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if json.loads(proc.stdout.readline())["removed_blobs"]["disk"] == 1:
+                break
+        else:
+            pytest.fail("the running gc never collected the new garbage")
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+
+
+def test_gc_every_refuses_a_period_that_is_not_positive(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["store", "gc", "--disk-path", "/nowhere", "--every", "0"])
+    assert exc.value.code == 2 and "above 0" in capsys.readouterr().err

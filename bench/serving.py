@@ -339,7 +339,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--blackhole-s", type=float, default=10.0)
     ap.add_argument("--redis-down-s", type=float, default=2.0)
     ap.add_argument("--gc-every-s", type=float, default=5.0,
-                    help="store_gc round: a gc run starts this often (0: back to back)")
+                    help="store_gc round: a gc pass starts this often (one cwm store gc --every)")
     ap.add_argument("--dtype", default="auto", help="auto (this CPU's: cwm_plugin.compute_dtype), "
                     "bfloat16, float32 or float16")
     ap.add_argument("--max-num-batched-tokens", type=int, default=128,

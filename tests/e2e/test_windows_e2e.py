@@ -115,8 +115,11 @@ def test_a_window_frozen_on_one_server_thaws_on_another_through_redis(
     expected = ask(b, turn, "fresh")
     before = b.metric(HITS)
     assert ask(b, turn, "salt-b") == expected
-    hits = b.metric(HITS) - before
-    assert hits >= w.pinned_tokens - 128 and hits >= 0.9 * len(w.tokens), (hits, w.tokens)
+    # every block the window holds, and it holds every full block of its tokens (a partial
+    # last block is never stored: a bound of 0.9 x len(w.tokens) failed whenever the
+    # conversation ended early in a block, 740 tokens with 640 in full blocks)
+    assert w.pinned_tokens == 128 * (len(w.tokens) // 128), (w.pinned_tokens, len(w.tokens))
+    assert b.metric(HITS) - before == w.pinned_tokens
     eng_b.store.close()
 
 

@@ -48,14 +48,14 @@ def pack(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
     hj = json.dumps(header, separators=(",", ":")).encode()
     hj += b" " * (-len(hj) % 8)
     parts = [struct.pack("<Q", len(hj)), hj]
-    if not all(isinstance(p, bytes) for p in payloads):
-        import numpy as np  # here, not at the top: maintenance packs no arrays (~50 ms)
-
-        parts += [p if isinstance(p, bytes) else memoryview(np.ascontiguousarray(p)).cast("B")
-                  for p in payloads]
-    else:
-        parts += payloads
+    parts += [p if isinstance(p, bytes) else _byte_view(p) for p in payloads]
     return b"".join(parts)                  # one copy of the payload
+
+
+def _byte_view(a: np.ndarray) -> memoryview:
+    import numpy as np  # here, not at the top: maintenance packs no arrays (~50 ms of imports)
+
+    return memoryview(np.ascontiguousarray(a)).cast("B")
 
 
 def pack_raw(meta: dict[str, str], payload: bytes) -> bytes:

@@ -98,10 +98,29 @@ def test_gc_every_keeps_collecting_in_one_process_until_sigterm(tmp_path, make_s
                 break
         else:
             pytest.fail("the running gc never collected the new garbage")
+        # a pass that fails (its temp folder gone: an OSError) is logged and the next one
+        # runs; with the folder back, passes report again and nothing was deleted meanwhile
+        (root / "tmp").rename(root / "tmp-away")
+        time.sleep(1.0)
+        (root / "tmp-away").rename(root / "tmp")
+        assert proc.poll() is None                    # still running
+        s = make_store(disk_path=str(root))           # new garbage: a pass after it collects
+        s.disk.index.insert_rebuilt([("ef" * 20, 6, b"k0", time.time())])
+        s.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if json.loads(proc.stdout.readline())["removed_blobs"]["disk"] == 1:
+                break
+        else:
+            pytest.fail("gc did not go on after a failed pass")
     finally:
         proc.terminate()
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
+    assert "gc: this pass failed" in err and "the next one runs" in err, err
+    s = make_store(disk_path=str(root))
+    assert s.contains_many([b"k0"]) == [True]        # the live block is still served
+    s.close()
 
 
 def test_gc_every_refuses_a_period_that_is_not_positive(capsys):

@@ -74,6 +74,15 @@ def test_maintenance_yields_the_cores_to_serving(tmp_path):
     assert out.stdout.split()[-4::3] == [str(base), "False"], out.stderr
 
 
+def collects_one(proc: subprocess.Popen, why: str) -> None:
+    """Read ``gc --every`` reports until a pass removes one blob (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if json.loads(proc.stdout.readline())["removed_blobs"]["disk"] == 1:
+            return
+    pytest.fail(why)
+
+
 def test_gc_every_keeps_collecting_in_one_process_until_sigterm(tmp_path, make_store, kv_block):
     """``gc --every``: one long-lived process (no interpreter start a run, the bulk of a run's
     CPU), a report a pass, blobs that become garbage while it runs are collected, SIGTERM ends
@@ -92,12 +101,7 @@ def test_gc_every_keeps_collecting_in_one_process_until_sigterm(tmp_path, make_s
         s = make_store(disk_path=str(root))           # garbage appears while it runs
         s.disk.index.insert_rebuilt([("cd" * 20, 6, b"k0", time.time())])
         s.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if json.loads(proc.stdout.readline())["removed_blobs"]["disk"] == 1:
-                break
-        else:
-            pytest.fail("the running gc never collected the new garbage")
+        collects_one(proc, "the running gc never collected the new garbage")
         # a pass that fails (its temp folder gone: an OSError) is logged and the next one
         # runs; with the folder back, passes report again and nothing was deleted meanwhile
         (root / "tmp").rename(root / "tmp-away")
@@ -107,12 +111,7 @@ def test_gc_every_keeps_collecting_in_one_process_until_sigterm(tmp_path, make_s
         s = make_store(disk_path=str(root))           # new garbage: a pass after it collects
         s.disk.index.insert_rebuilt([("ef" * 20, 6, b"k0", time.time())])
         s.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if json.loads(proc.stdout.readline())["removed_blobs"]["disk"] == 1:
-                break
-        else:
-            pytest.fail("gc did not go on after a failed pass")
+        collects_one(proc, "gc did not go on after a failed pass")
     finally:
         proc.terminate()
         out, err = proc.communicate(timeout=30)

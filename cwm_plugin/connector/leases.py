@@ -1,13 +1,13 @@
 """Leases on promised blocks, per request, at the scheduler: taken when a lookup promises
 blocks, released when their load is done (or the request ends), else they expire.
 
-A lease (:meth:`~cwm_plugin.store.keyspace.KeySpace.lease_many`) pins the promised keys of
-every worker in the durable tiers for ``lease_ttl_s`` seconds (no quota; a window's pin is
-never shortened nor removed), so the disk's LRU eviction (this process's or another's),
-``cwm store gc`` and Redis' TTL leave them alone until the load has read them. Taking and
-releasing one is store I/O, so both run on a thread of their own, never on vLLM's step; a
-stuck store only delays them, and past a bounded backlog a promise goes without a lease
-(counted). The protection is best-effort: a delete, Redis' maxmemory eviction or a lease that
+A lease (:meth:`~cwm_plugin.store.keyspace.KeySpace.lease_many`) protects the promised keys
+of every worker in the durable tiers for ``lease_ttl_s`` seconds: a pin on disk that no quota
+counts (a window's pin stays a pin, never shortened), a TTL renewed in Redis; so the disk's
+LRU eviction (this process's or another's), ``cwm store gc`` and Redis' TTL leave them alone
+until the load has read them. Taking and releasing one is store I/O, so both run on a thread
+of their own, never on vLLM's step; a stuck store only delays them, and past a bounded backlog
+a promise goes without a lease (counted). The protection is best-effort: a delete, Redis' maxmemory eviction or a lease that
 expired can still lose a block; its load then fails and the request is recomputed.
 
 Counted as ``cwm:connector_leases{event}``: ``taken``; ``released`` (after the load, or when

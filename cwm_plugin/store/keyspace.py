@@ -7,9 +7,10 @@ counted and logged once (an outage the tier reports itself is only counted) and 
 goes on with the others: the result says, per tier, which keys it applied to.
 
 A *lease* (:meth:`KeySpace.lease_many`) protects keys for a short while (between the
-connector's lookup and its load): a pin with an expiry and no quota, taken only on keys no
-longer-lived pin protects (a window's pin is never shortened nor removed by one), released by
-:meth:`KeySpace.release` on the keys whose pin is still the lease's own, or left to expire.
+connector's lookup and its load): a pin with an expiry that no quota counts, taken only on
+keys no pin protects (a window's pin is never shortened, removed nor turned into a lease by
+one), released by :meth:`KeySpace.release` on the keys whose lease is still its own, or left
+to expire. Redis, where only TTLs expire keys, renews TTLs instead (nothing to release).
 """
 
 from __future__ import annotations
@@ -50,15 +51,9 @@ class Lease:
 
     def owns(self, info: KeyInfo | None) -> bool:
         """Whether ``info``'s pin is still this lease's own (not renewed, not replaced)."""
-        return info is not None and info.pinned and info.pin_expires is not None and \
+        return info is not None and info.leased and info.pin_expires is not None and \
             self.expires_from - LEASE_SLACK_S <= info.pin_expires <= \
             self.expires_to + LEASE_SLACK_S
-
-
-def _outlives(info: KeyInfo | None, until: float) -> bool:
-    """Whether a pin protects the key until ``until`` already (one without expiry does)."""
-    return info is not None and info.pinned and (info.pin_expires is None
-                                                 or info.pin_expires >= until)
 
 
 class KeySpace:
@@ -170,30 +165,27 @@ class KeySpace:
     def lease_many(self, keys: Sequence[bytes], *, ttl_s: float,
                    tiers: Sequence[Tier] | None = None) -> Lease:
         """Protect ``keys`` from eviction, expiry and gc for ``ttl_s`` seconds in ``tiers``
-        (default: the durable ones): a pin with that expiry and no quota on every present key
-        that no pin protects as long already (a shorter lease is renewed; a window's pin is
-        left as it is). A tier that fails is counted and skipped (its keys unprotected)."""
+        (default: the durable ones), each tier atomically (:meth:`Tier.lease_many`): no quota
+        counts a lease, a shorter one is renewed, a window's pin stays a pin (its expiry at
+        least the lease's). A tier that fails is counted and skipped (its keys unprotected)."""
         keys = list(dict.fromkeys(bytes(k) for k in keys))
         out: dict[str, list[bytes]] = {}
         lo = time.time() + ttl_s
         for tier in self.durable if tiers is None else tiers:
             try:
-                infos = tier.info_many(keys)
-                free = [k for k, i in zip(keys, infos, strict=True)
-                        if i is not None and not _outlives(i, time.time() + ttl_s)]
-                if free:
-                    out[tier.name] = tier.pin_many(free, ttl_s=ttl_s)
+                if leased := tier.lease_many(keys, ttl_s=ttl_s):
+                    out[tier.name] = leased
             except TIER_ERRORS as exc:
                 self._tier_failed(tier, "lease", exc, "index")
-        return Lease({t: ks for t, ks in out.items() if ks}, lo, time.time() + ttl_s)
+        return Lease(out, lo, time.time() + ttl_s)
 
     def release(self, lease: Lease) -> int:
-        """Unpin the keys whose pin is still ``lease``'s own (one another lease renewed, or
-        someone pinned for longer meanwhile, is left); returns how many were unpinned."""
+        """Unpin the keys whose lease is still ``lease``'s own (one another lease renewed, or
+        a pin taken meanwhile, is left); returns how many were unpinned."""
         n = 0
         for tier in self.tiers:
             keys = lease.keys.get(tier.name)
-            if not keys:
+            if not keys or not tier.leases_released:
                 continue
             try:
                 mine = [k for k, i in zip(keys, tier.info_many(keys), strict=True)

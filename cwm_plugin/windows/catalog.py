@@ -95,7 +95,7 @@ class WindowCatalog:
             present = [i for i in infos_by_tier.get(tier, []) if i is not None]
             size = sum(i.size or 0 for i in present)
             blocks = sum(all(there[w * n + i] for w in range(len(wkeys))) for i in range(n))
-            tiers[tier] = {"blocks": blocks, "pinned": sum(i.pinned for i in present),
+            tiers[tier] = {"blocks": blocks, "pinned": sum(i.pinned and not i.leased for i in present),
                            "bytes": size, "complete": blocks == n}
             stored = max(stored, size)
         ns = m.namespace

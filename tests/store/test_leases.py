@@ -1,5 +1,6 @@
-"""Leases: short pins with an expiry and no quota that keep promised blocks from eviction until
-they are loaded, and that never shorten or remove a longer pin (a window's)."""
+"""Leases: short pins with an expiry that no quota counts, keeping promised blocks from eviction
+until they are loaded, that never shorten, remove or take over a pin (a window's); in Redis,
+TTLs renewed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 import pytest
 
 from cwm_plugin.store.keyspace import Lease
+from cwm_plugin.store.tiers.base import QuotaExceeded
 
 pytestmark = pytest.mark.unit
 
@@ -68,18 +70,81 @@ def test_a_lease_expires_on_its_own(make_store, kv_block):
     assert store.release(lease) == 0
 
 
-@pytest.mark.redis
-def test_leases_in_redis(make_store, kv_block, redis_server):
-    store = make_store(memory_bytes=0, redis_url=redis_server.url, redis_write="through",
-                       redis_ttl_s=3600)
-    fill(store, kv_block, range(2))
-    store.pin_many([key(1)])
-    lease = store.lease_many([key(0), key(1)], ttl_s=30)
-    assert lease.keys == {"redis": [key(0)]}
-    info = store.key_info(key(0))["redis"]
-    assert info.pinned and 0 < info.pin_expires - time.time() <= 30.5
-    assert store.release(lease) == 1
-    assert not store.key_info(key(0))["redis"].pinned
-    assert store.key_info(key(1))["redis"].pinned
-    assert Lease().size == 0
+def blob_size(store, i: int) -> int:
+    return next(iter(store.key_info(key(i)).values())).size
 
+
+@pytest.fixture(params=["disk", "memory"])
+def pin_store(request, make_store, tmp_path):
+    """A store whose pins live on the disk (its durable tier) or, without one, in memory
+    (where the connector's workers lease: ``lease_many`` is given that tier)."""
+    def make(**kw):
+        if request.param == "disk":
+            return make_store(disk_path=str(tmp_path / "d"), memory_bytes=0, zstd_level=0,
+                              **kw)
+        return make_store(memory_bytes=1 << 20, zstd_level=0, **kw)
+    return make
+
+
+def lease(store, keys, ttl_s):
+    return store.lease_many(keys, ttl_s=ttl_s, tiers=store.durable or [store.memory])
+
+
+def test_leases_do_not_count_toward_the_pin_quota(pin_store, kv_block):
+    size = kv_block(0).numel() * kv_block(0).element_size()
+    store = pin_store(pin_quota_bytes=int(2.5 * size))     # two blocks' blobs, not three
+    fill(store, kv_block, range(4))
+    tier = next(iter(store.key_info(key(0))))
+    assert blob_size(store, 0) <= 1.25 * size
+    taken = lease(store, [key(0), key(1), key(2)], ttl_s=60)   # three requests' blocks
+    assert taken.keys == {tier: [key(0), key(1), key(2)]}
+    store.pin_many([key(1), key(3)])     # a window: fits, though the leases hold three blobs
+    with pytest.raises(QuotaExceeded):   # the leased block 2 pinned too: three, over it
+        store.pin_many([key(2)])
+    info = {i: store.key_info(key(i))[tier] for i in range(4)}
+    assert info[1].pinned and not info[1].leased and info[1].pin_expires is None
+    assert info[2].leased                                   # the refused pin changed nothing
+    assert store.release(taken) == 2                        # 0 and 2; the window's 1 stays
+    assert [store.key_info(key(i))[tier].pinned for i in range(4)] == [False, True, False,
+                                                                        True]
+
+
+def test_a_window_pin_is_never_turned_into_a_lease(pin_store, kv_block):
+    store = pin_store()
+    fill(store, kv_block, range(3))
+    tier = next(iter(store.key_info(key(0))))
+    store.pin_many([key(0)], ttl_s=5)                       # a window about to expire
+    taken = lease(store, [key(0), key(1)], ttl_s=60)
+    assert taken.keys == {tier: [key(1)]}
+    early = store.key_info(key(0))[tier]                    # pushed out to the lease's end
+    assert early.pinned and not early.leased and early.pin_expires > time.time() + 50
+    store.pin_many([key(1)])                                # a window pins a leased block
+    assert store.release(taken) == 0
+    for i in (0, 1):
+        assert store.key_info(key(i))[tier].pinned and not store.key_info(key(i))[tier].leased
+
+
+@pytest.mark.redis
+def test_a_lease_in_redis_renews_ttls_and_never_shortens_one(make_store, kv_block,
+                                                            redis_server):
+    import redis
+
+    store = make_store(memory_bytes=0, redis_url=redis_server.url, redis_write="through",
+                       redis_ttl_s=1)
+    fill(store, kv_block, range(3))
+    store.pin_many([key(2)])                                # a window: no TTL
+    lease = store.lease_many([key(0), key(2), key(99)], ttl_s=30)
+    assert lease.keys == {"redis": [key(0), key(2)]}
+    tier = store.tiers[-1]
+    c = redis.Redis.from_url(redis_server.url)
+    names = [tier.names.key(key(0)), tier.names.key(key(1)), tier.names.key(key(2))]
+    blob = tier.lookup_many([key(0)])[0]
+    assert 25 < c.ttl(names[0]) <= 30 and c.ttl(names[1]) <= 1 and c.ttl(names[2]) == -1
+    assert 25 < c.ttl(tier.blobs.name(blob)) <= 30
+    assert store.lease_many([key(0)], ttl_s=5).size == 1 and c.ttl(names[0]) > 25  # GT
+    time.sleep(1.6)                                         # key 1's TTL runs out
+    assert store.contains_many([key(0), key(1), key(2)]) == [True, False, True]
+    assert store.get(key(0)) is not None
+    assert store.release(lease) == 0                        # nothing to release: a TTL
+    assert store.key_info(key(2))["redis"].pinned
+    assert Lease().size == 0

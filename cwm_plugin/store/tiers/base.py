@@ -18,6 +18,10 @@ Key semantics shared by every tier:
 * Pins belong to keys (a blob is protected while any pinned, unexpired key points to it), may
   carry an expiry, and are limited per *group* (the first :data:`GROUP_BYTES` bytes of a key:
   namespace and rank) by a byte quota counted over distinct pinned blobs.
+* A *lease* (``lease_many``) is a short pin with an expiry that no quota counts: it protects a
+  block between the connector's lookup and its load. It never turns a pin into a lease (a
+  shorter pin's expiry is only pushed out to the lease's), and a pin taken on a leased key
+  makes it a pin. A tier where nothing of ours evicts or expires keys may only renew TTLs.
 * Whatever a tier drops by itself (LRU eviction, TTL expiry, a key found dangling, quarantine)
   it reports to its drop listener as the keys that now answer "absent".
 """
@@ -64,6 +68,7 @@ class KeyInfo:
     pinned: bool = False
     pin_expires: float | None = None   # unix time; None: no expiry
     size: int | None = None            # the blob's size, when the tier knows it
+    leased: bool = False               # the pin is a lease (:meth:`Tier.lease_many`)
 
 
 # Called with the keys a tier dropped on its own and why ("evicted", "expired", "dangling",
@@ -144,8 +149,16 @@ class Tier(ABC):
         Returns the keys pinned (absent keys are skipped)."""
 
     @abstractmethod
+    def lease_many(self, keys: Sequence[bytes], *, ttl_s: float) -> list[bytes]:
+        """Lease present keys for ``ttl_s`` seconds, atomically (see the module doc): keys
+        unpinned or leased for less become leased, pinned keys keep their pin (expiring no
+        sooner than the lease). Returns the keys leased (pinned ones are left out)."""
+
+    leases_released: bool = True   # False: a lease here only renews TTLs; nothing to release
+
+    @abstractmethod
     def unpin_many(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Unpin keys; returns those that were pinned."""
+        """Unpin keys (pins and leases); returns those that were pinned."""
 
     @abstractmethod
     def info_many(self, keys: Sequence[bytes]) -> list[KeyInfo | None]:

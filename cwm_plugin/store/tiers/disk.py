@@ -301,6 +301,9 @@ class DiskTier(Tier):
                  quota_bytes: int | None = None) -> list[bytes]:
         return self.index.pin_many(keys, ttl_s=ttl_s, quota_bytes=quota_bytes)
 
+    def lease_many(self, keys: Sequence[bytes], *, ttl_s: float) -> list[bytes]:
+        return self.index.lease_many(keys, ttl_s=ttl_s)
+
     def unpin_many(self, keys: Sequence[bytes]) -> list[bytes]:
         return self.index.unpin_many(keys)
 

@@ -5,7 +5,8 @@ scheduler looks keys up while its workers write). Invariants, kept inside SQLite
 
 * A ``blobs`` row means the blob's file is complete (renamed into place *before* the row is
   committed; the row deleted *before* the file is unlinked).
-* ``blobs.refs`` and ``blobs.pins`` (keys, and pinned unexpired keys, pointing to the blob),
+* ``blobs.refs`` and ``blobs.pins`` (keys, and pinned unexpired keys, pointing to the blob;
+  a lease, ``keys.pinned = 2``, counts twice there, and only the pin quota tells them apart),
   ``group_pins`` (pinned blob bytes per key group) and ``stats`` are maintained by triggers in
   the same transaction as the rows they count, so they cannot drift, and eviction reads the
   partial index ``blobs(last_access) WHERE pins = 0``: its cost does not grow with pins.
@@ -31,12 +32,20 @@ from cwm_plugin.store.tiers.disk_schema import SCHEMA, SCHEMA_VERSION, statement
 
 Unlink = Callable[[Sequence[str]], None] | None
 CHUNK = 500   # SQLite host-parameter batches
+LEASED = 2    # keys.pinned of a lease (1: a pin); the triggers count it like a pin
+KeyRow = tuple[bytes, str, bool, float | None, int | None, bool]
 
 
 class IndexDamaged(CWMError):
     """The index file is not a usable SQLite database (damaged disk, foreign file)."""
 
     code = "index_damaged"
+
+
+def _row(key: bytes, blob_id: str, pinned: int, expires: float | None, size: int | None
+         ) -> KeyRow:
+    """A key's row as :class:`~cwm_plugin.store.tiers.base.KeyInfo`'s fields."""
+    return bytes(key), blob_id, bool(pinned), expires, size, pinned == LEASED
 
 
 def _chunks(items: Sequence, n: int = CHUNK) -> Iterator[Sequence]:
@@ -207,8 +216,9 @@ class DiskIndex:
 
     def pin_many(self, keys: Sequence[bytes], *, ttl_s: float | None = None,
                  quota_bytes: int | None = None) -> list[bytes]:
-        """Pin present keys; with ``quota_bytes``, roll back and raise if a group's pinned
-        bytes would exceed it. Returns the keys pinned."""
+        """Pin present keys (a leased one becomes pinned); with ``quota_bytes``, roll back and
+        raise if a group's pinned bytes (leases not counted) would exceed it. Returns the keys
+        pinned."""
         from cwm_plugin.store.tiers.base import QuotaExceeded
 
         expires = None if ttl_s is None else time.time() + ttl_s
@@ -223,14 +233,46 @@ class DiskIndex:
                 db.execute(f"UPDATE keys SET pinned=1, pin_expires=? WHERE key IN ({q})",
                            (expires, *part))
             if quota_bytes is not None:
-                groups = {k[:18] for k in done}
-                for g in groups:
-                    row = db.execute("SELECT bytes FROM group_pins WHERE grp=?", (g,)).fetchone()
-                    if row is not None and row[0] > quota_bytes:
+                for g in {k[:18] for k in done}:
+                    held = self._pinned_bytes(db, g)
+                    if held > quota_bytes:
                         raise QuotaExceeded(
-                            f"pinning {len(done)} keys would hold {row[0]:,} pinned bytes on "
+                            f"pinning {len(done)} keys would hold {held:,} pinned bytes on "
                             f"disk for one model and rank, over the quota of {quota_bytes:,}",
                             hint="delete or unpin windows, or raise pin_quota_bytes")
+            return done
+        return self.db.tx(tx)
+
+    @staticmethod
+    def _pinned_bytes(db: sqlite3.Connection, grp: bytes) -> int:
+        """A group's pinned blob bytes, less those only leases pin (leased keys are few: the
+        blocks promised to requests now; found through the index of expiring pins)."""
+        (total,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM group_pins WHERE grp=?",
+                              (grp,)).fetchone()
+        (leased,) = db.execute(
+            "SELECT COALESCE(SUM(b.size), 0) FROM blobs b WHERE b.grp=? AND b.blob_id IN "
+            "(SELECT blob_id FROM keys WHERE pin_expires IS NOT NULL AND pinned=?) AND NOT "
+            "EXISTS (SELECT 1 FROM keys k WHERE k.blob_id=b.blob_id AND k.pinned=1)",
+            (grp, LEASED)).fetchone()
+        return int(total) - int(leased)
+
+    def lease_many(self, keys: Sequence[bytes], *, ttl_s: float) -> list[bytes]:
+        """Lease present keys that no pin protects (or a lease shorter than this one) until
+        ``ttl_s`` from now, and push a pin expiring sooner out to then; one transaction.
+        Returns the keys leased."""
+        def tx(db: sqlite3.Connection) -> list[bytes]:
+            self._expire(db)
+            until = time.time() + ttl_s
+            done: list[bytes] = []
+            for part in _chunks([bytes(k) for k in keys]):
+                q = _qs(len(part))
+                free = f"key IN ({q}) AND (pinned=0 OR (pinned={LEASED} AND pin_expires < ?))"
+                done += [bytes(k) for (k,) in db.execute(
+                    f"SELECT key FROM keys WHERE {free}", (*part, until))]
+                db.execute(f"UPDATE keys SET pinned={LEASED}, pin_expires=? WHERE {free}",
+                           (until, *part, until))
+                db.execute(f"UPDATE keys SET pin_expires=? WHERE key IN ({q}) AND pinned=1 "
+                           "AND pin_expires < ?", (until, *part, until))
             return done
         return self.db.tx(tx)
 
@@ -240,7 +282,7 @@ class DiskIndex:
             for part in _chunks([bytes(k) for k in keys]):
                 q = _qs(len(part))
                 done += [bytes(k) for (k,) in db.execute(
-                    f"SELECT key FROM keys WHERE pinned=1 AND key IN ({q})", part)]
+                    f"SELECT key FROM keys WHERE pinned>0 AND key IN ({q})", part)]
                 db.execute(f"UPDATE keys SET pinned=0, pin_expires=NULL WHERE key IN ({q})",
                            part)
             return done
@@ -256,17 +298,15 @@ class DiskIndex:
                       "LIMIT 1", (time.time(),)):
             self.db.tx(self._expire)
 
-    def info_many(self, keys: Sequence[bytes]
-                  ) -> list[tuple[bytes, str, bool, float | None, int | None]]:
+    def info_many(self, keys: Sequence[bytes]) -> list[KeyRow]:
         out = []
         for part in _chunks([bytes(k) for k in keys]):
-            out += [(bytes(k), b, bool(p), e, s) for k, b, p, e, s in self.db.read(
+            out += [_row(*r) for r in self.db.read(
                 "SELECT k.key, k.blob_id, k.pinned, k.pin_expires, b.size FROM keys k LEFT JOIN "
                 f"blobs b ON b.blob_id = k.blob_id WHERE k.key IN ({_qs(len(part))})", part)]
         return out
 
-    def list_keys(self, prefix: bytes, after: bytes | None, limit: int
-                  ) -> list[tuple[bytes, str, bool, float | None, int | None]]:
+    def list_keys(self, prefix: bytes, after: bytes | None, limit: int) -> list[KeyRow]:
         lo = max(prefix, after + b"\0") if after is not None else prefix
         sql = ("SELECT k.key, k.blob_id, k.pinned, k.pin_expires, b.size FROM keys k LEFT JOIN "
                "blobs b ON b.blob_id = k.blob_id WHERE k.key >= ?")
@@ -275,7 +315,7 @@ class DiskIndex:
             sql += " AND substr(k.key, 1, ?) = ?"
             args += [len(prefix), prefix]
         rows = self.db.read(sql + " ORDER BY k.key LIMIT ?", (*args, limit))
-        return [(bytes(k), b, bool(p), e, s) for k, b, p, e, s in rows]
+        return [_row(*r) for r in rows]
 
     # --- blobs --------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ class MemoryTier(Tier):
         self._keys: dict[bytes, str] = {}
         self._refs: dict[str, set[bytes]] = {}
         self._pins: dict[bytes, float | None] = {}           # key -> expiry (unix time)
+        self._leased: set[bytes] = set()                     # pinned keys whose pin is a lease
         self._pinned_refs: dict[str, int] = {}               # blob -> pinned keys on it
         self._group_pinned: dict[bytes, int] = {}            # group -> pinned blob bytes
         self._held_group: dict[str, bytes] = {}              # pinned blob -> its group
@@ -141,6 +142,7 @@ class MemoryTier(Tier):
             self._pin_ref(key, blob_id, -1)
             if not keep_pin:
                 self._pins.pop(key, None)
+                self._leased.discard(key)
         refs = self._refs.get(blob_id)
         if refs is not None:
             refs.discard(key)
@@ -199,29 +201,57 @@ class MemoryTier(Tier):
             if quota_bytes is not None:
                 self._check_quota(present, quota_bytes)
             for k in present:
-                if k not in self._pins:
-                    self._pins[k] = expires
-                    self._pin_ref(k, self._keys[k], +1)
-                else:
-                    self._pins[k] = expires
-                if expires is not None:
-                    heapq.heappush(self._expiries, (expires, k))
+                self._leased.discard(k)
+                self._set_pin(k, expires)
             return present
 
+    def lease_many(self, keys: Sequence[bytes], *, ttl_s: float) -> list[bytes]:
+        until = time.time() + ttl_s
+        leased: list[bytes] = []
+        with self._lock:
+            self._expire_pins()
+            for k in map(bytes, keys):
+                if k not in self._keys:
+                    continue
+                expires = self._pins.get(k, 0.0)
+                if k not in self._pins or (k in self._leased and expires < until):
+                    self._leased.add(k)
+                    leased.append(k)
+                elif expires is None or expires >= until:
+                    continue
+                self._set_pin(k, until)
+            return leased
+
+    def _set_pin(self, k: bytes, expires: float | None) -> None:
+        """(locked) Pin a present key (or renew its pin) until ``expires``."""
+        if k not in self._pins:
+            self._pin_ref(k, self._keys[k], +1)
+        self._pins[k] = expires
+        if expires is not None:
+            heapq.heappush(self._expiries, (expires, k))
+
     def _check_quota(self, keys: list[bytes], quota: int) -> None:
+        """(locked) Raise if pinning ``keys`` takes a group's pinned bytes over ``quota``;
+        blobs only leases pin count as unpinned."""
+        lease_only = {b for k in self._leased if (b := self._keys.get(k)) is not None and
+                      not any(r in self._pins and r not in self._leased for r in self._refs[b])}
+        held = set(self._pinned_refs) - lease_only
+        total = dict(self._group_pinned)
+        for b in lease_only & self._held.keys():
+            g = self._held_group[b]
+            total[g] = total.get(g, 0) - len(self._held[b])
         extra: dict[bytes, int] = {}
-        seen: set[str] = set()
         for k in keys:
             b = self._keys[k]
-            if k in self._pins or b in seen or self._pinned_refs.get(b):
+            if b in held:
                 continue
-            seen.add(b)
+            held.add(b)
             g = group_of(k)
             extra[g] = extra.get(g, 0) + len(self._data(b) or b"")
         for g, add in extra.items():
-            if self._group_pinned.get(g, 0) + add > quota:
+            if total.get(g, 0) + add > quota:
                 raise QuotaExceeded(
-                    f"pinning {len(keys)} keys would hold {self._group_pinned.get(g, 0) + add:,}"
+                    f"pinning {len(keys)} keys would hold {total.get(g, 0) + add:,}"
                     f" pinned bytes in the memory tier, over the quota of {quota:,}",
                     hint="delete or unpin windows, or raise pin_quota_bytes")
 
@@ -231,6 +261,7 @@ class MemoryTier(Tier):
             for k in map(bytes, keys):
                 if k in self._pins:
                     del self._pins[k]
+                    self._leased.discard(k)
                     out.append(k)
                     if k in self._keys:
                         self._pin_ref(k, self._keys[k], -1)
@@ -242,6 +273,7 @@ class MemoryTier(Tier):
             expires, k = heapq.heappop(self._expiries)
             if k in self._pins and self._pins[k] == expires:
                 del self._pins[k]
+                self._leased.discard(k)
                 if k in self._keys:
                     self._pin_ref(k, self._keys[k], -1)
 
@@ -253,7 +285,7 @@ class MemoryTier(Tier):
     def _info(self, k: bytes) -> KeyInfo:
         b = self._keys[k]
         size = len(self._lru.get(b) or self._held.get(b) or b"")
-        return KeyInfo(k, b, k in self._pins, self._pins.get(k), size)
+        return KeyInfo(k, b, k in self._pins, self._pins.get(k), size, k in self._leased)
 
     def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None,
                   limit: int = 1000) -> list[KeyInfo]:

@@ -21,6 +21,7 @@ the outage is logged once.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -125,6 +126,29 @@ class RedisTier(Tier):
     def pin_many(self, keys: Sequence[bytes], *, ttl_s: float | None = None,
                  quota_bytes: int | None = None) -> list[bytes]:
         return self.index.pin(keys, 0 if ttl_s is None else time.time() + ttl_s, quota_bytes)
+
+    leases_released = False
+
+    def lease_many(self, keys: Sequence[bytes], *, ttl_s: float) -> list[bytes]:
+        """Nothing of ours evicts Redis keys, only their TTL expires them: a lease renews the
+        TTL of the keys and of their blobs' names to at least ``ttl_s`` (``EXPIRE GT``: a
+        longer TTL, or none, is kept) and takes no pin, so it has nothing to release and
+        costs three round trips. Returns the keys present."""
+        keys = list(dict.fromkeys(bytes(k) for k in keys))
+        present = [(k, b) for k, b in zip(keys, self.lookup_many(keys), strict=True)
+                   if b is not None]
+        if present and self.ttl_s:
+            secs = max(1, math.ceil(ttl_s))
+
+            def run(c: Any) -> None:
+                names = [self.names.key(k) for k, _ in present]
+                names += self.blobs.names(c, sorted({b for _, b in present}))
+                pipe = c.pipeline(transaction=False)
+                for n in names:
+                    pipe.expire(n, secs, gt=True)
+                pipe.execute()
+            self._call(run)
+        return [k for k, _ in present]
 
     def unpin_many(self, keys: Sequence[bytes]) -> list[bytes]:
         return self.index.unpin(keys)

@@ -118,3 +118,20 @@ def test_counts_match_the_keys_after_any_mix_of_operations(tier):
                                      for g in pinned})
     assert counters == pinned
     assert len(tier.list_keys()) == len(infos) and tier.dangling_keys() == []
+
+
+def test_a_lease_renews_ttls_across_the_slots(redis_cluster):
+    t = RedisTier(redis_cluster.url, prefix=f"lease{uuid.uuid4().hex[:8]}", cluster=True,
+                  ttl_s=2, max_value_bytes=1024)
+    try:
+        keys = [G + i.to_bytes(32, "big") for i in range(40)]
+        for i, k in enumerate(keys):
+            t.put(f"{i:040x}", bytes([i]) * 3000, k)     # split in parts: 3 names a blob
+        assert sorted(t.lease_many(keys[:20], ttl_s=30)) == sorted(keys[:20])
+        ttls = t._call(lambda c: [c.ttl(t.names.key(k)) for k in keys] +
+                       [c.ttl(n) for n in t.blobs.names(c, [f"{i:040x}" for i in range(40)])])
+        leased = ttls[:20] + [x for i, x in enumerate(ttls[40:]) if i // 5 < 20]
+        assert min(leased) > 25
+        assert max(ttls[20:40]) <= 2
+    finally:
+        t.close()

@@ -96,6 +96,27 @@ def test_pins_quota_expiry_and_listing(tier):
     assert tier.list_keys(b"other-prefix") == []
 
 
+def test_a_lease_is_not_a_pin(tier):
+    for i in range(3):
+        tier.put(bid(i), bytes(100), key(i))
+    tier.pin_many([key(0)], ttl_s=5)                     # a window's pin, expiring soon
+    leased = tier.lease_many([key(0), key(1), key(9)], ttl_s=60)
+    if not tier.leases_released:                         # Redis: TTLs renewed, no pin
+        assert leased == [key(0), key(1)] and not tier.info_many([key(1)])[0].pinned
+        return
+    assert leased == [key(1)]                            # the window's pin stays its own
+    w, lz = tier.info_many([key(0), key(1)])
+    assert w.pinned and not w.leased and w.pin_expires > time.time() + 50
+    assert lz.pinned and lz.leased
+    tier.pin_many([key(2)], quota_bytes=250)     # 200 pinned bytes: the lease's 100 not counted
+    with pytest.raises(QuotaExceeded):
+        tier.pin_many([key(1)], quota_bytes=250)          # the leased blob pinned: 300
+    assert tier.info_many([key(1)])[0].leased
+    tier.pin_many([key(1)], quota_bytes=300)
+    assert not tier.info_many([key(1)])[0].leased        # a pin taken on it: a pin now
+    assert tier.lease_many([key(1)], ttl_s=60) == []
+
+
 def test_forget_reports_dropped_keys(tier):
     tier.put(bid(1), b"x" * 50, key(1))
     tier.link_many([(key(2), bid(1))])

@@ -135,6 +135,7 @@ class Servers:
     all_users: int                  # every user the run will ever have on one server
     max_num_batched_tokens: int = 2048  # vLLM's token budget a step (CPU default 2048)
     store_override: dict[str, Any] = field(default_factory=dict)  # our configs' store settings
+    long_prefill_token_threshold: int = 0  # vLLM's cap on one prefill's tokens a step (0: none)
 
     def vllm(self, extra: list[str], *, blocks: int | None = None,
              env: dict[str, str] | None = None) -> VLLMServer:
@@ -143,7 +144,11 @@ class Servers:
                           extra_args=["--block-size", str(BLOCK), "--num-gpu-blocks-override",
                                       str(blocks or self.sizes.vllm_blocks),
                                       "--max-num-batched-tokens",
-                                      str(self.max_num_batched_tokens), *extra],
+                                      str(self.max_num_batched_tokens),
+                                      *(["--long-prefill-token-threshold",
+                                         str(self.long_prefill_token_threshold)]
+                                        if self.long_prefill_token_threshold else []),
+                                      *extra],
                           env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                                **(env or {})},
                           startup_timeout=600)

@@ -235,6 +235,8 @@ class Bench(faults.FaultRounds):
                    workload={**dataclasses.asdict(spec), "gap_s": spec.gap_s,
                              "fault_rounds": args.fault_rounds, "repeat": args.repeat,
                              "max_num_batched_tokens": args.max_num_batched_tokens,
+                             "long_prefill_token_threshold":
+                                 args.long_prefill_token_threshold,
                              "store_override": args.store},
                    sizes=self.servers.sizes.as_dict(),
                    wall_s=round(time.monotonic() - t_start, 1), code=code_state(),
@@ -346,6 +348,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="vLLM's token budget a step, every config alike: a cold prefill is "
                          "chunked so that decoding requests get a token every ~0.15 s on 2 "
                          "cores (vLLM's CPU default, 2048, stalls them ~2 s a prefill)")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                    help="vLLM's cap on one request's prefill tokens a step, every config alike "
+                         "(0: vLLM's default, none): a running cold prefill then leaves part of "
+                         "the budget to requests that arrive behind it")
     ap.add_argument("--store", type=json.loads, default={}, metavar="JSON",
                     help='store settings over our configs\' own, e.g. \'{"zstd_level": 0}\'')
     args = ap.parse_args(argv)
@@ -382,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="cwm-bench-serving-", dir=Path.home()))
     everyone = spec.users * args.repeat + sum(args.sweep_users) + 4
     bench = Bench(args, spec, Servers(model, args.dtype, sizes, work, everyone,
-                                         args.max_num_batched_tokens, args.store), tok, lines,
+                                         args.max_num_batched_tokens, args.store,
+                                         args.long_prefill_token_threshold), tok, lines,
                   questions)
     log.info("sizes: %s", sizes.as_dict())
     redis = faults.RedisHolder(RedisServer().start())

@@ -170,6 +170,14 @@ def test_sizes_follow_the_model_config_and_the_shipped_redis_config(mods, tmp_pa
         store = json.loads(servers.cwm_args(name, "redis://h:1/0")[1])[
             "kv_connector_extra_config"]["store"]
         assert store["zstd_level"] == 0, name
+    # every config's vLLM gets the same scheduler settings; the prefill cap only when asked
+    args = list(servers.vllm([]).extra_args)
+    assert args[args.index("--max-num-batched-tokens") + 1] == "2048"
+    assert "--long-prefill-token-threshold" not in args
+    capped = c.Servers(tmp_path, "bfloat16", sizes, tmp_path, 10, 128,
+                       long_prefill_token_threshold=32).vllm(["--x"]).extra_args
+    assert capped[capped.index("--long-prefill-token-threshold") + 1] == "32"
+    assert capped[-1] == "--x"
 
 
 def test_the_proxy_process_relays_and_holds_everything_while_black_holed(mods):

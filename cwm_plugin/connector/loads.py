@@ -11,7 +11,7 @@ hashes to the scheduler, which stops promising them.
 
 Two ways to run, chosen per worker:
 
-* **in the background** (CPU caches, the default): ``start`` pins the request's keys in this
+* **in the background** (CPU caches, the default): ``start`` leases the request's keys in this
   worker's memory tier for ``lease_ttl_s`` (its LRU must not evict a promised block before it
   is read) and hands the load to a small thread pool; vLLM's step goes on, the other requests
   decode, and the request is reported in ``get_finished``'s ``finished_recving`` once its
@@ -107,7 +107,7 @@ class Loader:
                 fut.add_done_callback(self._discard)
 
     def _protect(self, t: BlockTransfer) -> Lease | None:
-        """Pin the request's keys in this worker's memory tier until its load is done."""
+        """Lease the request's keys in this worker's memory tier until its load is done."""
         if self.store.memory is None or self.lease_ttl_s <= 0:
             return None
         return self.store.lease_many(self.ns.keys(t.block_hashes, self.rank, t.extra),

@@ -101,6 +101,7 @@ def test_a_lease_is_not_a_pin(tier):
         tier.put(bid(i), bytes(100), key(i))
     tier.pin_many([key(0)], ttl_s=5)                     # a window's pin, expiring soon
     leased = tier.lease_many([key(0), key(1), key(9)], ttl_s=60)
+    assert tier.usage().pinned_bytes == 100              # the window's blob, not the lease's
     if not tier.leases_released:                         # Redis: TTLs renewed, no pin
         assert leased == [key(0), key(1)] and not tier.info_many([key(1)])[0].pinned
         return

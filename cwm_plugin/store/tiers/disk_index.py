@@ -34,6 +34,12 @@ Unlink = Callable[[Sequence[str]], None] | None
 CHUNK = 500   # SQLite host-parameter batches
 LEASED = 2    # keys.pinned of a lease (1: a pin); the triggers count it like a pin
 KeyRow = tuple[bytes, str, bool, float | None, int | None, bool]
+# the bytes of blobs only leases pin (leased keys are few, the blocks promised to requests
+# now: found through the index of expiring pins)
+LEASE_ONLY_BYTES = (
+    "SELECT COALESCE(SUM(b.size), 0) FROM blobs b WHERE b.blob_id IN (SELECT blob_id FROM keys "
+    f"WHERE pin_expires IS NOT NULL AND pinned={LEASED}) AND NOT EXISTS (SELECT 1 FROM keys k "
+    "WHERE k.blob_id = b.blob_id AND k.pinned = 1)")
 
 
 class IndexDamaged(CWMError):
@@ -245,15 +251,10 @@ class DiskIndex:
 
     @staticmethod
     def _pinned_bytes(db: sqlite3.Connection, grp: bytes) -> int:
-        """A group's pinned blob bytes, less those only leases pin (leased keys are few: the
-        blocks promised to requests now; found through the index of expiring pins)."""
+        """A group's pinned blob bytes, less those only leases pin."""
         (total,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM group_pins WHERE grp=?",
                               (grp,)).fetchone()
-        (leased,) = db.execute(
-            "SELECT COALESCE(SUM(b.size), 0) FROM blobs b WHERE b.grp=? AND b.blob_id IN "
-            "(SELECT blob_id FROM keys WHERE pin_expires IS NOT NULL AND pinned=?) AND NOT "
-            "EXISTS (SELECT 1 FROM keys k WHERE k.blob_id=b.blob_id AND k.pinned=1)",
-            (grp, LEASED)).fetchone()
+        (leased,) = db.execute(LEASE_ONLY_BYTES + " AND b.grp=?", (grp,)).fetchone()
         return int(total) - int(leased)
 
     def lease_many(self, keys: Sequence[bytes], *, ttl_s: float) -> list[bytes]:
@@ -371,10 +372,11 @@ class DiskIndex:
         return int(size), int(count)
 
     def counts(self) -> tuple[int, int]:
-        """(keys, pinned blob bytes)."""
+        """(keys, pinned blob bytes: those only leases pin not counted)."""
         (keys,) = self.db.read("SELECT COUNT(*) FROM keys")[0]
         (pinned,) = self.db.read("SELECT COALESCE(SUM(bytes), 0) FROM group_pins")[0]
-        return int(keys), int(pinned)
+        (leased,) = self.db.read(LEASE_ONLY_BYTES)[0]
+        return int(keys), int(pinned) - int(leased)
 
     def eviction_candidates(self, need: int) -> list[tuple[str, int]]:
         """Least recently used unpinned blobs whose sizes add up to at least ``need``."""

@@ -230,11 +230,15 @@ class MemoryTier(Tier):
         if expires is not None:
             heapq.heappush(self._expiries, (expires, k))
 
+    def _lease_only(self) -> set[str]:
+        """(locked) The blobs that only leases pin."""
+        return {b for k in self._leased if (b := self._keys.get(k)) is not None and
+                not any(r in self._pins and r not in self._leased for r in self._refs[b])}
+
     def _check_quota(self, keys: list[bytes], quota: int) -> None:
         """(locked) Raise if pinning ``keys`` takes a group's pinned bytes over ``quota``;
         blobs only leases pin count as unpinned."""
-        lease_only = {b for k in self._leased if (b := self._keys.get(k)) is not None and
-                      not any(r in self._pins and r not in self._leased for r in self._refs[b])}
+        lease_only = self._lease_only()
         held = set(self._pinned_refs) - lease_only
         total = dict(self._group_pinned)
         for b in lease_only & self._held.keys():
@@ -317,9 +321,10 @@ class MemoryTier(Tier):
 
     def usage(self) -> TierUsage:
         with self._lock:
+            leased = sum(len(self._held[b]) for b in self._lease_only() & self._held.keys())
             return TierUsage(self.name, self._bytes, len(self._lru) + len(self._held),
                              self.budget, keys=len(self._keys),
-                             pinned_bytes=self._held_bytes)
+                             pinned_bytes=self._held_bytes - leased)
 
     def close(self) -> None:
         with self._lock:

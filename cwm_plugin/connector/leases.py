@@ -7,8 +7,9 @@ counts (a window's pin stays a pin, never shortened), a TTL renewed in Redis; so
 LRU eviction (this process's or another's), ``cwm store gc`` and Redis' TTL leave them alone
 until the load has read them. Taking and releasing one is store I/O, so both run on a thread
 of their own, never on vLLM's step; a stuck store only delays them, and past a bounded backlog
-a promise goes without a lease (counted). The protection is best-effort: a delete, Redis' maxmemory eviction or a lease that
-expired can still lose a block; its load then fails and the request is recomputed.
+a promise goes without a lease (counted). The protection is best-effort: a delete, Redis'
+maxmemory eviction or a lease that expired can still lose a block; its load then fails and the
+request is recomputed.
 
 Counted as ``cwm:connector_leases{event}``: ``taken``; ``released`` (after the load, or when
 the request ended); ``expired`` (released after its TTL had passed: the load or the request

@@ -95,8 +95,9 @@ class WindowCatalog:
             present = [i for i in infos_by_tier.get(tier, []) if i is not None]
             size = sum(i.size or 0 for i in present)
             blocks = sum(all(there[w * n + i] for w in range(len(wkeys))) for i in range(n))
-            tiers[tier] = {"blocks": blocks, "pinned": sum(i.pinned and not i.leased for i in present),
-                           "bytes": size, "complete": blocks == n}
+            pinned = sum(i.pinned and not i.leased for i in present)   # leases are not its
+            tiers[tier] = {"blocks": blocks, "pinned": pinned, "bytes": size,
+                           "complete": blocks == n}
             stored = max(stored, size)
         ns = m.namespace
         raw = len(flat) * int(ns.get("num_layers", 0)) * 2 * int(ns.get("num_kv_heads", 0)) * \

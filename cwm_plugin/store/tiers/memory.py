@@ -214,12 +214,12 @@ class MemoryTier(Tier):
                 if k not in self._keys:
                     continue
                 expires = self._pins.get(k, 0.0)
-                if k not in self._pins or (k in self._leased and expires < until):
+                if expires is None or expires >= until:
+                    continue                        # a pin or a lease that outlasts this one
+                if k not in self._pins or k in self._leased:
                     self._leased.add(k)
                     leased.append(k)
-                elif expires is None or expires >= until:
-                    continue
-                self._set_pin(k, until)
+                self._set_pin(k, until)             # a pin expiring sooner: pushed out
             return leased
 
     def _set_pin(self, k: bytes, expires: float | None) -> None:

@@ -132,12 +132,15 @@ class RedisTier(Tier):
     def lease_many(self, keys: Sequence[bytes], *, ttl_s: float) -> list[bytes]:
         """Nothing of ours evicts Redis keys, only their TTL expires them: a lease renews the
         TTL of the keys and of their blobs' names to at least ``ttl_s`` (``EXPIRE GT``: a
-        longer TTL, or none, is kept) and takes no pin, so it has nothing to release and
-        costs three round trips. Returns the keys present."""
+        longer TTL, or none, is kept) and takes no pin, so it has nothing to release. Without
+        a TTL (the shipped config) there is nothing to renew and it costs nothing. Returns the
+        keys whose TTL it renewed (those present)."""
+        if not self.ttl_s:
+            return []
         keys = list(dict.fromkeys(bytes(k) for k in keys))
         present = [(k, b) for k, b in zip(keys, self.lookup_many(keys), strict=True)
                    if b is not None]
-        if present and self.ttl_s:
+        if present:
             secs = max(1, math.ceil(ttl_s))
 
             def run(c: Any) -> None:

@@ -157,7 +157,7 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
             session = validate_session(session)
         used, limit = body.used_tokens, body.limit_tokens
         if used is None and limit is None and session is not None:
-            state = sidecar.tracker.peek(ident.folder, session)
+            state = sidecar.tracker.peek(owner_of(ident), session)
             if state is not None and state.last_prompt_tokens:
                 used, limit = state.last_prompt_tokens, state.last_limit
         if used is not None and limit is None:  # a provider's own context limit

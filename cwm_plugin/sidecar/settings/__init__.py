@@ -212,6 +212,19 @@ class PromptSettings(_Strict):
     sessionless: Literal["stateless", "shared"] = "stateless"
 
 
+class SessionSettings(_Strict):
+    """The state the sidecar keeps per session (``turn/session.py``: the memory pinned to its
+    conversation, its compaction, its context use), lost on eviction (the session then selects
+    its memory anew, and its prompt prefix changes once): ``max_tracked`` sessions in all, of
+    which each principal is sure of ``tenant_share`` (None: an even share, ``max_tracked`` //
+    the number of principals), its users' sessions included. A principal may use what the
+    others leave free; past the total, one over its share evicts its own least recently used,
+    and one within its share the excess of the principal holding the most."""
+
+    max_tracked: int = Field(default=100_000, ge=1)
+    tenant_share: int | None = Field(default=None, ge=1)
+
+
 class ThresholdConfig(_Strict):
     """Fractions of ``max_model_len``; the last ``keep_turns`` user/assistant exchanges (a
     user message and everything up to the next one) survive a compaction."""
@@ -272,6 +285,7 @@ class Settings(_Strict):
     memory: MemorySettings = MemorySettings()
     checkpoint: CheckpointConfig = CheckpointConfig()
     prompt: PromptSettings = PromptSettings()
+    sessions: SessionSettings = SessionSettings()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # a route's own limit, by its path as the API lists it ("/v1/memory/turns": 1048576)
     max_body_bytes_by_route: dict[str, int] = Field(default_factory=dict)
@@ -310,6 +324,11 @@ class Settings(_Strict):
             if who not in known:
                 raise ValueError(f"access: principal {who!r} is not a tenant or provider "
                                  f"(known: {', '.join(sorted(names)) or 'none'})")
+        if self.session_share() * len(names) > self.sessions.max_tracked:
+            raise ValueError(
+                f"sessions: {len(names)} principals x tenant_share {self.session_share()} is "
+                f"over max_tracked ({self.sessions.max_tracked}): raise sessions.max_tracked "
+                "or lower sessions.tenant_share")
         ids = [v.id for v in self.secrets]
         if len(ids) != len(set(ids)):
             raise ValueError("secret ids must be unique")
@@ -321,6 +340,11 @@ class Settings(_Strict):
     def principals(self) -> list[TenantConfig]:
         """Every principal: the tenants, then the providers."""
         return [*self.tenants, *self.providers]
+
+    def session_share(self) -> int:
+        """The tracked sessions each principal is sure of (``SessionSettings``)."""
+        return self.sessions.tenant_share or \
+            max(1, self.sessions.max_tracked // max(1, len(self.principals())))
 
     def context_limit(self, principal: str, upstream: int | None) -> int | None:
         """The context a principal's prompts must fit: the upstream's limit, or a provider's

@@ -5,8 +5,6 @@ tracker on its own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
 from sidecar_helpers import KEYS, make_settings, runtime
@@ -16,15 +14,13 @@ from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import load_settings
 from cwm_plugin.sidecar.turn.session import ContextTracker
-from cwm_plugin.testing.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
-def up() -> Iterator[ServerThread]:
-    with ServerThread(FakeUpstream(model="tiny", max_model_len=4096).app) as srv:
-        yield srv
+def up(fake_upstream) -> ServerThread:
+    return fake_upstream[1]
 
 
 def ask(srv: ServerThread, tenant: str, session: str, user: str | None = None) -> None:

@@ -25,25 +25,19 @@ USER_KEYS = {"alice": "key-acme-alice", "bob": "key-acme-bob"}
 
 
 @pytest.fixture(scope="module")
-def fake() -> FakeUpstream:
-    return FakeUpstream(model="tiny", max_model_len=4096)
-
-
-@pytest.fixture(scope="module")
-def up(fake) -> Iterator[ServerThread]:
-    with ServerThread(fake.app) as srv:
-        yield srv
+def fake(fake_upstream) -> FakeUpstream:
+    return fake_upstream[0]
 
 
 @pytest.fixture
-def srv(up: ServerThread, tmp_path: Path) -> Iterator[ServerThread]:
+def srv(fake_upstream, tmp_path: Path) -> Iterator[ServerThread]:
     tenants = [
         {"name": "acme", "key_sha256": [hash_key(KEYS["acme"])],
          "user_keys": [{"user": u, "key_sha256": [hash_key(k)]} for u, k in USER_KEYS.items()]},
         {"name": "beta", "key_sha256": [hash_key(KEYS["beta"])], "users": "none"},
         {"name": "gamma", "key_sha256": [hash_key(KEYS["gamma"])]},
     ]
-    settings = make_settings(up.url, tmp_path / "memory", "tiktoken:cl100k_base",
+    settings = make_settings(fake_upstream[1].url, tmp_path / "memory", "tiktoken:cl100k_base",
                              tenants=tenants, activity={"root": str(tmp_path / "activity")})
     with ServerThread(create_app(settings)) as server:
         yield server

@@ -181,7 +181,8 @@ def test_bad_entries_are_refused_and_nothing_is_written(tmp_path):
     for entry in (Entry(principal="", what="x"), Entry(principal="p", what="  "),
                   Entry(principal="p", what="x" * (MAX_TEXT + 1)),
                   Entry(principal="p", what="x", session="s" * 300),
-                  Entry(principal="p", what="x", used_tokens=-1)):
+                  Entry(principal="p", what="x", used_tokens=-1),
+                  Entry(principal="é" * 50, what="x")):  # its folder: 300 bytes encoded
         with pytest.raises(InvalidInput):
             log.append(entry)
     assert not (tmp_path / "chains").exists() and log.entries() == []

@@ -61,7 +61,7 @@ from cwm_plugin.sidecar.turn.chat import handle_chat
 from cwm_plugin.sidecar.turn.counting import ModelCounters
 from cwm_plugin.sidecar.turn.failopen import FailOpen
 from cwm_plugin.sidecar.turn.memory_port import MemoryPort, build_memory
-from cwm_plugin.sidecar.turn.session import SnapshotHook
+from cwm_plugin.sidecar.turn.session import ContextTracker, SnapshotHook
 from cwm_plugin.sidecar.upstream.router import Router
 from cwm_plugin.sidecar.usage import UsageLedger
 from cwm_plugin.windows.auto import AutoFreeze
@@ -126,6 +126,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         counters=ModelCounters(settings.memory),
         failopen=FailOpen(metrics), usage=usage, limits=limits,
         activity=open_activity(settings),
+        tracker=ContextTracker(settings.sessions.max_tracked, settings.session_share()),
         background=Background(settings.memory.background_queue_limit,
                               settings.memory.background_workers, metrics),
     )

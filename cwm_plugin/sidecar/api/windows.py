@@ -190,7 +190,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         salt = auth.session_salt(ident, session)
         r = await run(lambda e: e.thaw(owner_of(ident), check_name(name), session=session,
                                        salt=salt, model=body.model))
-        sidecar.tracker.get(ident.folder, session).adopt(r.prompt)  # its next turn
+        sidecar.tracker.get(owner_of(ident), session).adopt(r.prompt)  # its next turn
         if body.warm:
             r.warm = await warm_up(sidecar, r.token_ids, salt, body.model or r.model or None)
             usage = r.warm.pop("usage", None)  # the caller's tokens, like any request's
@@ -251,7 +251,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     async def sessions(request: Request) -> dict[str, Any]:
         """The caller's sessions the sidecar saw since it started and those with windows."""
         ident = caller(request)
-        seen = set(sidecar.tracker.sessions(ident.folder))
+        seen = set(sidecar.tracker.sessions(owner_of(ident)))
         windows: dict[str, int] = {}
         if engine is not None:
             for m in (await run(lambda e: e.list(owner_of(ident), limit=100_000)))[0]:
@@ -265,7 +265,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         ident = caller(request, "write")
         session = session_of(session)
         n = await run(lambda e: e.clear_session(auth.session_salt(ident, session)))
-        state = sidecar.tracker.peek(ident.folder, session)
+        state = sidecar.tracker.peek(owner_of(ident), session)
         if state is not None:  # its prompt state goes with its KV
             state.pinned, state.compaction = None, None
         return {"object": "session.kv.deleted", "session": session, "keys_deleted": n,
@@ -296,7 +296,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         session = session_of(body.session)
         used = body.used_tokens
         if used is None:
-            used = sidecar.tracker.get(ident.folder, session).last_prompt_tokens
+            used = sidecar.tracker.get(owner_of(ident), session).last_prompt_tokens
         limit = body.max_tokens
         if limit is None:  # the context limit of the upstream serving the model
             try:

@@ -24,7 +24,7 @@ from pydantic import (
 
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.sidecar.identity.secret_versions import SecretVersion, in_grace
-from cwm_plugin.sidecar.settings.access import AccessSettings
+from cwm_plugin.sidecar.settings.access import AccessSettings, UserKey, key_digests
 from cwm_plugin.sidecar.settings.limits import RateLimitSettings, check_rate
 from cwm_plugin.sidecar.settings.routing import DEFAULT_RULES as DEFAULT_RULES
 from cwm_plugin.sidecar.settings.routing import NAME as NAME
@@ -33,8 +33,7 @@ from cwm_plugin.sidecar.settings.routing import HealthSettings as HealthSettings
 from cwm_plugin.sidecar.settings.routing import RouteRule as RouteRule
 from cwm_plugin.sidecar.settings.routing import Strict as _Strict
 from cwm_plugin.sidecar.settings.routing import UpstreamConfig as UpstreamConfig
-
-SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+from cwm_plugin.sidecar.settings.sessions import SessionSettings
 
 
 class TenantConfig(_Strict):
@@ -42,8 +41,11 @@ class TenantConfig(_Strict):
     it shares: ``users_share_kv`` (requests of different users naming one session share its
     KV and prefix cache; default: the user is part of the salt), ``stateless_memory`` (a
     request naming neither session nor user gets memory selected from the tenant's; default:
-    none, since one key often serves many people). Its own ``rate_limit`` / ``token_quota``
-    (``settings/limits.py``) replace ``rate_limits``' defaults."""
+    none, since one key often serves many people). ``users``: whether its keys may act for
+    the user a request names (``any``: its app vouches for its users; ``none``: naming one is
+    refused); ``user_keys``: keys each bound to one user (``settings/access.py``). Its own
+    ``rate_limit`` / ``token_quota`` (``settings/limits.py``) replace ``rate_limits``'
+    defaults."""
 
     name: str
     key_sha256: list[str] = Field(min_length=1)
@@ -51,6 +53,8 @@ class TenantConfig(_Strict):
     history: Literal["full", "recent"] | None = None  # None: prompt.history
     users_share_kv: bool = False
     stateless_memory: bool = False
+    users: Literal["any", "none"] = "any"  # may its keys act for a user a request names?
+    user_keys: list[UserKey] = Field(default_factory=list)  # keys each bound to one user
     rate_limit: str | None = None  # None: rate_limits.rate_limit
     token_quota: str | None = None  # None: rate_limits.token_quota
 
@@ -69,11 +73,12 @@ class TenantConfig(_Strict):
     @field_validator("key_sha256")
     @classmethod
     def _hashes(cls, v: list[str]) -> list[str]:
-        out = [h.strip().lower() for h in v]
-        for h in out:
-            if not SHA256_HEX.match(h):
-                raise ValueError("key_sha256 entries must be 64 hex digits (sha256 of the key)")
-        return out
+        return key_digests(v)
+
+    def digests(self) -> list[tuple[str, str | None]]:
+        """Every key's digest with the user it is bound to (None: a key of the principal)."""
+        return [(h, None) for h in self.key_sha256] + \
+            [(h, k.user) for k in self.user_keys for h in k.key_sha256]
 
 
 class ProviderConfig(TenantConfig):
@@ -272,6 +277,7 @@ class Settings(_Strict):
     memory: MemorySettings = MemorySettings()
     checkpoint: CheckpointConfig = CheckpointConfig()
     prompt: PromptSettings = PromptSettings()
+    sessions: SessionSettings = SessionSettings()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # a route's own limit, by its path as the API lists it ("/v1/memory/turns": 1048576)
     max_body_bytes_by_route: dict[str, int] = Field(default_factory=dict)
@@ -310,6 +316,17 @@ class Settings(_Strict):
             if who not in known:
                 raise ValueError(f"access: principal {who!r} is not a tenant or provider "
                                  f"(known: {', '.join(sorted(names)) or 'none'})")
+        seen: set[str] = set()
+        for digest in (h for t in self.principals() for h, _ in t.digests()):
+            if digest in seen:
+                raise ValueError(f"the key with sha256 {digest[:12]}... is listed twice: a "
+                                 "key belongs to one principal and at most one of its users")
+            seen.add(digest)
+        if self.session_share() * len(names) > self.sessions.max_tracked:
+            raise ValueError(
+                f"sessions: {len(names)} principals x tenant_share {self.session_share()} is "
+                f"over max_tracked ({self.sessions.max_tracked}): raise sessions.max_tracked "
+                "or lower sessions.tenant_share")
         ids = [v.id for v in self.secrets]
         if len(ids) != len(set(ids)):
             raise ValueError("secret ids must be unique")
@@ -321,6 +338,11 @@ class Settings(_Strict):
     def principals(self) -> list[TenantConfig]:
         """Every principal: the tenants, then the providers."""
         return [*self.tenants, *self.providers]
+
+    def session_share(self) -> int:
+        """The tracked sessions each principal is sure of (``SessionSettings``)."""
+        return self.sessions.tenant_share or \
+            max(1, self.sessions.max_tracked // max(1, len(self.principals())))
 
     def context_limit(self, principal: str, upstream: int | None) -> int | None:
         """The context a principal's prompts must fit: the upstream's limit, or a provider's

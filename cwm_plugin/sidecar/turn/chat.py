@@ -292,7 +292,7 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     stages.add("auth", time.perf_counter() - t0)
     route = await sc.router.route(body)
     model, info = route.model or model, route.info()
-    state = sc.tracker.get(ident.folder, ident.session) if ident.session else SessionState()
+    state = sc.tracker.get(owner_of(ident), ident.session) if ident.session else SessionState()
     if ident.session is not None:  # a thawed window, a restart: its prompt state first
         await restore_prompt(sc, salt, state, client_turn(messages, mode, state), messages)
     plan, counter, status = await _plan(sc, {

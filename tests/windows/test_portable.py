@@ -9,9 +9,8 @@ from dataclasses import asdict
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from window_helpers import BS, NS, WORKERS, block, converse, session_blocks
+from window_helpers import BS, NS, block, converse, rewritten, serve, session_blocks
 
-from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.tiered import KVStore
@@ -25,15 +24,6 @@ KEY = "11" * 32
 def open_store(path, **kw) -> KVStore:
     return KVStore(StoreConfig(disk_path=str(path), memory_bytes=0, **kw),
                    registry=CollectorRegistry())
-
-
-def serve(store: KVStore, namespace: dict, workers=WORKERS) -> None:
-    """What a vLLM with the connector leaves in its store: the namespace it serves."""
-    records.write_record(store, records.served_key(namespace["model"]),
-                         {"model": namespace["model"], "namespace": namespace,
-                          "workers": [list(w) for w in workers]},
-                         records.SERVED_LAYOUT, what="served")
-    store.flush()
 
 
 def keys_in(store: KVStore) -> int:
@@ -109,23 +99,6 @@ def test_the_file_carries_what_a_window_needs_and_no_secret(tmp_path):
     assert not {"frozen_salt", "window_salt", "window_hashes", "tenant"} & set(man)
     assert len(checked.offsets) == 2 * 2          # two blocks, two TP ranks
     a.close()
-
-
-def rewritten(good: bytes, change) -> bytes:
-    """``good`` with its header changed by ``change(header)`` and its checksums made right
-    again: what a hostile tenant can post."""
-    import hashlib
-    import json
-    import struct
-
-    from cwm_plugin.windows.window_file import MAGIC
-    n = struct.unpack(">Q", good[len(MAGIC):len(MAGIC) + 8])[0]
-    start = len(MAGIC) + 8
-    header = json.loads(good[start:start + n])
-    change(header)
-    raw = json.dumps(header).encode()
-    body = MAGIC + struct.pack(">Q", len(raw)) + raw + good[start + n:-32]
-    return body + hashlib.sha256(body).digest()
 
 
 def test_a_hostile_file_never_chooses_where_its_keys_land(tmp_path):

@@ -24,6 +24,7 @@ from cwm_plugin.windows.model import (
     manifest_key,
     owner_group,
     tenant_group,
+    tenant_of,
 )
 
 SORTS = {"created": lambda m: m.created, "updated": lambda m: m.updated,
@@ -66,14 +67,14 @@ class WindowCatalog:
     def manifests(self, owner: str, *, whole_tenant: bool = False) -> list[Manifest]:
         """Every live window of ``owner`` (a tenant, or a user in it: ``tenant/u-...``);
         ``whole_tenant``: of the owner's tenant and of every user in it."""
-        tenant = owner.partition("/")[0]
+        tenant = tenant_of(owner)
         prefix = tenant_group(tenant) if whole_tenant else owner_group(owner)
         keys: set[bytes] = set()
         for infos in self.store.list_keys(prefix, limit=100_000).values():
-            keys |= {i.key for i in infos
+            keys |= {i.key for i in infos  # a tenant's own: not its users' (longer keys)
                      if whole_tenant or len(i.key) == len(prefix) + NAME_BYTES}
         return [m for k in sorted(keys) if (m := self._read(k, owner)) is not None
-                and (m.tenant == owner or whole_tenant and m.tenant.partition("/")[0] == tenant)]
+                and (tenant_of(m.tenant) == tenant if whole_tenant else m.tenant == owner)]
 
     def list(self, tenant: str, *, tag: str | None = None, tags: list[str] | None = None,
              model: str | None = None, session: str | None = None, text: str | None = None,

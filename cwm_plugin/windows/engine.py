@@ -51,6 +51,7 @@ from cwm_plugin.windows.model import (
     check_tags,
     manifest_key,
     manifest_salt,
+    tenant_of,
     thaw_key,
 )
 from cwm_plugin.windows.rekey import WindowIncomplete
@@ -126,9 +127,10 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
             return None
         try:
             return check_manifest(Manifest.from_tensor(t))
-        except (CWMError, KeyError, TypeError, ValueError) as exc:
-            log.warning("a window manifest of tenant %s is unreadable and ignored: %s",
-                        owner.partition("/")[0], str(exc)[:200])
+        except (CWMError, KeyError, TypeError, ValueError) as exc:  # logged once per key
+            self.store._log_once(f"manifest-{key.hex()}", "a window manifest of tenant %s is "
+                                 "unreadable and ignored: %s", tenant_of(owner),
+                                 str(exc)[:200])
             return None
 
     def _read(self, key: bytes, owner: str) -> Manifest | None:

@@ -153,11 +153,13 @@ def import_window(engine: Any, owner: str, src: IO[bytes], name: str | None = No
     flat = [keys[e.worker][e.block] for e in checked.header.blobs]
     for i, key in enumerate(flat):
         try:  # what put_blob would refuse, refused before anything is written
-            binding.check(container.peek(read_blob(src, checked, i), verify=True), key,
-                          encrypted=False)
+            meta = container.peek(read_blob(src, checked, i), verify=True)
+            binding.check(meta, key, encrypted=False)
         except CWMError as exc:
             raise BadWindowFile(f"block {i} of the window file is not a KV block of its key "
                                 f"group ({exc})") from None
+        if crypto.is_sealed(meta):  # an export holds plain blobs
+            raise BadWindowFile(f"block {i} of the window file is sealed: not an export")
     engine._check_tenant_quota(owner, sum(e.size for e in checked.header.blobs))  # at once
 
     def write() -> None:

@@ -141,3 +141,29 @@ def test_a_hostile_file_never_chooses_where_its_keys_land(tmp_path):
     eng.status("victim", "theirs")
     a.close()
     b.close()
+
+
+def test_a_sealed_blob_in_a_file_is_refused(tmp_path):
+    """An export holds plain blobs: one sealed (under any salt) is no export's."""
+    from cwm_plugin.store import crypto
+    from cwm_plugin.windows.window_file import check_file, read_blob, write_file
+
+    a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")
+    converse(a, "s", 2 * BS)
+    WindowEngine(a).freeze("acme", "w", session="x", salt="s")
+    buf = io.BytesIO()
+    export_window(WindowEngine(a), "acme", "w", buf)
+    src = io.BytesIO(buf.getvalue())
+    checked = check_file(src)
+    cipher = crypto.BlobCipher.derive(crypto.parse_master_key(KEY), "any")
+    blobs = [(e.worker, e.block, cipher.seal(read_blob(src, checked, i)) if i == 1
+              else read_blob(src, checked, i)) for i, e in enumerate(checked.header.blobs)]
+    forged = io.BytesIO()
+    write_file(forged, checked.header.manifest, iter(blobs))
+    serve(b, NS)
+    before = keys_in(b)
+    with pytest.raises(BadWindowFile, match="block 1 of the window file is sealed"):
+        import_window(WindowEngine(b), "acme", io.BytesIO(forged.getvalue()))
+    assert keys_in(b) == before
+    a.close()
+    b.close()

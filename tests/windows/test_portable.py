@@ -55,13 +55,18 @@ def test_export_import_thaw_restores_the_same_blocks(tmp_path, encrypted):
     b.close()
 
 
+def exported(store: KVStore, blocks: int) -> bytes:
+    """The export file of acme's window "trip" of ``blocks`` blocks frozen on ``store``."""
+    converse(store, "s", blocks * BS)
+    WindowEngine(store).freeze("acme", "trip", session="x", salt="s")
+    buf = io.BytesIO()
+    export_window(WindowEngine(store), "acme", "trip", buf)
+    return buf.getvalue()
+
+
 def test_damaged_truncated_and_foreign_files_are_refused_and_nothing_is_written(tmp_path):
     a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")
-    converse(a, "s", 3 * BS)
-    WindowEngine(a).freeze("acme", "trip", session="x", salt="s")
-    buf = io.BytesIO()
-    export_window(WindowEngine(a), "acme", "trip", buf)
-    good = buf.getvalue()
+    good = exported(a, 3)
     eng = WindowEngine(b)
     before = keys_in(b)
     with pytest.raises(BadWindowFile, match="no vLLM using this store serves model 'tiny'"):
@@ -149,11 +154,7 @@ def test_a_sealed_blob_in_a_file_is_refused(tmp_path):
     from cwm_plugin.windows.window_file import check_file, read_blob, write_file
 
     a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")
-    converse(a, "s", 2 * BS)
-    WindowEngine(a).freeze("acme", "w", session="x", salt="s")
-    buf = io.BytesIO()
-    export_window(WindowEngine(a), "acme", "w", buf)
-    src = io.BytesIO(buf.getvalue())
+    src = io.BytesIO(exported(a, 2))
     checked = check_file(src)
     cipher = crypto.BlobCipher.derive(crypto.parse_master_key(KEY), "any")
     blobs = [(e.worker, e.block, cipher.seal(read_blob(src, checked, i)) if i == 1

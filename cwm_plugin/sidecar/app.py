@@ -87,12 +87,13 @@ def open_windows(settings: Settings) -> tuple[WindowEngine | None, AutoFreeze | 
     from cwm_plugin.store.config import StoreConfig
     from cwm_plugin.store.tiered import KVStore
 
+    w = settings.windows
+    export_key = w.export_secret()  # a bad key fails the start, never turns windows off
     try:
-        cfg = StoreConfig.from_dict({**settings.windows.store, "memory_bytes": 0})
-        w = settings.windows
+        cfg = StoreConfig.from_dict({**w.store, "memory_bytes": 0})
         engine = WindowEngine(KVStore(cfg, registry=CollectorRegistry()), wait_s=w.wait_s,
                               keep_turns=w.keep_turns, settle_s=w.settle_s,
-                              tenant_quota_bytes=w.tenant_quota_bytes)
+                              tenant_quota_bytes=w.tenant_quota_bytes, export_key=export_key)
     except CWMError as exc:
         log.error("context windows are off: the KV store could not be opened: %s", exc)
         return None, None

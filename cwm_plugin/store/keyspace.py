@@ -76,25 +76,38 @@ class KeySpace:
             self._tier_failed(tier, "lookup", exc, "index")
             return [None] * len(keys)
 
+    def _served_by(self, tier: Tier, keys: list[bytes]) -> list[bool] | None:
+        """Whether ``tier`` serves each key (Redis: only keys whose bytes are there, dangling
+        ones are removed on the way); None when the tier fails (counted, logged once)."""
+        try:
+            return tier.exists_many(keys)
+        except TIER_ERRORS as exc:
+            self._tier_failed(tier, "lookup", exc, "index")
+            return None
+
     def where_many(self, keys: Sequence[bytes]) -> list[str | None]:
-        """The first tier (in lookup order) holding each key, None if none. Redis answers
-        only for keys whose bytes are there (dangling keys are removed on the way)."""
+        """The first tier (in lookup order) holding each key, None if none: where a read would
+        come from (a key found is not asked of the slower tiers; :meth:`held_by` says every
+        tier holding it)."""
         keys = [bytes(k) for k in keys]
         out: list[str | None] = [None] * len(keys)
         for tier in self.tiers:
             todo = [i for i, w in enumerate(out) if w is None]
             if not todo:
                 break
-            sub = [keys[i] for i in todo]
-            try:
-                there = tier.exists_many(sub)
-            except TIER_ERRORS as exc:
-                self._tier_failed(tier, "lookup", exc, "index")
-                continue
-            for i, hit in zip(todo, there, strict=True):
+            there = self._served_by(tier, [keys[i] for i in todo])
+            for i, hit in zip(todo, there or [False] * len(todo), strict=True):
                 if hit:
                     out[i] = tier.name
         return out
+
+    def held_by(self, keys: Sequence[bytes], tiers: Sequence[Tier] | None = None
+                ) -> dict[str, list[bool]]:
+        """tier -> whether it serves each key, for every tier (or each of ``tiers``), so a key
+        in memory *and* on disk counts for both; a tier that fails holds none."""
+        keys = [bytes(k) for k in keys]
+        return {tier.name: list(self._served_by(tier, keys) or [False] * len(keys))
+                for tier in (self.tiers if tiers is None else tiers)}
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return [w is not None for w in self.where_many(keys)]

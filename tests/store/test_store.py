@@ -59,6 +59,19 @@ def test_disk_hit_promotes_to_memory(make_store, tmp_path, kv_block):
     assert s2.metrics.hits.labels("disk")._value.get() == 1
 
 
+def test_every_tier_holding_a_key_is_known(make_store, tmp_path, kv_block):
+    """A block in memory *and* on disk is on disk too: ``held_by`` asks every tier, while
+    ``where_many`` names the tier a read comes from."""
+    s = make_store(disk_path=str(tmp_path / "d"))
+    s.put(b"both", kv_block(1)).result()
+    s.put(b"disk", kv_block(2)).result()
+    s.memory.delete_many([b"disk"])
+    keys = [b"both", b"disk", b"none"]
+    assert s.where_many(keys) == ["memory", "disk", None]
+    assert s.held_by(keys) == {"memory": [True, False, False], "disk": [True, True, False]}
+    assert s.held_by(keys, s.durable) == {"disk": [True, True, False]}
+
+
 def test_put_skips_present_and_same_key_concurrently(make_store, tmp_path, kv_block):
     s = make_store(disk_path=str(tmp_path / "d"))
     x = kv_block(3)

@@ -69,6 +69,23 @@ def test_move_session_rekeys_a_sessions_latest_context_to_another_salt(tmp_path)
         disk.close()
 
 
+def test_a_window_in_memory_and_on_disk_thaws_whole(tmp_path):
+    """Blocks a faster tier holds too are still on the durable one: all restorable."""
+    s = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=1 << 20),
+                registry=CollectorRegistry())
+    try:
+        converse(s, "s", 3 * BS)
+        eng = WindowEngine(s, wait_s=0)
+        eng.freeze("t1", "w", session="a", salt="s")
+        assert set(s.where_many([k for ks in eng.window_keys(eng.get("t1", "w"))
+                                 for k in ks])) == {"memory"}
+        assert eng.status("t1", "w")["restorable_blocks"] == 3
+        assert eng.thaw("t1", "w", session="b", salt="salt-b").restorable_tokens == 3 * BS
+        assert eng.clone("t1", "w", "w2").num_blocks == 3
+    finally:
+        s.close()
+
+
 def test_a_window_survives_its_session_being_evicted_and_clones_survive_the_parent(store):
     tokens = converse(store, "s", 3 * BS)
     eng = WindowEngine(store)

@@ -257,6 +257,21 @@ class WindowsSettings(_Strict):
     tenant_quota_bytes: int | None = Field(default=None, ge=0)  # blob bytes a tenant may pin
     max_ttl_s: float | None = Field(default=None, gt=0)  # windows' longest TTL (None: any)
     max_import_bytes: int = Field(default=4 << 30, ge=1024)  # an imported window file's size
+    # HMAC key: exports are signed with it, imports must be signed with it (None: unsigned)
+    export_key: SecretStr | None = None
+    export_key_env: str = "CWM_WINDOW_EXPORT_KEY"   # ... read from here when not in the file
+
+    def export_secret(self) -> bytes | None:
+        """The export key: ``export_key``, else ``$<export_key_env>``; None: files unsigned."""
+        value = self.export_key.get_secret_value() if self.export_key \
+            else os.environ.get(self.export_key_env)
+        if not value:
+            return None
+        if len(value) < 16:
+            raise ConfigError("windows.export_key is too short",
+                              hint=f"set it (or ${self.export_key_env}) to 16+ random "
+                                   "characters, the same on every server that shares files")
+        return value.encode()
 
 
 class Settings(_Strict):

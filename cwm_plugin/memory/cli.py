@@ -43,7 +43,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _service(args: argparse.Namespace):
-    from cwm_plugin.memory.factory import make_service
+    from cwm_plugin.memory.service.factory import make_service
 
     kw = _settings(args)
     return make_service(kw.pop("root"), **kw)
@@ -101,8 +101,8 @@ def cmd_add(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from cwm_plugin.memory.factstore import access_counts
-    from cwm_plugin.memory.files import MemoryFiles
+    from cwm_plugin.memory.files.markdown import MemoryFiles
+    from cwm_plugin.memory.service.facts_file import access_counts
 
     files = MemoryFiles(args.root)
     if args.session:
@@ -126,7 +126,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from cwm_plugin.memory.importer import import_sessions, read_conversations
+    from cwm_plugin.memory.service.importer import import_sessions, read_conversations
 
     conversations = [c for path in args.files for c in read_conversations(path)]
     svc = _service(args)
@@ -141,8 +141,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from cwm_plugin.memory.check import check
-    from cwm_plugin.memory.files import MemoryFiles
+    from cwm_plugin.memory.files.check import check
+    from cwm_plugin.memory.files.markdown import MemoryFiles
 
     problems = check(MemoryFiles(args.root), args.folder)
     for p in problems:

@@ -85,7 +85,7 @@ def open_windows(settings: Settings) -> tuple[WindowEngine | None, AutoFreeze | 
     from prometheus_client import CollectorRegistry
 
     from cwm_plugin.store.config import StoreConfig
-    from cwm_plugin.store.tiered import KVStore
+    from cwm_plugin.store.kv_store import KVStore
 
     try:
         cfg = StoreConfig.from_dict({**settings.windows.store, "memory_bytes": 0})

@@ -7,6 +7,6 @@
 * ``tiers/``: memory (LRU), disk (atomic files), redis (shared); ``index``: SQLite catalog.
 * ``metrics``, ``maintenance`` (verify, gc), ``queue`` (bounded saves), ``cli`` (``cwm store``).
 
-Submodules are imported explicitly (``from cwm_plugin.store.tiered import KVStore``) so that
+Submodules are imported explicitly (``from cwm_plugin.store.kv_store import KVStore``) so that
 importing the package costs nothing.
 """

@@ -67,7 +67,7 @@ class StoreConfig:
         if self.redis_url is not None:
             _check_redis_url(self.redis_url)
         if self.encryption_key is not None:
-            from cwm_plugin.store.crypto import parse_master_key
+            from cwm_plugin.store.blob.crypto import parse_master_key
             parse_master_key(self.encryption_key)
 
     def pin_quota_for(self, tier: str) -> int | None:
@@ -106,7 +106,7 @@ def _check_redis_url(url: str) -> None:
     """A URL redis-py can connect with (else the first request, not the start, would fail)."""
     from urllib.parse import urlsplit
 
-    from cwm_plugin.store.tiers.redis_conn import redact
+    from cwm_plugin.store.tiers.redis.conn import redact
 
     try:
         parts = urlsplit(url)

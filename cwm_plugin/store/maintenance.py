@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, TierUnavailable
-from cwm_plugin.store import container, crypto
+from cwm_plugin.store.blob import container, crypto
 from cwm_plugin.store.tier_set import update_gauge
 
 if TYPE_CHECKING:
+    from cwm_plugin.store.kv_store import KVStore
     from cwm_plugin.store.tier_set import TierSet
-    from cwm_plugin.store.tiered import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def verify_all(store: KVStore, *, progress: bool = True) -> VerifyReport:
     """Decode every blob of every tier with checksum verification; quarantine bad ones."""
     from tqdm import tqdm
 
-    from cwm_plugin.store.codec import decode  # (torch: gc and usage go without it)
+    from cwm_plugin.store.blob.codec import decode  # (torch: gc and usage go without it)
 
     report = VerifyReport()
     lists = []

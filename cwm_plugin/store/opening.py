@@ -23,10 +23,10 @@ def open_tiers(config: StoreConfig, metrics: StoreMetrics,
                log_once: Callable[..., None]) -> list[Tier]:
     tiers: list[Tier] = []
     if config.memory_bytes > 0:
-        from cwm_plugin.store.tiers.memory import MemoryTier
-        tiers.append(MemoryTier(config.memory_bytes))
+        from cwm_plugin.store.tiers.ram.tier import RamTier
+        tiers.append(RamTier(config.memory_bytes))
     if config.disk_path:
-        from cwm_plugin.store.tiers.disk import DiskTier
+        from cwm_plugin.store.tiers.disk.tier import DiskTier
         try:
             disk = DiskTier(config.disk_path, config.disk_bytes)
         except TierUnavailable as exc:
@@ -37,7 +37,7 @@ def open_tiers(config: StoreConfig, metrics: StoreMetrics,
                 metrics.errors.labels("index_rebuilt").inc()
             tiers.append(disk)
     if config.redis_url:
-        from cwm_plugin.store.tiers.redis import RedisTier
+        from cwm_plugin.store.tiers.redis.tier import RedisTier
         tiers.append(RedisTier(config.redis_url, prefix=config.redis_prefix,
                                ttl_s=config.redis_ttl_s,
                                max_value_bytes=config.redis_max_value_bytes,

@@ -2,7 +2,7 @@
 ``cwm store gc`` and ``cwm store usage`` open. Nothing here imports torch, so a maintenance
 run beside a server costs it no import: on 2 cores a gc loop that imported torch (~2 s of CPU
 a run, even at idle priority) raised the server's inter-token p99 4x
-(bench/serving.py's ``store_gc`` round). :class:`~cwm_plugin.store.tiered.KVStore` reports
+(bench/serving.py's ``store_gc`` round). :class:`~cwm_plugin.store.kv_store.KVStore` reports
 usage and gauges through the same functions.
 """
 
@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence
 
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.keyspace import TIER_ERRORS
+from cwm_plugin.store.key_ops import TIER_ERRORS
 from cwm_plugin.store.metrics import StoreMetrics
 from cwm_plugin.store.opening import open_tiers
 from cwm_plugin.store.tiers.base import Tier

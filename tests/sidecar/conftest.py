@@ -10,7 +10,7 @@ import pytest
 from sidecar_helpers import Recorder, make_settings
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
 

@@ -14,7 +14,7 @@ from window_helpers import BS, NS, WORKERS, block, converse, session_blocks
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.portable import BadWindowFile, export_window, import_window
 

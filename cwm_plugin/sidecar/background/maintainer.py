@@ -40,7 +40,7 @@ import logging
 from typing import Any
 
 from cwm_plugin.errors import CWMError, InvalidInput
-from cwm_plugin.memory.details import with_details
+from cwm_plugin.memory.service.details import with_details
 from cwm_plugin.sidecar.background import prompts as llm_prompts
 from cwm_plugin.sidecar.background.queue import Job
 from cwm_plugin.sidecar.identity.authenticator import background_salt

@@ -47,7 +47,7 @@ from cwm_plugin.sidecar.identity.secret_versions import Locate
 from cwm_plugin.sidecar.settings import ProviderConfig, TenantConfig
 from cwm_plugin.sidecar.settings.access import AccessSettings
 
-# The memory package stores a session as a file: the same rule as cwm_plugin.memory.names.
+# The memory package stores a session as a file: the same rule as cwm_plugin.memory.files.names.
 SESSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_SESSION = "default"
 USER_HEADER = "x-cwm-user"

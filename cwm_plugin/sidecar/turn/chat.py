@@ -35,8 +35,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cwm_plugin.errors import InvalidInput, UpstreamError
-from cwm_plugin.memory.history import prefix_length
-from cwm_plugin.memory.timing import Stages
+from cwm_plugin.memory.selection.history import prefix_length
 from cwm_plugin.sidecar.api.activity import PROJECT_HEADER, log_turn, project_of, turn_entry
 from cwm_plugin.sidecar.api.body import require_model
 from cwm_plugin.sidecar.api.errors import upstream_error_response
@@ -73,6 +72,7 @@ from cwm_plugin.sidecar.upstream.stream import (
     relay_sse,
     relayed_usage,
 )
+from cwm_plugin.timing import Stages
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,6 +1,6 @@
 """Building the memory package's ``MemoryService`` from the sidecar's settings.
 
-A translation of :class:`MemorySettings` into ``cwm_plugin.memory.factory.make_service``
+A translation of :class:`MemorySettings` into ``cwm_plugin.memory.service.factory.make_service``
 keywords (``service_kwargs``, also used by ``cwm memory --config``, so the CLI builds exactly
 the index the sidecar loads); the memory package owns the embedder and counter choices.
 """
@@ -13,7 +13,7 @@ from cwm_plugin.sidecar.settings import MemorySettings
 
 
 def service_kwargs(cfg: MemorySettings) -> dict[str, Any]:
-    """``root`` and the keywords of ``cwm_plugin.memory.factory.make_service``."""
+    """``root`` and the keywords of ``cwm_plugin.memory.service.factory.make_service``."""
     emb = cfg.embedder
     return {"root": cfg.root, "tokenizer": cfg.index_tokenizer, "embedder": emb.kind,
             "embedder_url": emb.url, "embedder_model": emb.model, "dims": emb.dims,
@@ -28,7 +28,7 @@ def service_kwargs(cfg: MemorySettings) -> dict[str, Any]:
 def make_service(cfg: MemorySettings, metrics: Any = None) -> Any:
     """The ``MemoryService`` these settings describe; its metrics on ``metrics`` (a
     ``MemoryMetrics``) when given."""
-    from cwm_plugin.memory.factory import make_service as memory_service
+    from cwm_plugin.memory.service.factory import make_service as memory_service
 
     kw = service_kwargs(cfg)
     return memory_service(kw.pop("root"), metrics=metrics, **kw)

@@ -1,6 +1,6 @@
 """What the sidecar sends upstream: the client's messages, in order, with memory merged in.
 
-A request's messages split (``cwm_plugin.memory.history``, shared with the memory selection)
+A request's messages split (``cwm_plugin.memory.selection.history``, shared with the memory selection)
 into the **prefix** (leading system/developer messages), the **history**, and the **current
 exchange** (from the last user message to the end: a question, or a question and the tool calls
 answering it so far). Nothing the client sent is dropped, duplicated or reordered while the
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.memory.history import PREFIX_ROLES, groups, prefix_length, split_current
+from cwm_plugin.memory.selection.history import PREFIX_ROLES, groups, prefix_length, split_current
 
 MEMORY_HEADER = "Relevant memory from earlier conversations (may be incomplete):"
 SUMMARY_HEADER = "Summary of this conversation so far:"

@@ -4,7 +4,7 @@ A tier stores *blobs* (encoded blocks) under their content id (a hex digest of t
 bytes) and owns the index that maps *keys* (opaque bytes: namespace + rank + vLLM block hash)
 to blobs, with reference counts and pins. Tiers never decode; they move bytes and keep their
 own index consistent. The composition (lookup order, promotion, write policy) is
-:class:`~cwm_plugin.store.tiered.KVStore`'s business.
+:class:`~cwm_plugin.store.kv_store.KVStore`'s business.
 
 Key semantics shared by every tier:
 

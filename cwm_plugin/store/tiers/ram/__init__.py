@@ -1,0 +1,1 @@
+"""The RAM tier: an LRU of blobs in this process."""

@@ -1,0 +1,1 @@
+"""The Redis tier: blobs and their key index shared by every server."""

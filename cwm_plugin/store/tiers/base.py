@@ -82,6 +82,7 @@ class Tier(ABC):
     name: str = "tier"
     durable: bool = False       # survives a restart of this process
     read_batch: int = 1 << 20   # the most blobs one get_many should ask for (a round trip)
+    recovered: str | None = None   # why its index was rebuilt when it opened, if it was
 
     def __init__(self) -> None:
         self._on_drop: DropListener | None = None

@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cwm_plugin.errors import CorruptBlob, StorageFull, TierUnavailable
 from cwm_plugin.store.tiers.base import KeyInfo, Tier, TierUsage
@@ -36,10 +37,19 @@ from cwm_plugin.store.tiers.disk.db import locked
 from cwm_plugin.store.tiers.disk.files import advise_files, file_lock, fsync_dir, key_of_file
 from cwm_plugin.store.tiers.disk.key_index import DiskIndex, IndexDamaged
 
+if TYPE_CHECKING:
+    from cwm_plugin.store.config import StoreConfig
+
 log = logging.getLogger(__name__)
 TOUCH_EVERY_S = 1.0        # LRU touches are batched: one transaction a second at most
 TOUCH_BATCH = 512
 TOUCH_WAIT_S = 0.02        # a read never waits longer for the write lock to touch
+
+
+def open_tier(config: StoreConfig) -> DiskTier | None:
+    """The disk tier of ``config`` (None: no ``disk_path``); :class:`TierUnavailable` when its
+    folder cannot be used."""
+    return DiskTier(config.disk_path, config.disk_bytes) if config.disk_path else None
 
 
 class DiskTier(Tier):

@@ -14,8 +14,17 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cwm_plugin.store.tiers.base import KeyInfo, QuotaExceeded, Tier, TierUsage, group_of
+
+if TYPE_CHECKING:
+    from cwm_plugin.store.config import StoreConfig
+
+
+def open_tier(config: StoreConfig) -> RamTier | None:
+    """The RAM tier of ``config`` (None: ``memory_bytes`` is 0)."""
+    return RamTier(config.memory_bytes) if config.memory_bytes > 0 else None
 
 
 class RamTier(Tier):

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cwm_plugin.errors import TierUnavailable
 from cwm_plugin.store.tiers.base import KeyInfo, Tier, TierUsage
@@ -35,8 +35,21 @@ from cwm_plugin.store.tiers.redis.key_index import RedisIndex
 from cwm_plugin.store.tiers.redis.layout import SHARDS, shard_of
 from cwm_plugin.store.tiers.redis.scripts import SCRIPTS
 
+if TYPE_CHECKING:
+    from cwm_plugin.store.config import StoreConfig
+
 log = logging.getLogger(__name__)
 SCAN_BATCH = 1000
+
+
+def open_tier(config: StoreConfig) -> RedisTier | None:
+    """The Redis tier of ``config`` (None: no ``redis_url``); it connects on first use."""
+    if not config.redis_url:
+        return None
+    return RedisTier(config.redis_url, prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
+                     max_value_bytes=config.redis_max_value_bytes,
+                     timeout_s=config.redis_timeout_ms / 1000, cluster=config.redis_cluster,
+                     read_chunk_bytes=config.redis_read_chunk_bytes)
 
 
 class RedisTier(Tier):

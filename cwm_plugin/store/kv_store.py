@@ -36,12 +36,19 @@ from cwm_plugin.store.blob import codec, container, crypto
 from cwm_plugin.store.blob.address import blob_id_of
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.key_ops import TIER_ERRORS, KeySpace
+from cwm_plugin.store.maintenance import (
+    GCReport,
+    VerifyReport,
+    collect_garbage,
+    tier_usage,
+    update_gauge,
+    verify_all,
+)
 from cwm_plugin.store.metrics import StoreMetrics
 from cwm_plugin.store.opening import open_tiers
 from cwm_plugin.store.read_path import ReadPath
 from cwm_plugin.store.save_queue import SaveQueue
 from cwm_plugin.store.threads import unpin
-from cwm_plugin.store.tier_set import tier_usage, update_gauge
 from cwm_plugin.store.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -274,14 +281,12 @@ class KVStore(ReadPath, KeySpace):
         """Bytes, blobs, keys and pinned bytes per tier (Redis is recounted: for the CLI)."""
         return tier_usage(self.tiers, self.metrics)
 
-    def verify(self, progress: bool = True):
-        from cwm_plugin.store.maintenance import verify_all
+    def verify(self, progress: bool = True) -> VerifyReport:
         return verify_all(self, progress=progress)
 
-    def gc(self, min_age_s: float | None = None):
+    def gc(self, min_age_s: float | None = None) -> GCReport:
         """Drop unreferenced blobs older than ``min_age_s`` (default: ``gc_min_age_s``),
         dangling keys and orphan files."""
-        from cwm_plugin.store.maintenance import collect_garbage
         return collect_garbage(self, min_age_s)
 
     def _gauge(self, tier: Tier) -> None:

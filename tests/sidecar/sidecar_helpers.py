@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from cwm_plugin.sidecar.identity.authenticator import derive_salt, hash_key
+from cwm_plugin.salts import derive_salt
+from cwm_plugin.sidecar.identity.authenticator import hash_key
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.testing.server_thread import ServerThread
 

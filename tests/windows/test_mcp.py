@@ -14,7 +14,7 @@ import pytest
 from window_helpers import NS, WORKERS, converse
 
 from cwm_plugin.connector import records
-from cwm_plugin.sidecar.identity.authenticator import derive_salt
+from cwm_plugin.salts import derive_salt
 
 pytestmark = pytest.mark.unit
 SECRET = "ab" * 32

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cwm_plugin.errors import Forbidden, InvalidInput
+from cwm_plugin.salts import derive_salt
 from cwm_plugin.sidecar.identity.access import Permissions
 from cwm_plugin.sidecar.identity.secret_versions import Locate
 from cwm_plugin.sidecar.settings import ProviderConfig, TenantConfig
@@ -91,29 +92,6 @@ def owner_of(ident: Identity) -> str:
 def hash_key(api_key: str) -> str:
     """The sha256 hex digest stored in the config for ``api_key``."""
     return hashlib.sha256(api_key.encode()).hexdigest()
-
-
-def derive_salt(secret: bytes, tenant: str, session: str, uid: str | None = None) -> str:
-    """A session's ``cache_salt``; ``uid``: its user's ``u-`` name under the same secret (see
-    the module docstring)."""
-    msg = f"{tenant}\x00{session}" if uid is None else \
-        f"kv-user\x00{tenant}\x00{session}\x00{uid}"
-    return hmac.new(secret, msg.encode(), hashlib.sha256).hexdigest()
-
-
-def owner_salt(owner: str, session: str) -> tuple[str, str, str | None]:
-    """:func:`derive_salt`'s (tenant, session, uid) for a session of a windows owner (a tenant,
-    or ``tenant/u-...``: a user's, see :func:`owner_of`), for tools that have the store and the
-    secret but no request (``cwm window --store``)."""
-    tenant, _, uid = owner.partition("/")
-    return tenant, session, uid or None
-
-
-def background_salt(salt: str) -> str:
-    """The salt of the sidecar's own work for a session (summaries, fact extraction): derived
-    from the session's (as unguessable), never equal to it, so that work never shares the
-    session's prefix cache, stored KV or context records (a window is the conversation)."""
-    return hmac.new(salt.encode(), b"cwm-background", hashlib.sha256).hexdigest()
 
 
 def validate_session(name: str) -> str:

@@ -55,8 +55,8 @@ from cwm_plugin.memory.files.markdown import utc_iso
 from cwm_plugin.memory.index.embeddings import CachedEmbedder, HashingEmbedder, MiniLMEmbedder
 from cwm_plugin.memory.models import MemoryConfig, Turn
 from cwm_plugin.memory.service.service import MemoryService
+from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.memory.tokens import make_counter
-from cwm_plugin.sidecar.settings import MemorySettings
 from cwm_plugin.sidecar.turn import prompt as P
 from cwm_plugin.sidecar.turn.budget import DEFAULT_ANSWER_TOKENS, memory_budget, recent_tail
 from cwm_plugin.testing import locomo

@@ -105,12 +105,12 @@ def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
     from cwm_plugin.memory.files.durable import replace_durable
     from cwm_plugin.memory.files.markdown import encode_turn, utc_iso
     from cwm_plugin.memory.models import Turn
-    from cwm_plugin.sidecar.settings import MemorySettings
-    from cwm_plugin.sidecar.turn.memory_factory import make_service
+    from cwm_plugin.memory.service.factory import service_from_settings
+    from cwm_plugin.memory.settings import MemorySettings
 
     before = {**cfg_mem, "root": str(root), "vector_context_mode": "pair",  # as before: lines
               "embedder": {**cfg_mem["embedder"], "threads": None, "dtype": dtype}}  # pairs
-    service = make_service(MemorySettings.model_validate(before))
+    service = service_from_settings(MemorySettings.model_validate(before))
     n = max(1, math.ceil(chunks / 14))
     t0 = time.perf_counter()
     for k, conv in enumerate(copies(lines, 90_000, n)):  # text no import below repeats
@@ -146,10 +146,10 @@ def import_memory(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
                   whole: Conversation) -> dict:
     """``cwm memory import``'s path until the folder holds ``chunks`` chunks (plus ``whole``,
     one session with a whole LoCoMo conversation, for the token-saving measurement)."""
-    from cwm_plugin.sidecar.settings import MemorySettings
-    from cwm_plugin.sidecar.turn.memory_factory import make_service
+    from cwm_plugin.memory.service.factory import service_from_settings
+    from cwm_plugin.memory.settings import MemorySettings
 
-    service = make_service(MemorySettings.model_validate(cfg_mem))
+    service = service_from_settings(MemorySettings.model_validate(cfg_mem))
     done = tokens = 0
     seconds = 0.0
     first = 0

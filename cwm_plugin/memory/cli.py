@@ -26,10 +26,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """``make_service`` keywords: the config file's memory section, then the flags."""
     kw: dict[str, Any] = {"tokenizer": "tiktoken:cl100k_base", "embedder": "local"}
     if args.config:
-        from cwm_plugin.sidecar.settings import load_settings
-        from cwm_plugin.sidecar.turn.memory_factory import service_kwargs
+        from cwm_plugin.memory.settings import load_memory_settings, service_kwargs
 
-        kw = service_kwargs(load_settings(args.config).memory)
+        kw = service_kwargs(load_memory_settings(args.config))
     if args.root is not None:
         kw["root"] = args.root
     if "root" not in kw:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from cwm_plugin.sidecar.settings import MemorySettings
+from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.sidecar.turn.counting import ModelCounters
 from cwm_plugin.sidecar.upstream.client import ModelInfo
 from cwm_plugin.testing.fake_upstream import FakeUpstream

@@ -1,4 +1,5 @@
-"""Build embedders and services from plain settings (used by the CLI and the sidecar)."""
+"""Build embedders and services from plain settings or from :class:`MemorySettings` (used by
+the CLI and the sidecar)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from cwm_plugin.memory.index.embeddings import (
 from cwm_plugin.memory.metrics import MemoryMetrics
 from cwm_plugin.memory.models import MemoryConfig
 from cwm_plugin.memory.service.service import MemoryService
+from cwm_plugin.memory.settings import MemorySettings, service_kwargs
 from cwm_plugin.memory.tokens import make_counter
 
 
@@ -60,3 +62,10 @@ def make_service(root: Path, *, tokenizer: str | None = "tiktoken:cl100k_base",
                                             dims=dims, threads=embedder_threads,
                                             dtype=embedder_dtype),
                          make_counter(tokenizer), metrics)
+
+
+def service_from_settings(cfg: MemorySettings, metrics: MemoryMetrics | None = None
+                          ) -> MemoryService:
+    """The ``MemoryService`` these settings describe; its metrics on ``metrics`` when given."""
+    kw = service_kwargs(cfg)
+    return make_service(kw.pop("root"), metrics=metrics, **kw)

@@ -41,11 +41,11 @@ from typing import Any
 
 from cwm_plugin.errors import CWMError, InvalidInput
 from cwm_plugin.memory.service.details import with_details
+from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.salts import background_salt
 from cwm_plugin.sidecar.background import prompts as llm_prompts
 from cwm_plugin.sidecar.background.queue import Job
 from cwm_plugin.sidecar.metrics import SidecarMetrics
-from cwm_plugin.sidecar.settings import MemorySettings
 from cwm_plugin.sidecar.turn.memory_port import MemoryPort
 from cwm_plugin.sidecar.turn.session import SessionState, SnapshotHook, call_hook
 from cwm_plugin.sidecar.upstream.router import Router, UpstreamRejected

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from pydantic import SecretStr, field_validator, model_validator
 
+from cwm_plugin.config_file import Strict
 from cwm_plugin.errors import ConfigError
-from cwm_plugin.sidecar.settings.routing import Strict
 
 log = logging.getLogger(__name__)
 SECRET_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")

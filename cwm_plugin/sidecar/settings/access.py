@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from cwm_plugin.sidecar.settings.routing import Strict
+from cwm_plugin.config_file import Strict
 
 GRANTS = ("debug", "metrics", "admin")
 Grant = Literal["debug", "metrics", "admin"]

@@ -249,7 +249,6 @@ def _default_kw(dtype: torch.dtype) -> dict:
 
 def default_name(dtype: torch.dtype) -> str:
     from cwm_kernels.shuffle import best_transform
-
     from cwm_plugin.store.config import StoreConfig
 
     level = StoreConfig().zstd_level

@@ -48,10 +48,10 @@ from safetensors.torch import load, load_file, save
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import cpu_model, evict_page_cache, table, write_json  # noqa: E402
+
 from cwm_kernels import jit  # noqa: E402
 from cwm_kernels import shuffle as sh  # noqa: E402
 from cwm_kernels import shuffle_triton as tri  # noqa: E402
-
 from cwm_plugin.connector.worker.device_load import DeviceLoader  # noqa: E402
 from cwm_plugin.store.blob import codec  # noqa: E402
 from cwm_plugin.store.config import StoreConfig  # noqa: E402

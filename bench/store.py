@@ -34,10 +34,10 @@ from pathlib import Path
 import codec as codec_bench
 import torch
 from _common import bandwidth, evict_page_cache, load_average, machine, table, write_json
-from cwm_kernels.blocks import BlockWriter
 from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 
+from cwm_kernels.blocks import BlockWriter
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.testing.redis_server import RedisServer

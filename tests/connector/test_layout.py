@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from connector_helpers import fill_random, kv_allocation, vllm_config_for
-from cwm_kernels.blocks import gather_blocks, scatter_blocks
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from cwm_kernels.blocks import gather_blocks, scatter_blocks
 from cwm_plugin.connector.worker.layout import discover_layout
 from cwm_plugin.errors import ConfigError
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from cwm_kernels.blocks import BlockWriter, block_shape, gather_blocks, scatter_blocks
 
 pytestmark = pytest.mark.unit

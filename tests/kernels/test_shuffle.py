@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cwm_kernels import kvsplit
-from cwm_kernels import shuffle as sh
-from cwm_kernels import shuffle_triton as tri
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_helpers import DTYPES, bits, kv_like, random_bits
+
+from cwm_kernels import kvsplit
+from cwm_kernels import shuffle as sh
+from cwm_kernels import shuffle_triton as tri
 
 pytestmark = pytest.mark.unit
 

@@ -24,6 +24,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+
 from cwm_kernels.blocks import scatter_blocks
 
 DEFAULT_SCRATCH_BYTES = 64 << 20      # device memory for copies in flight, beyond vLLM's budget

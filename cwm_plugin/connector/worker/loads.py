@@ -38,8 +38,8 @@ import threading
 import time
 
 import torch
-from cwm_kernels.blocks import BlockWriter
 
+from cwm_kernels.blocks import BlockWriter
 from cwm_plugin.connector.keys import Namespace
 from cwm_plugin.connector.metadata import BlockTransfer
 from cwm_plugin.connector.metrics.stats import StatsCollector

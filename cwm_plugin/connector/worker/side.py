@@ -32,9 +32,9 @@ import time
 from concurrent.futures import Future
 
 import torch
+
 from cwm_kernels import jit
 from cwm_kernels.blocks import gather_blocks
-
 from cwm_plugin.connector.keys import Namespace
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.metrics.stats import StatsCollector

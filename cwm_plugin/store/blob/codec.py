@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 import zstandard
-from cwm_kernels import shuffle as sh
 
+from cwm_kernels import shuffle as sh
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob
 from cwm_plugin.store.blob.container import FORMAT, check_meta, crc32, meta_crc, pack, read_header
 

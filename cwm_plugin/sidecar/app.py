@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from cwm_plugin.errors import CWMError
 from cwm_plugin.sidecar.api.activity import activity_router, open_activity
-from cwm_plugin.sidecar.api.errors import error_response, from_cwm_error
+from cwm_plugin.sidecar.api.chat import handle_chat
 from cwm_plugin.sidecar.api.memory import memory_router
 from cwm_plugin.sidecar.api.relay import model_entry, relay_get, relay_post
 from cwm_plugin.sidecar.api.schema import ERRORS, RELAYED, ChatBody, body_doc, openapi
@@ -42,6 +42,7 @@ from cwm_plugin.sidecar.api.usage import usage_router
 from cwm_plugin.sidecar.api.windows import CheckpointThresholds, windows_router
 from cwm_plugin.sidecar.background.maintainer import Maintainer
 from cwm_plugin.sidecar.background.queue import Background
+from cwm_plugin.sidecar.http.errors import error_response, from_cwm_error
 from cwm_plugin.sidecar.identity.authenticator import Authenticator
 from cwm_plugin.sidecar.identity.caller import (
     AUTHENTICATED,
@@ -53,11 +54,10 @@ from cwm_plugin.sidecar.identity.caller import (
 )
 from cwm_plugin.sidecar.identity.ratelimit import TenantLimits
 from cwm_plugin.sidecar.identity.salt_move import SaltMover
-from cwm_plugin.sidecar.identity.secret_versions import folder_locator
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.settings import Settings
-from cwm_plugin.sidecar.turn.chat import handle_chat
+from cwm_plugin.sidecar.settings.secret_versions import folder_locator
 from cwm_plugin.sidecar.turn.counting import ModelCounters
 from cwm_plugin.sidecar.turn.failopen import FailOpen
 from cwm_plugin.sidecar.turn.memory_port import MemoryPort, build_memory

@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from cwm_plugin.errors import Forbidden, InvalidInput
 from cwm_plugin.salts import derive_salt
 from cwm_plugin.sidecar.identity.access import Permissions
-from cwm_plugin.sidecar.identity.secret_versions import Locate
 from cwm_plugin.sidecar.settings import ProviderConfig, TenantConfig
 from cwm_plugin.sidecar.settings.access import AccessSettings
+from cwm_plugin.sidecar.settings.secret_versions import Locate
 
 # The memory package stores a session as a file: the same rule as cwm_plugin.memory.files.names.
 SESSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -31,7 +31,7 @@ from datetime import datetime
 from prometheus_client import Counter
 
 from cwm_plugin.sidecar.identity.authenticator import Authenticator, Identity
-from cwm_plugin.sidecar.identity.secret_versions import SecretVersion, alive
+from cwm_plugin.sidecar.settings.secret_versions import SecretVersion, alive
 from cwm_plugin.windows.engine import WindowEngine
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,6 @@ from cwm_plugin.config_file import Strict as _Strict
 from cwm_plugin.config_file import read_mapping, validate
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.memory.settings import MemorySettings
-from cwm_plugin.sidecar.identity.secret_versions import SecretVersion, in_grace
 from cwm_plugin.sidecar.settings.access import AccessSettings
 from cwm_plugin.sidecar.settings.limits import RateLimitSettings, check_rate
 from cwm_plugin.sidecar.settings.routing import DEFAULT_RULES as DEFAULT_RULES
@@ -36,6 +35,7 @@ from cwm_plugin.sidecar.settings.routing import UPSTREAM_OWN, RoutingSettings
 from cwm_plugin.sidecar.settings.routing import HealthSettings as HealthSettings
 from cwm_plugin.sidecar.settings.routing import RouteRule as RouteRule
 from cwm_plugin.sidecar.settings.routing import UpstreamConfig as UpstreamConfig
+from cwm_plugin.sidecar.settings.secret_versions import SecretVersion, in_grace
 from cwm_plugin.windows.settings import WindowsSettings
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")

@@ -37,9 +37,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from cwm_plugin.errors import InvalidInput, UpstreamError
 from cwm_plugin.memory.selection.history import prefix_length
 from cwm_plugin.sidecar.api.activity import PROJECT_HEADER, log_turn, project_of, turn_entry
-from cwm_plugin.sidecar.api.body import require_model
-from cwm_plugin.sidecar.api.errors import upstream_error_response
 from cwm_plugin.sidecar.background.queue import Job
+from cwm_plugin.sidecar.http.body import require_model
+from cwm_plugin.sidecar.http.errors import upstream_error_response
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
 from cwm_plugin.sidecar.identity.caller import identity_of, json_body, principal_of
 from cwm_plugin.sidecar.runtime import Sidecar

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.sidecar.api.errors import BodyTooLarge
+from cwm_plugin.sidecar.http.errors import BodyTooLarge
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -108,7 +108,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     ``snapshot_hook(tenant, session, cache_salt, name)`` (sync or async) is called at each
     automatic checkpoint to take a named snapshot of the session's KV (default: no-op)."""
     metrics = SidecarMetrics()
-    secrets = settings.server_secrets()  # newest first (identity/secret_versions.py)
+    secrets = settings.server_secrets()  # newest first (settings/secret_versions.py)
     if memory is None and settings.memory_enabled:
         memory = build_memory(settings.memory, metrics.registry)
     router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)

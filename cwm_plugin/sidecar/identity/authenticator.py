@@ -15,7 +15,7 @@ for, its home namespace (``access.py``), and the session's ``cache_salt``.
   non-empty ``user`` string is mapped to ``u-`` + 32 hex digits of HMAC-SHA256(server secret,
   "user" NUL tenant NUL user) (the "user" label keeps it apart from the salts; the newest
   secret version's, a name from an older one in its grace period is moved to it, see
-  ``secret_versions.py``): stable, safe
+  ``settings/secret_versions.py``): stable, safe
   as a file name, and it does not reveal the user (a plain hash of an address could be
   reversed by guessing).
 * ``cache_salt`` (:func:`derive_salt`, 64 hex digits: stable for a session, unguessable
@@ -121,7 +121,8 @@ class Authenticator:
                  access: AccessSettings | None = None, previous: list[bytes] | None = None,
                  locate: Locate | None = None) -> None:
         """``secret``: the newest version; ``previous``: older ones still in their grace
-        period, whose user names ``locate`` moves to the newest's (``secret_versions.py``)."""
+        period, whose user names ``locate`` moves to the newest's
+        (``settings/secret_versions.py``)."""
         providers = providers or []
         self._entries = [(h.encode(), t) for t in [*tenants, *providers] for h in t.key_sha256]
         self._secret = secret

@@ -165,7 +165,7 @@ class Settings(_Strict):
     secret: SecretStr | None = None
     secret_env: str = "CWM_SIDECAR_SECRET"
     secrets: list[SecretVersion] = Field(default_factory=list)  # newest first; see
-    # identity/secret_versions.py (empty: `secret` / `secret_env` is the one version)
+    # settings/secret_versions.py (empty: `secret` / `secret_env` is the one version)
     tenants: list[TenantConfig] = Field(default_factory=list)
     providers: list[ProviderConfig] = Field(default_factory=list)
     access: AccessSettings = AccessSettings()
@@ -252,7 +252,7 @@ class Settings(_Strict):
         return self.server_secrets()[0]
 
     def server_secrets(self, now: datetime | None = None) -> list[bytes]:
-        """Every version still in its grace period, newest first (``identity/secret_versions.py``)."""
+        """Every version still in its grace period, newest first (``secret_versions.py``)."""
         if self.secrets:
             return in_grace(self.secrets, now)
         value = self.secret.get_secret_value() if self.secret else os.environ.get(self.secret_env)

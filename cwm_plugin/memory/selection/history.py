@@ -1,5 +1,5 @@
 """Which of a request's messages are the stable prefix, the history and the new message, and
-which history messages are kept verbatim.
+which history messages are kept verbatim; the text of a message (:func:`text_of`).
 
 Shared by the memory selection and the sidecar's prompt assembly, so both agree on the split:
 
@@ -24,6 +24,17 @@ from typing import Any
 
 PREFIX_ROLES = ("system", "developer")
 Message = dict[str, Any]
+
+
+def text_of(message: Message) -> str:
+    """The text of a message; content parts other than text are skipped."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content
+                         if isinstance(p, dict) and p.get("type") == "text")
+    return ""
 
 
 def prefix_length(messages: list[Message]) -> int:

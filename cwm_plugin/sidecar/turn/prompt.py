@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.memory.selection.history import PREFIX_ROLES, groups, prefix_length, split_current
+from cwm_plugin.memory.selection.history import (
+    PREFIX_ROLES,
+    groups,
+    prefix_length,
+    split_current,
+    text_of,
+)
 
 MEMORY_HEADER = "Relevant memory from earlier conversations (may be incomplete):"
 SUMMARY_HEADER = "Summary of this conversation so far:"
@@ -54,17 +60,6 @@ def split(messages: list[Message]) -> Parts:
     n = prefix_length(messages)
     history, current = split_current(messages[n:])
     return Parts(prefix=messages[:n], history=history, current=current)
-
-
-def text_of(message: Message) -> str:
-    """The text of a message; content parts other than text are skipped."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content
-                         if isinstance(p, dict) and p.get("type") == "text")
-    return ""
 
 
 def query_text(parts: Parts) -> str:

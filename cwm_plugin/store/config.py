@@ -106,8 +106,6 @@ def _check_redis_url(url: str) -> None:
     """A URL redis-py can connect with (else the first request, not the start, would fail)."""
     from urllib.parse import urlsplit
 
-    from cwm_plugin.store.tiers.redis.conn import redact
-
     try:
         parts = urlsplit(url)
         _ = parts.port  # a port that is not a number raises here
@@ -119,3 +117,11 @@ def _check_redis_url(url: str) -> None:
         raise ConfigError(f"store setting redis_url {redact(url)!r} is not a Redis URL",
                           hint="write it as redis://host:6379/0 (rediss:// for TLS, "
                                "unix:///path/to/redis.sock)")
+
+
+def redact(url: str) -> str:
+    """The URL without a password, for log lines."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"

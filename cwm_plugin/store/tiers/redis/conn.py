@@ -26,6 +26,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from cwm_plugin.errors import TierUnavailable
+from cwm_plugin.store.config import redact
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -126,10 +127,3 @@ class RedisConnection:
             with contextlib.suppress(redis.RedisError):
                 self._client.close()
 
-
-def redact(url: str) -> str:
-    """The URL without a password, for log lines."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"

@@ -1,5 +1,7 @@
-"""The house's layering: each package's command line reads its own settings and derives its
-own salts, without importing the sidecar above it."""
+"""The house's layering: import-linter's contracts hold (pyproject's ``[tool.importlinter]``:
+the layers, no package importing one above it, no import circle at any depth), and each
+package's command line reads its own settings and derives its own salts without importing the
+sidecar above it."""
 
 from __future__ import annotations
 
@@ -12,6 +14,14 @@ import pytest
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).parents[2]
+
+def test_the_import_contracts_hold():
+    lint = Path(sys.executable).with_name("lint-imports")
+    out = subprocess.run([str(lint), "--no-cache"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout
+
 
 RUN = """
 import sys

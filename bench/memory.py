@@ -26,9 +26,9 @@ overall, per conversation and per question category (``by_category``: multi-hop,
 open-domain, single-hop, adversarial), with the selection's latency at the default budget
 (``selection_ms``: p50, p99, mean; noisy, see ``load_average``), and the evidence within
 the top 25 / 50 / 100 / 200 hybrid-ranked lines (``hybrid_ranked_lines``: the ranking's
-share of a miss, apart from the packing's). Parameters are the library's
-defaults (cwm_plugin/memory/index/search.py, index.py, turns.py, pack.py); ``--unit chunk``,
-``--neighbours`` and the weights' options measure the alternatives.
+share of a miss, apart from the packing's). Parameters are the library's defaults
+(cwm_plugin/memory/index/search.py, index/chunks.py, selection/lines.py, selection/pack.py);
+``--unit chunk``, ``--neighbours`` and the weights' options measure the alternatives.
 
 What was measured with it (every method tried for issue 16, kept or not, with its figures)
 is in ``bench/memory_retrieval.md``; today's defaults give hybrid 0.905 / 0.944 / 0.959

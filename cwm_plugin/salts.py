@@ -21,8 +21,9 @@ def derive_salt(secret: bytes, tenant: str, session: str, uid: str | None = None
 
 def owner_salt(owner: str, session: str) -> tuple[str, str, str | None]:
     """:func:`derive_salt`'s (tenant, session, uid) for a session of a windows owner (a tenant,
-    or ``tenant/u-...``: a user's, see :func:`~cwm_plugin.sidecar.identity.authenticator.owner_of`), for tools that have the store and the
-    secret but no request (``cwm window --store``)."""
+    or ``tenant/u-...``: a user's, see
+    :func:`~cwm_plugin.sidecar.identity.authenticator.owner_of`), for tools that have the store
+    and the secret but no request (``cwm window --store``)."""
     tenant, _, uid = owner.partition("/")
     return tenant, session, uid or None
 

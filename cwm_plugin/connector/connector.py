@@ -4,8 +4,8 @@ vLLM makes one instance per role: SCHEDULER (EngineCore process) and WORKER (eac
 process). Start-up, in vLLM's order:
 
 1. each worker's ``register_kv_caches``: the KV layout is taken from the attention backend
-   (:func:`~cwm_plugin.connector.worker.layout.discover_layout`), the namespace built, the store opened
-   and a :class:`WorkerSide` made for this TP rank;
+   (:func:`~cwm_plugin.connector.worker.layout.discover_layout`), the namespace built, the
+   store opened and a :class:`WorkerSide` made for this TP rank;
 2. vLLM collects ``get_handshake_metadata`` from every worker and hands it to the scheduler's
    ``set_xfer_handshake_metadata_pp_aware``: the scheduler builds every worker's namespace from
    its layout (pipeline stages differ), opens its store (no memory tier: it only looks keys up,

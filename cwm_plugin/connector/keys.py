@@ -3,8 +3,9 @@
 The namespace binds a key to everything that must match for a block to be loadable: the weights
 (:mod:`~cwm_plugin.connector.fingerprint`), the model and KV dtypes, the quantization method,
 ``--hf-overrides`` and the RoPE settings in effect, vLLM's version (its kernels decide the KV's
-numerics), the KV layout reported by the attention backend (:mod:`~cwm_plugin.connector.worker.layout`,
-which names the KV cache dtype and a pipeline stage's layers), block sizes, head counts, layers,
+numerics), the KV layout reported by the attention backend
+(:mod:`~cwm_plugin.connector.worker.layout`, which names the KV cache dtype and a pipeline
+stage's layers), block sizes, head counts, layers,
 the tensor- and pipeline-parallel sizes and the hash algorithm. A LoRA adapter's *content*
 (vLLM hashes only its name and path) is mixed in per request: :func:`lora_extra`. The rank is
 part of each key, not of the namespace: the scheduler plans with rank-free block hashes and

@@ -36,7 +36,7 @@ class SearchSettings(Strict):
     mmr_lambda: float | None = Field(default=None, ge=0, le=1)  # None: no MMR re-ranking
     recency_half_life_days: float | None = Field(default=None, gt=0)  # None: no decay
     max_facts: int = Field(default=8, ge=0)  # durable memories offered to a selection
-    # what a selection packs (cwm_plugin/memory/selection/lines.py, pack.py): the best lines or chunks
+    # what a selection packs (memory/selection/lines.py, pack.py): the best lines or chunks
     retrieval_unit: Literal["turn", "chunk"] = "turn"
     turn_neighbours: int = Field(default=0, ge=0, le=3)  # lines around each line taken
     context_bm25_weight: float = Field(default=0.5, ge=0)  # BM25 of a line with its neighbours

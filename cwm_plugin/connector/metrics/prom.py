@@ -1,11 +1,11 @@
 """The connector's metrics on vLLM's own ``/metrics`` (vLLM's ``build_prom_metrics`` hook).
 
-Runs in vLLM's API server process. The connector's counters (:data:`CONNECTOR_COUNTERS`) are made
-up front as ``cwm:connector_<name>``; store metrics arrive forwarded
-(:mod:`~cwm_plugin.connector.metrics.forward`) and are made on first sight as ``cwm:store_<name>`` with
-the store's own label names, as counters, gauges or histograms. A forwarded histogram step is
-re-observed bucket by bucket: bucket counts are exact, and each bucket's value is chosen inside
-it so that the sum is exact too.
+Runs in vLLM's API server process. The connector's counters (:data:`CONNECTOR_COUNTERS`) are made up
+front as ``cwm:connector_<name>``; store metrics arrive forwarded
+(:mod:`~cwm_plugin.connector.metrics.forward`) and are made on first sight as ``cwm:store_<name>``
+with the store's own label names, as counters, gauges or histograms. A forwarded histogram step is
+re-observed bucket by bucket: bucket counts are exact, and each bucket's value is chosen inside it
+so that the sum is exact too.
 """
 
 from __future__ import annotations

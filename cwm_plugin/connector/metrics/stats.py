@@ -6,11 +6,11 @@ process, sums the workers' and the scheduler's, and hands it to
 :class:`~cwm_plugin.connector.metrics.prom.CWMPromMetrics`, which feeds ``cwm:connector_*`` and
 ``cwm:store_*`` on vLLM's ``/metrics``.
 
-One stats entry is ``key -> float``. A key is ``<name>|<label>=<value>,...``; connector counters
-use their bare name (:data:`CONNECTOR_COUNTERS`), forwarded store metrics a kind prefix
-(:mod:`~cwm_plugin.connector.metrics.forward`): ``c:`` counter increments, ``g:`` gauge values (the newest
-wins when two stats merge), ``h:`` histogram bucket increments (with an ``le`` label) and ``hs:``
-histogram sum increments.
+One stats entry is ``key -> float``. A key is ``<name>|<label>=<value>,...``; connector counters use
+their bare name (:data:`CONNECTOR_COUNTERS`), forwarded store metrics a kind prefix
+(:mod:`~cwm_plugin.connector.metrics.forward`): ``c:`` counter increments, ``g:`` gauge values (the
+newest wins when two stats merge), ``h:`` histogram bucket increments (with an ``le`` label) and
+``hs:`` histogram sum increments.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""The connector's scheduler side: what the store holds, lookups, leases, the start-up self-check."""
+"""The connector's scheduler side: what the store holds, lookups, leases, the self-check."""

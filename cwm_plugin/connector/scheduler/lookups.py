@@ -2,8 +2,8 @@
 
 vLLM asks the scheduler side how many of a request's tokens it can load
 (``get_num_new_matched_tokens``) inside its scheduling step, while every decoding request
-waits. Blocks :class:`~cwm_plugin.connector.scheduler.known.KnownBlocks` knows are answered from memory;
-the others need the store (SQLite, Redis), so for each request:
+waits. Blocks :class:`~cwm_plugin.connector.scheduler.known.KnownBlocks` knows are answered
+from memory; the others need the store (SQLite, Redis), so for each request:
 
 1. the first ask starts a lookup on a small thread pool and waits for it ``lookup_wait_ms`` at
    most (one budget a step, shared by all requests): a fast store costs no extra step;

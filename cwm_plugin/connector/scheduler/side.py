@@ -1,11 +1,11 @@
 """Scheduler side of the connector: which blocks to load and which to save, per step.
 
-Runs in vLLM's EngineCore process. It never touches tensors: it plans with vLLM's (rank-free)
-block hashes and turns each scheduler step into a :class:`CWMConnectorMetadata`; each worker
-derives its own keys. A block is loadable only when *every* worker (TP rank x pipeline stage)
-holds its key: lookups ask the durable tiers for all of them, and the workers' reports of what
-they stored, dropped or failed to load feed :class:`~cwm_plugin.connector.scheduler.known.KnownBlocks`,
-which never promises a block for longer than it can vouch for it.
+Runs in vLLM's EngineCore process. It never touches tensors: it plans with vLLM's (rank-free) block
+hashes and turns each scheduler step into a :class:`CWMConnectorMetadata`; each worker derives its
+own keys. A block is loadable only when *every* worker (TP rank x pipeline stage) holds its key:
+lookups ask the durable tiers for all of them, and the workers' reports of what they stored, dropped
+or failed to load feed :class:`~cwm_plugin.connector.scheduler.known.KnownBlocks`, which never
+promises a block for longer than it can vouch for it.
 
 Saving policy: a block is saved in the step whose forward pass completes it (prompt blocks during
 prefill, chunk by chunk; generated blocks as decoding fills them). The worker copies the block

@@ -3,8 +3,8 @@
 Appends are whole or not at all for a reader: written under an exclusive ``flock`` on
 ``<path>.lock``, flushed and fsynced (a failed write is cut back to where it began), and read
 under the shared lock; a rewrite goes to a temporary file renamed over the old one, the folder
-fsynced. The memory's markdown files (``files.py``) and its saved indexes (``persist.py``) use
-them.
+fsynced. The memory's markdown files (``markdown.py``) and its saved indexes
+(``index/persist.py``) use them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 June?": a question that names a day or a month asks about what was said then, and every line
 carries the time stamp of its turn (an imported conversation: its session's date). The words
 "June" or "16" rarely appear in the line itself, so neither BM25 nor the embedding sees the
-match; ``turns.py`` adds ``date_weight`` times :func:`nearness` to a line's score instead.
+match; ``lines.py`` adds ``date_weight`` times :func:`nearness` to a line's score instead.
 
 Only explicit dates are read: a day with its month (``16 June``, ``June 16``, with or without
 a year, or ISO ``2023-06-16``), or a month with a year (``August 2023``) or after ``in`` /

@@ -11,7 +11,7 @@ A line's score, each part min-max normalised over the query's candidate lines (a
 - ``bm25_weight`` x BM25 of the line, plus ``context_bm25_weight`` (0.5) times BM25 of the line
   with its neighbours (the turn before and after: "yes, we went last week" answers the
   question above it);
-- ``vector_weight`` x the cosine of the line's vector (``index.py``: the line mixed with the
+- ``vector_weight`` x the cosine of the line's vector (``index/chunks.py``: the line mixed with the
   one before it);
 - ``chunk_prior_weight`` (0.5) x the hybrid score of the best chunk holding the line, over the
   ``k`` best chunks (``search_index``), divided by the best chunk's: the chunk's context;

@@ -1,6 +1,6 @@
 """Budget-aware packing of ranked lines into passages (retrieval at turn granularity).
 
-The best lines (``turns.py``) are taken in score order while the block still fits the room
+The best lines (``lines.py``) are taken in score order while the block still fits the room
 left: a line joins the passage of its session and day (one header ``[session S, YYYY-MM-DD]``
 a passage, so a date is always in sight for "when" questions); lines of one passage stay in
 conversation order, and a gap between two runs of lines is shown as ``…``. With

@@ -8,7 +8,7 @@ Order of priority (each item is kept only if everything kept so far plus it stil
    ``max_facts``;
 3. the session's running summary;
 4. retrieved conversation: by default the best *lines* packed into passages (``pack.py``, lines
-   ranked by ``turns.py``); with ``retrieval_unit: chunk``, whole chunks in score order (a
+   ranked by ``lines.py``); with ``retrieval_unit: chunk``, whole chunks in score order (a
    chunk that does not fit whole is trimmed to the lines nearest its best-matching line before
    it is given up). Turns the prompt carries anyway are skipped.
  Costs are added up from the counted pieces (each line, fact, header and

@@ -5,7 +5,7 @@ upstream model and hands the answers back (``set_summary``, ``add_memory``). Fac
 JSON, checked by :func:`parse_facts`: a JSON array (possibly empty) of objects with the keys
 ``text`` (1-500 characters), ``category`` (preference, goal, decision or fact), optionally
 ``importance`` (0-1, default 0.5) and ``key`` (the topic in a few lower-case words, at most 60
-characters: a newer fact with a known fact's key may replace it, ``factstore.py``). Anything
+characters: a newer fact with a known fact's key may replace it, ``facts_file.py``). Anything
 else (prose, code fences, extra keys, unknown categories) raises :class:`InvalidInput`, so the
 sidecar can retry once and then refuse. With structured outputs the request carries
 :func:`facts_schema` and at most ``SCHEMA_MAX_FACTS`` facts: ``text`` comes first in the

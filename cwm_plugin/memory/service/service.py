@@ -1,6 +1,6 @@
 """The memory façade the sidecar and the CLI call: ``MemoryService``.
 
-Files are the truth (``files.py``); each folder's indexes are derived from them and kept in
+Files are the truth (``files/markdown.py``); each folder's indexes are derived from them and kept in
 step by ``folders.py`` (loaded from their saved copy or built, caught up with appends, rebuilt
 where a file was edited). One lock a folder serialises index changes inside this process; file
 appends are also locked across processes. Embeddings go through an on-disk cache under
@@ -193,7 +193,7 @@ class MemoryService(TranscriptWriter):
 
     def ranked_lines(self, folder: str, query: str, *, mode: str = "hybrid") -> list[Line]:
         """Every candidate line for ``query`` scored as a selection scores it, best first
-        (``turns.py``): what the packer chooses from (``bench/memory.py`` measures it)."""
+        (``selection/lines.py``): what the packer chooses from (``bench/memory.py`` measures it)."""
         check_name("folder", folder)
         qvec = self._embed_one(query) if mode != "bm25" and query.strip() else None
         self.index_pending(folder)
@@ -265,7 +265,8 @@ class MemoryService(TranscriptWriter):
         return self.indexes.refresh(folder)
 
     def _line_corpus(self, folder: str, idx: FolderIndex) -> LineCorpus:
-        """The folder's line BM25 (``turns.py``), new when its index was rebuilt or reloaded."""
+        """The folder's line BM25 (``selection/lines.py``), new when its index was rebuilt or
+        reloaded."""
         got = self._lines.get(folder)
         if got is None or got[0] is not idx:
             got = self._lines[folder] = (idx, LineCorpus())
@@ -276,7 +277,7 @@ class MemoryService(TranscriptWriter):
     def add_memory(self, folder: str, text: str, category: str, importance: float = 0.5, *,
                    key: str = "", source: str = "") -> Memory:
         """Add a durable memory: a duplicate only raises the importance of the one kept, a
-        newer fact on the same topic (``key``) replaces it (``factstore.py``)."""
+        newer fact on the same topic (``key``) replaces it (``facts_file.py``)."""
         return self.add_fact(folder, text, category, importance, key=key, source=source).memory
 
     def add_fact(self, folder: str, text: str, category: str, importance: float = 0.5, *,

@@ -1,7 +1,7 @@
 """The write side of ``MemoryService``: turns appended to their session's file, then indexed.
 
 A mixin of the service (``service.py``), which owns the attributes it declares: appends are
-durable first (``files.py``), indexing follows under the folder's lock, or later with
+durable first (``files/markdown.py``), indexing follows under the folder's lock, or later with
 ``defer_index`` (``pending.py``: a caller answering a client embeds the new lines after it
 answered; the next search of the folder indexes them first).
 """

@@ -22,8 +22,8 @@ the transcript, so a dropped or merged job loses nothing:
   retry, then the batch is refused, counted, and skipped). With ``structured_facts`` the
   request carries the JSON schema (vLLM's structured outputs), so even a small model answers
   valid JSON; an answer cut off at ``background_max_tokens`` can still fail and is handled the
-  same way. Each fact is merged (added, duplicate, or replacing a known one: ``factstore.py``)
-  with its source (session and turns).
+  same way. Each fact is merged (added, duplicate, or replacing a known one:
+  ``memory/service/facts_file.py``) with its source (session and turns).
 
 This work runs under a salt of its own (``identity.background_salt``) and asks the connector
 not to store it (``kv_transfer_params``: ``store: false``), so it never replaces the session's

@@ -1,7 +1,7 @@
 """A session's KV stays reachable through a secret rotation: it moves to the new salt.
 
-After a rotation (``settings/secret_versions.py``) every session's ``cache_salt`` changes, so without
-more its KV would be computed again. With a windows store (``windows:``: the KV store vLLM's
+After a rotation (``settings/secret_versions.py``) every session's ``cache_salt`` changes, so
+without more its KV would be computed again. With a windows store (``windows:``: the KV store vLLM's
 connector writes), a session's first salted request while an older version is in its grace
 period derives the salts it may have had under each older version in turn
 (``Authenticator.salts_under``: the same derivation under that version, its session name too

@@ -1,13 +1,13 @@
 """What the sidecar sends upstream: the client's messages, in order, with memory merged in.
 
-A request's messages split (``cwm_plugin.memory.selection.history``, shared with the memory selection)
-into the **prefix** (leading system/developer messages), the **history**, and the **current
-exchange** (from the last user message to the end: a question, or a question and the tool calls
-answering it so far). Nothing the client sent is dropped, duplicated or reordered while the
+A request's messages split (``cwm_plugin.memory.selection.history``, shared with the memory
+selection) into the **prefix** (leading system/developer messages), the **history**, and the
+**current exchange** (from the last user message to the end: a question, or a question and the tool
+calls answering it so far). Nothing the client sent is dropped, duplicated or reordered while the
 conversation fits under the compaction threshold; the memory text is *merged* into one message
-rather than sent as a message of its own, because chat templates allow one system message or
-none (Mistral-style templates need strictly alternating roles, Gemma-style ones have no system
-role at all):
+rather than sent as a message of its own, because chat templates allow one system message or none
+(Mistral-style templates need strictly alternating roles, Gemma-style ones have no system role at
+all):
 
 - ``system`` placement (default): appended to the client's first system message; inserted as a
   system message at the start when the client sent none; prepended to the first user message

@@ -1,1 +1,1 @@
-"""The blob format: the container and its header, the codec (tensor <-> bytes), encryption at rest, content addresses."""
+"""The blob format: container and header, codec (tensor <-> bytes), encryption, content ids."""

@@ -63,7 +63,7 @@ class RedisTier(Tier):
         super().__init__()
         self.prefix = prefix
         self.ttl_s = ttl_s
-        # A restore (store/reading.py) asks for one blob a round trip and decodes the last
+        # A restore (store/read_path.py) asks for one blob a round trip and decodes the last
         # one meanwhile: 1.9 MB blobs came at 1.0-1.3 GB/s one a GET, 0.5-0.9 two or more
         # (redis-py with hiredis, local server); get_many still batches up to read_chunk.
         self.read_batch = 1

@@ -91,8 +91,8 @@ from _common import best_time, load_average, machine, table, write_json
 from safetensors.torch import load, load_file, save, save_file
 from tqdm import tqdm
 
-from cwm_plugin.memory.timing import Stages
-from cwm_plugin.store import codec
+from cwm_plugin.store.blob import codec
+from cwm_plugin.timing import Stages
 
 log = logging.getLogger("bench.codec")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -120,7 +120,7 @@ def capture_vllm(dtype: str, tokens: int = PROMPT_TOKENS) -> list[torch.Tensor]:
     if cached.exists():
         log.info("using cached KV %s", cached)
         return _blocks_of(load_file(cached))
-    from cwm_plugin.store.tiers.disk_index import DiskIndex
+    from cwm_plugin.store.tiers.disk.key_index import DiskIndex
     from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
     with tempfile.TemporaryDirectory(prefix="cwm-bench-kv-") as tmp:
@@ -235,7 +235,7 @@ def measure(blocks: list[torch.Tensor], enc, dec, repeat: int,
 
 
 def configs(dtype: torch.dtype) -> list[tuple[str, dict]]:
-    from cwm_plugin.kernels.shuffle import transforms_for
+    from cwm_kernels.shuffle import transforms_for
 
     out: list[tuple[str, dict]] = [("codec level0 (raw payload)", {"level": 0})]
     for level in (1, 3):
@@ -252,7 +252,7 @@ def _default_kw(dtype: torch.dtype) -> dict:
 
 
 def default_name(dtype: torch.dtype) -> str:
-    from cwm_plugin.kernels.shuffle import best_transform
+    from cwm_kernels.shuffle import best_transform
     from cwm_plugin.store.config import StoreConfig
 
     level = StoreConfig().zstd_level
@@ -370,7 +370,7 @@ def _dec(blob: bytes, into: torch.Tensor | None, verify: bool = True) -> torch.T
 
 @functools.lru_cache(maxsize=1)
 def _cipher():
-    from cwm_plugin.store.crypto import BlobCipher
+    from cwm_plugin.store.blob.crypto import BlobCipher
     return BlobCipher.derive(b"\x11" * 32, "bench-salt")
 
 
@@ -382,7 +382,7 @@ def _seal(t: torch.Tensor) -> bytes:
 
 
 def _unseal(blob: bytes, into: torch.Tensor | None) -> torch.Tensor:
-    from cwm_plugin.store.crypto import unseal
+    from cwm_plugin.store.blob.crypto import unseal
     return _dec(unseal(blob, _cipher()), into)
 
 

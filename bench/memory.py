@@ -29,9 +29,9 @@ overall, per conversation and per question category (``by_category``: multi-hop,
 open-domain, single-hop, adversarial), with the selection's latency at the default budget
 (``selection_ms``: p50, p99, mean; noisy, see ``load_average``), and the evidence within
 the top 25 / 50 / 100 / 200 hybrid-ranked lines (``hybrid_ranked_lines``: the ranking's
-share of a miss, apart from the packing's). Parameters are the library's
-defaults (cwm_plugin/memory/search.py, index.py, turns.py, pack.py); ``--unit chunk``,
-``--neighbours`` and the weights' options measure the alternatives.
+share of a miss, apart from the packing's). Parameters are the library's defaults
+(cwm_plugin/memory/index/search.py, index/chunks.py, selection/lines.py, selection/pack.py);
+``--unit chunk``, ``--neighbours`` and the weights' options measure the alternatives.
 
 What was measured with it (every method tried for issue 16, kept or not, with its figures)
 is in ``bench/memory_retrieval.md``; today's defaults give hybrid 0.905 / 0.944 / 0.959
@@ -54,12 +54,12 @@ import numpy as np
 from _common import percentile
 from tqdm import tqdm
 
-from cwm_plugin.memory.embeddings import CachedEmbedder, HashingEmbedder, MiniLMEmbedder
-from cwm_plugin.memory.files import utc_iso
+from cwm_plugin.memory.files.markdown import utc_iso
+from cwm_plugin.memory.index.embeddings import CachedEmbedder, HashingEmbedder, MiniLMEmbedder
 from cwm_plugin.memory.models import MemoryConfig, Turn
-from cwm_plugin.memory.service import MemoryService
+from cwm_plugin.memory.service.service import MemoryService
+from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.memory.tokens import make_counter
-from cwm_plugin.sidecar.settings import MemorySettings
 from cwm_plugin.sidecar.turn import prompt as P
 from cwm_plugin.sidecar.turn.budget import DEFAULT_ANSWER_TOKENS, memory_budget, recent_tail
 from cwm_plugin.testing import locomo

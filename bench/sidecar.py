@@ -59,12 +59,12 @@ from _common import machine, percentile, table, write_json
 from _sidecar_client import KEY, SYSTEM, post, prefix_runs
 
 from cwm_plugin.compute_dtype import compute_dtype
-from cwm_plugin.memory.importer import Conversation, import_sessions
+from cwm_plugin.memory.service.importer import Conversation, import_sessions
 from cwm_plugin.sidecar.identity.authenticator import hash_key
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.dialogues import default_conversations
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2
+from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.testing.sidecar_process import SidecarProcess
 from cwm_plugin.testing.vllm_server import VLLMServer
 
@@ -92,15 +92,15 @@ def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
     """The seeding of before: whole session files written, then ``reindex`` (sessions one by
     one, each session's lines embedded in file order, each with the line before it, on torch's
     default threads), MiniLM in ``dtype``."""
-    from cwm_plugin.memory.durable import replace_durable
-    from cwm_plugin.memory.files import encode_turn, utc_iso
+    from cwm_plugin.memory.files.durable import replace_durable
+    from cwm_plugin.memory.files.markdown import encode_turn, utc_iso
     from cwm_plugin.memory.models import Turn
-    from cwm_plugin.sidecar.settings import MemorySettings
-    from cwm_plugin.sidecar.turn.memory_factory import make_service
+    from cwm_plugin.memory.service.factory import service_from_settings
+    from cwm_plugin.memory.settings import MemorySettings
 
     before = {**cfg_mem, "root": str(root), "vector_context_mode": "pair",  # as before: lines
               "embedder": {**cfg_mem["embedder"], "threads": None, "dtype": dtype}}  # pairs
-    service = make_service(MemorySettings.model_validate(before))
+    service = service_from_settings(MemorySettings.model_validate(before))
     n = max(1, math.ceil(chunks / 14))
     t0 = time.perf_counter()
     for k, conv in enumerate(copies(lines, 90_000, n)):  # text no import below repeats
@@ -136,10 +136,10 @@ def import_memory(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
                   whole: Conversation) -> dict:
     """``cwm memory import``'s path until the folder holds ``chunks`` chunks (plus ``whole``,
     one session with a whole conversation, for the token-saving measurement)."""
-    from cwm_plugin.sidecar.settings import MemorySettings
-    from cwm_plugin.sidecar.turn.memory_factory import make_service
+    from cwm_plugin.memory.service.factory import service_from_settings
+    from cwm_plugin.memory.settings import MemorySettings
 
-    service = make_service(MemorySettings.model_validate(cfg_mem))
+    service = service_from_settings(MemorySettings.model_validate(cfg_mem))
     done = tokens = 0
     seconds = 0.0
     first = 0
@@ -241,7 +241,7 @@ async def load(sidecar: SidecarProcess, clients: int, turns: int, questions: lis
 
 def turns_lost(root: Path, done: dict[str, list[str]]) -> int:
     """Answered user turns (and an answer for each) missing from the session files."""
-    from cwm_plugin.memory.files import MemoryFiles
+    from cwm_plugin.memory.files.markdown import MemoryFiles
 
     files, lost = MemoryFiles(root), 0
     for session, questions in done.items():

@@ -11,7 +11,7 @@ from dataclasses import asdict
 import torch
 
 from cwm_plugin.connector import records
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows import hashing
 
 BS = 16

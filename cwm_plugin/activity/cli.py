@@ -42,12 +42,12 @@ def root_of(args: argparse.Namespace) -> Path:
     if args.root:
         return Path(args.root)
     if args.config:
-        from cwm_plugin.sidecar.settings import load_settings
+        from cwm_plugin.activity.settings import load_activity_settings
 
-        settings = load_settings(args.config)
-        if settings.activity is None:
+        settings = load_activity_settings(args.config)
+        if settings is None:
             raise ConfigError(f"{args.config} has no `activity` section")
-        return settings.activity.root
+        return settings.root
     raise ConfigError("say where the log is", hint="--root DIR or --config sidecar.yaml")
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cwm_plugin.store.keyspace import TIER_ERRORS
+from cwm_plugin.store.key_ops import TIER_ERRORS
 
 
 def _blobs(store: Any, tier: Any, keys: Sequence[bytes]) -> list[str | None]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from cwm_plugin.memory.importer import locomo_datetime
+from cwm_plugin.memory.service.importer import locomo_datetime
 
 _SESSION = re.compile(r"session_(\d+)")
 

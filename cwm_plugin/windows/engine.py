@@ -38,7 +38,7 @@ from typing import Any
 
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, CWMError, NotFound
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows import hashing
 from cwm_plugin.windows.catalog import WindowCatalog
 from cwm_plugin.windows.conversation import ConversationRecord, ConversationRecords

@@ -28,7 +28,8 @@ from typing import IO, Any
 
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, CWMError, InvalidInput
-from cwm_plugin.store import binding, container, crypto
+from cwm_plugin.store import binding
+from cwm_plugin.store.blob import container, crypto
 from cwm_plugin.windows.model import Manifest, check_manifest, manifest_key
 from cwm_plugin.windows.rekey import WindowIncomplete
 from cwm_plugin.windows.window_file import (

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cwm_plugin.errors import CWMError
-from cwm_plugin.store import crypto
+from cwm_plugin.store.blob import crypto
 from cwm_plugin.store.replication import presence, replicate
 from cwm_plugin.windows import hashing
 

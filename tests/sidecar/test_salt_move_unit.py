@@ -18,12 +18,12 @@ from prometheus_client import CollectorRegistry
 from sidecar_helpers import KEYS, chat, make_settings, metric_value, runtime
 from window_helpers import BS, block, converse, session_blocks
 
+from cwm_plugin.salts import derive_salt
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.identity.authenticator import derive_salt
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 OLD, NEW = "old-secret-0123456789abcdef", "new-secret-0123456789abcdef"

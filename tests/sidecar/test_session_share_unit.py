@@ -11,9 +11,9 @@ from sidecar_helpers import KEYS, make_settings, runtime
 
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import load_settings
 from cwm_plugin.sidecar.turn.session import ContextTracker
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 

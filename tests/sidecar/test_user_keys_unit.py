@@ -16,9 +16,9 @@ from sidecar_helpers import KEYS, make_settings, salt
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity.authenticator import hash_key
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import load_settings
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 USER_KEYS = {"alice": "key-acme-alice", "bob": "key-acme-bob"}

@@ -21,10 +21,10 @@ from sidecar_helpers import KEYS, make_settings, runtime, salt
 from window_helpers import BS, NS, converse, rewritten, serve
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.portable import export_window
 

@@ -14,7 +14,7 @@ from window_helpers import BS, NS, WORKERS, block, converse, session_blocks
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, InvalidInput, NotFound
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.store.tiers.base import QuotaExceeded
 from cwm_plugin.windows import hashing
 from cwm_plugin.windows.engine import ModelMismatch, WindowEngine, WindowIncomplete
@@ -178,7 +178,7 @@ def test_a_block_evicted_between_re_key_and_pin_refuses_the_freeze(store, monkey
 def test_an_eviction_never_takes_a_blob_pinned_after_it_was_chosen(tmp_path):
     """Eviction chooses its victims, then removes them: a pin committed in between (the
     sidecar freezing a window is another process) keeps its blob and keys."""
-    from cwm_plugin.store.tiers.disk import DiskTier
+    from cwm_plugin.store.tiers.disk.tier import DiskTier
 
     d = DiskTier(tmp_path, budget=1 << 20)
     for i in range(3):

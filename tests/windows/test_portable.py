@@ -13,7 +13,7 @@ from window_helpers import BS, NS, block, converse, rewritten, serve, session_bl
 
 from cwm_plugin.errors import AlreadyExists
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.portable import BadWindowFile, export_window, import_window
 
@@ -150,7 +150,7 @@ def test_a_hostile_file_never_chooses_where_its_keys_land(tmp_path):
 
 def test_a_sealed_blob_in_a_file_is_refused(tmp_path):
     """An export holds plain blobs: one sealed (under any salt) is no export's."""
-    from cwm_plugin.store import crypto
+    from cwm_plugin.store.blob import crypto
     from cwm_plugin.windows.window_file import check_file, read_blob, write_file
 
     a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")

@@ -55,7 +55,7 @@ def test_an_import_is_held_to_the_quota_with_the_bytes_it_pins(tmp_path):
     from prometheus_client import CollectorRegistry
 
     from cwm_plugin.store.config import StoreConfig
-    from cwm_plugin.store.tiered import KVStore
+    from cwm_plugin.store.kv_store import KVStore
 
     store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
                     registry=CollectorRegistry())

@@ -20,7 +20,7 @@ from window_helpers import BS, NS, converse, rewritten, serve
 
 from cwm_plugin.errors import CWMError
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.model import Manifest
 from cwm_plugin.windows.portable import export_window, import_window

@@ -37,8 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cwm_plugin.activity.log import GENESIS, MAX_NAME, MAX_TEXT, ActivityLog, Entry
 from cwm_plugin.errors import CWMError, InvalidInput
-from cwm_plugin.sidecar.api.errors import error_response
 from cwm_plugin.sidecar.api.schema import body_doc
+from cwm_plugin.sidecar.http.errors import error_response
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of, validate_session
 from cwm_plugin.sidecar.identity.caller import identity_of, model_body, principal_of
 from cwm_plugin.sidecar.settings import Settings

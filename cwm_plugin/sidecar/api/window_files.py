@@ -20,8 +20,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from cwm_plugin.sidecar.api.errors import BodyTooLarge
 from cwm_plugin.sidecar.api.schema import body_doc
+from cwm_plugin.sidecar.http.errors import BodyTooLarge
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
 from cwm_plugin.windows.model import check_name
 from cwm_plugin.windows.portable import export_window, import_window

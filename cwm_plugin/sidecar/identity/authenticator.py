@@ -21,7 +21,7 @@ for, its home namespace (``access.py``), and the session's ``cache_salt``.
   non-empty ``user`` string is mapped to ``u-`` + 32 hex digits of HMAC-SHA256(server secret,
   "user" NUL tenant NUL user) (the "user" label keeps it apart from the salts; the newest
   secret version's, a name from an older one in its grace period is moved to it, see
-  ``secret_versions.py``): stable, safe
+  ``settings/secret_versions.py``): stable, safe
   as a file name, and it does not reveal the user (a plain hash of an address could be
   reversed by guessing).
 * ``cache_salt`` (:func:`derive_salt`, 64 hex digits: stable for a session, unguessable
@@ -48,12 +48,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cwm_plugin.errors import Forbidden, InvalidInput
+from cwm_plugin.salts import derive_salt
 from cwm_plugin.sidecar.identity.access import PermissionDenied, Permissions
-from cwm_plugin.sidecar.identity.secret_versions import Locate
 from cwm_plugin.sidecar.settings import ProviderConfig, TenantConfig
 from cwm_plugin.sidecar.settings.access import AccessSettings
+from cwm_plugin.sidecar.settings.secret_versions import Locate
 
-# The memory package stores a session as a file: the same rule as cwm_plugin.memory.names.
+# The memory package stores a session as a file: the same rule as cwm_plugin.memory.files.names.
 SESSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_SESSION = "default"
 USER_HEADER = "x-cwm-user"
@@ -99,29 +100,6 @@ def hash_key(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
-def derive_salt(secret: bytes, tenant: str, session: str, uid: str | None = None) -> str:
-    """A session's ``cache_salt``; ``uid``: its user's ``u-`` name under the same secret (see
-    the module docstring)."""
-    msg = f"{tenant}\x00{session}" if uid is None else \
-        f"kv-user\x00{tenant}\x00{session}\x00{uid}"
-    return hmac.new(secret, msg.encode(), hashlib.sha256).hexdigest()
-
-
-def owner_salt(owner: str, session: str) -> tuple[str, str, str | None]:
-    """:func:`derive_salt`'s (tenant, session, uid) for a session of a windows owner (a tenant,
-    or ``tenant/u-...``: a user's, see :func:`owner_of`), for tools that have the store and the
-    secret but no request (``cwm window --store``)."""
-    tenant, _, uid = owner.partition("/")
-    return tenant, session, uid or None
-
-
-def background_salt(salt: str) -> str:
-    """The salt of the sidecar's own work for a session (summaries, fact extraction): derived
-    from the session's (as unguessable), never equal to it, so that work never shares the
-    session's prefix cache, stored KV or context records (a window is the conversation)."""
-    return hmac.new(salt.encode(), b"cwm-background", hashlib.sha256).hexdigest()
-
-
 def validate_session(name: str) -> str:
     if not isinstance(name, str) or not SESSION.fullmatch(name) or ".." in name:
         raise InvalidInput(
@@ -149,7 +127,8 @@ class Authenticator:
                  access: AccessSettings | None = None, previous: list[bytes] | None = None,
                  locate: Locate | None = None) -> None:
         """``secret``: the newest version; ``previous``: older ones still in their grace
-        period, whose user names ``locate`` moves to the newest's (``secret_versions.py``)."""
+        period, whose user names ``locate`` moves to the newest's
+        (``settings/secret_versions.py``)."""
         providers = providers or []
         keys = [(h, t, user) for t in [*tenants, *providers] for h, user in t.digests()]
         self._entries = [(h.encode(), t) for h, t, _ in keys]

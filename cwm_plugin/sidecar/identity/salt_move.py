@@ -1,8 +1,8 @@
 """A session's KV and a user's windows stay reachable through a secret rotation: they move to
 the new salt and the user's new name.
 
-After a rotation (``secret_versions.py``) every session's ``cache_salt`` changes, so without
-more its KV would be computed again. With a windows store (``windows:``: the KV store vLLM's
+After a rotation (``settings/secret_versions.py``) every session's ``cache_salt`` changes, so
+without more its KV would be computed again. With a windows store (``windows:``: the KV store vLLM's
 connector writes), a session's first salted request while an older version is in its grace
 period derives the salts it may have had under each older version in turn
 (``Authenticator.salts_under``: the same derivation under that version, its session name too
@@ -39,7 +39,7 @@ from datetime import datetime
 from prometheus_client import Counter
 
 from cwm_plugin.sidecar.identity.authenticator import Authenticator, Identity, owner_of
-from cwm_plugin.sidecar.identity.secret_versions import SecretVersion, alive
+from cwm_plugin.sidecar.settings.secret_versions import SecretVersion, alive
 from cwm_plugin.windows.engine import WindowEngine
 
 log = logging.getLogger(__name__)

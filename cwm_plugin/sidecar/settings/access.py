@@ -27,7 +27,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from cwm_plugin.sidecar.settings.routing import Strict
+from cwm_plugin.config_file import Strict
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 GRANTS = ("debug", "metrics", "admin")

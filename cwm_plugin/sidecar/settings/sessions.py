@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from cwm_plugin.sidecar.settings.routing import Strict
+from cwm_plugin.config_file import Strict
 
 
 class SessionSettings(Strict):

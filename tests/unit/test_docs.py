@@ -20,8 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart"
 QUICKSTART_KEY = "sk-cwm-quickstart"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# `cwm` groups the docs name before the code has them (none, once each one has landed)
-PENDING_GROUPS = {"model"}
 
 
 def test_the_quickstart_pair_shares_one_store_and_a_key_the_readme_names() -> None:
@@ -62,9 +60,16 @@ def test_every_cwm_command_in_the_docs_parses(doc: Path) -> None:
     commands = cwm_commands(doc.read_text())
     for command in commands:
         argv = shlex.split(command)
-        if argv[0] in PENDING_GROUPS:
-            continue
         try:
             parser.parse_args(argv)
         except SystemExit:
             pytest.fail(f"{doc.name}: `cwm {command}` does not parse")
+
+
+def test_cwm_model_prints_the_answer_alone_on_stdout(capsys: pytest.CaptureFixture) -> None:
+    """``MODEL=$(cwm model ...)`` and ``DTYPE=$(cwm model dtype)`` in the README read stdout."""
+    from cwm_plugin.cli import main
+    from cwm_plugin.compute_dtype import compute_dtype
+
+    assert main(["model", "dtype"]) == 0
+    assert capsys.readouterr().out == compute_dtype() + "\n"

@@ -4,6 +4,7 @@ Shared by the window engine's tests and the sidecar's (a session's KV after a ro
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 
 import torch
@@ -30,22 +31,29 @@ def block_keys(tokens: list[int], salt: str, n: int) -> list[list[bytes]]:
 
 
 def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = None,
-             turn: int | None = None, keep: int = 8, seed: int = 0) -> list[int]:
+             turn: int | None = None, keep: int = 8, seed: int = 0,
+             at: float | None = None) -> list[int]:
     """What the connector leaves after a salted request: blocks per worker and a record (also
-    under its turn's slot when the request named its client ``turn``)."""
+    under its turn's slot when the request named its client ``turn``), written as the
+    connector writes it (``at``: when the turn arrived; a record never replaces a later
+    one's)."""
     tokens = [(7 * i + seed) % 4000 + 5 for i in range(n_tokens)]
     n = n_tokens // BS if save is None else save
     hs = hashing.chain(tokens, salt=salt, block_size=BS, hash_block_size=BS,
                        hash_algo="sha256", lora=None, num_blocks=n)
     rec = records.ContextRecord(tokens=tokens, block_hashes=[h.hex() for h in hs],
                                 workers=WORKERS, block_size=BS, hash_block_size=BS,
-                                hash_algo="sha256", namespace=NS, turn=turn)
+                                hash_algo="sha256", namespace=NS, turn=turn, arrived=at,
+                                created=time.time(), model="tiny")
     for (_, rank), keys in zip(WORKERS, block_keys(tokens, salt, n), strict=True):
         for i, key in enumerate(keys):
             store.put(key, block(i, rank), salt=salt).result()
-    for key in [records.record_key(salt)] + \
-            ([records.turn_record_key(salt, turn % keep)] if turn is not None else []):
-        store.put(key, records.json_tensor(asdict(rec)), salt=salt, replace=True).result()
+    keys = [records.record_key(salt)] + \
+        ([records.turn_record_key(salt, turn % keep)] if turn is not None else [])
+    for key in keys:
+        assert records.write_record(store, key, asdict(rec), records.RECORD_LAYOUT,
+                                    what="a context record", salt=salt, order=rec.order)
+    store.wait_keys(keys, timeout=30)
     return tokens
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -167,19 +167,22 @@ class WindowEngine(SessionKV, WindowCatalog):
                messages: list[dict] | None = None, tags: Sequence[str] = (),
                description: str = "", wait_s: float | None = None, turn: int | None = None,
                ttl_s: float | None = None, prompt_prefix: str = "",
-               auto: bool = False) -> Manifest:
+               auto: bool = False, coming: Mapping[int, float] | None = None) -> Manifest:
         """Freeze the session's latest client turn (or ``turn``); ``messages`` override the
-        conversation the sidecar recorded; ``ttl_s``: the window is gone after that long."""
+        conversation the sidecar recorded; ``ttl_s``: the window is gone after that long;
+        ``coming``: the session's turns whose records are on their way (turn -> arrival:
+        waited for up to ``wait_s``; a turn neither kept nor coming is refused at once)."""
         check_name(name)
         tags = check_tags(tags)
         if self._read(manifest_key(tenant, name), tenant) is not None:
             raise AlreadyExists(f"a window named {name!r} already exists",
                                 hint="choose another name or delete that window first")
         deadline = time.monotonic() + (self.wait_s if wait_s is None else wait_s)
-        found = self._record(salt, deadline, turn)
+        found = self._record(salt, deadline, turn, coming)
         if found is None:
             if turn is not None:
-                raise NotFound(f"turn {turn} of session {session!r} is not kept",
+                kept = ", ".join(map(str, self.kept_turns(salt))) or "none"
+                raise NotFound(f"turn {turn} of session {session!r} is not kept (kept: {kept})",
                                hint=f"a session keeps its last {self.conversations.keep} "
                                     "client turns; freeze without a turn for the latest")
             raise NotFound(f"session {session!r} has no saved context yet",
@@ -189,7 +192,8 @@ class WindowEngine(SessionKV, WindowCatalog):
         keys = self._keys(rec.workers, hashes)
         self._complete(keys, f"session {session!r}", deadline, block_size=rec.block_size,
                        tokens=len(rec.tokens))
-        conv = self.conversations.read(salt, rec.turn) if rec.turn is not None else None
+        conv = self.conversations.read(salt, rec.turn, rec.arrived) \
+            if rec.turn is not None else None
         stored = self._stored_bytes(keys)
         self._check_tenant_quota(tenant, stored)
         wsalt = "cwm-window:" + secrets.token_hex(16)
@@ -205,7 +209,8 @@ class WindowEngine(SessionKV, WindowCatalog):
                      tags=tags, description=description[:MAX_DESCRIPTION], created=now,
                      updated=now, turn=rec.turn, prompt=conv.prompt if conv else {},
                      stored_bytes=stored, expires=now + ttl_s if ttl_s else None,
-                     prompt_prefix=str(prompt_prefix)[:MAX_DESCRIPTION], auto=auto)
+                     prompt_prefix=str(prompt_prefix)[:MAX_DESCRIPTION], auto=auto,
+                     served_model=rec.model)
         self._pin_new(m, keys, self._keys(rec.workers, whashes), salt)
         log.info("window %s frozen for tenant %s: %d blocks, %d tokens (turn %s)", name, tenant,
                  len(hashes), len(rec.tokens), rec.turn)
@@ -271,7 +276,7 @@ class WindowEngine(SessionKV, WindowCatalog):
         rec = records.ContextRecord(
             tokens=list(m.tokens), block_hashes=[h.hex() for h in thashes], workers=m.workers,
             block_size=m.block_size, hash_block_size=m.hash_block_size, hash_algo=m.hash_algo,
-            namespace=m.namespace, lora=m.lora, created=time.time(), turn=m.turn)
+            namespace=m.namespace, lora=m.lora, created=time.time(), turn=m.turn, model=m.model)
         conv = ConversationRecord(m.turn, m.messages, m.prompt, m.model) \
             if m.turn is not None else None
         self._write_session(salt, rec, conv)

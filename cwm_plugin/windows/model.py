@@ -95,6 +95,7 @@ class Manifest:
     expires: float | None = None    # unix time its pins lapse and it is gone (None: never)
     prompt_prefix: str = ""         # a caller's note of the prompt (context-window-manager)
     auto: bool = False              # made by auto-checkpoint (pruned; a clone or edit is not)
+    served_model: str = ""          # the name vLLM served the model under ("": the namespace's)
 
     @property
     def pinned_tokens(self) -> int:
@@ -102,7 +103,8 @@ class Manifest:
 
     @property
     def model(self) -> str:
-        return str(self.namespace.get("model", ""))
+        """The model's served name (what requests and routes name it by)."""
+        return self.served_model or str(self.namespace.get("model", ""))
 
     def expired(self, now: float | None = None) -> bool:
         return self.expires is not None and (now or time.time()) >= self.expires

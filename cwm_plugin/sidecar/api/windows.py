@@ -20,15 +20,16 @@ namespace, changes write access; ``/v1/cache/stats`` needs the ``metrics`` grant
 tenant's, or a user's inside it (``X-CWM-User``), and no other namespace sees them. Sessions
 map to their ``cache_salt`` as in chat requests, so a thaw into session S restores S's next
 request. Errors are OpenAI-shaped (the app's handler). The engine is blocking (store I/O): it
-runs in a worker thread.
+runs in a worker thread, within the caller's tenant's share of them (:mod:`.window_pool`). A
+freeze waits only for the session's turns this sidecar saw arrive whose records may still be on
+their way (:mod:`~cwm_plugin.sidecar.turn.arrivals`); a turn that is not kept, or a session with
+nothing stored, is refused at once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -38,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from cwm_plugin.errors import CWMError, InvalidInput, UpstreamError
 from cwm_plugin.sidecar.api.schema import body_doc
 from cwm_plugin.sidecar.api.window_files import windows_files_router
+from cwm_plugin.sidecar.api.window_pool import TenantPool
 from cwm_plugin.sidecar.api.window_warm import warm_up
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of, validate_session
 from cwm_plugin.sidecar.identity.caller import identity_of, model_body, principal_of
@@ -46,9 +48,6 @@ from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.model import check_name
 
 log = logging.getLogger(__name__)
-
-
-WINDOW_THREADS = 4  # window operations at once (store I/O; a freeze may wait for a record)
 
 
 class WindowsUnavailable(CWMError):
@@ -141,7 +140,8 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     router = APIRouter(prefix="/v1")
     auth = sidecar.auth
     settings = sidecar.settings
-    pool = ThreadPoolExecutor(WINDOW_THREADS, thread_name_prefix="cwm-windows")
+    pool = TenantPool(len(settings.principals()),
+                      settings.windows.tenant_threads if settings.windows else 1)
 
     def caller(request: Request, op: str = "read") -> Identity:
         """The caller, allowed ``op`` on its home namespace (windows are its KV)."""
@@ -154,15 +154,14 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         auth.perms.require_grant(tenant, grant, what)
         return tenant
 
-    async def run(fn: Callable[[WindowEngine], Any]) -> Any:
+    async def run(ident: Identity, fn: Callable[[WindowEngine], Any]) -> Any:
+        """``fn(engine)`` on a window thread, within the caller's tenant's share."""
         eng = engine
         if eng is None:
             raise WindowsUnavailable("context windows are not configured on this sidecar",
                                      hint="add a `windows.store` section (the KV store vLLM's "
                                           "connector uses) to the sidecar config")
-        # a pool of their own: a freeze may wait seconds for a record or a tier, and chat's
-        # turns (memory selection) must never queue behind window operations
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, eng)
+        return await pool.run(ident.tenant, lambda: fn(eng))
 
     def ttl(value: float | None) -> float | None:
         cap = settings.windows.max_ttl_s if settings.windows else None
@@ -176,10 +175,13 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         body = await model_body(request, FreezeBody)
         check_name(body.name)
         session = session_of(body.session)
-        m = await run(lambda e: e.freeze(
+        state = sidecar.tracker.peek(ident.folder, session)
+        coming = state.turns.coming() if state is not None else {}
+        m = await run(ident, lambda e: e.freeze(
             owner_of(ident), body.name, session=session, salt=auth.session_salt(ident, session),
             messages=body.messages, tags=body.tags, description=body.description,
-            turn=body.turn, ttl_s=ttl(body.ttl_s), prompt_prefix=body.prompt_prefix))
+            turn=body.turn, ttl_s=ttl(body.ttl_s), prompt_prefix=body.prompt_prefix,
+            coming=coming))
         return {"object": "window", **m.public()}
 
     @router.post("/windows/{name}/thaw", openapi_extra=body_doc(ThawBody))
@@ -188,8 +190,8 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         body = await model_body(request, ThawBody)
         session = session_of(body.session)
         salt = auth.session_salt(ident, session)
-        r = await run(lambda e: e.thaw(owner_of(ident), check_name(name), session=session,
-                                       salt=salt, model=body.model))
+        r = await run(ident, lambda e: e.thaw(owner_of(ident), check_name(name),
+                                              session=session, salt=salt, model=body.model))
         sidecar.tracker.get(ident.folder, session).adopt(r.prompt)  # its next turn
         if body.warm:
             r.warm = await warm_up(sidecar, r.token_ids, salt, body.model or r.model or None)
@@ -199,16 +201,16 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
             if "error" in r.warm:
                 r.warnings.append(f"the warm-up failed: {r.warm['error']}")
             else:
-                await run(lambda e: e.note_warm(owner_of(ident), name, session, r.warm))
+                await run(ident, lambda e: e.note_warm(owner_of(ident), name, session, r.warm))
         return {"object": "window.thaw", **r.public()}
 
     @router.post("/windows/{name}/clone", openapi_extra=body_doc(CloneBody))
     async def clone(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
         body = await model_body(request, CloneBody)
-        m = await run(lambda e: e.clone(owner_of(ident), check_name(name),
-                                        check_name(body.name), tags=body.tags,
-                                        description=body.description))
+        m = await run(ident, lambda e: e.clone(owner_of(ident), check_name(name),
+                                               check_name(body.name), tags=body.tags,
+                                               description=body.description))
         return {"object": "window", **m.public()}
 
     @router.get("/windows")
@@ -221,7 +223,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
                 or len(tag or []) > 32:
             raise InvalidInput("bad list parameters", hint="order asc|desc, 1 <= limit <= "
                                                            "1000, offset >= 0, at most 32 tags")
-        page, total = await run(lambda e: e.list(
+        page, total = await run(ident, lambda e: e.list(
             owner_of(ident), tags=tag, model=model, session=session, text=q, sort=sort,
             descending=order == "desc", limit=limit, offset=offset))
         return {"object": "list", "data": [m.public() for m in page], "total": total,
@@ -231,20 +233,21 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     async def status(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request)
         return {"object": "window",
-                **await run(lambda e: e.status(owner_of(ident), check_name(name)))}
+                **await run(ident, lambda e: e.status(owner_of(ident), check_name(name)))}
 
     @router.patch("/windows/{name}", openapi_extra=body_doc(PatchBody))
     async def patch(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
         body = await model_body(request, PatchBody)
-        m = await run(lambda e: e.patch(owner_of(ident), check_name(name), new_name=body.name,
-                                        tags=body.tags, description=body.description))
+        m = await run(ident, lambda e: e.patch(owner_of(ident), check_name(name),
+                                               new_name=body.name, tags=body.tags,
+                                               description=body.description))
         return {"object": "window", **m.public()}
 
     @router.delete("/windows/{name}")
     async def delete(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
-        await run(lambda e: e.delete(owner_of(ident), check_name(name)))
+        await run(ident, lambda e: e.delete(owner_of(ident), check_name(name)))
         return {"object": "window.deleted", "name": name, "deleted": True}
 
     @router.get("/sessions")
@@ -254,7 +257,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         seen = set(sidecar.tracker.sessions(ident.folder))
         windows: dict[str, int] = {}
         if engine is not None:
-            for m in (await run(lambda e: e.list(owner_of(ident), limit=100_000)))[0]:
+            for m in (await run(ident, lambda e: e.list(owner_of(ident), limit=100_000)))[0]:
                 windows[m.session] = windows.get(m.session, 0) + 1
         return {"object": "list", "data": [{"session": s, "windows": windows.get(s, 0)}
                                            for s in sorted(seen | set(windows))]}
@@ -264,7 +267,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         """Erase the session's stored KV and records (its windows keep theirs)."""
         ident = caller(request, "write")
         session = session_of(session)
-        n = await run(lambda e: e.clear_session(auth.session_salt(ident, session)))
+        n = await run(ident, lambda e: e.clear_session(auth.session_salt(ident, session)))
         state = sidecar.tracker.peek(ident.folder, session)
         if state is not None:  # its prompt state goes with its KV
             state.pinned, state.compaction = None, None
@@ -275,7 +278,8 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     @router.get("/cache/stats")
     async def cache_stats(request: Request) -> dict[str, Any]:
         granted(request, "metrics", "GET /v1/cache/stats (every tenant's store)")
-        return {"object": "cache.stats", "tiers": await run(lambda e: e.store.usage())}
+        return {"object": "cache.stats",
+                "tiers": await run(identity_of(request), lambda e: e.store.usage())}
 
     @router.get("/auto_freeze")
     async def auto_freeze(request: Request, model: str | None = None) -> dict[str, Any]:
@@ -305,7 +309,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
                 limit = 0
         a = auto_of()
         salt = auth.session_salt(ident, session)
-        return await asyncio.get_running_loop().run_in_executor(pool, lambda: a.check(
+        return await pool.run(ident.tenant, lambda: a.check(
             owner_of(ident), session, salt, used_tokens=used, max_tokens=limit,
             model=body.model))
 

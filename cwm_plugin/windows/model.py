@@ -31,7 +31,7 @@ MAX_DESCRIPTION = 4096
 
 
 def check_name(name: str, what: str = "window name") -> str:
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         shown = repr(name)[:60]
         raise InvalidInput(f"invalid {what} {shown}",
                            hint="use 1 to 128 letters, digits, '_' or '-'")
@@ -40,7 +40,7 @@ def check_name(name: str, what: str = "window name") -> str:
 
 def check_tags(tags: list[str] | tuple[str, ...] | None) -> list[str]:
     tags = list(tags or [])
-    if len(tags) > MAX_TAGS or not all(isinstance(t, str) and TAG.match(t) for t in tags):
+    if len(tags) > MAX_TAGS or not all(isinstance(t, str) and TAG.fullmatch(t) for t in tags):
         raise InvalidInput(f"invalid tags {tags!r:.80}",
                            hint=f"at most {MAX_TAGS} tags of letters, digits, '_.:-'")
     return sorted(set(tags))

@@ -71,7 +71,7 @@ class TenantConfig(_Strict):
     def _hashes(cls, v: list[str]) -> list[str]:
         out = [h.strip().lower() for h in v]
         for h in out:
-            if not SHA256_HEX.match(h):
+            if not SHA256_HEX.fullmatch(h):
                 raise ValueError("key_sha256 entries must be 64 hex digits (sha256 of the key)")
         return out
 

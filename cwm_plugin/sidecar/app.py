@@ -66,6 +66,7 @@ from cwm_plugin.sidecar.upstream.router import Router
 from cwm_plugin.sidecar.usage import UsageLedger
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
+from cwm_plugin.windows.opening import open_engine
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +83,9 @@ def open_windows(settings: Settings) -> tuple[WindowEngine | None, AutoFreeze | 
     store that cannot be opened leaves windows off (logged), never the sidecar."""
     if settings.windows is None:
         return None, None
-    from prometheus_client import CollectorRegistry
-
-    from cwm_plugin.store.config import StoreConfig
-    from cwm_plugin.store.tiered import KVStore
-
+    w = settings.windows
     try:
-        cfg = StoreConfig.from_dict({**settings.windows.store, "memory_bytes": 0})
-        w = settings.windows
-        engine = WindowEngine(KVStore(cfg, registry=CollectorRegistry()), wait_s=w.wait_s,
-                              keep_turns=w.keep_turns, settle_s=w.settle_s,
-                              tenant_quota_bytes=w.tenant_quota_bytes)
+        engine = open_engine(w)
     except CWMError as exc:
         log.error("context windows are off: the KV store could not be opened: %s", exc)
         return None, None

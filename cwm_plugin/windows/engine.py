@@ -94,12 +94,15 @@ class ThawResult:
 
 class WindowEngine(SessionKV, WindowCatalog):
     def __init__(self, store: KVStore, *, wait_s: float = 30.0, keep_turns: int = 8,
-                 settle_s: float = 3.0, tenant_quota_bytes: int | None = None) -> None:
+                 settle_s: float = 3.0, tenant_quota_bytes: int | None = None,
+                 max_ttl_s: float | None = None) -> None:
         """``wait_s``: how long a freeze waits for a record and its blocks; ``settle_s``: how
         long it waits for write-behind before copying what a durable tier lacks;
         ``keep_turns``: client turns a session keeps records of; ``tenant_quota_bytes``:
-        blob bytes one tenant's windows may pin (None: only the store's pin quota)."""
+        blob bytes one tenant's windows may pin (None: only the store's pin quota);
+        ``max_ttl_s``: the longest a window lives (None: any TTL, or none)."""
         self.store = store
+        self.max_ttl_s = max_ttl_s
         self.wait_s = wait_s
         self.settle_s = settle_s
         self.tenant_quota_bytes = tenant_quota_bytes
@@ -174,6 +177,8 @@ class WindowEngine(SessionKV, WindowCatalog):
         waited for up to ``wait_s``; a turn neither kept nor coming is refused at once)."""
         check_name(name)
         tags = check_tags(tags)
+        if self.max_ttl_s is not None and (ttl_s is None or ttl_s > self.max_ttl_s):
+            ttl_s = self.max_ttl_s
         if self._read(manifest_key(tenant, name), tenant) is not None:
             raise AlreadyExists(f"a window named {name!r} already exists",
                                 hint="choose another name or delete that window first")

@@ -163,12 +163,6 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
                                           "connector uses) to the sidecar config")
         return await pool.run(ident.tenant, lambda: fn(eng))
 
-    def ttl(value: float | None) -> float | None:
-        cap = settings.windows.max_ttl_s if settings.windows else None
-        if cap is not None and (value is None or value > cap):
-            return cap
-        return value
-
     @router.post("/windows", openapi_extra=body_doc(FreezeBody))
     async def freeze(request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
@@ -180,7 +174,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         m = await run(ident, lambda e: e.freeze(
             owner_of(ident), body.name, session=session, salt=auth.session_salt(ident, session),
             messages=body.messages, tags=body.tags, description=body.description,
-            turn=body.turn, ttl_s=ttl(body.ttl_s), prompt_prefix=body.prompt_prefix,
+            turn=body.turn, ttl_s=body.ttl_s, prompt_prefix=body.prompt_prefix,
             coming=coming))
         return {"object": "window", **m.public()}
 

@@ -360,6 +360,13 @@ class Settings(_Strict):
         return [value.encode()]
 
 
+def problems_of(exc: ValidationError) -> str:
+    """What a validation found wrong, where, never echoing the input (a misplaced secret must
+    not end up in a log line)."""
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                     for e in exc.errors(include_input=False))
+
+
 def load_settings(path: str | os.PathLike[str], **overrides: object) -> Settings:
     """Read and validate a YAML settings file; ``overrides`` replace top-level keys."""
     p = Path(path)
@@ -375,10 +382,7 @@ def load_settings(path: str | os.PathLike[str], **overrides: object) -> Settings
     try:
         settings = Settings.model_validate(raw)
     except ValidationError as exc:
-        # Never echo inputs: a misplaced secret must not end up in a log line.
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
-                             for e in exc.errors(include_input=False))
-        raise ConfigError(f"{p}: {problems}") from None
+        raise ConfigError(f"{p}: {problems_of(exc)}") from None
     root = settings.memory.root
     if not root.is_absolute():
         settings.memory.root = (p.parent / root).resolve()

@@ -1,0 +1,55 @@
+"""The window engine as the sidecar's ``windows:`` settings describe it: the one way the
+sidecar, ``cwm window --store`` and ``cwm mcp --store`` open it, so each applies the same
+``keep_turns``, waits, tenant quota and longest TTL.
+
+``--store`` takes the sidecar's config file (its ``windows:`` section) or a bare store file
+(the store's settings at top level or under ``store:``; the windows settings are then the
+sidecar's defaults).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cwm_plugin.errors import ConfigError
+from cwm_plugin.windows.engine import WindowEngine
+
+
+def open_engine(w: Any) -> WindowEngine:
+    """The engine over ``w.store`` (a sidecar's ``WindowsSettings``), its memory tier off
+    (vLLM's memory is not this process's)."""
+    from prometheus_client import CollectorRegistry
+
+    from cwm_plugin.store.config import StoreConfig
+    from cwm_plugin.store.tiered import KVStore
+
+    cfg = StoreConfig.from_dict({**w.store, "memory_bytes": 0})
+    return WindowEngine(KVStore(cfg, registry=CollectorRegistry()), wait_s=w.wait_s,
+                        keep_turns=w.keep_turns, settle_s=w.settle_s,
+                        tenant_quota_bytes=w.tenant_quota_bytes, max_ttl_s=w.max_ttl_s)
+
+
+def windows_settings(path: str | Path) -> Any:
+    """The ``windows:`` settings of a sidecar config file, or the defaults over a store file."""
+    import yaml
+    from pydantic import ValidationError
+
+    from cwm_plugin.sidecar.settings import WindowsSettings, problems_of
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping at the top level")
+    if isinstance(data.get("windows"), dict):
+        section = data["windows"]
+    else:
+        section = {"store": data["store"] if isinstance(data.get("store"), dict) else data}
+    try:
+        return WindowsSettings.model_validate(section)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: windows: {problems_of(exc)}") from None

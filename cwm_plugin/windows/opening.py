@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cwm_plugin.errors import ConfigError
+from cwm_plugin.typed_config import read_yaml
 from cwm_plugin.windows.engine import WindowEngine
 
 
@@ -32,19 +33,11 @@ def open_engine(w: Any) -> WindowEngine:
 
 def windows_settings(path: str | Path) -> Any:
     """The ``windows:`` settings of a sidecar config file, or the defaults over a store file."""
-    import yaml
     from pydantic import ValidationError
 
     from cwm_plugin.sidecar.settings import WindowsSettings, problems_of
 
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping at the top level")
+    data = read_yaml(path)
     if isinstance(data.get("windows"), dict):
         section = data["windows"]
     else:

@@ -13,7 +13,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     Field,
     SecretStr,
@@ -33,6 +32,7 @@ from cwm_plugin.sidecar.settings.routing import HealthSettings as HealthSettings
 from cwm_plugin.sidecar.settings.routing import RouteRule as RouteRule
 from cwm_plugin.sidecar.settings.routing import Strict as _Strict
 from cwm_plugin.sidecar.settings.routing import UpstreamConfig as UpstreamConfig
+from cwm_plugin.typed_config import read_yaml
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -370,14 +370,7 @@ def problems_of(exc: ValidationError) -> str:
 def load_settings(path: str | os.PathLike[str], **overrides: object) -> Settings:
     """Read and validate a YAML settings file; ``overrides`` replace top-level keys."""
     p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read {p}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p} is not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{p} must hold a mapping at the top level")
+    raw = read_yaml(p)
     raw.update({k: v for k, v in overrides.items() if v is not None})
     try:
         settings = Settings.model_validate(raw)

@@ -3,10 +3,11 @@ the store (list, status and patch: :mod:`.catalog`). No HTTP in here (REST, CLI 
 this).
 
 * **freeze** takes the session's latest client turn -- or turn ``N`` of its last few -- from
-  the connector's context record and the sidecar's conversation record
-  (:mod:`.conversation`: the client's messages, what was merged into the prompt), checks that
-  this process hashes blocks like the vLLM that saved them, waits until every block is on
-  *every* durable tier (copying a block a tier lacks from one that has it: with Redis in
+  the connector's context record and the sidecar's conversation record of the same arrival
+  (:mod:`.conversation`: the client's messages, what was merged into the prompt), waiting for
+  a record only while the caller says one is on its way (else a turn that is not kept is
+  refused at once, naming the kept ones), checks that this process hashes blocks like the
+  vLLM that saved them, waits until every block is on *every* durable tier (copying a block a tier lacks from one that has it: with Redis in
   ``behind`` mode the disk has it first) or refuses naming what each tier holds, re-keys the
   blocks under a fresh *window salt* (the same blobs, new keys: ``link_many``, no tensor
   copy), pins those keys (under the store's pin quota and the tenant's) and claims the name.
@@ -170,11 +171,13 @@ class WindowEngine(SessionKV, WindowCatalog):
                messages: list[dict] | None = None, tags: Sequence[str] = (),
                description: str = "", wait_s: float | None = None, turn: int | None = None,
                ttl_s: float | None = None, prompt_prefix: str = "",
-               auto: bool = False, coming: Mapping[int, float] | None = None) -> Manifest:
+               auto: bool = False, coming: Mapping[int, float] | None = None,
+               coming_s: float | None = None) -> Manifest:
         """Freeze the session's latest client turn (or ``turn``); ``messages`` override the
         conversation the sidecar recorded; ``ttl_s``: the window is gone after that long;
         ``coming``: the session's turns whose records are on their way (turn -> arrival:
-        waited for up to ``wait_s``; a turn neither kept nor coming is refused at once)."""
+        waited for up to ``coming_s``, at most ``wait_s``; a turn neither kept nor coming is
+        refused at once)."""
         check_name(name)
         tags = check_tags(tags)
         if self.max_ttl_s is not None and (ttl_s is None or ttl_s > self.max_ttl_s):
@@ -182,8 +185,10 @@ class WindowEngine(SessionKV, WindowCatalog):
         if self._read(manifest_key(tenant, name), tenant) is not None:
             raise AlreadyExists(f"a window named {name!r} already exists",
                                 hint="choose another name or delete that window first")
-        deadline = time.monotonic() + (self.wait_s if wait_s is None else wait_s)
-        found = self._record(salt, deadline, turn, coming)
+        wait = self.wait_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait  # for the record (what is coming) and its blocks
+        patience = wait if coming_s is None else min(wait, coming_s)
+        found = self._record(salt, time.monotonic() + patience, turn, coming)
         if found is None:
             if turn is not None:
                 kept = ", ".join(map(str, self.kept_turns(salt))) or "none"

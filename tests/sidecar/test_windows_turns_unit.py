@@ -44,6 +44,7 @@ class Engine:
     def __init__(self, store: KVStore) -> None:
         self.store = store
         self.hold: Callable[[dict[str, Any]], bool] = lambda body: False
+        self.records: Callable[[dict[str, Any]], bool] = lambda body: True  # (too short: none)
         self.received: list[dict[str, Any]] = []
         self.app = FastAPI()
 
@@ -59,9 +60,11 @@ class Engine:
                 await asyncio.sleep(0.02)
             cwm = (body.get("kv_transfer_params") or {}).get("cwm") or {}
             turn = cwm.get("turn")
-            await asyncio.to_thread(converse, self.store, body["cache_salt"],
-                                    BS * (turn or 1) + 3, turn=turn, keep=cwm.get("keep", 8),
-                                    at=cwm.get("at"), seed=turn or 0)
+            if self.records(body):
+                await asyncio.to_thread(converse, self.store, body["cache_salt"],
+                                        BS * (turn or 1) + 3, turn=turn,
+                                        keep=cwm.get("keep", 8), at=cwm.get("at"),
+                                        seed=turn or 0)
             usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
             if path == "chat/completions":
                 return JSONResponse({"id": "c", "object": "chat.completion", "usage": usage,
@@ -214,6 +217,11 @@ def test_refusals_answer_at_once_and_a_freeze_waits_only_for_a_turn_on_its_way(
             e.hold = lambda body: False
             assert turn3.result().status_code == 200
             assert frozen.result().json()["turn"] == 3
+        # a turn that left no record (too short to fill a block) holds a freeze only for the
+        # moment its record could still take: then the turn before stands
+        e.records = lambda body: users(body) != 4
+        assert ask(srv, history(4)).status_code == 200
+        assert freeze(srv, "fourth").json()["turn"] == 3
     finally:
         e.hold = lambda body: False
         srv.stop()

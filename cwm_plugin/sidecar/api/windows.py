@@ -43,6 +43,7 @@ from cwm_plugin.sidecar.api.window_pool import TenantPool
 from cwm_plugin.sidecar.api.window_warm import warm_up
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of, validate_session
 from cwm_plugin.sidecar.identity.caller import identity_of, model_body, principal_of
+from cwm_plugin.sidecar.turn.arrivals import Arrivals
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.model import check_name
@@ -169,13 +170,13 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         body = await model_body(request, FreezeBody)
         check_name(body.name)
         session = session_of(body.session)
-        state = sidecar.tracker.peek(ident.folder, session)
-        coming = state.turns.coming() if state is not None else {}
+        turns = getattr(sidecar.tracker.peek(ident.folder, session), "turns", Arrivals())
+        coming, wait = turns.coming(), turns.patience(settings.windows.wait_s)
         m = await run(ident, lambda e: e.freeze(
             owner_of(ident), body.name, session=session, salt=auth.session_salt(ident, session),
             messages=body.messages, tags=body.tags, description=body.description,
             turn=body.turn, ttl_s=body.ttl_s, prompt_prefix=body.prompt_prefix,
-            coming=coming))
+            coming=coming, coming_s=wait))
         return {"object": "window", **m.public()}
 
     @router.post("/windows/{name}/thaw", openapi_extra=body_doc(ThawBody))

@@ -10,8 +10,9 @@ kept under, the arrival orders the records, so a turn that finishes late never r
 record of a turn that arrived after it (:mod:`cwm_plugin.connector.records`).
 
 A window freeze waits only for what is on its way (:meth:`Arrivals.coming`): the session's
-turns in flight, and those that ended less than ``RECORD_GRACE_S`` ago (the connector writes
-the record as vLLM finishes the request). Nothing else is worth a wait.
+turns in flight (up to ``windows.wait_s``), and those that ended less than ``RECORD_GRACE_S``
+ago (the connector writes the record as vLLM finishes the request; a turn that left none, too
+short to fill a block, costs a freeze that grace at most). Nothing else is worth a wait.
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ class Arrivals:
         for a in self.open:
             out[a.turn] = max(out.get(a.turn, 0.0), a.at)
         return out
+
+    def patience(self, limit: float) -> float:
+        """How long the coming records are worth waiting for: ``limit`` while a turn is in
+        flight, else what is left of the ended turns' grace (0: nothing is coming)."""
+        self._prune()
+        now = time.monotonic()
+        return max((limit if a.ended is None else min(limit, a.ended + RECORD_GRACE_S - now)
+                    for a in self.open), default=0.0)
 
     def _prune(self) -> None:
         now = time.monotonic()

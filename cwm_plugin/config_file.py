@@ -3,7 +3,7 @@
 The sidecar validates the whole file into its ``Settings``, which composes each package's
 settings model; a package's CLI (``cwm memory --config``, ``cwm activity --config``) reads
 just its own section with :func:`load_section`. Either way the file is read by
-:func:`read_mapping`, a model is validated by :func:`validate` (errors name the field, never
+:func:`~cwm_plugin.typed_config.read_yaml`, a model is validated by :func:`validate` (errors name the field, never
 echo the input: a misplaced secret must not end up in a log line), and relative paths are
 taken from the file's folder (:func:`beside`).
 """
@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cwm_plugin.errors import ConfigError
+from cwm_plugin.typed_config import read_yaml
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -26,20 +26,6 @@ class Strict(BaseModel):
     """A settings model that refuses unknown keys (a typo is an error, never ignored)."""
 
     model_config = ConfigDict(extra="forbid")
-
-
-def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The file's top-level mapping (empty file: {})."""
-    p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read {p}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p} is not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{p} must hold a mapping at the top level")
-    return raw
 
 
 def validate(model: type[M], raw: Any, path: str | os.PathLike[str], section: str = "") -> M:
@@ -56,7 +42,7 @@ def validate(model: type[M], raw: Any, path: str | os.PathLike[str], section: st
 
 def load_section(model: type[M], path: str | os.PathLike[str], section: str) -> M | None:
     """The file's ``section`` as ``model``; None when the file has no such section."""
-    raw = read_mapping(path).get(section)
+    raw = read_yaml(path).get(section)
     return None if raw is None else validate(model, raw, path, section)
 
 

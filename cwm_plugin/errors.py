@@ -2,7 +2,8 @@
 
 Every error has a stable ``code``, a message that says what happened and what to do, and a
 ``retryable`` flag. The sidecar maps these to OpenAI-shaped errors, the CLI to an exit code and
-one line, MCP to a tool error.
+one line, MCP to a tool error; a client of the sidecar raises the sidecar's error with its code
+(:func:`remote_error`), so REST, CLI and MCP report the same failure the same way.
 """
 
 from __future__ import annotations
@@ -98,3 +99,28 @@ class UpstreamError(CWMError):
 class UpstreamTimeout(UpstreamError):
     code = "upstream_timeout"
     http_status = 504
+
+
+def _codes(cls: type[CWMError]) -> dict[str, type[CWMError]]:
+    out: dict[str, type[CWMError]] = {}
+    for sub in cls.__subclasses__():
+        out.update(_codes(sub))
+        out.setdefault(sub.code, sub)
+    return out
+
+
+def remote_error(code: str, message: str, status: int) -> CWMError:
+    """An error another process answered (the sidecar, over HTTP), raised here with the same
+    code: as the class this process knows for it, else as a :class:`CWMError` carrying the
+    code and status (a code defined where this process never looks, say), never as a bare
+    ``cwm_error``."""
+    cls = _codes(CWMError).get(code)
+    try:
+        err = cls(message) if cls is not None else None
+    except TypeError:  # a class that needs more than a message
+        err = None
+    if err is None:
+        err = CWMError(message)
+        err.code = code or CWMError.code
+    err.http_status = status
+    return err

@@ -28,6 +28,13 @@ def owner_salt(owner: str, session: str) -> tuple[str, str, str | None]:
     return tenant, session, uid or None
 
 
+def user_session(secret: bytes, tenant: str, user: str) -> str:
+    """The session name (and namespace folder) of a tenant's user as an OpenAI ``user`` value
+    names it: ``u-`` + HMAC, so no user id is ever a file name."""
+    mac = hmac.new(secret, f"user\x00{tenant}\x00{user}".encode(), hashlib.sha256)
+    return "u-" + mac.hexdigest()[:32]
+
+
 def background_salt(salt: str) -> str:
     """The salt of the sidecar's own work for a session (summaries, fact extraction): derived
     from the session's (as unguessable), never equal to it, so that work never shares the

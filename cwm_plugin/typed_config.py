@@ -27,6 +27,23 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+def read_yaml(path: str | os.PathLike[str], what: str = "") -> dict[str, Any]:
+    """A YAML file's top-level mapping (an empty file: ``{}``); a file that cannot be read,
+    is not YAML or holds no mapping is a :class:`ConfigError` naming it (``what`` it is)."""
+    import yaml
+
+    name = f"{what} {path}".strip()
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read {name}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{name} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name} must hold a mapping at the top level")
+    return data
+
+
 def limits(*, min: float | None = None, max: float | None = None,
            choices: tuple | None = None, secret: bool = False) -> dict[str, Any]:
     """Field metadata: the accepted range or values; ``secret`` keeps it out of messages."""

@@ -6,6 +6,7 @@ what a served model leaves (:func:`serve`) and a window file as a hostile client
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 
 import torch
@@ -32,22 +33,31 @@ def block_keys(tokens: list[int], salt: str, n: int) -> list[list[bytes]]:
 
 
 def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = None,
-             turn: int | None = None, keep: int = 8, seed: int = 0) -> list[int]:
+             turn: int | None = None, keep: int = 8, seed: int = 0,
+             at: float | None = None, served: str = "tiny",
+             namespace: dict | None = None) -> list[int]:
     """What the connector leaves after a salted request: blocks per worker and a record (also
-    under its turn's slot when the request named its client ``turn``)."""
+    under its turn's slot when the request named its client ``turn``), written as the
+    connector writes it (``at``: when the turn arrived; a record never replaces a later
+    one's; ``served``: the name vLLM serves the model under, ``namespace``: its KV namespace,
+    whose model is the model path's basename)."""
     tokens = [(7 * i + seed) % 4000 + 5 for i in range(n_tokens)]
     n = n_tokens // BS if save is None else save
     hs = hashing.chain(tokens, salt=salt, block_size=BS, hash_block_size=BS,
                        hash_algo="sha256", lora=None, num_blocks=n)
     rec = records.ContextRecord(tokens=tokens, block_hashes=[h.hex() for h in hs],
                                 workers=WORKERS, block_size=BS, hash_block_size=BS,
-                                hash_algo="sha256", namespace=NS, turn=turn)
+                                hash_algo="sha256", namespace=namespace or NS, turn=turn,
+                                arrived=at, created=time.time(), model=served)
     for (_, rank), keys in zip(WORKERS, block_keys(tokens, salt, n), strict=True):
         for i, key in enumerate(keys):
             store.put(key, block(i, rank), salt=salt).result()
-    for key in [records.record_key(salt)] + \
-            ([records.turn_record_key(salt, turn % keep)] if turn is not None else []):
-        store.put(key, records.json_tensor(asdict(rec)), salt=salt, replace=True).result()
+    keys = [records.record_key(salt)] + \
+        ([records.turn_record_key(salt, turn % keep)] if turn is not None else [])
+    for key in keys:
+        assert records.write_record(store, key, asdict(rec), records.RECORD_LAYOUT,
+                                    what="a context record", salt=salt, order=rec.order)
+    store.wait_keys(keys, timeout=30)
     return tokens
 
 

@@ -187,6 +187,7 @@ class CWMConnector(KVConnectorBase_V1):
             async_loads=async_loads)
         served = getattr(self._vllm_config.model_config, "served_model_name", None) or ns.model
         served = str(served[0] if isinstance(served, list | tuple) else served)
+        self._scheduler.served_model = served  # context records name it (windows, warm-ups)
         write_record(store, served_key(served), {
             "model": served, "namespace": dataclasses.asdict(ns),
             "workers": [(n.digest.hex(), r) for n, r in workers]}, SERVED_LAYOUT,

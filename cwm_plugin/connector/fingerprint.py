@@ -84,7 +84,7 @@ def resolve_model_folder(model: str, revision: str | None = None,
 def file_digest(path: Path) -> str:
     """The content digest of one weight file, cached by (real path, size, mtime)."""
     real = path.resolve()
-    if path.is_symlink() and _SHA256_NAME.match(real.name) and real.parent.name == "blobs":
+    if path.is_symlink() and _SHA256_NAME.fullmatch(real.name) and real.parent.name == "blobs":
         return f"sha256:{real.name}"            # the hub cache names blobs by their sha256
     st = real.stat()
     return _content_digest(str(real), st.st_size, (st.st_ino, st.st_mtime_ns, st.st_ctime_ns))

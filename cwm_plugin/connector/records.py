@@ -15,6 +15,12 @@ the newest; + ``turn`` + a 2-byte slot when the request named its client turn
 session's last few client turns can be frozen. The sidecar's own conversation records (what it
 merged into the prompt, the client's messages) live in the same group
 (:mod:`cwm_plugin.windows.conversation`).
+
+Records never go backwards: a record carries when its client turn *arrived* (the sidecar's
+clock, ``at`` in the request's parameters; else when it was written), and a record of a turn
+that arrived earlier never replaces one of a later turn under the same key, whichever request
+finished first (:func:`write_record` with ``order``: checked on the store's saving thread,
+never on vLLM's step).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -73,6 +80,12 @@ class ContextRecord:
     version: int = 1
     turn: int | None = None             # the client turn the request said it was
     num_prompt_tokens: int | None = None  # tokens[:num_prompt_tokens] were the prompt
+    arrived: float | None = None        # unix time its client turn arrived (orders records)
+    model: str = ""                     # the name vLLM serves the model under
+
+    @property
+    def order(self) -> float:
+        return order_of({"arrived": self.arrived, "created": self.created})
 
     @property
     def saved_tokens(self) -> int:
@@ -93,22 +106,44 @@ class ContextRecord:
     def from_tensor(cls, tensor: torch.Tensor) -> ContextRecord:
         d = tensor_json(tensor)
         d["workers"] = [tuple(w) for w in d["workers"]]
-        return cls(**d)
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def order_of(record: dict) -> float:
+    """Where a record (a context or a conversation record, as JSON) stands among its key's:
+    when its client turn arrived, else when it was written."""
+    value = record.get("arrived") or record.get("created") or 0.0
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def newer_stored(store: Any, key: bytes, salt: str | None, order: float) -> Callable[[], bool]:
+    """Whether ``key`` holds a record that stands after ``order`` (read when asked: a damaged
+    or unreadable one does not)."""
+    def check() -> bool:
+        try:
+            t = store.get(key, salt=salt, primary=True)
+            return t is not None and order_of(tensor_json(t)) > order
+        except Exception:  # unreadable: the new record replaces it
+            return False
+    return check
 
 
 def write_record(store: Any, key: bytes, obj: object, layout: str, *, what: str,
-                 salt: str | None = None, wait: float | None = None) -> bool:
+                 salt: str | None = None, wait: float | None = None,
+                 order: float | None = None) -> bool:
     """Save a JSON record under ``key`` (replacing an older one) in the background; a failure
     is logged, never raised (records are recomputable; serving goes on). ``wait`` (on vLLM's
     step: 0): how long to wait when the store's save queue is full before the record is
-    dropped. Returns whether it was queued."""
+    dropped. ``order`` (:func:`order_of` the record): the write is skipped if ``key`` holds a
+    record that stands after it. Returns whether it was queued."""
     def done(fut: Any) -> None:
         if not fut.cancelled() and fut.exception() is not None:
             log.warning("cwm connector: could not save %s: %s", what, fut.exception())
 
     try:
-        store.put(key, json_tensor(obj), layout=layout, salt=salt, replace=True,
-                  wait=wait).add_done_callback(done)
+        store.put(key, json_tensor(obj), layout=layout, salt=salt, replace=True, wait=wait,
+                  unless=None if order is None else newer_stored(store, key, salt, order)
+                  ).add_done_callback(done)
     except QueueFull:         # the caller counts it
         return False
     except Exception as exc:  # a closed or full store

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from cwm_plugin.windows.cli import client_options
+
     p = subparsers.add_parser("mcp", help="MCP server (stdio) with the context-window tools")
-    p.add_argument("--url", default=os.environ.get("CWM_SIDECAR_URL", "http://127.0.0.1:8080"),
-                   help="the sidecar to talk to (with --api-key or $CWM_API_KEY)")
-    p.add_argument("--api-key", default=os.environ.get("CWM_API_KEY"))
-    p.add_argument("--store", help="open this KV store (YAML settings) directly instead")
-    p.add_argument("--tenant", help="the tenant, with --store")
-    p.add_argument("--secret-env", default="CWM_SIDECAR_SECRET")
+    client_options(p)
     p.set_defaults(func=_serve)
 
 

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from cwm_plugin.errors import CWMError
+from cwm_plugin.errors import ConfigError, CWMError
 from cwm_plugin.sidecar.api.activity import activity_router, open_activity
 from cwm_plugin.sidecar.api.chat import handle_chat
 from cwm_plugin.sidecar.api.memory import memory_router
@@ -66,6 +66,7 @@ from cwm_plugin.sidecar.upstream.router import Router
 from cwm_plugin.sidecar.usage import UsageLedger
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
+from cwm_plugin.windows.opening import open_engine
 
 log = logging.getLogger(__name__)
 
@@ -82,18 +83,11 @@ def open_windows(settings: Settings) -> tuple[WindowEngine | None, AutoFreeze | 
     store that cannot be opened leaves windows off (logged), never the sidecar."""
     if settings.windows is None:
         return None, None
-    from prometheus_client import CollectorRegistry
-
-    from cwm_plugin.store.config import StoreConfig
-    from cwm_plugin.store.kv_store import KVStore
-
     w = settings.windows
-    export_key = w.export_secret()  # a bad key fails the start, never turns windows off
     try:
-        cfg = StoreConfig.from_dict({**w.store, "memory_bytes": 0})
-        engine = WindowEngine(KVStore(cfg, registry=CollectorRegistry()), wait_s=w.wait_s,
-                              keep_turns=w.keep_turns, settle_s=w.settle_s,
-                              tenant_quota_bytes=w.tenant_quota_bytes, export_key=export_key)
+        engine = open_engine(w)
+    except ConfigError:
+        raise  # a setting to fix (a short export key): the start fails, never windows alone
     except CWMError as exc:
         log.error("context windows are off: the KV store could not be opened: %s", exc)
         return None, None

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cwm_plugin.errors import ConfigError
-from cwm_plugin.typed_config import check_fields, limits, load
+from cwm_plugin.typed_config import check_fields, limits, load, read_yaml
 
 ENV_PREFIX = "CWM_STORE_"
 WRITE_MODES = ("through", "behind")
@@ -84,19 +84,8 @@ class StoreConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> StoreConfig:
         """Read a YAML file: either the settings at top level or under a ``store:`` key."""
-        import yaml
-
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"cannot read store config {path}: {exc.strerror}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"store config {path} is not valid YAML: {exc}") from exc
-        if isinstance(data, dict) and isinstance(data.get("store"), dict):
-            data = data["store"]
-        if not isinstance(data, dict):
-            raise ConfigError(f"store config {path} must be a mapping of settings")
-        return cls.from_dict(data)
+        data = read_yaml(path, "store config")
+        return cls.from_dict(data["store"] if isinstance(data.get("store"), dict) else data)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -26,7 +26,7 @@ import concurrent.futures as cf
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -97,16 +97,21 @@ class KVStore(ReadPath, KeySpace):
     # --- saving -------------------------------------------------------------------------------
 
     def put(self, key: bytes, tensor: torch.Tensor, *, num_tokens: int = 0, layout: str = "",
-            salt: str | None = None, replace: bool = False, wait: float | None = None
-            ) -> cf.Future:
+            salt: str | None = None, replace: bool = False, wait: float | None = None,
+            unless: Callable[[], bool] | None = None) -> cf.Future:
         """Save a block in the background; the future resolves when the "through" tiers hold
         it. ``salt``: the request's cache_salt (the blob is sealed under it when encryption at
         rest is on). A key already stored is skipped, unless ``replace`` (records that are
         rewritten: the key is re-pointed and its old blob freed). ``wait``: while
         ``queue_depth`` saves are pending, the longest to wait for one to finish (None: as long
         as it takes), then :class:`~cwm_plugin.store.save_queue.QueueFull` (callers on vLLM's step
-        drop the save)."""
+        drop the save). ``unless``: asked on the saving thread right before the write (the
+        saves of one key run one at a time); True skips it (a record that must not replace a
+        newer one)."""
         def job(k: bytes) -> None:
+            if unless is not None and unless():
+                self.metrics.put_skips.inc()
+                return
             self._store_blob(k, self._encode(k, tensor, num_tokens, layout, salt),
                              replace=replace)
         return self._submit(bytes(key), job, replace=replace, wait=wait)

@@ -4,6 +4,7 @@ list, inspect and delete -- by re-keying and pinning the stored blocks, never by
 
 * ``model``: the manifest, names, keys; ``hashing``: vLLM's block hashing outside vLLM;
 * ``engine``: :class:`~cwm_plugin.windows.engine.WindowEngine`, the operations (no HTTP);
+  ``opening``: the engine as the sidecar's ``windows:`` settings describe it;
 * ``cli``: ``cwm window ...``; the REST routes live in the sidecar, the MCP tools in
   :mod:`cwm_plugin.mcp`.
 """

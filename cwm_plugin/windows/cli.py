@@ -2,9 +2,12 @@
 context windows from the command line.
 
 By default the commands talk to a running sidecar (``--url``, ``--api-key`` or the
-``CWM_SIDECAR_URL`` / ``CWM_API_KEY`` environment): the tenant is the key's. With
-``--store FILE.yaml --tenant NAME`` they open the KV store directly (the sidecar's secret from
-``$CWM_SIDECAR_SECRET`` derives the sessions' salts, as the sidecar does).
+``CWM_SIDECAR_URL`` / ``CWM_API_KEY`` environment): the tenant is the key's, and ``--user``
+(``$CWM_USER``) acts as one of its users (that user's windows and sessions). With
+``--store FILE.yaml --tenant NAME`` they open the KV store directly: FILE is the sidecar's config
+(its ``windows:`` section: the store, ``keep_turns``, the tenant quota, ``max_ttl_s``, as the
+sidecar applies them; :mod:`.opening`) or a bare store file, and the sidecar's secret from
+``$CWM_SIDECAR_SECRET`` derives the sessions' salts and the user's name, as the sidecar does.
 """
 
 from __future__ import annotations
@@ -29,13 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     def cmd(name: str, help_: str, fn, parent: Any = sub) -> argparse.ArgumentParser:
         p = parent.add_parser(name, help=help_)
-        p.add_argument("--url", default=os.environ.get("CWM_SIDECAR_URL",
-                                                       "http://127.0.0.1:8080"))
-        p.add_argument("--api-key", default=os.environ.get("CWM_API_KEY"))
-        p.add_argument("--store", help="open this KV store (YAML settings) directly")
-        p.add_argument("--tenant", help="the tenant, with --store")
-        p.add_argument("--secret-env", default="CWM_SIDECAR_SECRET",
-                       help="environment variable holding the sidecar's secret (--store)")
+        client_options(p)
         p.add_argument("--json", action="store_true", help="print JSON")
         p.set_defaults(func=fn)
         return p
@@ -86,33 +83,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("session")
 
 
+def client_options(p: argparse.ArgumentParser) -> None:
+    """How a command reaches windows (``cwm window ...``, ``cwm mcp``)."""
+    p.add_argument("--url", default=os.environ.get("CWM_SIDECAR_URL", "http://127.0.0.1:8080"),
+                   help="the sidecar to talk to (with --api-key or $CWM_API_KEY)")
+    p.add_argument("--api-key", default=os.environ.get("CWM_API_KEY"))
+    p.add_argument("--user", default=os.environ.get("CWM_USER"),
+                   help="act as this user of the tenant (its own windows and sessions)")
+    p.add_argument("--store", help="open the KV store directly: the sidecar's config (its "
+                                   "windows: section) or a store's YAML settings")
+    p.add_argument("--tenant", help="the tenant, with --store")
+    p.add_argument("--secret-env", default="CWM_SIDECAR_SECRET",
+                   help="environment variable holding the sidecar's secret (--store)")
+
+
 def client_from_args(args: argparse.Namespace) -> WindowsClient:
     if args.store:
-        from prometheus_client import CollectorRegistry
-
-        from cwm_plugin.salts import derive_salt, owner_salt
-        from cwm_plugin.store.config import StoreConfig
-        from cwm_plugin.store.kv_store import KVStore
+        from cwm_plugin.salts import derive_salt, owner_salt, user_session
         from cwm_plugin.windows.client import LocalWindows
-        from cwm_plugin.windows.engine import WindowEngine
+        from cwm_plugin.windows.opening import open_engine, windows_settings
 
         if not args.tenant:
             raise ConfigError("--store needs --tenant")
-        secret = os.environ.get(args.secret_env, "")
+        secret = os.environ.get(args.secret_env, "").encode()
         if not secret:
             raise ConfigError(f"${args.secret_env} is not set",
                               hint="export the sidecar's secret to derive session salts")
-        cfg = StoreConfig.from_file(args.store)
-        cfg.memory_bytes = 0
-        store = KVStore(cfg, registry=CollectorRegistry())
-        return LocalWindows(WindowEngine(store), args.tenant,
-                            lambda owner, s: derive_salt(secret.encode(), *owner_salt(owner, s)))
+        owner = args.tenant if args.user is None else \
+            f"{args.tenant}/{user_session(secret, args.tenant, args.user)}"
+        return LocalWindows(open_engine(windows_settings(args.store)), owner,
+                            lambda owner, s: derive_salt(secret, *owner_salt(owner, s)))
     if not args.api_key:
         raise ConfigError("no API key", hint="pass --api-key or set CWM_API_KEY (or use "
                                              "--store FILE --tenant NAME)")
     from cwm_plugin.windows.client import HttpWindows
 
-    return HttpWindows(args.url, args.api_key)
+    return HttpWindows(args.url, args.api_key, user=args.user)
 
 
 def _out(args: argparse.Namespace, data: dict[str, Any], line: str) -> int:

@@ -2,8 +2,9 @@
 
 The CLI (``cwm window``) and the MCP tools (``cwm mcp``) call a :class:`WindowsClient`:
 
-* :class:`HttpWindows` talks to a running sidecar with a tenant's API key (the sidecar derives
-  the sessions' salts and does the work);
+* :class:`HttpWindows` talks to a running sidecar with a tenant's API key, as one of its users
+  when given one (``X-CWM-User``: that user's windows and sessions); the sidecar derives the
+  sessions' salts and does the work, and its errors are raised with their codes;
 * :class:`LocalWindows` opens the KV store itself (``--store``) and runs the engine in this
   process, deriving salts with the function it is given (the sidecar's rule and secret).
 
@@ -16,21 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from cwm_plugin.errors import (
-    AlreadyExists,
-    CWMError,
-    Forbidden,
-    InvalidInput,
-    NotFound,
-    UpstreamError,
-)
+from cwm_plugin.errors import InvalidInput, UpstreamError, remote_error
 from cwm_plugin.windows.auto import AutoFreeze
-from cwm_plugin.windows.engine import ModelMismatch, WindowEngine, WindowIncomplete
-from cwm_plugin.windows.portable import BadWindowFile, export_window, import_window
+from cwm_plugin.windows.engine import WindowEngine
+from cwm_plugin.windows.portable import export_window, import_window
 
-_BY_CODE: dict[str, type[CWMError]] = {c.code: c for c in (
-    AlreadyExists, NotFound, InvalidInput, Forbidden, WindowIncomplete, ModelMismatch,
-    BadWindowFile)}
+USER_HEADER = "X-CWM-User"
 
 
 class WindowsClient(Protocol):
@@ -60,12 +52,28 @@ def _given(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
+def _error_of(r: Any) -> Exception:
+    """The sidecar's error in a response of status >= 400, with its code and message."""
+    try:
+        err = r.json().get("error", {})
+    except (ValueError, AttributeError):
+        err = {}
+    if not isinstance(err, dict):
+        err = {}
+    return remote_error(str(err.get("code") or ""),
+                        str(err.get("message") or f"HTTP {r.status_code}"), r.status_code)
+
+
 class HttpWindows:
-    def __init__(self, url: str, api_key: str, *, timeout: float = 120.0) -> None:
+    def __init__(self, url: str, api_key: str, *, user: str | None = None,
+                 timeout: float = 120.0) -> None:
+        """``user``: act as this user of the key's tenant (its own windows and sessions)."""
         import httpx
 
-        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout,
-                                  headers={"Authorization": f"Bearer {api_key}"})
+        headers = {"Authorization": f"Bearer {api_key}"}
+        if user is not None:
+            headers[USER_HEADER] = user
+        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout, headers=headers)
 
     def __repr__(self) -> str:
         return f"HttpWindows({self._http.base_url})"
@@ -79,12 +87,7 @@ class HttpWindows:
             raise UpstreamError(f"cannot reach the sidecar at {self._http.base_url}: {exc}",
                                 hint="is `cwm serve` running? check --url") from exc
         if r.status_code >= 400:
-            try:
-                err = r.json().get("error", {})
-            except (ValueError, AttributeError):
-                err = {}
-            cls = _BY_CODE.get(str(err.get("code")), CWMError)
-            raise cls(str(err.get("message") or f"HTTP {r.status_code}"))
+            raise _error_of(r)
         return r
 
     def _call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
@@ -137,8 +140,7 @@ class HttpWindows:
         with self._http.stream("GET", f"/v1/windows/{name}/export") as r:
             if r.status_code >= 400:
                 r.read()
-                self._send("GET", f"/v1/windows/{name}")  # raises the clear error
-                raise CWMError(f"export answered HTTP {r.status_code}")
+                raise _error_of(r)
             with open(path, "wb") as out:
                 for chunk in r.iter_bytes():
                     out.write(chunk)

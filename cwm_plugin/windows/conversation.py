@@ -9,6 +9,10 @@ same turn slot (``turn % keep``): a freeze takes both, so the window carries its
 its prompt state, and a thaw writes both for the target session, so the thawed session's next
 turn is assembled to begin with the window's tokens (and can be frozen again at once).
 
+A conversation record carries when its turn arrived (``arrived``, the same time the connector's
+record of the turn carries): a freeze pairs the two only when they are of the same arrival, and,
+like the connector's, a record never replaces one of a turn that arrived later.
+
 Key: the salt's group + ``conv`` + the 2-byte slot. Sealed under the salt with encryption at
 rest, like the connector's records.
 """
@@ -42,6 +46,7 @@ class ConversationRecord:
     created: float = 0.0
     messages_dropped: bool = False  # they were over the size cap
     version: int = 1
+    arrived: float | None = None  # unix time the turn arrived at the sidecar
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ConversationRecord:
@@ -65,12 +70,14 @@ class ConversationRecords:
         self.keep = keep
 
     def write(self, salt: str, rec: ConversationRecord) -> Future:
-        """Save ``rec`` under its turn's slot in the background (replacing the slot's older
-        turn); a failure is logged by the future's callback, never raised."""
+        """Save ``rec`` under its turn's slot in the background (replacing the record of a
+        turn that arrived before it, never one that arrived after); a failure is logged by
+        the future's callback, never raised."""
         rec.created = rec.created or time.time()
-        fut = self.store.put(conversation_key(salt, rec.turn % self.keep),
-                             records.json_tensor(asdict(rec)), layout=LAYOUT, salt=salt,
-                             replace=True)
+        key, body = conversation_key(salt, rec.turn % self.keep), asdict(rec)
+        fut = self.store.put(key, records.json_tensor(body), layout=LAYOUT, salt=salt,
+                             replace=True, unless=records.newer_stored(
+                                 self.store, key, salt, records.order_of(body)))
 
         def done(f: Future) -> None:
             if not f.cancelled() and f.exception() is not None:
@@ -78,8 +85,10 @@ class ConversationRecords:
         fut.add_done_callback(done)
         return fut
 
-    def read(self, salt: str, turn: int) -> ConversationRecord | None:
-        """The record of ``turn`` (None: none kept, or its slot holds another turn's)."""
+    def read(self, salt: str, turn: int, arrived: float | None = None
+             ) -> ConversationRecord | None:
+        """The record of ``turn`` (None: none kept, or its slot holds another turn's, or with
+        ``arrived``, another arrival's of that turn)."""
         key = conversation_key(salt, turn % self.keep)
         self.store.wait_keys([key], timeout=5.0)  # a write of this process still under way
         t = self.store.get(key, salt=salt, primary=True)
@@ -90,4 +99,6 @@ class ConversationRecords:
         except (ValueError, TypeError) as exc:  # damaged: the KV still freezes without it
             log.warning("a conversation record could not be read: %s", exc)
             return None
-        return rec if rec.turn == turn else None
+        if rec.turn != turn or None not in (arrived, rec.arrived) and rec.arrived != arrived:
+            return None
+        return rec

@@ -3,10 +3,11 @@ the store (list, status and patch: :mod:`.catalog`). No HTTP in here (REST, CLI 
 this).
 
 * **freeze** takes the session's latest client turn -- or turn ``N`` of its last few -- from
-  the connector's context record and the sidecar's conversation record
-  (:mod:`.conversation`: the client's messages, what was merged into the prompt), checks that
-  this process hashes blocks like the vLLM that saved them, waits until every block is on
-  *every* durable tier (copying a block a tier lacks from one that has it: with Redis in
+  the connector's context record and the sidecar's conversation record of the same arrival
+  (:mod:`.conversation`: the client's messages, what was merged into the prompt), waiting for
+  a record only while the caller says one is on its way (else a turn that is not kept is
+  refused at once, naming the kept ones), checks that this process hashes blocks like the
+  vLLM that saved them, waits until every block is on *every* durable tier (copying a block a tier lacks from one that has it: with Redis in
   ``behind`` mode the disk has it first) or refuses naming what each tier holds, re-keys the
   blocks under a fresh *window salt* (the same blobs, new keys: ``link_many``, no tensor
   copy), pins those keys (under the store's pin quota and the tenant's, :mod:`.tenancy`)
@@ -32,7 +33,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -101,14 +102,16 @@ class ThawResult:
 class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
     def __init__(self, store: KVStore, *, wait_s: float = 30.0, keep_turns: int = 8,
                  settle_s: float = 3.0, tenant_quota_bytes: int | None = None,
-                 export_key: bytes | None = None) -> None:
+                 export_key: bytes | None = None, max_ttl_s: float | None = None) -> None:
         """``wait_s``: how long a freeze waits for a record and its blocks; ``settle_s``: how
         long it waits for write-behind before copying what a durable tier lacks;
         ``keep_turns``: client turns a session keeps records of; ``tenant_quota_bytes``:
         blob bytes the windows of one tenant and its users may pin (None: only the store's
         pin quota); ``export_key``: signs export files, and imports take only files it
-        signed (None: unsigned files, :mod:`.portable`)."""
+        signed (None: unsigned files, :mod:`.portable`); ``max_ttl_s``: the longest a window
+        lives (None: any TTL, or none)."""
         self.store = store
+        self.max_ttl_s = max_ttl_s
         self.wait_s = wait_s
         self.settle_s = settle_s
         self.tenant_quota_bytes = tenant_quota_bytes
@@ -206,19 +209,28 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
                messages: list[dict] | None = None, tags: Sequence[str] = (),
                description: str = "", wait_s: float | None = None, turn: int | None = None,
                ttl_s: float | None = None, prompt_prefix: str = "",
-               auto: bool = False) -> Manifest:
+               auto: bool = False, coming: Mapping[int, float] | None = None,
+               coming_s: float | None = None) -> Manifest:
         """Freeze the session's latest client turn (or ``turn``); ``messages`` override the
-        conversation the sidecar recorded; ``ttl_s``: the window is gone after that long."""
+        conversation the sidecar recorded; ``ttl_s``: the window is gone after that long;
+        ``coming``: the session's turns whose records are on their way (turn -> arrival:
+        waited for up to ``coming_s``, at most ``wait_s``; a turn neither kept nor coming is
+        refused at once)."""
         check_name(name)
         tags = check_tags(tags)
+        if self.max_ttl_s is not None and (ttl_s is None or ttl_s > self.max_ttl_s):
+            ttl_s = self.max_ttl_s
         if self._read(manifest_key(tenant, name), tenant) is not None:
             raise AlreadyExists(f"a window named {name!r} already exists",
                                 hint="choose another name or delete that window first")
-        deadline = time.monotonic() + (self.wait_s if wait_s is None else wait_s)
-        found = self._record(salt, deadline, turn)
+        wait = self.wait_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait  # for the record (what is coming) and its blocks
+        patience = wait if coming_s is None else min(wait, coming_s)
+        found = self._record(salt, time.monotonic() + patience, turn, coming)
         if found is None:
             if turn is not None:
-                raise NotFound(f"turn {turn} of session {session!r} is not kept",
+                kept = ", ".join(map(str, self.kept_turns(salt))) or "none"
+                raise NotFound(f"turn {turn} of session {session!r} is not kept (kept: {kept})",
                                hint=f"a session keeps its last {self.conversations.keep} "
                                     "client turns; freeze without a turn for the latest")
             raise NotFound(f"session {session!r} has no saved context yet",
@@ -228,7 +240,8 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
         keys = self._keys(rec.workers, hashes)
         self._complete(keys, f"session {session!r}", deadline, block_size=rec.block_size,
                        tokens=len(rec.tokens))
-        conv = self.conversations.read(salt, rec.turn) if rec.turn is not None else None
+        conv = self.conversations.read(salt, rec.turn, rec.arrived) \
+            if rec.turn is not None else None
         wsalt = "cwm-window:" + secrets.token_hex(16)
         whashes = self._chain(rec, rec.tokens, wsalt, len(hashes))
         now = time.time()
@@ -242,7 +255,8 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
                      tags=tags, description=description[:MAX_DESCRIPTION], created=now,
                      updated=now, turn=rec.turn, prompt=conv.prompt if conv else {},
                      expires=now + ttl_s if ttl_s else None,
-                     prompt_prefix=str(prompt_prefix)[:MAX_DESCRIPTION], auto=auto)
+                     prompt_prefix=str(prompt_prefix)[:MAX_DESCRIPTION], auto=auto,
+                     served_model=rec.model)
         wkeys = self._keys(rec.workers, whashes)
         self._pin_new(m, wkeys, lambda: self._rekey(keys, wkeys, salt, wsalt))
         log.info("window %s frozen for tenant %s: %d blocks, %d tokens (turn %s)", name, tenant,
@@ -272,7 +286,7 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
         rec = records.ContextRecord(
             tokens=list(m.tokens), block_hashes=[h.hex() for h in thashes], workers=m.workers,
             block_size=m.block_size, hash_block_size=m.hash_block_size, hash_algo=m.hash_algo,
-            namespace=m.namespace, lora=m.lora, created=time.time(), turn=m.turn)
+            namespace=m.namespace, lora=m.lora, created=time.time(), turn=m.turn, model=m.model)
         conv = ConversationRecord(m.turn, m.messages, m.prompt, m.model) \
             if m.turn is not None else None
         self._write_session(salt, rec, conv)

@@ -43,7 +43,7 @@ BLOCK_HASH = re.compile(r"(?:[0-9a-f]{2}){1,64}")
 
 
 def check_name(name: str, what: str = "window name") -> str:
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         shown = repr(name)[:60]
         raise InvalidInput(f"invalid {what} {shown}",
                            hint="use 1 to 128 letters, digits, '_' or '-'")
@@ -52,7 +52,7 @@ def check_name(name: str, what: str = "window name") -> str:
 
 def check_tags(tags: list[str] | tuple[str, ...] | None) -> list[str]:
     tags = list(tags or [])
-    if len(tags) > MAX_TAGS or not all(isinstance(t, str) and TAG.match(t) for t in tags):
+    if len(tags) > MAX_TAGS or not all(isinstance(t, str) and TAG.fullmatch(t) for t in tags):
         raise InvalidInput(f"invalid tags {tags!r:.80}",
                            hint=f"at most {MAX_TAGS} tags of letters, digits, '_.:-'")
     return sorted(set(tags))
@@ -122,6 +122,7 @@ class Manifest:
     expires: float | None = None    # unix time its pins lapse and it is gone (None: never)
     prompt_prefix: str = ""         # a caller's note of the prompt (context-window-manager)
     auto: bool = False              # made by auto-checkpoint (pruned; a clone or edit is not)
+    served_model: str = ""          # the name vLLM served the model under ("": the namespace's)
 
     @property
     def pinned_tokens(self) -> int:
@@ -129,7 +130,8 @@ class Manifest:
 
     @property
     def model(self) -> str:
-        return str(self.namespace.get("model", ""))
+        """The model's served name (what requests and routes name it by)."""
+        return self.served_model or str(self.namespace.get("model", ""))
 
     def expired(self, now: float | None = None) -> bool:
         return self.expires is not None and (now or time.time()) >= self.expires
@@ -226,6 +228,7 @@ def _fields(m: Manifest, keyed: bool) -> dict[str, bool]:
         "expires": m.expires is None or _time(m.expires),
         "prompt_prefix": _text(m.prompt_prefix, MAX_DESCRIPTION),
         "auto": isinstance(m.auto, bool),
+        "served_model": _text(m.served_model, 256),
     }
 
 

@@ -10,6 +10,7 @@ session's stored KV for a user who wants it gone.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 
 from cwm_plugin.connector import records
@@ -21,30 +22,47 @@ from cwm_plugin.windows.conversation import (
 )
 from cwm_plugin.windows.rekey import KeyPlumbing
 
-NEW_SESSION_WAIT_S = 3.0
+POLL_S = 0.1
 
 
 class SessionKV(KeyPlumbing):
     conversations: ConversationRecords
 
-    def _record(self, salt: str, deadline: float, turn: int | None = None
+    def _context(self, salt: str, key: bytes) -> records.ContextRecord | None:
+        t = self.store.get(key, salt=salt, primary=True)
+        return records.ContextRecord.from_tensor(t) if t is not None else None
+
+    def kept_turns(self, salt: str) -> list[int]:
+        """The client turns whose context records the salt keeps, oldest first."""
+        keys = [records.turn_record_key(salt, s) for s in range(self.conversations.keep)]
+        found = self.store.get_many(keys, salt=salt, primary=True)
+        return sorted({rec.turn for t in found if t is not None
+                       and (rec := records.ContextRecord.from_tensor(t)).turn is not None})
+
+    def _record(self, salt: str, deadline: float, turn: int | None = None,
+                coming: Mapping[int, float] | None = None
                 ) -> tuple[records.ContextRecord, list[bytes]] | None:
         """The salt's latest context record (or turn ``turn``'s) and its verified block
-        hashes, waiting until ``deadline`` (monotonic) for one being written."""
-        key = records.record_key(salt) if turn is None else \
-            records.turn_record_key(salt, turn % self.conversations.keep)
-        if not any(self.store.list_keys(records.salt_group(salt), limit=1).values()):
-            # nothing of this session at all: a record about to land comes within moments, an
-            # unknown session should not hold a caller (and a thread) for the whole wait
-            deadline = min(deadline, time.monotonic() + NEW_SESSION_WAIT_S)
+        hashes. ``coming``: turn -> arrival (unix time) of the session's turns whose records
+        may still be on their way (the sidecar knows them); only for those does it wait,
+        until ``deadline`` (monotonic), for a record of that arrival or a later one. Anything
+        else answers at once: what is stored, or None."""
+        coming = coming or {}
+        if turn is None:
+            key, want = records.record_key(salt), max(coming.values(), default=None)
+        else:
+            key = records.turn_record_key(salt, turn % self.conversations.keep)
+            want = coming.get(turn)
         while True:
-            t = self.store.get(key, salt=salt, primary=True)
-            rec = records.ContextRecord.from_tensor(t) if t is not None else None
-            if rec is not None and (turn is None or rec.turn == turn):
+            rec = self._context(salt, key)
+            fits = rec is not None and (turn is None or rec.turn == turn)
+            if fits and (want is None or rec.order >= want):
                 break
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.2)
+            if want is None or time.monotonic() >= deadline:
+                if not fits:
+                    return None
+                break  # the turn still coming never left a record: the one there stands
+            time.sleep(POLL_S)
         hashes = rec.hashes()
         hashing.verified_chain(hashes, rec.tokens, salt=salt, block_size=rec.block_size,
                                hash_block_size=rec.hash_block_size, hash_algo=rec.hash_algo,
@@ -53,7 +71,11 @@ class SessionKV(KeyPlumbing):
 
     def _write_session(self, salt: str, rec: records.ContextRecord,
                        conv: ConversationRecord | None) -> None:
-        """A session's records, as the connector and the sidecar would have left them."""
+        """A session's records, as the connector and the sidecar would have left them (as of
+        a turn arriving now: the session's turns from here on replace them, none before)."""
+        rec.arrived = time.time()
+        if conv is not None:
+            conv.arrived = rec.arrived
         keys = [records.record_key(salt)]
         if rec.turn is not None:
             keys.append(records.turn_record_key(salt, rec.turn % self.conversations.keep))
@@ -82,7 +104,8 @@ class SessionKV(KeyPlumbing):
             return 0
         moved = self._chain(rec, rec.tokens, new_salt, n)
         self._rekey([ks[:n] for ks in keys], self._keys(rec.workers, moved), old_salt, new_salt)
-        conv = self.conversations.read(old_salt, rec.turn) if rec.turn is not None else None
+        conv = self.conversations.read(old_salt, rec.turn, rec.arrived) \
+            if rec.turn is not None else None
         self._write_session(new_salt, replace(rec, block_hashes=[h.hex() for h in moved]), conv)
         return n
 

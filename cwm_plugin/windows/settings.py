@@ -28,6 +28,7 @@ class WindowsSettings(Strict):
     tenant_quota_bytes: int | None = Field(default=None, ge=0)  # blob bytes a tenant may pin
     max_ttl_s: float | None = Field(default=None, gt=0)  # windows' longest TTL (None: any)
     max_import_bytes: int = Field(default=4 << 30, ge=1024)  # an imported window file's size
+    tenant_threads: int = Field(default=2, ge=1, le=64)  # one tenant's window operations at once
     # HMAC key: exports are signed with it, imports must be signed with it (None: unsigned)
     export_key: SecretStr | None = None
     export_key_env: str = "CWM_WINDOW_EXPORT_KEY"   # ... read from here when not in the file

@@ -255,3 +255,34 @@ def test_turn_records_are_kept_by_slot_and_background_requests_leave_no_trace(ha
         req.kv_transfer_params = {"cwm": bad}
         p = params_of(req)
         assert p.turn is None and p.keep == 8 and p.store and p.record
+
+
+def test_a_turn_that_finishes_late_never_replaces_a_later_turns_record(hash_fn, ns, store):
+    """Records go by the order the turns arrived at the sidecar (``at``), not by the order
+    vLLM finished them: turn 6 finishing before turn 5 stays the session's latest."""
+    from cwm_plugin.connector import records
+
+    side = side_for(ns, store)
+    side.served_model = "tiny-served"
+
+    def rec(key):
+        return records.ContextRecord.from_tensor(store.get(key, salt="salt"))
+
+    finish(side, with_params(make_request(hash_fn, "t6", 4 * BS), turn=6, keep=4, at=1006.0),
+           [1, 2, 3, 4])
+    finish(side, with_params(make_request(hash_fn, "t5", 3 * BS), turn=5, keep=4, at=1005.0),
+           [5, 6, 7])
+    latest = rec(records.record_key("salt"))
+    assert (latest.turn, latest.arrived, len(latest.tokens)) == (6, 1006.0, 4 * BS)
+    assert latest.model == "tiny-served"                    # the served name, for warm-ups
+    assert rec(records.turn_record_key("salt", 5 % 4)).turn == 5   # its own slot is its own
+    # turn 9 (slot 1, arrived later) took turn 5's slot; turn 5 again, late: it stays 9's
+    finish(side, with_params(make_request(hash_fn, "t9", 2 * BS), turn=9, keep=4, at=1009.0),
+           [8, 9])
+    finish(side, with_params(make_request(hash_fn, "t5b", 3 * BS), turn=5, keep=4, at=1005.5),
+           [5, 6, 7])
+    assert rec(records.turn_record_key("salt", 1)).turn == 9
+    assert rec(records.record_key("salt")).turn == 9
+    # a request naming no arrival (a client of vLLM itself) is ordered by when it finished
+    finish(side, make_request(hash_fn, "plain", 2 * BS), [1, 2])
+    assert rec(records.record_key("salt")).turn is None

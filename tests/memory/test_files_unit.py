@@ -81,7 +81,8 @@ def test_concurrent_threads_and_a_second_process(tmp_path: Path) -> None:
             assert t.content == f"thread {w} " * 300 + i
 
 
-BAD_NAMES = ["..", "../etc", "a/b", "a\\b", "a\x00b", "x" * 65, "", ".hidden", "a..b", " sp"]
+BAD_NAMES = ["..", "../etc", "a/b", "a\\b", "a\x00b", "x" * 65, "", ".hidden", "a..b", " sp",
+             "notes\n"]
 
 
 @pytest.mark.parametrize("name", BAD_NAMES)

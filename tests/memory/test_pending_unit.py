@@ -16,7 +16,8 @@ def test_turn_records_check_roles_ids_and_contents() -> None:
     got = turn_records([("user", "hi"), ("assistant", "hello")], ["u-1", None], None)
     assert [t.turn_id for t in got][0] == "u-1" and got[1].turn_id and got[1].content == "hello"
     for turns, ids in (([("user", "a")], ["a", "b"]), ([("user", "a")], ["../x"]),
-                       ([("two\nlines", "a")], None), ([("user", 3)], None)):
+                       ([("two\nlines", "a")], None), ([("user", 3)], None),
+                       ([("user\n", "a")], None), ([("user", "a")], ["a\n"])):
         with pytest.raises(InvalidInput):
             turn_records(turns, ids, None)
 

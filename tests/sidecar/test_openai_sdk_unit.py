@@ -87,8 +87,11 @@ def test_with_memory_off_the_upstream_gets_exactly_the_clients_body(upstream, si
                                     max_tokens=20, tools=TOOLS, seed=7, user="u-1")
     assert r.choices[0].message.tool_calls[0].function.name == "weather"
     # plus the salt and, for the connector, the client turn (the session's 2nd user message)
-    assert fake.last() == {**sent[-1], "cache_salt": salt("acme", "exact", user="u-1"),
-                           "kv_transfer_params": {"cwm": {"turn": 2, "keep": 8}}}
+    # and when it arrived
+    got = fake.last()
+    assert got["kv_transfer_params"]["cwm"].pop("at") > 0
+    assert got == {**sent[-1], "cache_salt": salt("acme", "exact", user="u-1"),
+                   "kv_transfer_params": {"cwm": {"turn": 2, "keep": 8}}}
     headers = fake.headers()
     assert headers["authorization"] == "Bearer upstream-key"  # never the client's key
     assert KEYS["acme"] not in json.dumps(headers)
@@ -209,8 +212,10 @@ def test_embeddings_models_responses_and_tokenize_are_forwarded(upstream, sideca
         sdk.models.retrieve("no-such-model")
     resp = sdk.responses.create(model="fake", input="Say ok")
     assert resp.output_text == "ok"
-    assert fake.last("/v1/responses") == {**sent[-1], "cache_salt": salt("acme", "fwd"),
-                                          "kv_transfer_params": {"cwm": {}}}
+    got = fake.last("/v1/responses")  # the session's next turn, and when it arrived
+    assert got["kv_transfer_params"]["cwm"].pop("at") > 0
+    assert got == {**sent[-1], "cache_salt": salt("acme", "fwd"),
+                   "kv_transfer_params": {"cwm": {"turn": 1, "keep": 8}}}
     auth = {"Authorization": f"Bearer {KEYS['acme']}"}
     tok = httpx.post(f"{srv.url}/tokenize", headers=auth, json={"model": "fake",
                                                                 "prompt": "a b c"})

@@ -116,3 +116,15 @@ def test_any_manifest_is_imported_whole_or_refused_pinning_nothing(served):
         eng.delete("mallory", m.name)
 
     run()
+
+
+def test_the_manifest_validator_checks_every_field() -> None:
+    """A field added to the manifest without a rule would be imported unchecked."""
+    import dataclasses
+
+    from cwm_plugin.windows.model import _fields
+
+    m = Manifest(name="w", tenant="t", session="s", frozen_salt="", window_salt="x",
+                 tokens=[], block_size=16, hash_block_size=16, hash_algo="sha256",
+                 workers=[("0" * 64, 0)])
+    assert set(_fields(m, keyed=True)) == {f.name for f in dataclasses.fields(Manifest)}

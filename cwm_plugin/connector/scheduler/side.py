@@ -13,9 +13,10 @@ out of the paged cache at the end of that step, before the scheduler can free or
 encodes and writes it in the background, so ``request_finished`` never has to hold blocks back.
 When a salted request whose blocks were saved finishes, a context record is written for the
 window engine (:mod:`~cwm_plugin.connector.records`), also under its client turn's slot when
-the request names one; a request whose ``kv_transfer_params`` say ``store: false`` (the
-sidecar's background prompts) is neither looked up, saved nor recorded, and ``record: false``
-(a warm-up) leaves the session's records alone (:mod:`~cwm_plugin.connector.params`).
+the request names one, never replacing the record of a turn that arrived later; a request
+whose ``kv_transfer_params`` say ``store: false`` (the sidecar's background prompts) is
+neither looked up, saved nor recorded, and ``record: false`` (a warm-up) leaves the session's
+records alone (:mod:`~cwm_plugin.connector.params`).
 
 Nothing here waits on the store. Lookups run in the background (:mod:`.lookups`): a request
 whose lookup still runs is answered ``None`` (vLLM asks again next step) until a deadline, past
@@ -48,7 +49,7 @@ from cwm_plugin.connector.config import ConnectorConfig
 from cwm_plugin.connector.keys import Namespace, kv_block_hashes, lora_extra
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.metrics.stats import StatsCollector
-from cwm_plugin.connector.params import params_of
+from cwm_plugin.connector.params import RequestParams, params_of
 from cwm_plugin.connector.scheduler.known import KnownBlocks
 from cwm_plugin.connector.scheduler.leases import Leases
 from cwm_plugin.connector.scheduler.lookups import Lookups
@@ -95,6 +96,7 @@ class SchedulerSide:
         self.hash_ratio = hash_ratio
         self.block_size = ns.block_size
         self.selfcheck: SelfCheck | None = None
+        self.served_model = ""  # the name vLLM serves the model under (the connector sets it)
         # (namespace of the worker's pipeline stage, its TP rank), in worker-index order
         self.workers = workers or [(ns, 0)]
         self.known = KnownBlocks(len(self.workers), lookup_ttl_s=cfg.lookup_cache_s,
@@ -309,11 +311,10 @@ class SchedulerSide:
         if state is not None and salt and state.saved_blocks and self.cfg.context_records:
             params = params_of(request)
             if params.record and params.store:
-                self._write_record(state, salt, params.turn, params.slot)
+                self._write_record(state, salt, params)
         return False, None
 
-    def _write_record(self, state: _RequestState, salt: str, turn: int | None,
-                      slot: int | None) -> None:
+    def _write_record(self, state: _RequestState, salt: str, params: RequestParams) -> None:
         req = state.request
         lora = getattr(req, "lora_request", None)
         rec = records.ContextRecord(
@@ -323,12 +324,14 @@ class SchedulerSide:
             block_size=self.block_size, hash_block_size=self.block_size // self.hash_ratio,
             hash_algo=self.ns.hash_algo, namespace=asdict(self.ns),
             lora=[lora.lora_name, str(lora.lora_path)] if lora else None, created=time.time(),
-            turn=turn, num_prompt_tokens=int(req.num_prompt_tokens))
+            turn=params.turn, num_prompt_tokens=int(req.num_prompt_tokens), arrived=params.at,
+            model=self.served_model or self.ns.model)
         body = asdict(rec)
         for key in [records.record_key(salt)] + \
-                ([records.turn_record_key(salt, slot)] if slot is not None else []):
+                ([records.turn_record_key(salt, params.slot)] if params.slot is not None else []):
             if not records.write_record(self.store, key, body, records.RECORD_LAYOUT,
-                                        what="a context record", salt=salt, wait=0):
+                                        what="a context record", salt=salt, wait=0,
+                                        order=rec.order):
                 self.stats.add("save_errors", reason="backpressure")
                 self._warn("records", "the store's save queue is full: context records are "
                            "dropped until it drains (counted as cwm:connector_save_errors"

@@ -183,7 +183,7 @@ class MemoryFiles:
     def _named(self, names: Iterable[str]) -> list[str]:
         out = []
         for name in names:
-            if NAME.match(name) and ".." not in name:
+            if NAME.fullmatch(name) and ".." not in name:
                 out.append(name)
             elif name not in self._strays:
                 self._strays.add(name)
@@ -226,7 +226,7 @@ class MemoryFiles:
         except FileNotFoundError:
             return out
         for e in entries:
-            if e.name.endswith(".md") and NAME.match(e.name[:-3]) and ".." not in e.name \
+            if e.name.endswith(".md") and NAME.fullmatch(e.name[:-3]) and ".." not in e.name \
                     and e.is_file():  # files named otherwise by hand are not sessions
                 try:
                     st = e.stat()
@@ -243,7 +243,7 @@ class MemoryFiles:
         by_day: dict[str, list[str]] = {}
         for turn in turns:
             day, _, clock = turn.ts.partition("T")
-            if not DAY.match(day):  # (the file's name: never a path from a stamp)
+            if not DAY.fullmatch(day):  # (the file's name: never a path from a stamp)
                 day, clock = "undated", " ".join(turn.ts.split())[:40]
             one_line = " ".join(turn.content.split())
             one_line = one_line[:160] + ("…" if len(one_line) > 160 else "")

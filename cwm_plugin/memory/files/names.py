@@ -21,7 +21,7 @@ def check_name(kind: str, name: object) -> str:
         raise InvalidInput(f"{kind} name must be a non-empty string, got {name!r}")
     if len(name) > MAX_LEN:
         raise InvalidInput(f"{kind} name is {len(name)} characters long; use at most {MAX_LEN}")
-    if "\x00" in name or "/" in name or "\\" in name or ".." in name or not NAME.match(name):
+    if "\x00" in name or "/" in name or "\\" in name or ".." in name or not NAME.fullmatch(name):
         raise InvalidInput(
             f"{kind} name {name!r} is not allowed",
             hint="use letters, digits, '_', '-' or '.', starting with a letter or digit, "
@@ -32,7 +32,7 @@ def check_name(kind: str, name: object) -> str:
 
 def check_role(role: object) -> str:
     """Roles are chat roles (user, assistant, ...) or speaker names; one line, short."""
-    if not isinstance(role, str) or not ROLE.match(role):
+    if not isinstance(role, str) or not ROLE.fullmatch(role):
         raise InvalidInput(f"role {role!r} is not allowed",
                            hint="use a chat role such as 'user' or a short speaker name")
     return role

@@ -37,7 +37,7 @@ def turn_records(turns: list[tuple[str, str]], turn_ids: list[str | None] | None
             raise InvalidInput("turn content must be a string")
         if turn_id is None:
             turn_id = new_turn_id()
-        elif not TURN_ID.match(turn_id):
+        elif not TURN_ID.fullmatch(turn_id):
             raise InvalidInput(f"turn id {turn_id!r} is not allowed",
                                hint="use 1-64 letters, digits, '_', '.', ':' or '-'")
         records.append(Turn(turn_id=turn_id, role=role, content=content, ts=utc_iso(ts)))

@@ -8,10 +8,11 @@
 3. plan the prompt (``plan.py``, on a worker thread): the client's messages with memory merged
    in. Any failure there (memory, index, embedder, tokenizer) fails *open*: the request goes
    upstream as the client sent it, flagged in ``X-CWM-Memory-Status`` (``failopen.py``);
-4. forward with the salt and the client turn's number (``records.py``: the connector
-   keeps the session's last few turns for windows; a continuing session this process has not
-   seen first adopts its stored prompt state), stream or not, failing over to the next upstream serving the model
-   if one is down (connect error or 5xx before any byte was relayed);
+4. forward with the salt and the client turn's number and arrival (``arrivals.py``,
+   ``records.py``: the connector keeps the session's last few turns for windows; a continuing
+   session this process has not seen first adopts its stored prompt state), stream or not,
+   failing over to the next upstream serving the model if one is down (connect error or 5xx
+   before any byte was relayed);
 5. before the client sees the end (a stream cut short: once it is known to be, with what was
    relayed, marked as cut), append the client's new messages and the answer to the
    session's file (one durable append; the index catches up in the background), count usage
@@ -44,6 +45,7 @@ from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
 from cwm_plugin.sidecar.identity.caller import identity_of, json_body, principal_of
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.turn import prompt as P
+from cwm_plugin.sidecar.turn.arrivals import Arrival, Arrivals, kv_params
 from cwm_plugin.sidecar.turn.failopen import HEADER as STATUS_HEADER
 from cwm_plugin.sidecar.turn.plan import (
     Plan,
@@ -56,7 +58,6 @@ from cwm_plugin.sidecar.turn.plan import (
 from cwm_plugin.sidecar.turn.records import (
     answer_message,
     client_turn,
-    kv_params,
     restore_prompt,
     save_turn,
 )
@@ -150,7 +151,7 @@ class ChatTurn:
     ep: Endpoint | None = None  # the upstream that answered
     can_append: bool = True  # the home namespace takes its transcript (identity/access.py) ...
     can_write: bool = True  # ... and its summaries and facts
-    number: int | None = None  # the client turn of its session (records.py)
+    arrival: Arrival | None = None  # the client turn of its session (arrivals.py)
 
     def served_by(self, ep: Endpoint) -> None:
         """The context limit is the one of the upstream that answered (it may have failed
@@ -200,8 +201,9 @@ class ChatTurn:
         sc, tenant, plan, state = self.sc, self.ident.tenant, self.plan, self.state
         sc.usage.record(tenant, self.model, self.ep.name if self.ep else "", usage,
                         owner=owner_of(self.ident))
-        if self.number is not None:
-            save_turn(sc, self.salt, state, self.number, self.model, self.messages, reply)
+        if self.arrival is not None:
+            save_turn(sc, self.salt, self.arrival, plan.prompt, self.model, self.messages,
+                      reply)
         if sc.memory is not None:
             sc.metrics.saved_tokens.labels(tenant, self.model).inc(max(0, plan.full - plan.sent))
         real = (usage or {}).get("prompt_tokens")
@@ -293,8 +295,9 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     route = await sc.router.route(body)
     model, info = route.model or model, route.info()
     state = sc.tracker.get(owner_of(ident), ident.session) if ident.session else SessionState()
+    number = client_turn(messages, mode)
     if ident.session is not None:  # a thawed window, a restart: its prompt state first
-        await restore_prompt(sc, salt, state, client_turn(messages, mode, state), messages)
+        await restore_prompt(sc, salt, state, state.turns.number(number), messages)
     plan, counter, status = await _plan(sc, {
         "ident": ident, "body": body, "messages": messages, "state": state, "model": model,
         "max_len": sc.settings.context_limit(ident.tenant, info.max_model_len), "mode": mode,
@@ -310,15 +313,12 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
         turn_headers = {"X-CWM-Memory-View": view, "X-CWM-Memory-Tokens": str(plan.injected)}
     else:
         turn_headers = {STATUS_HEADER: status} if status else {}
-    number = client_turn(messages, mode, state) if ident.session is not None else None
-    keep = sc.settings.windows.keep_turns if sc.settings.windows else 8
-    forward = {**body, "model": model, "messages": plan.messages, "cache_salt": salt,
-               "kv_transfer_params": kv_params(number, keep)}
+    forward = {**body, "model": model, "messages": plan.messages, "cache_salt": salt}
     turn = ChatTurn(sc, ident, model, info.max_model_len, salt, messages, state, plan, counter,
                 stages, route, turn_headers,
                 used=state.estimate(plan.prompt_tokens), project=project,
                 can_append=perms.allows(ident.tenant, home, "append"),
-                can_write=perms.allows(ident.tenant, home, "write"), number=number)
+                can_write=perms.allows(ident.tenant, home, "write"))
     if debug:
         p = sc.settings.prompt
         turn.headers["X-CWM-Memory"] = debug_header(
@@ -330,9 +330,15 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
             await sc.salt_mover.before_forward(ident, body, salt)
     sc.metrics.overhead_seconds.labels(ident.tenant, model).observe(stages.total)
     up = headers_up(request.headers)
-    if body.get("stream"):
-        return await _stream(turn, forward, up)
-    return await _once(turn, forward, up)
+    arrival = turn.arrival = state.turns.arrive(number) if ident.session else None
+    forward["kv_transfer_params"] = kv_params(arrival, sc.settings.windows)
+    try:
+        if body.get("stream"):
+            return await _stream(turn, forward, up)  # ends the arrival when the stream does
+        return await _once(turn, forward, up)
+    except BaseException:
+        Arrivals.end(arrival)
+        raise
 
 
 def _observe_stages(turn: ChatTurn) -> None:
@@ -344,6 +350,7 @@ def _observe_stages(turn: ChatTurn) -> None:
 async def _once(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -> Response:
     sc = turn.sc
     ep, resp = await sc.router.post(turn.route, "/v1/chat/completions", forward, headers=up)
+    Arrivals.end(turn.arrival)
     turn.served_by(ep)
     sc.metrics.requests.labels(turn.ident.tenant, turn.model, "chat", str(resp.status_code)).inc()
     if resp.status_code != 200:
@@ -371,6 +378,7 @@ async def _stream(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -
     if resp.status_code != 200:
         content = await resp.aread()
         await handle.close()
+        Arrivals.end(turn.arrival)
         return upstream_error_response(resp.status_code, content, headers)
     collected = Collected()
 
@@ -407,6 +415,7 @@ async def _stream(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -
                                          strip_usage=not client_wants_usage, on_done=on_done):
                 yield piece
         finally:
+            Arrivals.end(turn.arrival)
             if collected.done:
                 await handle.close()
             else:  # not awaited here: a client gone away cancelled this task

@@ -1,7 +1,9 @@
 """Routes relayed without memory, authenticated like chat, errors OpenAI-shaped.
 
-``POST /v1/completions`` and ``/v1/responses`` carry the session's salt (streamed or not) and
-are routed like chat (an explicit model to the upstreams serving it, an alias by role, with
+``POST /v1/completions`` and ``/v1/responses`` carry the session's salt (streamed or not) and,
+in a session, the client turn's number and arrival (:mod:`~cwm_plugin.sidecar.turn.arrivals`:
+the session's next number, so windows can freeze them like chat turns), and are routed like
+chat (an explicit model to the upstreams serving it, an alias by role, with
 failover; their usage is accounted); ``POST /v1/embeddings``, ``/tokenize`` and ``/detokenize``
 go where their model is served (else to the default upstream) as they are; ``GET /v1/models``
 is the default upstream's list, or with several upstreams all their lists merged;
@@ -26,6 +28,7 @@ from cwm_plugin.sidecar.http.errors import ModelNotFound, upstream_error_respons
 from cwm_plugin.sidecar.identity.authenticator import owner_of
 from cwm_plugin.sidecar.identity.caller import identity_of, json_body
 from cwm_plugin.sidecar.runtime import Sidecar
+from cwm_plugin.sidecar.turn.arrivals import Arrival, Arrivals, kv_params
 from cwm_plugin.sidecar.upstream.client import headers_down, headers_up
 from cwm_plugin.sidecar.upstream.stream import Collected, ask_usage, relay_sse, relayed_usage
 
@@ -47,17 +50,30 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     """``POST path`` to the upstream (see the module docstring)."""
     body = await json_body(request)
     ident = identity_of(request, body)
-    forward = body
+    forward, arrival = body, None
     if path in SALTED:
         require_model(body)
         route = await sc.router.route(body)
-        # a client's kv_transfer_params never reach the connector (they could name turns)
-        forward = {**body, "cache_salt": sc.auth.salt_for(ident, body),
-                   "kv_transfer_params": {"cwm": {}}}
+        forward = {**body, "cache_salt": sc.auth.salt_for(ident, body)}
         if sc.salt_mover is not None:  # after a secret rotation: the session's KV follows
             await sc.salt_mover.before_forward(ident, body, forward["cache_salt"])
+        if ident.session is not None:
+            arrival = sc.tracker.get(owner_of(ident), ident.session).turns.arrive()
+        # a client's kv_transfer_params never reach the connector (they could name turns)
+        forward["kv_transfer_params"] = kv_params(arrival, sc.settings.windows)
     else:
         route = await sc.router.route_loose(body)
+    try:
+        return await _forward(sc, request, path, body, forward, ident, route, arrival)
+    except BaseException:
+        Arrivals.end(arrival)
+        raise
+
+
+async def _forward(sc: Sidecar, request: Request, path: str, body: dict[str, Any],
+                   forward: dict[str, Any], ident: Any, route: Any,
+                   arrival: Arrival | None) -> Response:
+    """Send it and relay the answer (the arrival ends with it)."""
     # a metric label: a model the router knows, never the client's free text (a new name on
     # every /tokenize would have grown /metrics, and this process, without bound)
     model = route.model or UNROUTED
@@ -65,6 +81,7 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     up = headers_up(request.headers)
     if not body.get("stream"):
         ep, resp = await sc.router.post(route, path, forward, headers=up)
+        Arrivals.end(arrival)
         sc.metrics.requests.labels(*labels, str(resp.status_code)).inc()
         if resp.status_code == 200 and path in SALTED:
             sc.usage.record(ident.tenant, model, ep.name, resp.json().get("usage"),
@@ -81,6 +98,7 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     if resp.status_code != 200:
         content = await resp.aread()
         await handle.close()
+        Arrivals.end(arrival)
         return upstream_error_response(resp.status_code, content, down)
     collected = Collected()
 
@@ -90,6 +108,7 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
                                          strip_usage=not client_wants_usage):
                 yield piece
         finally:
+            Arrivals.end(arrival)
             await handle.close()
 
     def after() -> None:  # also after a client went away: what was relayed is billed

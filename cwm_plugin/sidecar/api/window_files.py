@@ -32,7 +32,8 @@ SPOOL = 8 << 20  # a file smaller than this stays in memory
 
 def windows_files_router(sidecar: Any, run: Callable[..., Any],
                          caller: Callable[[Request, str], Identity]) -> APIRouter:
-    """The two routes; ``run(fn)`` runs ``fn(engine)`` in a thread (503 without windows),
+    """The two routes; ``run(ident, fn)`` runs ``fn(engine)`` in a thread, within the
+    caller's tenant's share (503 without windows),
     ``caller(request, op)`` authenticates and checks access (windows.py)."""
     router = APIRouter()  # included by the windows router, under its /v1
     limit = sidecar.settings.body_limit("/v1/windows/import")
@@ -43,7 +44,7 @@ def windows_files_router(sidecar: Any, run: Callable[..., Any],
         check_name(name)
         spool = tempfile.SpooledTemporaryFile(max_size=SPOOL)  # noqa: SIM115 - closed below
         try:
-            summary = await run(lambda e: export_window(e, owner_of(ident), name, spool))
+            summary = await run(ident, lambda e: export_window(e, owner_of(ident), name, spool))
         except BaseException:
             spool.close()
             raise
@@ -78,7 +79,7 @@ def windows_files_router(sidecar: Any, run: Callable[..., Any],
                                        hint="raise windows.max_import_bytes")
                 await asyncio.to_thread(spool.write, chunk)
             spool.seek(0)
-            m = await run(lambda e: import_window(e, owner_of(ident), spool, name))
+            m = await run(ident, lambda e: import_window(e, owner_of(ident), spool, name))
         return {"object": "window", **m.public()}
 
     return router

@@ -22,15 +22,16 @@ count toward the tenant's quota; after a secret rotation a user's windows move t
 name before the route runs: ``salt_move.py``). Sessions
 map to their ``cache_salt`` as in chat requests, so a thaw into session S restores S's next
 request. Errors are OpenAI-shaped (the app's handler). The engine is blocking (store I/O): it
-runs in a worker thread.
+runs in a worker thread, within the caller's tenant's share of them (:mod:`.window_pool`). A
+freeze waits only for the session's turns this sidecar saw arrive whose records may still be on
+their way (:mod:`~cwm_plugin.sidecar.turn.arrivals`); a turn that is not kept, or a session with
+nothing stored, is refused at once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -40,17 +41,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from cwm_plugin.errors import CWMError, InvalidInput, UpstreamError
 from cwm_plugin.sidecar.api.schema import body_doc
 from cwm_plugin.sidecar.api.window_files import windows_files_router
+from cwm_plugin.sidecar.api.window_pool import TenantPool
 from cwm_plugin.sidecar.api.window_warm import warm_up
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of, validate_session
 from cwm_plugin.sidecar.identity.caller import identity_of, model_body, principal_of
+from cwm_plugin.sidecar.turn.arrivals import Arrivals
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.model import check_name
 
 log = logging.getLogger(__name__)
-
-
-WINDOW_THREADS = 4  # window operations at once (store I/O; a freeze may wait for a record)
 
 
 class WindowsUnavailable(CWMError):
@@ -148,7 +148,8 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     router = APIRouter(prefix="/v1", dependencies=[Depends(follow_rotation)])
     auth = sidecar.auth
     settings = sidecar.settings
-    pool = ThreadPoolExecutor(WINDOW_THREADS, thread_name_prefix="cwm-windows")
+    pool = TenantPool(len(settings.principals()),
+                      settings.windows.tenant_threads if settings.windows else 1)
 
     def caller(request: Request, op: str = "read") -> Identity:
         """The caller, allowed ``op`` on its home namespace (windows are its KV)."""
@@ -161,21 +162,14 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         auth.perms.require_grant(tenant, grant, what)
         return tenant
 
-    async def run(fn: Callable[[WindowEngine], Any]) -> Any:
+    async def run(ident: Identity, fn: Callable[[WindowEngine], Any]) -> Any:
+        """``fn(engine)`` on a window thread, within the caller's tenant's share."""
         eng = engine
         if eng is None:
             raise WindowsUnavailable("context windows are not configured on this sidecar",
                                      hint="add a `windows.store` section (the KV store vLLM's "
                                           "connector uses) to the sidecar config")
-        # a pool of their own: a freeze may wait seconds for a record or a tier, and chat's
-        # turns (memory selection) must never queue behind window operations
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, eng)
-
-    def ttl(value: float | None) -> float | None:
-        cap = settings.windows.max_ttl_s if settings.windows else None
-        if cap is not None and (value is None or value > cap):
-            return cap
-        return value
+        return await pool.run(ident.tenant, lambda: fn(eng))
 
     @router.post("/windows", openapi_extra=body_doc(FreezeBody))
     async def freeze(request: Request) -> dict[str, Any]:
@@ -183,10 +177,13 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         body = await model_body(request, FreezeBody)
         check_name(body.name)
         session = session_of(body.session)
-        m = await run(lambda e: e.freeze(
+        turns = getattr(sidecar.tracker.peek(owner_of(ident), session), "turns", Arrivals())
+        coming, wait = turns.coming(), turns.patience(settings.windows.wait_s)
+        m = await run(ident, lambda e: e.freeze(
             owner_of(ident), body.name, session=session, salt=auth.session_salt(ident, session),
             messages=body.messages, tags=body.tags, description=body.description,
-            turn=body.turn, ttl_s=ttl(body.ttl_s), prompt_prefix=body.prompt_prefix))
+            turn=body.turn, ttl_s=body.ttl_s, prompt_prefix=body.prompt_prefix,
+            coming=coming, coming_s=wait))
         return {"object": "window", **m.public()}
 
     @router.post("/windows/{name}/thaw", openapi_extra=body_doc(ThawBody))
@@ -195,8 +192,8 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         body = await model_body(request, ThawBody)
         session = session_of(body.session)
         salt = auth.session_salt(ident, session)
-        r = await run(lambda e: e.thaw(owner_of(ident), check_name(name), session=session,
-                                       salt=salt, model=body.model))
+        r = await run(ident, lambda e: e.thaw(owner_of(ident), check_name(name),
+                                              session=session, salt=salt, model=body.model))
         sidecar.tracker.get(owner_of(ident), session).adopt(r.prompt)  # its next turn
         if body.warm:
             r.warm = await warm_up(sidecar, r.token_ids, salt, body.model or r.model or None)
@@ -206,16 +203,16 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
             if "error" in r.warm:
                 r.warnings.append(f"the warm-up failed: {r.warm['error']}")
             else:
-                await run(lambda e: e.note_warm(owner_of(ident), name, session, r.warm))
+                await run(ident, lambda e: e.note_warm(owner_of(ident), name, session, r.warm))
         return {"object": "window.thaw", **r.public()}
 
     @router.post("/windows/{name}/clone", openapi_extra=body_doc(CloneBody))
     async def clone(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
         body = await model_body(request, CloneBody)
-        m = await run(lambda e: e.clone(owner_of(ident), check_name(name),
-                                        check_name(body.name), tags=body.tags,
-                                        description=body.description))
+        m = await run(ident, lambda e: e.clone(owner_of(ident), check_name(name),
+                                               check_name(body.name), tags=body.tags,
+                                               description=body.description))
         return {"object": "window", **m.public()}
 
     @router.get("/windows")
@@ -228,7 +225,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
                 or len(tag or []) > 32:
             raise InvalidInput("bad list parameters", hint="order asc|desc, 1 <= limit <= "
                                                            "1000, offset >= 0, at most 32 tags")
-        page, total = await run(lambda e: e.list(
+        page, total = await run(ident, lambda e: e.list(
             owner_of(ident), tags=tag, model=model, session=session, text=q, sort=sort,
             descending=order == "desc", limit=limit, offset=offset))
         return {"object": "list", "data": [m.public() for m in page], "total": total,
@@ -238,20 +235,21 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     async def status(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request)
         return {"object": "window",
-                **await run(lambda e: e.status(owner_of(ident), check_name(name)))}
+                **await run(ident, lambda e: e.status(owner_of(ident), check_name(name)))}
 
     @router.patch("/windows/{name}", openapi_extra=body_doc(PatchBody))
     async def patch(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
         body = await model_body(request, PatchBody)
-        m = await run(lambda e: e.patch(owner_of(ident), check_name(name), new_name=body.name,
-                                        tags=body.tags, description=body.description))
+        m = await run(ident, lambda e: e.patch(owner_of(ident), check_name(name),
+                                               new_name=body.name, tags=body.tags,
+                                               description=body.description))
         return {"object": "window", **m.public()}
 
     @router.delete("/windows/{name}")
     async def delete(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
-        await run(lambda e: e.delete(owner_of(ident), check_name(name)))
+        await run(ident, lambda e: e.delete(owner_of(ident), check_name(name)))
         return {"object": "window.deleted", "name": name, "deleted": True}
 
     @router.get("/sessions")
@@ -261,7 +259,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         seen = set(sidecar.tracker.sessions(owner_of(ident)))
         windows: dict[str, int] = {}
         if engine is not None:
-            for m in (await run(lambda e: e.list(owner_of(ident), limit=100_000)))[0]:
+            for m in (await run(ident, lambda e: e.list(owner_of(ident), limit=100_000)))[0]:
                 windows[m.session] = windows.get(m.session, 0) + 1
         return {"object": "list", "data": [{"session": s, "windows": windows.get(s, 0)}
                                            for s in sorted(seen | set(windows))]}
@@ -271,7 +269,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         """Erase the session's stored KV and records (its windows keep theirs)."""
         ident = caller(request, "write")
         session = session_of(session)
-        n = await run(lambda e: e.clear_session(auth.session_salt(ident, session)))
+        n = await run(ident, lambda e: e.clear_session(auth.session_salt(ident, session)))
         state = sidecar.tracker.peek(owner_of(ident), session)
         if state is not None:  # its prompt state goes with its KV
             state.pinned, state.compaction = None, None
@@ -282,7 +280,8 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     @router.get("/cache/stats")
     async def cache_stats(request: Request) -> dict[str, Any]:
         granted(request, "metrics", "GET /v1/cache/stats (every tenant's store)")
-        return {"object": "cache.stats", "tiers": await run(lambda e: e.store.usage())}
+        return {"object": "cache.stats",
+                "tiers": await run(identity_of(request), lambda e: e.store.usage())}
 
     @router.get("/auto_freeze")
     async def auto_freeze(request: Request, model: str | None = None) -> dict[str, Any]:
@@ -312,7 +311,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
                 limit = 0
         a = auto_of()
         salt = auth.session_salt(ident, session)
-        return await asyncio.get_running_loop().run_in_executor(pool, lambda: a.check(
+        return await pool.run(ident.tenant, lambda: a.check(
             owner_of(ident), session, salt, used_tokens=used, max_tokens=limit,
             model=body.model))
 

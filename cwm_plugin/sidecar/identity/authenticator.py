@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cwm_plugin.errors import Forbidden, InvalidInput
-from cwm_plugin.salts import derive_salt
+from cwm_plugin.salts import derive_salt, user_session
 from cwm_plugin.sidecar.identity.access import PermissionDenied, Permissions
 from cwm_plugin.sidecar.settings import ProviderConfig, TenantConfig
 from cwm_plugin.sidecar.settings.access import AccessSettings
@@ -220,9 +220,7 @@ class Authenticator:
     def user_session(self, tenant: str, user: str, secret: bytes | None = None) -> str:
         """The session name for an OpenAI ``user`` value (see the module docstring), with the
         newest secret unless another version is given."""
-        mac = hmac.new(secret or self._secret, f"user\x00{tenant}\x00{user}".encode(),
-                       hashlib.sha256)
-        return "u-" + mac.hexdigest()[:32]
+        return user_session(secret or self._secret, tenant, user)
 
     def user_folder(self, tenant: str, user: str) -> str:
         """The user's namespace folder and default session: the newest secret's name, where

@@ -24,7 +24,7 @@ from pydantic import (
 
 from cwm_plugin.activity.settings import ActivitySettings
 from cwm_plugin.config_file import Strict as _Strict
-from cwm_plugin.config_file import read_mapping, validate
+from cwm_plugin.config_file import validate
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.sidecar.settings.access import AccessSettings, UserKey, key_digests
@@ -37,6 +37,7 @@ from cwm_plugin.sidecar.settings.routing import RouteRule as RouteRule
 from cwm_plugin.sidecar.settings.routing import UpstreamConfig as UpstreamConfig
 from cwm_plugin.sidecar.settings.secret_versions import SecretVersion, in_grace
 from cwm_plugin.sidecar.settings.sessions import SessionSettings
+from cwm_plugin.typed_config import read_yaml
 from cwm_plugin.windows.settings import WindowsSettings
 
 
@@ -289,7 +290,7 @@ class Settings(_Strict):
 def load_settings(path: str | os.PathLike[str], **overrides: object) -> Settings:
     """Read and validate a YAML settings file; ``overrides`` replace top-level keys."""
     p = Path(path)
-    raw = read_mapping(p)
+    raw = read_yaml(p)
     raw.update({k: v for k, v in overrides.items() if v is not None})
     settings = validate(Settings, raw, p)
     settings.memory.resolve_root(p)

@@ -40,7 +40,7 @@ from cwm_plugin.sidecar.turn.budget import (
     recent_tail,
 )
 from cwm_plugin.sidecar.turn.memory_port import MemoryPort, Selected
-from cwm_plugin.sidecar.turn.session import Compaction, Pinned, SessionState
+from cwm_plugin.sidecar.turn.session import Compaction, Pinned, SessionState, prompt_state
 from cwm_plugin.timing import Stages
 
 Message = dict[str, Any]
@@ -73,6 +73,7 @@ class Plan:
     sent: int = 0
     full: int = 0
     injected: int = 0
+    prompt: dict[str, Any] = field(default_factory=dict)  # its prompt state (session.py)
 
 
 def digest(message: Message | None) -> str:
@@ -186,13 +187,14 @@ def _plan_full(t: TurnInput, parts: P.Parts) -> Plan:
             if more != cut:
                 cut = more
                 kept = P.drop_front(history, cut)
+                comp = Compaction(cut, digest(history[cut - 1]),
+                                  comp.summary if comp else None, comp.generation if comp else 0)
                 if t.ident.session is not None:
-                    st.compaction = Compaction(cut, digest(history[cut - 1]),
-                                               comp.summary if comp else None,
-                                               comp.generation if comp else 0)
+                    st.compaction = comp
         out = P.merge(parts.prefix + kept + parts.current, text, prompt_cfg.placement,
                       system_role=t.system_role)
-        return _counted(t, out, sel, text, t.counter.count_messages(t.messages))
+        return _counted(t, out, sel, text, t.counter.count_messages(t.messages),
+                        prompt_state(Pinned(key, sel), comp))
 
 
 def _plan_recent(t: TurnInput, parts: P.Parts) -> Plan:
@@ -222,7 +224,7 @@ def _plan_recent(t: TurnInput, parts: P.Parts) -> Plan:
         full = max(t.counter.count_messages(t.messages),
                    t.counter.count_messages(parts.prefix + parts.current)
                    + st.full_history_tokens)
-        return _counted(t, out, sel, text, full)
+        return _counted(t, out, sel, text, full, prompt_state(None, comp))
 
 
 def _tokens(t: TurnInput, text: str | None) -> int:
@@ -232,16 +234,18 @@ def _tokens(t: TurnInput, text: str | None) -> int:
 NEAR = 0.05  # a prompt estimated within this share of max_model_len of a threshold: count it
 
 
-def _counted(t: TurnInput, out: list[Message], sel: Selected, text: str, full: int) -> Plan:
-    """The plan with its counts; the prompt is estimated (cached message counts) and counted
-    exactly (the chat template or ``/tokenize``) only when it comes near a threshold."""
+def _counted(t: TurnInput, out: list[Message], sel: Selected, text: str, full: int,
+             state: dict[str, Any]) -> Plan:
+    """The plan with its counts and its prompt ``state``; the prompt is estimated (cached
+    message counts) and counted exactly (the chat template or ``/tokenize``) only when it
+    comes near a threshold."""
     prompt = t.counter.estimate_chat(out)
     th = t.settings.checkpoint.for_model(t.model)
     if t.max_len and t.state.estimate(prompt) >= (th.warn - NEAR) * t.max_len:
         prompt = t.counter.count_chat(out)
     return Plan(messages=out, sel=sel, text=text, prompt_tokens=prompt,
                 sent=t.counter.count_messages(out), full=full,
-                injected=t.counter.count(text) if text else 0)
+                injected=t.counter.count(text) if text else 0, prompt=state)
 
 
 def debug_header(sel: Selected, compacted: bool, mode: str, cap: int,

@@ -1,21 +1,23 @@
 """What a client turn leaves behind for context windows, and what it picks up again.
 
-* The turn's number goes to vLLM in ``kv_transfer_params`` (``{"cwm": {"turn", "keep"}}``,
-  :mod:`cwm_plugin.connector.params`): the connector keeps the context record of each of the
-  session's last ``keep`` client turns, so a freeze takes the latest client turn (or an
-  earlier one), never the sidecar's own background prompts (which run under a salt of their
-  own). A client's own ``kv_transfer_params`` are never forwarded.
+* The turn's number and arrival go to vLLM in ``kv_transfer_params`` (``{"cwm": {"turn",
+  "keep", "at"}}``, :mod:`.arrivals`, :mod:`cwm_plugin.connector.params`): the connector keeps
+  the context record of each of the session's last ``keep`` client turns, so a freeze takes
+  the latest client turn (or an earlier one), never the sidecar's own background prompts
+  (which run under a salt of their own). A client's own ``kv_transfer_params`` are never
+  forwarded.
 * After the answer, with a windows store configured, the sidecar leaves the turn's
   :class:`~cwm_plugin.windows.conversation.ConversationRecord` (the client's messages and the
-  answer, up to ``windows.max_message_bytes``; what it merged into the prompt) in the store,
-  written in the background.
+  answer, up to ``windows.max_message_bytes``; what its plan merged into the prompt, taken
+  when the prompt was assembled, so a concurrent turn of the session never stamps its own
+  onto this turn's KV) in the store, written in the background, with the turn's arrival.
 * A session this process has not seen that continues a conversation (a thawed window, a
   restart, another sidecar) takes the prompt state of its previous turn from the store first,
   so its prompt begins with the tokens its KV was computed for (memory selected once per
   conversation stays the same block).
 
 The turn number is the count of the client's user messages (full history mode), or the
-session's recorded turns + 1 (``recent`` mode, where the history is the server's).
+session's next number (``recent`` mode, where the history is the server's; other routes).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import asyncio
 import logging
 from typing import Any
 
+from cwm_plugin.sidecar.turn.arrivals import Arrival
 from cwm_plugin.sidecar.turn.session import SessionState
 from cwm_plugin.windows.conversation import ConversationRecord, capped_messages
 
@@ -31,15 +34,11 @@ log = logging.getLogger(__name__)
 RESTORE_TIMEOUT_S = 1.0  # a store that does not answer within this costs the turn nothing more
 
 
-def client_turn(messages: list[dict[str, Any]], mode: str, state: SessionState) -> int:
+def client_turn(messages: list[dict[str, Any]], mode: str) -> int | None:
+    """The number of a chat turn (None: the session's next)."""
     if mode == "recent":
-        return state.turns_recorded + 1
+        return None
     return max(1, sum(1 for m in messages if m.get("role") == "user"))
-
-
-def kv_params(turn: int | None, keep: int) -> dict[str, Any]:
-    """The ``kv_transfer_params`` of a client request (None: a stateless one)."""
-    return {"cwm": {"turn": turn, "keep": keep}} if turn is not None else {"cwm": {}}
 
 
 def answer_message(content: str | None, tool_calls: list[dict[str, Any]] | None
@@ -72,14 +71,15 @@ async def restore_prompt(sc: Any, salt: str, state: SessionState, turn: int,
         sc.metrics.windows_restores.labels("adopted").inc()
 
 
-def save_turn(sc: Any, salt: str, state: SessionState, turn: int, model: str,
+def save_turn(sc: Any, salt: str, arrival: Arrival, prompt: dict[str, Any], model: str,
               messages: list[dict[str, Any]], answer: dict[str, Any]) -> None:
-    """Leave the turn's conversation record in the store (in the background; never raises)."""
+    """Leave the turn's conversation record in the store (in the background; never raises);
+    ``prompt``: the prompt state its plan assembled the prompt with."""
     if sc.windows is None:
         return
     kept, dropped = capped_messages([*messages, answer], sc.settings.windows.max_message_bytes)
     try:
         sc.windows.conversations.write(salt, ConversationRecord(
-            turn, kept, state.prompt_state(), model, messages_dropped=dropped))
+            arrival.turn, kept, prompt, model, messages_dropped=dropped, arrived=arrival.at))
     except Exception as exc:  # a closed or full store: the KV still freezes without it
         log.warning("a conversation record could not be queued: %s", exc)

@@ -33,6 +33,7 @@ from enum import StrEnum
 from typing import Any
 
 from cwm_plugin.sidecar.settings import ThresholdConfig
+from cwm_plugin.sidecar.turn.arrivals import Arrivals
 from cwm_plugin.sidecar.turn.memory_port import Selected
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,19 @@ class Pinned:
     sel: Selected
 
 
+def prompt_state(pinned: Pinned | None, compaction: Compaction | None) -> dict[str, Any]:
+    """What a session merges into its prompt (the pinned memory, the compaction), as a
+    window carries it, so another session continuing the same conversation assembles the same
+    prompt prefix (:meth:`SessionState.adopt`)."""
+    out: dict[str, Any] = {}
+    if pinned is not None:
+        out["pinned"] = {"key": pinned.key, "memory_block": pinned.sel.memory_block,
+                         "tokens": pinned.sel.tokens, "facts": pinned.sel.facts}
+    if compaction is not None:
+        out["compaction"] = asdict(compaction)
+    return out
+
+
 @dataclass
 class SessionState:
     last_prompt_tokens: int = 0
@@ -92,6 +106,7 @@ class SessionState:
     checkpoints: int = 0
     pinned: Pinned | None = None
     restored: bool = False  # its prompt state was looked for in the store (windows.py)
+    turns: Arrivals = field(default_factory=Arrivals)  # its client turns as they arrive
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one background job at a time
 
     @property
@@ -102,20 +117,8 @@ class SessionState:
         """This turn's prompt size for the thresholds: our count, calibrated."""
         return round(counted * self.calibration)
 
-    def prompt_state(self) -> dict[str, Any]:
-        """What this session merges into its prompt (the pinned memory, the compaction), as
-        a window carries it, so another session continuing the same conversation assembles
-        the same prompt prefix (:meth:`adopt`)."""
-        out: dict[str, Any] = {}
-        if self.pinned is not None:
-            out["pinned"] = {"key": self.pinned.key, "memory_block": self.pinned.sel.memory_block,
-                             "tokens": self.pinned.sel.tokens, "facts": self.pinned.sel.facts}
-        if self.compaction is not None:
-            out["compaction"] = asdict(self.compaction)
-        return out
-
     def adopt(self, prompt: dict[str, Any] | None) -> bool:
-        """Take over a prompt state from :meth:`prompt_state` (of a frozen window, or of this
+        """Take over a prompt state from :func:`prompt_state` (of a frozen window, or of this
         session before a restart); a malformed one is ignored. True if anything was taken."""
         self.restored = True
         try:

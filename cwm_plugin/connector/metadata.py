@@ -30,6 +30,8 @@ class BlockTransfer:
     num_tokens: int = 0  # tokens covered (block-aligned), for the blob's metadata
     salt: str | None = None   # the request's cache_salt (opens blobs sealed at rest)
     extra: bytes = b""        # per-request namespace scope (a LoRA adapter's content)
+    # each block's content identity (:mod:`~cwm_plugin.connector.content`); empty: the hashes
+    contents: list[bytes] = field(default_factory=list)
 
 
 @dataclass

@@ -27,6 +27,10 @@ recomputed (the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute`
 request is promised nothing again. Saves are planned from what is known in memory: a block
 some tier holds already is skipped by the worker's store, in the background.
 
+Each transfer carries its blocks' content identities (:mod:`.content`): the workers write them
+into the blobs they save and expect them of the blobs they load (a window's shared blob, of the
+same tokens under another salt, reads; another block's does not).
+
 Hit sources for vLLM's ``prompt_tokens_cached_by_source``: blocks the workers reported storing
 are ``host`` (their memory tier) when they have one, blocks in the disk index ``disk``, the rest
 (Redis) ``external_unspecified``.
@@ -45,6 +49,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from cwm_plugin.connector import records
 from cwm_plugin.connector.config import ConnectorConfig
+from cwm_plugin.connector.content import ContentChains
 from cwm_plugin.connector.keys import Namespace, kv_block_hashes, lora_extra
 from cwm_plugin.connector.known import KnownBlocks
 from cwm_plugin.connector.leases import Leases
@@ -103,6 +108,7 @@ class SchedulerSide:
         self.lookups = Lookups(store, self.workers, stats, wait_s=cfg.lookup_wait_ms / 1000,
                                deadline_s=cfg.lookup_deadline_ms / 1000)
         self.leases = Leases(store, stats, ttl_s=cfg.lease_ttl_s)
+        self.contents = ContentChains(hash_fn, self.block_size // hash_ratio, hash_ratio)
         # the workers load in the background (CPU) and report it in get_finished
         self.async_loads = async_loads and cfg.async_loads
         self._reqs: dict[str, _RequestState] = {}
@@ -123,6 +129,13 @@ class SchedulerSide:
 
     def _hashes(self, request: Any, num_blocks: int) -> list[bytes]:
         return kv_block_hashes(request.block_hashes, num_blocks, self.hash_ratio)
+
+    def _contents(self, request: Any, hashes: list[bytes], start: int) -> list[bytes]:
+        """The content identities of ``hashes`` (blocks ``start..``; empty: the hashes are,
+        or they could not be had: the blobs then name their salted hashes, and a window's
+        keys sharing them read as misses)."""
+        contents = self.contents.of(request, start + len(hashes))[start:]
+        return contents if len(contents) == len(hashes) else []
 
     def _state(self, request: Any) -> _RequestState:
         state = self._reqs.get(request.request_id)
@@ -229,7 +242,8 @@ class SchedulerSide:
         hashes = self._hashes(request, start + n)[start:]
         state.load = BlockTransfer(request.request_id, list(block_ids[start:start + n]), hashes,
                                    num_tokens=(start + n) * self.block_size,
-                                   salt=getattr(request, "cache_salt", None), extra=state.extra)
+                                   salt=getattr(request, "cache_salt", None), extra=state.extra,
+                                   contents=self._contents(request, hashes, start))
         state.saved_blocks = max(state.saved_blocks, start + n)
 
     def build_connector_meta(self, scheduler_output: Any) -> CWMConnectorMetadata:
@@ -292,11 +306,14 @@ class SchedulerSide:
         state.handled_blocks = n_full
         state.saved_blocks = max(state.saved_blocks, n_full)
         if todo:
+            contents = self._contents(state.request, hashes, 0)
             meta.saves.append(BlockTransfer(req_id, [state.block_ids[i] for i in todo],
                                             [hashes[i] for i in todo],
                                             num_tokens=n_full * self.block_size,
                                             salt=getattr(state.request, "cache_salt", None),
-                                            extra=state.extra))
+                                            extra=state.extra,
+                                            contents=[contents[i] for i in todo]
+                                            if contents else []))
             if not state.extra:
                 self.known.plan(hashes[i] for i in todo)
 
@@ -338,6 +355,7 @@ class SchedulerSide:
         """A request is finished: no lookup for it any more; its lease goes, unless its load
         still runs (then when the workers report it done)."""
         self.lookups.forget(req_id)
+        self.contents.forget(req_id)
         if req_id not in self._loading:
             self.leases.release(req_id)
 

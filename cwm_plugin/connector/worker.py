@@ -33,6 +33,7 @@ from concurrent.futures import Future
 
 import torch
 
+from cwm_plugin.connector.content import each
 from cwm_plugin.connector.keys import Namespace
 from cwm_plugin.connector.layout import KVLayout
 from cwm_plugin.connector.loads import Loader
@@ -121,13 +122,13 @@ class WorkerSide:
         staged = gather_blocks(self.layers, 0, block_ids)
         i = 0
         for t in saves:
-            for h in t.block_hashes:
+            for h, content in zip(t.block_hashes, each(t.contents, t.block_hashes), strict=True):
                 block = staged[i]
                 i += 1
                 try:
                     fut = self.store.put(self.ns.key(h, self.rank, t.extra), block,
                                          num_tokens=t.num_tokens, layout=self.layout_name,
-                                         salt=t.salt,
+                                         salt=t.salt, content=content,
                                          wait=max(0.0, room_until - time.monotonic()))
                 except QueueFull:      # a stuck tier: drop the save, never stall the step
                     room_until = 0.0   # (and the step's next saves wait no more)

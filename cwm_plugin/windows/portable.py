@@ -44,11 +44,12 @@ def export_window(engine: Any, owner: str, name: str, out: IO[bytes]) -> dict[st
         raise InvalidInput(f"window {name!r} is of a LoRA adapter: not portable",
                            hint="thaw it on a server sharing the store instead")
     keys = engine.window_keys(m)
+    contents = engine._chain(m, m.tokens, None, m.num_blocks)   # what each block holds
 
     def blobs():
         for w, ks in enumerate(keys):
             for i, key in enumerate(ks):
-                plain = engine.store.get_plain(key, salt=m.window_salt)
+                plain = engine.store.get_plain(key, salt=m.window_salt, content=contents[i])
                 if plain is None:
                     raise WindowIncomplete(f"block {i} of window {name!r} is no longer stored",
                                            hint="export a complete window (see its status)")
@@ -156,6 +157,7 @@ def import_window(engine: Any, owner: str, src: IO[bytes], name: str | None = No
     m.expires, m.parent, m.auto = None, None, False
     keys = engine._keys(m.workers, hashes)
     flat = [keys[e.worker][e.block] for e in checked.header.blobs]
+    contents = engine._chain(m, m.tokens, None, m.num_blocks)
     try:
         cipher = None
         if engine.store.config.encryption_key:
@@ -164,7 +166,8 @@ def import_window(engine: Any, owner: str, src: IO[bytes], name: str | None = No
         for i, key in enumerate(flat):  # one block in memory at a time
             blob = read_blob(src, checked, i)
             engine.store.put_blob(key, cipher.seal(blob, key=key) if cipher else blob,
-                                  replace=True).result()
+                                  replace=True,
+                                  content=contents[checked.header.blobs[i].block]).result()
         engine._complete(keys, f"window {m.name!r}", time.monotonic() + engine.wait_s,
                          block_size=m.block_size, tokens=len(m.tokens))
         pinned = engine.store.pin_many(flat)

@@ -19,7 +19,7 @@ key it asked for:
   a block of other tokens is refused, and a window's shared blob reads back. Binding the exact
   key would forbid the sharing; binding only the group would let any block of the model stand
   for any other. A reader that passes no content (records, manifests) accepts its key's blob
-  only.
+  only; a block saved before blocks named their content is accepted per group, as then.
 * With encryption at rest a blob is sealed for exactly one key and salt: the key named in its
   clear header, which the AEAD authenticates with the rest of the header, must be the key read
   (``foreign_key``; a window's re-key re-seals a copy for each new key:
@@ -92,8 +92,8 @@ def check(meta: dict[str, str], key: bytes, *, encrypted: bool,
                           f"block {key[GROUP_BYTES:].hex()[:16]}'s (key group "
                           f"{group_of(key).hex()})", reason="foreign_key",
                           hint=HINT + "; a copy for a new key is sealed for it (seal(..., key=))")
-    if content is not None and meta.get("content") == bytes(content).hex():
-        return                               # a window's blob: the same tokens, another salt
+    if content is not None and meta.get("content", bytes(content).hex()) == bytes(content).hex():
+        return       # a window's blob: the same tokens, another salt (or saved naming none)
     raise RefusedBlob(f"a blob saved for block {own[GROUP_BYTES:].hex()[:16]} (content "
                       f"{meta.get('content', 'none')[:16]}) is not block "
                       f"{key[GROUP_BYTES:].hex()[:16]}'s (content "

@@ -323,3 +323,14 @@ def test_a_thaw_does_not_reseal_a_swapped_block_for_its_new_key(place):
         eng.thaw("t1", "w", session="b", salt="salt-b")
     assert s.get_many(block_keys(tokens, "salt-b", 2)[0], salt="salt-b") == [None, None]
     assert refused(s, "foreign_key") >= 1
+
+
+def test_a_block_saved_naming_no_content_still_reads_under_a_windows_key(place, kv_block):
+    """Blocks saved before blocks named their content (a window frozen then) keep reading
+    under the keys linked to them, bound per key group as they were."""
+    s = place.open()
+    a, w = key("a"), key("window-a")
+    s.put(a, kv_block(1)).result()                       # no content in its header
+    s.link_many([(w, a)])
+    assert torch.equal(s.get(w, content=content("a")), kv_block(1))
+    assert s.get(w) is None                               # a reader of no content: its own only

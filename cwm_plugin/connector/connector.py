@@ -52,7 +52,7 @@ from cwm_plugin.connector.keys import (
 from cwm_plugin.connector.layout import discover_layout
 from cwm_plugin.connector.metadata import CWMConnectorMetadata, CWMHandshake
 from cwm_plugin.connector.prom import CWMPromMetrics
-from cwm_plugin.connector.records import SERVED_LAYOUT, served_key, write_record
+from cwm_plugin.connector.records import SERVED_LAYOUT, readable, served_key, write_record
 from cwm_plugin.connector.scheduler import SchedulerSide, hit_source_of_saves
 from cwm_plugin.connector.stats import CWMConnectorStats, StatsCollector
 from cwm_plugin.connector.worker import WorkerSide
@@ -209,10 +209,11 @@ class CWMConnector(KVConnectorBase_V1):
             async_loads=async_loads)
         served = getattr(self._vllm_config.model_config, "served_model_name", None) or ns.model
         served = str(served[0] if isinstance(served, list | tuple) else served)
-        write_record(store, served_key(served), {
-            "model": served, "namespace": dataclasses.asdict(ns),
-            "workers": [(n.digest.hex(), r) for n, r in workers]}, SERVED_LAYOUT,
-            what="the served-model record")
+        if readable(store):
+            write_record(store, served_key(served), {
+                "model": served, "namespace": dataclasses.asdict(ns),
+                "workers": [(n.digest.hex(), r) for n, r in workers]}, SERVED_LAYOUT,
+                what="the served-model record")
         log.info("cwm connector (scheduler) ready: namespace %s, model %s, KV layout %s, "
                  "%d worker(s), %s loads", ns.fingerprint, ns.model, ns.layout, len(workers),
                  "asynchronous" if self._scheduler.async_loads else "synchronous")
@@ -287,7 +288,11 @@ class CWMConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> Any:
-        return self._worker.take_worker_meta() if self._worker is not None else None
+        if self._worker is None:
+            return None
+        meta = self._connector_metadata
+        return self._worker.take_worker_meta(meta if isinstance(meta, CWMConnectorMetadata)
+                                             else None)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -15,6 +15,11 @@ the newest; + ``turn`` + a 2-byte slot when the request named its client turn
 session's last few client turns can be frozen. The sidecar's own conversation records (what it
 merged into the prompt, the client's messages) live in the same group
 (:mod:`cwm_plugin.windows.conversation`).
+
+Records are written only to a store whose records someone can read (:func:`readable`): their
+readers (the window engine in the sidecar or the CLI) open the disk and Redis tiers, never a
+vLLM process's memory, so a memory-only store keeps none (said once at start). A record that
+cannot be saved is logged once per kind of failure.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from typing import Any
 
 import torch
 
+from cwm_plugin.connector.warn_once import WarnOnce
 from cwm_plugin.store.queue import QueueFull
 
 log = logging.getLogger(__name__)
+_warn = WarnOnce(log)
 
 PREFIX = b"cwm-ctx\0"
 RECORD_LAYOUT = "cwm-context-record"
@@ -96,6 +103,11 @@ class ContextRecord:
         return cls(**d)
 
 
+def readable(store: Any) -> bool:
+    """Whether records written to ``store`` reach their readers (it has a disk or Redis tier)."""
+    return bool(store.durable)
+
+
 def write_record(store: Any, key: bytes, obj: object, layout: str, *, what: str,
                  salt: str | None = None, wait: float | None = None) -> bool:
     """Save a JSON record under ``key`` (replacing an older one) in the background; a failure
@@ -103,8 +115,9 @@ def write_record(store: Any, key: bytes, obj: object, layout: str, *, what: str,
     step: 0): how long to wait when the store's save queue is full before the record is
     dropped. Returns whether it was queued."""
     def done(fut: Any) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
-            log.warning("cwm connector: could not save %s: %s", what, fut.exception())
+        if not fut.cancelled() and (exc := fut.exception()) is not None:
+            _warn(f"{what}-{type(exc).__name__}", "could not save %s: %s (said once)", what,
+                  exc)
 
     try:
         store.put(key, json_tensor(obj), layout=layout, salt=salt, replace=True,
@@ -112,7 +125,7 @@ def write_record(store: Any, key: bytes, obj: object, layout: str, *, what: str,
     except QueueFull:         # the caller counts it
         return False
     except Exception as exc:  # a closed or full store
-        log.warning("cwm connector: could not save %s: %s", what, exc)
+        _warn(f"{what}-{type(exc).__name__}", "could not save %s: %s (said once)", what, exc)
         return False
     return True
 

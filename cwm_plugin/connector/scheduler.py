@@ -12,7 +12,7 @@ prefill, chunk by chunk; generated blocks as decoding fills them). The worker co
 out of the paged cache at the end of that step, before the scheduler can free or reuse it, and
 encodes and writes it in the background, so ``request_finished`` never has to hold blocks back.
 When a salted request whose blocks were saved finishes, a context record is written for the
-window engine (:mod:`~cwm_plugin.connector.records`), also under its client turn's slot when
+window engine (where the store has a disk or Redis tier: :func:`.records.readable`) (:mod:`~cwm_plugin.connector.records`), also under its client turn's slot when
 the request names one; a request whose ``kv_transfer_params`` say ``store: false`` (the
 sidecar's background prompts) is neither looked up, saved nor recorded, and ``record: false``
 (a warm-up) leaves the session's records alone (:mod:`~cwm_plugin.connector.params`).
@@ -20,12 +20,16 @@ sidecar's background prompts) is neither looked up, saved nor recorded, and ``re
 Nothing here waits on the store. Lookups run in the background (:mod:`.lookups`): a request
 whose lookup still runs is answered ``None`` (vLLM asks again next step) until a deadline, past
 which its unknown blocks are misses. Promised blocks are leased in the durable tiers
-(:mod:`.leases`) until their load is done. CPU workers load in the background: a hit is
-answered ``(n, True)``, the request waits in vLLM's WAITING_FOR_REMOTE_KVS until the workers
-report it loaded (``get_finished``), and decoding requests go on meanwhile. A load that fails is
-recomputed (the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute``) and that
-request is promised nothing again. Saves are planned from what is known in memory: a block
-some tier holds already is skipped by the worker's store, in the background.
+(:mod:`.leases`) until their load is done; in the workers' memory tiers nothing is freed that
+a promise may still name: each metadata carries its ``step`` and the newest worker report
+taken in (``seen``), and a worker frees what it evicted only once the scheduler has seen it
+reported (:meth:`~cwm_plugin.store.tiers.memory.MemoryTier.defer_evictions`).
+CPU workers load in the background: a hit is answered ``(n, True)``, the request waits in vLLM's
+WAITING_FOR_REMOTE_KVS until the workers report it loaded (``get_finished``), and decoding
+requests go on meanwhile. A load that fails is recomputed (the connector sets vLLM's
+``kv_load_failure_policy`` to ``recompute``) and that request is promised nothing again. Saves
+are planned from what is known in memory: a block some tier holds already is skipped by the
+worker's store, in the background.
 
 Each transfer carries its blocks' content identities (:mod:`.content`): the workers write them
 into the blobs they save and expect them of the blobs they load (a window's shared blob, of the
@@ -109,12 +113,19 @@ class SchedulerSide:
                                deadline_s=cfg.lookup_deadline_ms / 1000)
         self.leases = Leases(store, stats, ttl_s=cfg.lease_ttl_s)
         self.contents = ContentChains(hash_fn, self.block_size // hash_ratio, hash_ratio)
+        self.keeps_records = cfg.context_records and records.readable(store)
+        if cfg.context_records and not self.keeps_records:
+            log.warning("cwm connector: the store has no disk or Redis tier, so no context "
+                        "records are kept (context windows freeze sessions from them, reading "
+                        "the durable tiers); add a disk_path or redis_url to use windows")
         # the workers load in the background (CPU) and report it in get_finished
         self.async_loads = async_loads and cfg.async_loads
         self._reqs: dict[str, _RequestState] = {}
         # loads sent to the workers and not reported done: req id -> (load, asynchronous)
         self._loading: dict[str, tuple[BlockTransfer, bool]] = {}
         self._reset_pending = False
+        self._step = 0      # metadata built; the newest worker report taken in
+        self._seen = 0
         self._selfcheck_started = False
         self._warn = WarnOnce(log)
 
@@ -248,7 +259,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> CWMConnectorMetadata:
         self.lookups.new_step()
-        meta = CWMConnectorMetadata(reset=self._reset_pending)
+        self._step += 1
+        meta = CWMConnectorMetadata(reset=self._reset_pending, step=self._step, seen=self._seen)
         self._reset_pending = False
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -323,7 +335,7 @@ class SchedulerSide:
         state = self._reqs.pop(request.request_id, None)
         self._end(request.request_id)
         salt = getattr(request, "cache_salt", None)
-        if state is not None and salt and state.saved_blocks and self.cfg.context_records:
+        if state is not None and salt and state.saved_blocks and self.keeps_records:
             params = params_of(request)
             if params.record and params.store:
                 self._write_record(state, salt, params.turn, params.slot)
@@ -388,6 +400,7 @@ class SchedulerSide:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, CWMWorkerMetadata):
             return
+        self._seen = max(self._seen, meta.step)   # its drops are forgotten below
         if meta.overflow:
             self.known.clear()
         self.known.report_stored(meta.stored)

@@ -79,6 +79,8 @@ class WorkerSide:
         self.loader = Loader(store, stats, ns=ns, rank=rank, layout=layout, layers=layers,
                              block_bytes=self.block_bytes, asynchronous=async_loads,
                              lease_ttl_s=lease_ttl_s)
+        if store.memory is not None:    # the scheduler promises what it believes is there
+            store.memory.defer_evictions()
         if self.loader.writer is not None and not self.loader.writer.joined:
             log.info("cwm connector: the KV layers are not one evenly spaced buffer; a "
                      "restored block is copied layer by layer")
@@ -164,7 +166,13 @@ class WorkerSide:
                 self.stats.add("save_errors", len(t.block_hashes), reason="load_failed")
         return kept
 
-    def take_worker_meta(self) -> CWMWorkerMetadata | None:
+    def take_worker_meta(self, step: CWMConnectorMetadata | None = None
+                         ) -> CWMWorkerMetadata | None:
+        """What this step's store did (``step``: the step's metadata, still bound), once the
+        memory tier has freed what the scheduler saw evicted and retired what is over budget
+        (:meth:`~cwm_plugin.store.tiered.KVStore.settle_memory`)."""
+        if step is not None:
+            self.store.settle_memory(step.step, step.seen)
         self._failed |= self.loader.take_failed()
         still: list[tuple[bytes, Future]] = []
         for h, fut in self._pending:
@@ -188,7 +196,8 @@ class WorkerSide:
         if not (self._stored or self._failed or dropped or overflow or loaded):
             return None
         meta = CWMWorkerMetadata({(h, i) for h, i in self._stored if h not in self._failed},
-                                 set(self._failed), dropped, overflow, loaded)
+                                 set(self._failed), dropped, overflow, loaded,
+                                 step.step if step is not None else 0)
         self._stored, self._failed = set(), set()
         return meta
 

@@ -267,6 +267,16 @@ class KVStore(ReadPath, KeySpace):
             self._dropped, self._drops_overflow = set(), False
         return dropped, overflow
 
+    def settle_memory(self, step: int, seen: int) -> None:
+        """A worker's step end, its memory tier's evictions acknowledged
+        (:meth:`~cwm_plugin.store.tiers.memory.MemoryTier.defer_evictions`): free what was
+        retired at step ``seen`` or before (the scheduler has seen it reported dropped), then
+        retire what is over the budget, reported as dropped at ``step``."""
+        if self.memory is not None:
+            self.memory.free_retired(seen)
+            self.memory.evict(step)
+            self._gauge(self.memory)
+
     def reset_memory(self) -> None:
         """Drop this process's memory tier (unpinned blobs); the keys are reported dropped."""
         if self.memory is not None:

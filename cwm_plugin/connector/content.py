@@ -50,15 +50,18 @@ class ContentChains:
             self._hasher = get_request_block_hasher(hash_block_size, hash_fn)
         self._chains: dict[str, list[bytes]] = {}
 
-    def of(self, request: Any, num_blocks: int) -> list[bytes]:
-        """The content identities of the request's first ``num_blocks`` KV blocks (as many as
-        it has hashes for); empty when they are its block hashes (no salt)."""
+    def of(self, request: Any, hashes: list[bytes], start: int = 0) -> list[bytes]:
+        """The content identities of the request's KV blocks ``start..`` whose block hashes
+        are ``hashes``; empty when they are those hashes (no salt), or could not be had (the
+        blobs then name their salted hashes: a window's keys sharing them read as misses)."""
         if not getattr(request, "cache_salt", None) or self._hasher is None:
             return []
+        n = start + len(hashes)
         chain = self._chains.setdefault(request.request_id, [])
-        if len(chain) < num_blocks * self.ratio:
+        if len(chain) < n * self.ratio:
             chain.extend(self._hasher(_Unsalted(request, chain)))
-        return kv_block_hashes(chain, num_blocks, self.ratio)
+        contents = kv_block_hashes(chain, n, self.ratio)[start:]
+        return contents if len(contents) == len(hashes) else []
 
     def forget(self, req_id: str) -> None:
         self._chains.pop(req_id, None)

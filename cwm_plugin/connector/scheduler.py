@@ -12,28 +12,25 @@ prefill, chunk by chunk; generated blocks as decoding fills them). The worker co
 out of the paged cache at the end of that step, before the scheduler can free or reuse it, and
 encodes and writes it in the background, so ``request_finished`` never has to hold blocks back.
 When a salted request whose blocks were saved finishes, a context record is written for the
-window engine (where the store has a disk or Redis tier: :func:`.records.readable`) (:mod:`~cwm_plugin.connector.records`), also under its client turn's slot when
-the request names one; a request whose ``kv_transfer_params`` say ``store: false`` (the
+window engine (:mod:`~cwm_plugin.connector.records`; only where the store has a disk or Redis
+tier), also under its client turn's slot when the request names one; a request whose ``kv_transfer_params`` say ``store: false`` (the
 sidecar's background prompts) is neither looked up, saved nor recorded, and ``record: false``
 (a warm-up) leaves the session's records alone (:mod:`~cwm_plugin.connector.params`).
 
 Nothing here waits on the store. Lookups run in the background (:mod:`.lookups`): a request
 whose lookup still runs is answered ``None`` (vLLM asks again next step) until a deadline, past
 which its unknown blocks are misses. Promised blocks are leased in the durable tiers
-(:mod:`.leases`) until their load is done; in the workers' memory tiers nothing is freed that
-a promise may still name: each metadata carries its ``step`` and the newest worker report
-taken in (``seen``), and a worker frees what it evicted only once the scheduler has seen it
-reported (:meth:`~cwm_plugin.store.tiers.memory.MemoryTier.defer_evictions`).
-CPU workers load in the background: a hit is answered ``(n, True)``, the request waits in vLLM's
-WAITING_FOR_REMOTE_KVS until the workers report it loaded (``get_finished``), and decoding
-requests go on meanwhile. A load that fails is recomputed (the connector sets vLLM's
-``kv_load_failure_policy`` to ``recompute``) and that request is promised nothing again. Saves
-are planned from what is known in memory: a block some tier holds already is skipped by the
-worker's store, in the background.
+(:mod:`.leases`) until their load is done; the workers' memory tiers free nothing a promise may
+still name (each metadata carries its ``step`` and ``seen``, the newest worker report taken in:
+:meth:`~cwm_plugin.store.tiers.memory.MemoryTier.defer_evictions`). CPU workers load in the
+background: a hit is answered ``(n, True)``, the request waits in vLLM's WAITING_FOR_REMOTE_KVS
+until the workers report it loaded (``get_finished``), and decoding requests go on meanwhile. A
+load that fails is recomputed (the connector sets vLLM's ``kv_load_failure_policy`` to
+``recompute``) and that request is promised nothing again. Saves are planned from what is known
+in memory: a block some tier holds already is skipped by the worker's store, in the background.
 
-Each transfer carries its blocks' content identities (:mod:`.content`): the workers write them
-into the blobs they save and expect them of the blobs they load (a window's shared blob, of the
-same tokens under another salt, reads; another block's does not).
+Each transfer carries its blocks' content identities (:mod:`.content`), which the workers write
+into the blobs they save and expect of the blobs they load.
 
 Hit sources for vLLM's ``prompt_tokens_cached_by_source``: blocks the workers reported storing
 are ``host`` (their memory tier) when they have one, blocks in the disk index ``disk``, the rest
@@ -124,8 +121,7 @@ class SchedulerSide:
         # loads sent to the workers and not reported done: req id -> (load, asynchronous)
         self._loading: dict[str, tuple[BlockTransfer, bool]] = {}
         self._reset_pending = False
-        self._step = 0      # metadata built; the newest worker report taken in
-        self._seen = 0
+        self._step = self._seen = 0   # metadata built; the newest worker report taken in
         self._selfcheck_started = False
         self._warn = WarnOnce(log)
 
@@ -140,13 +136,6 @@ class SchedulerSide:
 
     def _hashes(self, request: Any, num_blocks: int) -> list[bytes]:
         return kv_block_hashes(request.block_hashes, num_blocks, self.hash_ratio)
-
-    def _contents(self, request: Any, hashes: list[bytes], start: int) -> list[bytes]:
-        """The content identities of ``hashes`` (blocks ``start..``; empty: the hashes are,
-        or they could not be had: the blobs then name their salted hashes, and a window's
-        keys sharing them read as misses)."""
-        contents = self.contents.of(request, start + len(hashes))[start:]
-        return contents if len(contents) == len(hashes) else []
 
     def _state(self, request: Any) -> _RequestState:
         state = self._reqs.get(request.request_id)
@@ -254,7 +243,7 @@ class SchedulerSide:
         state.load = BlockTransfer(request.request_id, list(block_ids[start:start + n]), hashes,
                                    num_tokens=(start + n) * self.block_size,
                                    salt=getattr(request, "cache_salt", None), extra=state.extra,
-                                   contents=self._contents(request, hashes, start))
+                                   contents=self.contents.of(request, hashes, start))
         state.saved_blocks = max(state.saved_blocks, start + n)
 
     def build_connector_meta(self, scheduler_output: Any) -> CWMConnectorMetadata:
@@ -318,7 +307,7 @@ class SchedulerSide:
         state.handled_blocks = n_full
         state.saved_blocks = max(state.saved_blocks, n_full)
         if todo:
-            contents = self._contents(state.request, hashes, 0)
+            contents = self.contents.of(state.request, hashes)
             meta.saves.append(BlockTransfer(req_id, [state.block_ids[i] for i in todo],
                                             [hashes[i] for i in todo],
                                             num_tokens=n_full * self.block_size,

@@ -110,10 +110,8 @@ class MemoryTier(Tier):
             return True
         if size > self.budget or self._held_bytes + size > self.budget:
             return False
-        if self._deferred:            # the step's end retires what is over (see the docstring)
-            need -= self.budget
-            if need <= 0:
-                return True
+        if self._deferred:     # the step's end retires what is over, up to twice the budget
+            need = self._bytes + size - 2 * self.budget       # (the retired blobs included)
         while need > 0 and self._lru:
             blob_id, data = self._lru.popitem(last=False)
             self._bytes -= len(data)

@@ -32,6 +32,13 @@ def block_keys(tokens: list[int], salt: str, n: int) -> list[list[bytes]]:
     return [[bytes.fromhex(d) + r.to_bytes(2, "big") + h for h in hs] for d, r in WORKERS]
 
 
+def contents(tokens: list[int], n: int) -> list[bytes]:
+    """The content identities of the first ``n`` blocks of ``tokens`` (what every key of a
+    block shares, whatever its salt: the connector writes them into each blob)."""
+    return hashing.chain(tokens, salt=None, block_size=BS, hash_block_size=BS,
+                         hash_algo="sha256", lora=None, num_blocks=n)
+
+
 def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = None,
              turn: int | None = None, keep: int = 8, seed: int = 0,
              at: float | None = None, served: str = "tiny",
@@ -49,9 +56,10 @@ def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = Non
                                 workers=WORKERS, block_size=BS, hash_block_size=BS,
                                 hash_algo="sha256", namespace=namespace or NS, turn=turn,
                                 arrived=at, created=time.time(), model=served)
+    ids = contents(tokens, n)
     for (_, rank), keys in zip(WORKERS, block_keys(tokens, salt, n), strict=True):
         for i, key in enumerate(keys):
-            store.put(key, block(i, rank), salt=salt).result()
+            store.put(key, block(i, rank), salt=salt, content=ids[i]).result()
     keys = [records.record_key(salt)] + \
         ([records.turn_record_key(salt, turn % keep)] if turn is not None else [])
     for key in keys:
@@ -64,8 +72,9 @@ def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = Non
 def session_blocks(store: KVStore, tokens: list[int], salt: str, n: int, *,
                    sealed: bool = False) -> list[list]:
     """The session's blocks per worker, read as its requests read them (``sealed``: the store
-    encrypts at rest, so only the session's salt opens them)."""
-    return [store.get_many(keys, salt=salt if sealed else None)
+    encrypts at rest, so only the session's salt opens them; the connector knows each block's
+    content identity)."""
+    return [store.get_many(keys, salt=salt if sealed else None, contents=contents(tokens, n))
             for keys in block_keys(tokens, salt, n)]
 
 

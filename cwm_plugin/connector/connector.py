@@ -14,6 +14,10 @@ process). Start-up, in vLLM's order:
 3. the scheduler's first lookup runs the hashing self-check (after vLLM initialised hashing),
    in the background like every lookup.
 
+Before anything opens, a setting under which salts would not isolate tenants is refused
+(:func:`~cwm_plugin.connector.keys.check_isolation`: xxhash with a known seed over a disk or
+Redis store without encryption).
+
 A promised block that fails to load must be recomputed, never fail its request: the scheduler
 side sets vLLM's ``kv_load_failure_policy`` to ``recompute`` when it is ``fail`` (vLLM's
 default; vLLM reads it right after making the connector), and logs that it did.
@@ -38,12 +42,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from cwm_plugin.connector.config import ConnectorConfig
-from cwm_plugin.connector.keys import Namespace, build_namespace, hashes_reproducible
+from cwm_plugin.connector.keys import (
+    Namespace,
+    build_namespace,
+    check_isolation,
+    hashes_reproducible,
+)
 from cwm_plugin.connector.metadata import CWMConnectorMetadata, CWMHandshake
 from cwm_plugin.connector.metrics.forward import RegistryForwarder
 from cwm_plugin.connector.metrics.prom import CWMPromMetrics
 from cwm_plugin.connector.metrics.stats import CWMConnectorStats, StatsCollector
-from cwm_plugin.connector.records import SERVED_LAYOUT, served_key, write_record
+from cwm_plugin.connector.records import SERVED_LAYOUT, readable, served_key, write_record
 from cwm_plugin.connector.scheduler.side import SchedulerSide, hit_source_of_saves
 from cwm_plugin.connector.worker.layout import discover_layout
 from cwm_plugin.connector.worker.side import WorkerSide
@@ -91,6 +100,18 @@ def recompute_load_failures(ktc: Any) -> None:
                 "instead of failing its request", policy)
 
 
+def hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
+    """Tokens per vLLM block hash (``Request.block_hashes``): what vLLM's EngineCore resolved
+    into the KV cache config before it made the scheduler (and its connector), else vLLM's own
+    resolution of it (the function EngineCore uses)."""
+    size = getattr(kv_cache_config, "hash_block_size", None)
+    if size is None:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
+    return int(size)
+
+
 class CWMConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -99,6 +120,7 @@ class CWMConnector(KVConnectorBase_V1):
         self.cfg = ConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
         self.store_settings = StoreConfig.from_dict(self.cfg.store)
         self.hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        check_isolation(self.hash_algo, self.store_settings)
         if not hashes_reproducible(self.hash_algo):
             log.error("cwm connector: vLLM's block hashes (%s) are seeded randomly per process "
                       "(set PYTHONHASHSEED or use sha256): saved KV could never be found after a "
@@ -178,7 +200,7 @@ class CWMConnector(KVConnectorBase_V1):
         workers = [(namespaces[layouts[ranks]], ranks[1]) for ranks in sorted(layouts)]
         ns = workers[0][0]
         spec_block = ns.block_size
-        hash_block = getattr(self._kv_cache_config, "hash_block_size", None) or spec_block
+        hash_block = hash_block_size(self._vllm_config, self._kv_cache_config)
         store = self._open_store(ns, memory=False, rank="scheduler")
         self._scheduler = SchedulerSide(
             ns, self.cfg, store, self.stats, hash_fn=get_hash_fn_by_name(self.hash_algo),
@@ -188,10 +210,11 @@ class CWMConnector(KVConnectorBase_V1):
         served = getattr(self._vllm_config.model_config, "served_model_name", None) or ns.model
         served = str(served[0] if isinstance(served, list | tuple) else served)
         self._scheduler.served_model = served  # context records name it (windows, warm-ups)
-        write_record(store, served_key(served), {
-            "model": served, "namespace": dataclasses.asdict(ns),
-            "workers": [(n.digest.hex(), r) for n, r in workers]}, SERVED_LAYOUT,
-            what="the served-model record")
+        if readable(store):
+            write_record(store, served_key(served), {
+                "model": served, "namespace": dataclasses.asdict(ns),
+                "workers": [(n.digest.hex(), r) for n, r in workers]}, SERVED_LAYOUT,
+                what="the served-model record")
         log.info("cwm connector (scheduler) ready: namespace %s, model %s, KV layout %s, "
                  "%d worker(s), %s loads", ns.fingerprint, ns.model, ns.layout, len(workers),
                  "asynchronous" if self._scheduler.async_loads else "synchronous")
@@ -266,7 +289,11 @@ class CWMConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> Any:
-        return self._worker.take_worker_meta() if self._worker is not None else None
+        if self._worker is None:
+            return None
+        meta = self._connector_metadata
+        return self._worker.take_worker_meta(meta if isinstance(meta, CWMConnectorMetadata)
+                                             else None)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -15,6 +15,12 @@ The hash seed is not in the namespace because vLLM's block hashes already carry 
 from ``NONE_HASH``, which the seed (``PYTHONHASHSEED`` or vLLM's fixed default) determines, so
 after a seed or algorithm change no old key can be matched. The start-up self-check
 (:mod:`~cwm_plugin.connector.scheduler.selfcheck`) notices such a change and says so.
+
+A salt isolates tenants only as far as nobody can make two blocks hash alike. vLLM's xxhash
+variants are not collision resistant: their only defence is a secret random seed, which
+``PYTHONHASHSEED`` (needed for keys that outlive the process) makes known. With them, a blob
+that outlives the process is safe from a crafted collision only when it is sealed under its
+salt (encryption at rest), so :func:`check_isolation` refuses that setting at connector start.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cwm_plugin.connector.fingerprint import model_fingerprint
+from cwm_plugin.errors import ConfigError
 
 NAMESPACE_BYTES = 16
 RANK_BYTES = 2
@@ -133,6 +140,25 @@ def hashes_reproducible(hash_algo: str) -> bool:
     """False when vLLM seeds its block hashes randomly per process (non-crypto hash without
     ``PYTHONHASHSEED``, see ``vllm.v1.core.kv_cache_utils.resolve_none_hash_seed``)."""
     return hash_algo not in NON_CRYPTO_HASHES or os.environ.get("PYTHONHASHSEED") is not None
+
+
+def check_isolation(hash_algo: str, store: Any) -> None:
+    """Refuse (:class:`ConfigError`) block hashes anyone can collide where they key blobs that
+    outlive the process unsealed: a non-cryptographic algorithm (xxhash) with a known seed
+    (``PYTHONHASHSEED``: without it vLLM seeds randomly and nothing is saved), a disk or Redis
+    tier (``store``: the :class:`~cwm_plugin.store.config.StoreConfig`) and no
+    ``encryption_key``. A memory tier lives no longer than vLLM's own prefix cache, which the
+    same hashes key."""
+    if hash_algo not in NON_CRYPTO_HASHES or not hashes_reproducible(hash_algo):
+        return
+    if (store.disk_path or store.redis_url) and not store.encryption_key:
+        raise ConfigError(
+            f"cwm connector: --prefix-caching-hash-algo {hash_algo} with PYTHONHASHSEED set "
+            "keys a disk or Redis store that anyone who knows the seed can collide: a crafted "
+            "prompt would read another tenant's KV whatever its cache_salt",
+            hint="use --prefix-caching-hash-algo sha256 (or sha256_cbor), or set the store's "
+                 "encryption_key (each blob then opens only under its own salt), or keep "
+                 "the store in memory only")
 
 
 def canonical(value: Any) -> str:

@@ -30,6 +30,8 @@ class BlockTransfer:
     num_tokens: int = 0  # tokens covered (block-aligned), for the blob's metadata
     salt: str | None = None   # the request's cache_salt (opens blobs sealed at rest)
     extra: bytes = b""        # per-request namespace scope (a LoRA adapter's content)
+    # each block's content identity (:mod:`~cwm_plugin.connector.content`); empty: the hashes
+    contents: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -37,6 +39,10 @@ class CWMConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     reset: bool = False     # vLLM's reset_cache: drop the workers' memory tiers
+    # this step's number, and the newest step whose worker report the scheduler had taken in
+    # when it planned it: a worker frees the memory it reported evicted up to ``seen``
+    step: int = 0
+    seen: int = 0
 
 
 @dataclass
@@ -56,12 +62,13 @@ class CWMWorkerMetadata(KVConnectorWorkerMetadata):
     # Requests whose synchronous load (device workers) this step's forward pass waited for:
     # settled by this output, whichever step the scheduler is building meanwhile.
     loaded: set[str] = field(default_factory=set)
+    step: int = 0        # the step (CWMConnectorMetadata.step) this report was made in
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, CWMWorkerMetadata)
         return CWMWorkerMetadata(self.stored | other.stored, self.failed | other.failed,
                                  self.dropped | other.dropped, self.overflow or other.overflow,
-                                 self.loaded | other.loaded)
+                                 self.loaded | other.loaded, max(self.step, other.step))
 
 
 @dataclass

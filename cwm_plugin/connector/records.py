@@ -21,6 +21,11 @@ clock, ``at`` in the request's parameters; else when it was written), and a reco
 that arrived earlier never replaces one of a later turn under the same key, whichever request
 finished first (:func:`write_record` with ``order``: checked on the store's saving thread,
 never on vLLM's step).
+
+Records are written only to a store whose records someone can read (:func:`readable`): their
+readers (the window engine in the sidecar or the CLI) open the disk and Redis tiers, never a
+vLLM process's memory, so a memory-only store keeps none (said once at start). A record that
+cannot be saved is logged once per kind of failure.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ from typing import Any
 
 import torch
 
+from cwm_plugin.connector.warn_once import WarnOnce
 from cwm_plugin.store.save_queue import QueueFull
 
 log = logging.getLogger(__name__)
+_warn = WarnOnce(log)
 
 PREFIX = b"cwm-ctx\0"
 RECORD_LAYOUT = "cwm-context-record"
@@ -128,6 +135,11 @@ def newer_stored(store: Any, key: bytes, salt: str | None, order: float) -> Call
     return check
 
 
+def readable(store: Any) -> bool:
+    """Whether records written to ``store`` reach their readers (it has a disk or Redis tier)."""
+    return bool(store.durable)
+
+
 def write_record(store: Any, key: bytes, obj: object, layout: str, *, what: str,
                  salt: str | None = None, wait: float | None = None,
                  order: float | None = None) -> bool:
@@ -137,8 +149,9 @@ def write_record(store: Any, key: bytes, obj: object, layout: str, *, what: str,
     dropped. ``order`` (:func:`order_of` the record): the write is skipped if ``key`` holds a
     record that stands after it. Returns whether it was queued."""
     def done(fut: Any) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
-            log.warning("cwm connector: could not save %s: %s", what, fut.exception())
+        if not fut.cancelled() and (exc := fut.exception()) is not None:
+            _warn(f"{what}-{type(exc).__name__}", "could not save %s: %s (said once)", what,
+                  exc)
 
     try:
         store.put(key, json_tensor(obj), layout=layout, salt=salt, replace=True, wait=wait,
@@ -147,7 +160,7 @@ def write_record(store: Any, key: bytes, obj: object, layout: str, *, what: str,
     except QueueFull:         # the caller counts it
         return False
     except Exception as exc:  # a closed or full store
-        log.warning("cwm connector: could not save %s: %s", what, exc)
+        _warn(f"{what}-{type(exc).__name__}", "could not save %s: %s (said once)", what, exc)
         return False
     return True
 

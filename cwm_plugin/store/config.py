@@ -27,7 +27,10 @@ class StoreConfig:
     ``redis_url=None`` disables that tier."""
 
     fingerprint: str = ""            # model fingerprint + layout; written into every blob
-    memory_bytes: int = field(default=2 << 30, metadata=limits(min=0))   # 0 disables the tier
+    # 0 disables the tier. A vLLM worker's tier evicts at the end of each step and frees what
+    # it evicted once its scheduler has seen that (no promised block goes before its load), so
+    # for a step or two it may hold up to twice this.
+    memory_bytes: int = field(default=2 << 30, metadata=limits(min=0))
     disk_path: str | None = None     # local disk tier root (also holds the SQLite index)
     disk_bytes: int = field(default=50 << 30, metadata=limits(min=0))
     redis_url: str | None = None     # shared tier; None disables

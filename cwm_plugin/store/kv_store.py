@@ -14,10 +14,11 @@ which owns its blobs *and* its key index (memory: this process; disk: SQLite; Re
 
 A tier that cannot be opened (unwritable directory, ...) is logged once and left out; a tier
 failing at run time is counted and the store goes on with the others. A damaged blob is a
-counted miss, quarantined; a blob that is not the key's (of another key group; with encryption
-another key's, another salt's, or not sealed) a refused miss (:mod:`.binding`); a blob of another
-model or layout an incompatible miss. With ``encryption_key`` every blob is sealed under its
-request's salt, for its key (:mod:`.blob.crypto`).
+counted miss, quarantined; a blob that is not the key's (of another key group; of another key
+and content; with encryption another key's, another salt's, or not sealed; an older revision of
+a rewritten record) a refused miss (:mod:`.binding`); a blob of another model or layout an
+incompatible miss. With ``encryption_key`` every blob is sealed under its request's salt, for
+its key (:mod:`.blob.crypto`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class KVStore(ReadPath, KeySpace):
         self.durable = [t for t in self.tiers if t.durable]
         self._ciphers = (crypto.Ciphers(crypto.parse_master_key(config.encryption_key))
                          if config.encryption_key else None)
+        self._revisions = binding.Revisions()
         self._dropped: set[bytes] = set()
         self._drops_overflow = False
         self._decoder = (cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-decode",
@@ -98,11 +100,13 @@ class KVStore(ReadPath, KeySpace):
 
     def put(self, key: bytes, tensor: torch.Tensor, *, num_tokens: int = 0, layout: str = "",
             salt: str | None = None, replace: bool = False, wait: float | None = None,
-            unless: Callable[[], bool] | None = None) -> cf.Future:
+            unless: Callable[[], bool] | None = None,
+            content: bytes | None = None) -> cf.Future:
         """Save a block in the background; the future resolves when the "through" tiers hold
         it. ``salt``: the request's cache_salt (the blob is sealed under it when encryption at
         rest is on). A key already stored is skipped, unless ``replace`` (records that are
-        rewritten: the key is re-pointed and its old blob freed). ``wait``: while
+        rewritten: the key is re-pointed and its old blob freed, and the record gets a newer
+        revision). ``content``: a KV block's content identity (:mod:`.binding`). ``wait``: while
         ``queue_depth`` saves are pending, the longest to wait for one to finish (None: as long
         as it takes), then :class:`~cwm_plugin.store.save_queue.QueueFull` (callers on vLLM's step
         drop the save). ``unless``: asked on the saving thread right before the write (the
@@ -112,17 +116,23 @@ class KVStore(ReadPath, KeySpace):
             if unless is not None and unless():
                 self.metrics.put_skips.inc()
                 return
-            self._store_blob(k, self._encode(k, tensor, num_tokens, layout, salt),
-                             replace=replace)
+            revision = self._revisions.next(k) if replace else None
+            self._store_blob(k, self._encode(k, tensor, num_tokens, layout, salt, content=content,
+                                             revision=revision), replace=replace)
+            if revision is not None:
+                self._revisions.saw(k, revision)
         return self._submit(bytes(key), job, replace=replace, wait=wait)
 
     def _encode(self, key: bytes, tensor: torch.Tensor, num_tokens: int, layout: str,
-                salt: str | None) -> bytes:
+                salt: str | None, *, content: bytes | None = None,
+                revision: int | None = None) -> bytes:
+        """``revision``: of a record that replaces an older one (:mod:`.binding`)."""
         cfg = self.config
         t0 = time.perf_counter()
         blob = codec.encode(tensor, key=key, fingerprint=cfg.fingerprint, num_tokens=num_tokens,
                             layout=layout, level=cfg.zstd_level, shuffle=cfg.shuffle,
-                            checksum=cfg.checksum, sign_planes=cfg.sign_planes)
+                            checksum=cfg.checksum, sign_planes=cfg.sign_planes,
+                            content=content or b"", revision=revision)
         cipher = self._cipher(salt)
         if cipher is not None:
             blob = cipher.seal(blob)
@@ -136,22 +146,27 @@ class KVStore(ReadPath, KeySpace):
         the *primary* tier decides (Redis when configured, so servers sharing it agree; else
         disk; else memory), then the other tiers follow. False: another writer holds it."""
         key = bytes(key)
-        blob = self._encode(key, tensor, 0, layout, salt)
+        revision = self._revisions.next(key)
+        blob = self._encode(key, tensor, 0, layout, salt, revision=revision)
         blob_id = blob_id_of(blob)
         primary = self.primary
         if primary is None:
             raise StorageFull("the store has no tier", hint="configure memory, disk or Redis")
         if not primary.put(blob_id, blob, key) or primary.lookup_many([key])[0] != blob_id:
             return False
+        self._revisions.saw(key, revision)
         for tier in self.tiers:
             if tier is not primary:
                 self._write(tier, key, blob_id, blob, replace=True)
         return True
 
-    def put_blob(self, key: bytes, blob: bytes, *, replace: bool = False) -> cf.Future:
+    def put_blob(self, key: bytes, blob: bytes, *, replace: bool = False,
+                 content: bytes | None = None) -> cf.Future:
         """Save an already encoded (or sealed) blob, not decoded, checked to be ours and one
-        that a read of ``key`` accepts (:func:`.binding.check`; else :class:`RefusedBlob`)."""
-        binding.check(container.peek(blob), bytes(key), encrypted=self._ciphers is not None)
+        that a read of ``key`` (expecting ``content``) accepts (:func:`.binding.check`; else
+        :class:`RefusedBlob`)."""
+        binding.check(container.peek(blob), bytes(key), encrypted=self._ciphers is not None,
+                      content=content)
         return self._submit(bytes(key), lambda k: self._store_blob(k, bytes(blob),
                                                                    replace=replace),
                             replace=replace)
@@ -265,6 +280,16 @@ class KVStore(ReadPath, KeySpace):
             dropped, overflow = self._dropped, self._drops_overflow
             self._dropped, self._drops_overflow = set(), False
         return dropped, overflow
+
+    def settle_memory(self, step: int, seen: int) -> None:
+        """A worker's step end, its memory tier's evictions acknowledged
+        (:meth:`~cwm_plugin.store.tiers.ram.tier.RamTier.defer_evictions`): free what was
+        retired at step ``seen`` or before (the scheduler has seen it reported dropped), then
+        retire what is over the budget, reported as dropped at ``step``."""
+        if self.memory is not None:
+            self.memory.free_retired(seen)
+            self.memory.evict(step)
+            self._gauge(self.memory)
 
     def reset_memory(self) -> None:
         """Drop this process's memory tier (unpinned blobs); the keys are reported dropped."""

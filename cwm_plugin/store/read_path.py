@@ -18,8 +18,10 @@ Two ways to receive blocks:
 Both add seconds per stage to an optional :class:`~cwm_plugin.timing.Stages`:
 ``read`` (fetching, wall time of the calling thread), ``decompress``, ``transform`` and
 ``copy`` (the sink) summed over the decoding threads. Every blob is first checked to be the
-key's (:mod:`.binding`: its key group, and with encryption at rest its exact key, its salt and
-that it is sealed at all); one that is not is refused: a counted miss, logged once. A damaged
+key's (:mod:`.binding`: its key group, its key or the content the reader expects of a block,
+with encryption at rest its exact key, its salt and that it is sealed at all, and that a
+rewritten record is no older than one seen); one that is not is refused: a counted miss,
+logged once. A damaged
 blob is a counted miss, quarantined; a blob of another model or layout an incompatible miss; a
 key whose bytes are gone is dropped from its tier (dangling); a failing tier is counted and
 skipped.
@@ -55,6 +57,7 @@ class _Hit:
     blob_id: str
     data: bytes
     tier: Tier
+    content: bytes | None = None     # the content identity the reader expects (a KV block)
 
 
 def _scratch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -71,20 +74,23 @@ def _scratch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class ReadPath:
     """Mixin of :class:`KVStore` (which provides the tiers, pool, metrics and writes)."""
 
-    def get(self, key: bytes, *, salt: str | None = None,
-            primary: bool = False) -> torch.Tensor | None:
-        return self.get_many([key], salt=salt, primary=primary)[0]
+    def get(self, key: bytes, *, salt: str | None = None, primary: bool = False,
+            content: bytes | None = None) -> torch.Tensor | None:
+        return self.get_many([key], salt=salt, primary=primary,
+                             contents=None if content is None else [content])[0]
 
     def get_many(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None,
                  layout: str | None = None, salt: str | None = None, primary: bool = False,
-                 stages: Stages | None = None) -> list[torch.Tensor | None]:
+                 stages: Stages | None = None, contents: Sequence[bytes] | None = None
+                 ) -> list[torch.Tensor | None]:
         """Decoded tensors (None for a miss) for ``keys``, in order. ``out`` (optional,
         ``[len(keys), *block]``, contiguous CPU): hits whose dtype and shape match are decoded
         straight into ``out[i]``. ``layout``: the KV layout the blobs must carry (another is
         an incompatible, counted miss). ``salt``: the request's cache_salt (opens sealed
         blobs). ``primary``: what the primary tier says is the answer (a local copy of a
         record another server rewrote or deleted is stale); the other tiers are asked only
-        while the primary is unreachable."""
+        while the primary is unreachable. ``contents``: each key's expected content identity
+        (KV blocks: a blob another key shares is accepted for that content only)."""
         if out is not None and (out.dim() == 0 or out.shape[0] != len(keys)):
             raise ValueError(f"out has {tuple(out.shape)[:1]} rows for {len(keys)} keys")
         found: list[torch.Tensor | None] = [None] * len(keys)
@@ -94,14 +100,16 @@ class ReadPath:
                                           layout=layout, cipher=cipher, stages=st)
             return found[h.index] is not None
 
-        self._read(keys, keep, salt, stages, primary=primary)
+        self._read(keys, keep, salt, stages, primary=primary, contents=contents)
         return found
 
     def read_into(self, keys: Sequence[bytes], sink: Sink, *, shape: tuple[int, ...],
                   dtype: torch.dtype, into: Callable[[int], torch.Tensor] | None = None,
                   layout: str | None = None, salt: str | None = None,
-                  stages: Stages | None = None) -> list[str | None]:
-        """Decode each key's block and call ``sink(i, tensor)`` on the decoding thread. The
+                  stages: Stages | None = None, contents: Sequence[bytes] | None = None
+                  ) -> list[str | None]:
+        """Decode each key's block and call ``sink(i, tensor)`` on the decoding thread
+        (``contents``: as for :meth:`get_many`). The
         block is decoded into ``into(i)`` when given, else into a per-thread scratch tensor
         of ``shape`` and ``dtype`` that is reused once the sink returns; a blob of another
         shape or dtype comes as its own tensor. Returns, per key, the tier that served it, or
@@ -121,11 +129,14 @@ class ReadPath:
             finally:
                 st.add("copy", time.perf_counter() - t0)
 
-        return self._read(keys, deliver, salt, stages)
+        return self._read(keys, deliver, salt, stages, contents=contents)
 
     def _read(self, keys: Sequence[bytes], handle, salt: str | None,
-              stages: Stages | None, *, primary: bool = False) -> list[str | None]:
+              stages: Stages | None, *, primary: bool = False,
+              contents: Sequence[bytes] | None = None) -> list[str | None]:
         keys = [bytes(k) for k in keys]
+        if contents is not None and len(contents) != len(keys):
+            raise ValueError(f"{len(contents)} contents for {len(keys)} keys")
         served: list[str | None] = [None] * len(keys)
         cipher = self._cipher(salt)
         todo = list(range(len(keys)))
@@ -149,6 +160,7 @@ class ReadPath:
             fetching = Stages()
             for hits in self._fetch(tier, [keys[i] for i in todo], todo, fetching):
                 for h in hits:
+                    h.content = None if contents is None else contents[h.index]
                     st = Stages()
                     if self._decoder is not None and len(todo) > 1:
                         jobs.append((h, self._decoder.submit(run, h, st), st))
@@ -242,7 +254,8 @@ class ReadPath:
         """The hit's plain blob once it is found to be its key's (:mod:`.binding`); None: a
         counted miss."""
         try:
-            return binding.opened(h.data, h.key, cipher)
+            return binding.opened(h.data, h.key, cipher, content=h.content,
+                                  revisions=self._revisions)
         except (CorruptBlob, IncompatibleBlob) as exc:
             self._bad_blob(h, exc)
             return None
@@ -256,13 +269,16 @@ class ReadPath:
                     return hits[0].data
         return None
 
-    def get_plain(self, key: bytes, *, salt: str | None = None) -> bytes | None:
-        """``key``'s blob checked as a read checks it and opened for ``salt``, not decoded
-        (what a window's re-key copies to a new key). None: no tier serves one that is
-        ``key``'s."""
+    def get_plain(self, key: bytes, *, salt: str | None = None,
+                  content: bytes | None = None) -> bytes | None:
+        """``key``'s blob checked as a read (expecting ``content``) checks it and opened for
+        ``salt``, not decoded (what a window's re-key and export copy). None: no tier serves
+        one that is ``key``'s."""
         cipher = self._cipher(salt)
         for tier in self.tiers:
             for hits in self._fetch(tier, [bytes(key)], [0]):
+                for h in hits:
+                    h.content = content
                 plain = self._open(hits[0], cipher) if hits else None
                 if plain is not None:
                     self.metrics.hits.labels(tier.name).inc()

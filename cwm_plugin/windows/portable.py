@@ -53,11 +53,12 @@ def export_window(engine: Any, owner: str, name: str, out: IO[bytes]) -> dict[st
         raise InvalidInput(f"window {name!r} is of a LoRA adapter: not portable",
                            hint="thaw it on a server sharing the store instead")
     keys = engine.window_keys(m)
+    contents = engine._chain(m, m.tokens, None, m.num_blocks)   # what each block holds
 
     def blobs():
         for w, ks in enumerate(keys):
             for i, key in enumerate(ks):
-                plain = engine.store.get_plain(key, salt=m.window_salt)
+                plain = engine.store.get_plain(key, salt=m.window_salt, content=contents[i])
                 if plain is None:
                     raise WindowIncomplete(f"block {i} of window {name!r} is no longer stored",
                                            hint="export a complete window (see its status)")
@@ -152,13 +153,15 @@ def import_window(engine: Any, owner: str, src: IO[bytes], name: str | None = No
     m.window_hashes = [h.hex() for h in hashes]
     keys = engine._keys(m.workers, hashes)
     flat = [keys[e.worker][e.block] for e in checked.header.blobs]
+    contents = engine._chain(m, m.tokens, None, m.num_blocks)
     for i, key in enumerate(flat):
         try:  # what put_blob would refuse, refused before anything is written
             meta = container.peek(read_blob(src, checked, i), verify=True)
-            binding.check(meta, key, encrypted=False)
+            binding.check(meta, key, encrypted=False,
+                          content=contents[checked.header.blobs[i].block])
         except CWMError as exc:
-            raise BadWindowFile(f"block {i} of the window file is not a KV block of its key "
-                                f"group ({exc})") from None
+            raise BadWindowFile(f"block {i} of the window file is not the KV block its "
+                                f"manifest names ({exc})") from None
         if crypto.is_sealed(meta):  # an export holds plain blobs
             raise BadWindowFile(f"block {i} of the window file is sealed: not an export")
     engine._check_tenant_quota(owner, sum(e.size for e in checked.header.blobs))  # at once
@@ -171,7 +174,8 @@ def import_window(engine: Any, owner: str, src: IO[bytes], name: str | None = No
         for i, key in enumerate(flat):  # one block in memory at a time
             blob = read_blob(src, checked, i)
             engine.store.put_blob(key, cipher.seal(blob, key=key) if cipher else blob,
-                                  replace=True).result()
+                                  replace=True,
+                                  content=contents[checked.header.blobs[i].block]).result()
         engine._complete(keys, f"window {m.name!r}", time.monotonic() + engine.wait_s,
                          block_size=m.block_size, tokens=len(m.tokens))
 

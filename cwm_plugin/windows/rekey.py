@@ -30,8 +30,10 @@ class KeyPlumbing:
     store: Any
     settle_s: float = 3.0
 
-    def _chain(self, m: Any, tokens: Sequence[int], salt: str,
+    def _chain(self, m: Any, tokens: Sequence[int], salt: str | None,
                n: int) -> list[bytes]:
+        """vLLM's hash chain of ``tokens`` under ``salt`` (None: the blocks' content
+        identities, :mod:`cwm_plugin.connector.content`)."""
         return hashing.chain(tokens, salt=salt, block_size=m.block_size,
                              hash_block_size=m.hash_block_size, hash_algo=m.hash_algo,
                              lora=m.lora, num_blocks=n)

@@ -146,11 +146,15 @@ def test_worker_reports_blocks_its_store_evicted(open_store, algo, length):
                                    zstd_level=0),
                         StatsCollector(), ns=ns, rank=0, layout=layout, layers=views)
     hs = [bytes([i]) * length for i in range(4)]
-    worker.wait_for_save(CWMConnectorMetadata(saves=[BlockTransfer("r", [1, 2, 3, 4], hs)]))
+    step = CWMConnectorMetadata(saves=[BlockTransfer("r", [1, 2, 3, 4], hs)], step=1)
+    worker.wait_for_save(step)
     worker.store.flush()
-    meta = worker.take_worker_meta()
-    assert len(meta.dropped) == 2                           # two fit the budget
-    got = worker.store.get_many(ns.keys(hs, 0))
+    meta = worker.take_worker_meta(step)                    # the step's end: over budget
+    assert len(meta.dropped) == 2 and meta.step == 1        # two fit the budget
+    keys = ns.keys(hs, 0)
+    assert all(t is not None for t in worker.store.get_many(keys))   # reported, not gone yet
+    worker.take_worker_meta(CWMConnectorMetadata(step=2, seen=1))    # the scheduler saw it
+    got = worker.store.get_many(keys)
     assert [t is None for t in got] == [h in meta.dropped for h in hs]
     assert all(torch.is_tensor(t) for t in got if t is not None)
     known = KnownBlocks(1)                                  # what the scheduler believes

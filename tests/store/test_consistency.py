@@ -36,14 +36,14 @@ def test_unpinning_a_clone_keeps_the_original_protected(make_store, tmp_path, kv
     # per-blob pins: unpin(clone) used to unpin the window's blob too
     size = blob_size(kv_block(0))
     s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0, disk_bytes=4 * size + 100)
-    s.put(g(b"win"), kv_block(0)).result()
+    s.put(g(b"win"), kv_block(0), content=b"c0").result()
     s.pin(g(b"win"))
     s.link(g(b"clone"), g(b"win"))
     s.pin(g(b"clone"))
     s.unpin(g(b"clone"))
     flood(s, kv_block)
     assert s.contains_many([g(b"win"), g(b"clone")]) == [True, True]
-    assert torch.equal(s.get(g(b"clone")), kv_block(0)) and s.pinned(g(b"win"))
+    assert torch.equal(s.get(g(b"clone"), content=b"c0"), kv_block(0)) and s.pinned(g(b"win"))
     s.unpin(g(b"win"))
     flood(s, kv_block, start=200)
     assert s.contains_many([g(b"win"), g(b"clone")]) == [False, False]
@@ -68,17 +68,18 @@ def test_link_onto_an_existing_key_repoints_it(make_store, tmp_path, kv_block):
     # memory overwrote, the index kept the old mapping: tiers disagreed
     root = str(tmp_path / "d")
     s = make_store(disk_path=root)
-    s.put(g(b"a"), kv_block(1)).result()
-    s.put(g(b"b"), kv_block(2)).result()
+    s.put(g(b"a"), kv_block(1), content=b"c1").result()
+    s.put(g(b"b"), kv_block(2), content=b"c2").result()
     old = s.disk.lookup_many([g(b"b")])[0]
     s.link(g(b"b"), g(b"a"))
-    assert torch.equal(s.get(g(b"b")), kv_block(1))
+    assert torch.equal(s.get(g(b"b"), content=b"c1"), kv_block(1))
     assert s.disk.lookup_many([g(b"b")]) == s.disk.lookup_many([g(b"a")])
     assert not s.disk.has_blob(old) and s.memory.lookup_many([g(b"b")]) == s.memory.lookup_many(
         [g(b"a")])
     s.close()
     fresh = make_store(disk_path=root, memory_bytes=0)
-    assert torch.equal(fresh.get(g(b"b")), kv_block(1)) and fresh.usage()["disk"]["blobs"] == 1
+    assert torch.equal(fresh.get(g(b"b"), content=b"c1"), kv_block(1))
+    assert fresh.usage()["disk"]["blobs"] == 1
 
 
 def test_write_behind_is_bounded_and_pushes_back(make_store, tmp_path, kv_block, monkeypatch):

@@ -37,6 +37,11 @@ def block(seed: int) -> torch.Tensor:
     return torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
+def content_of(blob: tuple[bytes, int]) -> bytes:
+    """The content identity of a blob of the model (what every key linked to it reads)."""
+    return blob[0] + bytes([blob[1]])
+
+
 BLOB = max(len(codec.encode(block(s), key=b"filler99", fingerprint="m")) for s in range(4))
 BUDGET = 10 * BLOB + BLOB // 2     # room for the 6 keys' blobs and a few fillers
 
@@ -63,7 +68,7 @@ def test_store_matches_a_dict(tmp_path_factory, ops):
     try:
         for name, a, b in ops:
             if name == "put":
-                store.put(a, block(b)).result()
+                store.put(a, block(b), content=content_of((a, b))).result()
                 model.setdefault(a, (a, b))      # present keys are skipped
             elif name == "link" and b in model:
                 store.link(a, b)                 # onto an existing key: re-point
@@ -95,7 +100,7 @@ def test_store_matches_a_dict(tmp_path_factory, ops):
             on_disk = store.disk.lookup_many(KEYS)                      # disk holds them too
             assert {k for k, b in zip(KEYS, on_disk, strict=True) if b} == set(model)
             assert all(store.pinned(k) for k in pinned)
-        got = store.get_many(KEYS)
+        got = store.get_many(KEYS, contents=[content_of(model.get(k, (k, 0))) for k in KEYS])
         for k, t in zip(KEYS, got, strict=True):
             assert (t is None) == (k not in model)
             if t is not None:

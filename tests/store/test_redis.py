@@ -234,7 +234,7 @@ def test_shared_redis_serves_a_second_server(redis_server, make_store, tmp_path,
                    redis_write="through", redis_max_value_bytes=4096)
     blocks = {k(f"k{i}".encode()): kv_block(i, shape=(2, 3, 32, 64)) for i in range(5)}
     for key, v in blocks.items():
-        a.put(key, v)
+        a.put(key, v, content=key)
     a.flush()
     b = make_store(redis_url=redis_server.url, disk_path=str(tmp_path / "b"))
     assert b.contains_many(list(blocks)) == [True] * 5
@@ -244,14 +244,14 @@ def test_shared_redis_serves_a_second_server(redis_server, make_store, tmp_path,
     assert b.disk.index.totals()[1] == 5
     b.link(k(b"clone"), k(b"k0"))
     c = make_store(redis_url=redis_server.url, memory_bytes=0)
-    assert torch.equal(c.get(k(b"clone")), blocks[k(b"k0")])
+    assert torch.equal(c.get(k(b"clone"), content=k(b"k0")), blocks[k(b"k0")])
 
 
 def test_link_repoints_in_every_tier(redis_server, make_store, tmp_path, kv_block):
     s = make_store(redis_url=redis_server.url, disk_path=str(tmp_path / "d"),
                    redis_write="through")
-    s.put(k(b"a"), kv_block(1)).result()
-    s.put(k(b"b"), kv_block(2)).result()
+    s.put(k(b"a"), kv_block(1), content=b"c1").result()
+    s.put(k(b"b"), kv_block(2), content=b"c2").result()
     old = s.redis.lookup_many([k(b"b")])[0]
     s.link(k(b"b"), k(b"a"))
     new = s.redis.lookup_many([k(b"a")])[0]
@@ -259,7 +259,7 @@ def test_link_repoints_in_every_tier(redis_server, make_store, tmp_path, kv_bloc
     assert s.disk.lookup_many([k(b"b")]) == s.disk.lookup_many([k(b"a")])
     assert s.redis.get(old) is None and s.redis.get(new) is not None
     c = make_store(redis_url=redis_server.url, memory_bytes=0)
-    assert torch.equal(c.get(k(b"b")), kv_block(1))
+    assert torch.equal(c.get(k(b"b"), content=b"c1"), kv_block(1))
 
 
 def test_outage_local_tiers_keep_serving_and_reconnect(tmp_path, make_store, kv_block, caplog):
@@ -415,7 +415,8 @@ def test_records_every_server_rewrites_are_read_from_redis_not_a_stale_local_cop
     b.flush()                                   # b now holds a local copy (promotion)
     a.put(key, torch.tensor([2]), replace=True).result()
     assert b.get(key, primary=True).tolist() == [2]
-    assert b.get(key).tolist() == [1]           # the local copy is stale: why primary exists
+    assert b.get(key).tolist() == [2]   # the stale local copies are older revisions: passed
+    assert b.metrics.errors.labels("refused_replayed")._value.get() >= 1     # over
     a.delete_many([key])
     assert b.get(key, primary=True) is None
 

@@ -116,13 +116,14 @@ def test_two_stores_writing_one_key_never_tear(tmp_path, make_store, kv_block):
 def test_link_refcount_delete_and_gc(make_store, tmp_path, kv_block):
     s = make_store(disk_path=str(tmp_path / "d"))
     x = kv_block(4)
-    s.put(g(b"orig"), x)
+    s.put(g(b"orig"), x, content=b"tokens")
     s.link(g(b"clone"), g(b"orig"))                  # waits for the pending save
     blob = s.disk.lookup_many([g(b"orig")])[0]
     assert s.disk.lookup_many([g(b"clone")]) == [blob] and s.disk.index.refcount(blob) == 2
     assert s.usage()["disk"]["blobs"] == 1
     assert s.delete(g(b"orig"))
-    assert torch.equal(s.get(g(b"clone")), x)
+    assert torch.equal(s.get_many([g(b"clone")], contents=[b"tokens"])[0], x)
+    assert s.get(g(b"clone")) is None         # another key's blob, for a reader of no content
     assert s.delete(g(b"clone")) and not s.delete(g(b"clone"))
     assert s.get(g(b"clone")) is None and s.usage()["disk"]["blobs"] == 0
     with pytest.raises(NotFound):
@@ -216,10 +217,11 @@ def test_wrong_fingerprint_is_a_miss(make_store, tmp_path, kv_block):
 
 def test_put_blob_and_get_blob(make_store, tmp_path, kv_block):
     s = make_store(disk_path=str(tmp_path / "d"))
-    s.put(g(b"a"), kv_block(1)).result()
+    s.put(g(b"a"), kv_block(1), content=b"tokens").result()
     blob = s.get_blob(g(b"a"))
-    s.put_blob(g(b"b"), blob).result()
-    assert torch.equal(s.get(g(b"b")), kv_block(1)) and s.get_blob(g(b"none")) is None
+    s.put_blob(g(b"b"), blob, content=b"tokens").result()
+    assert torch.equal(s.get_many([g(b"b")], contents=[b"tokens"])[0], kv_block(1))
+    assert s.get_blob(g(b"none")) is None
 
 
 def test_close_is_idempotent_and_put_after_close_fails(make_store, kv_block):

@@ -1,10 +1,11 @@
 """Stored KV is bound to its key. What someone who can write the disk store (its files and its
 SQLite index) or the Redis does to a key's blob -- re-point the key at another key's blob,
-overwrite the blob with another key's bytes, replay an old blob of the same key, truncate it,
-leave an unsealed blob where blobs are sealed -- is refused (counted by reason, logged once) and
-read as a miss (the block is recomputed), on both tiers, through ``get_many`` and
-``read_into``. The blobs context windows share on purpose (a link without encryption, a re-seal
-per key with it) still read back, and a thaw does not re-seal a swapped block for a new key."""
+overwrite the blob with another key's bytes, swap two blob files, replay an old blob of the
+same key or an older version of a rewritten record, truncate it, leave an unsealed blob where
+blobs are sealed -- is refused (counted by reason, logged once) and read as a miss (the block
+is recomputed), on both tiers, through ``get_many`` and ``read_into``. The blobs context
+windows share on purpose (a link of the same content without encryption, a re-seal per key
+with it) still read back, and a thaw does not re-seal a swapped block for a new key."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from window_helpers import BS, block, block_keys, converse
+from window_helpers import BS, block, block_keys, contents, converse
 
-from cwm_plugin.errors import RefusedBlob
+from cwm_plugin.connector import records
+from cwm_plugin.errors import NotFound, RefusedBlob
 from cwm_plugin.store.blob import codec, container
 from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows.engine import WindowEngine, WindowIncomplete
+from cwm_plugin.windows.model import manifest_key
 
 G = bytes(range(16)) + b"\x00\x00"       # a namespace digest, TP rank 0
 RANK1 = bytes(range(16)) + b"\x00\x01"   # the same namespace, rank 1
@@ -38,6 +41,11 @@ TIERS = [pytest.param("disk", marks=pytest.mark.unit),
 
 def key(name: str, group: bytes = G) -> bytes:
     return group + hashlib.sha256(name.encode()).digest()
+
+
+def content(name: str) -> bytes:
+    """A block's content identity (in real stores: its tokens' unsalted hash chain)."""
+    return hashlib.sha256(b"content:" + name.encode()).digest()
 
 
 @dataclass
@@ -100,23 +108,26 @@ def refused(store: KVStore, reason: str) -> float:
     return store.metrics.errors.labels(f"refused_{reason}")._value.get()
 
 
-def read_into(store: KVStore, keys: list[bytes], salt: str | None) -> list[str | None]:
+def read_into(store: KVStore, keys: list[bytes], salt: str | None,
+              ids: list[bytes] | None = None) -> list[str | None]:
     got: list[int] = []
     served = store.read_into(keys, lambda i, t: got.append(i) or True, shape=SHAPE,
-                             dtype=torch.bfloat16, salt=salt)
+                             dtype=torch.bfloat16, salt=salt, contents=ids)
     assert got == [i for i, s in enumerate(served) if s is not None]
     return served
 
 
 def assert_refused(store: KVStore, k: bytes, salt: str | None, reason: str,
-                   caplog: pytest.LogCaptureFixture) -> None:
-    """``k`` reads as a miss (twice through get, once through read_into), each read counted
-    under ``reason``, logged once, nothing raised."""
+                   caplog: pytest.LogCaptureFixture, expected: bytes | None = None) -> None:
+    """``k`` reads as a miss (twice through get, once through read_into; the last two
+    expecting the content ``expected`` as the connector does), each read counted under
+    ``reason``, logged once, nothing raised."""
     before = refused(store, reason)
+    ids = None if expected is None else [expected]
     with caplog.at_level(logging.WARNING):
         assert store.get(k, salt=salt) is None
-        assert store.get_many([k], salt=salt) == [None]
-        assert read_into(store, [k], salt) == [None]
+        assert store.get_many([k], salt=salt, contents=ids) == [None]
+        assert read_into(store, [k], salt, ids) == [None]
     assert refused(store, reason) - before == 3
     assert sum("refused blob" in r.getMessage() for r in caplog.records) == 1
     assert reason in caplog.text
@@ -124,23 +135,85 @@ def assert_refused(store: KVStore, k: bytes, salt: str | None, reason: str,
 
 @pytest.mark.parametrize("encrypted", [False, True])
 @pytest.mark.parametrize("how", ["repoint", "overwrite"])
-def test_another_keys_blob_is_refused(place, kv_block, caplog, encrypted, how):
-    """Key A re-pointed at key B's blob, or A's blob overwritten with B's bytes. With encryption
-    B is of A's own group and salt (only the exact key tells them apart); without it B is of
-    another rank (a plain blob of A's group may be a window's shared blob)."""
+@pytest.mark.parametrize("b_group", [G, RANK1], ids=["same_group", "other_rank"])
+def test_another_keys_blob_is_refused(place, kv_block, caplog, encrypted, how, b_group):
+    """Key A re-pointed at key B's blob, or A's blob overwritten with B's bytes: B of A's own
+    group (and salt: only the key, or without encryption the content, tells them apart) or of
+    another rank."""
     s = place.open(encryption_key=MASTER if encrypted else None)
     salt = SALT if encrypted else None
-    a, b = key("a"), key("b", G if encrypted else RANK1)
-    s.put(a, kv_block(1), salt=salt).result()
-    s.put(b, kv_block(2), salt=salt).result()
+    a, b = key("a"), key("b", b_group)
+    s.put(a, kv_block(1), salt=salt, content=content("a")).result()
+    s.put(b, kv_block(2), salt=salt, content=content("b")).result()
     if how == "repoint":
         place.repoint(a, place.blob_of(s, b))
     else:
         place.overwrite(s, a, place.read(s, b))
-    assert_refused(s, a, salt, "foreign_key" if encrypted else "foreign_group", caplog)
+    assert_refused(s, a, salt, "foreign_key" if b_group == G else "foreign_group", caplog,
+                   expected=content("a"))
     assert s.metrics.errors.labels("corrupt")._value.get() == 0
     assert torch.equal(s.get(b, salt=salt), kv_block(2))       # B's blob is left alone
     assert s.contains_many([a]) == [True]   # not dropped: the bytes may be another key's
+
+
+def test_two_swapped_blob_files_of_a_window_are_refused(place):
+    """The blobs of blocks 0 and 1 swapped on disk (in Redis) under a window that shares them
+    with its session, without encryption: every key of either block -- the session's own,
+    the window's, a thawed session's -- reads a miss, not the other block's KV."""
+    s = place.open()
+    tokens = converse(s, "salt-a", 2 * BS)
+    eng = WindowEngine(s, wait_s=0)
+    eng.freeze("t1", "w", session="a", salt="salt-a")
+    eng.thaw("t1", "w", session="b", salt="salt-b")
+    ids = contents(tokens, 2)
+    for salt in ("salt-a", "salt-b"):             # before: each key reads its own block
+        got = s.get_many(block_keys(tokens, salt, 2)[0], contents=ids)
+        assert [torch.equal(t, block(i, 0)) for i, t in enumerate(got)] == [True, True]
+    a0, a1 = block_keys(tokens, "salt-a", 2)[0]
+    first, second = place.read(s, a0), place.read(s, a1)
+    place.overwrite(s, a0, second)
+    place.overwrite(s, a1, first)
+    for salt in ("salt-a", "salt-b"):
+        keys = block_keys(tokens, salt, 2)[0]
+        before = refused(s, "foreign_key")
+        assert s.get_many(keys, contents=ids) == [None, None]
+        assert read_into(s, keys, None, ids) == [None, None]
+        assert refused(s, "foreign_key") - before == 4
+    assert s.metrics.errors.labels("corrupt")._value.get() == 0
+
+
+@pytest.mark.parametrize("encrypted", [False, True])
+def test_an_older_version_of_a_rewritten_record_is_refused(place, caplog, encrypted):
+    """A context record rewritten under its key, and its older version written back where the
+    new one is: refused as replayed by a process that read or wrote the newer one (with
+    encryption the revision is sealed with it, so no one can make an old version look new)."""
+    s = place.open(encryption_key=MASTER if encrypted else None)
+    rec = records.record_key(SALT)
+    s.put(rec, records.json_tensor({"turn": 1}), salt=SALT, replace=True).result()
+    then = place.read(s, rec)
+    s.put(rec, records.json_tensor({"turn": 2}), salt=SALT, replace=True).result()
+    assert records.tensor_json(s.get(rec, salt=SALT)) == {"turn": 2}
+    place.overwrite(s, rec, then)
+    assert_refused(s, rec, SALT, "replayed", caplog)
+    reader = place.open(encryption_key=MASTER if encrypted else None)   # another process
+    assert records.tensor_json(reader.get(rec, salt=SALT)) == {"turn": 1}  # never saw turn 2
+
+
+def test_an_older_sealed_window_manifest_is_refused(place):
+    """A window's manifest rewritten (its description patched), the older sealed version
+    written back: the window reads as missing rather than as it was."""
+    s = place.open(encryption_key=MASTER)
+    converse(s, "salt-a", 2 * BS)
+    eng = WindowEngine(s, wait_s=0)
+    eng.freeze("t1", "w", session="a", salt="salt-a", description="before")
+    mkey = manifest_key("t1", "w")
+    then = place.read(s, mkey)
+    eng.patch("t1", "w", description="after")
+    assert eng.get("t1", "w").description == "after"
+    place.overwrite(s, mkey, then)
+    with pytest.raises(NotFound):
+        eng.get("t1", "w")
+    assert refused(s, "replayed") >= 1
 
 
 @pytest.mark.parametrize("old", ["no_salt_for_the_empty_salt", "the_old_master_key"])
@@ -226,7 +299,7 @@ def test_windows_shared_blobs_read_back_under_their_new_keys(place, encrypted):
     eng.clone("t1", "w", "w2")
     assert eng.thaw("t1", "w2", session="b", salt="salt-b").blocks == 3
     for rank, keys in enumerate(block_keys(tokens, "salt-b", 3)):
-        got = s.get_many(keys, salt="salt-b")
+        got = s.get_many(keys, salt="salt-b", contents=contents(tokens, 3))
         assert all(torch.equal(t, block(i, rank)) for i, t in enumerate(got))
         if encrypted:                    # each copy is sealed for its own key
             assert [container.peek(place.read(s, k))["key"] for k in keys] == [k.hex() for k in keys]
@@ -250,3 +323,14 @@ def test_a_thaw_does_not_reseal_a_swapped_block_for_its_new_key(place):
         eng.thaw("t1", "w", session="b", salt="salt-b")
     assert s.get_many(block_keys(tokens, "salt-b", 2)[0], salt="salt-b") == [None, None]
     assert refused(s, "foreign_key") >= 1
+
+
+def test_a_block_saved_naming_no_content_still_reads_under_a_windows_key(place, kv_block):
+    """Blocks saved before blocks named their content (a window frozen then) keep reading
+    under the keys linked to them, bound per key group as they were."""
+    s = place.open()
+    a, w = key("a"), key("window-a")
+    s.put(a, kv_block(1)).result()                       # no content in its header
+    s.link_many([(w, a)])
+    assert torch.equal(s.get(w, content=content("a")), kv_block(1))
+    assert s.get(w) is None                               # a reader of no content: its own only

@@ -56,6 +56,34 @@ def test_memory_refuses_before_evicting_when_pins_leave_no_room():
     assert drops == [] and m.usage().bytes == 250
 
 
+def test_memory_evictions_acknowledged_retire_first_and_free_once_seen():
+    """The connector workers' memory tier: a put evicts nothing; the step's end retires what is
+    over budget (reported dropped, still served); the blobs go once the scheduler has seen the
+    report, except those a lease or a new save brought back."""
+    m = RamTier(300)
+    m.defer_evictions()
+    drops = recording(m)
+    for i in range(5):
+        assert m.put(bid(i), bytes(100), k(i))      # 500 bytes: over, nothing evicted yet
+    assert drops == [] and m.lookup_many([k(i) for i in range(5)]) == [bid(i) for i in range(5)]
+    assert m.evict(step=7) == [k(0), k(1)]          # the coldest two, reported
+    assert drops == [([k(0), k(1)], "evicted")]
+    assert m.get(bid(0)) == bytes(100) and m.lookup_many([k(0)]) == [bid(0)]   # still here
+    assert m.evict(step=8) == []                    # retired bytes are not counted twice
+    m.lease_many([k(0)], ttl_s=60)                  # a promise made before the scheduler knew
+    assert m.free_retired(upto=6) == 0              # not seen yet: kept
+    assert m.free_retired(upto=7) == 1              # seen: k(1) goes, the leased k(0) stays
+    assert m.lookup_many([k(0), k(1)]) == [bid(0), None] and m.get(bid(0)) == bytes(100)
+    assert m.usage().bytes == 400 and m.usage().blobs == 4
+    m.unpin_many([k(0)])
+    assert m.evict(step=9) == [k(2)] and m.put(bid(2), bytes(100), k(2))   # saved again
+    assert m.free_retired(upto=9) == 0 and m.lookup_many([k(2)]) == [bid(2)]
+    assert not m.put(bid(9), bytes(301), k(9))      # larger than the budget: refused
+    for i in range(10, 14):                          # twice the budget: evicted at once
+        assert m.put(bid(i), bytes(100), k(i))
+    assert m.usage().bytes <= 600
+
+
 def test_disk_atomic_layout_budget_and_reported_evictions(tmp_path):
     d = DiskTier(tmp_path, budget=1000)
     drops = recording(d)

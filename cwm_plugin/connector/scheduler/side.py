@@ -12,21 +12,27 @@ prefill, chunk by chunk; generated blocks as decoding fills them). The worker co
 out of the paged cache at the end of that step, before the scheduler can free or reuse it, and
 encodes and writes it in the background, so ``request_finished`` never has to hold blocks back.
 When a salted request whose blocks were saved finishes, a context record is written for the
-window engine (:mod:`~cwm_plugin.connector.records`), also under its client turn's slot when
-the request names one, never replacing the record of a turn that arrived later; a request
-whose ``kv_transfer_params`` say ``store: false`` (the sidecar's background prompts) is
-neither looked up, saved nor recorded, and ``record: false`` (a warm-up) leaves the session's
-records alone (:mod:`~cwm_plugin.connector.params`).
+window engine (:mod:`~cwm_plugin.connector.records`; only where the store has a disk or Redis
+tier), also under its client turn's slot when the request names one, never replacing the
+record of a turn that arrived later; a request whose ``kv_transfer_params`` say
+``store: false`` (the sidecar's background prompts) is neither looked up, saved nor recorded,
+and ``record: false`` (a warm-up) leaves the session's records alone
+(:mod:`~cwm_plugin.connector.params`).
 
 Nothing here waits on the store. Lookups run in the background (:mod:`.lookups`): a request
 whose lookup still runs is answered ``None`` (vLLM asks again next step) until a deadline, past
 which its unknown blocks are misses. Promised blocks are leased in the durable tiers
-(:mod:`.leases`) until their load is done. CPU workers load in the background: a hit is
-answered ``(n, True)``, the request waits in vLLM's WAITING_FOR_REMOTE_KVS until the workers
-report it loaded (``get_finished``), and decoding requests go on meanwhile. A load that fails is
-recomputed (the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute``) and that
-request is promised nothing again. Saves are planned from what is known in memory: a block
-some tier holds already is skipped by the worker's store, in the background.
+(:mod:`.leases`) until their load is done; the workers' memory tiers free nothing a promise may
+still name (each metadata carries its ``step`` and ``seen``, the newest worker report taken in:
+:meth:`~cwm_plugin.store.tiers.ram.tier.RamTier.defer_evictions`). CPU workers load in the
+background: a hit is answered ``(n, True)``, the request waits in vLLM's WAITING_FOR_REMOTE_KVS
+until the workers report it loaded (``get_finished``), and decoding requests go on meanwhile. A
+load that fails is recomputed (the connector sets vLLM's ``kv_load_failure_policy`` to
+``recompute``) and that request is promised nothing again. Saves are planned from what is known
+in memory: a block some tier holds already is skipped by the worker's store, in the background.
+
+Each transfer carries its blocks' content identities (:mod:`.content`), which the workers write
+into the blobs they save and expect of the blobs they load.
 
 Hit sources for vLLM's ``prompt_tokens_cached_by_source``: blocks the workers reported storing
 are ``host`` (their memory tier) when they have one, blocks in the disk index ``disk``, the rest
@@ -46,6 +52,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from cwm_plugin.connector import records
 from cwm_plugin.connector.config import ConnectorConfig
+from cwm_plugin.connector.content import ContentChains
 from cwm_plugin.connector.keys import Namespace, kv_block_hashes, lora_extra
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.metrics.stats import StatsCollector
@@ -105,12 +112,19 @@ class SchedulerSide:
         self.lookups = Lookups(store, self.workers, stats, wait_s=cfg.lookup_wait_ms / 1000,
                                deadline_s=cfg.lookup_deadline_ms / 1000)
         self.leases = Leases(store, stats, ttl_s=cfg.lease_ttl_s)
+        self.contents = ContentChains(hash_fn, self.block_size // hash_ratio, hash_ratio)
+        self.keeps_records = cfg.context_records and records.readable(store)
+        if cfg.context_records and not self.keeps_records:
+            log.warning("cwm connector: the store has no disk or Redis tier, so no context "
+                        "records are kept (context windows freeze sessions from them, reading "
+                        "the durable tiers); add a disk_path or redis_url to use windows")
         # the workers load in the background (CPU) and report it in get_finished
         self.async_loads = async_loads and cfg.async_loads
         self._reqs: dict[str, _RequestState] = {}
         # loads sent to the workers and not reported done: req id -> (load, asynchronous)
         self._loading: dict[str, tuple[BlockTransfer, bool]] = {}
         self._reset_pending = False
+        self._step = self._seen = 0   # metadata built; the newest worker report taken in
         self._selfcheck_started = False
         self._warn = WarnOnce(log)
 
@@ -231,12 +245,14 @@ class SchedulerSide:
         hashes = self._hashes(request, start + n)[start:]
         state.load = BlockTransfer(request.request_id, list(block_ids[start:start + n]), hashes,
                                    num_tokens=(start + n) * self.block_size,
-                                   salt=getattr(request, "cache_salt", None), extra=state.extra)
+                                   salt=getattr(request, "cache_salt", None), extra=state.extra,
+                                   contents=self.contents.of(request, hashes, start))
         state.saved_blocks = max(state.saved_blocks, start + n)
 
     def build_connector_meta(self, scheduler_output: Any) -> CWMConnectorMetadata:
         self.lookups.new_step()
-        meta = CWMConnectorMetadata(reset=self._reset_pending)
+        self._step += 1
+        meta = CWMConnectorMetadata(reset=self._reset_pending, step=self._step, seen=self._seen)
         self._reset_pending = False
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -294,11 +310,14 @@ class SchedulerSide:
         state.handled_blocks = n_full
         state.saved_blocks = max(state.saved_blocks, n_full)
         if todo:
+            contents = self.contents.of(state.request, hashes)
             meta.saves.append(BlockTransfer(req_id, [state.block_ids[i] for i in todo],
                                             [hashes[i] for i in todo],
                                             num_tokens=n_full * self.block_size,
                                             salt=getattr(state.request, "cache_salt", None),
-                                            extra=state.extra))
+                                            extra=state.extra,
+                                            contents=[contents[i] for i in todo]
+                                            if contents else []))
             if not state.extra:
                 self.known.plan(hashes[i] for i in todo)
 
@@ -308,7 +327,7 @@ class SchedulerSide:
         state = self._reqs.pop(request.request_id, None)
         self._end(request.request_id)
         salt = getattr(request, "cache_salt", None)
-        if state is not None and salt and state.saved_blocks and self.cfg.context_records:
+        if state is not None and salt and state.saved_blocks and self.keeps_records:
             params = params_of(request)
             if params.record and params.store:
                 self._write_record(state, salt, params)
@@ -341,6 +360,7 @@ class SchedulerSide:
         """A request is finished: no lookup for it any more; its lease goes, unless its load
         still runs (then when the workers report it done)."""
         self.lookups.forget(req_id)
+        self.contents.forget(req_id)
         if req_id not in self._loading:
             self.leases.release(req_id)
 
@@ -373,6 +393,7 @@ class SchedulerSide:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, CWMWorkerMetadata):
             return
+        self._seen = max(self._seen, meta.step)   # its drops are forgotten below
         if meta.overflow:
             self.known.clear()
         self.known.report_stored(meta.stored)

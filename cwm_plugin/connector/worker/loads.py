@@ -40,6 +40,7 @@ import time
 import torch
 
 from cwm_kernels.blocks import BlockWriter
+from cwm_plugin.connector.content import each
 from cwm_plugin.connector.keys import Namespace
 from cwm_plugin.connector.metadata import BlockTransfer
 from cwm_plugin.connector.metrics.stats import StatsCollector
@@ -190,6 +191,7 @@ class Loader:
         device cache); returns how many leading blocks were served."""
         t0 = time.perf_counter()
         keys = self.ns.keys(t.block_hashes, self.rank, t.extra)
+        contents = each(t.contents, t.block_hashes)
         stages = Stages()
         held = self.store.where_many(keys)
         todo = next((i for i, tier in enumerate(held) if tier is None), len(keys))
@@ -197,9 +199,11 @@ class Loader:
         if staging is None:
             served = self.store.read_into(keys[:todo], self._sink(keys, t.block_ids),
                                           shape=self.layout.per_block, dtype=self.dtype,
-                                          layout=self.layout_name, salt=t.salt, stages=stages)
+                                          layout=self.layout_name, salt=t.salt, stages=stages,
+                                          contents=contents[:todo])
         else:
-            served = self._decode_staged(keys[:todo], staging, t.salt, stages)
+            served = self._decode_staged(keys[:todo], staging, t.salt, stages,
+                                         contents[:todo])
         good = next((i for i, tier in enumerate(served) if tier is None), len(served))
         self._count_load(served[:good], stages, time.perf_counter() - t0)
         return good
@@ -224,7 +228,8 @@ class Loader:
                     staging = dev.staging(min(dev.max_rows, left))
                 hi = min(n, lo + staging.shape[0] - used)
                 part = dataclasses.replace(t, block_ids=t.block_ids[lo:hi],
-                                           block_hashes=t.block_hashes[lo:hi])
+                                           block_hashes=t.block_hashes[lo:hi],
+                                           contents=t.contents[lo:hi])
                 good = self._load(part, staging[used:used + hi - lo])
                 self._give_up(part, good, spoils=True)
                 rows.extend(range(used, used + good))
@@ -261,7 +266,7 @@ class Loader:
         return sink
 
     def _decode_staged(self, keys: list[bytes], staging: torch.Tensor, salt: str | None,
-                       stages: Stages) -> list[str | None]:
+                       stages: Stages, contents: list[bytes]) -> list[str | None]:
         """Device caches: decode each block straight into its row of the pinned staging."""
         def check(i: int, block: torch.Tensor) -> bool:
             if block.data_ptr() == staging[i].data_ptr():
@@ -271,7 +276,7 @@ class Loader:
 
         return self.store.read_into(keys, check, shape=self.layout.per_block, dtype=self.dtype,
                                     into=lambda i: staging[i], layout=self.layout_name,
-                                    salt=salt, stages=stages)
+                                    salt=salt, stages=stages, contents=contents)
 
     def _wrong_shape(self, key: bytes, block: torch.Tensor) -> None:
         log.warning("cwm connector: block %s has shape %s %s, expected %s %s; recomputing",

@@ -35,6 +35,7 @@ import torch
 
 from cwm_kernels import jit
 from cwm_kernels.blocks import gather_blocks
+from cwm_plugin.connector.content import each
 from cwm_plugin.connector.keys import Namespace
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.metrics.stats import StatsCollector
@@ -78,6 +79,8 @@ class WorkerSide:
         self.loader = Loader(store, stats, ns=ns, rank=rank, layout=layout, layers=layers,
                              block_bytes=self.block_bytes, asynchronous=async_loads,
                              lease_ttl_s=lease_ttl_s)
+        if store.memory is not None:    # the scheduler promises what it believes is there
+            store.memory.defer_evictions()
         if self.loader.writer is not None and not self.loader.writer.joined:
             log.info("cwm connector: the KV layers are not one evenly spaced buffer; a "
                      "restored block is copied layer by layer")
@@ -121,13 +124,13 @@ class WorkerSide:
         staged = gather_blocks(self.layers, 0, block_ids)
         i = 0
         for t in saves:
-            for h in t.block_hashes:
+            for h, content in zip(t.block_hashes, each(t.contents, t.block_hashes), strict=True):
                 block = staged[i]
                 i += 1
                 try:
                     fut = self.store.put(self.ns.key(h, self.rank, t.extra), block,
                                          num_tokens=t.num_tokens, layout=self.layout_name,
-                                         salt=t.salt,
+                                         salt=t.salt, content=content,
                                          wait=max(0.0, room_until - time.monotonic()))
                 except QueueFull:      # a stuck tier: drop the save, never stall the step
                     room_until = 0.0   # (and the step's next saves wait no more)
@@ -163,7 +166,13 @@ class WorkerSide:
                 self.stats.add("save_errors", len(t.block_hashes), reason="load_failed")
         return kept
 
-    def take_worker_meta(self) -> CWMWorkerMetadata | None:
+    def take_worker_meta(self, step: CWMConnectorMetadata | None = None
+                         ) -> CWMWorkerMetadata | None:
+        """What this step's store did (``step``: the step's metadata, still bound), once the
+        memory tier has freed what the scheduler saw evicted and retired what is over budget
+        (:meth:`~cwm_plugin.store.kv_store.KVStore.settle_memory`)."""
+        if step is not None:
+            self.store.settle_memory(step.step, step.seen)
         self._failed |= self.loader.take_failed()
         still: list[tuple[bytes, Future]] = []
         for h, fut in self._pending:
@@ -187,7 +196,8 @@ class WorkerSide:
         if not (self._stored or self._failed or dropped or overflow or loaded):
             return None
         meta = CWMWorkerMetadata({(h, i) for h, i in self._stored if h not in self._failed},
-                                 set(self._failed), dropped, overflow, loaded)
+                                 set(self._failed), dropped, overflow, loaded,
+                                 step.step if step is not None else 0)
         self._stored, self._failed = set(), set()
         return meta
 

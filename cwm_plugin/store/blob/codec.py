@@ -3,7 +3,9 @@
 The container (:mod:`.container`, which reads and writes its header without torch) is a plain
 safetensors file (any safetensors reader can open it): its ``__metadata__`` holds the format
 version, model fingerprint, layout, dtype, shape, key, token count, codec parameters, the
-payload checksum and a CRC-32 of the metadata itself; its tensors
+payload checksum and a CRC-32 of the metadata itself, and where given the ``content`` a KV
+block stands for (what every key sharing the blob shares: :mod:`cwm_plugin.store.binding`) or the ``revision``
+of a record that is rewritten under its key; its tensors
 are ``uint8`` *streams* made by a byte transform (:mod:`cwm_kernels.shuffle`), each
 compressed with zstd or kept raw when zstd would not shrink it.
 
@@ -91,8 +93,12 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: int = 0,
            layout: str = "", level: int = 1, shuffle: bool = True,
            checksum: bool = True, transform: str | None = None,
-           sign_planes: bool = False) -> bytes:
+           sign_planes: bool = False, content: bytes = b"",
+           revision: int | None = None) -> bytes:
     """Encode ``tensor`` (any shape, a supported dtype) into one self-describing blob.
+
+    ``content``: the content identity of a KV block; ``revision``: a rewritten record's
+    revision (both in the header, see the module docstring).
 
     ``transform`` overrides the byte transform that ``shuffle`` would pick (for benchmarks);
     ``sign_planes``: bfloat16's signs as compressed bit planes where they compress (smaller,
@@ -135,6 +141,10 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
         "checksum": _raw_crc([p for (_, c, _), p in zip(streams, payloads, strict=True)
                               if c == "raw"]) if checksum else "",
     }
+    if content:
+        meta["content"] = bytes(content).hex()
+    if revision is not None:
+        meta["revision"] = str(int(revision))
     if checksum:
         meta["meta_crc"] = meta_crc(meta)
     return pack(meta, payloads)

@@ -9,7 +9,8 @@ the store needs without the key (the store key, fingerprint, layout, shape, toke
 the cipher, a key id (``sha256("cwm-key-id" + key)[:8]``, never the key) and the nonce; the
 inner blob's header and payload are the ciphertext's associated data and plaintext, so the
 store key in the clear header is authenticated: a sealed blob belongs to that one key
-(:mod:`.binding` checks it on every read). A blob sealed under another key is
+(:mod:`.binding` checks it on every read), and so is a rewritten record's ``revision`` (an
+older one is refused once a newer was seen). A blob sealed under another key is
 :class:`RefusedBlob` (a miss, recomputed); a blob whose tag fails under its own key is
 :class:`CorruptBlob`. The master key is never logged.
 """
@@ -37,7 +38,7 @@ INFO = b"cwm-kv-blob-v1\0"                  # + a salt's UTF-8
 NO_SALT_INFO = b"cwm-kv-blob-v2:no-salt"     # neither starts with INFO: no salt's info is theirs
 EMPTY_SALT_INFO = b"cwm-kv-blob-v2:empty-salt"
 _CLEAR = ("format", "format_version", "fingerprint", "layout", "key", "num_tokens", "dtype",
-          "shape")
+          "shape", "revision")
 
 
 def parse_master_key(text: str) -> bytes:

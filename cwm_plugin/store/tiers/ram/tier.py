@@ -5,6 +5,14 @@ LRU's cold end without walking past pins: its cost does not grow with the number
 put that cannot fit even after evicting every unprotected blob is refused *before* anything is
 evicted. Evicted blobs take their keys with them; the keys are reported to the drop listener.
 Pin expiries sit in a heap and are applied lazily, before each eviction and pin query.
+
+*Acknowledged eviction* (:meth:`RamTier.defer_evictions`: the connector's workers, whose
+scheduler promises blocks it believes are in this tier): a put evicts nothing (up to twice the
+budget); at each step's end :meth:`RamTier.evict` *retires* the cold blobs over the budget --
+reported dropped at once, still readable -- and :meth:`RamTier.free_retired` frees them only
+once the scheduler has seen that report. A block promised before the scheduler knew is still
+there when its load leases it (a lease or a save of a retired blob brings it back), so a
+promise never meets an eviction.
 """
 
 from __future__ import annotations
@@ -48,15 +56,31 @@ class RamTier(Tier):
         self._expiries: list[tuple[float, bytes]] = []
         self._lock = threading.RLock()
         self.evictions = 0
+        self._deferred = False
+        self._retired: OrderedDict[str, bytes] = OrderedDict()   # evicted, not freed yet
+        self._retired_at: dict[str, int] = {}                   # blob -> the step it was
+        self._retired_bytes = 0
 
     # --- blobs --------------------------------------------------------------------------------
 
-    def _data(self, blob_id: str) -> bytes | None:
+    def _data(self, blob_id: str, *, revive: bool = False) -> bytes | None:
+        """(locked) A blob's bytes, made the LRU's most recent; ``revive``: a retired blob
+        (saved or linked again) goes back in the LRU (a read alone leaves it retired)."""
         data = self._lru.get(blob_id)
         if data is not None:
             self._lru.move_to_end(blob_id)
             return data
-        return self._held.get(blob_id)
+        if revive and blob_id in self._retired:
+            data = self._lru[blob_id] = self._unretire(blob_id)
+            return data
+        return self._held.get(blob_id) or self._retired.get(blob_id)
+
+    def _unretire(self, blob_id: str) -> bytes:
+        """(locked) Take a blob out of the retired ones; returns its bytes."""
+        data = self._retired.pop(blob_id)
+        self._retired_at.pop(blob_id, None)
+        self._retired_bytes -= len(data)
+        return data
 
     def get_many(self, blob_ids: Sequence[str]) -> list[bytes | None]:
         with self._lock:
@@ -64,7 +88,7 @@ class RamTier(Tier):
 
     def has_blob(self, blob_id: str) -> bool:
         with self._lock:
-            return blob_id in self._lru or blob_id in self._held
+            return blob_id in self._lru or blob_id in self._held or blob_id in self._retired
 
     def put(self, blob_id: str, data: bytes, key: bytes, *, replace: bool = False) -> bool:
         key = bytes(key)
@@ -73,7 +97,7 @@ class RamTier(Tier):
             current = self._keys.get(key)
             if not replace and current is not None and current != blob_id and \
                     self.has_blob(current):
-                self._data(current)
+                self._data(current, revive=True)
                 return True                       # first writer wins
             if not self.has_blob(blob_id):
                 if not self._make_room(len(data), evicted):
@@ -81,7 +105,7 @@ class RamTier(Tier):
                 self._lru[blob_id] = data
                 self._bytes += len(data)
             else:
-                self._data(blob_id)
+                self._data(blob_id, revive=True)
             self._map(key, blob_id)
         self._dropped(evicted, "evicted")
         return True
@@ -90,12 +114,14 @@ class RamTier(Tier):
         """(locked) Evict cold unprotected blobs until ``size`` fits; refuse up front if even
         evicting all of them would not be enough."""
         self._expire_pins()
-        need = self._bytes + size - self.budget
+        need = self._bytes - self._retired_bytes + size - self.budget
         if need <= 0:
             return True
         if size > self.budget or self._held_bytes + size > self.budget:
             return False
-        while need > 0:
+        if self._deferred:     # the step's end retires what is over, up to twice the budget
+            need = self._bytes + size - 2 * self.budget       # (the retired blobs included)
+        while need > 0 and self._lru:
             blob_id, data = self._lru.popitem(last=False)
             self._bytes -= len(data)
             need -= len(data)
@@ -119,6 +145,8 @@ class RamTier(Tier):
 
     def _free(self, blob_id: str) -> None:
         data = self._lru.pop(blob_id, None)
+        if data is None and blob_id in self._retired:
+            data = self._unretire(blob_id)
         if data is None and blob_id in self._held:
             data = self._held.pop(blob_id)
             self._release_held(blob_id, len(data))
@@ -163,6 +191,8 @@ class RamTier(Tier):
         n = self._pinned_refs.get(blob_id, 0) + delta
         if n > 0:
             self._pinned_refs[blob_id] = n
+            if blob_id in self._retired:          # leased while retired: protected again
+                self._lru[blob_id] = self._unretire(blob_id)
             if blob_id in self._lru:
                 data = self._held[blob_id] = self._lru.pop(blob_id)
                 group = self._held_group[blob_id] = group_of(key)
@@ -187,7 +217,7 @@ class RamTier(Tier):
         done: list[bytes] = []
         with self._lock:
             for key, blob_id in links:
-                if self.has_blob(blob_id):
+                if self._data(blob_id, revive=True) is not None:
                     self._map(bytes(key), blob_id)
                     done.append(bytes(key))
         return done
@@ -297,7 +327,7 @@ class RamTier(Tier):
 
     def _info(self, k: bytes) -> KeyInfo:
         b = self._keys[k]
-        size = len(self._lru.get(b) or self._held.get(b) or b"")
+        size = len(self._lru.get(b) or self._held.get(b) or self._retired.get(b) or b"")
         return KeyInfo(k, b, k in self._pins, self._pins.get(k), size, k in self._leased)
 
     def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None,
@@ -308,11 +338,47 @@ class RamTier(Tier):
                           and (after is None or k > after))[:limit]
             return [self._info(k) for k in keys]
 
+    # --- acknowledged eviction ---------------------------------------------------------------
+
+    def defer_evictions(self) -> None:
+        """Evict only at :meth:`evict`, retiring blobs until :meth:`free_retired` (see the
+        module docstring)."""
+        self._deferred = True
+
+    def evict(self, step: int) -> list[bytes]:
+        """Retire the coldest unprotected blobs until the budget holds (their keys reported
+        dropped now, ``step`` noted for :meth:`free_retired`); returns those keys."""
+        dropped: list[bytes] = []
+        with self._lock:
+            self._expire_pins()
+            over = self._bytes - self._retired_bytes - self.budget
+            while over > 0 and self._lru:
+                blob_id, data = self._lru.popitem(last=False)
+                self._retired[blob_id] = data
+                self._retired_at[blob_id] = step
+                self._retired_bytes += len(data)
+                over -= len(data)
+                self.evictions += 1
+                dropped.extend(self._refs.get(blob_id, ()))
+        self._dropped(dropped, "evicted")
+        return dropped
+
+    def free_retired(self, upto: int) -> int:
+        """Free the blobs retired at step ``upto`` or before (their keys go; they were reported
+        dropped then); returns how many."""
+        with self._lock:
+            gone = [b for b, step in self._retired_at.items() if step <= upto]
+            for b in gone:
+                for k in list(self._refs.get(b, ())):
+                    self._keys.pop(k, None)
+                self._free(b)
+        return len(gone)
+
     # --- maintenance --------------------------------------------------------------------------
 
     def blob_ids(self) -> list[str]:
         with self._lock:
-            return [*self._lru, *self._held]
+            return [*self._lru, *self._held, *self._retired]
 
     def unreferenced(self, min_age_s: float = 0.0) -> list[str]:
         with self._lock:
@@ -321,8 +387,9 @@ class RamTier(Tier):
     def reset(self) -> None:
         """Drop every unpinned blob (vLLM's ``reset_cache``); the keys are reported."""
         with self._lock:
-            dropped = [k for b in self._lru for k in self._refs.get(b, ())]
-            for b in list(self._lru):
+            unpinned = [*self._lru, *self._retired]
+            dropped = [k for b in unpinned for k in self._refs.get(b, ())]
+            for b in unpinned:
                 for k in list(self._refs.get(b, ())):
                     self._keys.pop(k, None)
                 self._free(b)
@@ -331,7 +398,8 @@ class RamTier(Tier):
     def usage(self) -> TierUsage:
         with self._lock:
             leased = sum(len(self._held[b]) for b in self._lease_only() & self._held.keys())
-            return TierUsage(self.name, self._bytes, len(self._lru) + len(self._held),
+            return TierUsage(self.name, self._bytes,
+                             len(self._lru) + len(self._held) + len(self._retired),
                              self.budget, keys=len(self._keys),
                              pinned_bytes=self._held_bytes - leased)
 
@@ -339,6 +407,8 @@ class RamTier(Tier):
         with self._lock:
             self._lru.clear()
             self._held.clear()
+            self._retired.clear()
+            self._retired_at.clear()
             self._keys.clear()
             self._refs.clear()
-            self._bytes = self._held_bytes = 0
+            self._bytes = self._held_bytes = self._retired_bytes = 0

@@ -7,7 +7,8 @@ compare it with what the client sent. Chat answers come from ``script(body) -> r
 reply is ``{"content": str}`` or ``{"tool_calls": [...]}``; the default answers "ok".
 Streams are written with CRLF line ends when ``crlf`` is set (the SSE format allows it), a
 chunk every ``stream_delay`` seconds; ``stream_cut_after`` N drops the connection after N
-chunks (a server killed mid-answer). Like vLLM, a body it cannot use is a 400, never a 500, and
+chunks (a server killed mid-answer); ``models_gate`` (a ``threading.Event``) holds every
+``/v1/models`` answer until it is set (a slow or stuck upstream). Like vLLM, a body it cannot use is a 400, never a 500, and
 a chat prompt over ``max_prompt_tokens`` (as ``usage_of`` counts) a 400 naming the context.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +49,8 @@ class FakeUpstream:
         self.stream_cut_after: int | None = None  # die after this many chunks (a killed server)
         self.max_prompt_tokens: int | None = None  # longer chat prompts: 400, as vLLM
         self.calls: list[tuple[str, dict[str, Any], dict[str, str]]] = []
-        self.model_lists = 0  # GET /v1/models answered (health checks, model lookups)
+        self.model_lists = 0  # GET /v1/models asked (health checks, model lookups)
+        self.models_gate: threading.Event | None = None  # set: /v1/models answers
         self.app = FastAPI()
         self._routes()
 
@@ -164,6 +167,8 @@ class FakeUpstream:
         @app.get("/v1/models")
         async def models() -> JSONResponse:
             self.model_lists += 1
+            if self.models_gate is not None:
+                await asyncio.to_thread(self.models_gate.wait, 60)
             return JSONResponse({"object": "list", "data": [
                 {"id": self.model, "object": "model", "created": 0, "owned_by": "fake",
                  "root": self.root, "max_model_len": self.max_model_len}]})

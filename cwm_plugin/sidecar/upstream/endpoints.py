@@ -86,9 +86,10 @@ class Health:
         self.set_up(ep, False)
         if ep.checking is None or ep.checking.done():
             with contextlib.suppress(RuntimeError):  # no running loop: the next check will do
-                ep.checking = self._spawn(self.check(ep), f"check-{ep.name}")
+                ep.checking = self.spawn(self.check(ep), f"check-{ep.name}")
 
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task:
+    def spawn(self, coro: Any, name: str) -> asyncio.Task:
+        """Run ``coro`` in the background until it ends or the router closes."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -98,7 +99,7 @@ class Health:
         """``GET /v1/models`` within ``timeout_s``: up or down."""
         try:
             async with asyncio.timeout(self.settings.timeout_s):
-                ep.known = dict(await ep.client.models(refresh=True))
+                ep.known = dict(await ep.client.models())
         except (UpstreamError, TimeoutError):
             self.set_up(ep, False)
             return False
@@ -119,7 +120,7 @@ class Health:
                 except Exception:  # a check must never end the checking
                     log.exception("upstream health checks failed")
 
-        self._spawn(loop(), "upstream-health")
+        self.spawn(loop(), "upstream-health")
 
     def close(self) -> None:
         for t in list(self._tasks):

@@ -113,7 +113,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         memory = build_memory(settings.memory, metrics.registry)
     router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)
     limits = TenantLimits(settings.rate_limits, settings.principals(), metrics.rate_limited)
-    usage = UsageLedger(settings.pricing, metrics, spend=limits.spend)
+    usage = UsageLedger(settings.pricing, metrics, limits)
     sidecar = Sidecar(
         settings=settings,
         auth=Authenticator(settings.tenants, secrets[0],

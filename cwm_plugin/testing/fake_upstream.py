@@ -134,30 +134,35 @@ class FakeUpstream:
         if (body.get("stream_options") or {}).get("include_usage"):
             chunks.append({**base, "choices": [], "usage": usage_of(body, len(words))})
 
-        def gen():
+        async def gen():
             for c in chunks:
                 yield f"data: {json.dumps(c)}\n\n".encode()
+                await asyncio.sleep(self.stream_delay)
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     def _response_stream(self, body: dict[str, Any]) -> StreamingResponse:
-        """The Responses API's events (named, no ``[DONE]``), usage on the last one."""
-        usage = usage_of(body, 1)
+        """The Responses API's events (named, no ``[DONE]``): a text delta a word of the
+        script's answer, usage on the last one."""
+        words = str(self.script(body).get("content") or "").split(" ")
+        usage = usage_of(body, len(words))
         done = {"id": "resp_fake", "object": "response", "status": "completed",
                 "model": body["model"], "usage": {"input_tokens": usage["prompt_tokens"],
-                                                  "output_tokens": 1, "total_tokens":
+                                                  "output_tokens": len(words), "total_tokens":
                                                   usage["total_tokens"]}}
         events = [("response.created", {"response": {**done, "status": "in_progress",
                                                      "usage": None}}),
-                  ("response.output_text.delta", {"item_id": "msg_1", "output_index": 0,
-                                                  "content_index": 0, "delta": "ok"}),
+                  *(("response.output_text.delta", {"item_id": "msg_1", "output_index": 0,
+                                                    "content_index": 0, "delta": w})
+                    for w in words),
                   ("response.completed", {"response": done})]
 
-        def gen():
+        async def gen():
             for n, (kind, data) in enumerate(events):
                 obj = {"type": kind, "sequence_number": n, **data}
                 yield f"event: {kind}\ndata: {json.dumps(obj)}\n\n".encode()
+                await asyncio.sleep(self.stream_delay)
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 

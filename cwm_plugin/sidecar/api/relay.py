@@ -2,7 +2,8 @@
 
 ``POST /v1/completions`` and ``/v1/responses`` carry the session's salt (streamed or not) and
 are routed like chat (an explicit model to the upstreams serving it, an alias by role, with
-failover; their usage is accounted); ``POST /v1/embeddings``, ``/tokenize`` and ``/detokenize``
+failover; each is billed through one ``Meter``, its estimate reserved from the token quota
+before it goes up: ``usage.py``); ``POST /v1/embeddings``, ``/tokenize`` and ``/detokenize``
 go where their model is served (else to the default upstream) as they are; ``GET /v1/models``
 is the default upstream's list, or with several upstreams all their lists merged;
 ``GET /v1/models/{id}`` (which vLLM does not serve) answers that model's entry of the list, or
@@ -22,12 +23,14 @@ from starlette.background import BackgroundTask
 
 from cwm_plugin.sidecar.api.body import require_model
 from cwm_plugin.sidecar.api.errors import ModelNotFound, upstream_error_response
-from cwm_plugin.sidecar.identity.authenticator import owner_of
+from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
 from cwm_plugin.sidecar.identity.caller import identity_of, json_body
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.turn.chat import SSE_HEADERS, route_headers
 from cwm_plugin.sidecar.upstream.client import headers_down, headers_up
-from cwm_plugin.sidecar.upstream.stream import Collected, ask_usage, relay_sse, relayed_usage
+from cwm_plugin.sidecar.upstream.endpoints import Route
+from cwm_plugin.sidecar.upstream.stream import Collected, ask_usage, relay_sse
+from cwm_plugin.sidecar.usage import Meter, answer_cap, prompt_estimate
 
 SALTED = ("/v1/completions", "/v1/responses")
 UNROUTED = "other"  # the model label of a relay whose model no upstream was known to serve
@@ -48,6 +51,7 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     body = await json_body(request)
     ident = identity_of(request, body)
     forward = body
+    meter: Meter | None = None
     if path in SALTED:
         require_model(body)
         route = await sc.router.route(body)
@@ -56,19 +60,34 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
                    "kv_transfer_params": {"cwm": {}}}
         if sc.salt_mover is not None:  # after a secret rotation: the session's KV follows
             await sc.salt_mover.before_forward(ident, body, forward["cache_salt"])
+        prompt = prompt_estimate(forward)
+        meter = await sc.usage.meter(ident.tenant, str(route.model), prompt=prompt, owner=owner_of(
+            ident), cap=answer_cap(body, route.info().max_model_len, prompt))
     else:
         route = await sc.router.route_loose(body)
+    try:
+        return await _forward(sc, request, ident, path, route, forward, meter)
+    except BaseException:
+        if meter is not None:
+            meter.cancel()
+        raise
+
+
+async def _forward(sc: Sidecar, request: Request, ident: Identity, path: str, route: Route,
+                   forward: dict[str, Any], meter: Meter | None) -> Response:
+    """Send the request up and relay the answer; ``meter`` bills a salted route's."""
     # a metric label: a model the router knows, never the client's free text (a new name on
     # every /tokenize would have grown /metrics, and this process, without bound)
     model = route.model or UNROUTED
     labels = (ident.tenant, model, path.rsplit("/", 1)[-1])
     up = headers_up(request.headers)
-    if not body.get("stream"):
+    if not forward.get("stream"):
         ep, resp = await sc.router.post(route, path, forward, headers=up)
         sc.metrics.requests.labels(*labels, str(resp.status_code)).inc()
-        if resp.status_code == 200 and path in SALTED:
-            sc.usage.record(ident.tenant, model, ep.name, resp.json().get("usage"),
-                            owner=owner_of(ident))
+        if meter is not None and resp.status_code == 200:
+            await meter.bill(ep.name, resp.json().get("usage"))
+        elif meter is not None:
+            meter.cancel()
         return _relayed(resp, route_headers(route, ep))
     client_wants_usage = True  # (the Responses API reports it in its last event anyway)
     if path == "/v1/completions":
@@ -81,6 +100,8 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     if resp.status_code != 200:
         content = await resp.aread()
         await handle.close()
+        if meter is not None:
+            meter.cancel()
         return upstream_error_response(resp.status_code, content, down)
     collected = Collected()
 
@@ -92,11 +113,11 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
         finally:
             await handle.close()
 
-    def after() -> None:  # also after a client went away: what was relayed is billed
+    async def after() -> None:  # also after a client went away: what was relayed is billed
         if not collected.usage:
             sc.metrics.streams_cut.labels(ident.tenant, model, labels[2]).inc()
-        sc.usage.record(ident.tenant, model, handle.ep.name, relayed_usage(collected, None),
-                        owner=owner_of(ident))
+        if meter is not None:
+            await meter.bill(handle.ep.name, collected.usage, relayed=collected.chunks)
 
     return StreamingResponse(body_iter(), media_type="text/event-stream",
                              headers={**SSE_HEADERS, **down}, background=BackgroundTask(after))

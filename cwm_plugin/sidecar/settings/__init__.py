@@ -25,7 +25,7 @@ from pydantic import (
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.sidecar.identity.secret_versions import SecretVersion, in_grace
 from cwm_plugin.sidecar.settings.access import AccessSettings
-from cwm_plugin.sidecar.settings.limits import RateLimitSettings, check_rate
+from cwm_plugin.sidecar.settings.limits import RateLimitSettings, ServerSettings, check_rate
 from cwm_plugin.sidecar.settings.routing import DEFAULT_RULES as DEFAULT_RULES
 from cwm_plugin.sidecar.settings.routing import NAME as NAME
 from cwm_plugin.sidecar.settings.routing import UPSTREAM_OWN, RoutingSettings
@@ -251,7 +251,9 @@ class WindowsSettings(_Strict):
     max_message_bytes: int = Field(default=1 << 20, ge=0)
     tenant_quota_bytes: int | None = Field(default=None, ge=0)  # blob bytes a tenant may pin
     max_ttl_s: float | None = Field(default=None, gt=0)  # windows' longest TTL (None: any)
-    max_import_bytes: int = Field(default=4 << 30, ge=1024)  # an imported window file's size
+    max_import_bytes: int = Field(default=1 << 30, ge=1024)  # an imported window file's size
+    imports_per_tenant: int = Field(default=1, ge=1)  # window imports of one tenant at once
+    imports_at_once: int = Field(default=2, ge=1)  # ... and of everyone (each spools to disk)
 
 
 class Settings(_Strict):
@@ -276,6 +278,7 @@ class Settings(_Strict):
     # a route's own limit, by its path as the API lists it ("/v1/memory/turns": 1048576)
     max_body_bytes_by_route: dict[str, int] = Field(default_factory=dict)
     rate_limits: RateLimitSettings = RateLimitSettings()
+    server: ServerSettings = ServerSettings()  # headers, slow clients, connections
     max_json_depth: int = Field(default=64, ge=4, le=1000)  # deeper bodies get 400
     debug_header_max_bytes: int = Field(default=4096, ge=256)
     memory_enabled: bool = True

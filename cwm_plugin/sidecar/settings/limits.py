@@ -1,5 +1,6 @@
-"""Limits settings (``rate_limits:`` in the sidecar's config): per-tenant request rates and
-token quotas, applied by ``identity/ratelimit.py`` with the ``limits`` package.
+"""Limits settings: ``rate_limits:`` (per-tenant request rates and token quotas, applied by
+``identity/ratelimit.py`` with the ``limits`` package) and ``server:`` (the HTTP server's own
+bounds against careless or hostile clients, ``server_limits.py``).
 
 A rate is written in that package's notation, several separated by ``;``: ``"10/second;
 600/minute"`` (requests), ``"2000000/hour"`` (tokens). ``rate_limit`` and ``token_quota``
@@ -60,3 +61,14 @@ class RateLimitSettings(Strict):
             raise ValueError("rate_limits.storage must be memory:// or a redis:// URL")
         return v
 
+
+
+class ServerSettings(Strict):
+    """The HTTP server's bounds (``server:``; see ``cwm_plugin/sidecar/server_limits.py``)."""
+
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)  # request line + headers
+    header_timeout_s: float = Field(default=10.0, gt=0)  # for a request's headers to arrive
+    body_timeout_s: float = Field(default=20.0, gt=0)  # for its body, ...
+    body_min_rate: int = Field(default=500, ge=1)  # ... plus a second for each this many bytes
+    keep_alive_s: int = Field(default=5, ge=1)  # an idle connection between requests
+    max_connections: int = Field(default=512, ge=2)  # past it a request gets 503

@@ -4,12 +4,11 @@ tokens relayed. The upstream is ``cwm_plugin.testing.fake_upstream``."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
 import pytest
-from sidecar_helpers import KEYS, make_settings, metric_value, wait_idle
+from sidecar_helpers import KEYS, drop_stream, make_settings, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.serving import ServerThread
@@ -33,18 +32,7 @@ def test_a_stream_the_client_drops_bills_its_prompt_on_every_route(tmp_path, pat
             up.url, tmp_path, "tiktoken:cl100k_base"))) as srv:
         headers = {"Authorization": f"Bearer {KEYS['acme']}", "X-Session-Id": "cut"}
         body = {"model": "tiny", "stream": True, "max_tokens": 64, **BODIES[path]}
-        seen = 0
-        with httpx.stream("POST", f"{srv.url}{path}", json=body, headers=headers,
-                          timeout=60) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                seen += line.startswith("data: ")
-                if seen == 6:
-                    break  # the client goes away mid-answer
-        deadline = time.monotonic() + 30
-        while metric_value(srv, "cwm_sidecar_streams_cut_total", tenant="acme") < 1:
-            assert time.monotonic() < deadline, "the cut was never noticed"
-            time.sleep(0.1)
+        drop_stream(srv, path, body, headers, 6)
         wait_idle(srv)
         total = httpx.get(f"{srv.url}/v1/usage", headers=headers, timeout=30).json()["total"]
         assert total["requests"] == 1 and 3 <= total["completion_tokens"] < 40, total

@@ -120,6 +120,11 @@ class Upstream:
     def fetching(self) -> bool:
         return self._fetch is not None
 
+    @property
+    def known(self) -> dict[str, ModelInfo]:
+        """The model list as last fetched (empty: never)."""
+        return self._models or {}
+
     async def models(self, *, max_age: float = 0.0) -> dict[str, ModelInfo]:
         """``{id: ModelInfo}`` from ``/v1/models``: the kept list when it is at most ``max_age``
         seconds old, else a fresh one (see the module docstring)."""

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -33,12 +33,16 @@ class Endpoint:
     cfg: UpstreamConfig
     client: Upstream
     up: bool = True
-    known: dict[str, ModelInfo] = field(default_factory=dict)  # its last /v1/models answer
     checking: asyncio.Task | None = None
 
     @property
     def name(self) -> str:
         return self.cfg.name
+
+    @property
+    def known(self) -> dict[str, ModelInfo]:
+        """Its last ``/v1/models`` answer (empty: none yet)."""
+        return self.client.known
 
     def serves(self, model: str) -> bool:
         return model in (self.cfg.models or self.known)
@@ -99,7 +103,7 @@ class Health:
         """``GET /v1/models`` within ``timeout_s``: up or down."""
         try:
             async with asyncio.timeout(self.settings.timeout_s):
-                ep.known = dict(await ep.client.models())
+                await ep.client.models()
         except (UpstreamError, TimeoutError):
             self.set_up(ep, False)
             return False

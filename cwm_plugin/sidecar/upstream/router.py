@@ -116,7 +116,7 @@ class Router:
 
     async def _models_of(self, ep: Endpoint, max_age: float) -> UpstreamError | None:
         try:
-            ep.known = dict(await ep.client.models(max_age=max_age))
+            await ep.client.models(max_age=max_age)
         except UpstreamError as exc:
             self.health.failed(ep, exc.code)
             return exc

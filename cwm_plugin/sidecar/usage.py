@@ -40,12 +40,14 @@ MAX_ROWS = 100_000
 CHARS_PER_TOKEN = 4
 PROMPT_FIELDS = ("messages", "prompt", "input", "instructions", "tools", "functions")
 CAP_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+MEDIA = frozenset({"image_url", "input_image", "input_audio", "audio_url", "video_url", "file"})
 
 
 def prompt_estimate(body: dict[str, Any]) -> int:
     """The tokens a request body's prompt will cost, before a tokenizer has seen it: about 4
     characters a token over every string of its prompt fields (messages, prompt, input, tools:
-    roles and names count as the template's tokens would), a token a token id."""
+    roles and names count as the template's tokens would), a token a token id; media parts
+    (images, audio: their tokens are the model's to say) count nothing here."""
     chars, ids = 0, 0
     stack: list[Any] = [body.get(f) for f in PROMPT_FIELDS]
     while stack:
@@ -57,7 +59,7 @@ def prompt_estimate(body: dict[str, Any]) -> int:
         elif isinstance(node, int):
             ids += 1
         elif isinstance(node, dict):
-            stack.extend(node.values())
+            stack.extend(v for k, v in node.items() if k not in MEDIA)
         elif isinstance(node, list):
             stack.extend(node)
     return ids + -(-chars // CHARS_PER_TOKEN)

@@ -61,8 +61,9 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
         if sc.salt_mover is not None:  # after a secret rotation: the session's KV follows
             await sc.salt_mover.before_forward(ident, body, forward["cache_salt"])
         prompt = prompt_estimate(forward)
-        meter = await sc.usage.meter(ident.tenant, str(route.model), prompt=prompt, owner=owner_of(
-            ident), cap=answer_cap(body, route.info().max_model_len, prompt))
+        cap = answer_cap(body, route.info().max_model_len, prompt)
+        meter = await sc.usage.meter(ident.tenant, str(route.model), prompt=prompt, cap=cap,
+                                     owner=owner_of(ident))
     else:
         route = await sc.router.route_loose(body)
     try:

@@ -7,8 +7,11 @@ setup:
 demo: setup
 	@.venv/bin/python -m cwm_plugin.demo
 
-test: setup
+# The checks first: ruff, and import-linter's contracts (pyproject's [tool.importlinter]: the
+# layers, no package importing one above it, no import circle).
+test: setup lint
 	@.venv/bin/python -m pytest
 
 lint: setup
 	@.venv/bin/ruff check .
+	@.venv/bin/lint-imports --no-cache

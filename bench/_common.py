@@ -83,7 +83,7 @@ def evict_page_cache(path: str | Path) -> int:
     start. Returns the number of files evicted."""
     import os
 
-    from cwm_plugin.store.tiers.disk import advise_files
+    from cwm_plugin.store.tiers.disk.tier import advise_files
 
     os.sync()
     return advise_files([f for f in Path(path).rglob("*") if f.is_file()], "DONTNEED")

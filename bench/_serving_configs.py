@@ -3,7 +3,7 @@ KV cache holds only a fraction of the active users' KV.
 
 * ``vllm``      vLLM alone, prefix caching on;
 * ``lmcache``   vLLM + LMCache's multi-process server, CPU offload only (L1 in memory, LRU,
-  256-token chunks, sized to hold every user; see ../shared/notes/vllm-cpu.md);
+  256-token chunks, sized to hold every user; see docs/vllm-cpu.md);
 * ``cwm_cpu``   our connector, CPU memory tier only, sized to hold every user;
 * ``cwm_disk``  our connector, disk tier only (memory tier off; page cache as it is);
 * ``cwm_redis`` our connector as configs/connector-shared-redis.json ships it (memory + disk +

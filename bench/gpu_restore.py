@@ -1,6 +1,6 @@
 """Restore into a CUDA paged KV cache: the connector's device path, timed against its floors.
 
-What the connector's worker does for a GPU cache (:mod:`cwm_plugin.connector.device_load`):
+What the connector's worker does for a GPU cache (:mod:`cwm_plugin.connector.worker.device_load`):
 the store decodes every block of the step on its threads into pinned host staging, the copy
 to the device is queued on a side stream through a bounded device scratch, and each layer's
 blocks are scattered with ``index_copy_`` (one event a layer). This script times that path on
@@ -49,13 +49,13 @@ from safetensors.torch import load, load_file, save
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import cpu_model, evict_page_cache, table, write_json  # noqa: E402
 
-from cwm_plugin.connector.device_load import DeviceLoader  # noqa: E402
-from cwm_plugin.kernels import jit  # noqa: E402
-from cwm_plugin.kernels import shuffle as sh  # noqa: E402
-from cwm_plugin.kernels import shuffle_triton as tri  # noqa: E402
-from cwm_plugin.store import codec  # noqa: E402
+from cwm_kernels import jit  # noqa: E402
+from cwm_kernels import shuffle as sh  # noqa: E402
+from cwm_kernels import shuffle_triton as tri  # noqa: E402
+from cwm_plugin.connector.worker.device_load import DeviceLoader  # noqa: E402
+from cwm_plugin.store.blob import codec  # noqa: E402
 from cwm_plugin.store.config import StoreConfig  # noqa: E402
-from cwm_plugin.store.tiered import KVStore  # noqa: E402
+from cwm_plugin.store.kv_store import KVStore  # noqa: E402
 
 TOKENS_PER_BLOCK = 128
 

@@ -1,12 +1,15 @@
-"""Memory retrieval benchmark on LoCoMo-format conversations.
+"""Memory retrieval benchmark on conversations in LoCoMo's layout.
 
-    python bench/memory.py --data /work/shared/data/locomo-dev --json out.json [--quick]
+    python bench/memory.py --json out.json [--quick] [--data DIR]
 
-Every ``*.json`` file in ``--data`` holding a LoCoMo conversation (flat, as in locomo-dev, or a
-``{"conversation": ..., "qa": ...}`` sample, or a list of samples as in locomo10.json) is
-replayed into a fresh memory root: one folder a conversation, one session a LoCoMo session,
-each turn recorded with its ``dia_id`` as the turn id, its speaker as the role and the
-session's date as the timestamp. Other files (README, ...) are skipped.
+By default it measures on the project's generated conversations
+(:mod:`cwm_plugin.testing.dialogues`: planted facts, their questions and evidence turns). With
+``--data``, every ``*.json`` file in DIR holding a LoCoMo conversation (flat, as in LoCoMo's
+development split, or a ``{"conversation": ..., "qa": ...}`` sample, or a list of samples as
+in locomo10.json) is used instead; other files (README, ...) are skipped. Each conversation is
+replayed into a fresh memory root: one folder a conversation, one session a session, each
+turn recorded with its ``dia_id`` as the turn id, its speaker as the role and the session's
+date as the timestamp.
 
 Replay simulates the sidecar: before each turn is recorded, it is sent the way the sidecar
 sends it (the client's messages are the session so far plus the new one; the selection budget
@@ -26,13 +29,13 @@ overall, per conversation and per question category (``by_category``: multi-hop,
 open-domain, single-hop, adversarial), with the selection's latency at the default budget
 (``selection_ms``: p50, p99, mean; noisy, see ``load_average``), and the evidence within
 the top 25 / 50 / 100 / 200 hybrid-ranked lines (``hybrid_ranked_lines``: the ranking's
-share of a miss, apart from the packing's). Parameters are the library's
-defaults (cwm_plugin/memory/search.py, index.py, turns.py, pack.py); ``--unit chunk``,
-``--neighbours`` and the weights' options measure the alternatives.
+share of a miss, apart from the packing's). Parameters are the library's defaults
+(cwm_plugin/memory/index/search.py, index/chunks.py, selection/lines.py, selection/pack.py);
+``--unit chunk``, ``--neighbours`` and the weights' options measure the alternatives.
 
 What was measured with it (every method tried for issue 16, kept or not, with its figures)
 is in ``bench/memory_retrieval.md``; today's defaults give hybrid 0.905 / 0.944 / 0.959
-within 1k / 2k / 4k tokens on the three locomo-dev conversations.
+within 1k / 2k / 4k tokens on three of LoCoMo's conversations (``--data``).
 """
 
 from __future__ import annotations
@@ -51,15 +54,16 @@ import numpy as np
 from _common import percentile
 from tqdm import tqdm
 
-from cwm_plugin.memory.embeddings import CachedEmbedder, HashingEmbedder, MiniLMEmbedder
-from cwm_plugin.memory.files import utc_iso
+from cwm_plugin.memory.files.markdown import utc_iso
+from cwm_plugin.memory.index.embeddings import CachedEmbedder, HashingEmbedder, MiniLMEmbedder
 from cwm_plugin.memory.models import MemoryConfig, Turn
-from cwm_plugin.memory.service import MemoryService
+from cwm_plugin.memory.service.service import MemoryService
+from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.memory.tokens import make_counter
-from cwm_plugin.sidecar.settings import MemorySettings
 from cwm_plugin.sidecar.turn import prompt as P
 from cwm_plugin.sidecar.turn.budget import DEFAULT_ANSWER_TOKENS, memory_budget, recent_tail
 from cwm_plugin.testing import locomo
+from cwm_plugin.testing.dialogues import default_conversations
 
 MODES = ("bm25", "vector", "hybrid")
 KS = (5, 10, 20)
@@ -241,7 +245,8 @@ def print_table(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--data", type=Path, help="a folder of LoCoMo conversations (*.json) to "
+                    "measure on instead of the generated ones")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="first conversation, 60 questions")
     ap.add_argument("--budget", type=int, default=None,
@@ -270,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="record turns without simulating the sidecar (no token_ratio)")
     args = ap.parse_args(argv)
 
-    convs = [c for c in locomo.load_conversations(args.data) if c.qa]
+    found = default_conversations() if args.data is None else \
+        locomo.load_conversations(args.data)
+    convs = [c for c in found if c.qa]
     if not convs:
         print(f"no LoCoMo conversations in {args.data}", file=sys.stderr)
         return 2
@@ -313,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_sent": sent, "tokens_full_history": full,
         "sidecar": {"budget_tokens": mem.budget_tokens, "budget_fraction": mem.budget_fraction,
                     "recent_turns": mem.recent_turns, "max_model_len": args.max_model_len},
+        "data": str(args.data) if args.data else "generated",
         "conversations": len(convs), "turns": n_turns, "chunks": len(chunks),
         "mean_chunk_tokens": round(sum(c.tokens for c in chunks) / max(len(chunks), 1), 1),
         "mean_turns_per_chunk": round(sum(len(c.turn_ids) for c in chunks)

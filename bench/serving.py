@@ -6,7 +6,7 @@ disk, Redis tiers), with vLLM's own KV cache holding only a fraction of the user
 
 Each config runs in a fresh ``vllm serve`` of the real SmolLM2-135M (bf16 where the CPU has
 bf16 arithmetic, else float32), block size 128, the same workload and seed
-(bench/_serving_workload.py: shared system prompt, a LoCoMo context per user, R rounds of
+(bench/_serving_workload.py: shared system prompt, a conversation context per user, R rounds of
 A-token answers, arrivals at ``--qps``); bench/_serving_configs.py says what each config is and
 how vLLM's cache is sized (``--kv-fraction`` of the users' KV after the main rounds;
 ``--store JSON``: settings over our configs' store, e.g. ``{"zstd_level": 0}``).
@@ -86,14 +86,12 @@ PARTS = ("sweep", "fits", "greedy", "faults", "tiny_budgets", "sidecar", "cluste
 
 
 def texts() -> tuple[list[str], list[str]]:
-    """Lines of LoCoMo conversation and LoCoMo's questions (the users' contexts and turns)."""
-    from cwm_plugin.testing.locomo import load_conversations
-    from cwm_plugin.testing.models import shared_dir
+    """Lines of the generated conversations and their questions (the users' contexts and
+    turns)."""
+    from cwm_plugin.testing.dialogues import default_conversations
 
-    shared = shared_dir()
-    questions = [q["question"] for c in load_conversations(shared / "data") for q in c.qa
-                 if q.get("question")] if shared else []
-    return list(conversation_lines()), questions or ["What did they talk about?"]
+    questions = [q["question"] for c in default_conversations() for q in c.qa]
+    return list(conversation_lines()), questions
 
 
 def code_state() -> dict[str, Any]:

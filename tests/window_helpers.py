@@ -1,6 +1,8 @@
 """What the connector leaves in the KV store after a salted request, built without vLLM: blocks
 per worker under vLLM's own hashing and the context record (importable: tests/ is on sys.path).
-Shared by the window engine's tests and the sidecar's (a session's KV after a rotation)."""
+Shared by the window engine's tests and the sidecar's (a session's KV after a rotation), with
+what a served model leaves (:func:`serve`) and a window file as a hostile client rewrites it
+(:func:`rewritten`)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from dataclasses import asdict
 import torch
 
 from cwm_plugin.connector import records
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows import hashing
 
 BS = 16
@@ -55,3 +57,30 @@ def session_blocks(store: KVStore, tokens: list[int], salt: str, n: int, *,
     encrypts at rest, so only the session's salt opens them)."""
     return [store.get_many(keys, salt=salt if sealed else None)
             for keys in block_keys(tokens, salt, n)]
+
+
+def serve(store: KVStore, namespace: dict, workers=WORKERS) -> None:
+    """What a vLLM with the connector leaves in its store: the namespace it serves."""
+    records.write_record(store, records.served_key(namespace["model"]),
+                         {"model": namespace["model"], "namespace": namespace,
+                          "workers": [list(w) for w in workers]},
+                         records.SERVED_LAYOUT, what="served")
+    store.flush()
+
+
+def rewritten(good: bytes, change) -> bytes:
+    """``good`` with its header changed by ``change(header)`` and its checksums made right
+    again: what a hostile tenant can post."""
+    import hashlib
+    import json
+    import struct
+
+    from cwm_plugin.windows.window_file import MAGIC
+    n = struct.unpack(">Q", good[len(MAGIC):len(MAGIC) + 8])[0]
+    start = len(MAGIC) + 8
+    header = json.loads(good[start:start + n])
+    trailer = 64 if header.get("signature") else 32   # a signed file's sha256 and HMAC
+    change(header)
+    raw = json.dumps(header).encode()
+    body = MAGIC + struct.pack(">Q", len(raw)) + raw + good[start + n:-trailer]
+    return body + hashlib.sha256(body).digest()

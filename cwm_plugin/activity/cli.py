@@ -3,8 +3,10 @@
 The log's folder is ``--root DIR``, else ``activity.root`` of the sidecar config given with
 ``--config``. ``show`` prints the markdown lines (``--quick``: the last ``--hours`` hours, at
 most ``--limit`` entries; else the whole log, ``--offset``/``--limit`` to page; ``--json`` for
-JSONL); ``verify`` checks the hash chain and the markdown beside it and exits 1 naming every
-problem, 0 when the log is intact.
+JSONL), every principal's chain merged by time; ``verify`` checks each principal's hash chain
+and the markdown beside it (and the one-chain files kept from before chains were per
+principal) and exits 1 naming every problem, 0 when the log is intact, printing each chain's
+head (what to record elsewhere). Opening a one-chain log moves it first (``log.py``).
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ def root_of(args: argparse.Namespace) -> Path:
     if args.root:
         return Path(args.root)
     if args.config:
-        from cwm_plugin.sidecar.settings import load_settings
+        from cwm_plugin.activity.settings import load_activity_settings
 
-        settings = load_settings(args.config)
-        if settings.activity is None:
+        settings = load_activity_settings(args.config)
+        if settings is None:
             raise ConfigError(f"{args.config} has no `activity` section")
-        return settings.activity.root
+        return settings.root
     raise ConfigError("say where the log is", hint="--root DIR or --config sidecar.yaml")
 
 
@@ -77,6 +79,9 @@ def _verify(args: argparse.Namespace) -> int:
     if problems:
         print(f"activity log at {log.root}: {len(problems)} problem(s)", file=sys.stderr)
         return 1
-    print(f"activity log at {log.root}: intact, {len(log.entries())} entries, head "
-          f"{log.head()}")
+    heads = log.heads()
+    print(f"activity log at {log.root}: intact, {len(log.entries())} entries in "
+          f"{len(heads)} chain(s)")
+    for principal, head in heads.items():
+        print(f"  {principal}: head {head}")
     return 0

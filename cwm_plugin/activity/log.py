@@ -1,272 +1,204 @@
-"""An append-only activity log, so one provider picks up where another left off.
+"""An append-only activity log, so one provider picks up where another left off: one hash
+chain per principal (:class:`~cwm_plugin.activity.chain.Chain`).
 
-Each entry -- who (principal), when, session, project, model, what was done, its output, the
-context use (used / limit / %) -- is appended to ``activity.jsonl`` with the SHA-256 of the
-previous entry and its own: a hash chain, so an edited, removed, inserted or reordered line is
-visible to :meth:`ActivityLog.verify`. ``activity.md`` beside it is the readable truth, one line
-an entry ending in the first 12 hex digits of the entry's hash, and is checked against the chain
-too. Appends from several threads or processes take turns under a file lock (``flock``), so the
-chain stays linear. Nothing here rewrites or deletes an entry.
+A principal's entries -- a tenant's, a provider's, and each user's of a tenant
+(``tenant/u-...``) apart -- chain only among themselves, under ``chains/<principal>/`` of the
+log's root (``activity.jsonl`` and ``activity.md``; the folder is the principal's name
+percent-encoded). So whoever reads one principal's entries, with their ``prev`` and ``hash``,
+learns nothing of when or how often another principal acts, and each chain verifies on its
+own (:meth:`ActivityLog.verify` checks every one, and that each entry sits in its own
+principal's chain). Appends to one chain take turns under its lock (a thread lock and a
+``flock``, so several processes keep it linear); appends to different chains never wait on
+each other. Reads merge the chains a caller may read (``principal``: a name or a test of
+one) by time. Nothing here rewrites or deletes an entry.
 
-A hash chain without a secret shows naive edits; someone who can write the files can also
-recompute every hash after an edit, or cut entries off the end. :meth:`ActivityLog.head` (the
-last hash) is what to record elsewhere to detect that. A line cut short by a crash is reported
-by ``verify`` and never breaks later appends: the next entry starts on a new line and chains to
-the last complete one.
+A log kept as one chain for everybody (``activity.jsonl`` at the root, as the log was written
+before chains were per principal) is moved when it is opened, under the lock its appenders
+took: each entry, its time kept, is appended to its principal's chain (new hashes, since the
+``prev`` of each was another principal's entry); the old files are kept, renamed
+``activity.legacy-<first 12 hex of its head>.jsonl`` / ``.md``, and still verified as one
+chain, so a head recorded elsewhere before the move is still checked. A warning says what was
+moved (:attr:`ActivityLog.migrated`); a move cut short by a crash is finished on the next open,
+without moving an entry twice.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import json
+import heapq
+import logging
 import os
+import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from itertools import islice, takewhile
 from pathlib import Path
-from typing import Any
+from urllib.parse import quote, unquote
 
+from cwm_plugin.activity.chain import GENESIS as GENESIS
+from cwm_plugin.activity.chain import MAX_NAME as MAX_NAME
+from cwm_plugin.activity.chain import MAX_TEXT as MAX_TEXT
+from cwm_plugin.activity.chain import Chain, check
+from cwm_plugin.activity.chain import Entry as Entry
 from cwm_plugin.errors import InvalidInput
 
-GENESIS = "0" * 64
-MAX_TEXT = 4000   # what and output, in characters
-MAX_NAME = 256    # principal, session, project, model
-_STR, _OPT_STR, _OPT_INT = (str,), (str, type(None)), (int, type(None))
-FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "principal": _STR, "what": _STR, "session": _OPT_STR, "project": _OPT_STR,
-    "model": _OPT_STR, "output": _STR, "used_tokens": _OPT_INT, "limit_tokens": _OPT_INT,
-    "time": (int, float), "prev": _STR, "hash": _STR,
-}
-
-
-def _one_line(text: str | None, limit: int = 500) -> str:
-    return " ".join(str(text or "").split())[:limit]
-
-
-@dataclass
-class Entry:
-    """One line of the log (``time``, ``prev`` and ``hash`` are set by :meth:`ActivityLog.append`)."""
-
-    principal: str
-    what: str
-    session: str | None = None
-    project: str | None = None
-    model: str | None = None
-    output: str = ""
-    used_tokens: int | None = None
-    limit_tokens: int | None = None
-    time: float = field(default_factory=time.time)
-    prev: str = GENESIS
-    hash: str = ""
-
-    @classmethod
-    def from_json(cls, line: str | bytes) -> Entry:
-        """Parse one stored line strictly (every field, the right types); ValueError if not."""
-        obj = json.loads(line)
-        if not isinstance(obj, dict) or set(obj) != set(FIELD_TYPES):
-            raise ValueError("not an entry (fields missing or unknown)")
-        for name, types in FIELD_TYPES.items():
-            value = obj[name]
-            if isinstance(value, bool) or not isinstance(value, types):
-                raise ValueError(f"field {name} has the wrong type")
-        return cls(**obj)
-
-    @property
-    def percent(self) -> float | None:
-        if self.used_tokens is None or not self.limit_tokens:
-            return None
-        return round(100 * self.used_tokens / self.limit_tokens, 1)
-
-    def body(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("hash")
-        return d
-
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.body(), sort_keys=True,
-                                         separators=(",", ":")).encode()).hexdigest()
-
-    def public(self) -> dict[str, Any]:
-        """The entry as an API returns it (with the context use in percent)."""
-        return {**asdict(self), "percent": self.percent}
-
-    def markdown(self) -> str:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self.time))
-        ctx = (f" [context {self.used_tokens}/{self.limit_tokens} = {self.percent}%]"
-               if self.percent is not None else "")
-        where = ", ".join(f"{k} {_one_line(v, MAX_NAME)}" for k, v in
-                          (("session", self.session), ("project", self.project),
-                           ("model", self.model)) if v)
-        out = f" -> {_one_line(self.output)}" if self.output else ""
-        return (f"- {when}Z **{_one_line(self.principal, MAX_NAME)}**"
-                f"{' (' + where + ')' if where else ''}: {_one_line(self.what)}{out}{ctx} "
-                f"`{self.hash[:12]}`")
-
-
-def check(entry: Entry) -> None:
-    """Refuse an entry that is not worth a line (InvalidInput, nothing written)."""
-    if not entry.principal or not entry.what.strip():
-        raise InvalidInput("an activity entry needs a principal and what was done")
-    for name in ("what", "output"):
-        if len(getattr(entry, name)) > MAX_TEXT:
-            raise InvalidInput(f"activity field {name} is over {MAX_TEXT} characters")
-    for name in ("principal", "session", "project", "model"):
-        value = getattr(entry, name)
-        if value is not None and len(value) > MAX_NAME:
-            raise InvalidInput(f"activity field {name} is over {MAX_NAME} characters")
-    for name in ("used_tokens", "limit_tokens"):
-        value = getattr(entry, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 0):
-            raise InvalidInput(f"activity field {name} must be a whole number >= 0")
-
+log = logging.getLogger(__name__)
+CHAINS = "chains"
+LOCK = ".activity.lock"
+MOVED = ".migrated"  # in chains/: the hash of the last entry moved from the one-chain log
+MAX_FOLDER = 255  # bytes of a file name
 
 Who = str | Callable[[str], bool] | None  # a principal, a test of one, or anyone
 
 
-def _by(entry: Entry, principal: Who) -> bool:
-    """Whether ``entry`` was written by ``principal`` (a name, a test, None: anyone)."""
-    if principal is None:
+def folder_name(principal: str) -> str:
+    """The folder of ``principal``'s chain: its name percent-encoded (``/`` too; a leading
+    ``.`` as ``%2E``), so any principal is one safe folder and the name reads back."""
+    name = quote(principal, safe="")
+    return "%2E" + name[1:] if name.startswith(".") else name
+
+
+def _sees(principal: str, who: Who) -> bool:
+    if who is None:
         return True
-    return entry.principal == principal if isinstance(principal, str) \
-        else principal(entry.principal)
+    return principal == who if isinstance(who, str) else who(principal)
+
+
+@contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 class ActivityLog:
-    """``activity.jsonl`` (the chain) and ``activity.md`` (readable) under ``root``."""
+    """The chains under ``root`` (see the module docstring)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.jsonl = self.root / "activity.jsonl"
-        self.md = self.root / "activity.md"
-        self._lock = threading.Lock()
+        self.chains_dir = self.root / CHAINS
+        self._locks: dict[Path, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self.migrated: str | None = self._migrate()  # what was moved on open (None: nothing)
+
+    def chain(self, principal: str, under: Path | None = None) -> Chain:
+        name = folder_name(principal)
+        return Chain((under or self.chains_dir) / name, principal, label=f"{CHAINS}/{name}/")
 
     @contextmanager
-    def _locked(self) -> Iterator[None]:
-        with self._lock, open(self.root / ".activity.lock", "a+") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # released when the file closes
-            yield
+    def _locked(self, chain: Chain) -> Iterator[None]:
+        with self._guard:
+            lock = self._locks.setdefault(chain.folder, threading.Lock())
+        with lock:
+            chain.folder.mkdir(parents=True, exist_ok=True)
+            with _flock(chain.folder / LOCK):
+                yield
 
     def append(self, entry: Entry) -> Entry:
-        """Chain and append one entry (both files, fsynced); returns it with its hash."""
+        """Chain and append one entry to its principal's chain (both files, fsynced); returns
+        it with its time, ``prev`` and hash."""
         check(entry)
-        with self._locked():
-            entry.prev = self.head()
-            entry.time = time.time()
-            entry.hash = entry.digest()
-            _append(self.jsonl, json.dumps(asdict(entry), sort_keys=True) + "\n")
-            _append(self.md, entry.markdown() + "\n")
-        return entry
+        if len(folder_name(entry.principal).encode()) > MAX_FOLDER:
+            raise InvalidInput("activity field principal is too long for a chain's folder",
+                               hint=f"at most {MAX_FOLDER} bytes percent-encoded")
+        chain = self.chain(entry.principal)
+        with self._locked(chain):
+            return chain.extend([entry])[0]
 
-    def head(self) -> str:
-        """The hash of the last complete entry (``GENESIS`` for an empty log)."""
-        for line in _reverse_lines(self.jsonl):
-            try:
-                return Entry.from_json(line).hash
-            except ValueError:
-                continue  # a line cut short by a crash (verify reports it)
-        return GENESIS
+    def principals(self, who: Who = None) -> list[str]:
+        """The principals with a chain (of ``who``'s choosing: a name, a test, None: all)."""
+        if not self.chains_dir.is_dir():
+            return []
+        names = (unquote(p.name) for p in self.chains_dir.iterdir() if p.is_dir())
+        return sorted(p for p in names if self.chain(p).folder.is_dir() and _sees(p, who))
 
-    def _newest_first(self) -> Iterator[Entry]:
-        for line in _reverse_lines(self.jsonl):
-            try:
-                yield Entry.from_json(line)
-            except ValueError:
-                continue
+    def head(self, principal: str) -> str:
+        """The hash of the last complete entry of ``principal``'s chain (``GENESIS``: none)."""
+        return self.chain(principal).head()
 
-    def entries(self) -> list[Entry]:
-        """Every readable entry, oldest first."""
-        return list(reversed(list(self._newest_first())))
+    def heads(self, who: Who = None) -> dict[str, str]:
+        """The head of every chain ``who`` reads."""
+        return {p: self.head(p) for p in self.principals(who)}
+
+    def _merged(self, who: Who, newest_first: bool) -> Iterator[Entry]:
+        chains = [self.chain(p) for p in self.principals(who)]
+        runs: Iterable[Iterable[Entry]] = [c.newest_first() if newest_first else c.entries()
+                                           for c in chains]
+        return heapq.merge(*runs, key=lambda e: e.time, reverse=newest_first)
+
+    def entries(self, principal: Who = None) -> list[Entry]:
+        """Every readable entry of the chains ``principal`` reads, oldest first."""
+        return list(self._merged(principal, newest_first=False))
 
     def quick(self, *, hours: float = 24.0, limit: int = 10,
               principal: Who = None) -> list[Entry]:
-        """The last ``limit`` entries of the last ``hours`` (of ``principal`` when given: a
-        name or a test of one), oldest first: where to pick up. Reads the file from its end only as
-        far as needed."""
+        """The last ``limit`` entries of the last ``hours`` (of the chains ``principal``
+        reads), oldest first: where to pick up. Reads each chain from its end only as far as
+        needed."""
         since = time.time() - hours * 3600
-        out: list[Entry] = []
-        for e in self._newest_first():
-            if e.time < since or len(out) >= limit:
-                break
-            if _by(e, principal):
-                out.append(e)
-        return out[::-1]
+        recent = takewhile(lambda e: e.time >= since, self._merged(principal, newest_first=True))
+        return list(islice(recent, limit))[::-1]
 
     def page(self, *, offset: int = 0, limit: int = 100,
              principal: Who = None) -> tuple[list[Entry], int]:
         """Entries ``offset`` .. ``offset + limit`` (oldest first) and how many there are."""
-        every = [e for e in self.entries() if _by(e, principal)]
+        every = self.entries(principal)
         return every[offset:offset + limit], len(every)
 
     def verify(self) -> list[str]:
-        """What is wrong with the log (empty: the chain and the markdown are intact)."""
+        """What is wrong with any chain (empty: every chain and its markdown are intact), the
+        one-chain files kept from before chains were per principal included."""
         problems: list[str] = []
-        prev = GENESIS
-        entries: list[Entry] = []
-        lines = self.jsonl.read_bytes().split(b"\n") if self.jsonl.exists() else []
-        if lines and lines[-1] == b"":
-            lines.pop()
-        elif lines:
-            problems.append(f"activity.jsonl line {len(lines)} is incomplete (no line end)")
-        for n, line in enumerate(lines, 1):
-            try:
-                e = Entry.from_json(line)
-            except ValueError as exc:
-                problems.append(f"activity.jsonl line {n} is not an entry: {exc}")
-                continue
-            if e.prev != prev:
-                problems.append(f"activity.jsonl line {n} does not follow the entry before "
-                                "(an entry was removed, inserted or reordered)")
-            if e.digest() != e.hash:
-                problems.append(f"activity.jsonl line {n} was edited (its hash does not "
-                                "match its content)")
-            prev = e.hash
-            entries.append(e)
-        md = self.md.read_text(errors="replace").splitlines() if self.md.exists() else []
-        expected = [e.markdown() for e in entries]
-        if expected != md:
-            at = next((i for i, (a, b) in enumerate(zip(expected, md, strict=False))
-                       if a != b),
-                      min(len(expected), len(md)))
-            problems.append(f"activity.md differs from the hash chain in activity.jsonl from "
-                            f"line {at + 1} on ({len(md)} lines for {len(expected)} entries)")
+        for path in sorted(self.root.glob("activity.legacy-*.jsonl")):
+            problems += Chain(self.root, None, stem=path.stem).verify()
+        for p in self.principals():
+            problems += self.chain(p).verify()
         return problems
 
-
-def _reverse_lines(path: Path, chunk: int = 65536) -> Iterator[bytes]:
-    """The non-empty lines of ``path`` from the last to the first, read in chunks from the end
-    (a line may be longer than a chunk)."""
-    if not path.exists():
-        return
-    with open(path, "rb") as f:
-        pos = f.seek(0, os.SEEK_END)
-        rest = b""
-        while pos > 0:
-            step = min(chunk, pos)
-            pos -= step
-            f.seek(pos)
-            parts = (f.read(step) + rest).split(b"\n")
-            rest = parts[0]
-            for line in reversed(parts[1:]):
-                if line.strip():
-                    yield line
-        if rest.strip():
-            yield rest
-
-
-def _append(path: Path, text: str) -> None:
-    """One ``write`` in append mode, after a line end if a crash left the file without one."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        data = text.encode()
-        size = os.fstat(fd).st_size
-        if size and os.pread(fd, 1, size - 1) != b"\n":
-            data = b"\n" + data
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def _migrate(self) -> str | None:
+        """Move a one-chain log at the root into per-principal chains (module docstring)."""
+        old = Chain(self.root, None)
+        if not old.jsonl.exists():
+            return None
+        with _flock(self.root / LOCK):  # the lock the one-chain log's appenders took
+            if not old.jsonl.exists():
+                return None
+            problems, entries = old.verify(), old.entries()
+            fresh = not self.chains_dir.exists()
+            target = self.root / ".chains-moving" if fresh else self.chains_dir
+            if fresh:  # build every chain aside, then put them in place at once
+                shutil.rmtree(target, ignore_errors=True)
+            marker = self.chains_dir / MOVED
+            moved = marker.read_text().strip() if marker.exists() else None
+            hashes = [e.hash for e in entries]
+            start = hashes.index(moved) + 1 if moved in hashes else 0
+            by: dict[str, list[Entry]] = {}
+            for e in entries[start:]:
+                by.setdefault(e.principal, []).append(e)
+            for principal, mine in by.items():
+                chain = self.chain(principal, target)
+                with self._locked(chain):
+                    chain.extend(mine, keep_time=True)
+            target.mkdir(exist_ok=True)
+            if hashes:  # as the old file has them (extend re-chains the entries)
+                (target / (MOVED + ".tmp")).write_text(hashes[-1])
+                os.replace(target / (MOVED + ".tmp"), target / MOVED)
+            if fresh:
+                os.replace(target, self.chains_dir)
+            head = old.head()
+            for path in (old.jsonl, old.md):
+                if path.exists():
+                    os.replace(path, self.root / f"activity.legacy-{head[:12]}{path.suffix}")
+        kept = f"activity.legacy-{head[:12]}.jsonl"
+        state = "intact" if not problems else \
+            f"{len(problems)} problem(s), the first: {problems[0]}"
+        message = (f"activity log at {self.root}: its one chain for every principal is now "
+                   f"one chain per principal: moved {len(entries) - start} entries into "
+                   f"{len(by)} chains under {CHAINS}/ (times kept, hashes new); the old chain "
+                   f"({state}; head {head}) is kept as {kept} and checked by "
+                   "`cwm activity verify`")
+        log.warning("%s", message)
+        return message

@@ -4,8 +4,8 @@ vLLM makes one instance per role: SCHEDULER (EngineCore process) and WORKER (eac
 process). Start-up, in vLLM's order:
 
 1. each worker's ``register_kv_caches``: the KV layout is taken from the attention backend
-   (:func:`~cwm_plugin.connector.layout.discover_layout`), the namespace built, the store opened
-   and a :class:`WorkerSide` made for this TP rank;
+   (:func:`~cwm_plugin.connector.worker.layout.discover_layout`), the namespace built, the
+   store opened and a :class:`WorkerSide` made for this TP rank;
 2. vLLM collects ``get_handshake_metadata`` from every worker and hands it to the scheduler's
    ``set_xfer_handshake_metadata_pp_aware``: the scheduler builds every worker's namespace from
    its layout (pipeline stages differ), opens its store (no memory tier: it only looks keys up,
@@ -20,7 +20,7 @@ default; vLLM reads it right after making the connector), and logs that it did.
 
 Until step 2 the scheduler side answers "nothing stored" and plans no saves. Each store gets a
 private metrics registry, forwarded into vLLM's ``/metrics`` every step
-(:mod:`~cwm_plugin.connector.forward`).
+(:mod:`~cwm_plugin.connector.metrics.forward`).
 """
 
 from __future__ import annotations
@@ -38,18 +38,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from cwm_plugin.connector.config import ConnectorConfig
-from cwm_plugin.connector.forward import RegistryForwarder
 from cwm_plugin.connector.keys import Namespace, build_namespace, hashes_reproducible
-from cwm_plugin.connector.layout import discover_layout
 from cwm_plugin.connector.metadata import CWMConnectorMetadata, CWMHandshake
-from cwm_plugin.connector.prom import CWMPromMetrics
+from cwm_plugin.connector.metrics.forward import RegistryForwarder
+from cwm_plugin.connector.metrics.prom import CWMPromMetrics
+from cwm_plugin.connector.metrics.stats import CWMConnectorStats, StatsCollector
 from cwm_plugin.connector.records import SERVED_LAYOUT, served_key, write_record
-from cwm_plugin.connector.scheduler import SchedulerSide, hit_source_of_saves
-from cwm_plugin.connector.stats import CWMConnectorStats, StatsCollector
-from cwm_plugin.connector.worker import WorkerSide
+from cwm_plugin.connector.scheduler.side import SchedulerSide, hit_source_of_saves
+from cwm_plugin.connector.worker.layout import discover_layout
+from cwm_plugin.connector.worker.side import WorkerSide
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 
 log = logging.getLogger(__name__)
 

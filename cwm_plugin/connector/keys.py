@@ -3,8 +3,9 @@
 The namespace binds a key to everything that must match for a block to be loadable: the weights
 (:mod:`~cwm_plugin.connector.fingerprint`), the model and KV dtypes, the quantization method,
 ``--hf-overrides`` and the RoPE settings in effect, vLLM's version (its kernels decide the KV's
-numerics), the KV layout reported by the attention backend (:mod:`~cwm_plugin.connector.layout`,
-which names the KV cache dtype and a pipeline stage's layers), block sizes, head counts, layers,
+numerics), the KV layout reported by the attention backend
+(:mod:`~cwm_plugin.connector.worker.layout`, which names the KV cache dtype and a pipeline
+stage's layers), block sizes, head counts, layers,
 the tensor- and pipeline-parallel sizes and the hash algorithm. A LoRA adapter's *content*
 (vLLM hashes only its name and path) is mixed in per request: :func:`lora_extra`. The rank is
 part of each key, not of the namespace: the scheduler plans with rank-free block hashes and
@@ -13,7 +14,7 @@ every worker derives its own keys, so rank ``r`` only ever loads rank ``r``'s sh
 The hash seed is not in the namespace because vLLM's block hashes already carry it: they chain
 from ``NONE_HASH``, which the seed (``PYTHONHASHSEED`` or vLLM's fixed default) determines, so
 after a seed or algorithm change no old key can be matched. The start-up self-check
-(:mod:`~cwm_plugin.connector.selfcheck`) notices such a change and says so.
+(:mod:`~cwm_plugin.connector.scheduler.selfcheck`) notices such a change and says so.
 """
 
 from __future__ import annotations

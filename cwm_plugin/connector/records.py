@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from cwm_plugin.store.queue import QueueFull
+from cwm_plugin.store.save_queue import QueueFull
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,21 @@
 """File-first memory: markdown files are the truth; chunks, BM25 and vectors are derived.
 
-Entry point: :class:`cwm_plugin.memory.service.MemoryService` (build one with
-:func:`cwm_plugin.memory.factory.make_service`). One concern a module: ``names`` (safe folder and
-session names), ``files`` (durable appends, memories, summaries), ``tokens`` (counters),
-``chunking``, ``embeddings`` (+ cache), ``bm25`` (tokens, incremental BM25), ``index`` (one
-folder's chunks: BM25 + line vectors in hnswlib), ``memindex`` (durable memories as a search
-corpus), ``persist`` (an index on disk), ``folders`` (indexes kept in step with the files),
-``search`` (hybrid scoring), ``history`` (prefix / history / recent window), ``select``
-(budgeted context), ``facts`` (the extraction contract), ``metrics``, ``cli`` (``cwm memory``).
-Nothing heavy is imported here.
+Entry point: :class:`~cwm_plugin.memory.service.service.MemoryService` (build one with
+:func:`~cwm_plugin.memory.service.factory.make_service`, or from the settings file's ``memory``
+section, ``settings.py``, with ``service_from_settings``). Its rooms, data flowing one way:
+
+* ``files/``: the truth -- sessions, summaries and memories in markdown (``markdown.py``),
+  durable appends and locks, pending turns, safe names, damage checks;
+* ``index/``: derived from the files -- chunking, embeddings (+ cache), BM25, one folder's
+  chunks and line vectors (``chunks.py``), durable memories as a corpus (``fact_index.py``),
+  an index on disk (``persist.py``), indexes kept in step with the files (``folders.py``),
+  hybrid scoring (``search.py``);
+* ``selection/``: what a prompt carries -- ranked lines (``lines.py``), packed passages, dates,
+  the prefix / history / recent split of a request's messages (``history.py``), the budgeted
+  selection (``select.py``);
+* ``service/``: the service, its transcripts and background jobs, facts (the extraction
+  contract and the store of durable memories, ``facts_file.py``), bulk imports, the factory;
+
+beside them ``models``, ``tokens`` (counters), ``metrics``, ``settings`` and ``cli``
+(``cwm memory``). Nothing heavy is imported here.
 """

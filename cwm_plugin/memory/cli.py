@@ -26,10 +26,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """``make_service`` keywords: the config file's memory section, then the flags."""
     kw: dict[str, Any] = {"tokenizer": "tiktoken:cl100k_base", "embedder": "local"}
     if args.config:
-        from cwm_plugin.sidecar.settings import load_settings
-        from cwm_plugin.sidecar.turn.memory_factory import service_kwargs
+        from cwm_plugin.memory.settings import load_memory_settings, service_kwargs
 
-        kw = service_kwargs(load_settings(args.config).memory)
+        kw = service_kwargs(load_memory_settings(args.config))
     if args.root is not None:
         kw["root"] = args.root
     if "root" not in kw:
@@ -43,7 +42,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _service(args: argparse.Namespace):
-    from cwm_plugin.memory.factory import make_service
+    from cwm_plugin.memory.service.factory import make_service
 
     kw = _settings(args)
     return make_service(kw.pop("root"), **kw)
@@ -101,8 +100,8 @@ def cmd_add(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from cwm_plugin.memory.factstore import access_counts
-    from cwm_plugin.memory.files import MemoryFiles
+    from cwm_plugin.memory.files.markdown import MemoryFiles
+    from cwm_plugin.memory.service.facts_file import access_counts
 
     files = MemoryFiles(args.root)
     if args.session:
@@ -126,7 +125,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from cwm_plugin.memory.importer import import_sessions, read_conversations
+    from cwm_plugin.memory.service.importer import import_sessions, read_conversations
 
     conversations = [c for path in args.files for c in read_conversations(path)]
     svc = _service(args)
@@ -141,8 +140,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from cwm_plugin.memory.check import check
-    from cwm_plugin.memory.files import MemoryFiles
+    from cwm_plugin.memory.files.check import check
+    from cwm_plugin.memory.files.markdown import MemoryFiles
 
     problems = check(MemoryFiles(args.root), args.folder)
     for p in problems:

@@ -24,11 +24,12 @@ class MemoryConfig:
     recency_half_life_days: float | None = None
     recent_turns: int = 6  # history messages kept verbatim (a tool call stays with its results)
     vector_context_lines: int = 1  # each line's vector has the line before it as context ...
-    vector_context_mode: str = "mix"  # ... embedded together ("pair") or mixed ("mix", index.py)
-    chunk_vector_weight: float = 1.0  # weight of the chunk centroid's cosine (index.py)
+    # ... embedded together ("pair") or mixed ("mix", index/chunks.py)
+    vector_context_mode: str = "mix"
+    chunk_vector_weight: float = 1.0  # weight of the chunk centroid's cosine (index/chunks.py)
     max_facts: int = 8  # durable memories offered to a selection
-    # What a selection packs (``select.py``): the best "turn" lines (``turns.py``, ``pack.py``)
-    # or whole "chunk"s; the line scores' parts and the neighbours a line brings along.
+    # What a selection packs (``selection/select.py``): the best "turn" lines (``lines.py``,
+    # ``pack.py``) or whole "chunk"s; the line scores' parts and the neighbours a line brings along.
     retrieval_unit: str = "turn"
     turn_neighbours: int = 0
     context_bm25_weight: float = 0.5

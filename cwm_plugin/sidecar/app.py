@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 
 from cwm_plugin.errors import CWMError
 from cwm_plugin.sidecar.api.activity import activity_router, open_activity
-from cwm_plugin.sidecar.api.errors import error_response, from_cwm_error
+from cwm_plugin.sidecar.api.chat import handle_chat
 from cwm_plugin.sidecar.api.memory import memory_router
 from cwm_plugin.sidecar.api.relay import model_entry, relay_get, relay_post
 from cwm_plugin.sidecar.api.schema import ERRORS, RELAYED, ChatBody, body_doc, openapi
@@ -43,6 +43,7 @@ from cwm_plugin.sidecar.api.usage import usage_router
 from cwm_plugin.sidecar.api.windows import CheckpointThresholds, windows_router
 from cwm_plugin.sidecar.background.maintainer import Maintainer
 from cwm_plugin.sidecar.background.queue import Background
+from cwm_plugin.sidecar.http.errors import error_response, from_cwm_error
 from cwm_plugin.sidecar.identity.authenticator import Authenticator
 from cwm_plugin.sidecar.identity.caller import (
     AUTHENTICATED,
@@ -54,16 +55,15 @@ from cwm_plugin.sidecar.identity.caller import (
 )
 from cwm_plugin.sidecar.identity.ratelimit import TenantLimits
 from cwm_plugin.sidecar.identity.salt_move import SaltMover
-from cwm_plugin.sidecar.identity.secret_versions import folder_locator
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.server_limits import BodyDeadline
 from cwm_plugin.sidecar.settings import Settings
-from cwm_plugin.sidecar.turn.chat import handle_chat
+from cwm_plugin.sidecar.settings.secret_versions import folder_locator
 from cwm_plugin.sidecar.turn.counting import ModelCounters
 from cwm_plugin.sidecar.turn.failopen import FailOpen
 from cwm_plugin.sidecar.turn.memory_port import MemoryPort, build_memory
-from cwm_plugin.sidecar.turn.session import SnapshotHook
+from cwm_plugin.sidecar.turn.session import ContextTracker, SnapshotHook
 from cwm_plugin.sidecar.upstream.router import Router
 from cwm_plugin.sidecar.usage import UsageLedger
 from cwm_plugin.windows.auto import AutoFreeze
@@ -87,14 +87,15 @@ def open_windows(settings: Settings) -> tuple[WindowEngine | None, AutoFreeze | 
     from prometheus_client import CollectorRegistry
 
     from cwm_plugin.store.config import StoreConfig
-    from cwm_plugin.store.tiered import KVStore
+    from cwm_plugin.store.kv_store import KVStore
 
+    w = settings.windows
+    export_key = w.export_secret()  # a bad key fails the start, never turns windows off
     try:
-        cfg = StoreConfig.from_dict({**settings.windows.store, "memory_bytes": 0})
-        w = settings.windows
+        cfg = StoreConfig.from_dict({**w.store, "memory_bytes": 0})
         engine = WindowEngine(KVStore(cfg, registry=CollectorRegistry()), wait_s=w.wait_s,
                               keep_turns=w.keep_turns, settle_s=w.settle_s,
-                              tenant_quota_bytes=w.tenant_quota_bytes)
+                              tenant_quota_bytes=w.tenant_quota_bytes, export_key=export_key)
     except CWMError as exc:
         log.error("context windows are off: the KV store could not be opened: %s", exc)
         return None, None
@@ -110,7 +111,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     ``snapshot_hook(tenant, session, cache_salt, name)`` (sync or async) is called at each
     automatic checkpoint to take a named snapshot of the session's KV (default: no-op)."""
     metrics = SidecarMetrics()
-    secrets = settings.server_secrets()  # newest first (identity/secret_versions.py)
+    secrets = settings.server_secrets()  # newest first (settings/secret_versions.py)
     if memory is None and settings.memory_enabled:
         memory = build_memory(settings.memory, metrics.registry)
     router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)
@@ -128,6 +129,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         counters=ModelCounters(settings.memory),
         failopen=FailOpen(metrics), usage=usage, limits=limits,
         activity=open_activity(settings),
+        tracker=ContextTracker(settings.sessions.max_tracked, settings.session_share()),
         background=Background(settings.memory.background_queue_limit,
                               settings.memory.background_workers, metrics),
     )

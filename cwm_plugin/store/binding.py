@@ -6,7 +6,7 @@ compares it with the key it asked for:
 
 * Blobs are content-addressed and shared between keys on purpose: a context window's keys (a
   window salt, a thawed session's salt: other vLLM block hashes) point at the blobs the session
-  saved, with no copy (:meth:`~cwm_plugin.store.keyspace.KeySpace.link_many`). So a plain
+  saved, with no copy (:meth:`~cwm_plugin.store.key_ops.KeySpace.link_many`). So a plain
   blob's key may differ from the key read in its block-hash part, but never in its *group* (the
   first :data:`~cwm_plugin.store.tiers.base.GROUP_BYTES` bytes: namespace digest and TP rank):
   a blob of another model scope or rank is refused (``foreign_group``).
@@ -14,7 +14,7 @@ compares it with the key it asked for:
   clear header, which the AEAD authenticates with the rest of the header, must be the key read
   (``foreign_key``), its key id the request salt's (``foreign_salt``), and it must be sealed at
   all (``plaintext``: anyone could have written it). A window's re-key re-seals a copy for each
-  new key (:meth:`~cwm_plugin.store.crypto.BlobCipher.seal` with ``key``).
+  new key (:meth:`~cwm_plugin.store.blob.crypto.BlobCipher.seal` with ``key``).
 
 A refusal raises :class:`~cwm_plugin.errors.RefusedBlob` with its reason; the store counts it
 (``errors{kind="refused_<reason>"}``), logs it once and serves a miss: the block is recomputed.
@@ -30,7 +30,7 @@ window manifest, reads as valid).
 from __future__ import annotations
 
 from cwm_plugin.errors import CorruptBlob, RefusedBlob
-from cwm_plugin.store import container, crypto
+from cwm_plugin.store.blob import container, crypto
 from cwm_plugin.store.tiers.base import GROUP_BYTES, group_of
 
 HINT = ("not this key's blob: the store was written to outside cwm, or a bug; a read takes it "

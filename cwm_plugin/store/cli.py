@@ -95,13 +95,13 @@ def yield_to_serving(nice: int) -> None:
 def _open(args: argparse.Namespace, *, decoding: bool = False):
     """The store's tiers (a :class:`~cwm_plugin.store.tier_set.TierSet`: gc and usage read
     no payload, so they go without torch), or with ``decoding`` the whole
-    :class:`~cwm_plugin.store.tiered.KVStore`; either at the maintenance priority."""
+    :class:`~cwm_plugin.store.kv_store.KVStore`; either at the maintenance priority."""
     config = config_from_args(args)
     yield_to_serving(MAINTENANCE_NICE if args.nice is None else args.nice)
     from prometheus_client import CollectorRegistry
 
     if decoding:
-        from cwm_plugin.store.tiered import KVStore
+        from cwm_plugin.store.kv_store import KVStore
 
         return KVStore(config, registry=CollectorRegistry())
     from cwm_plugin.store.tier_set import TierSet
@@ -159,7 +159,7 @@ def _gc(args: argparse.Namespace) -> int:
 def _gc_every(args: argparse.Namespace, store) -> int:
     """A pass every ``args.every`` seconds (start to start) until SIGTERM or SIGINT; a pass
     that fails (a tier down, a locked disk index) is logged and the next one runs."""
-    from cwm_plugin.store.keyspace import TIER_ERRORS
+    from cwm_plugin.store.key_ops import TIER_ERRORS
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -67,7 +67,7 @@ class StoreConfig:
         if self.redis_url is not None:
             _check_redis_url(self.redis_url)
         if self.encryption_key is not None:
-            from cwm_plugin.store.crypto import parse_master_key
+            from cwm_plugin.store.blob.crypto import parse_master_key
             parse_master_key(self.encryption_key)
 
     def pin_quota_for(self, tier: str) -> int | None:
@@ -106,8 +106,6 @@ def _check_redis_url(url: str) -> None:
     """A URL redis-py can connect with (else the first request, not the start, would fail)."""
     from urllib.parse import urlsplit
 
-    from cwm_plugin.store.tiers.redis_conn import redact
-
     try:
         parts = urlsplit(url)
         _ = parts.port  # a port that is not a number raises here
@@ -119,3 +117,11 @@ def _check_redis_url(url: str) -> None:
         raise ConfigError(f"store setting redis_url {redact(url)!r} is not a Redis URL",
                           hint="write it as redis://host:6379/0 (rediss:// for TLS, "
                                "unix:///path/to/redis.sock)")
+
+
+def redact(url: str) -> str:
+    """The URL without a password, for log lines."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"

@@ -1,4 +1,5 @@
-"""Store maintenance over the tier interface: verify every blob, collect what nothing uses.
+"""Store maintenance over the tier interface: verify every blob, collect what nothing uses,
+count usage.
 
 ``verify`` decodes every blob of every tier with its checksums and quarantines damaged ones
 (sealed blobs, which only their request's salt opens, are checked as far as their header).
@@ -6,23 +7,69 @@
 a writer in another process may be between writing a file and mapping its key; Redis blobs
 idle for less than that), keys whose blob is gone (dangling), the disk's orphan and stale
 temp files, and Redis names of an earlier layout (whose blobs then go as unreferenced).
+``tier_usage`` counts each tier and ``update_gauge`` sets its gauges.
+
+It works over the tiers alone (:class:`Tiers`: a :class:`~cwm_plugin.store.tier_set.TierSet`,
+or the :class:`~cwm_plugin.store.kv_store.KVStore`, which has them too); both call it, it
+imports neither.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, TierUnavailable
-from cwm_plugin.store import container, crypto
-from cwm_plugin.store.tier_set import update_gauge
-
-if TYPE_CHECKING:
-    from cwm_plugin.store.tier_set import TierSet
-    from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.blob import container, crypto
+from cwm_plugin.store.config import StoreConfig
+from cwm_plugin.store.key_ops import TIER_ERRORS
+from cwm_plugin.store.metrics import StoreMetrics
+from cwm_plugin.store.tiers.base import Tier
 
 log = logging.getLogger(__name__)
+
+
+class Tiers(Protocol):
+    """What maintenance works over: the opened tiers of a store config and their metrics."""
+
+    config: StoreConfig
+    tiers: list[Tier]
+    disk: Any                   # the disk tier (orphans()), or None
+    metrics: StoreMetrics
+
+
+class Quarantines(Tiers, Protocol):
+    """Tiers that can also take a damaged blob out of use (the KV store)."""
+
+    def quarantine(self, tier: Tier, blob_id: str, data: bytes | None, *, key: bytes = b"",
+                   reason: str) -> None: ...
+
+
+def tier_usage(tiers: Sequence[Tier], metrics: StoreMetrics
+               ) -> dict[str, dict[str, int | None]]:
+    """Bytes, blobs, budget, keys and pinned bytes per tier (Redis is recounted); the
+    gauges follow."""
+    out: dict[str, dict[str, int | None]] = {}
+    for tier in tiers:
+        u = tier.usage()
+        out[u.name] = {"bytes": u.bytes, "blobs": u.blobs, "budget": u.budget,
+                       "keys": u.keys, "pinned_bytes": u.pinned_bytes}
+        metrics.tier_usage(u.name, u.bytes, u.blobs)
+    return out
+
+
+def update_gauge(tier: Tier, metrics: StoreMetrics) -> None:
+    """The tier's bytes and blobs gauges (Redis: its kept totals, no recount)."""
+    with contextlib.suppress(*TIER_ERRORS):
+        if tier.name == "redis":
+            if tier.totals is not None:
+                metrics.tier_usage("redis", *tier.totals)
+        else:
+            u = tier.usage()
+            metrics.tier_usage(u.name, u.bytes, u.blobs)
 
 
 @dataclass
@@ -50,11 +97,11 @@ class GCReport:
     freed_bytes: int = 0
 
 
-def verify_all(store: KVStore, *, progress: bool = True) -> VerifyReport:
+def verify_all(store: Quarantines, *, progress: bool = True) -> VerifyReport:
     """Decode every blob of every tier with checksum verification; quarantine bad ones."""
     from tqdm import tqdm
 
-    from cwm_plugin.store.codec import decode  # (torch: gc and usage go without it)
+    from cwm_plugin.store.blob.codec import decode  # (torch: gc and usage go without it)
 
     report = VerifyReport()
     lists = []
@@ -95,7 +142,7 @@ def verify_all(store: KVStore, *, progress: bool = True) -> VerifyReport:
     return report
 
 
-def collect_garbage(store: KVStore | TierSet, min_age_s: float | None = None) -> GCReport:
+def collect_garbage(store: Tiers, min_age_s: float | None = None) -> GCReport:
     """Drop unreferenced blobs, dangling keys, orphan and stale temp files (see the module
     docstring); ``min_age_s`` defaults to the store's ``gc_min_age_s``."""
     if min_age_s is None:

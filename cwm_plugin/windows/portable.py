@@ -1,16 +1,22 @@
 """Portable windows: export a window to one file (:mod:`.window_file`), import it on another
 server with the same model.
 
-Export reads each block checked as a read checks it, one at a time. Import checks, before it
-writes anything, that the file is whole (every checksum), of a format this version reads, and
-that it is for what the importing store's vLLM serves: the namespace must match field for
-field, and the file's workers (the key scopes its blocks go under) must be exactly the served
-workers -- a file never chooses where in the store its keys land (another tenant's window
-listing, a served-model record). A damaged, truncated or foreign file is refused with what is
-wrong and the store is unchanged. Then the blocks go in one by one under a fresh window salt
-(sealed for it with encryption at rest), are pinned, and the name is claimed; a failure on the
-way takes back what was written. Windows of a LoRA adapter are not portable (their key scope
-is the adapter's content, which no served record names).
+Export reads each block checked as a read checks it, one at a time, and signs the file when
+the engine has an export key. Import checks, before it writes anything, that the file is whole
+(every checksum; with an export key, its signature), of a format this version reads, that its
+manifest passes the validator every stored manifest passes
+(:func:`~cwm_plugin.windows.model.check_manifest`: a field of the wrong type or range is a
+``bad_window_file``, never an error later), that each blob is a KV block of the key group it
+lands in, and that it is for what the importing store's vLLM serves: the namespace must match
+field for field, and the file's workers (the key scopes its blocks go under) must be exactly
+the served workers -- a file never chooses where in the store its keys land (another tenant's
+window listing, a served-model record). A damaged, truncated, forged or foreign file is refused
+with what is wrong and the store is unchanged. Then the blocks go in one by one under a fresh
+window salt (sealed for it with encryption at rest) and the engine's commit measures the bytes
+they take (never the file's figure), checks the tenant's quota, pins them and claims the name
+(:mod:`.tenancy`); a failure on the way takes back what was written. Windows of a LoRA
+adapter are not portable (their key scope is the adapter's content, which no served record
+names).
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from typing import IO, Any
 
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, CWMError, InvalidInput
-from cwm_plugin.store import container, crypto
-from cwm_plugin.windows.model import Manifest, check_name, manifest_key
+from cwm_plugin.store import binding
+from cwm_plugin.store.blob import container, crypto
+from cwm_plugin.windows.model import Manifest, check_manifest, manifest_key
 from cwm_plugin.windows.rekey import WindowIncomplete
 from cwm_plugin.windows.window_file import (
     BadWindowFile,
@@ -34,6 +41,8 @@ from cwm_plugin.windows.window_file import (
 )
 
 SECRET_FIELDS = ("frozen_salt", "window_salt", "window_hashes", "tenant", "last_thaw")
+# what the importing server decides, never the file
+LOCAL_FIELDS = ("stored_bytes", "created", "updated", "expires", "parent", "auto")
 __all__ = ["BadWindowFile", "export_window", "import_window"]
 
 
@@ -55,7 +64,7 @@ def export_window(engine: Any, owner: str, name: str, out: IO[bytes]) -> dict[st
                 yield w, i, plain
 
     manifest = {k: v for k, v in asdict(m).items() if k not in SECRET_FIELDS}
-    size = write_file(out, manifest, blobs())
+    size = write_file(out, manifest, blobs(), key=engine.export_key)
     return {"name": name, "bytes": size, "blocks": m.num_blocks, "tokens": len(m.tokens),
             "model": m.model}
 
@@ -81,28 +90,24 @@ def _served(engine: Any, model: str) -> list[dict[str, Any]]:
 
 
 def _manifest(d: dict[str, Any], owner: str, name: str | None) -> Manifest:
-    """The file's manifest, every field a window needs checked (else BadWindowFile)."""
+    """The file's manifest as ``owner``'s window ``name`` (or as exported), checked by the
+    manifest validator (else BadWindowFile); not yet keyed (no window salt)."""
+    now = time.time()
+    fields = {k: v for k, v in d.items() if k in Manifest.__dataclass_fields__
+              and k not in SECRET_FIELDS and k not in LOCAL_FIELDS}
+    if name is not None:
+        fields["name"] = name
+    if isinstance(fields.get("workers"), list):
+        fields["workers"] = [tuple(w) if isinstance(w, list) else w for w in fields["workers"]]
     try:
-        d = dict(d)
-        d["workers"] = [(str(dig), int(rank)) for dig, rank in d["workers"]]
-        m = Manifest(**{k: v for k, v in d.items() if k in Manifest.__dataclass_fields__
-                        and k not in SECRET_FIELDS}, tenant=owner, frozen_salt="",
-                     window_salt="")
-        ok = (isinstance(m.tokens, list) and all(isinstance(t, int) and 0 <= t < 1 << 31
-                                                 for t in m.tokens)
-              and isinstance(m.block_size, int) and m.block_size > 0
-              and isinstance(m.hash_block_size, int) and m.hash_block_size > 0
-              and isinstance(m.num_blocks, int)
-              and 0 < m.num_blocks <= len(m.tokens) // m.block_size
-              and isinstance(m.namespace, dict) and not m.lora
-              and (m.messages is None or isinstance(m.messages, list))
-              and isinstance(m.prompt, dict) and isinstance(m.tags, list))
-    except (TypeError, ValueError, KeyError) as exc:
+        m = check_manifest(Manifest(**fields, tenant=owner, frozen_salt="", window_salt="",
+                                    created=now, updated=now), keyed=False)
+    except TypeError as exc:   # a field a window needs is missing
         raise BadWindowFile(f"the window file's manifest is incomplete ({exc})") from None
-    if not ok:
-        raise BadWindowFile("the window file's manifest is not a window's (its tokens, block "
-                            "counts or fields are out of range, or it is of a LoRA adapter)")
-    m.name = check_name(name or m.name)
+    except InvalidInput as exc:
+        raise BadWindowFile(f"the window file has an {exc}") from None
+    if m.lora:
+        raise BadWindowFile("the window file is of a LoRA adapter: not portable")
     return m
 
 
@@ -136,27 +141,29 @@ def import_window(engine: Any, owner: str, src: IO[bytes], name: str | None = No
                   ) -> Manifest:
     """Import an export file (seekable) as a window of ``owner`` (named ``name`` or as
     exported)."""
-    checked = check_file(src)
+    checked = check_file(src, engine.export_key)
     m = _manifest(checked.header.manifest, owner, name)
     _check_compatible(engine, m, checked)
     if engine._read(manifest_key(owner, m.name), owner) is not None:
         raise AlreadyExists(f"a window named {m.name!r} already exists",
                             hint="import it under another name (--name)")
-    for i in range(len(checked.header.blobs)):
-        try:
-            container.peek(read_blob(src, checked, i), verify=True)
-        except CWMError as exc:
-            raise BadWindowFile(f"block {i} of the window file is not a KV block ({exc})") \
-                from None
-    engine._check_tenant_quota(owner, sum(e.size for e in checked.header.blobs))
     m.window_salt = m.frozen_salt = "cwm-window:" + secrets.token_hex(16)
     hashes = engine._chain(m, m.tokens, m.window_salt, m.num_blocks)
     m.window_hashes = [h.hex() for h in hashes]
-    m.created = m.updated = time.time()
-    m.expires, m.parent, m.auto = None, None, False
     keys = engine._keys(m.workers, hashes)
     flat = [keys[e.worker][e.block] for e in checked.header.blobs]
-    try:
+    for i, key in enumerate(flat):
+        try:  # what put_blob would refuse, refused before anything is written
+            meta = container.peek(read_blob(src, checked, i), verify=True)
+            binding.check(meta, key, encrypted=False)
+        except CWMError as exc:
+            raise BadWindowFile(f"block {i} of the window file is not a KV block of its key "
+                                f"group ({exc})") from None
+        if crypto.is_sealed(meta):  # an export holds plain blobs
+            raise BadWindowFile(f"block {i} of the window file is sealed: not an export")
+    engine._check_tenant_quota(owner, sum(e.size for e in checked.header.blobs))  # at once
+
+    def write() -> None:
         cipher = None
         if engine.store.config.encryption_key:
             cipher = crypto.BlobCipher.derive(
@@ -167,12 +174,6 @@ def import_window(engine: Any, owner: str, src: IO[bytes], name: str | None = No
                                   replace=True).result()
         engine._complete(keys, f"window {m.name!r}", time.monotonic() + engine.wait_s,
                          block_size=m.block_size, tokens=len(m.tokens))
-        pinned = engine.store.pin_many(flat)
-        if any(len(set(pinned.get(t.name, []))) != len(set(flat))
-               for t in engine.store.pin_tiers()):
-            raise InvalidInput("the imported blocks could not be pinned on every tier")
-        engine._claim(m)
-    except BaseException:
-        engine.store.delete_many(flat)
-        raise
+
+    engine._pin_new(m, keys, write)
     return m

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cwm_plugin.errors import CWMError
-from cwm_plugin.store import crypto
+from cwm_plugin.store.blob import crypto
 from cwm_plugin.store.replication import presence, replicate
 from cwm_plugin.windows import hashing
 
@@ -42,13 +42,15 @@ class KeyPlumbing:
                 for d, r in workers]
 
     def _restorable(self, keys: list[list[bytes]], *, durable: bool = True) -> int:
-        """Blocks present for every worker, from the first block on."""
+        """Blocks present for every worker, from the first block on (``durable``: on a
+        durable tier, whatever faster tier holds them too)."""
         n = len(keys[0]) if keys else 0
         if not n:
             return 0
-        where = self.store.where_many([k for ks in keys for k in ks])
-        ok = [all(where[w * n + i] is not None and (not durable or where[w * n + i] != "memory")
-                  for w in range(len(keys))) for i in range(n)]
+        tiers = (self.store.durable or self.store.tiers) if durable else self.store.tiers
+        held = self.store.held_by([k for ks in keys for k in ks], tiers).values()
+        ok = [all(any(there[w * n + i] for there in held) for w in range(len(keys)))
+              for i in range(n)]
         return next((i for i, good in enumerate(ok) if not good), n)
 
     def _rekey(self, src: list[list[bytes]], dst: list[list[bytes]], src_salt: str,

@@ -12,7 +12,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from vllm.v1.request import Request
 from cwm_plugin.connector.config import ConnectorConfig
 from cwm_plugin.connector.keys import kv_block_hashes
 from cwm_plugin.connector.metadata import CWMWorkerMetadata
-from cwm_plugin.connector.scheduler import SchedulerSide
-from cwm_plugin.connector.stats import StatsCollector
+from cwm_plugin.connector.metrics.stats import StatsCollector
+from cwm_plugin.connector.scheduler.side import SchedulerSide
 from cwm_plugin.testing.procs import hold_sqlite_write_lock, wait_until
 
 pytestmark = pytest.mark.unit
@@ -232,7 +232,7 @@ def _new_step(req: Request, block_ids: list[int]):
 def test_leases_cancelled_before_they_ran_give_their_backlog_room_back(store, monkeypatch):
     """A request ending while its lease waits behind a stuck store frees its place: after
     more such cancellations than the backlog holds, a lease is still taken."""
-    from cwm_plugin.connector.leases import Leases
+    from cwm_plugin.connector.scheduler.leases import Leases
 
     stuck, go = threading.Event(), threading.Event()
     leases = Leases(store, StatsCollector(), ttl_s=30, backlog=3)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from cwm_plugin.connector.device_load import DeviceLoader
+from cwm_plugin.connector.worker.device_load import DeviceLoader
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 
 pytestmark = pytest.mark.unit
 

@@ -13,12 +13,12 @@ from test_scheduler_side import Blocks, fill, hashes, make_request, step
 
 from cwm_plugin.connector import records
 from cwm_plugin.connector.config import ConnectorConfig
-from cwm_plugin.connector.known import KnownBlocks
-from cwm_plugin.connector.layout import discover_layout
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
-from cwm_plugin.connector.scheduler import SchedulerSide
-from cwm_plugin.connector.stats import StatsCollector
-from cwm_plugin.connector.worker import WorkerSide
+from cwm_plugin.connector.metrics.stats import StatsCollector
+from cwm_plugin.connector.scheduler.known import KnownBlocks
+from cwm_plugin.connector.scheduler.side import SchedulerSide
+from cwm_plugin.connector.worker.layout import discover_layout
+from cwm_plugin.connector.worker.side import WorkerSide
 
 pytestmark = pytest.mark.unit
 

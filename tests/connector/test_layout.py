@@ -7,9 +7,9 @@ import torch
 from connector_helpers import fill_random, kv_allocation, vllm_config_for
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from cwm_plugin.connector.layout import discover_layout
+from cwm_kernels.blocks import gather_blocks, scatter_blocks
+from cwm_plugin.connector.worker.layout import discover_layout
 from cwm_plugin.errors import ConfigError
-from cwm_plugin.kernels.blocks import gather_blocks, scatter_blocks
 
 pytestmark = pytest.mark.unit
 

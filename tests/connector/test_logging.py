@@ -34,12 +34,12 @@ def bare_root(monkeypatch) -> None:
 def test_info_lines_of_the_connector_go_through_vllms_handlers(loggers, monkeypatch):
     ours, stream = loggers
     bare_root(monkeypatch)
-    logging.getLogger("cwm_plugin.connector.worker").info("lost without the handlers")
+    logging.getLogger("cwm_plugin.connector.worker.side").info("lost without the handlers")
     assert stream.getvalue() == ""  # before: dropped (root shows warnings only)
     use_vllm_log_handlers()
     use_vllm_log_handlers()  # idempotent: one line a record, not two
-    logging.getLogger("cwm_plugin.connector.worker").info("store flushed")
-    assert stream.getvalue() == "INFO cwm_plugin.connector.worker store flushed\n"
+    logging.getLogger("cwm_plugin.connector.worker.side").info("store flushed")
+    assert stream.getvalue() == "INFO cwm_plugin.connector.worker.side store flushed\n"
 
 
 @pytest.mark.parametrize("where", ["cwm_plugin", ""])

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from cwm_plugin.connector.forward import RegistryForwarder
-from cwm_plugin.connector.prom import CWMPromMetrics
-from cwm_plugin.connector.stats import CWMConnectorStats, StatsCollector
+from cwm_plugin.connector.metrics.forward import RegistryForwarder
+from cwm_plugin.connector.metrics.prom import CWMPromMetrics
+from cwm_plugin.connector.metrics.stats import CWMConnectorStats, StatsCollector
 from cwm_plugin.store.metrics import StoreMetrics
 
 pytestmark = pytest.mark.unit

@@ -14,8 +14,8 @@ from vllm.v1.request import Request
 from cwm_plugin.connector.config import ConnectorConfig
 from cwm_plugin.connector.keys import kv_block_hashes
 from cwm_plugin.connector.metadata import CWMWorkerMetadata
-from cwm_plugin.connector.scheduler import SchedulerSide, hit_source_of_saves
-from cwm_plugin.connector.stats import StatsCollector
+from cwm_plugin.connector.metrics.stats import StatsCollector
+from cwm_plugin.connector.scheduler.side import SchedulerSide, hit_source_of_saves
 from cwm_plugin.store.config import StoreConfig
 
 pytestmark = pytest.mark.unit

@@ -14,9 +14,9 @@ from vllm.v1.request import Request
 
 from cwm_plugin.connector.config import ConnectorConfig
 from cwm_plugin.connector.keys import hash_probe, kv_block_hashes
-from cwm_plugin.connector.scheduler import SchedulerSide
-from cwm_plugin.connector.selfcheck import record_key
-from cwm_plugin.connector.stats import StatsCollector
+from cwm_plugin.connector.metrics.stats import StatsCollector
+from cwm_plugin.connector.scheduler.selfcheck import record_key
+from cwm_plugin.connector.scheduler.side import SchedulerSide
 
 pytestmark = pytest.mark.unit
 SHA = get_hash_fn_by_name("sha256")
@@ -66,7 +66,7 @@ def test_a_changed_hash_seed_is_detected_and_stale_blocks_are_never_served(
 
     vllm_hashing("4242")                                          # restart, another seed
     third = start(ns, store)
-    with caplog.at_level(logging.ERROR, logger="cwm_plugin.connector.selfcheck"):
+    with caplog.at_level(logging.ERROR, logger="cwm_plugin.connector.scheduler.selfcheck"):
         assert third.get_num_new_matched_tokens(request("c"), 0)[0] == 0, \
             "blocks saved under the old hashing were served"
     assert third.selfcheck.status == "mismatch"

@@ -6,11 +6,11 @@ import pytest
 import torch
 from connector_helpers import fill_random, kv_allocation, namespace, vllm_config_for
 
-from cwm_plugin.connector.device_load import DeviceLoader
-from cwm_plugin.connector.layout import discover_layout
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata
-from cwm_plugin.connector.stats import StatsCollector
-from cwm_plugin.connector.worker import WorkerSide
+from cwm_plugin.connector.metrics.stats import StatsCollector
+from cwm_plugin.connector.worker.device_load import DeviceLoader
+from cwm_plugin.connector.worker.layout import discover_layout
+from cwm_plugin.connector.worker.side import WorkerSide
 
 pytestmark = pytest.mark.unit
 NB = 16

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cwm_plugin.store.tiers.disk import advise_files
+from cwm_plugin.store.tiers.disk.tier import advise_files
 from cwm_plugin.testing.procs import wait_until
 from cwm_plugin.testing.redis_server import RedisServer
 from cwm_plugin.testing.vllm_server import (

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from test_connector import HITS, long_text, serve
 
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.testing.vllm_server import start_all
 from cwm_plugin.windows.engine import WindowEngine
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cwm_plugin.kernels.blocks import BlockWriter, block_shape, gather_blocks, scatter_blocks
+from cwm_kernels.blocks import BlockWriter, block_shape, gather_blocks, scatter_blocks
 
 pytestmark = pytest.mark.unit
 

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_helpers import DTYPES, bits, kv_like, random_bits
 
-from cwm_plugin.kernels import kvsplit
-from cwm_plugin.kernels import shuffle as sh
-from cwm_plugin.kernels import shuffle_triton as tri
+from cwm_kernels import kvsplit
+from cwm_kernels import shuffle as sh
+from cwm_kernels import shuffle_triton as tri
 
 pytestmark = pytest.mark.unit
 
@@ -99,7 +99,7 @@ def test_damaged_streams_raise_value_error():
 
 
 def test_triton_module_imports_without_a_gpu():
-    code = ("import cwm_plugin.kernels.shuffle_triton as m, sys; "
+    code = ("import cwm_kernels.shuffle_triton as m, sys; "
             "sys.exit(0 if 'triton' not in sys.modules else 1)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from cwm_plugin.memory.embeddings import HashingEmbedder, MiniLMEmbedder
+from cwm_plugin.memory.index.embeddings import HashingEmbedder, MiniLMEmbedder
 from cwm_plugin.memory.models import MemoryConfig
-from cwm_plugin.memory.service import MemoryService
+from cwm_plugin.memory.service.service import MemoryService
 from cwm_plugin.memory.tokens import TiktokenCounter
 
 

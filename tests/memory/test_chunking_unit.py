@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cwm_plugin.memory.chunking import chunk_units, spans, turn_units
-from cwm_plugin.memory.embeddings import HashingEmbedder
-from cwm_plugin.memory.index import FolderIndex
+from cwm_plugin.memory.index.chunking import chunk_units, spans, turn_units
+from cwm_plugin.memory.index.chunks import FolderIndex
+from cwm_plugin.memory.index.embeddings import HashingEmbedder
 from cwm_plugin.memory.models import Turn
 
 pytestmark = pytest.mark.unit

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from cwm_plugin.cli import main
-from cwm_plugin.memory.embeddings import HashingEmbedder
+from cwm_plugin.memory.index.embeddings import HashingEmbedder
 from cwm_plugin.memory.models import MemoryConfig
-from cwm_plugin.memory.service import MemoryService
+from cwm_plugin.memory.service.service import MemoryService
 
 pytestmark = pytest.mark.unit
 

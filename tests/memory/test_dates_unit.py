@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from cwm_plugin.memory.dates import Period, nearness, periods
-from cwm_plugin.memory.turns import LineCorpus, rank_lines
+from cwm_plugin.memory.selection.dates import Period, nearness, periods
+from cwm_plugin.memory.selection.lines import LineCorpus, rank_lines
 
 pytestmark = pytest.mark.unit
 

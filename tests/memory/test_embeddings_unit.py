@@ -12,8 +12,8 @@ import pytest
 
 from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.errors import ConfigError, UpstreamError
-from cwm_plugin.memory import embeddings as E
-from cwm_plugin.memory.embeddings import (
+from cwm_plugin.memory.index import embeddings as E
+from cwm_plugin.memory.index.embeddings import (
     BF16_COSINE_MIN,
     CachedEmbedder,
     HashingEmbedder,
@@ -176,7 +176,7 @@ def test_each_local_model_folder_keeps_its_vectors_apart(tmp_path, minilm) -> No
 
 
 def test_a_local_model_that_is_not_there_is_a_clear_error(tmp_path) -> None:
-    from cwm_plugin.memory.factory import local_folder, make_embedder
+    from cwm_plugin.memory.service.factory import local_folder, make_embedder
 
     with pytest.raises(ConfigError) as exc:
         MiniLMEmbedder(tmp_path)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.memory.facts import FACTS_PROMPT, SUMMARY_PROMPT, parse_facts
+from cwm_plugin.memory.service.facts import FACTS_PROMPT, SUMMARY_PROMPT, parse_facts
 
 pytestmark = pytest.mark.unit
 

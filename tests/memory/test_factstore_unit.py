@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cwm_plugin.memory.embeddings import HashingEmbedder
-from cwm_plugin.memory.factstore import merge
-from cwm_plugin.memory.files import HISTORY_HEADING
+from cwm_plugin.memory.files.markdown import HISTORY_HEADING
+from cwm_plugin.memory.index.embeddings import HashingEmbedder
 from cwm_plugin.memory.models import Memory, MemoryConfig
-from cwm_plugin.memory.service import MemoryService
+from cwm_plugin.memory.service.facts_file import merge
+from cwm_plugin.memory.service.service import MemoryService
 
 pytestmark = pytest.mark.unit
 
@@ -108,7 +108,7 @@ def test_minilm_similarity_gates_an_update(tmp_path, counter, minilm) -> None:
 def test_a_damaged_use_count_file_is_statistics_lost_never_a_failed_selection(svc, damage):
     """access.json is derived: damaged, it reads as no counts, a selection still answers,
     the next use rewrites it whole, and memories.md is never touched."""
-    from cwm_plugin.memory.factstore import access_counts, access_path
+    from cwm_plugin.memory.service.facts_file import access_counts, access_path
 
     got = svc.add_fact("acme", "The user keeps bees in Lisbon.", "fact", 0.8)
     svc.bump("acme", [got.memory.id])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.memory.files import MemoryFiles, decode_turns, encode_turn
+from cwm_plugin.memory.files.markdown import MemoryFiles, decode_turns, encode_turn
 from cwm_plugin.memory.models import Turn
 
 pytestmark = pytest.mark.unit
@@ -43,7 +43,7 @@ def test_torn_tail_is_ignored() -> None:
 WRITER = """
 import sys
 from pathlib import Path
-from cwm_plugin.memory.files import MemoryFiles
+from cwm_plugin.memory.files.markdown import MemoryFiles
 from cwm_plugin.memory.models import Turn
 files = MemoryFiles(Path(sys.argv[1]))
 for i in range(int(sys.argv[2])):
@@ -148,7 +148,7 @@ def test_a_failed_append_leaves_no_torn_record_and_readers_wait_for_appends(
     turn); a reader takes a shared lock, so it never reads an append under way."""
     import time
 
-    from cwm_plugin.memory import durable as F
+    from cwm_plugin.memory.files import durable as F
 
     files = MemoryFiles(tmp_path)
     turn = Turn("t1", "user", TRICKY, "2024-01-01T00:00:00Z")

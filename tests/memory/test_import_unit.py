@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from cwm_plugin.cli import main
-from cwm_plugin.memory.embeddings import HashingEmbedder
-from cwm_plugin.memory.importer import import_sessions, read_conversations
+from cwm_plugin.memory.index.embeddings import HashingEmbedder
 from cwm_plugin.memory.models import MemoryConfig
-from cwm_plugin.memory.service import MemoryService
+from cwm_plugin.memory.service.importer import import_sessions, read_conversations
+from cwm_plugin.memory.service.service import MemoryService
 
 pytestmark = pytest.mark.unit
 
@@ -114,7 +114,7 @@ def test_cli_import_and_check(tmp_path: Path, capsys) -> None:
 
 def test_a_pool_of_worker_processes_embeds_like_the_service(tmp_path: Path, counter, minilm,
                                                           monkeypatch) -> None:
-    from cwm_plugin.memory import importer
+    from cwm_plugin.memory.service import importer
 
     monkeypatch.setattr(importer, "POOL_MIN", 0)  # a pool even for this small import
     jsonl, _ = write_inputs(tmp_path)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cwm_plugin.memory.bm25 import BM25Corpus, LuceneBM25, bm25_tokens, stem
+from cwm_plugin.memory.index.bm25 import BM25Corpus, LuceneBM25, bm25_tokens, stem
 
 pytestmark = pytest.mark.unit
 

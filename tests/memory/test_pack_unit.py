@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cwm_plugin.memory import select as S
-from cwm_plugin.memory.chunking import Unit
-from cwm_plugin.memory.pack import pack
-from cwm_plugin.memory.turns import Line
+from cwm_plugin.memory.index.chunking import Unit
+from cwm_plugin.memory.selection import select as S
+from cwm_plugin.memory.selection.lines import Line
+from cwm_plugin.memory.selection.pack import pack
 
 pytestmark = pytest.mark.unit
 
@@ -51,7 +51,7 @@ def test_one_line_costs_what_its_passage_grows_by() -> None:
     cost with the line minus without it, for random passages, gaps and days."""
     import random
 
-    from cwm_plugin.memory.pack import Passage, _line_cost
+    from cwm_plugin.memory.selection.pack import Passage, _line_cost
 
     rng = random.Random(7)
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.memory.pending import PendingTurns, turn_records
+from cwm_plugin.memory.files.pending import PendingTurns, turn_records
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from cwm_plugin.cli import main
+from cwm_plugin.memory.index.persist import current_generation, folder_dir
 from cwm_plugin.memory.metrics import MemoryMetrics
-from cwm_plugin.memory.persist import current_generation, folder_dir
 
 pytestmark = pytest.mark.unit
 
@@ -154,7 +154,7 @@ def test_concurrent_savers_leave_current_naming_a_whole_generation(make_service)
     import threading
     import time
 
-    from cwm_plugin.memory import persist
+    from cwm_plugin.memory.index import persist
 
     svc = make_service(chunk_tokens=40, chunk_overlap=10)
     fill(svc)
@@ -194,7 +194,7 @@ def test_an_index_that_cannot_be_saved_is_kept_in_memory_and_counted(make_servic
     removed, and the next save that can, does. An explicit reindex still reports it."""
     import numpy as np
 
-    from cwm_plugin.memory import persist
+    from cwm_plugin.memory.index import persist
 
     m = MemoryMetrics()
     svc = make_service(chunk_tokens=40, chunk_overlap=10, metrics=m)
@@ -227,7 +227,7 @@ def test_a_damaged_embedding_cache_is_started_again_and_failures_are_done_withou
 
     import numpy as np
 
-    from cwm_plugin.memory.embeddings import CachedEmbedder, HashingEmbedder
+    from cwm_plugin.memory.index.embeddings import CachedEmbedder, HashingEmbedder
 
     m = MemoryMetrics()
     folder = tmp_path / "cache"
@@ -256,7 +256,7 @@ def test_a_turn_stored_while_the_embedder_is_down_is_not_reported_failed(make_se
     ``record_turn`` raise (a client told "failed" sends the turn again: stored twice). The
     next sync with the files indexes it once the embedder is back."""
     from cwm_plugin.errors import UpstreamError
-    from cwm_plugin.memory.embeddings import HashingEmbedder
+    from cwm_plugin.memory.index.embeddings import HashingEmbedder
 
     class Flaky(HashingEmbedder):
         down = False

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from cwm_plugin.errors import InvalidInput
+from cwm_plugin.memory.index.search import _minmax
 from cwm_plugin.memory.metrics import MemoryMetrics
-from cwm_plugin.memory.search import _minmax
 
 pytestmark = pytest.mark.unit
 
@@ -144,10 +144,10 @@ def test_two_writers_on_one_root_see_each_other(make_service) -> None:
 
 
 def test_index_grows_past_its_initial_capacity(counter) -> None:
-    from cwm_plugin.memory.embeddings import HashingEmbedder
-    from cwm_plugin.memory.index import FolderIndex
+    from cwm_plugin.memory.index.chunks import FolderIndex
+    from cwm_plugin.memory.index.embeddings import HashingEmbedder
+    from cwm_plugin.memory.index.search import search_index
     from cwm_plugin.memory.models import MemoryConfig, Turn
-    from cwm_plugin.memory.search import search_index
 
     idx = FolderIndex(HashingEmbedder(384), counter, 200, 40)
     emb = HashingEmbedder(384)
@@ -172,7 +172,7 @@ def test_index_grows_past_its_initial_capacity(counter) -> None:
 def test_an_exchange_is_one_durable_append_and_indexed_at_once(make_service, monkeypatch) -> None:
     from datetime import UTC, datetime
 
-    from cwm_plugin.memory import files as files_mod
+    from cwm_plugin.memory.files import markdown as files_mod
 
     when = datetime(2026, 5, 1, 12, tzinfo=UTC)  # one daily file for every turn here
     svc = make_service()
@@ -201,7 +201,7 @@ def test_vector_candidates_follow_adds_and_drops(make_service) -> None:
     idx.drop_session("s1")
 
     def brute(q) -> list[str]:  # every chunk holding one of the nearest lines, in index order
-        from cwm_plugin.memory.index import knn_labels
+        from cwm_plugin.memory.index.chunks import knn_labels
 
         wanted = knn_labels(idx.hnsw, q, 12, idx.n_vectors - idx.deleted)
         return [c for c, labs in idx.chunk_labels.items() if wanted.intersection(labs)]
@@ -258,7 +258,7 @@ def test_an_indexing_brings_the_line_corpus_and_other_writers_in_before_the_next
     other.record_turn("acme", "t", "user", "a walrus named Olga")
     svc.record_turns("acme", "s", [("user", "my canoe is mauve")], defer_index=True)
     searched: list[str] = []
-    monkeypatch.setattr("cwm_plugin.memory.service.rank_lines",
+    monkeypatch.setattr("cwm_plugin.memory.service.service.rank_lines",
                         lambda *a, **k: searched.append("x") or [])
     assert svc.index_pending("acme") == 1 and not searched
     assert len(corpus.alone) == before + 2  # both new lines, no search needed
@@ -290,7 +290,7 @@ def test_nearest_lines_answers_a_narrower_ask_from_the_last_one_until_the_index_
         make_service) -> None:
     """A selection asks for the chunks' nearest lines, then for fewer lines of the same query:
     the second answer is the head of the first, and any add or drop searches again."""
-    from cwm_plugin.memory.index import knn_ordered
+    from cwm_plugin.memory.index.chunks import knn_ordered
 
     svc = make_service(chunk_tokens=40, chunk_overlap=8)
     for i in range(40):

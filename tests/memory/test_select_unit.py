@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cwm_plugin.memory.embeddings import HashingEmbedder
+from cwm_plugin.memory.index.embeddings import HashingEmbedder
 from cwm_plugin.memory.models import MemoryConfig
-from cwm_plugin.memory.service import MemoryService
+from cwm_plugin.memory.service.service import MemoryService
 
 pytestmark = pytest.mark.unit
 
@@ -221,7 +221,7 @@ def test_a_block_over_the_room_gives_back_enough_lines_at_once(filled, counter) 
     """Priced lines that cost more once joined: the selection drops, in one step, the lines
     whose cost covers the excess and counts the block again, instead of counting it again
     after each line dropped; the block still fits."""
-    from cwm_plugin.memory.select import HITS_HEADER
+    from cwm_plugin.memory.selection.select import HITS_HEADER
 
     skewed = _Skewed(counter, "skewed-tokenizer")
     q = [{"role": "user", "content": "Tell me about hiking, the tax return and chess openings."}]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cwm_plugin.memory.background import FolderJobs
+from cwm_plugin.memory.service.background import FolderJobs
 
 pytestmark = pytest.mark.unit
 

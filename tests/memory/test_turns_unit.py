@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from cwm_plugin.memory.turns import LineCorpus, doc_id, rank_lines
+from cwm_plugin.memory.selection.lines import LineCorpus, doc_id, rank_lines
 
 pytestmark = pytest.mark.unit
 
@@ -112,7 +112,7 @@ def test_warm_loads_the_index_and_builds_the_line_corpus(make_service) -> None:
 
 def test_warm_builds_the_line_corpus_when_the_embedder_is_down(make_service, caplog) -> None:
     from cwm_plugin.errors import UpstreamError
-    from cwm_plugin.memory.embeddings import HashingEmbedder
+    from cwm_plugin.memory.index.embeddings import HashingEmbedder
 
     class Down(HashingEmbedder):
         def embed(self, texts):

@@ -10,7 +10,8 @@ import pytest
 from sidecar_helpers import Recorder, make_settings
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
 
@@ -57,3 +58,11 @@ def sidecar_factory(tiny_model, tmp_path_factory) -> Iterator[Callable[..., Serv
 def sidecar(recorder, sidecar_factory) -> ServerThread:
     """The module's main sidecar: memory on, cache-aware, upstream = recorder -> vLLM."""
     return sidecar_factory(recorder[1].url)
+
+
+@pytest.fixture(scope="module")
+def fake_upstream() -> Iterator[tuple[FakeUpstream, ServerThread]]:
+    """A fake vLLM (``cwm_plugin.testing.fake_upstream``: ``tiny``, 4,096 tokens) on loopback."""
+    fake = FakeUpstream(model="tiny", max_model_len=4096)
+    with ServerThread(fake.app) as srv:
+        yield fake, srv

@@ -20,9 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from cwm_plugin.sidecar.identity.authenticator import derive_salt, hash_key
-from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.salts import derive_salt
+from cwm_plugin.sidecar.identity.authenticator import hash_key
 from cwm_plugin.sidecar.settings import Settings
+from cwm_plugin.testing.server_thread import ServerThread
 
 SECRET = "sidecar-test-secret-0123456789abcdef"
 KEYS = {"acme": "key-acme-1", "beta": "key-beta-1", "gamma": "key-gamma-1"}

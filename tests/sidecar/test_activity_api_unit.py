@@ -18,8 +18,8 @@ from sidecar_helpers import KEYS, chat, make_settings, metric_value, runtime, wa
 
 from cwm_plugin.activity.log import ActivityLog
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 
@@ -61,8 +61,9 @@ def test_appends_name_the_caller_and_read_back_quick_and_full(upstream, tmp_path
                 "what": f"step {i}", "project": "other", "used_tokens": i, "limit_tokens": 10})
         quick = httpx.get(url, headers=auth("acme")).json()
         assert quick["view"] == "quick" and len(quick["data"]) == 10
-        assert quick["data"][-1]["what"] == "step 11" and quick["head"] == \
+        assert quick["data"][-1]["what"] == "step 11" and quick["heads"]["beta"] == \
             quick["data"][-1]["hash"]
+        assert quick["head"] == quick["heads"]["acme"] == e["hash"]
         full = httpx.get(f"{url}?view=full&offset=0&limit=5", headers=auth("gamma")).json()
         assert full["total"] == 13 and full["data"][0]["principal"] == "acme"
         assert len(full["data"]) == 5
@@ -121,6 +122,49 @@ def test_by_default_a_tenant_reads_only_its_own_entries(upstream, tmp_path):
         assert seen == {"beta": ["acme", "beta"], "gamma": []}
 
 
+def test_no_read_tells_of_another_principals_entries(upstream, tmp_path):
+    """Each principal's entries chain among themselves: what beta reads (its entries, their
+    ``prev``, the heads) holds no hash of acme's, though acme wrote before, between and after
+    beta; a user of acme reads its tenant's chain and its own, nothing of another user's."""
+    srv = sidecar(upstream, tmp_path)
+    try:
+        url = f"{srv.url}/v1/activity"
+
+        def post(tenant: str, what: str, **headers: str) -> dict:
+            r = httpx.post(url, headers=auth(tenant, **headers), json={"what": what})
+            assert r.status_code == 201, r.text
+            return r.json()
+
+        def read(tenant: str, view: str, **headers: str) -> dict:
+            return httpx.get(f"{url}?view={view}", headers=auth(tenant, **headers)).json()
+
+        acme = [post("acme", "a0"), post("acme", "a1")]
+        beta = [post("beta", "b0")]
+        acme.append(post("acme", "a2"))
+        beta.append(post("beta", "b1"))
+        alice = post("acme", "alice's", **{"X-CWM-User": "alice"})
+        bob = post("acme", "bob's", **{"X-CWM-User": "bob"})
+        acme.append(post("acme", "a3"))
+        assert beta[0]["prev"] == "0" * 64 and beta[1]["prev"] == beta[0]["hash"]
+        assert alice["prev"] == bob["prev"] == "0" * 64
+        for view in ("quick", "full"):
+            got = read("beta", view)
+            assert [e["what"] for e in got["data"]] == ["b0", "b1"]
+            assert got["head"] == beta[1]["hash"] and got["heads"] == {"beta": beta[1]["hash"]}
+            text = json.dumps(got)
+            assert not any(e["hash"] in text for e in [*acme, alice, bob])
+            mine = read("acme", view, **{"X-CWM-User": "alice"})
+            assert [e["what"] for e in mine["data"]] == ["a0", "a1", "a2", "alice's", "a3"]
+            assert mine["head"] == alice["hash"] and bob["hash"] not in json.dumps(mine)
+            assert mine["heads"]["acme"] == acme[-1]["hash"] and len(mine["heads"]) == 2
+            # the key's holder, for no user: its own chain and each of its users'
+            holder = read("acme", view)
+            assert holder["head"] == acme[-1]["hash"] and len(holder["heads"]) == 3
+        assert ActivityLog(tmp_path / "activity").verify() == []
+    finally:
+        srv.stop()
+
+
 def test_each_chat_turn_is_logged_with_its_context_use(upstream, tmp_path):
     srv = sidecar(upstream, tmp_path, log_turns=True, turn_preview_chars=20)
     try:
@@ -133,8 +177,8 @@ def test_each_chat_turn_is_logged_with_its_context_use(upstream, tmp_path):
         assert e.what == "chat: Summarise the meetin" and e.output == "ok"
         assert (e.used_tokens, e.limit_tokens) == (r.json()["usage"]["prompt_tokens"], 4096)
         # a log that cannot be written never fails a turn: counted instead
-        (tmp_path / "activity" / "activity.jsonl").unlink()
-        (tmp_path / "activity" / "activity.jsonl").mkdir()
+        (tmp_path / "activity" / "chains" / "acme" / "activity.jsonl").unlink()
+        (tmp_path / "activity" / "chains" / "acme" / "activity.jsonl").mkdir()
         assert chat(srv, "acme", "again", session="t1").status_code == 200
         wait_idle(srv)
         assert metric_value(srv, "cwm_sidecar_memory_failures_total", tenant="acme",
@@ -149,7 +193,7 @@ def test_no_route_rewrites_or_deletes_an_entry(upstream, tmp_path):
         url = f"{srv.url}/v1/activity"
         first = httpx.post(url, headers=auth("acme"), json={"what": "one"}).json()
         httpx.post(url, headers=auth("acme"), json={"what": "two"})
-        files = {p.name: p.read_bytes() for p in (tmp_path / "activity").glob("activity.*")}
+        files = {p.name: p.read_bytes() for p in (tmp_path / "activity").rglob("activity.*")}
         # every route the app has under /v1/activity, with its path parameters filled in
         paths = {re.sub(r"\{[^}]+\}", first["hash"], r.path) for r in srv.app.routes
                  if getattr(r, "path", "").startswith("/v1/activity")}
@@ -171,7 +215,7 @@ def test_no_route_rewrites_or_deletes_an_entry(upstream, tmp_path):
         for fields in ({"hash": "0" * 64}, {"prev": first["hash"]}, {"time": 1.0}):
             r = httpx.post(url, headers=auth("acme"), json={"what": "x", **fields})
             assert r.status_code == 400
-        assert {p.name: p.read_bytes() for p in (tmp_path / "activity").glob("activity.*")} \
+        assert {p.name: p.read_bytes() for p in (tmp_path / "activity").rglob("activity.*")} \
             == files
         assert ActivityLog(tmp_path / "activity").verify() == []
     finally:
@@ -202,12 +246,13 @@ def test_the_cli_shows_the_log_and_verify_names_an_edited_file(tmp_path):
     full = cwm("activity", "show", "--json", "--root", str(tmp_path), "--offset", "10")
     assert [json.loads(x)["what"] for x in full.stdout.splitlines()] == ["step 10", "step 11"]
     ok = cwm("activity", "verify", "--root", str(tmp_path))
-    assert ok.returncode == 0 and "intact, 12 entries" in ok.stdout
-    text = log.jsonl.read_text().replace('"step 5"', '"step five"')
-    log.jsonl.write_text(text)
+    assert ok.returncode == 0 and "intact, 12 entries in 1 chain(s)" in ok.stdout
+    assert f"acme: head {log.head('acme')}" in ok.stdout
+    chain = log.chain("acme").jsonl
+    chain.write_text(chain.read_text().replace('"step 5"', '"step five"'))
     bad = cwm("activity", "verify", "--root", str(tmp_path))
     assert bad.returncode == 1
-    assert "activity.jsonl line 6 was edited" in bad.stderr
+    assert "chains/acme/activity.jsonl line 6 was edited" in bad.stderr
     cfg = tmp_path / "sidecar.yaml"
     cfg.write_text("activity: {root: .}\n")
     assert cwm("activity", "verify", "--config", str(cfg)).returncode == 1

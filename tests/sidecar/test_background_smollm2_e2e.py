@@ -9,7 +9,7 @@ import pytest
 from sidecar_helpers import KEYS, Recorder, chat, make_settings, metric_value, runtime, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 BUDGET = 200  # memory budget: a few lines of transcript, or a fact and a few lines

@@ -14,8 +14,8 @@ from sidecar_helpers import chat, make_settings, metric_value, runtime, scripted
 
 from cwm_plugin.memory.tokens import make_counter
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.procs import free_port
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 COUNTER = make_counter("tiktoken:cl100k_base")

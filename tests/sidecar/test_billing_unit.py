@@ -11,8 +11,8 @@ import pytest
 from sidecar_helpers import KEYS, drop_stream, make_settings, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 ASKED = "Count for me, please, from one to forty, one number a line."

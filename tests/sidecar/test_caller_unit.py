@@ -19,8 +19,8 @@ from sidecar_helpers import ADMIN, KEYS, make_settings
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity.caller import AUTHENTICATED, check_routes
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 HUGE = 20_000_000  # declared bytes: the server must answer without reading them

@@ -18,8 +18,8 @@ from sidecar_helpers import make_settings, runtime, wait_idle
 from cwm_plugin.activity.log import ActivityLog
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity.authenticator import hash_key
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 KEYS = {"claude": "key-claude", "llama": "key-llama", "acme": "key-acme"}

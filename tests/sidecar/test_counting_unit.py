@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from cwm_plugin.sidecar.serving import ServerThread
-from cwm_plugin.sidecar.settings import MemorySettings
+from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.sidecar.turn.counting import ModelCounters
 from cwm_plugin.sidecar.upstream.client import ModelInfo
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 

@@ -26,10 +26,10 @@ from window_helpers import NS, converse, session_blocks
 
 from cwm_plugin.connector import records
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 X = {"Authorization": f"Bearer {KEYS['acme']}", "X-CWM-User": "xavier"}

@@ -14,7 +14,7 @@ import pytest
 from sidecar_helpers import chat, make_settings, metric_value, runtime, scripted_app, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 

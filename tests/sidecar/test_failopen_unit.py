@@ -9,9 +9,9 @@ import pytest
 from sidecar_helpers import chat, make_settings, metric_value, runtime, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.procs import free_port
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 

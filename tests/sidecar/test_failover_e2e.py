@@ -18,8 +18,8 @@ import pytest
 from sidecar_helpers import KEYS, make_settings, metric_value
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.procs import wait_until
+from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.testing.vllm_server import cwm_connector_args, start_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]

@@ -30,8 +30,8 @@ from schemathesis.specs.openapi.schemas import OpenApiSchema  # noqa: F401 - see
 from sidecar_helpers import KEYS, SECRET
 
 from cwm_plugin.sidecar.identity.authenticator import hash_key
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.testing.sidecar_process import SidecarProcess
 
 # schemathesis is imported here, at collection, with one thread running, and not lazily inside

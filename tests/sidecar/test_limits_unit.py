@@ -15,8 +15,8 @@ from sidecar_helpers import ADMIN, KEYS, make_settings, metric_value, runtime, w
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity.authenticator import hash_key
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 LIMITED = "cwm_sidecar_rate_limited_total"

@@ -17,8 +17,8 @@ from sidecar_helpers import KEYS, chat, make_settings, runtime, wait_idle
 
 from cwm_plugin.memory.tokens import make_counter
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 COUNTER = make_counter("tiktoken:cl100k_base")

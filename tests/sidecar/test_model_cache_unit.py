@@ -16,8 +16,8 @@ import pytest
 from sidecar_helpers import KEYS, chat, make_settings
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 

@@ -19,8 +19,8 @@ from sidecar_helpers import ADMIN, KEYS, SECRET, make_settings, metric_value, ru
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity.authenticator import Authenticator
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 SYSTEM = {"role": "system", "content": "You are the travel desk's agent. Use the tools."}

@@ -19,9 +19,9 @@ from sidecar_helpers import KEYS, make_settings, wait_idle
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity.authenticator import Authenticator, hash_key
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import Settings, TenantConfig, load_settings
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 OLD, NEW = "old-secret-0123456789abcdef", "new-secret-0123456789abcdef"

@@ -29,11 +29,11 @@ from sidecar_helpers import (
 
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.settings import DEFAULT_RULES, Settings, load_settings
 from cwm_plugin.sidecar.upstream.routing import Classifier
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.procs import wait_until
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 TOKENIZER = "tiktoken:cl100k_base"

@@ -18,12 +18,12 @@ from prometheus_client import CollectorRegistry
 from sidecar_helpers import KEYS, chat, make_settings, metric_value, runtime
 from window_helpers import BS, block, converse, session_blocks
 
+from cwm_plugin.salts import derive_salt
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.identity.authenticator import derive_salt
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 OLD, NEW = "old-secret-0123456789abcdef", "new-secret-0123456789abcdef"
@@ -171,6 +171,47 @@ def test_a_store_that_fails_the_move_never_fails_the_request(tmp_path, caplog, m
         assert fake.last()["cache_salt"] == derive_salt(NEW.encode(), "acme", "s2")
         assert metric_value(srv, MOVES, tenant="acme", outcome="failed") == 2
         assert sum("could not move" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        srv.stop()
+        up.stop()
+
+
+def test_a_users_windows_move_to_its_newest_name_within_grace(tmp_path):
+    """A user's windows belong to its name under the newest secret: after a rotation the
+    user's first request -- a windows route, or only a chat turn -- moves them there, so the
+    user lists and thaws them as before, and its tenant still counts them."""
+    from cwm_plugin.windows.engine import WindowEngine
+
+    def owner(secret: str, user: str) -> str:
+        return "acme/" + user_name(secret, "acme", user)
+
+    old_sessions(tmp_path / "kv", ["s1"])
+    store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
+                    registry=CollectorRegistry())
+    try:   # frozen while the old secret was the newest
+        eng = WindowEngine(store, wait_s=0)
+        old_salt = derive_salt(OLD.encode(), "acme", "s1")
+        eng.freeze(owner(OLD, "alice@example.com"), "plan", session="s1", salt=old_salt)
+        eng.freeze(owner(OLD, "bob@example.com"), "notes", session="s1", salt=old_salt)
+        eng.freeze("acme", "shared", session="s1", salt=old_salt)
+    finally:
+        store.close()
+    fake = FakeUpstream(model="tiny", max_model_len=4096)
+    up, srv = serve(tmp_path, fake, datetime.now(UTC) + timedelta(days=7))
+    try:
+        alice = {"Authorization": f"Bearer {KEYS['acme']}", "X-CWM-User": "alice@example.com"}
+        r = httpx.get(f"{srv.url}/v1/windows", headers=alice, timeout=60)
+        assert [w["name"] for w in r.json()["data"]] == ["plan"], r.text
+        r = httpx.post(f"{srv.url}/v1/windows/plan/thaw", headers=alice, timeout=60,
+                       json={"session": "s9"})
+        assert r.status_code == 200 and r.json()["restorable_tokens"] == 3 * BS
+        assert chat(srv, "acme", "hi", headers={"X-CWM-User": "bob@example.com"}).status_code \
+            == 200
+        eng = runtime(srv).windows
+        assert [m.name for m in eng.list(owner(NEW, "bob@example.com"))[0]] == ["notes"]
+        assert eng.list(owner(OLD, "alice@example.com")) == ([], 0)
+        assert [m.name for m in eng.list("acme")[0]] == ["shared"]   # the tenant's stay
+        assert len(eng.manifests("acme", whole_tenant=True)) == 3
     finally:
         srv.stop()
         up.stop()

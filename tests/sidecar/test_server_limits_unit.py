@@ -21,8 +21,8 @@ from sidecar_helpers import KEYS, SECRET, make_settings
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity.authenticator import hash_key
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.testing.sidecar_process import SidecarProcess
 
 pytestmark = pytest.mark.unit

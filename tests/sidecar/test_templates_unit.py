@@ -13,8 +13,8 @@ import pytest
 from sidecar_helpers import chat, make_settings, runtime
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 ALTERNATE = ("{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"

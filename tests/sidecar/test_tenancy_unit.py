@@ -18,9 +18,9 @@ from sidecar_helpers import KEYS, drop_stream, make_settings, runtime, salt, wai
 
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.identity.authenticator import hash_key
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.upstream.stream import CUT_MARK
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 

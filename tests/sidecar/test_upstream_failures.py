@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sidecar_helpers import chat, make_settings, metric_value, runtime, sse_events, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.sidecar.upstream.stream import CUT_MARK
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
 

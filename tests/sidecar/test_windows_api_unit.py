@@ -16,8 +16,8 @@ from sidecar_helpers import KEYS, make_settings, runtime, salt
 
 from cwm_plugin.connector import records
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
 from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from window_helpers import NS, WORKERS, converse  # noqa: E402
@@ -101,7 +101,7 @@ def test_export_import_over_http_a_failed_warm_up_and_users_windows(fake, tmp_pa
     from prometheus_client import CollectorRegistry
 
     from cwm_plugin.store.config import StoreConfig
-    from cwm_plugin.store.tiered import KVStore
+    from cwm_plugin.store.kv_store import KVStore
 
     _, up = fake
     store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),

@@ -18,7 +18,7 @@ import pytest
 from sidecar_helpers import KEYS, make_settings, metric_value, runtime, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.sidecar.serving import ServerThread
+from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.e2e
 HITS = "vllm:external_prefix_cache_hits"

@@ -10,7 +10,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 
 
 def make_kv_block(seed: int = 0, shape: tuple[int, ...] = (2, 3, 16, 32),

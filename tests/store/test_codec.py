@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from kv_helpers import DTYPES, kv_like, same_bits
 from kv_helpers import random_bits as random_tensor
 
+from cwm_kernels import shuffle as sh
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob
-from cwm_plugin.kernels import shuffle as sh
-from cwm_plugin.store import codec, container
+from cwm_plugin.store.blob import codec, container
 
 pytestmark = pytest.mark.unit
 

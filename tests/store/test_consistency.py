@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from cwm_plugin.store import codec
-from cwm_plugin.store.queue import SaveQueue
+from cwm_plugin.store.blob import codec
+from cwm_plugin.store.save_queue import SaveQueue
 
 pytestmark = pytest.mark.unit
 G = bytes(18)        # one namespace and rank: keys share blobs only within their group
@@ -211,7 +211,7 @@ def test_gauges_follow_puts_and_deletes_without_usage(make_store, tmp_path, kv_b
 WRITER = r"""
 import sys, time, torch
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 root, seed, start = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 store = KVStore(StoreConfig(fingerprint="two", disk_path=root, memory_bytes=0, io_workers=2))
 g = torch.Generator().manual_seed(seed)

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from cwm_plugin.store import codec
-from cwm_plugin.store.tiers.disk_index import DiskIndex
+from cwm_plugin.store.blob import codec
+from cwm_plugin.store.tiers.disk.key_index import DiskIndex
 
 pytestmark = pytest.mark.unit
 
 WRITER = r"""
 import sys, torch
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 store = KVStore(StoreConfig(fingerprint="crash", disk_path=sys.argv[1], memory_bytes=0,
                             io_workers=2, zstd_level=1))
 g = torch.Generator().manual_seed(0)
@@ -82,8 +82,8 @@ def test_sigkill_mid_write_leaves_no_partial_blob(tmp_path, delay):
 
 BATCHER = r"""
 import sys, itertools
-from cwm_plugin.store.tiers.disk import DiskTier
-from cwm_plugin.store.tiers.redis import RedisTier
+from cwm_plugin.store.tiers.disk.tier import DiskTier
+from cwm_plugin.store.tiers.redis.tier import RedisTier
 kind, where = sys.argv[1], sys.argv[2]
 t = DiskTier(where, 1 << 30) if kind == "disk" else RedisTier(where, prefix="kill")
 G = b"B" * 18
@@ -103,8 +103,8 @@ def test_sigkill_mid_batch_leaves_the_old_state_or_the_new(tmp_path, kind, delay
     where = str(tmp_path / "d") if kind == "disk" else request.getfixturevalue("redis_server").url
     _run_until([sys.executable, "-c", BATCHER, kind, where],
                lambda p: p.stdout.readline().strip() != "", delay)
-    from cwm_plugin.store.tiers.disk import DiskTier
-    from cwm_plugin.store.tiers.redis import RedisTier
+    from cwm_plugin.store.tiers.disk.tier import DiskTier
+    from cwm_plugin.store.tiers.redis.tier import RedisTier
     t = DiskTier(where, 1 << 30) if kind == "disk" else RedisTier(where, prefix="kill")
     rows = t.list_keys(b"B" * 18, limit=10_000)
     batch = [r for r in rows if r.key != b"B" * 18 + b"base"]
@@ -116,7 +116,7 @@ def test_sigkill_mid_batch_leaves_the_old_state_or_the_new(tmp_path, kind, delay
     else:       # one script a shard (slot): each shard's part whole; counts never too low
         from collections import Counter
 
-        from cwm_plugin.store.tiers.redis_layout import shard_of
+        from cwm_plugin.store.tiers.redis.layout import shard_of
         want = Counter(shard_of(b"B" * 18 + i.to_bytes(4, "big")) for i in range(3000))
         got = Counter(shard_of(r.key) for r in batch)
         assert all(got[s] in (0, n) for s, n in want.items()), got
@@ -131,7 +131,7 @@ def test_sigkill_mid_batch_leaves_the_old_state_or_the_new(tmp_path, kind, delay
 
 RACER = r"""
 import sys, time
-from cwm_plugin.store.tiers.disk import DiskTier
+from cwm_plugin.store.tiers.disk.tier import DiskTier
 root, me, stop = sys.argv[1], sys.argv[2].encode(), float(sys.argv[3])
 t = DiskTier(root, 1 << 30, fsync=False)
 key = b"R" * 18 + me
@@ -144,7 +144,7 @@ while time.time() < stop:
 def test_two_processes_removing_and_re_adding_a_blob_never_leave_a_row_without_its_file(
         tmp_path):
     root = tmp_path / "d"
-    from cwm_plugin.store.tiers.disk import DiskTier
+    from cwm_plugin.store.tiers.disk.tier import DiskTier
     DiskTier(root, 1 << 30).close()
     stop = time.time() + 4
     procs = [subprocess.Popen([sys.executable, "-c", RACER, str(root), me, str(stop)],

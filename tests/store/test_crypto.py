@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from cwm_plugin.store import codec, container, crypto
+from cwm_plugin.store.blob import codec, container, crypto
 from cwm_plugin.store.config import StoreConfig
 
 pytestmark = pytest.mark.unit

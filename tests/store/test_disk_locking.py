@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from cwm_plugin.store.tiers import disk
-from cwm_plugin.store.tiers.disk import DiskTier
+from cwm_plugin.store.tiers.disk import tier as disk
+from cwm_plugin.store.tiers.disk.tier import DiskTier
 from cwm_plugin.testing.procs import hold_sqlite_write_lock
 
 pytestmark = pytest.mark.unit
@@ -70,7 +70,7 @@ def test_opening_an_existing_index_takes_no_write_lock(tmp_path):
     open would hold the lock that the server's saves and leases need for as long as serving
     keeps that process off the cores. Opening an index that has its schema only reads, so it
     goes through while another process holds the write lock."""
-    from cwm_plugin.store.tiers.disk_index import DiskIndex
+    from cwm_plugin.store.tiers.disk.key_index import DiskIndex
 
     path = tmp_path / "index.sqlite"
     DiskIndex(path).close()                             # created once (a write)

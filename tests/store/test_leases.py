@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cwm_plugin.store.keyspace import Lease
+from cwm_plugin.store.key_ops import Lease
 from cwm_plugin.store.tiers.base import QuotaExceeded
 
 pytestmark = pytest.mark.unit

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from cwm_plugin.memory.timing import Stages
 from cwm_plugin.store.threads import process_cpus
-from cwm_plugin.store.tiers.disk import advise_files
+from cwm_plugin.store.tiers.disk.tier import advise_files
+from cwm_plugin.timing import Stages
 
 pytestmark = pytest.mark.unit
 SHAPE = (2, 3, 16, 32)
@@ -163,7 +163,7 @@ def test_pool_threads_leave_the_core_their_parent_was_bound_to(make_store, kv_bl
 
 def test_a_decoder_that_breaks_costs_its_block_and_never_raises(make_store, kv_block,
                                                                 monkeypatch):
-    from cwm_plugin.store import codec
+    from cwm_plugin.store.blob import codec
 
     s = make_store(memory_bytes=1 << 24)
     blocks = fill(s, 3, kv_block)

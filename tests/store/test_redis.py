@@ -15,7 +15,7 @@ import redis
 import torch
 
 from cwm_plugin.errors import TierUnavailable
-from cwm_plugin.store.tiers.redis import RedisTier
+from cwm_plugin.store.tiers.redis.tier import RedisTier
 from cwm_plugin.testing.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -144,7 +144,7 @@ def test_gc_sweeps_the_index_entries_a_ttl_expiry_left_behind(redis_server, make
     gc removes it and leaves live and pinned ones. A blob's counts carry its bytes' TTL, so
     they expire with them (format 2 kept them in hashes, ~300 B a block never freed)."""
     from cwm_plugin.store.maintenance import collect_garbage
-    from cwm_plugin.store.tiers.redis_layout import shard_of
+    from cwm_plugin.store.tiers.redis.layout import shard_of
 
     s = make_store(redis_url=redis_server.url, redis_prefix="swp", redis_ttl_s=1000,
                    memory_bytes=0)
@@ -173,7 +173,7 @@ def test_format_2_names_are_never_read_and_gc_deletes_them(redis_server, make_st
     is recomputed and saved again), nothing fails on them, and gc deletes them and then,
     unreferenced, their blob."""
     from cwm_plugin.store.maintenance import collect_garbage
-    from cwm_plugin.store.tiers.redis_layout import Names
+    from cwm_plugin.store.tiers.redis.layout import Names
 
     r = redis.Redis.from_url(redis_server.url)
     g, rest, old = G.hex(), b"a".hex(), bid("f")

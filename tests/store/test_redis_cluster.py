@@ -11,7 +11,7 @@ import uuid
 import pytest
 import redis
 
-from cwm_plugin.store.tiers.redis import RedisTier
+from cwm_plugin.store.tiers.redis.tier import RedisTier
 
 pytestmark = pytest.mark.redis
 

@@ -13,7 +13,7 @@ import torch
 from prometheus_client import generate_latest
 
 from cwm_plugin.errors import NotFound
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 
 pytestmark = pytest.mark.unit
 G = bytes(18)        # one namespace and rank: keys share blobs only within their group
@@ -57,6 +57,19 @@ def test_disk_hit_promotes_to_memory(make_store, tmp_path, kv_block):
     s2.get(b"a")
     assert s2.metrics.hits.labels("memory")._value.get() == 1
     assert s2.metrics.hits.labels("disk")._value.get() == 1
+
+
+def test_every_tier_holding_a_key_is_known(make_store, tmp_path, kv_block):
+    """A block in memory *and* on disk is on disk too: ``held_by`` asks every tier, while
+    ``where_many`` names the tier a read comes from."""
+    s = make_store(disk_path=str(tmp_path / "d"))
+    s.put(b"both", kv_block(1)).result()
+    s.put(b"disk", kv_block(2)).result()
+    s.memory.delete_many([b"disk"])
+    keys = [b"both", b"disk", b"none"]
+    assert s.where_many(keys) == ["memory", "disk", None]
+    assert s.held_by(keys) == {"memory": [True, False, False], "disk": [True, True, False]}
+    assert s.held_by(keys, s.durable) == {"disk": [True, True, False]}
 
 
 def test_put_skips_present_and_same_key_concurrently(make_store, tmp_path, kv_block):
@@ -125,7 +138,7 @@ def test_link_refcount_delete_and_gc(make_store, tmp_path, kv_block):
 
 def test_pinned_blocks_survive_eviction(make_store, tmp_path, kv_block):
     x = kv_block(0)
-    size = len(__import__("cwm_plugin.store.codec", fromlist=["encode"]).encode(
+    size = len(__import__("cwm_plugin.store.blob.codec", fromlist=["encode"]).encode(
         x, key=b"k00", fingerprint="test-fp"))
     s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=3 * size + 100,
                    disk_bytes=4 * size + 100)
@@ -183,7 +196,7 @@ def test_contains_many_from_another_process(make_store, tmp_path, kv_block):
     code = (
         "import sys\n"
         "from cwm_plugin.store.config import StoreConfig\n"
-        "from cwm_plugin.store.tiered import KVStore\n"
+        "from cwm_plugin.store.kv_store import KVStore\n"
         f"s = KVStore(StoreConfig(disk_path={str(tmp_path / 'd')!r}, memory_bytes=0))\n"
         "print(s.contains_many([b'\\x01' * 34, b'\\x02' * 34]))\n"
         "s.close()\n")
@@ -243,7 +256,7 @@ def test_two_stores_share_the_default_registry():
 
 
 def test_save_queue_backpressure_and_same_key():
-    from cwm_plugin.store.queue import SaveQueue
+    from cwm_plugin.store.save_queue import SaveQueue
 
     q = SaveQueue(workers=1, depth=1)
     release = threading.Event()
@@ -268,7 +281,7 @@ def test_save_queue_backpressure_and_same_key():
 def test_shutdown_with_a_stuck_write_drops_the_queued_ones_after_its_timeout():
     from concurrent.futures import CancelledError
 
-    from cwm_plugin.store.queue import SaveQueue
+    from cwm_plugin.store.save_queue import SaveQueue
 
     q = SaveQueue(workers=1, depth=4)
     release = threading.Event()

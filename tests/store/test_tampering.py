@@ -23,8 +23,8 @@ import torch
 from window_helpers import BS, block, block_keys, converse
 
 from cwm_plugin.errors import RefusedBlob
-from cwm_plugin.store import codec, container
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.blob import codec, container
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows.engine import WindowEngine, WindowIncomplete
 
 G = bytes(range(16)) + b"\x00\x00"       # a namespace digest, TP rank 0

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from cwm_plugin.store.tiers.base import QuotaExceeded, Tier
-from cwm_plugin.store.tiers.disk import DiskTier
-from cwm_plugin.store.tiers.memory import MemoryTier
-from cwm_plugin.store.tiers.redis import RedisTier
+from cwm_plugin.store.tiers.disk.tier import DiskTier
+from cwm_plugin.store.tiers.ram.tier import RamTier
+from cwm_plugin.store.tiers.redis.tier import RedisTier
 
 G = b"N" * 16 + b"\x00\x01"          # one group
 
@@ -28,7 +28,7 @@ def bid(i: int) -> str:
 @pytest.fixture(params=["memory", "disk", "redis", "redis-cluster"])
 def tier(request, tmp_path) -> Iterator[Tier]:
     if request.param == "memory":
-        t: Tier = MemoryTier(1 << 20)
+        t: Tier = RamTier(1 << 20)
     elif request.param == "disk":
         t = DiskTier(tmp_path / "d", 1 << 20, rebuild_in_background=False)
     elif request.param == "redis":

@@ -10,9 +10,9 @@ import sqlite3
 import pytest
 
 from cwm_plugin.errors import StorageFull, TierUnavailable
-from cwm_plugin.store import codec
-from cwm_plugin.store.tiers.disk import DiskTier
-from cwm_plugin.store.tiers.memory import MemoryTier
+from cwm_plugin.store.blob import codec
+from cwm_plugin.store.tiers.disk.tier import DiskTier
+from cwm_plugin.store.tiers.ram.tier import RamTier
 
 pytestmark = pytest.mark.unit
 
@@ -32,7 +32,7 @@ def recording(tier):
 
 
 def test_memory_lru_reports_evictions_and_keeps_pins_out_of_the_lru():
-    m = MemoryTier(300)
+    m = RamTier(300)
     drops = recording(m)
     for i in range(3):
         assert m.put(bid(i), bytes(100), k(i))
@@ -46,7 +46,7 @@ def test_memory_lru_reports_evictions_and_keeps_pins_out_of_the_lru():
 
 def test_memory_refuses_before_evicting_when_pins_leave_no_room():
     # budget 300, 200 bytes pinned, 50 unpinned, put 150: refused, and the 50 stay mapped
-    m = MemoryTier(300)
+    m = RamTier(300)
     drops = recording(m)
     m.put(bid(1), bytes(200), k(1))
     m.pin_many([k(1)])
@@ -126,7 +126,7 @@ def test_disk_enospc_with_nothing_to_evict_is_storage_full(tmp_path, monkeypatch
 def blob_for(key: bytes, seed: int) -> tuple[str, bytes]:
     import torch
 
-    from cwm_plugin.store.hashing import blob_id_of
+    from cwm_plugin.store.blob.address import blob_id_of
     t = torch.randn(2, 8, generator=torch.Generator().manual_seed(seed))
     data = codec.encode(t, key=key, fingerprint="fp")
     return blob_id_of(data), data
@@ -168,7 +168,7 @@ def test_a_full_disk_at_open_leaves_the_index_alone_and_the_tier_unavailable(tmp
     """SQLite failing to write at open (a full disk, an I/O error) says nothing about the
     index: it used to be moved aside as damaged (every pin and link lost), and the second
     open failed the same way and took vLLM's start down."""
-    from cwm_plugin.store.tiers import disk_index
+    from cwm_plugin.store.tiers.disk import key_index as disk_index
 
     d = DiskTier(tmp_path, budget=1 << 20)
     b, data = blob_for(k(1), 1)

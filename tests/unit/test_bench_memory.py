@@ -1,5 +1,6 @@
 """bench/memory.py end to end on a tiny LoCoMo conversation (hashing vectors): it reads the
-data, replays the turns, and writes the keys the README and the issue rely on."""
+data, replays the turns, and writes the keys the README and the issue rely on; without
+``--data`` it measures on the generated conversations."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ import pytest
 
 pytestmark = pytest.mark.unit
 BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # (its ``_common``)
+    spec = importlib.util.spec_from_file_location("bench_memory", BENCH / "memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def test_the_memory_bench_reports_recall_and_the_ranked_lines(tmp_path, monkeypatch) -> None:
@@ -27,10 +36,7 @@ def test_the_memory_bench_reports_recall_and_the_ranked_lines(tmp_path, monkeypa
     data = tmp_path / "data"
     data.mkdir()
     (data / "1.json").write_text(json.dumps(conv))
-    monkeypatch.syspath_prepend(str(BENCH))  # (its ``_common``)
-    spec = importlib.util.spec_from_file_location("bench_memory", BENCH / "memory.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench(monkeypatch)
 
     out = tmp_path / "out.json"
     assert bench.main(["--data", str(data), "--json", str(out), "--embedder", "hashing",
@@ -43,3 +49,19 @@ def test_the_memory_bench_reports_recall_and_the_ranked_lines(tmp_path, monkeypa
                                           "top200": 1.0, "all": 1.0}
     assert got["by_category"]["hybrid"]["single-hop"]["questions"] == 1
     assert got["token_ratio"] > 0 and got["config"]["embedder"].startswith("hashing")
+
+
+def test_the_memory_bench_needs_no_data_folder(tmp_path, monkeypatch) -> None:
+    # Without --data it measures on the generated conversations (a small one here).
+    from cwm_plugin.testing.dialogues import generate
+
+    bench = load_bench(monkeypatch)
+    monkeypatch.setattr(bench, "default_conversations",
+                        lambda: tuple(generate(seed=1, conversations=1, sessions=(3, 3))))
+
+    out = tmp_path / "out.json"
+    assert bench.main(["--json", str(out), "--embedder", "hashing", "--skip-sim",
+                       "--root", str(tmp_path / "root")]) == 0
+    got = json.loads(out.read_text())
+    assert got["data"] == "generated" and got["questions"] >= 10
+    assert got["questions_skipped"] == 0 and got["hybrid"]["recall@4k"] >= 0.9

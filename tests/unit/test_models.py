@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -39,5 +40,22 @@ def test_the_cache_name_follows_the_training_text(monkeypatch):
     monkeypatch.setattr(models, "training_texts", lambda: iter(["another corpus"]))
     try:
         assert TINY.fingerprint() != before
+    finally:
+        models.corpus_digest.cache_clear()
+
+
+def test_the_model_is_the_same_whatever_lies_beside_the_checkout(tmp_path, monkeypatch):
+    # Its tokenizer trains on the generated conversations alone: a folder of other text
+    # beside the checkout (or pointed at) must not change what is built.
+    before = TINY.fingerprint()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "1.json").write_text(json.dumps({
+        "session_1_date_time": "1:00 pm on 8 May, 2023",
+        "session_1": [{"speaker": "Zed", "dia_id": "D1:1", "text": "other text"}]}))
+    monkeypatch.setenv("CWM_SHARED_DIR", str(tmp_path))
+    models.corpus_digest.cache_clear()
+    try:
+        assert TINY.fingerprint() == before
+        assert not any("Zed" in text for text in models.training_texts())
     finally:
         models.corpus_digest.cache_clear()

@@ -1,4 +1,5 @@
-"""The wheel installs everything under cwm_plugin/ and no generic top-level module."""
+"""The wheel installs cwm_plugin and cwm_kernels (from kernels/) and no other top-level
+module."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).parents[2]
 
 
-def test_wheel_has_only_the_cwm_plugin_package(tmp_path):
+def test_wheel_has_only_the_cwm_plugin_and_cwm_kernels_packages(tmp_path):
     # Build from a copy: setuptools leaves build/ and *.egg-info/ beside the sources it builds.
     src = tmp_path / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
@@ -24,11 +25,13 @@ def test_wheel_has_only_the_cwm_plugin_package(tmp_path):
     wheel = next(tmp_path.glob("cwm_plugin-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
-    assert tops == {"cwm_plugin", next(t for t in tops if t.endswith(".dist-info"))}, tops
-    assert "cwm_plugin/kernels/blocks.py" in names
-    # Every package folder in the source tree is in the wheel (pyproject lists them by hand).
-    for init in (ROOT / "cwm_plugin").rglob("__init__.py"):
-        rel = init.relative_to(ROOT).as_posix()
-        assert rel in names, f"{rel} is missing from the wheel: add it to pyproject's packages"
+    assert tops == {"cwm_plugin", "cwm_kernels",
+                    next(t for t in tops if t.endswith(".dist-info"))}, tops
+    assert "cwm_kernels/blocks.py" in names
+    # Every package folder in the source tree is in the wheel.
+    for package, base in (("cwm_plugin", ROOT), ("cwm_kernels", ROOT / "kernels")):
+        for init in (base / package).rglob("__init__.py"):
+            rel = init.relative_to(base).as_posix()
+            assert rel in names, f"{rel} is missing from the wheel"
     entry = [n for n in names if n.endswith("entry_points.txt")]
     assert entry and b"cwm = cwm_plugin.cli:main" in zipfile.ZipFile(wheel).read(entry[0])

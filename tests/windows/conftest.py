@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from window_helpers import BS, NS, WORKERS, block, converse, session_blocks
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, InvalidInput, NotFound
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.store.tiers.base import QuotaExceeded
 from cwm_plugin.windows import hashing
 from cwm_plugin.windows.engine import ModelMismatch, WindowEngine, WindowIncomplete
@@ -67,6 +67,23 @@ def test_move_session_rekeys_a_sessions_latest_context_to_another_salt(tmp_path)
         assert m.num_blocks == 4 and m.tokens == tokens
     finally:
         disk.close()
+
+
+def test_a_window_in_memory_and_on_disk_thaws_whole(tmp_path):
+    """Blocks a faster tier holds too are still on the durable one: all restorable."""
+    s = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=1 << 20),
+                registry=CollectorRegistry())
+    try:
+        converse(s, "s", 3 * BS)
+        eng = WindowEngine(s, wait_s=0)
+        eng.freeze("t1", "w", session="a", salt="s")
+        assert set(s.where_many([k for ks in eng.window_keys(eng.get("t1", "w"))
+                                 for k in ks])) == {"memory"}
+        assert eng.status("t1", "w")["restorable_blocks"] == 3
+        assert eng.thaw("t1", "w", session="b", salt="salt-b").restorable_tokens == 3 * BS
+        assert eng.clone("t1", "w", "w2").num_blocks == 3
+    finally:
+        s.close()
 
 
 def test_a_window_survives_its_session_being_evicted_and_clones_survive_the_parent(store):
@@ -161,7 +178,7 @@ def test_a_block_evicted_between_re_key_and_pin_refuses_the_freeze(store, monkey
 def test_an_eviction_never_takes_a_blob_pinned_after_it_was_chosen(tmp_path):
     """Eviction chooses its victims, then removes them: a pin committed in between (the
     sidecar freezing a window is another process) keeps its blob and keys."""
-    from cwm_plugin.store.tiers.disk import DiskTier
+    from cwm_plugin.store.tiers.disk.tier import DiskTier
 
     d = DiskTier(tmp_path, budget=1 << 20)
     for i in range(3):

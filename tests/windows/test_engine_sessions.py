@@ -13,7 +13,7 @@ from window_helpers import BS, converse, session_blocks
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, InvalidInput, NotFound
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.store.tiers.base import QuotaExceeded
 from cwm_plugin.windows.conversation import ConversationRecord, ConversationRecords
 from cwm_plugin.windows.engine import WindowEngine, WindowIncomplete

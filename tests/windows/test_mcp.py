@@ -14,7 +14,7 @@ import pytest
 from window_helpers import NS, WORKERS, converse
 
 from cwm_plugin.connector import records
-from cwm_plugin.sidecar.identity.authenticator import derive_salt
+from cwm_plugin.salts import derive_salt
 
 pytestmark = pytest.mark.unit
 SECRET = "ab" * 32
@@ -86,7 +86,7 @@ def _a_conversation(tmp_path, serve: bool = True) -> None:
     from prometheus_client import CollectorRegistry
 
     from cwm_plugin.store.config import StoreConfig
-    from cwm_plugin.store.tiered import KVStore
+    from cwm_plugin.store.kv_store import KVStore
 
     store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
                     registry=CollectorRegistry())
@@ -187,9 +187,9 @@ def test_the_context_window_managers_parameters_over_stdio_on_the_store(tmp_path
 def test_the_context_window_managers_parameters_over_stdio_through_a_running_sidecar(tmp_path):
     from cwm_plugin.sidecar.app import create_app
     from cwm_plugin.sidecar.identity.authenticator import hash_key
-    from cwm_plugin.sidecar.serving import ServerThread
     from cwm_plugin.sidecar.settings import Settings
     from cwm_plugin.testing.fake_upstream import FakeUpstream
+    from cwm_plugin.testing.server_thread import ServerThread
 
     _a_conversation(tmp_path)
     settings = Settings.model_validate({

@@ -9,12 +9,11 @@ from dataclasses import asdict
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from window_helpers import BS, NS, WORKERS, block, converse, session_blocks
+from window_helpers import BS, NS, block, converse, rewritten, serve, session_blocks
 
-from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.tiered import KVStore
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.portable import BadWindowFile, export_window, import_window
 
@@ -25,15 +24,6 @@ KEY = "11" * 32
 def open_store(path, **kw) -> KVStore:
     return KVStore(StoreConfig(disk_path=str(path), memory_bytes=0, **kw),
                    registry=CollectorRegistry())
-
-
-def serve(store: KVStore, namespace: dict, workers=WORKERS) -> None:
-    """What a vLLM with the connector leaves in its store: the namespace it serves."""
-    records.write_record(store, records.served_key(namespace["model"]),
-                         {"model": namespace["model"], "namespace": namespace,
-                          "workers": [list(w) for w in workers]},
-                         records.SERVED_LAYOUT, what="served")
-    store.flush()
 
 
 def keys_in(store: KVStore) -> int:
@@ -65,13 +55,18 @@ def test_export_import_thaw_restores_the_same_blocks(tmp_path, encrypted):
     b.close()
 
 
+def exported(store: KVStore, blocks: int) -> bytes:
+    """The export file of acme's window "trip" of ``blocks`` blocks frozen on ``store``."""
+    converse(store, "s", blocks * BS)
+    WindowEngine(store).freeze("acme", "trip", session="x", salt="s")
+    buf = io.BytesIO()
+    export_window(WindowEngine(store), "acme", "trip", buf)
+    return buf.getvalue()
+
+
 def test_damaged_truncated_and_foreign_files_are_refused_and_nothing_is_written(tmp_path):
     a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")
-    converse(a, "s", 3 * BS)
-    WindowEngine(a).freeze("acme", "trip", session="x", salt="s")
-    buf = io.BytesIO()
-    export_window(WindowEngine(a), "acme", "trip", buf)
-    good = buf.getvalue()
+    good = exported(a, 3)
     eng = WindowEngine(b)
     before = keys_in(b)
     with pytest.raises(BadWindowFile, match="no vLLM using this store serves model 'tiny'"):
@@ -109,23 +104,6 @@ def test_the_file_carries_what_a_window_needs_and_no_secret(tmp_path):
     assert not {"frozen_salt", "window_salt", "window_hashes", "tenant"} & set(man)
     assert len(checked.offsets) == 2 * 2          # two blocks, two TP ranks
     a.close()
-
-
-def rewritten(good: bytes, change) -> bytes:
-    """``good`` with its header changed by ``change(header)`` and its checksums made right
-    again: what a hostile tenant can post."""
-    import hashlib
-    import json
-    import struct
-
-    from cwm_plugin.windows.window_file import MAGIC
-    n = struct.unpack(">Q", good[len(MAGIC):len(MAGIC) + 8])[0]
-    start = len(MAGIC) + 8
-    header = json.loads(good[start:start + n])
-    change(header)
-    raw = json.dumps(header).encode()
-    body = MAGIC + struct.pack(">Q", len(raw)) + raw + good[start + n:-32]
-    return body + hashlib.sha256(body).digest()
 
 
 def test_a_hostile_file_never_chooses_where_its_keys_land(tmp_path):
@@ -166,5 +144,27 @@ def test_a_hostile_file_never_chooses_where_its_keys_land(tmp_path):
         assert keys_in(b) == before, what
     assert [m.name for m in eng.list("victim")[0]] == ["theirs"]
     eng.status("victim", "theirs")
+    a.close()
+    b.close()
+
+
+def test_a_sealed_blob_in_a_file_is_refused(tmp_path):
+    """An export holds plain blobs: one sealed (under any salt) is no export's."""
+    from cwm_plugin.store.blob import crypto
+    from cwm_plugin.windows.window_file import check_file, read_blob, write_file
+
+    a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")
+    src = io.BytesIO(exported(a, 2))
+    checked = check_file(src)
+    cipher = crypto.BlobCipher.derive(crypto.parse_master_key(KEY), "any")
+    blobs = [(e.worker, e.block, cipher.seal(read_blob(src, checked, i)) if i == 1
+              else read_blob(src, checked, i)) for i, e in enumerate(checked.header.blobs)]
+    forged = io.BytesIO()
+    write_file(forged, checked.header.manifest, iter(blobs))
+    serve(b, NS)
+    before = keys_in(b)
+    with pytest.raises(BadWindowFile, match="block 1 of the window file is sealed"):
+        import_window(WindowEngine(b), "acme", io.BytesIO(forged.getvalue()))
+    assert keys_in(b) == before
     a.close()
     b.close()

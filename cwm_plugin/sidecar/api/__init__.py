@@ -1,4 +1,4 @@
-"""The HTTP routes other than chat (``turn/chat.py``): one module a resource -- memory,
-activity, usage, windows and window files, relayed OpenAI routes (``relay.py``) -- plus the
-bounded body reader (``body.py``), OpenAI-shaped errors (``errors.py``) and the OpenAPI
-schema's request bodies (``schema.py``). Routes only translate HTTP into calls."""
+"""The HTTP routes: one module a resource -- chat (``chat.py``: one turn's flow), memory,
+activity, usage, windows and window files, relayed OpenAI routes (``relay.py``) -- and the
+OpenAPI schema's request bodies (``schema.py``); the bounded body reader and OpenAI-shaped
+errors are ``http/``'s. Routes only translate HTTP into calls."""

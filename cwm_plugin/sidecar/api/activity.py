@@ -8,8 +8,11 @@ the defaults of ``model`` and ``limit_tokens``); the session is the body's or
 ``X-Session-Id``, the project the body's or ``X-CWM-Project``; the context use, when the body
 gives none, is the session's last turn through this sidecar. ``GET /v1/activity?view=quick``
 (the last ``hours`` (24) hours, at most ``limit`` (10) entries) or ``view=full`` (every entry,
-oldest first, ``offset`` / ``limit`` (100) to page) answers entries and the chain's ``head``:
-the caller's own and, with ``activity.read: shared`` (the default), those of the principals
+oldest first, ``offset`` / ``limit`` (100) to page) answers entries, ``heads`` (the last hash
+of each chain it reads: a principal's entries, a tenant's and each of its users' apart, chain
+only among themselves, so no ``prev``, ``hash`` or head tells of another principal's entries)
+and ``head`` (the caller's own chain's). It reads
+the caller's own entries and, with ``activity.read: shared`` (the default), those of the principals
 whose namespace it may read (``identity/access.py``: providers each other's; a tenant only its own
 unless a rule grants more); ``own``: its own only; ``all``: every entry. A request acting for
 a user sees its principal's own entries and that user's, never another user's; one acting for
@@ -32,10 +35,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from cwm_plugin.activity.log import MAX_NAME, MAX_TEXT, ActivityLog, Entry
+from cwm_plugin.activity.log import GENESIS, MAX_NAME, MAX_TEXT, ActivityLog, Entry
 from cwm_plugin.errors import CWMError, InvalidInput
-from cwm_plugin.sidecar.api.errors import error_response
 from cwm_plugin.sidecar.api.schema import body_doc
+from cwm_plugin.sidecar.http.errors import error_response
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of, validate_session
 from cwm_plugin.sidecar.identity.caller import identity_of, model_body, principal_of
 from cwm_plugin.sidecar.settings import Settings
@@ -154,7 +157,7 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
             session = validate_session(session)
         used, limit = body.used_tokens, body.limit_tokens
         if used is None and limit is None and session is not None:
-            state = sidecar.tracker.peek(ident.folder, session)
+            state = sidecar.tracker.peek(owner_of(ident), session)
             if state is not None and state.last_prompt_tokens:
                 used, limit = state.last_prompt_tokens, state.last_limit
         if used is not None and limit is None:  # a provider's own context limit
@@ -170,7 +173,8 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
     async def read(request: Request, view: str = "quick", hours: float = 24.0,
                    limit: int | None = None, offset: int = 0) -> dict[str, Any]:
         act = need()
-        own = readable(caller(request, "read"))
+        ident = caller(request, "read")
+        own = readable(ident)
         if view not in ("quick", "full") or offset < 0 or hours <= 0 \
                 or not 0 < (limit or 1) <= 1000:
             raise InvalidInput("bad activity parameters",
@@ -183,9 +187,10 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
         else:
             entries, total = await asyncio.to_thread(act.page, offset=offset,
                                                      limit=limit or 100, principal=own)
+        heads = await asyncio.to_thread(act.heads, own)
         return {"object": "list", "view": view, "data": [e.public() for e in entries],
                 "total": total, "offset": offset if view == "full" else 0,
-                "head": await asyncio.to_thread(act.head)}
+                "head": heads.get(owner_of(ident), GENESIS), "heads": heads}
 
     async def refuse(request: Request) -> JSONResponse:
         return error_response(405, "the activity log is append-only: entries cannot be "

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cwm_plugin.memory.select import FACTS_HEADER, fact_line
+from cwm_plugin.memory.selection.select import FACTS_HEADER, fact_line
 
 VIEWS = ("quick", "full")
 

@@ -21,12 +21,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from cwm_plugin.sidecar.api.body import require_model
-from cwm_plugin.sidecar.api.errors import ModelNotFound, upstream_error_response
+from cwm_plugin.sidecar.api.chat import SSE_HEADERS, route_headers
+from cwm_plugin.sidecar.http.body import require_model
+from cwm_plugin.sidecar.http.errors import ModelNotFound, upstream_error_response
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
 from cwm_plugin.sidecar.identity.caller import identity_of, json_body
 from cwm_plugin.sidecar.runtime import Sidecar
-from cwm_plugin.sidecar.turn.chat import SSE_HEADERS, route_headers
 from cwm_plugin.sidecar.upstream.client import headers_down, headers_up
 from cwm_plugin.sidecar.upstream.endpoints import Route
 from cwm_plugin.sidecar.upstream.stream import Collected, ask_usage, relay_sse

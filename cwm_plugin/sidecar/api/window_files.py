@@ -3,11 +3,12 @@
 ``GET /v1/windows/{name}/export`` answers the window's export file
 (``application/octet-stream``); ``POST /v1/windows/import[?name=]`` takes one as the raw body,
 at most ``windows.max_import_bytes`` (413 past it; at most ``windows.imports_per_tenant`` of a
-tenant's and ``windows.imports_at_once`` of everyone's under way, else 429 at once), spooled to
-a temporary file (not kept in memory), checked whole before anything is written (a damaged file or one for another model is
-a 400 and the store is unchanged). Both authenticate before reading or writing a byte, and
-need read (export) or write (import) access to the caller's home namespace; windows are the
-caller's (its tenant's, or its user's).
+tenant's and ``windows.imports_at_once`` of everyone's under way, else 429 at once), spooled
+to a temporary file (not kept in memory), checked whole before anything is written (a damaged, forged or unsigned file -- with
+``windows.export_key`` the server signs its exports and takes only files signed under it -- or
+one for another model is a 400 ``bad_window_file`` and the store is unchanged). Both
+authenticate before reading or writing a byte, and need read (export) or write (import) access
+to the caller's home namespace; windows are the caller's (its tenant's, or its user's).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from cwm_plugin.sidecar.api.errors import BodyTooLarge
 from cwm_plugin.sidecar.api.schema import body_doc
+from cwm_plugin.sidecar.http.errors import BodyTooLarge
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
 from cwm_plugin.sidecar.identity.ratelimit import Slots
 from cwm_plugin.windows.model import check_name

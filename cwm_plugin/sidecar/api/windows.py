@@ -17,7 +17,9 @@ Every route authenticates the key before it reads a body (the app's dependency,
 ``caller.py``), reads at most the route's limit (413) and asks the caller's permissions (``identity/access.py``): reads need read access to its home
 namespace, changes write access; ``/v1/cache/stats`` needs the ``metrics`` grant and
 ``POST /v1/auto_freeze`` the ``admin`` grant. Windows belong to the caller's home namespace: a
-tenant's, or a user's inside it (``X-CWM-User``), and no other namespace sees them. Sessions
+tenant's, or a user's inside it (``X-CWM-User``), and no other namespace sees them (a user's
+count toward the tenant's quota; after a secret rotation a user's windows move to its newest
+name before the route runs: ``salt_move.py``). Sessions
 map to their ``cache_salt`` as in chat requests, so a thaw into session S restores S's next
 request. Errors are OpenAI-shaped (the app's handler). The engine is blocking (store I/O): it
 runs in a worker thread.
@@ -32,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from cwm_plugin.errors import CWMError, InvalidInput, UpstreamError
@@ -138,7 +140,12 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
                    auto: AutoFreeze | None) -> APIRouter:
     """The routes over ``sidecar`` (its auth, upstream and context tracker); ``engine`` None:
     windows are not configured (503)."""
-    router = APIRouter(prefix="/v1")
+    async def follow_rotation(request: Request) -> None:
+        """After a secret rotation, the caller's windows first move to its newest name."""
+        if sidecar.salt_mover is not None:
+            await sidecar.salt_mover.move_windows(identity_of(request))
+
+    router = APIRouter(prefix="/v1", dependencies=[Depends(follow_rotation)])
     auth = sidecar.auth
     settings = sidecar.settings
     pool = ThreadPoolExecutor(WINDOW_THREADS, thread_name_prefix="cwm-windows")
@@ -190,7 +197,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         salt = auth.session_salt(ident, session)
         r = await run(lambda e: e.thaw(owner_of(ident), check_name(name), session=session,
                                        salt=salt, model=body.model))
-        sidecar.tracker.get(ident.folder, session).adopt(r.prompt)  # its next turn
+        sidecar.tracker.get(owner_of(ident), session).adopt(r.prompt)  # its next turn
         if body.warm:
             r.warm = await warm_up(sidecar, r.token_ids, salt, body.model or r.model or None)
             usage = r.warm.pop("usage", None)  # the caller's tokens, like any request's
@@ -251,7 +258,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     async def sessions(request: Request) -> dict[str, Any]:
         """The caller's sessions the sidecar saw since it started and those with windows."""
         ident = caller(request)
-        seen = set(sidecar.tracker.sessions(ident.folder))
+        seen = set(sidecar.tracker.sessions(owner_of(ident)))
         windows: dict[str, int] = {}
         if engine is not None:
             for m in (await run(lambda e: e.list(owner_of(ident), limit=100_000)))[0]:
@@ -265,7 +272,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         ident = caller(request, "write")
         session = session_of(session)
         n = await run(lambda e: e.clear_session(auth.session_salt(ident, session)))
-        state = sidecar.tracker.peek(ident.folder, session)
+        state = sidecar.tracker.peek(owner_of(ident), session)
         if state is not None:  # its prompt state goes with its KV
             state.pinned, state.compaction = None, None
         return {"object": "session.kv.deleted", "session": session, "keys_deleted": n,
@@ -296,7 +303,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         session = session_of(body.session)
         used = body.used_tokens
         if used is None:
-            used = sidecar.tracker.get(ident.folder, session).last_prompt_tokens
+            used = sidecar.tracker.get(owner_of(ident), session).last_prompt_tokens
         limit = body.max_tokens
         if limit is None:  # the context limit of the upstream serving the model
             try:

@@ -22,8 +22,8 @@ the transcript, so a dropped or merged job loses nothing:
   retry, then the batch is refused, counted, and skipped). With ``structured_facts`` the
   request carries the JSON schema (vLLM's structured outputs), so even a small model answers
   valid JSON; an answer cut off at ``background_max_tokens`` can still fail and is handled the
-  same way. Each fact is merged (added, duplicate, or replacing a known one: ``factstore.py``)
-  with its source (session and turns).
+  same way. Each fact is merged (added, duplicate, or replacing a known one:
+  ``memory/service/facts_file.py``) with its source (session and turns).
 
 This work runs under a salt of its own (``identity.background_salt``) and asks the connector
 not to store it (``kv_transfer_params``: ``store: false``), so it never replaces the session's
@@ -40,12 +40,12 @@ import logging
 from typing import Any
 
 from cwm_plugin.errors import CWMError, InvalidInput
-from cwm_plugin.memory.details import with_details
+from cwm_plugin.memory.service.details import with_details
+from cwm_plugin.memory.settings import MemorySettings
+from cwm_plugin.salts import background_salt
 from cwm_plugin.sidecar.background import prompts as llm_prompts
 from cwm_plugin.sidecar.background.queue import Job
-from cwm_plugin.sidecar.identity.authenticator import background_salt
 from cwm_plugin.sidecar.metrics import SidecarMetrics
-from cwm_plugin.sidecar.settings import MemorySettings
 from cwm_plugin.sidecar.turn.memory_port import MemoryPort
 from cwm_plugin.sidecar.turn.session import SessionState, SnapshotHook, call_hook
 from cwm_plugin.sidecar.upstream.router import Router, UpstreamRejected

@@ -1,8 +1,8 @@
 """The messages the sidecar sends the model for its own work (summaries, fact extraction).
 
 The prompt texts and the strict fact parser belong to the memory package
-(``cwm_plugin.memory.facts``); this module only turns them into chat messages, and falls back to
-short built-in prompts if the memory package names them differently.
+(``cwm_plugin.memory.service.facts``); this module only turns them into chat messages, and
+falls back to short built-in prompts if the memory package names them differently.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ RETRY_NOTE = (
 
 @cache
 def _facts() -> ModuleType:
-    return importlib.import_module("cwm_plugin.memory.facts")
+    return importlib.import_module("cwm_plugin.memory.service.facts")
 
 
 def _prompt(*names: str, default: str) -> str:

@@ -3,9 +3,15 @@ for, its home namespace (``access.py``), and the session's ``cache_salt``.
 
 * Keys are stored as sha256 hex digests and compared with :func:`hmac.compare_digest` against
   every configured digest (no early exit, so timing does not tell which tenant came close).
-* The user is the ``X-CWM-User`` header, else the request's ``user`` field (any string up to
-  1024 characters); a request naming one keeps its memory in that user's namespace (folder
-  ``u-`` + the HMAC below), which only requests for the same user ever read.
+* The user a request acts for is resolved here and only here (:meth:`Authenticator.identify`),
+  so every route -- chat, relays, memory, windows, activity, usage -- obeys one rule: a key in
+  its principal's ``user_keys`` acts for its own user (a request naming another is a 403); a
+  principal's own key acts for the user the request names -- the ``X-CWM-User`` header, else
+  its ``user`` field (any string up to 1024 characters) -- when the principal has
+  ``users: any`` (the default: its app vouches for its users), and for none with
+  ``users: none`` (naming one is a 403 that says what to configure). A request acting for a
+  user keeps its memory in that user's namespace (folder ``u-`` + the HMAC below), which only
+  requests for the same user ever read.
 * The session comes from the ``X-Session-Id`` header, else the user (below), else
   there is none: the request is *stateless* (nothing recorded, no server-side history; its
   salt is the tenant's, HMAC(secret, tenant + NUL)), unless ``prompt.sessionless: shared`` puts
@@ -15,7 +21,7 @@ for, its home namespace (``access.py``), and the session's ``cache_salt``.
   non-empty ``user`` string is mapped to ``u-`` + 32 hex digits of HMAC-SHA256(server secret,
   "user" NUL tenant NUL user) (the "user" label keeps it apart from the salts; the newest
   secret version's, a name from an older one in its grace period is moved to it, see
-  ``secret_versions.py``): stable, safe
+  ``settings/secret_versions.py``): stable, safe
   as a file name, and it does not reveal the user (a plain hash of an address could be
   reversed by guessing).
 * ``cache_salt`` (:func:`derive_salt`, 64 hex digits: stable for a session, unguessable
@@ -42,12 +48,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cwm_plugin.errors import Forbidden, InvalidInput
-from cwm_plugin.sidecar.identity.access import Permissions
-from cwm_plugin.sidecar.identity.secret_versions import Locate
+from cwm_plugin.salts import derive_salt
+from cwm_plugin.sidecar.identity.access import PermissionDenied, Permissions
 from cwm_plugin.sidecar.settings import ProviderConfig, TenantConfig
 from cwm_plugin.sidecar.settings.access import AccessSettings
+from cwm_plugin.sidecar.settings.secret_versions import Locate
 
-# The memory package stores a session as a file: the same rule as cwm_plugin.memory.names.
+# The memory package stores a session as a file: the same rule as cwm_plugin.memory.files.names.
 SESSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_SESSION = "default"
 USER_HEADER = "x-cwm-user"
@@ -68,7 +75,7 @@ class Identity:
     session: str | None  # None: a stateless request
     cache_salt: str
     allow_client_cache_salt: bool = False
-    user: str | None = None  # as the client sent it (never logged)
+    user: str | None = None  # as the client named it, or its key's (never logged)
     users_share_kv: bool = False  # the tenant's: the user is not part of the salt
     sessionless: bool = False  # it named neither session nor user (identify)
     namespace: str = ""  # the home namespace's name: <principal> or <principal>/user
@@ -91,29 +98,6 @@ def owner_of(ident: Identity) -> str:
 def hash_key(api_key: str) -> str:
     """The sha256 hex digest stored in the config for ``api_key``."""
     return hashlib.sha256(api_key.encode()).hexdigest()
-
-
-def derive_salt(secret: bytes, tenant: str, session: str, uid: str | None = None) -> str:
-    """A session's ``cache_salt``; ``uid``: its user's ``u-`` name under the same secret (see
-    the module docstring)."""
-    msg = f"{tenant}\x00{session}" if uid is None else \
-        f"kv-user\x00{tenant}\x00{session}\x00{uid}"
-    return hmac.new(secret, msg.encode(), hashlib.sha256).hexdigest()
-
-
-def owner_salt(owner: str, session: str) -> tuple[str, str, str | None]:
-    """:func:`derive_salt`'s (tenant, session, uid) for a session of a windows owner (a tenant,
-    or ``tenant/u-...``: a user's, see :func:`owner_of`), for tools that have the store and the
-    secret but no request (``cwm window --store``)."""
-    tenant, _, uid = owner.partition("/")
-    return tenant, session, uid or None
-
-
-def background_salt(salt: str) -> str:
-    """The salt of the sidecar's own work for a session (summaries, fact extraction): derived
-    from the session's (as unguessable), never equal to it, so that work never shares the
-    session's prefix cache, stored KV or context records (a window is the conversation)."""
-    return hmac.new(salt.encode(), b"cwm-background", hashlib.sha256).hexdigest()
 
 
 def validate_session(name: str) -> str:
@@ -143,9 +127,12 @@ class Authenticator:
                  access: AccessSettings | None = None, previous: list[bytes] | None = None,
                  locate: Locate | None = None) -> None:
         """``secret``: the newest version; ``previous``: older ones still in their grace
-        period, whose user names ``locate`` moves to the newest's (``secret_versions.py``)."""
+        period, whose user names ``locate`` moves to the newest's
+        (``settings/secret_versions.py``)."""
         providers = providers or []
-        self._entries = [(h.encode(), t) for t in [*tenants, *providers] for h in t.key_sha256]
+        keys = [(h, t, user) for t in [*tenants, *providers] for h, user in t.digests()]
+        self._entries = [(h.encode(), t) for h, t, _ in keys]
+        self._key_user = {h: user for h, _, user in keys if user is not None}
         self._secret = secret
         self._previous = list(previous or [])
         self._locate = locate
@@ -178,6 +165,7 @@ class Authenticator:
             user = body["user"]
         if user is not None and (not isinstance(user, str) or not user or len(user) > 1024):
             raise InvalidInput("`user` must be a non-empty string of at most 1024 characters")
+        user = self._acting_for(tenant, headers, user)
         sessionless = not session and user is None
         if not session and user is not None:
             session = self.user_folder(tenant.name, user)
@@ -192,6 +180,29 @@ class Authenticator:
                          namespace=home.name, folder=home.folder or tenant.name)
         object.__setattr__(ident, "cache_salt", self.session_salt(ident, session or ""))
         return ident
+
+    def _acting_for(self, tenant: TenantConfig, headers: Mapping[str, str],
+                    named: str | None) -> str | None:
+        """The user the request acts for: its key's own (a user key), else the one it names
+        where ``tenant`` lets its keys act for users (see the module docstring)."""
+        key = bearer_key(headers)
+        bound = self._key_user.get(hash_key(key)) if key else None
+        if bound is not None:
+            if named is not None and named != bound:
+                raise PermissionDenied(
+                    f"this key of principal `{tenant.name}` acts for its own user only, and "
+                    "the request names another",
+                    hint="leave X-CWM-User and `user` out (or name the key's own user), or use "
+                         "a key of the principal that may act for users")
+            return bound
+        if named is not None and tenant.users == "none":
+            raise PermissionDenied(
+                f"the keys of principal `{tenant.name}` act for no user (users: none), and "
+                "the request names one (X-CWM-User or `user`)",
+                hint=f"leave the user out; or give the user a key of its own under "
+                     f"user_keys of `{tenant.name}`, or set `users: any` on `{tenant.name}` "
+                     "in the sidecar config (its app vouches for every user it names)")
+        return named
 
     def _uid(self, identity: Identity, secret: bytes) -> str | None:
         """The user's part of the caller's salts under ``secret`` (None: not per user)."""

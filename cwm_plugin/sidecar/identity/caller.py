@@ -25,8 +25,8 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.sidecar.api.body import read_json_body
-from cwm_plugin.sidecar.api.errors import BodyTooLarge
+from cwm_plugin.sidecar.http.body import read_json_body
+from cwm_plugin.sidecar.http.errors import BodyTooLarge
 from cwm_plugin.sidecar.identity.authenticator import Identity, Unauthorized, bearer_key
 from cwm_plugin.sidecar.settings import TenantConfig
 

@@ -2,7 +2,9 @@
 
 Tenants carry only the sha256 of their API keys. The server secret that derives every
 ``cache_salt`` comes from the file or, better, from an environment variable named in it; it is
-kept in a ``SecretStr`` so that it never shows in a repr or a log line.
+kept in a ``SecretStr`` so that it never shows in a repr or a log line. The sections other
+packages own (``memory``, ``activity``, ``windows``) are their models, composed here; the file
+is read and checked by :mod:`cwm_plugin.config_file`, which their CLIs use for their section.
 """
 
 from __future__ import annotations
@@ -13,28 +15,29 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     Field,
     SecretStr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
+from cwm_plugin.activity.settings import ActivitySettings
+from cwm_plugin.config_file import Strict as _Strict
+from cwm_plugin.config_file import read_mapping, validate
 from cwm_plugin.errors import ConfigError
-from cwm_plugin.sidecar.identity.secret_versions import SecretVersion, in_grace
-from cwm_plugin.sidecar.settings.access import AccessSettings
+from cwm_plugin.memory.settings import MemorySettings
+from cwm_plugin.sidecar.settings.access import AccessSettings, UserKey, key_digests
 from cwm_plugin.sidecar.settings.limits import RateLimitSettings, ServerSettings, check_rate
 from cwm_plugin.sidecar.settings.routing import DEFAULT_RULES as DEFAULT_RULES
 from cwm_plugin.sidecar.settings.routing import NAME as NAME
 from cwm_plugin.sidecar.settings.routing import UPSTREAM_OWN, RoutingSettings
 from cwm_plugin.sidecar.settings.routing import HealthSettings as HealthSettings
 from cwm_plugin.sidecar.settings.routing import RouteRule as RouteRule
-from cwm_plugin.sidecar.settings.routing import Strict as _Strict
 from cwm_plugin.sidecar.settings.routing import UpstreamConfig as UpstreamConfig
-
-SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+from cwm_plugin.sidecar.settings.secret_versions import SecretVersion, in_grace
+from cwm_plugin.sidecar.settings.sessions import SessionSettings
+from cwm_plugin.windows.settings import WindowsSettings
 
 
 class TenantConfig(_Strict):
@@ -42,8 +45,11 @@ class TenantConfig(_Strict):
     it shares: ``users_share_kv`` (requests of different users naming one session share its
     KV and prefix cache; default: the user is part of the salt), ``stateless_memory`` (a
     request naming neither session nor user gets memory selected from the tenant's; default:
-    none, since one key often serves many people). Its own ``rate_limit`` / ``token_quota``
-    (``settings/limits.py``) replace ``rate_limits``' defaults."""
+    none, since one key often serves many people). ``users``: whether its keys may act for
+    the user a request names (``any``: its app vouches for its users; ``none``: naming one is
+    refused); ``user_keys``: keys each bound to one user (``settings/access.py``). Its own
+    ``rate_limit`` / ``token_quota`` (``settings/limits.py``) replace ``rate_limits``'
+    defaults."""
 
     name: str
     key_sha256: list[str] = Field(min_length=1)
@@ -51,6 +57,8 @@ class TenantConfig(_Strict):
     history: Literal["full", "recent"] | None = None  # None: prompt.history
     users_share_kv: bool = False
     stateless_memory: bool = False
+    users: Literal["any", "none"] = "any"  # may its keys act for a user a request names?
+    user_keys: list[UserKey] = Field(default_factory=list)  # keys each bound to one user
     rate_limit: str | None = None  # None: rate_limits.rate_limit
     token_quota: str | None = None  # None: rate_limits.token_quota
 
@@ -69,11 +77,12 @@ class TenantConfig(_Strict):
     @field_validator("key_sha256")
     @classmethod
     def _hashes(cls, v: list[str]) -> list[str]:
-        out = [h.strip().lower() for h in v]
-        for h in out:
-            if not SHA256_HEX.match(h):
-                raise ValueError("key_sha256 entries must be 64 hex digits (sha256 of the key)")
-        return out
+        return key_digests(v)
+
+    def digests(self) -> list[tuple[str, str | None]]:
+        """Every key's digest with the user it is bound to (None: a key of the principal)."""
+        return [(h, None) for h in self.key_sha256] + \
+            [(h, k.user) for k in self.user_keys for h in k.key_sha256]
 
 
 class ProviderConfig(TenantConfig):
@@ -107,86 +116,6 @@ class PricingSettings(_Strict):
 
     def for_model(self, model: str) -> Price:
         return self.models.get(model, self.default)
-
-
-class ActivitySettings(_Strict):
-    """The append-only activity log (``cwm_plugin/activity``): ``POST|GET /v1/activity``.
-    ``log_turns`` appends one line a chat turn (its first ``turn_preview_chars`` characters of
-    question and answer; 0: none). ``read``: ``shared`` (a principal reads its own entries
-    and those of the principals whose namespace it may read: by default providers each
-    other's, a tenant only its own; ``access.rules`` grant more), ``own`` (only its own) or
-    ``all`` (every principal reads the whole log)."""
-
-    root: Path = Path("./cwm-activity")
-    log_turns: bool = False
-    turn_preview_chars: int = Field(default=120, ge=0, le=500)
-    read: Literal["shared", "own", "all"] = "shared"
-
-
-class EmbedderConfig(_Strict):
-    """``local`` (MiniLM, offline), ``openai`` (an embeddings endpoint; its API key, if any, in
-    ``$CWM_EMBEDDINGS_API_KEY``) or ``hashing`` (tests)."""
-
-    kind: Literal["local", "openai", "hashing"] = "local"
-    url: str | None = None
-    model: str | None = None
-    dims: int = 384
-    threads: int | None = Field(default=1, ge=1)  # local: torch threads (None: every core)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # local: the model's precision
-
-
-class SearchSettings(_Strict):
-    """Hybrid search (see ``cwm_plugin/memory/search.py`` for what each one does)."""
-
-    bm25_weight: float = Field(default=0.5, ge=0)
-    vector_weight: float = Field(default=0.5, ge=0)
-    chunk_vector_weight: float = Field(default=1.0, ge=0)  # chunk centroid's cosine, vector score
-    candidate_multiplier: int = Field(default=4, ge=1)
-    mmr_lambda: float | None = Field(default=None, ge=0, le=1)  # None: no MMR re-ranking
-    recency_half_life_days: float | None = Field(default=None, gt=0)  # None: no decay
-    max_facts: int = Field(default=8, ge=0)  # durable memories offered to a selection
-    # what a selection packs (cwm_plugin/memory/turns.py, pack.py): the best lines or chunks
-    retrieval_unit: Literal["turn", "chunk"] = "turn"
-    turn_neighbours: int = Field(default=0, ge=0, le=3)  # lines around each line taken
-    context_bm25_weight: float = Field(default=0.5, ge=0)  # BM25 of a line with its neighbours
-    chunk_prior_weight: float = Field(default=0.5, ge=0)  # the best chunk's score, per line
-    speaker_weight: float = Field(default=0.2, ge=0)  # the query names the line's speaker
-    date_weight: float = Field(default=0.2, ge=0)  # the query names the line's day or month
-
-    @model_validator(mode="after")
-    def _some_weight(self) -> SearchSettings:
-        if self.bm25_weight + self.vector_weight <= 0:
-            raise ValueError("bm25_weight + vector_weight must be > 0")
-        return self
-
-
-class MemorySettings(_Strict):
-    """The memory package's settings plus what the sidecar decides about them."""
-
-    root: Path = Path("./cwm-memory")
-    # Counts chunk sizes in the index (any local tokenizer; part of the saved index's identity).
-    index_tokenizer: str = "tiktoken:cl100k_base"
-    # Counts budgets and prompts: the served model's tokenizer (see cwm_plugin.sidecar.turn.counting).
-    tokenizer: str = "auto"
-    tokenizers: dict[str, str] = Field(default_factory=dict)  # per served model name
-    embedder: EmbedderConfig = EmbedderConfig()
-    search: SearchSettings = SearchSettings()
-    budget_tokens: int = Field(default=1024, ge=0)
-    budget_fraction: float = Field(default=0.25, gt=0, le=1)  # of max_model_len, the smaller wins
-    recent_turns: int = Field(default=6, ge=0)
-    chunk_tokens: int = Field(default=400, ge=16)
-    chunk_overlap: int = Field(default=80, ge=0)
-    vector_context_lines: int = Field(default=1, ge=0, le=1)  # the line before as context ...
-    vector_context_mode: Literal["pair", "mix"] = "mix"  # ... embedded with it, or mixed in
-    summary_every_turns: int = Field(default=8, ge=0)  # 0: never
-    extract_facts: bool = True
-    facts_every_turns: int = Field(default=4, ge=1)  # one extraction covers this many turns
-    structured_facts: bool = True  # ask vLLM for schema-constrained JSON (structured outputs)
-    background_max_tokens: int = 256
-    background_queue_limit: int = Field(default=64, ge=1)  # sessions with work waiting
-    background_workers: int = Field(default=1, ge=1)  # model calls for background work at once
-    warm_on_start: bool = True  # load every tenant's index when the app starts
-    sync_interval_s: float = Field(default=1.0, ge=0)  # look for other writers (background)
 
 
 class PromptSettings(_Strict):
@@ -235,34 +164,13 @@ class CheckpointConfig(_Strict):
         return self.models.get(model, self.default)
 
 
-class WindowsSettings(_Strict):
-    """Context windows (``/v1/windows``): the KV store vLLM's connector writes (its
-    ``kv_connector_extra_config.store``: the same disk path and/or Redis), and auto-freeze."""
-
-    store: dict[str, Any] = Field(default_factory=dict)   # StoreConfig fields
-    wait_s: float = Field(default=30.0, ge=0)   # a freeze waits this long for pending saves
-    # ... of which this long for write-behind, before copying a block a durable tier lacks
-    settle_s: float = Field(default=3.0, ge=0)
-    auto_freeze: bool = True                    # freeze for real at the checkpoint threshold
-    auto_freeze_cooldown_s: float = Field(default=600.0, ge=0)
-    auto_keep: int = Field(default=3, ge=1)     # auto-checkpoint windows kept per session
-    keep_turns: int = Field(default=8, ge=1, le=256)  # client turns a session can freeze
-    # the client's messages travel with a window up to this size (JSON), else they are left out
-    max_message_bytes: int = Field(default=1 << 20, ge=0)
-    tenant_quota_bytes: int | None = Field(default=None, ge=0)  # blob bytes a tenant may pin
-    max_ttl_s: float | None = Field(default=None, gt=0)  # windows' longest TTL (None: any)
-    max_import_bytes: int = Field(default=1 << 30, ge=1024)  # an imported window file's size
-    imports_per_tenant: int = Field(default=1, ge=1)  # window imports of one tenant at once
-    imports_at_once: int = Field(default=2, ge=1)  # ... and of everyone (each spools to disk)
-
-
 class Settings(_Strict):
     """Everything ``create_app`` needs."""
 
     secret: SecretStr | None = None
     secret_env: str = "CWM_SIDECAR_SECRET"
     secrets: list[SecretVersion] = Field(default_factory=list)  # newest first; see
-    # identity/secret_versions.py (empty: `secret` / `secret_env` is the one version)
+    # settings/secret_versions.py (empty: `secret` / `secret_env` is the one version)
     tenants: list[TenantConfig] = Field(default_factory=list)
     providers: list[ProviderConfig] = Field(default_factory=list)
     access: AccessSettings = AccessSettings()
@@ -274,6 +182,7 @@ class Settings(_Strict):
     memory: MemorySettings = MemorySettings()
     checkpoint: CheckpointConfig = CheckpointConfig()
     prompt: PromptSettings = PromptSettings()
+    sessions: SessionSettings = SessionSettings()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # a route's own limit, by its path as the API lists it ("/v1/memory/turns": 1048576)
     max_body_bytes_by_route: dict[str, int] = Field(default_factory=dict)
@@ -313,6 +222,17 @@ class Settings(_Strict):
             if who not in known:
                 raise ValueError(f"access: principal {who!r} is not a tenant or provider "
                                  f"(known: {', '.join(sorted(names)) or 'none'})")
+        seen: set[str] = set()
+        for digest in (h for t in self.principals() for h, _ in t.digests()):
+            if digest in seen:
+                raise ValueError(f"the key with sha256 {digest[:12]}... is listed twice: a "
+                                 "key belongs to one principal and at most one of its users")
+            seen.add(digest)
+        if self.session_share() * len(names) > self.sessions.max_tracked:
+            raise ValueError(
+                f"sessions: {len(names)} principals x tenant_share {self.session_share()} is "
+                f"over max_tracked ({self.sessions.max_tracked}): raise sessions.max_tracked "
+                "or lower sessions.tenant_share")
         ids = [v.id for v in self.secrets]
         if len(ids) != len(set(ids)):
             raise ValueError("secret ids must be unique")
@@ -324,6 +244,11 @@ class Settings(_Strict):
     def principals(self) -> list[TenantConfig]:
         """Every principal: the tenants, then the providers."""
         return [*self.tenants, *self.providers]
+
+    def session_share(self) -> int:
+        """The tracked sessions each principal is sure of (``SessionSettings``)."""
+        return self.sessions.tenant_share or \
+            max(1, self.sessions.max_tracked // max(1, len(self.principals())))
 
     def context_limit(self, principal: str, upstream: int | None) -> int | None:
         """The context a principal's prompts must fit: the upstream's limit, or a provider's
@@ -350,7 +275,7 @@ class Settings(_Strict):
         return self.server_secrets()[0]
 
     def server_secrets(self, now: datetime | None = None) -> list[bytes]:
-        """Every version still in its grace period, newest first (``identity/secret_versions.py``)."""
+        """Every version still in its grace period, newest first (``secret_versions.py``)."""
         if self.secrets:
             return in_grace(self.secrets, now)
         value = self.secret.get_secret_value() if self.secret else os.environ.get(self.secret_env)
@@ -365,25 +290,10 @@ class Settings(_Strict):
 def load_settings(path: str | os.PathLike[str], **overrides: object) -> Settings:
     """Read and validate a YAML settings file; ``overrides`` replace top-level keys."""
     p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read {p}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p} is not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{p} must hold a mapping at the top level")
+    raw = read_mapping(p)
     raw.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        settings = Settings.model_validate(raw)
-    except ValidationError as exc:
-        # Never echo inputs: a misplaced secret must not end up in a log line.
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
-                             for e in exc.errors(include_input=False))
-        raise ConfigError(f"{p}: {problems}") from None
-    root = settings.memory.root
-    if not root.is_absolute():
-        settings.memory.root = (p.parent / root).resolve()
-    if settings.activity is not None and not settings.activity.root.is_absolute():
-        settings.activity.root = (p.parent / settings.activity.root).resolve()
+    settings = validate(Settings, raw, p)
+    settings.memory.resolve_root(p)
+    if settings.activity is not None:
+        settings.activity.resolve_root(p)
     return settings

@@ -11,6 +11,12 @@ provider RO on the other providers' (and, for the same user, their users'); a te
 on any other principal's; ``global`` RW for ``global_owner``, RO for the rest; projects none;
 the activity log APPEND for all. ``rules`` come first, in order, the first match wins
 (``principal``: a name or ``*``; ``namespace``: a name or a shell pattern, ``project:*``).
+
+Who a key acts for (``identity/authenticator.py``): a principal's own keys (``key_sha256``) act
+for the user a request names (``X-CWM-User``, else its ``user``) with ``users: any`` (the
+default: the principal's app vouches for its users) and for none with ``users: none`` (naming
+one is a 403); a key in ``user_keys`` (:class:`UserKey`) acts for its one user whatever the
+request names (naming another is a 403).
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from cwm_plugin.sidecar.settings.routing import Strict
+from cwm_plugin.config_file import Strict
 
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 GRANTS = ("debug", "metrics", "admin")
 Grant = Literal["debug", "metrics", "admin"]
 NAMESPACE = re.compile(r"^(global|activity|project:[A-Za-z0-9][A-Za-z0-9_.-]{0,55}"
@@ -47,6 +54,28 @@ OPS_ALLOWED: dict[Access, tuple[str, ...]] = {
     Access.NONE: (), Access.RO: ("read",), Access.APPEND: ("read", "append"),
     Access.RW: OPS,
 }
+
+
+def key_digests(v: list[str]) -> list[str]:
+    """API keys' sha256 hex digests, normalised (ValueError for one that is not a digest)."""
+    out = [h.strip().lower() for h in v]
+    for h in out:
+        if not SHA256_HEX.match(h):
+            raise ValueError("key_sha256 entries must be 64 hex digits (sha256 of the key)")
+    return out
+
+
+class UserKey(Strict):
+    """Keys bound to one user of their principal: a request with one acts for ``user`` (the
+    same user a principal key naming it reaches: its memory, windows, activity, usage)."""
+
+    user: str = Field(min_length=1, max_length=1024)
+    key_sha256: list[str] = Field(min_length=1)
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _digests(cls, v: list[str]) -> list[str]:
+        return key_digests(v)
 
 
 class AccessRule(Strict):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from cwm_plugin.sidecar.settings.routing import Strict
+from cwm_plugin.config_file import Strict
 
 NO_LIMIT = "none"
 

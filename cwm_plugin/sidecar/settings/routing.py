@@ -7,15 +7,11 @@ from __future__ import annotations
 import os
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
+
+from cwm_plugin.config_file import Strict
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-class Strict(BaseModel):
-    """A settings model that refuses unknown keys (a typo is an error, never ignored)."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 class RouteRule(Strict):

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cwm_plugin.memory.history import window
-from cwm_plugin.sidecar.settings import MemorySettings
+from cwm_plugin.memory.selection.history import window
+from cwm_plugin.memory.settings import MemorySettings
 
 DEFAULT_ANSWER_TOKENS = 256
 TEMPLATE_MARGIN = 32

@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from cwm_plugin.sidecar.settings import MemorySettings
+from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.sidecar.upstream.client import ModelInfo
 
 log = logging.getLogger(__name__)

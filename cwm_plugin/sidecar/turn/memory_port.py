@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from cwm_plugin.sidecar.settings import MemorySettings
+from cwm_plugin.memory.settings import MemorySettings
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ def build_memory(cfg: MemorySettings, registry: Any = None) -> MemoryPort:
     """Build the memory service the settings describe (imports the memory package lazily);
     its ``cwm_memory_*`` metrics are registered on ``registry`` (the sidecar's)."""
     from cwm_plugin.memory.metrics import MemoryMetrics
-    from cwm_plugin.sidecar.turn.memory_factory import make_service
+    from cwm_plugin.memory.service.factory import service_from_settings
 
-    service = make_service(cfg, MemoryMetrics(registry) if registry is not None else None)
+    service = service_from_settings(cfg, MemoryMetrics(registry) if registry is not None else None)
     return MemoryPort(service, service.counter)

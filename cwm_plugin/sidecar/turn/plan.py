@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cwm_plugin.memory.timing import Stages
 from cwm_plugin.sidecar.identity.authenticator import Identity
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.turn import prompt as P
@@ -42,6 +41,7 @@ from cwm_plugin.sidecar.turn.budget import (
 )
 from cwm_plugin.sidecar.turn.memory_port import MemoryPort, Selected
 from cwm_plugin.sidecar.turn.session import Compaction, Pinned, SessionState
+from cwm_plugin.timing import Stages
 
 Message = dict[str, Any]
 

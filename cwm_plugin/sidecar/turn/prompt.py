@@ -1,13 +1,13 @@
 """What the sidecar sends upstream: the client's messages, in order, with memory merged in.
 
-A request's messages split (``cwm_plugin.memory.history``, shared with the memory selection)
-into the **prefix** (leading system/developer messages), the **history**, and the **current
-exchange** (from the last user message to the end: a question, or a question and the tool calls
-answering it so far). Nothing the client sent is dropped, duplicated or reordered while the
+A request's messages split (``cwm_plugin.memory.selection.history``, shared with the memory
+selection) into the **prefix** (leading system/developer messages), the **history**, and the
+**current exchange** (from the last user message to the end: a question, or a question and the tool
+calls answering it so far). Nothing the client sent is dropped, duplicated or reordered while the
 conversation fits under the compaction threshold; the memory text is *merged* into one message
-rather than sent as a message of its own, because chat templates allow one system message or
-none (Mistral-style templates need strictly alternating roles, Gemma-style ones have no system
-role at all):
+rather than sent as a message of its own, because chat templates allow one system message or none
+(Mistral-style templates need strictly alternating roles, Gemma-style ones have no system role at
+all):
 
 - ``system`` placement (default): appended to the client's first system message; inserted as a
   system message at the start when the client sent none; prepended to the first user message
@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.memory.history import PREFIX_ROLES, groups, prefix_length, split_current
+from cwm_plugin.memory.selection.history import (
+    PREFIX_ROLES,
+    groups,
+    prefix_length,
+    split_current,
+    text_of,
+)
 
 MEMORY_HEADER = "Relevant memory from earlier conversations (may be incomplete):"
 SUMMARY_HEADER = "Summary of this conversation so far:"
@@ -54,17 +60,6 @@ def split(messages: list[Message]) -> Parts:
     n = prefix_length(messages)
     history, current = split_current(messages[n:])
     return Parts(prefix=messages[:n], history=history, current=current)
-
-
-def text_of(message: Message) -> str:
-    """The text of a message; content parts other than text are skipped."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content
-                         if isinstance(p, dict) and p.get("type") == "text")
-    return ""
 
 
 def query_text(parts: Parts) -> str:

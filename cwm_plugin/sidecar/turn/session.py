@@ -13,8 +13,12 @@ written the session is *compacted* (``Compaction``: summary + memory + the last
 compaction). Background work of one session (summaries, checkpoints) runs one job at a time
 (``SessionState.lock``).
 
-The state lives in the app (one tracker per app), keyed by (tenant, session); it is advisory:
-after a restart a session starts uncompacted and is checkpointed again if it grows.
+The state lives in the app (one tracker per app), keyed by (owner, session): the owner is the
+tenant, or the user within it (``tenant/u-...``); it is advisory: after a restart, or once
+evicted, a session starts uncompacted (and selects its memory anew, so its prompt prefix
+changes once) and is checkpointed again if it grows. The tracker is bounded per tenant
+(:class:`ContextTracker`; ``sessions`` in the config): a tenant opening session after session
+evicts its own least recently used states, never those another tenant holds within its share.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -136,30 +141,55 @@ class SessionState:
 
 
 class ContextTracker:
-    """``(tenant, session) -> SessionState``, bounded (least recently used dropped)."""
+    """``(owner, session) -> SessionState``, bounded per tenant (see the module docstring).
 
-    def __init__(self, max_sessions: int = 100_000) -> None:
-        self._states: dict[tuple[str, str], SessionState] = {}
+    ``owner`` is a tenant's name or ``tenant/u-...`` (a user's, :func:`owner_of`); the tenant
+    is its part before ``/``. At most ``max_sessions`` states in all; each tenant is sure of
+    ``share`` of them, so the total is full only when someone is over its share. A new state
+    past the total evicts the least recently used of its own tenant when that tenant holds more
+    than its share, else of the tenant holding the most (one over its share): no tenant's
+    sessions, however many it opens, evict another tenant's within its share."""
+
+    def __init__(self, max_sessions: int = 100_000, share: int | None = None) -> None:
+        self._tenants: dict[str, OrderedDict[tuple[str, str], SessionState]] = {}
         self._max = max_sessions
+        self._share = share or max_sessions
+        self._count = 0
 
-    def get(self, tenant: str, session: str) -> SessionState:
-        key = (tenant, session)
-        state = self._states.pop(key, None) or SessionState()
-        self._states[key] = state  # most recently used last
-        while len(self._states) > self._max:
-            self._states.pop(next(iter(self._states)))
+    def get(self, owner: str, session: str) -> SessionState:
+        tenant = owner.partition("/")[0]
+        mine = self._tenants.setdefault(tenant, OrderedDict())
+        key = (owner, session)
+        state = mine.get(key)
+        if state is not None:
+            mine.move_to_end(key)  # most recently used last
+            return state
+        state = mine[key] = SessionState()
+        self._count += 1
+        if self._count > self._max:
+            victim = tenant if len(mine) > self._share else \
+                max(self._tenants, key=lambda t: len(self._tenants[t]))
+            self._tenants[victim].popitem(last=False)
+            self._count -= 1
+            if not self._tenants[victim]:
+                del self._tenants[victim]
         return state
 
-    def peek(self, tenant: str, session: str) -> SessionState | None:
+    def peek(self, owner: str, session: str) -> SessionState | None:
         """The session's state if it is tracked (nothing created, nothing reordered)."""
-        return self._states.get((tenant, session))
+        return self._tenants.get(owner.partition("/")[0], {}).get((owner, session))
 
     def __len__(self) -> int:
-        return len(self._states)
+        return self._count
 
-    def sessions(self, tenant: str) -> list[str]:
-        """The tenant's sessions tracked since the app started."""
-        return [s for (t, s) in self._states if t == tenant]
+    def held(self, tenant: str) -> int:
+        """How many states ``tenant`` (its own and its users') holds."""
+        return len(self._tenants.get(tenant, ()))
+
+    def sessions(self, owner: str) -> list[str]:
+        """The owner's sessions tracked since the app started."""
+        mine = self._tenants.get(owner.partition("/")[0], {})
+        return [s for (o, s) in mine if o == owner]
 
 
 SnapshotHook = Callable[[str, str, str, str], "Awaitable[None] | None"]

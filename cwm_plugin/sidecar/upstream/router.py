@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from cwm_plugin.errors import InvalidInput, UpstreamError, UpstreamTimeout
-from cwm_plugin.sidecar.api.errors import ModelNotFound
+from cwm_plugin.sidecar.http.errors import ModelNotFound
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.settings import RoutingSettings, UpstreamConfig
 from cwm_plugin.sidecar.upstream.client import Upstream

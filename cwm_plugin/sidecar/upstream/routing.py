@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from cwm_plugin.memory.selection.history import text_of
 from cwm_plugin.sidecar.settings import RouteRule
-from cwm_plugin.sidecar.turn.prompt import text_of
 
 log = logging.getLogger(__name__)
 CHARS_PER_TOKEN = 4

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cwm_plugin.errors import CWMError
-from cwm_plugin.sidecar.api.errors import sse_error
+from cwm_plugin.sidecar.http.errors import sse_error
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A tier stores *blobs* (encoded blocks) under their content id (a hex digest of t
 bytes) and owns the index that maps *keys* (opaque bytes: namespace + rank + vLLM block hash)
 to blobs, with reference counts and pins. Tiers never decode; they move bytes and keep their
 own index consistent. The composition (lookup order, promotion, write policy) is
-:class:`~cwm_plugin.store.tiered.KVStore`'s business.
+:class:`~cwm_plugin.store.kv_store.KVStore`'s business.
 
 Key semantics shared by every tier:
 
@@ -82,6 +82,7 @@ class Tier(ABC):
     name: str = "tier"
     durable: bool = False       # survives a restart of this process
     read_batch: int = 1 << 20   # the most blobs one get_many should ask for (a round trip)
+    recovered: str | None = None   # why its index was rebuilt when it opened, if it was
 
     def __init__(self) -> None:
         self._on_drop: DropListener | None = None

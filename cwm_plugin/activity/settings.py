@@ -1,0 +1,37 @@
+"""The activity log's settings (the ``activity`` section of the settings file)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from cwm_plugin.config_file import Strict, beside, load_section
+
+
+class ActivitySettings(Strict):
+    """The append-only activity log (``cwm_plugin/activity``): ``POST|GET /v1/activity``.
+    ``log_turns`` appends one line a chat turn (its first ``turn_preview_chars`` characters of
+    question and answer; 0: none). ``read``: ``shared`` (a principal reads its own entries
+    and those of the principals whose namespace it may read: by default providers each
+    other's, a tenant only its own; ``access.rules`` grant more), ``own`` (only its own) or
+    ``all`` (every principal reads the whole log)."""
+
+    root: Path = Path("./cwm-activity")
+    log_turns: bool = False
+    turn_preview_chars: int = Field(default=120, ge=0, le=500)
+    read: Literal["shared", "own", "all"] = "shared"
+
+    def resolve_root(self, config_file: str | os.PathLike[str]) -> None:
+        """Take a relative ``root`` from the folder of the settings file it was read from."""
+        self.root = beside(self.root, config_file)
+
+
+def load_activity_settings(config_file: str | os.PathLike[str]) -> ActivitySettings | None:
+    """The file's ``activity`` section (None: it has none, the log is off)."""
+    settings = load_section(ActivitySettings, config_file, "activity")
+    if settings is not None:
+        settings.resolve_root(config_file)
+    return settings

@@ -1,0 +1,1 @@
+"""The connector's statistics and their Prometheus metrics."""

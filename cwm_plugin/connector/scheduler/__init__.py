@@ -1,0 +1,1 @@
+"""The connector's scheduler side: what the store holds, lookups, leases, the self-check."""

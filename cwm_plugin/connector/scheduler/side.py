@@ -1,0 +1,393 @@
+"""Scheduler side of the connector: which blocks to load and which to save, per step.
+
+Runs in vLLM's EngineCore process. It never touches tensors: it plans with vLLM's (rank-free) block
+hashes and turns each scheduler step into a :class:`CWMConnectorMetadata`; each worker derives its
+own keys. A block is loadable only when *every* worker (TP rank x pipeline stage) holds its key:
+lookups ask the durable tiers for all of them, and the workers' reports of what they stored, dropped
+or failed to load feed :class:`~cwm_plugin.connector.scheduler.known.KnownBlocks`, which never
+promises a block for longer than it can vouch for it.
+
+Saving policy: a block is saved in the step whose forward pass completes it (prompt blocks during
+prefill, chunk by chunk; generated blocks as decoding fills them). The worker copies the block
+out of the paged cache at the end of that step, before the scheduler can free or reuse it, and
+encodes and writes it in the background, so ``request_finished`` never has to hold blocks back.
+When a salted request whose blocks were saved finishes, a context record is written for the
+window engine (:mod:`~cwm_plugin.connector.records`), also under its client turn's slot when
+the request names one; a request whose ``kv_transfer_params`` say ``store: false`` (the
+sidecar's background prompts) is neither looked up, saved nor recorded, and ``record: false``
+(a warm-up) leaves the session's records alone (:mod:`~cwm_plugin.connector.params`).
+
+Nothing here waits on the store. Lookups run in the background (:mod:`.lookups`): a request
+whose lookup still runs is answered ``None`` (vLLM asks again next step) until a deadline, past
+which its unknown blocks are misses. Promised blocks are leased in the durable tiers
+(:mod:`.leases`) until their load is done. CPU workers load in the background: a hit is
+answered ``(n, True)``, the request waits in vLLM's WAITING_FOR_REMOTE_KVS until the workers
+report it loaded (``get_finished``), and decoding requests go on meanwhile. A load that fails is
+recomputed (the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute``) and that
+request is promised nothing again. Saves are planned from what is known in memory: a block
+some tier holds already is skipped by the worker's store, in the background.
+
+Hit sources for vLLM's ``prompt_tokens_cached_by_source``: blocks the workers reported storing
+are ``host`` (their memory tier) when they have one, blocks in the disk index ``disk``, the rest
+(Redis) ``external_unspecified``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from cwm_plugin.connector import records
+from cwm_plugin.connector.config import ConnectorConfig
+from cwm_plugin.connector.keys import Namespace, kv_block_hashes, lora_extra
+from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
+from cwm_plugin.connector.metrics.stats import StatsCollector
+from cwm_plugin.connector.params import params_of
+from cwm_plugin.connector.scheduler.known import KnownBlocks
+from cwm_plugin.connector.scheduler.leases import Leases
+from cwm_plugin.connector.scheduler.lookups import Lookups
+from cwm_plugin.connector.scheduler.selfcheck import SelfCheck, run_selfcheck
+from cwm_plugin.connector.warn_once import WarnOnce
+from cwm_plugin.store.kv_store import KVStore
+
+log = logging.getLogger(__name__)
+SHUTDOWN_FLUSH_S = 30          # the longest a shutdown waits for context records being written
+
+
+@dataclass
+class _RequestState:
+    request: Any  # vllm.v1.request.Request, live: its block_hashes grow as it decodes
+    extra: bytes = b""
+    block_ids: list[int] = field(default_factory=list)
+    handled_blocks: int = 0  # blocks [0, handled) are stored, being stored, or skipped
+    saved_blocks: int = 0    # blocks planned for saving or found stored (the record's span)
+    lookup_start: int = 0
+    lookup_sources: list[CacheHitSource] = field(default_factory=list)
+    load: BlockTransfer | None = None
+    load_failed: bool = False   # a promised block did not load: recompute, promise no more
+
+
+def hit_source_of_saves(store_settings: Any) -> CacheHitSource:
+    """Where the workers load a block they saved this run: their memory tier if they have one,
+    else the disk, else Redis (``store_settings``: the workers' StoreConfig)."""
+    if store_settings.memory_bytes > 0:
+        return CacheHitSource.HOST
+    return CacheHitSource.DISK if store_settings.disk_path else CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+class SchedulerSide:
+    def __init__(self, ns: Namespace, cfg: ConnectorConfig, store: KVStore,
+                 stats: StatsCollector, *, hash_fn: Any = None, hash_ratio: int = 1,
+                 stored_source: CacheHitSource = CacheHitSource.HOST,
+                 workers: list[tuple[Namespace, int]] | None = None,
+                 async_loads: bool = False) -> None:
+        self.ns = ns
+        self.cfg = cfg
+        self.store = store
+        self.stats = stats
+        self.hash_fn = hash_fn
+        self.hash_ratio = hash_ratio
+        self.block_size = ns.block_size
+        self.selfcheck: SelfCheck | None = None
+        # (namespace of the worker's pipeline stage, its TP rank), in worker-index order
+        self.workers = workers or [(ns, 0)]
+        self.known = KnownBlocks(len(self.workers), lookup_ttl_s=cfg.lookup_cache_s,
+                                 stored_ttl_s=cfg.stored_trust_s if store.durable else math.inf,
+                                 stored_source=stored_source)
+        self.lookups = Lookups(store, self.workers, stats, wait_s=cfg.lookup_wait_ms / 1000,
+                               deadline_s=cfg.lookup_deadline_ms / 1000)
+        self.leases = Leases(store, stats, ttl_s=cfg.lease_ttl_s)
+        # the workers load in the background (CPU) and report it in get_finished
+        self.async_loads = async_loads and cfg.async_loads
+        self._reqs: dict[str, _RequestState] = {}
+        # loads sent to the workers and not reported done: req id -> (load, asynchronous)
+        self._loading: dict[str, tuple[BlockTransfer, bool]] = {}
+        self._reset_pending = False
+        self._selfcheck_started = False
+        self._warn = WarnOnce(log)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _eligible(self, request: Any) -> bool:
+        return (not self.cfg.salted_only or bool(getattr(request, "cache_salt", None))) \
+            and params_of(request).store
+
+    def _cap_blocks(self) -> int:
+        return self.cfg.max_stored_tokens_per_request // self.block_size
+
+    def _hashes(self, request: Any, num_blocks: int) -> list[bytes]:
+        return kv_block_hashes(request.block_hashes, num_blocks, self.hash_ratio)
+
+    def _state(self, request: Any) -> _RequestState:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _RequestState(
+                request, lora_extra(getattr(request, "lora_request", None)))
+        state.request = request
+        return state
+
+    def _keys(self, hashes: list[bytes], extra: bytes) -> list[bytes]:
+        """Every worker's keys of ``hashes``."""
+        return [k for ns, rank in self.workers for k in ns.keys(hashes, rank, extra)]
+
+    def _sources(self, req_id: str, hashes: list[bytes], extra: bytes
+                 ) -> list[CacheHitSource] | None:
+        """Where each block of the loadable prefix of ``hashes`` comes from, or None while
+        the lookup of the blocks not known runs. Blocks of a LoRA request (``extra``) are not
+        cached: their keys differ by adapter content."""
+        known = [None if extra else self.known.get(h) for h in hashes]
+        unknown = [h for h, s in zip(hashes, known, strict=True) if s is None]
+        if unknown:
+            found = self.lookups.resolve(req_id, unknown, extra)
+            if found is None:
+                return None
+            if not extra:
+                self.known.found(found)
+            known = [s or found.get(h) for s, h in zip(known, hashes, strict=True)]
+        return list(itertools.takewhile(lambda s: s is not None, known))
+
+    def _start_selfcheck(self) -> None:
+        """The hashing self-check reads and writes the store: it runs before the first
+        lookup job, off the step (after vLLM initialised its hashing)."""
+        if not self._selfcheck_started and self.hash_fn is not None:
+            self._selfcheck_started = True
+            self.lookups.before_next(self._check_hashing)
+
+    def _check_hashing(self) -> None:
+        if self.selfcheck is not None or self.hash_fn is None:
+            return
+        try:
+            self.selfcheck = run_selfcheck(self.store, self.ns, self.hash_fn, self.block_size)
+        except Exception as exc:  # a check must never take the engine down
+            log.error("cwm connector: the hashing self-check could not run (%s); serving goes "
+                      "on, it runs again at the next start", exc)
+            self.selfcheck = SelfCheck("error", "")
+        if self.selfcheck.status == "mismatch":
+            self.stats.add("selfcheck_failures")
+
+    # --- vLLM hooks ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Tokens loadable past ``num_computed_tokens``; None while the lookup runs (vLLM
+        skips the request this step); True with a hit when the workers load asynchronously."""
+        self._start_selfcheck()
+        state = self._state(request)
+        state.lookup_sources = []
+        rid = request.request_id
+        if not self.cfg.load_enabled or not self._eligible(request) or state.load_failed:
+            return 0, False
+        # Leave at least one token to compute: vLLM needs a forward pass to sample from.
+        max_blocks = min((request.num_tokens - 1) // self.block_size, self._cap_blocks())
+        start = num_computed_tokens // self.block_size
+        if start >= max_blocks:
+            self.lookups.forget(rid)
+            return 0, False
+        t0 = time.perf_counter()
+        hashes = self._hashes(request, max_blocks)[start:]
+        sources = self._sources(rid, hashes, state.extra)
+        self.stats.add("lookup_seconds", time.perf_counter() - t0)
+        if sources is None:
+            self.stats.add("lookups_deferred")
+            return None, False
+        state.lookup_start, state.lookup_sources = start, sources
+        self.stats.lookup(queried=len(hashes) * self.block_size,
+                          hit=len(sources) * self.block_size)
+        if sources:        # protected from eviction until loaded (in the background)
+            self.leases.take(rid, self._keys(hashes[:len(sources)], state.extra))
+        else:
+            self.leases.release(rid)
+        n = len(sources) * self.block_size
+        return n, n > 0 and self.async_loads
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        state = self._reqs.get(request.request_id)
+        n = num_external_tokens // self.block_size
+        if state is None or len(state.lookup_sources) < n or n * self.block_size != \
+                num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens} \
+                if num_external_tokens else {}
+        out: dict[CacheHitSource, int] = {}
+        for source in state.lookup_sources[:n]:
+            out[source] = out.get(source, 0) + self.block_size
+        return out
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        state = self._state(request)
+        if num_external_tokens <= 0:
+            return
+        n = num_external_tokens // self.block_size
+        block_ids = blocks.get_block_ids()[0]
+        start = state.lookup_start
+        hashes = self._hashes(request, start + n)[start:]
+        state.load = BlockTransfer(request.request_id, list(block_ids[start:start + n]), hashes,
+                                   num_tokens=(start + n) * self.block_size,
+                                   salt=getattr(request, "cache_salt", None), extra=state.extra)
+        state.saved_blocks = max(state.saved_blocks, start + n)
+
+    def build_connector_meta(self, scheduler_output: Any) -> CWMConnectorMetadata:
+        self.lookups.new_step()
+        meta = CWMConnectorMetadata(reset=self._reset_pending)
+        self._reset_pending = False
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            # Blocks computed before this step (local prefix cache or loaded by us) are known
+            # stored or planned, or were computed here before: the worker's store skips any it
+            # holds already (no lookup on the step).
+            state.handled_blocks = 0
+            self._plan_save(state, new.req_id, new.num_computed_tokens
+                            + scheduler_output.num_scheduled_tokens.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            # vLLM rolls a request back to a block whose load failed (and recomputes the rest):
+            # what was planned past the roll-back point is planned again
+            state.handled_blocks = min(state.handled_blocks,
+                                       cached.num_computed_tokens[i] // self.block_size)
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._plan_save(state, req_id, done, meta)
+        for state in self._reqs.values():
+            if state.load is not None:
+                meta.loads.append(state.load)
+                self._loading[state.load.req_id] = (state.load, self.async_loads)
+                state.load = None
+        for req_id in scheduler_output.finished_req_ids:
+            self._reqs.pop(req_id, None)
+            self._end(req_id)
+        return meta
+
+    def _plan_save(self, state: _RequestState, req_id: str, tokens_done: int,
+                   meta: CWMConnectorMetadata) -> None:
+        """Plan the blocks completed by ``tokens_done`` that are neither planned nor known
+        stored (a block held somewhere unknown to us is skipped by the worker's store)."""
+        if not self.cfg.save_enabled or not self._eligible(state.request):
+            return
+        limit = tokens_done if self.cfg.save_decode_blocks else min(
+            tokens_done, state.request.num_prompt_tokens)
+        n_full = min(limit // self.block_size, len(state.block_ids), self._cap_blocks())
+        if n_full <= state.handled_blocks:
+            return
+        hashes = self._hashes(state.request, n_full)
+        n_full = len(hashes)
+        start = state.handled_blocks
+        todo = [i for i in range(start, n_full) if state.extra or (
+            not self.known.planned(hashes[i]) and self.known.get(hashes[i]) is None)]
+        state.handled_blocks = n_full
+        state.saved_blocks = max(state.saved_blocks, n_full)
+        if todo:
+            meta.saves.append(BlockTransfer(req_id, [state.block_ids[i] for i in todo],
+                                            [hashes[i] for i in todo],
+                                            num_tokens=n_full * self.block_size,
+                                            salt=getattr(state.request, "cache_salt", None),
+                                            extra=state.extra))
+            if not state.extra:
+                self.known.plan(hashes[i] for i in todo)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        # Saves copy blocks out at the end of the step that computed them, so nothing here
+        # needs the blocks any longer.
+        state = self._reqs.pop(request.request_id, None)
+        self._end(request.request_id)
+        salt = getattr(request, "cache_salt", None)
+        if state is not None and salt and state.saved_blocks and self.cfg.context_records:
+            params = params_of(request)
+            if params.record and params.store:
+                self._write_record(state, salt, params.turn, params.slot)
+        return False, None
+
+    def _write_record(self, state: _RequestState, salt: str, turn: int | None,
+                      slot: int | None) -> None:
+        req = state.request
+        lora = getattr(req, "lora_request", None)
+        rec = records.ContextRecord(
+            tokens=list(req.all_token_ids),
+            block_hashes=[h.hex() for h in self._hashes(req, state.saved_blocks)],
+            workers=[(ns.scoped(state.extra).hex(), rank) for ns, rank in self.workers],
+            block_size=self.block_size, hash_block_size=self.block_size // self.hash_ratio,
+            hash_algo=self.ns.hash_algo, namespace=asdict(self.ns),
+            lora=[lora.lora_name, str(lora.lora_path)] if lora else None, created=time.time(),
+            turn=turn, num_prompt_tokens=int(req.num_prompt_tokens))
+        body = asdict(rec)
+        for key in [records.record_key(salt)] + \
+                ([records.turn_record_key(salt, slot)] if slot is not None else []):
+            if not records.write_record(self.store, key, body, records.RECORD_LAYOUT,
+                                        what="a context record", salt=salt, wait=0):
+                self.stats.add("save_errors", reason="backpressure")
+                self._warn("records", "the store's save queue is full: context records are "
+                           "dropped until it drains (counted as cwm:connector_save_errors"
+                           "{reason=backpressure})")
+
+    def _end(self, req_id: str) -> None:
+        """A request is finished: no lookup for it any more; its lease goes, unless its load
+        still runs (then when the workers report it done)."""
+        self.lookups.forget(req_id)
+        if req_id not in self._loading:
+            self.leases.release(req_id)
+
+    def _loads_done(self, connector_output: Any) -> None:
+        """Loads the workers finished (asynchronous: reported in ``finished_recving``;
+        synchronous: named in the worker metadata of the step that ran them): release their leases; a load with a block
+        that failed (``invalid_block_ids``) is recomputed by vLLM, and its request is never
+        promised blocks again (a block the index still lists would fail the same way)."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        received = set(getattr(connector_output, "finished_recving", None) or ())
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, CWMWorkerMetadata):  # synchronous loads the workers ran
+            received |= meta.loaded
+        for req_id, (load, _) in list(self._loading.items()):
+            if req_id not in received:  # (with async scheduling the next step is built
+                continue                # before this output arrives: settle by name)
+            del self._loading[req_id]
+            self.leases.release(req_id)
+            if invalid.isdisjoint(load.block_ids):
+                continue
+            self.stats.add("load_failures_recomputed")
+            if (state := self._reqs.get(req_id)) is not None:
+                state.load_failed = True
+            self._warn("load", "promised blocks could not be loaded (evicted, deleted or "
+                       "damaged after the lookup); vLLM recomputes them (counted as "
+                       "cwm:connector_load_failures_recomputed)")
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._loads_done(connector_output)
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, CWMWorkerMetadata):
+            return
+        if meta.overflow:
+            self.known.clear()
+        self.known.report_stored(meta.stored)
+        self.known.forget(meta.failed | meta.dropped)
+        if meta.dropped:
+            self.stats.add("dropped_blocks", len(meta.dropped))
+
+    def reset_cache(self) -> bool:
+        """vLLM's reset of the connector's cache: forget every block believed stored and have
+        the workers drop their memory tiers (durable tiers are left: ``cwm store``)."""
+        self.known.clear()
+        self._reset_pending = True
+        log.info("cwm connector: cache reset (scheduler beliefs cleared, memory tiers dropped)")
+        return True
+
+    def shutdown(self) -> None:
+        """Stop the lookups and leases (a stuck store is not waited for: leases expire), then
+        write the pending records, for ``SHUTDOWN_FLUSH_S`` at most."""
+        self.lookups.shutdown()
+        self.leases.shutdown()
+        self.store.close(timeout=SHUTDOWN_FLUSH_S)

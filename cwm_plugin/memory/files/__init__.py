@@ -1,0 +1,1 @@
+"""The memory's markdown files, the truth: sessions, summaries, memories, pending turns."""

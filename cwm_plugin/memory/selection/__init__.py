@@ -1,0 +1,1 @@
+"""What a prompt carries from memory: ranked lines packed under a budget."""

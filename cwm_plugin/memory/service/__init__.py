@@ -1,0 +1,1 @@
+"""A folder's memory as one service: turns, summaries, facts, transcripts, imports."""

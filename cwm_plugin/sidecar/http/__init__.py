@@ -1,0 +1,1 @@
+"""HTTP plumbing every part of the sidecar shares: OpenAI-shaped errors, bounded JSON bodies."""

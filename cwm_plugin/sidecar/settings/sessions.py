@@ -1,0 +1,21 @@
+"""The ``sessions:`` section of the sidecar's config: how many sessions' state the sidecar
+keeps, in all and for each principal (applied by ``turn/session.py``'s tracker)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from cwm_plugin.config_file import Strict
+
+
+class SessionSettings(Strict):
+    """The state the sidecar keeps per session (``turn/session.py``: the memory pinned to its
+    conversation, its compaction, its context use), lost on eviction (the session then selects
+    its memory anew, and its prompt prefix changes once): ``max_tracked`` sessions in all, of
+    which each principal is sure of ``tenant_share`` (None: an even share, ``max_tracked`` //
+    the number of principals), its users' sessions included. A principal may use what the
+    others leave free; past the total, one over its share evicts its own least recently used,
+    and one within its share the excess of the principal holding the most."""
+
+    max_tracked: int = Field(default=100_000, ge=1)
+    tenant_share: int | None = Field(default=None, ge=1)

@@ -1,0 +1,1 @@
+"""The blob format: container and header, codec (tensor <-> bytes), encryption, content ids."""

@@ -1,0 +1,298 @@
+"""Reading blocks back: each tier's blobs fetched in chunks, decoded on a pool as they arrive.
+
+The read half of :class:`~cwm_plugin.store.kv_store.KVStore`. For each tier in lookup order
+(memory -> disk -> Redis) the keys still missing are looked up in one batch; the calling
+thread then fetches their blobs chunk by chunk (the memory tier at once; the disk file by
+file, after asking the kernel to read them all ahead; Redis a pipelined round trip of a few
+blobs at a time) and hands every blob to the store's decode pool as soon as its chunk
+arrives, so reading the next chunk overlaps decoding the last one, and blocks decode in
+parallel (the codec's kernels release the GIL).
+
+Two ways to receive blocks:
+
+* :meth:`get_many` returns tensors (decoded into ``out[i]`` when given, else fresh);
+* :meth:`read_into` decodes each block into a per-thread scratch tensor and hands it to a
+  ``sink(i, tensor)`` on the decoding thread (the connector copies it straight into vLLM's
+  paged cache: no batch staging tensor, each block still in the core's cache).
+
+Both add seconds per stage to an optional :class:`~cwm_plugin.timing.Stages`:
+``read`` (fetching, wall time of the calling thread), ``decompress``, ``transform`` and
+``copy`` (the sink) summed over the decoding threads. Every blob is first checked to be the
+key's (:mod:`.binding`: its key group, and with encryption at rest its exact key, its salt and
+that it is sealed at all); one that is not is refused: a counted miss, logged once. A damaged
+blob is a counted miss, quarantined; a blob of another model or layout an incompatible miss; a
+key whose bytes are gone is dropped from its tier (dangling); a failing tier is counted and
+skipped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, RefusedBlob
+from cwm_plugin.store import binding
+from cwm_plugin.store.blob import codec, crypto
+from cwm_plugin.store.key_ops import TIER_ERRORS
+from cwm_plugin.store.tiers.base import Tier
+from cwm_plugin.timing import Stages
+
+Sink = Callable[[int, torch.Tensor], bool]     # (key index, decoded block) -> accepted
+_scratch = threading.local()
+
+
+@dataclass
+class _Hit:
+    index: int
+    key: bytes
+    blob_id: str
+    data: bytes
+    tier: Tier
+
+
+def _scratch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread block-sized tensor, reused (a cache, not state)."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    t = bufs.get((shape, dtype))
+    if t is None:
+        t = bufs[shape, dtype] = torch.empty(shape, dtype=dtype)
+    return t
+
+
+class ReadPath:
+    """Mixin of :class:`KVStore` (which provides the tiers, pool, metrics and writes)."""
+
+    def get(self, key: bytes, *, salt: str | None = None,
+            primary: bool = False) -> torch.Tensor | None:
+        return self.get_many([key], salt=salt, primary=primary)[0]
+
+    def get_many(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None,
+                 layout: str | None = None, salt: str | None = None, primary: bool = False,
+                 stages: Stages | None = None) -> list[torch.Tensor | None]:
+        """Decoded tensors (None for a miss) for ``keys``, in order. ``out`` (optional,
+        ``[len(keys), *block]``, contiguous CPU): hits whose dtype and shape match are decoded
+        straight into ``out[i]``. ``layout``: the KV layout the blobs must carry (another is
+        an incompatible, counted miss). ``salt``: the request's cache_salt (opens sealed
+        blobs). ``primary``: what the primary tier says is the answer (a local copy of a
+        record another server rewrote or deleted is stale); the other tiers are asked only
+        while the primary is unreachable."""
+        if out is not None and (out.dim() == 0 or out.shape[0] != len(keys)):
+            raise ValueError(f"out has {tuple(out.shape)[:1]} rows for {len(keys)} keys")
+        found: list[torch.Tensor | None] = [None] * len(keys)
+
+        def keep(h: _Hit, cipher, st: Stages) -> bool:
+            found[h.index] = self._decode(h, into=None if out is None else out[h.index],
+                                          layout=layout, cipher=cipher, stages=st)
+            return found[h.index] is not None
+
+        self._read(keys, keep, salt, stages, primary=primary)
+        return found
+
+    def read_into(self, keys: Sequence[bytes], sink: Sink, *, shape: tuple[int, ...],
+                  dtype: torch.dtype, into: Callable[[int], torch.Tensor] | None = None,
+                  layout: str | None = None, salt: str | None = None,
+                  stages: Stages | None = None) -> list[str | None]:
+        """Decode each key's block and call ``sink(i, tensor)`` on the decoding thread. The
+        block is decoded into ``into(i)`` when given, else into a per-thread scratch tensor
+        of ``shape`` and ``dtype`` that is reused once the sink returns; a blob of another
+        shape or dtype comes as its own tensor. Returns, per key, the tier that served it, or
+        None (a miss, or the sink said False or raised: logged once, never raised)."""
+        def deliver(h: _Hit, cipher, st: Stages) -> bool:
+            target = into(h.index) if into is not None else _scratch_tensor(tuple(shape), dtype)
+            t = self._decode(h, into=target, layout=layout, cipher=cipher, stages=st)
+            if t is None:
+                return False
+            t0 = time.perf_counter()
+            try:
+                return bool(sink(h.index, t))
+            except Exception as exc:       # the receiver's problem: this block is a miss
+                self.metrics.errors.labels("sink_failed").inc()
+                self._log_once("sink", "store: a loaded block could not be delivered: %s", exc)
+                return False
+            finally:
+                st.add("copy", time.perf_counter() - t0)
+
+        return self._read(keys, deliver, salt, stages)
+
+    def _read(self, keys: Sequence[bytes], handle, salt: str | None,
+              stages: Stages | None, *, primary: bool = False) -> list[str | None]:
+        keys = [bytes(k) for k in keys]
+        served: list[str | None] = [None] * len(keys)
+        cipher = self._cipher(salt)
+        todo = list(range(len(keys)))
+        order = self.tiers
+        if primary and self.primary is not None:
+            order = [self.primary, *(t for t in self.tiers if t is not self.primary)]
+        for n, tier in enumerate(order):
+            if not todo or (primary and n > 0 and getattr(order[0], "available", True)):
+                break
+            jobs: list[tuple[_Hit, cf.Future | None, Stages]] = []
+
+            def run(h: _Hit, st: Stages) -> bool:
+                try:
+                    return handle(h, cipher, st)
+                except Exception as exc:      # a bug or no memory: a miss, never a crash
+                    self.metrics.errors.labels("decode_failed").inc()
+                    self._log_once("decode-failed", "store: decoding block %s failed: %r",
+                                   h.key.hex()[:16], exc)
+                    return False
+
+            fetching = Stages()
+            for hits in self._fetch(tier, [keys[i] for i in todo], todo, fetching):
+                for h in hits:
+                    st = Stages()
+                    if self._decoder is not None and len(todo) > 1:
+                        jobs.append((h, self._decoder.submit(run, h, st), st))
+                    else:
+                        jobs.append((h, None, st))
+                        served[h.index] = tier.name if run(h, st) else None
+            if stages is not None:
+                stages.merge(fetching)
+            for h, fut, st in jobs:
+                if fut is not None and fut.result():
+                    served[h.index] = tier.name
+                if stages is not None:
+                    stages.merge(st)
+            todo = [i for i in todo if served[i] is None]
+        self.metrics.misses.labels("all").inc(len(todo))
+        return served
+
+    def _fetch(self, tier: Tier, keys: list[bytes], idx: list[int],
+               stages: Stages | None = None):
+        """Yield the hits of ``keys`` in ``tier`` chunk by chunk (see the module docstring);
+        the seconds spent looking up and fetching go to ``stages["read"]``."""
+        stages = stages if stages is not None else Stages()
+        t0 = time.perf_counter()
+        ids = self._lookup_in(tier, keys)
+        want = list(dict.fromkeys(b for b in ids if b is not None))
+        if not want:
+            self.metrics.misses.labels(tier.name).inc(len(keys))
+            stages.add("read", time.perf_counter() - t0)
+            return
+        by_blob: dict[str, list[tuple[int, bytes]]] = {}
+        for i, key, b in zip(idx, keys, ids, strict=True):
+            if b is not None:
+                by_blob.setdefault(b, []).append((i, key))
+        with contextlib.suppress(*TIER_ERRORS):
+            tier.prefetch(want)
+        stages.add("read", time.perf_counter() - t0)
+        size = self._chunk_size(tier, len(want))
+        n_hits = 0
+        for start in range(0, len(want), size):
+            part = want[start:start + size]
+            t0 = time.perf_counter()
+            try:
+                datas = tier.get_many(part)
+            except TIER_ERRORS as exc:
+                self._tier_failed(tier, "read", exc, "read_failed")
+                break
+            finally:
+                stages.add("read", time.perf_counter() - t0)
+            hits: list[_Hit] = []
+            dangling: list[tuple[bytes, str]] = []
+            for b, data in zip(part, datas, strict=True):
+                for i, key in by_blob[b]:
+                    if data is None:
+                        dangling.append((key, b))
+                    else:
+                        hits.append(_Hit(i, key, b, data, tier))
+            if dangling:      # the index outlived the bytes (expiry, eviction, a lost file)
+                with contextlib.suppress(*TIER_ERRORS):
+                    tier.forget_blobs([b for _, b in dangling], "dangling",
+                                      keys=[k for k, _ in dangling])
+            n_hits += len(hits)
+            yield hits
+        self.metrics.misses.labels(tier.name).inc(len(keys) - n_hits)
+
+    def _chunk_size(self, tier: Tier, n: int) -> int:
+        """Blobs per fetch: the tier's own limit, and small enough that a pipeline forms
+        (at least two chunks for every decoding thread)."""
+        workers = self.config.io_workers
+        return max(1, min(tier.read_batch, math.ceil(n / (2 * workers))))
+
+    def _decode(self, h: _Hit, *, into: torch.Tensor | None, layout: str | None,
+                cipher: crypto.BlobCipher | None, stages: Stages | None = None
+                ) -> torch.Tensor | None:
+        t0 = time.perf_counter()
+        plain = self._open(h, cipher)
+        if plain is None:
+            return None
+        try:
+            decoded = codec.decode(plain, fingerprint=self.config.fingerprint or None,
+                                   layout=layout, verify=self.config.checksum, into=into,
+                                   stages=stages)
+        except (CorruptBlob, IncompatibleBlob) as exc:
+            self._bad_blob(h, exc)
+            return None
+        self.metrics.decode_seconds.observe(time.perf_counter() - t0)
+        self.metrics.hits.labels(h.tier.name).inc()
+        self._promote(h)
+        return decoded.tensor
+
+    def _open(self, h: _Hit, cipher: crypto.BlobCipher | None) -> bytes | None:
+        """The hit's plain blob once it is found to be its key's (:mod:`.binding`); None: a
+        counted miss."""
+        try:
+            return binding.opened(h.data, h.key, cipher)
+        except (CorruptBlob, IncompatibleBlob) as exc:
+            self._bad_blob(h, exc)
+            return None
+
+    def get_blob(self, key: bytes) -> bytes | None:
+        """The stored bytes of ``key`` (not checked, not decoded, still sealed if encrypted)."""
+        for tier in self.tiers:
+            for hits in self._fetch(tier, [bytes(key)], [0]):
+                if hits:
+                    self.metrics.hits.labels(tier.name).inc()
+                    return hits[0].data
+        return None
+
+    def get_plain(self, key: bytes, *, salt: str | None = None) -> bytes | None:
+        """``key``'s blob checked as a read checks it and opened for ``salt``, not decoded
+        (what a window's re-key copies to a new key). None: no tier serves one that is
+        ``key``'s."""
+        cipher = self._cipher(salt)
+        for tier in self.tiers:
+            for hits in self._fetch(tier, [bytes(key)], [0]):
+                plain = self._open(hits[0], cipher) if hits else None
+                if plain is not None:
+                    self.metrics.hits.labels(tier.name).inc()
+                    return plain
+        return None
+
+    def _promote(self, h: _Hit) -> None:
+        if self._closed:
+            return
+        for tier in self.tiers:
+            if tier is h.tier:
+                break
+            if tier.name == "memory":
+                self._write(tier, h.key, h.blob_id, h.data)
+            else:
+                self._behind(tier, h.key, h.blob_id, h.data, wait=False)
+
+    def _bad_blob(self, h: _Hit, exc: CorruptBlob | IncompatibleBlob) -> None:
+        """Count, log (once) and, when damaged, quarantine a blob that is a miss."""
+        self.metrics.misses.labels(h.tier.name).inc()
+        if isinstance(exc, RefusedBlob):     # not the key's: left alone (it may be another's)
+            self.metrics.errors.labels(f"refused_{exc.reason}").inc()
+            self._log_once(f"refused-{exc.reason}-{h.tier.name}", "store: refused blob %s for "
+                           "key %s in %s tier (%s): %s; treated as a miss", h.blob_id,
+                           h.key.hex()[:16], h.tier.name, exc.reason, exc)
+            return
+        kind = "corrupt" if isinstance(exc, CorruptBlob) else "incompatible"
+        self.metrics.errors.labels(kind).inc()
+        self._log_once(f"bad-{h.blob_id}", "store: %s blob %s for key %s in %s tier: %s; "
+                       "treated as a miss%s", kind, h.blob_id, h.key.hex()[:16], h.tier.name,
+                       exc, ", quarantined" if kind == "corrupt" else "")
+        if kind == "corrupt":
+            self.quarantine(h.tier, h.blob_id, h.data, key=h.key, reason=str(exc))

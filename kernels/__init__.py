@@ -1,5 +1,0 @@
-"""Compute kernels (installed as ``cwm_plugin.kernels``): byte shuffle and block gather/scatter.
-
-Each kernel has a vectorized CPU implementation and, where it pays, a Triton GPU twin; one test
-suite checks both (the GPU half runs when a GPU is present).
-"""

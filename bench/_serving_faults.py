@@ -241,6 +241,8 @@ def sidecar_yaml(path: Path, model: Path, urls: dict[str, str], key_sha256: str,
                  served: str) -> Path:
     path.write_text(yaml.safe_dump({
         "tenants": [{"name": "bench", "key_sha256": [key_sha256]}],
+        # one tenant stands for every user of the workload: no per-tenant limit in the way
+        "rate_limits": {"rate_limit": "none", "token_quota": "none"},
         "memory_enabled": False,
         "memory": {"root": str(path.parent / "sidecar-memory"), "tokenizer": str(model)},
         "upstream": {"connect_timeout_s": 2, "connect_retries": 1, "read_timeout_s": 600},

@@ -314,7 +314,9 @@ def main() -> int:
     config = work / "sidecar.yaml"
     config.write_text(yaml.safe_dump({
         "tenants": [{"name": TENANT, "key_sha256": [hash_key(KEY)]}], "memory": cfg_mem,
-        "access": {"grants": {TENANT: ["debug", "admin"]}}}))  # X-CWM-Memory; /health's tasks
+        "access": {"grants": {TENANT: ["debug", "admin"]}},  # X-CWM-Memory; /health's tasks
+        # the sidecar's own time is measured, not the default per-tenant limits
+        "rate_limits": {"rate_limit": "none", "token_quota": "none"}}))
     log.info("overhead, null upstream: %d requests", n_req)
     with ServerThread(FakeUpstream(model="tiny", max_model_len=8192).app) as null, \
             SidecarProcess(config, null.url, work, secret) as sidecar:

@@ -11,8 +11,9 @@ Routes: ``POST /v1/chat/completions`` (memory, salt, streaming), ``POST /v1/comp
 (:mod:`~cwm_plugin.sidecar.upstream.router`: routing, health checks, failover). Who may do what:
 :mod:`~cwm_plugin.sidecar.identity.access`. Every route authenticates through one dependency before
 it reads a byte of its body, which is bounded (:mod:`~cwm_plugin.sidecar.identity.caller`); per-tenant
-rates and token quotas: :mod:`~cwm_plugin.sidecar.identity.ratelimit`. Every error leaves as an
-OpenAI-shaped body.
+rates and token quotas: :mod:`~cwm_plugin.sidecar.identity.ratelimit`; the server's own bounds
+(headers, slow clients, connections): :mod:`~cwm_plugin.sidecar.server_limits`. Every error
+leaves as an OpenAI-shaped body.
 ``app.state.sidecar`` holds the app's runtime; assign ``app.state.sidecar.snapshot_hook`` to
 take a KV snapshot at auto-checkpoints.
 """
@@ -56,6 +57,7 @@ from cwm_plugin.sidecar.identity.ratelimit import TenantLimits
 from cwm_plugin.sidecar.identity.salt_move import SaltMover
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.runtime import Sidecar
+from cwm_plugin.sidecar.server_limits import BodyDeadline
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.settings.secret_versions import folder_locator
 from cwm_plugin.sidecar.turn.counting import ModelCounters
@@ -108,7 +110,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         memory = build_memory(settings.memory, metrics.registry)
     router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)
     limits = TenantLimits(settings.rate_limits, settings.principals(), metrics.rate_limited)
-    usage = UsageLedger(settings.pricing, metrics, spend=limits.spend)
+    usage = UsageLedger(settings.pricing, metrics, limits)
     sidecar = Sidecar(
         settings=settings,
         auth=Authenticator(settings.tenants, secrets[0],
@@ -155,6 +157,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     app = FastAPI(title="cwm sidecar", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.sidecar = sidecar
+    app.add_middleware(BodyDeadline, timeout_s=settings.server.body_timeout_s,
+                       min_rate=settings.server.body_min_rate)  # server_limits.py
 
     @app.exception_handler(CWMError)
     async def _cwm_error(request: Request, exc: CWMError) -> JSONResponse:

@@ -25,6 +25,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from cwm_plugin.errors import ConfigError
     from cwm_plugin.sidecar.app import create_app
+    from cwm_plugin.sidecar.server_limits import uvicorn_config
     from cwm_plugin.sidecar.settings import load_settings
 
     settings = load_settings(args.config)
@@ -37,6 +38,7 @@ def serve(args: argparse.Namespace) -> int:
     log.info("cwm sidecar on http://%s:%d -> %s (%d tenants, memory at %s)", args.host,
              args.port, ", ".join(f"{u.name}={u.url}" for u in settings.endpoints()),
              len(settings.tenants), settings.memory.root)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, timeout_graceful_shutdown=10)
+    uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, limits=settings.server,
+                                  log_level=args.log_level, access_log=False,
+                                  timeout_graceful_shutdown=10)).run()
     return 0

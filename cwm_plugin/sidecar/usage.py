@@ -11,23 +11,71 @@ tenant's own rows only (per model, upstream and kind, since the app started; the
 counters, per tenant, are what outlives a restart), ``?model=`` narrows it: a request acting
 for a user gets that user's rows (a client answer is kept under ``tenant/u-...``), one acting
 for no user its tenant's with all its users'. At most ``MAX_ROWS`` rows are kept per app; past
-that a user's answer is added to its tenant's row (nothing grows without bound). Each answer's tokens are also
-spent from the principal's token quota (``spend``: ``identity/ratelimit.py``).
+that a user's answer is added to its tenant's row (nothing grows without bound).
+
+A client's request is billed through one :class:`Meter`, whatever its route (chat,
+completions, responses; streamed or not): opened before the request goes upstream, it reserves
+the request's estimate from its principal's token quota (:func:`prompt_estimate`, plus
+:func:`answer_cap`: ``identity/ratelimit.py``), and is billed once when the request is over:
+the usage the upstream reported, else (a stream cut short, the client gone; an answer without
+``usage``) the prompt's estimate and the tokens relayed, marked ``estimated``; the quota then
+counts that instead of the reservation. A request that got no answer gives its reservation
+back (:meth:`Meter.cancel`). The sidecar's own work (``kind: background``) and warm-ups are
+recorded with :meth:`UsageLedger.record` and spent from the quota afterwards.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cwm_plugin.sidecar.identity.ratelimit import Reservation, TenantLimits
 from cwm_plugin.sidecar.metrics import SidecarMetrics, tokens_of
 from cwm_plugin.sidecar.settings import PricingSettings
 
 CLIENT, BACKGROUND = "client", "background"
 MAX_ROWS = 100_000
+CHARS_PER_TOKEN = 4
+PROMPT_FIELDS = ("messages", "prompt", "input", "instructions", "tools", "functions")
+CAP_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+MEDIA = frozenset({"image_url", "input_image", "input_audio", "audio_url", "video_url", "file"})
+
+
+def prompt_estimate(body: dict[str, Any]) -> int:
+    """The tokens a request body's prompt will cost, before a tokenizer has seen it: about 4
+    characters a token over every string of its prompt fields (messages, prompt, input, tools:
+    roles and names count as the template's tokens would), a token a token id; media parts
+    (images, audio: their tokens are the model's to say) count nothing here."""
+    chars, ids = 0, 0
+    stack: list[Any] = [body.get(f) for f in PROMPT_FIELDS]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            chars += len(node)
+        elif isinstance(node, bool):
+            continue
+        elif isinstance(node, int):
+            ids += 1
+        elif isinstance(node, dict):
+            stack.extend(v for k, v in node.items() if k not in MEDIA)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return ids + -(-chars // CHARS_PER_TOKEN)
+
+
+def answer_cap(body: dict[str, Any], context_limit: int | None, prompt: int) -> int:
+    """The most tokens a request may answer: its ``max_completion_tokens`` / ``max_tokens``
+    / ``max_output_tokens`` times its choices (``n``), else what the context leaves after the
+    prompt (0 when the context is not known)."""
+    def whole(v: Any) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    cap = next((c for f in CAP_FIELDS if (c := whole(body.get(f))) is not None), None)
+    if cap is None:
+        cap = max(0, context_limit - prompt) if context_limit else 0
+    return cap * (whole(body.get("n")) or 1)
 
 
 @dataclass
@@ -43,10 +91,10 @@ class UsageLedger:
     """Tallies keyed by (principal, model, upstream, kind), and the metrics that go with them."""
 
     def __init__(self, pricing: PricingSettings, metrics: SidecarMetrics,
-                 spend: Callable[[str, int], None] | None = None) -> None:
+                 limits: TenantLimits | None = None) -> None:
         self.pricing = pricing
         self.metrics = metrics
-        self.spend = spend
+        self.limits = limits
         self.since = time.time()
         self._rows: dict[tuple[str, str, str, str], Tally] = {}
         self._lock = threading.Lock()
@@ -57,13 +105,29 @@ class UsageLedger:
         return ((prompt - cached) * p.input_per_1m + cached * cached_price
                 + completion * p.output_per_1m) / 1e6
 
+    async def meter(self, principal: str, model: str, *, prompt: int, cap: int,
+                    owner: str | None = None) -> Meter:
+        """A client request's :class:`Meter`, its estimate (``prompt`` + ``cap``) reserved
+        from ``principal``'s quota (429 when that would go past it)."""
+        res = await self.limits.reserve(principal, prompt + cap) if self.limits \
+            else Reservation(principal, 0)
+        return Meter(self, principal, model, owner, prompt, res)
+
     def record(self, principal: str, model: str, upstream: str, usage: dict[str, Any] | None,
                kind: str = CLIENT, work: str = "background", owner: str | None = None) -> None:
-        """Count one answer's ``usage`` (nothing when it reported none); ``work`` names the
-        sidecar's own work (summary, facts) for ``kind: background``; ``owner``: the user's
-        ``tenant/u-...`` when the request acted for one."""
+        """Count one answer's ``usage`` (nothing when it reported none) and spend it from the
+        quota afterwards: the work that reserved nothing (``kind: background``, ``work``:
+        summary, facts; a warm-up). ``owner``: the user's ``tenant/u-...`` when the request
+        acted for one."""
+        tokens = self.tally(principal, model, upstream, usage, kind, work, owner)
+        if self.limits is not None and tokens:
+            self.limits.later(self.limits.spend(principal, tokens))
+
+    def tally(self, principal: str, model: str, upstream: str, usage: dict[str, Any] | None,
+              kind: str = CLIENT, work: str = "background", owner: str | None = None) -> int:
+        """Count ``usage`` in the rows and metrics; the tokens it counted."""
         if not isinstance(usage, dict) or not usage:
-            return
+            return 0
         prompt, completion, cached = tokens_of(usage)
         cost = self.cost(model, prompt, completion, cached)
         with self._lock:
@@ -81,8 +145,7 @@ class UsageLedger:
         else:
             self.metrics.observe_background(principal, model, work, usage)
         self.metrics.cost.labels(principal, model, kind).inc(cost)
-        if self.spend is not None:
-            self.spend(principal, prompt + completion)
+        return prompt + completion
 
     def report(self, principal: str, model: str | None = None,
                owner: str | None = None) -> dict[str, Any]:
@@ -103,3 +166,41 @@ class UsageLedger:
                 "currency": self.pricing.currency,
                 "data": [{**key, **t, "cost": round(t["cost"], 9)} for key, t in rows],
                 "total": {**asdict(total), "cost": round(total.cost, 9)}}
+
+
+@dataclass
+class Meter:
+    """One client request's tokens, from before it goes upstream until it is billed (see the
+    module docstring)."""
+
+    ledger: UsageLedger
+    principal: str
+    model: str
+    owner: str | None
+    prompt: int  # the prompt's estimate
+    reservation: Reservation
+    done: bool = False
+
+    async def bill(self, upstream: str, usage: dict[str, Any] | None,
+                   relayed: int = 0) -> dict[str, Any]:
+        """Bill the request once: ``usage`` when the upstream reported it, else the prompt's
+        estimate and ``relayed`` tokens (a token a streamed chunk). Returns what was billed."""
+        if not (isinstance(usage, dict) and any(tokens_of(usage))):
+            usage = {"prompt_tokens": self.prompt, "completion_tokens": relayed,
+                     "total_tokens": self.prompt + relayed, "estimated": True}
+        if self.done:
+            return usage
+        self.done = True
+        used = self.ledger.tally(self.principal, self.model, upstream, usage, owner=self.owner)
+        if self.ledger.limits is not None:
+            await self.ledger.limits.settle(self.reservation, used)
+        return usage
+
+    def cancel(self) -> None:
+        """The request got no answer to bill (the upstream refused it, failed, or was never
+        reached): its reservation is given back, in the background."""
+        if self.done:
+            return
+        self.done = True
+        if self.ledger.limits is not None:
+            self.ledger.limits.later(self.ledger.limits.settle(self.reservation, 0))

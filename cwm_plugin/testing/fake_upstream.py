@@ -7,7 +7,8 @@ compare it with what the client sent. Chat answers come from ``script(body) -> r
 reply is ``{"content": str}`` or ``{"tool_calls": [...]}``; the default answers "ok".
 Streams are written with CRLF line ends when ``crlf`` is set (the SSE format allows it), a
 chunk every ``stream_delay`` seconds; ``stream_cut_after`` N drops the connection after N
-chunks (a server killed mid-answer). Like vLLM, a body it cannot use is a 400, never a 500, and
+chunks (a server killed mid-answer); ``models_gate`` (a ``threading.Event``) holds every
+``/v1/models`` answer until it is set (a slow or stuck upstream). Like vLLM, a body it cannot use is a 400, never a 500, and
 a chat prompt over ``max_prompt_tokens`` (as ``usage_of`` counts) a 400 naming the context.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +49,8 @@ class FakeUpstream:
         self.stream_cut_after: int | None = None  # die after this many chunks (a killed server)
         self.max_prompt_tokens: int | None = None  # longer chat prompts: 400, as vLLM
         self.calls: list[tuple[str, dict[str, Any], dict[str, str]]] = []
-        self.model_lists = 0  # GET /v1/models answered (health checks, model lookups)
+        self.model_lists = 0  # GET /v1/models asked (health checks, model lookups)
+        self.models_gate: threading.Event | None = None  # set: /v1/models answers
         self.app = FastAPI()
         self._routes()
 
@@ -131,30 +134,35 @@ class FakeUpstream:
         if (body.get("stream_options") or {}).get("include_usage"):
             chunks.append({**base, "choices": [], "usage": usage_of(body, len(words))})
 
-        def gen():
+        async def gen():
             for c in chunks:
                 yield f"data: {json.dumps(c)}\n\n".encode()
+                await asyncio.sleep(self.stream_delay)
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     def _response_stream(self, body: dict[str, Any]) -> StreamingResponse:
-        """The Responses API's events (named, no ``[DONE]``), usage on the last one."""
-        usage = usage_of(body, 1)
+        """The Responses API's events (named, no ``[DONE]``): a text delta a word of the
+        script's answer, usage on the last one."""
+        words = str(self.script(body).get("content") or "").split(" ")
+        usage = usage_of(body, len(words))
         done = {"id": "resp_fake", "object": "response", "status": "completed",
                 "model": body["model"], "usage": {"input_tokens": usage["prompt_tokens"],
-                                                  "output_tokens": 1, "total_tokens":
+                                                  "output_tokens": len(words), "total_tokens":
                                                   usage["total_tokens"]}}
         events = [("response.created", {"response": {**done, "status": "in_progress",
                                                      "usage": None}}),
-                  ("response.output_text.delta", {"item_id": "msg_1", "output_index": 0,
-                                                  "content_index": 0, "delta": "ok"}),
+                  *(("response.output_text.delta", {"item_id": "msg_1", "output_index": 0,
+                                                    "content_index": 0, "delta": w})
+                    for w in words),
                   ("response.completed", {"response": done})]
 
-        def gen():
+        async def gen():
             for n, (kind, data) in enumerate(events):
                 obj = {"type": kind, "sequence_number": n, **data}
                 yield f"event: {kind}\ndata: {json.dumps(obj)}\n\n".encode()
+                await asyncio.sleep(self.stream_delay)
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
@@ -164,6 +172,8 @@ class FakeUpstream:
         @app.get("/v1/models")
         async def models() -> JSONResponse:
             self.model_lists += 1
+            if self.models_gate is not None:
+                await asyncio.to_thread(self.models_gate.wait, 60)
             return JSONResponse({"object": "list", "data": [
                 {"id": self.model, "object": "model", "created": 0, "owned_by": "fake",
                  "root": self.root, "max_model_len": self.max_model_len}]})

@@ -1,7 +1,9 @@
 """Running an ASGI app with uvicorn in a background thread (tests and the benchmark).
 
 ``cwm serve`` runs uvicorn in the foreground instead; this is for callers that need the app
-object at hand (e.g. to wait for its background tasks) while talking to it over real HTTP.
+object at hand (e.g. to wait for its background tasks) while talking to it over real HTTP. A
+sidecar app is served with its ``server:`` bounds, as ``cwm serve`` serves it
+(``cwm_plugin/sidecar/server_limits.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import uvicorn
 
+from cwm_plugin.sidecar.server_limits import limits_of, uvicorn_config
 from cwm_plugin.testing.procs import free_port
 
 
@@ -25,8 +28,9 @@ class ServerThread:
         self.host = host
         self.port = port or free_port()
         self.startup_timeout = startup_timeout
-        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning",
-                                access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn_config(app, host=host, port=self.port, limits=limits_of(app),
+                                log_level="warning", access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None

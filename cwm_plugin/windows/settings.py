@@ -27,7 +27,9 @@ class WindowsSettings(Strict):
     max_message_bytes: int = Field(default=1 << 20, ge=0)
     tenant_quota_bytes: int | None = Field(default=None, ge=0)  # blob bytes a tenant may pin
     max_ttl_s: float | None = Field(default=None, gt=0)  # windows' longest TTL (None: any)
-    max_import_bytes: int = Field(default=4 << 30, ge=1024)  # an imported window file's size
+    max_import_bytes: int = Field(default=1 << 30, ge=1024)  # an imported window file's size
+    imports_per_tenant: int = Field(default=1, ge=1)  # window imports of one tenant at once
+    imports_at_once: int = Field(default=2, ge=1)  # ... and of everyone (each spools to disk)
     tenant_threads: int = Field(default=2, ge=1, le=64)  # one tenant's window operations at once
     # HMAC key: exports are signed with it, imports must be signed with it (None: unsigned)
     export_key: SecretStr | None = None

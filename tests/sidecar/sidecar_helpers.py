@@ -165,3 +165,22 @@ def metric_value(srv: ServerThread, sample: str, **labels: str) -> float:
             if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+def drop_stream(srv: ServerThread, path: str, body: dict[str, Any], headers: dict[str, str],
+                events: int) -> None:
+    """Stream ``body`` to ``path`` and go away after ``events`` data events (a client that
+    drops its stream mid-answer); returns once the sidecar has noticed the cut."""
+    cut = "cwm_sidecar_streams_cut_total"
+    before = metric_value(srv, cut)
+    seen = 0
+    with httpx.stream("POST", f"{srv.url}{path}", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == events:
+                break
+    deadline = time.monotonic() + 30
+    while metric_value(srv, cut) <= before:
+        assert time.monotonic() < deadline, "the cut was never noticed"
+        time.sleep(0.1)

@@ -36,7 +36,8 @@ def upstream() -> Iterator[ServerThread]:
 
 def sidecar(upstream: ServerThread, root: Path, **activity) -> ServerThread:
     settings = make_settings(upstream.url, root / "memory", "tiktoken:cl100k_base",
-                             activity={"root": str(root / "activity"), **activity})
+                             activity={"root": str(root / "activity"), **activity},
+                             rate_limits={"rate_limit": "none"})  # bursts: not the point
     return ServerThread(create_app(settings)).start()
 
 

@@ -25,7 +25,8 @@ def srv(tmp_path: Path) -> Iterator[tuple[ServerThread, FakeUpstream]]:
     fake = FakeUpstream(model="tiny", max_model_len=LIMIT)
     with ServerThread(fake.app) as up, ServerThread(create_app(make_settings(
             up.url, tmp_path, "tiktoken:cl100k_base",
-            memory={"budget_tokens": 1024}))) as s:
+            memory={"budget_tokens": 1024},
+            rate_limits={"rate_limit": "none"}))) as s:  # 40 turns in a burst: not the point
         for i in range(40):  # an earlier session: plenty of memory about hello and greetings
             assert chat(s, "acme", f"Hello again, note {i}: the greeting for guests at the "
                         f"front desk of building {i} is 'hello and welcome'.",

@@ -168,7 +168,8 @@ def test_no_tenant_or_user_reaches_another_users_objects(tmp_path, tiny_model):
             windows={"store": {"disk_path": str(kv)}, "wait_s": 0.5, "settle_s": 0.1},
             access={"grants": {"acme": ["debug", "metrics", "admin"],
                                "beta": ["debug", "metrics", "admin"],
-                               "gamma": ["debug"]}}))) as srv:
+                               "gamma": ["debug"]}},
+            rate_limits={"rate_limit": "none"}))) as srv:  # every route in a burst
         # X's objects: a conversation, a fact, a transcript line, an entry, a window
         post = {"timeout": 60, "headers": {**X, "X-Session-Id": "vs"}}
         assert httpx.post(f"{srv.url}/v1/chat/completions", **post, json={

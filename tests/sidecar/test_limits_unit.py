@@ -5,6 +5,10 @@ failing for ever. The upstream is ``cwm_plugin.testing.fake_upstream``."""
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 from sidecar_helpers import ADMIN, KEYS, make_settings, metric_value, runtime, wait_idle
@@ -53,27 +57,76 @@ def test_a_tenant_over_its_rate_gets_429_and_the_others_are_served(tmp_path):
         assert len(fake.bodies()) == 7  # the refused requests never reached the upstream
 
 
-def test_a_tenant_over_its_token_quota_gets_429_until_the_window_frees(tmp_path):
+def test_a_tenant_over_its_token_quota_gets_429_and_never_goes_past_it(tmp_path):
+    """Each request reserves its estimate (prompt + max_tokens) before it goes up and settles
+    to its usage after: the one that would take the tenant past its quota is refused."""
     fake = FakeUpstream(model="tiny")
     with ServerThread(fake.app) as up, ServerThread(create_app(make_settings(
             up.url, tmp_path, "tiktoken:cl100k_base",
             tenants=tenants(gamma={"token_quota": "40/hour"})))) as srv:
-        first = chat(srv, "gamma", "one two three four five six seven eight nine ten")
-        used = first.json()["usage"]["total_tokens"]
-        assert first.status_code == 200 and used < 40
-        while used < 40:  # spent as the answers report their usage
-            r = chat(srv, "gamma", "one two three four five six seven eight nine ten")
-            assert r.status_code == 200
+        used, answered = 0, 0
+        while (r := chat(srv, "gamma", "one two three four five six seven eight nine ten")) \
+                .status_code == 200:
             used += r.json()["usage"]["total_tokens"]
-        r = chat(srv, "gamma")
+            answered += 1
+            assert answered < 10, "the quota never refused"
+        assert answered >= 2 and used <= 40, (answered, used)
         assert r.status_code == 429 and "tokens limit" in r.json()["error"]["message"]
         assert int(r.headers["retry-after"]) > 60  # the hour's window
         # routes that spend no tokens still answer; the other tenants are not limited
         usage = httpx.get(f"{srv.url}/v1/usage", timeout=30,
                           headers={"Authorization": f"Bearer {KEYS['gamma']}"})
-        assert usage.status_code == 200 and usage.json()["total"]["prompt_tokens"] > 0
+        total = usage.json()["total"]
+        assert usage.status_code == 200 and \
+            total["prompt_tokens"] + total["completion_tokens"] == used
         assert chat(srv, "acme").status_code == 200
         assert metric_value(srv, LIMITED, tenant="gamma", limit="tokens") == 1
+        # a request that may answer more than the whole quota is refused outright
+        r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=30, headers={
+            "Authorization": f"Bearer {KEYS['beta']}"}, json={
+            "model": "tiny", "max_tokens": 100, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 200  # beta has the default quota
+        r = httpx.post(f"{srv.url}/v1/completions", timeout=30, headers={
+            "Authorization": f"Bearer {KEYS['gamma']}"}, json={
+            "model": "tiny", "max_tokens": 100, "prompt": "x"})
+        assert r.status_code == 429 and "more than its whole tokens limit" in \
+            r.json()["error"]["message"]
+
+
+def test_requests_at_once_never_take_more_than_the_token_quota(tmp_path):
+    fake = FakeUpstream(model="tiny")
+    fake.chat_delay = 0.5  # every request is still running when the last one arrives
+    with ServerThread(fake.app) as up, ServerThread(create_app(make_settings(
+            up.url, tmp_path, "tiktoken:cl100k_base",
+            tenants=tenants(gamma={"token_quota": "100/hour"})))) as srv:
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda i: chat(srv, "gamma", f"question number {i} here"),
+                                    range(12)))
+        codes = sorted(r.status_code for r in answers)
+        assert 200 in codes and 429 in codes, codes
+        billed = httpx.get(f"{srv.url}/v1/usage", timeout=30, headers={
+            "Authorization": f"Bearer {KEYS['gamma']}"}).json()["total"]
+        total = billed["prompt_tokens"] + billed["completion_tokens"]
+        assert 0 < total <= 100, total
+        assert total == sum(r.json()["usage"]["total_tokens"] for r in answers
+                            if r.status_code == 200)
+
+
+def test_rate_limits_are_on_by_default(tmp_path):
+    """No `rate_limits` in the config: a tenant sending more than 1200 requests a minute is
+    refused past them (the default), and the other tenants are not."""
+    fake = FakeUpstream(model="tiny")
+    with ServerThread(fake.app) as up, ServerThread(create_app(make_settings(
+            up.url, tmp_path, "tiktoken:cl100k_base"))) as srv:
+        with httpx.Client(base_url=srv.url, timeout=30, headers={
+                "Authorization": f"Bearer {KEYS['beta']}"}) as client:
+            started = time.monotonic()
+            codes = [client.get("/v1/usage").status_code for _ in range(1250)]
+            took = time.monotonic() - started
+        assert took < 60, "too slow to cross a minute's limit"
+        assert codes.count(200) <= 1200 and codes.count(429) >= 50, Counter(codes)
+        assert chat(srv, "acme").status_code == 200
+        assert metric_value(srv, LIMITED, tenant="beta", limit="requests") >= 50
 
 
 def test_a_summary_whose_input_is_over_the_context_moves_on(tmp_path):

@@ -15,8 +15,9 @@
    before any byte was relayed);
 5. before the client sees the end (a stream cut short: once it is known to be, with what was
    relayed, marked as cut), append the client's new messages and the answer to the
-   session's file (one durable append; the index catches up in the background), count usage
-   (``usage.py``) and the context thresholds against the limit of the upstream that answered,
+   session's file (one durable append; the index catches up in the background), bill it
+   (``usage.py``'s ``Meter``: its estimate was reserved from the token quota before step 4)
+   and count the context thresholds against the limit of the upstream that answered,
    and queue what is due (summary, facts, checkpoint) as one job of the session on the bounded
    background queue (``background/queue.py``); the activity log's line is a plain background task.
 
@@ -66,13 +67,8 @@ from cwm_plugin.sidecar.upstream.client import headers_down, headers_up
 from cwm_plugin.sidecar.upstream.endpoints import StreamHandle
 from cwm_plugin.sidecar.upstream.resume import resumable_events
 from cwm_plugin.sidecar.upstream.router import Endpoint, Route
-from cwm_plugin.sidecar.upstream.stream import (
-    CUT_MARK,
-    Collected,
-    ask_usage,
-    relay_sse,
-    relayed_usage,
-)
+from cwm_plugin.sidecar.upstream.stream import CUT_MARK, Collected, ask_usage, relay_sse
+from cwm_plugin.sidecar.usage import Meter, answer_cap, prompt_estimate
 from cwm_plugin.timing import Stages
 
 log = logging.getLogger(__name__)
@@ -152,6 +148,7 @@ class ChatTurn:
     can_append: bool = True  # the home namespace takes its transcript (identity/access.py) ...
     can_write: bool = True  # ... and its summaries and facts
     arrival: Arrival | None = None  # the client turn of its session (arrivals.py)
+    meter: Meter | None = None  # bills it (usage.py)
 
     def served_by(self, ep: Endpoint) -> None:
         """The context limit is the one of the upstream that answered (it may have failed
@@ -195,12 +192,13 @@ class ChatTurn:
             self.sc.failopen.failed(self.ident.tenant, "index", exc)
 
     async def finish(self, usage: dict[str, Any] | None, answer: str,
-                     reply: dict[str, Any]) -> None:
-        """After the response: metrics, thresholds, the turn's conversation record (``reply``:
-        the answer as the client holds it), and the background work that is due."""
+                     reply: dict[str, Any], relayed: int = 0) -> None:
+        """After the response: the bill (``usage``, else ``relayed`` tokens of a stream cut
+        short), metrics, thresholds, the turn's conversation record (``reply``: the answer as
+        the client holds it), and the background work that is due."""
         sc, tenant, plan, state = self.sc, self.ident.tenant, self.plan, self.state
-        sc.usage.record(tenant, self.model, self.ep.name if self.ep else "", usage,
-                        owner=owner_of(self.ident))
+        if self.meter is not None:
+            await self.meter.bill(self.ep.name if self.ep else "", usage, relayed)
         if self.arrival is not None:
             save_turn(sc, self.salt, self.arrival, plan.prompt, self.model, self.messages,
                       reply)
@@ -329,6 +327,9 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
         with stages("salt"):
             await sc.salt_mover.before_forward(ident, body, salt)
     sc.metrics.overhead_seconds.labels(ident.tenant, model).observe(stages.total)
+    prompt = plan.prompt_tokens or prompt_estimate(forward)
+    turn.meter = await sc.usage.meter(ident.tenant, model, prompt=prompt, owner=owner_of(ident),
+                                      cap=answer_cap(body, info.max_model_len, prompt))
     up = headers_up(request.headers)
     arrival = turn.arrival = state.turns.arrive(number) if ident.session else None
     forward["kv_transfer_params"] = kv_params(arrival, sc.settings.windows)
@@ -338,6 +339,7 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
         return await _once(turn, forward, up)
     except BaseException:
         Arrivals.end(arrival)
+        turn.meter.cancel()  # nothing to bill (once billed, this changes nothing)
         raise
 
 
@@ -354,6 +356,7 @@ async def _once(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -> 
     turn.served_by(ep)
     sc.metrics.requests.labels(turn.ident.tenant, turn.model, "chat", str(resp.status_code)).inc()
     if resp.status_code != 200:
+        turn.meter.cancel()
         return upstream_error_response(resp.status_code, resp.content,
                                        turn.response_headers(resp.headers))
     data = resp.json()
@@ -379,6 +382,7 @@ async def _stream(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -
         content = await resp.aread()
         await handle.close()
         Arrivals.end(turn.arrival)
+        turn.meter.cancel()
         return upstream_error_response(resp.status_code, content, headers)
     collected = Collected()
 
@@ -386,7 +390,8 @@ async def _stream(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -
         answer = answer_text(collected.text, collected.tool_calls)
         await turn.record(answer)
         await turn.finish(collected.usage, answer,
-                          answer_message(collected.text, collected.tool_calls))
+                          answer_message(collected.text, collected.tool_calls),
+                          collected.chunks)
         _observe_stages(turn)
 
     async def cut() -> None:
@@ -397,8 +402,8 @@ async def _stream(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -
         answer = answer_text(collected.text, collected.tool_calls)
         marked = f"{answer}\n{CUT_MARK}" if answer else CUT_MARK
         await turn.record(marked)
-        await turn.finish(relayed_usage(collected, turn.plan.prompt_tokens), marked,
-                          answer_message(collected.text, collected.tool_calls))
+        await turn.finish(collected.usage, marked,
+                          answer_message(collected.text, collected.tool_calls), collected.chunks)
         _observe_stages(turn)
 
     def resumed(nxt: StreamHandle, exc: UpstreamError) -> None:

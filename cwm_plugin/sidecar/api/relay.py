@@ -3,8 +3,9 @@
 ``POST /v1/completions`` and ``/v1/responses`` carry the session's salt (streamed or not) and,
 in a session, the client turn's number and arrival (:mod:`~cwm_plugin.sidecar.turn.arrivals`:
 the session's next number, so windows can freeze them like chat turns), and are routed like
-chat (an explicit model to the upstreams serving it, an alias by role, with
-failover; their usage is accounted); ``POST /v1/embeddings``, ``/tokenize`` and ``/detokenize``
+chat (an explicit model to the upstreams serving it, an alias by role, with failover; each is
+billed through one ``Meter``, its estimate reserved from the token quota before it goes up:
+``usage.py``); ``POST /v1/embeddings``, ``/tokenize`` and ``/detokenize``
 go where their model is served (else to the default upstream) as they are; ``GET /v1/models``
 is the default upstream's list, or with several upstreams all their lists merged;
 ``GET /v1/models/{id}`` (which vLLM does not serve) answers that model's entry of the list, or
@@ -25,12 +26,14 @@ from starlette.background import BackgroundTask
 from cwm_plugin.sidecar.api.chat import SSE_HEADERS, route_headers
 from cwm_plugin.sidecar.http.body import require_model
 from cwm_plugin.sidecar.http.errors import ModelNotFound, upstream_error_response
-from cwm_plugin.sidecar.identity.authenticator import owner_of
+from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
 from cwm_plugin.sidecar.identity.caller import identity_of, json_body
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.turn.arrivals import Arrival, Arrivals, kv_params
 from cwm_plugin.sidecar.upstream.client import headers_down, headers_up
-from cwm_plugin.sidecar.upstream.stream import Collected, ask_usage, relay_sse, relayed_usage
+from cwm_plugin.sidecar.upstream.endpoints import Route
+from cwm_plugin.sidecar.upstream.stream import Collected, ask_usage, relay_sse
+from cwm_plugin.sidecar.usage import Meter, answer_cap, prompt_estimate
 
 SALTED = ("/v1/completions", "/v1/responses")
 UNROUTED = "other"  # the model label of a relay whose model no upstream was known to serve
@@ -51,6 +54,7 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     body = await json_body(request)
     ident = identity_of(request, body)
     forward, arrival = body, None
+    meter: Meter | None = None
     if path in SALTED:
         require_model(body)
         route = await sc.router.route(body)
@@ -61,31 +65,39 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
             arrival = sc.tracker.get(owner_of(ident), ident.session).turns.arrive()
         # a client's kv_transfer_params never reach the connector (they could name turns)
         forward["kv_transfer_params"] = kv_params(arrival, sc.settings.windows)
+        prompt = prompt_estimate(forward)
+        cap = answer_cap(body, route.info().max_model_len, prompt)
+        meter = await sc.usage.meter(ident.tenant, str(route.model), prompt=prompt, cap=cap,
+                                     owner=owner_of(ident))
     else:
         route = await sc.router.route_loose(body)
     try:
-        return await _forward(sc, request, path, body, forward, ident, route, arrival)
+        return await _forward(sc, request, ident, path, route, forward, meter, arrival)
     except BaseException:
         Arrivals.end(arrival)
+        if meter is not None:
+            meter.cancel()
         raise
 
 
-async def _forward(sc: Sidecar, request: Request, path: str, body: dict[str, Any],
-                   forward: dict[str, Any], ident: Any, route: Any,
+async def _forward(sc: Sidecar, request: Request, ident: Identity, path: str, route: Route,
+                   forward: dict[str, Any], meter: Meter | None,
                    arrival: Arrival | None) -> Response:
-    """Send it and relay the answer (the arrival ends with it)."""
+    """Send the request up and relay the answer; ``meter`` bills a salted route's (the
+    arrival ends with the answer)."""
     # a metric label: a model the router knows, never the client's free text (a new name on
     # every /tokenize would have grown /metrics, and this process, without bound)
     model = route.model or UNROUTED
     labels = (ident.tenant, model, path.rsplit("/", 1)[-1])
     up = headers_up(request.headers)
-    if not body.get("stream"):
+    if not forward.get("stream"):
         ep, resp = await sc.router.post(route, path, forward, headers=up)
         Arrivals.end(arrival)
         sc.metrics.requests.labels(*labels, str(resp.status_code)).inc()
-        if resp.status_code == 200 and path in SALTED:
-            sc.usage.record(ident.tenant, model, ep.name, resp.json().get("usage"),
-                            owner=owner_of(ident))
+        if meter is not None and resp.status_code == 200:
+            await meter.bill(ep.name, resp.json().get("usage"))
+        elif meter is not None:
+            meter.cancel()
         return _relayed(resp, route_headers(route, ep))
     client_wants_usage = True  # (the Responses API reports it in its last event anyway)
     if path == "/v1/completions":
@@ -99,6 +111,8 @@ async def _forward(sc: Sidecar, request: Request, path: str, body: dict[str, Any
         content = await resp.aread()
         await handle.close()
         Arrivals.end(arrival)
+        if meter is not None:
+            meter.cancel()
         return upstream_error_response(resp.status_code, content, down)
     collected = Collected()
 
@@ -111,11 +125,11 @@ async def _forward(sc: Sidecar, request: Request, path: str, body: dict[str, Any
             Arrivals.end(arrival)
             await handle.close()
 
-    def after() -> None:  # also after a client went away: what was relayed is billed
+    async def after() -> None:  # also after a client went away: what was relayed is billed
         if not collected.usage:
             sc.metrics.streams_cut.labels(ident.tenant, model, labels[2]).inc()
-        sc.usage.record(ident.tenant, model, handle.ep.name, relayed_usage(collected, None),
-                        owner=owner_of(ident))
+        if meter is not None:
+            await meter.bill(handle.ep.name, collected.usage, relayed=collected.chunks)
 
     return StreamingResponse(body_iter(), media_type="text/event-stream",
                              headers={**SSE_HEADERS, **down}, background=BackgroundTask(after))

@@ -33,7 +33,7 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-ERROR_STATUSES = (400, 401, 403, 404, 405, 409, 413, 422, 429, 502, 503, 504, 507)
+ERROR_STATUSES = (400, 401, 403, 404, 405, 408, 409, 413, 422, 429, 502, 503, 504, 507)
 ERRORS: dict[int | str, dict[str, Any]] = {
     s: {"model": ErrorBody, "description": "an OpenAI-shaped error"} for s in ERROR_STATUSES}
 

@@ -2,8 +2,9 @@
 
 ``GET /v1/windows/{name}/export`` answers the window's export file
 (``application/octet-stream``); ``POST /v1/windows/import[?name=]`` takes one as the raw body,
-at most ``windows.max_import_bytes`` (413 past it), spooled to a temporary file (not kept in
-memory), checked whole before anything is written (a damaged, forged or unsigned file -- with
+at most ``windows.max_import_bytes`` (413 past it; at most ``windows.imports_per_tenant`` of a
+tenant's and ``windows.imports_at_once`` of everyone's under way, else 429 at once), spooled
+to a temporary file (not kept in memory), checked whole before anything is written (a damaged, forged or unsigned file -- with
 ``windows.export_key`` the server signs its exports and takes only files signed under it -- or
 one for another model is a 400 ``bad_window_file`` and the store is unchanged). Both
 authenticate before reading or writing a byte, and need read (export) or write (import) access
@@ -23,6 +24,7 @@ from fastapi.responses import StreamingResponse
 from cwm_plugin.sidecar.api.schema import body_doc
 from cwm_plugin.sidecar.http.errors import BodyTooLarge
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
+from cwm_plugin.sidecar.identity.ratelimit import Slots
 from cwm_plugin.windows.model import check_name
 from cwm_plugin.windows.portable import export_window, import_window
 
@@ -37,6 +39,9 @@ def windows_files_router(sidecar: Any, run: Callable[..., Any],
     ``caller(request, op)`` authenticates and checks access (windows.py)."""
     router = APIRouter()  # included by the windows router, under its /v1
     limit = sidecar.settings.body_limit("/v1/windows/import")
+    w = sidecar.settings.windows
+    imports = Slots("window imports", w.imports_per_tenant if w else 1,
+                    w.imports_at_once if w else 1, sidecar.metrics.rate_limited)
 
     @router.get("/windows/{name}/export")
     async def export(name: str, request: Request) -> StreamingResponse:
@@ -70,7 +75,7 @@ def windows_files_router(sidecar: Any, run: Callable[..., Any],
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"window file over {limit} bytes",
                                hint="raise windows.max_import_bytes in the sidecar config")
-        with tempfile.SpooledTemporaryFile(max_size=SPOOL) as spool:
+        with imports.hold(ident.tenant), tempfile.SpooledTemporaryFile(max_size=SPOOL) as spool:
             size = 0
             async for chunk in request.stream():
                 size += len(chunk)

@@ -58,7 +58,7 @@ async def authenticate(request: Request) -> TenantConfig:
     who = sc.auth.tenant_for(bearer_key(request.headers))
     request.state.principal = who
     path = route_path(request)
-    sc.limits.admit(who.name, metered=request.method == "POST" and path in METERED)
+    await sc.limits.admit(who.name, metered=request.method == "POST" and path in METERED)
     _declared_size(request, sc.settings.body_limit(path))
     return who
 

@@ -1,30 +1,50 @@
-"""Per-tenant request rates and token quotas, counted with the ``limits`` package.
+"""Per-tenant request rates, token quotas and concurrent uploads, counted with the ``limits``
+package's asyncio API: nothing here blocks the event loop.
 
-Every request of a principal is one hit on its ``rate_limit`` (a moving window: exact, no
-burst at a window's edge), checked by the authentication dependency before its body is read
-(``caller.py``), so a tenant flooding the sidecar costs it a header parse per request and
-never delays the others' work. Requests that spend tokens (chat, completions, responses) are
-refused too while the principal's ``token_quota`` is used up; tokens are spent when the
-usage is known (``usage.py``: client answers, a stream cut short, background work), in a
-fixed window that counts a request past the quota whole (its size is not known before it
-runs). A refusal is an OpenAI-shaped 429 (``rate_limit_exceeded``) with ``Retry-After``
-(seconds until the window frees room), counted in
-``cwm_sidecar_rate_limited_total{tenant,limit}``. The counts live in ``rate_limits.storage``
-(this process, or a Redis shared by every sidecar); a storage that fails lets requests
-through (logged once, counted as ``limit="storage_error"``): the limits protect the service,
-they never take it down.
+Requests: every request of a principal is one hit on its ``rate_limit`` (a moving window:
+exact, no burst at a window's edge), checked by the authentication dependency before its body
+is read (``caller.py``), so a tenant flooding the sidecar costs it a header parse per request
+and never delays the others' work.
+
+Tokens (a fixed window per ``token_quota`` item): a request that spends tokens (chat,
+completions, responses) is refused at once while its principal's quota has nothing left; once
+its body is read it reserves its estimate (:meth:`TenantLimits.reserve`: its prompt's, plus the
+most it may answer; refused when that would go past the quota), and when it is over the
+reservation is settled to what it used (:meth:`TenantLimits.settle`, from ``usage.py``).
+Requests running at once never take more than the quota together; one goes past it only by
+what its prompt was underestimated. What is given back after its window ended is dropped (it
+would be a gift to the next window). Background work (summaries, facts) and warm-ups spend
+what they used afterwards (:meth:`TenantLimits.spend`).
+
+Uploads (:class:`Slots`): at most so many of one principal's at once and of everyone's; past
+either, 429 at once (nothing queues).
+
+A refusal is an OpenAI-shaped 429 (``rate_limit_exceeded``) with ``Retry-After`` (seconds
+until the window frees room), counted in ``cwm_sidecar_rate_limited_total{tenant,limit}``.
+
+The counts live in ``rate_limits.storage``: this process (``memory://``) or a Redis every
+sidecar shares. A Redis call that fails or takes longer than ``storage_timeout_s`` is counted
+(``limit="storage_error"``) and logged once an outage, and the counts move to this process's
+own until Redis is tried again ``storage_retry_s`` later: a hung or down Redis costs a request
+at most ``storage_timeout_s`` and never stalls the others, and the limits keep holding (per
+process) -- neither failing open nor taking the sidecar down.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections import Counter as Tally
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from limits import RateLimitItem, parse_many
+from limits.aio.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
 from limits.storage import storage_from_string
-from limits.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
 from prometheus_client import Counter
 
 from cwm_plugin.errors import CWMError
@@ -32,10 +52,12 @@ from cwm_plugin.sidecar.settings import TenantConfig
 from cwm_plugin.sidecar.settings.limits import NO_LIMIT, RateLimitSettings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RateLimited(CWMError):
-    """A principal over its request rate or token quota (HTTP 429, ``Retry-After``)."""
+    """A principal over its request rate, token quota or uploads at once (HTTP 429,
+    ``Retry-After``)."""
 
     code = "rate_limit_exceeded"
     http_status = 429
@@ -49,61 +71,210 @@ def _items(value: str | None) -> list[RateLimitItem]:
     return [] if value is None or value == NO_LIMIT else parse_many(value)
 
 
+@dataclass
+class _Counts:
+    """One storage and the two strategies over it."""
+
+    storage: Any
+    requests: MovingWindowRateLimiter
+    tokens: FixedWindowRateLimiter
+
+
+def _counts(uri: str, timeout_s: float) -> _Counts:
+    opts: dict[str, Any] = {} if uri.startswith("memory://") else {
+        "implementation": "redispy", "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s}
+    storage = storage_from_string(f"async+{uri}", **opts)
+    return _Counts(storage, MovingWindowRateLimiter(storage), FixedWindowRateLimiter(storage))
+
+
+@dataclass
+class Reservation:
+    """Tokens one request took from its principal's quota before it went upstream."""
+
+    principal: str
+    tokens: int
+    counts: _Counts | None = None  # where they were taken (None: nothing was)
+    until: float = 0.0  # the earliest end of the windows they were taken from (epoch s)
+
+
 class TenantLimits:
     """The limits of every principal of one app (see the module docstring)."""
 
     def __init__(self, settings: RateLimitSettings, principals: Iterable[TenantConfig],
                  counter: Counter) -> None:
-        storage = storage_from_string(settings.storage)
-        self._requests = MovingWindowRateLimiter(storage)
-        self._tokens = FixedWindowRateLimiter(storage)
+        self._shared = _counts(settings.storage, settings.storage_timeout_s)
+        self._local = self._shared if settings.storage.startswith("memory://") \
+            else _counts("memory://", 0)
+        self._timeout_s = settings.storage_timeout_s
+        self._retry_s = settings.storage_retry_s
+        self._down_until = -math.inf  # monotonic: the shared counts are not asked before
+        self._outage = False
         self._counter = counter
-        self._warned = False
+        self._tasks: set[asyncio.Task] = set()
         self._rates = {p.name: _items(p.rate_limit or settings.rate_limit) for p in principals}
         self._quotas = {p.name: _items(p.token_quota or settings.token_quota)
                         for p in principals}
 
-    def admit(self, principal: str, *, metered: bool) -> None:
+    async def admit(self, principal: str, *, metered: bool) -> None:
         """Count one request of ``principal``; :class:`RateLimited` when it is over its rate
-        or, for a request that spends tokens (``metered``), its token quota."""
-        try:
-            for item in self._rates.get(principal, ()):
-                if not self._requests.hit(item, principal):
-                    self._refuse(principal, "requests", item,
-                                 self._requests.get_window_stats(item, principal).reset_time)
-            if metered:
-                for item in self._quotas.get(principal, ()):
-                    if not self._tokens.test(item, principal):
-                        self._refuse(principal, "tokens", item,
-                                     self._tokens.get_window_stats(item, principal).reset_time)
-        except RateLimited:
-            raise
-        except Exception as exc:  # the storage (a Redis outage): let the request through
-            self._storage_failed(principal, exc)
-
-    def spend(self, principal: str, tokens: int) -> None:
-        """``tokens`` used by ``principal`` (its answers' usage, background work included)."""
-        if tokens <= 0:
+        or, for a request that spends tokens (``metered``), its token quota has nothing left."""
+        rates = self._rates.get(principal, [])
+        quotas = self._quotas.get(principal, []) if metered else []
+        if not rates and not quotas:
             return
-        try:
-            for item in self._quotas.get(principal, ()):
-                self._tokens.hit(item, principal, cost=tokens)
-        except Exception as exc:
-            self._storage_failed(principal, exc)
 
-    def _refuse(self, principal: str, limit: str, item: RateLimitItem, reset: float) -> None:
+        async def check(c: _Counts) -> tuple[str, RateLimitItem, float] | None:
+            for item in rates:
+                if not await c.requests.hit(item, principal):
+                    stats = await c.requests.get_window_stats(item, principal)
+                    return "requests", item, stats.reset_time
+            for item in quotas:
+                if not await c.tokens.test(item, principal):
+                    stats = await c.tokens.get_window_stats(item, principal)
+                    return "tokens", item, stats.reset_time
+            return None
+
+        refused, _ = await self._on_counts(principal, check)
+        if refused is not None:
+            self._refuse(principal, *refused)
+
+    async def reserve(self, principal: str, tokens: int) -> Reservation:
+        """Take ``tokens`` (a request's estimate) from ``principal``'s quota before the request
+        goes upstream; :class:`RateLimited` when that would go past it (nothing is taken)."""
+        quotas = self._quotas.get(principal, [])
+        if not quotas or tokens <= 0:
+            return Reservation(principal, 0)
+
+        async def take(c: _Counts) -> tuple[RateLimitItem | None, float]:
+            taken: list[RateLimitItem] = []
+            for item in quotas:
+                if not await c.tokens.hit(item, principal, cost=tokens):
+                    for it in [*taken, item]:  # a refused hit counted too: give it all back
+                        await c.storage.incr(it.key_for(principal), it.get_expiry(),
+                                             amount=-tokens)
+                    return item, (await c.tokens.get_window_stats(item, principal)).reset_time
+                taken.append(item)
+            return None, min([await c.storage.get_expiry(it.key_for(principal))
+                              for it in quotas])
+
+        (refused, when), counts = await self._on_counts(principal, take)
+        if refused is not None:
+            self._refuse(principal, "tokens", refused, when, asked=tokens)
+        return Reservation(principal, tokens, counts, when)
+
+    async def settle(self, res: Reservation, used: int) -> None:
+        """``res``'s request is over and used ``used`` tokens: the quota counts those instead
+        of the reservation (see the module docstring)."""
+        quotas = self._quotas.get(res.principal, [])
+        if res.counts is None:
+            await self.spend(res.principal, used)
+            return
+        delta = max(0, used) - res.tokens
+        if not quotas or delta == 0 or (delta < 0 and time.time() >= res.until):
+            return
+
+        async def adjust(c: _Counts) -> None:
+            if delta < 0 and c is not res.counts:  # taken where it cannot be given back now
+                return
+            for item in quotas:
+                await c.storage.incr(item.key_for(res.principal), item.get_expiry(),
+                                     amount=delta)
+
+        await self._on_counts(res.principal, adjust)
+
+    async def spend(self, principal: str, tokens: int) -> None:
+        """``tokens`` used by ``principal`` without a reservation (background work)."""
+        quotas = self._quotas.get(principal, [])
+        if not quotas or tokens <= 0:
+            return
+
+        async def hit(c: _Counts) -> None:
+            for item in quotas:
+                await c.tokens.hit(item, principal, cost=tokens)
+
+        await self._on_counts(principal, hit)
+
+    def later(self, work: Awaitable[None]) -> None:
+        """Run ``work`` (a spend, a settlement) in the background: for callers that cannot
+        wait for it (a sync one, a request being cancelled)."""
+        try:
+            task = asyncio.get_running_loop().create_task(work)  # type: ignore[arg-type]
+        except RuntimeError:  # no event loop: nothing to count on
+            getattr(work, "close", lambda: None)()
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_counts(self, principal: str,
+                         op: Callable[[_Counts], Awaitable[T]]) -> tuple[T, _Counts]:
+        """``op`` on the shared counts, or on this process's own while those fail."""
+        if self._shared is self._local or time.monotonic() < self._down_until:
+            return await op(self._local), self._local
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                result = await op(self._shared)
+        except Exception as exc:  # Redis down, hung, refusing: this process counts for now
+            self._storage_failed(principal, exc)
+            return await op(self._local), self._local
+        if self._outage:
+            self._outage = False
+            log.warning("rate limit storage is back: counting there again")
+        return result, self._shared
+
+    def _refuse(self, principal: str, limit: str, item: RateLimitItem, reset: float,
+                asked: int | None = None) -> None:
         self._counter.labels(principal, limit).inc()
         wait = max(1, math.ceil(reset - time.time()))
+        if asked is not None and asked > item.amount:
+            raise RateLimited(f"principal `{principal}`: this request may use up to {asked} "
+                              f"tokens, more than its whole tokens limit ({item})",
+                              retry_after=wait,
+                              hint="ask for fewer (max_tokens), send less, or ask the operator "
+                                   "for a higher token_quota")
         what = "requests" if limit == "requests" else "tokens"
-        raise RateLimited(f"principal `{principal}` is over its {what} limit ({item}); "
+        extra = f" (this request may use up to {asked})" if asked is not None else ""
+        raise RateLimited(f"principal `{principal}` is over its {what} limit ({item}){extra}; "
                           f"retry in {wait} s", retry_after=wait,
                           hint="wait for Retry-After seconds, or ask the operator for a "
                                "higher rate_limit / token_quota")
 
     def _storage_failed(self, principal: str, exc: Exception) -> None:
         self._counter.labels(principal, "storage_error").inc()
-        (log.debug if self._warned else log.error)(
-            "rate limits are not enforced: their storage failed (%s: %s); requests pass "
-            "(counted in cwm_sidecar_rate_limited_total{limit=storage_error})",
-            type(exc).__name__, exc)
-        self._warned = True
+        self._down_until = time.monotonic() + self._retry_s
+        if not self._outage:
+            self._outage = True
+            log.error("rate limit storage failed (%s: %s): this process counts on its own, "
+                      "asking it again every %.0f s (cwm_sidecar_rate_limited_total"
+                      "{limit=storage_error})", type(exc).__name__, exc, self._retry_s)
+
+
+class Slots:
+    """At most ``per_principal`` of one principal's things (uploads) under way at once and
+    ``total`` of everyone's; past either, :class:`RateLimited` at once (counted as
+    ``limit=what``)."""
+
+    def __init__(self, what: str, per_principal: int, total: int, counter: Counter) -> None:
+        self.what = what
+        self.per_principal = per_principal
+        self.total = total
+        self._counter = counter
+        self._held: Tally[str] = Tally()
+
+    @contextmanager
+    def hold(self, principal: str) -> Iterator[None]:
+        mine, everyone = self._held[principal], self._held.total()
+        if mine >= self.per_principal or everyone >= self.total:
+            self._counter.labels(principal, self.what).inc()
+            whose = f"{mine} of principal `{principal}`'s" if mine >= self.per_principal \
+                else f"{everyone} in all"
+            raise RateLimited(f"{whose} {self.what} are under way, the most at once "
+                              f"({self.per_principal} a principal, {self.total} in all)",
+                              retry_after=1, hint="retry when one of them has finished")
+        self._held[principal] += 1
+        try:
+            yield
+        finally:
+            self._held[principal] -= 1
+            if not self._held[principal]:
+                del self._held[principal]

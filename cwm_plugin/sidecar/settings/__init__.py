@@ -28,7 +28,7 @@ from cwm_plugin.config_file import validate
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.sidecar.settings.access import AccessSettings, UserKey, key_digests
-from cwm_plugin.sidecar.settings.limits import RateLimitSettings, check_rate
+from cwm_plugin.sidecar.settings.limits import RateLimitSettings, ServerSettings, check_rate
 from cwm_plugin.sidecar.settings.routing import DEFAULT_RULES as DEFAULT_RULES
 from cwm_plugin.sidecar.settings.routing import NAME as NAME
 from cwm_plugin.sidecar.settings.routing import UPSTREAM_OWN, RoutingSettings
@@ -188,6 +188,7 @@ class Settings(_Strict):
     # a route's own limit, by its path as the API lists it ("/v1/memory/turns": 1048576)
     max_body_bytes_by_route: dict[str, int] = Field(default_factory=dict)
     rate_limits: RateLimitSettings = RateLimitSettings()
+    server: ServerSettings = ServerSettings()  # headers, slow clients, connections
     max_json_depth: int = Field(default=64, ge=4, le=1000)  # deeper bodies get 400
     debug_header_max_bytes: int = Field(default=4096, ge=256)
     memory_enabled: bool = True

@@ -1,17 +1,20 @@
-"""Limits settings (``rate_limits:`` in the sidecar's config): per-tenant request rates and
-token quotas, applied by ``identity/ratelimit.py`` with the ``limits`` package.
+"""Limits settings: ``rate_limits:`` (per-tenant request rates and token quotas, applied by
+``identity/ratelimit.py`` with the ``limits`` package) and ``server:`` (the HTTP server's own
+bounds against careless or hostile clients, ``server_limits.py``).
 
 A rate is written in that package's notation, several separated by ``;``: ``"10/second;
 600/minute"`` (requests), ``"2000000/hour"`` (tokens). ``rate_limit`` and ``token_quota``
-here are every principal's defaults; a tenant or provider sets its own
-(``tenants[].rate_limit``, ``tenants[].token_quota``; ``"none"``: no limit for it).
+here are every principal's defaults (on unless set to ``none``); a tenant or provider sets
+its own (``tenants[].rate_limit``, ``tenants[].token_quota``; ``"none"``: no limit for it).
 ``storage``: where the counts live, ``memory://`` (this process) or a ``redis://`` URL that
-every sidecar of a deployment shares (one quota however many processes serve the tenant).
+every sidecar of a deployment shares (one quota however many processes serve the tenant);
+``storage_timeout_s`` bounds each call to it and ``storage_retry_s`` how long the counts stay
+in this process after it failed.
 """
 
 from __future__ import annotations
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from cwm_plugin.config_file import Strict
 
@@ -32,12 +35,20 @@ def check_rate(value: str | None) -> str | None:
     return value
 
 
+# A principal is a whole tenant (an app and all its users): bursts of 50 requests a second,
+# 20 a second sustained; tokens about a fifth of what one GPU prefills with an 8B model
+DEFAULT_RATE = "50/second;1200/minute"  # requests a principal, any route
+DEFAULT_QUOTA = "10000000/hour"  # prompt + completion tokens a principal
+
+
 class RateLimitSettings(Strict):
     """Defaults for every principal and where the counts are kept (see the module docstring)."""
 
     storage: str = "memory://"
-    rate_limit: str | None = None  # requests, any route (None: none)
-    token_quota: str | None = None  # prompt + completion tokens, client and background work
+    rate_limit: str | None = DEFAULT_RATE  # requests, any route (None or "none": none)
+    token_quota: str | None = DEFAULT_QUOTA  # tokens, client and background work (ditto)
+    storage_timeout_s: float = Field(default=0.25, gt=0)  # a call to a Redis storage
+    storage_retry_s: float = Field(default=5.0, gt=0)  # after it failed, counted here this long
 
     @field_validator("rate_limit", "token_quota")
     @classmethod
@@ -51,3 +62,15 @@ class RateLimitSettings(Strict):
                              "redis+cluster://")):
             raise ValueError("rate_limits.storage must be memory:// or a redis:// URL")
         return v
+
+
+
+class ServerSettings(Strict):
+    """The HTTP server's bounds (``server:``; see ``cwm_plugin/sidecar/server_limits.py``)."""
+
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)  # request line + headers
+    header_timeout_s: float = Field(default=10.0, gt=0)  # for a request's headers to arrive
+    body_timeout_s: float = Field(default=20.0, gt=0)  # for its body, ...
+    body_min_rate: int = Field(default=500, ge=1)  # ... plus a second for each this many bytes
+    keep_alive_s: int = Field(default=5, ge=1)  # an idle connection between requests
+    max_connections: int = Field(default=512, ge=2)  # past it a request gets 503

@@ -92,7 +92,10 @@ class UpstreamConfig(Strict):
     connect_retries: int = Field(default=2, ge=0, le=10)
     max_connections: int = Field(default=200, ge=1)
     max_keepalive: int = Field(default=50, ge=1)
-    models_ttl_s: float = 30.0
+    # /v1/models: a list older than this is refreshed in the background while it answers
+    models_ttl_s: float = Field(default=30.0, ge=0)
+    # a model name no list has is answered from the lists (404) unless one is older than this
+    models_recheck_s: float = Field(default=5.0, ge=0)
     # Sent to vLLM as `Authorization: Bearer` (vLLM's --api-key): the file's `api_key`, else
     # the environment variable named here (when set). Never logged.
     api_key: SecretStr | None = None

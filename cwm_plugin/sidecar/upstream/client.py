@@ -5,14 +5,18 @@ Connect failures are retried by the transport (``retries`` in httpx retries only
 :class:`UpstreamError` (502); timeouts become :class:`UpstreamTimeout` (504). Nothing here
 waits without a bound. The configured API key goes with every request (vLLM's ``--api-key``);
 ``x-request-id`` is passed up, ``x-request-id`` and ``Retry-After`` come back down
-(``headers_up``/``headers_down``). ``/v1/models`` is cached for a few seconds so that every request can
-check its model and learn ``max_model_len``. Several upstreams, routing and failover:
-:mod:`~cwm_plugin.sidecar.upstream.router`.
+(``headers_up``/``headers_down``). ``/v1/models`` is kept (:meth:`Upstream.models`) so that every
+request can check its model and learn ``max_model_len`` without asking: a caller names how old a
+list it accepts, and callers asking while a fetch is on its way share it (one request to the
+upstream however many wait; nobody holding a list young enough waits at all). How old a list
+the router accepts: :mod:`~cwm_plugin.sidecar.upstream.router`, which also does several
+upstreams, routing and failover.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -69,11 +73,13 @@ class Upstream:
             transport=transport or httpx.AsyncHTTPTransport(retries=config.connect_retries),
             headers={"Authorization": f"Bearer {key}"} if (key := config.key()) else None,
         )
-        self._models: dict[str, ModelInfo] = {}
-        self._models_at = -1e9
-        self._models_lock = asyncio.Lock()
+        self._models: dict[str, ModelInfo] | None = None
+        self._models_at = -math.inf  # when the list was fetched (monotonic)
+        self._fetch: asyncio.Future[dict[str, ModelInfo]] | None = None
 
     async def aclose(self) -> None:
+        if self._fetch is not None:
+            self._fetch.cancel()
         await self._client.aclose()
 
     async def request(self, method: str, path: str, *, json: Any = None,
@@ -106,26 +112,48 @@ class Upstream:
         except httpx.HTTPError as exc:
             raise _translate(exc, "streaming", self.name) from None
 
-    async def models(self, *, refresh: bool = False) -> dict[str, ModelInfo]:
-        """``{id: ModelInfo}`` from ``/v1/models``, cached for ``models_ttl_s``."""
-        async with self._models_lock:
-            fresh = time.monotonic() - self._models_at < self.config.models_ttl_s
-            if self._models and fresh and not refresh:
-                return self._models
-            resp = await self.request("GET", "/v1/models", timeout=self.config.connect_timeout_s + 5)
-            if resp.status_code != 200:
-                raise UpstreamError(f"upstream `{self.name}` /v1/models answered HTTP "
-                                    f"{resp.status_code}")
-            try:
-                data = resp.json().get("data", [])
-                models = {m["id"]: ModelInfo(m["id"], m.get("max_model_len"), m.get("root"),
-                                             self.base_url) for m in data}
-            except (ValueError, TypeError, KeyError, AttributeError):
-                raise UpstreamError(f"upstream `{self.name}` /v1/models answered something "
-                                    "that is not a model list") from None
-            self._models = models
-            self._models_at = time.monotonic()
+    def models_age(self) -> float:
+        """Seconds since the model list was last fetched (``inf``: never)."""
+        return time.monotonic() - self._models_at
+
+    @property
+    def fetching(self) -> bool:
+        return self._fetch is not None
+
+    @property
+    def known(self) -> dict[str, ModelInfo]:
+        """The model list as last fetched (empty: never)."""
+        return self._models or {}
+
+    async def models(self, *, max_age: float = 0.0) -> dict[str, ModelInfo]:
+        """``{id: ModelInfo}`` from ``/v1/models``: the kept list when it is at most ``max_age``
+        seconds old, else a fresh one (see the module docstring)."""
+        if self._models is not None and self.models_age() <= max_age:
             return self._models
+        if self._fetch is None:
+            self._fetch = asyncio.ensure_future(self._fetch_models())
+            self._fetch.add_done_callback(self._fetched)
+        return await asyncio.shield(self._fetch)  # a caller gone away leaves it to the others
+
+    def _fetched(self, fut: asyncio.Future[dict[str, ModelInfo]]) -> None:
+        self._fetch = None
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the callers that waited have raised it
+
+    async def _fetch_models(self) -> dict[str, ModelInfo]:
+        resp = await self.request("GET", "/v1/models", timeout=self.config.connect_timeout_s + 5)
+        if resp.status_code != 200:
+            raise UpstreamError(f"upstream `{self.name}` /v1/models answered HTTP "
+                                f"{resp.status_code}")
+        try:
+            data = resp.json().get("data", [])
+            models = {m["id"]: ModelInfo(m["id"], m.get("max_model_len"), m.get("root"),
+                                         self.base_url) for m in data}
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise UpstreamError(f"upstream `{self.name}` /v1/models answered something "
+                                "that is not a model list") from None
+        self._models, self._models_at = models, time.monotonic()
+        return models
 
     async def metrics_text(self) -> str | None:
         try:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -33,12 +33,16 @@ class Endpoint:
     cfg: UpstreamConfig
     client: Upstream
     up: bool = True
-    known: dict[str, ModelInfo] = field(default_factory=dict)  # its last /v1/models answer
     checking: asyncio.Task | None = None
 
     @property
     def name(self) -> str:
         return self.cfg.name
+
+    @property
+    def known(self) -> dict[str, ModelInfo]:
+        """Its last ``/v1/models`` answer (empty: none yet)."""
+        return self.client.known
 
     def serves(self, model: str) -> bool:
         return model in (self.cfg.models or self.known)
@@ -86,9 +90,10 @@ class Health:
         self.set_up(ep, False)
         if ep.checking is None or ep.checking.done():
             with contextlib.suppress(RuntimeError):  # no running loop: the next check will do
-                ep.checking = self._spawn(self.check(ep), f"check-{ep.name}")
+                ep.checking = self.spawn(self.check(ep), f"check-{ep.name}")
 
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task:
+    def spawn(self, coro: Any, name: str) -> asyncio.Task:
+        """Run ``coro`` in the background until it ends or the router closes."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -98,7 +103,7 @@ class Health:
         """``GET /v1/models`` within ``timeout_s``: up or down."""
         try:
             async with asyncio.timeout(self.settings.timeout_s):
-                ep.known = dict(await ep.client.models(refresh=True))
+                await ep.client.models()
         except (UpstreamError, TimeoutError):
             self.set_up(ep, False)
             return False
@@ -119,7 +124,7 @@ class Health:
                 except Exception:  # a check must never end the checking
                     log.exception("upstream health checks failed")
 
-        self._spawn(loop(), "upstream-health")
+        self.spawn(loop(), "upstream-health")
 
     def close(self) -> None:
         for t in list(self._tasks):

@@ -10,11 +10,15 @@ client (a timeout is not retried: the request reached a server that may still be
 it). With the shared Redis KV tier, a session that fails over to another server of the same
 model finds its KV there (same salt, same model namespace) instead of recomputing it.
 
-Health (:class:`~cwm_plugin.sidecar.upstream.endpoints.Health`): an upstream is marked down by a
-failure and checked at once (``GET /v1/models``), then every ``routing.health.interval_s``; a
-down upstream is tried last, never skipped, and is up again as soon as a check or a request
-succeeds. A down upstream is not asked for its model list
-on the request path (a dead host would cost a connect timeout per request): its last known list
+What an upstream serves is its kept ``/v1/models`` list (:meth:`Router._discover`): refreshed
+in the background once older than ``models_ttl_s``, and on the request path only when an
+upstream was never asked or for a name no list has, at most once every ``models_recheck_s``
+(unknown names are answered from the lists in between); requests for served models never wait
+for a fetch. Health (:class:`~cwm_plugin.sidecar.upstream.endpoints.Health`): an upstream is
+marked down by a failure and checked at once (``GET /v1/models``), then every
+``routing.health.interval_s``; a down upstream is tried last, never skipped, and is up again
+as soon as a check or a request succeeds. A down upstream is not asked for its model list on
+the request path (a dead host would cost a connect timeout per request): its last known list
 stands. Metrics are labelled by upstream (requests, errors, up, latency, failovers).
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -85,18 +90,33 @@ class Router:
     def _ordered(self, eps: list[Endpoint]) -> list[Endpoint]:
         return [e for e in eps if e.up] + [e for e in eps if not e.up]
 
-    async def _discover(self, eps: list[Endpoint], *, refresh: bool = False,
+    async def _discover(self, eps: list[Endpoint], *, recheck: bool = False,
                         include_down: bool = False) -> UpstreamError | None:
-        """Refresh what ``eps`` serve (cached ``models_ttl_s``; down ones only with
-        ``include_down``); returns the last failure, if any."""
-        todo = [e for e in eps if (e.up or include_down) and (refresh or not e.cfg.models
-                                                               or not e.known)]
-        results = await asyncio.gather(*(self._models_of(e, refresh) for e in todo))
+        """Know what ``eps`` serve (down ones only with ``include_down``); returns the last
+        failure, if any. An upstream never asked is asked now (every caller waits for its one
+        answer); a list older than ``models_ttl_s`` still answers while a fresh one is fetched
+        in the background; ``recheck`` (a name none of them serves): a list older than
+        ``models_recheck_s`` is fetched now, one fetch for every caller. Upstreams with
+        ``models`` in their settings are asked once, for what those models are."""
+        now: list[tuple[Endpoint, float]] = []
+        for e in eps:
+            if not (e.up or include_down):
+                continue
+            age = e.client.models_age()
+            if age == math.inf:
+                now.append((e, math.inf))
+            elif e.cfg.models:
+                continue
+            elif recheck and age > e.cfg.models_recheck_s:
+                now.append((e, e.cfg.models_recheck_s))
+            elif age > e.cfg.models_ttl_s and not e.client.fetching:
+                self.health.spawn(self._models_of(e, e.cfg.models_ttl_s), f"models-{e.name}")
+        results = await asyncio.gather(*(self._models_of(e, age) for e, age in now))
         return next((r for r in reversed(results) if r is not None), None)
 
-    async def _models_of(self, ep: Endpoint, refresh: bool) -> UpstreamError | None:
+    async def _models_of(self, ep: Endpoint, max_age: float) -> UpstreamError | None:
         try:
-            ep.known = dict(await ep.client.models(refresh=refresh))
+            await ep.client.models(max_age=max_age)
         except UpstreamError as exc:
             self.health.failed(ep, exc.code)
             return exc
@@ -104,12 +124,15 @@ class Router:
         return None
 
     async def for_model(self, model: str) -> Route:
-        """The upstreams serving ``model`` (404 when none does, 502 when none answers)."""
+        """The upstreams serving ``model`` (404 when none does, 502 when none answers). A name
+        none serves is answered from the lists as they are (a negative cache) unless one is
+        older than ``models_recheck_s``: a flood of unknown names costs an upstream at most one
+        ``/v1/models`` that often, and requests for served models never wait for it."""
         failure = await self._discover(self.endpoints)
         eps = [e for e in self.endpoints if e.serves(model)]
         if not eps:  # a model may have been added since (or, when none is up, one is back)
             none_up = not any(e.up for e in self.endpoints)
-            failure = await self._discover(self.endpoints, refresh=True,
+            failure = await self._discover(self.endpoints, recheck=True,
                                            include_down=none_up) or failure
             eps = [e for e in self.endpoints if e.serves(model)]
         if not eps:

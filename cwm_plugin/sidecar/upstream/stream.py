@@ -10,8 +10,8 @@ exactly the stream vLLM sends a client that did not ask for usage. ``on_done`` r
 ``[DONE]`` event is passed on (the turn is in memory before the client learns it has ended). An
 upstream failure in mid-stream becomes one OpenAI-shaped error event; the stream never hangs
 beyond the upstream read timeout. A stream that ends before its end (the client went away, or
-the upstream failed) is billed for what was relayed (:func:`relayed_usage`: vLLM streams a
-token a chunk) unless its usage had already come.
+the upstream failed) is billed for what was relayed (``Collected.chunks``: vLLM streams a token
+a chunk; ``usage.py``'s ``Meter``) unless its usage had already come.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class Collected:
     calls: dict[int, dict[str, str]] = field(default_factory=dict)  # streamed tool calls
     usage: dict[str, Any] | None = None
     chunks: int = 0  # chunks that carried text or a tool call's fragment (a token each)
+    # (or, of the Responses API, a text delta)
     finish_reason: str | None = None
     done: bool = False
     error: str | None = None
@@ -64,6 +65,8 @@ class Collected:
             done = obj.get("response")
             if isinstance(done, dict) and isinstance(done.get("usage"), dict):
                 self.usage = done["usage"]
+        elif obj.get("type") == "response.output_text.delta" and obj.get("delta"):
+            self.chunks += 1
         for choice in obj.get("choices") or []:
             if choice.get("index", 0) != 0:
                 continue
@@ -86,16 +89,6 @@ class Collected:
 
 
 CUT_MARK = "[cut off: the stream ended before the answer did]"
-
-
-def relayed_usage(collected: Collected, prompt_tokens: int | None) -> dict[str, Any]:
-    """The usage of a stream that ended early: its own if it came, else the tokens relayed
-    (and the prompt's, estimated by the caller when it knows them)."""
-    if collected.usage:
-        return collected.usage
-    prompt = prompt_tokens or 0
-    return {"prompt_tokens": prompt, "completion_tokens": collected.chunks,
-            "total_tokens": prompt + collected.chunks, "estimated": True}
 
 
 EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # SSE allows CRLF, LF or CR line ends

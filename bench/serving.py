@@ -71,8 +71,8 @@ from _serving_workload import Request, Runner, Session, WorkloadSpec, build_sess
 from tqdm import tqdm
 
 from cwm_plugin.compute_dtype import compute_dtype
+from cwm_plugin.testing.conversations.prompts import conversation_lines
 from cwm_plugin.testing.models import build_smollm2
-from cwm_plugin.testing.prompts import conversation_lines
 from cwm_plugin.testing.redis_server import RedisServer
 
 log = logging.getLogger("bench.serving")
@@ -88,7 +88,7 @@ PARTS = ("sweep", "fits", "greedy", "faults", "tiny_budgets", "sidecar", "cluste
 def texts() -> tuple[list[str], list[str]]:
     """Lines of the generated conversations and their questions (the users' contexts and
     turns)."""
-    from cwm_plugin.testing.dialogues import default_conversations
+    from cwm_plugin.testing.conversations.dialogues import default_conversations
 
     questions = [q["question"] for c in default_conversations() for q in c.qa]
     return list(conversation_lines()), questions

@@ -3,7 +3,7 @@
     python bench/sidecar.py --chunks N --json FILE [--quick] [--upstream URL]
 
 * **Import**: one tenant's memory gets ``--chunks`` chunks of conversation text (the generated
-  conversations, :mod:`cwm_plugin.testing.dialogues`) with ``cwm memory import``'s code
+  conversations, :mod:`cwm_plugin.testing.conversations.dialogues`) with ``cwm memory import``'s code
   (MiniLM, the sidecar's chunk settings), in tokens/s, against the seeding path of before
   (session files, then a reindex: each line embedded with the line before it, sessions one by
   one, on torch's threads) timed on ``--baseline-chunks`` chunks in the same run, before and
@@ -61,7 +61,7 @@ from _sidecar_client import KEY, SYSTEM, post, prefix_runs
 from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.memory.service.importer import Conversation, import_sessions
 from cwm_plugin.sidecar.identity.authenticator import hash_key
-from cwm_plugin.testing.dialogues import default_conversations
+from cwm_plugin.testing.conversations.dialogues import default_conversations
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2
 from cwm_plugin.testing.server_thread import ServerThread

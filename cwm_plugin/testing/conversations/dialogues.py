@@ -4,10 +4,10 @@ The project's own conversation text, used by the demo, the tests, the benchmarks
 test model's tokenizer corpus. Each conversation is two people (a relative sometimes drops in
 to say hello) talking over dated sessions, a few days to weeks apart: greetings, small talk,
 news that plants facts (a pet adopted, a race signed up for, a book read; see
-:mod:`cwm_plugin.testing.topics`) and, in later sessions, follow-ups that refer back to them
+:mod:`cwm_plugin.testing.conversations.topics`) and, in later sessions, follow-ups that refer back to them
 (the race was run, the pet learned a trick).
 
-It comes in LoCoMo's layout (:class:`cwm_plugin.testing.locomo.Conversation`): ``session_N``
+It comes in LoCoMo's layout (:class:`cwm_plugin.testing.conversations.locomo.Conversation`): ``session_N``
 turns ``{speaker, dia_id, text}``, ``session_N_date_time`` ("1:56 pm on 8 May, 2023"),
 ``session_N_summary``, ``speaker_a``/``speaker_b``, and ``qa`` entries with ``question``,
 ``answer``, ``evidence`` (the dia_ids of the turns that hold the answer) and ``category``
@@ -23,9 +23,9 @@ import random
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from cwm_plugin.testing import phrasebook
-from cwm_plugin.testing.locomo import Conversation
-from cwm_plugin.testing.topics import FACTS, OWN, Topic
+from cwm_plugin.testing.conversations import phrasebook
+from cwm_plugin.testing.conversations.locomo import Conversation
+from cwm_plugin.testing.conversations.topics import FACTS, OWN, Topic
 
 DEFAULT_SEED = 0
 DEFAULT_CONVERSATIONS = 6

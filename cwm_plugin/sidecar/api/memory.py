@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from cwm_plugin.errors import CWMError, InvalidInput
 from cwm_plugin.sidecar.api.memory_view import VIEWS, build_view
 from cwm_plugin.sidecar.api.schema import body_doc
-from cwm_plugin.sidecar.identity.access import ACTIVITY, GLOBAL, USER, Namespace
+from cwm_plugin.sidecar.identity.access import ACTIVITY, GLOBAL, USER, MemoryNamespace
 from cwm_plugin.sidecar.identity.authenticator import Identity, validate_session
 from cwm_plugin.sidecar.identity.caller import identity_of, model_body
 from cwm_plugin.sidecar.settings.access import Access
@@ -62,7 +62,7 @@ def memory_router(sidecar: Any) -> APIRouter:
     perms = sidecar.auth.perms
     who = identity_of  # the caller: its principal, and the user of its X-CWM-User header
 
-    def where(ident: Identity, name: str | None, op: str) -> tuple[MemoryPort, Namespace]:
+    def where(ident: Identity, name: str | None, op: str) -> tuple[MemoryPort, MemoryNamespace]:
         """The memory and the namespace ``name`` (default: the home), ``op`` allowed there."""
         ns = perms.open(ident.tenant, name or ident.namespace, ident.user, op)
         if ns.folder is None:

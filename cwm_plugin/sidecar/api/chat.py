@@ -100,7 +100,7 @@ async def _plan(sc: Sidecar, turn_in: dict[str, Any], stages: Stages) -> tuple[P
 async def handle_chat(sc: Sidecar, request: Request) -> Response:
     stages = Stages()
     t0 = time.perf_counter()
-    tenant_cfg = principal_of(request)  # authenticated before the body was read (identity/caller.py)
+    tenant_cfg = principal_of(request)  # authenticated before the body was read (caller.py)
     body = await json_body(request)
     ident = identity_of(request, body)
     model = require_model(body)

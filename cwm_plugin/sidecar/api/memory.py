@@ -1,17 +1,19 @@
-"""REST over memory namespaces, every route checked against the permission matrix (``identity/access.py``).
+"""REST over memory namespaces, every route checked against the permission matrix
+(``identity/access.py``).
 
-``GET /v1/memory/namespaces`` lists the namespaces the caller may use and what it may do there
-(its principal, for the user of ``X-CWM-User`` when given; none it has no access to); ``GET /v1/memory/facts?namespace=N`` lists the durable memories
-in force (read); ``POST /v1/memory/facts`` ``{"namespace"?, "text", "category"?, "importance"?,
-"key"?}`` merges one (write); ``GET /v1/memory/search?namespace=N&q=...&k=`` searches the
-namespace's conversations and memories (read); ``GET /v1/memory/view?namespace=N&view=quick|full
-&max_tokens=&model=`` returns the namespace's memory as text at that resolution with its token
-count (the served ``model``'s, else the memory's tokenizer; read; ``memory_view.py``); ``POST /v1/memory/turns`` ``{"namespace"?,
-"session", "role", "content"}`` appends a turn to a session's transcript (append). The
-namespace defaults to the request's home (the user's, else the principal's); the activity log
-is ``/v1/activity``. A namespace that does not exist and one the caller has no access to
-answer alike (404 ``namespace_not_found``); one it may use, but not so, a 403 naming the rule;
-memory off: 503. Bodies are read after the caller is authenticated (``identity/caller.py``).
+``GET /v1/memory/namespaces`` lists the namespaces the caller may use and what it may do there (its
+principal, for the user of ``X-CWM-User`` when given; none it has no access to);
+``GET /v1/memory/facts?namespace=N`` lists the durable memories in force (read);
+``POST /v1/memory/facts`` ``{"namespace"?, "text", "category"?, "importance"?, "key"?}`` merges one
+(write); ``GET /v1/memory/search?namespace=N&q=...&k=`` searches the namespace's conversations and
+memories (read); ``GET /v1/memory/view?namespace=N&view=quick|full&max_tokens=&model=`` returns the
+namespace's memory as text at that resolution with its token count (the served ``model``'s, else the
+memory's tokenizer; read; ``memory_view.py``); ``POST /v1/memory/turns``
+``{"namespace"?, "session", "role", "content"}`` appends a turn to a session's transcript (append).
+The namespace defaults to the request's home (the user's, else the principal's); the activity log is
+``/v1/activity``. A namespace that does not exist and one the caller has no access to answer alike
+(404 ``namespace_not_found``); one it may use, but not so, a 403 naming the rule; memory off: 503.
+Bodies are read after the caller is authenticated (``identity/caller.py``).
 """
 
 from __future__ import annotations

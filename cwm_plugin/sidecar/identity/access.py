@@ -3,7 +3,7 @@ retrieval itself ask :class:`Permissions` (the settings: ``settings/access.py``)
 
 A *principal* is who holds the API key: a tenant (``tenants:``) or a provider (``providers:``,
 an agent sharing the deployment's memory with the others). A *namespace* is where memory lives
-(:class:`MemoryNamespace`): the principal's own (its folder under the memory root, as before), the
+(:class:`MemoryNamespace`): the principal's own (its folder under the memory root), the
 user's within it (``<principal>/user``: the folder ``u-<HMAC(secret, principal, user)>``, so
 only requests for that user ever reach it), ``global`` (folder ``global``), a project
 (``project:<name>``, folder ``project.<name>``) or the activity log (``activity``). A request

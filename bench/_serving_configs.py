@@ -17,10 +17,9 @@ benchmark's time.
 
 Every config computes on the same cores: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``. By default vLLM's
 CPU worker keeps one core a rank for its engine process and one more when a KV connector is
-configured (vllm/utils/ompmultiprocessing.py); on 2 cores that left vLLM alone computing on one
-core while any connector config (whose reservation of 2 is not possible there) got both: a cold
-1700-token prompt took 4.4-5.0 s on vLLM alone against ~3.3 s with our connector or LMCache,
-in the same 80 steps. Runs before this setting compared against that one-core vLLM.
+configured (vllm/utils/ompmultiprocessing.py); on 2 cores that leaves vLLM alone computing on
+one core while any connector config (whose reservation of 2 is not possible there) gets both,
+so the configs would not compare like with like.
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ cwm_plugin/testing/tcp_proxy.py in a process of its own), continuing the main ph
 * ``store_gc``        ``cwm store gc --config --every`` (disk + Redis, the shipped minimum
   age) as the README runs it beside vLLM: one process under ``chrt --idle 0``, a pass every
   ``--gc-every-s`` seconds (start to start), started at the fault and stopped when the round
-  ends; far more often than a real schedule. (A process started for every pass, as cron
-  would, gave ITL p99 2.3-3.3x the fault-free round on 2 cores; most of such a run's CPU is
-  Python's start and imports.)
+  ends; far more often than a real schedule. (One process for every pass, not one a pass as
+  cron would start them: most of such a pass's CPU is Python's start and imports.)
 
 On servers of their own:
 * ``tiny_budgets``    the same users on a fresh server whose memory tier holds 2 blocks, disk
@@ -44,13 +43,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 from _serving_configs import SERVED, connector_args, shipped_redis
 from _serving_workload import Request, Runner, Session
 
-from cwm_plugin.testing.redis_cluster import RedisCluster
 from cwm_plugin.testing.redis_server import RedisServer
 from cwm_plugin.testing.vllm_server import VLLMServer, start_all
 
@@ -252,98 +250,79 @@ def sidecar_yaml(path: Path, model: Path, urls: dict[str, str], key_sha256: str,
     return path
 
 
-def commands_per_node(ports: Sequence[int]) -> dict[int, int]:
-    """``total_commands_processed`` of each Redis node (the INFO call itself included)."""
-    import redis
+class Player(Protocol):
+    """What the fault rounds need of the bench (:class:`serving.Bench`): its phases, its
+    servers, the workload and the run's arguments and results."""
 
-    out = {}
-    for p in ports:
-        c = redis.Redis(host="127.0.0.1", port=p, socket_timeout=5)
-        try:
-            out[p] = int(c.info("stats")["total_commands_processed"])
-        finally:
-            c.close()
-    return out
-
-
-def command_stats(ports: Sequence[int]) -> dict[int, dict[str, int]]:
-    """Calls per command of each node (INFO commandstats)."""
-    import redis
-
-    out: dict[int, dict[str, int]] = {}
-    for p in ports:
-        c = redis.Redis(host="127.0.0.1", port=p, socket_timeout=5)
-        try:
-            out[p] = {k.removeprefix("cmdstat_"): int(v["calls"])
-                      for k, v in c.info("commandstats").items()}
-        finally:
-            c.close()
-    return out
-
-
-def shares(before: dict[int, int], after: dict[int, int]) -> dict[str, Any]:
-    grown = {p: after[p] - before[p] - 1 for p in after}   # less our own INFO
-    total = sum(grown.values()) or 1
-    return {"commands": {str(p): n for p, n in grown.items()},
-            "share": {str(p): round(n / total, 3) for p, n in grown.items()},
-            "max_share": round(max(grown.values()) / total, 3) if grown else None}
-
-
-class FaultRounds:
-    """:class:`serving.Bench`'s fault rounds (it provides ``phase``, ``play``, ``warm``,
-    ``sessions``, ``servers``, ``spec``, ``args`` and ``out``)."""
-
-    phase: Any
-    play: Any
-    warm: Any
-    sessions: Any
     servers: Any
     spec: Any
     args: Any
     out: dict[str, Any]
 
+    def sessions(self, tag: str, users: int | None = None) -> list[Session]: ...
+
+    def play(self, url: str, sessions: list[Session], rounds: int, phase: str,
+             **kw: Any) -> list[Request]: ...
+
+    def warm(self, url: str, tag: str) -> None: ...
+
+    def phase(self, server: Any, sessions: list[Session], rounds: int, phase: str,
+              url: str | None = None, **kw: Any) -> dict[str, Any]: ...
+
+
+class FaultRounds:
+    """The fault rounds and the sidecar's failover (see the module docstring), played by the
+    bench's phases; results go into ``bench.out``."""
+
+    def __init__(self, bench: Player) -> None:
+        self.bench = bench
+        self.base: dict[str, Any] = {}  # the fault-free round the tiny budgets compare with
+
     def fault(self, name: str, server: Any, sessions: list[Session], base: dict[str, Any],
               action: Action | None, **kw: Any) -> dict[str, Any]:
-        at = self.args.fault_at * (base.get("duration_s") or 10.0)
-        got = self.phase(server, sessions, self.args.fault_rounds, f"fault-{name}",
-                         action=action, at_s=at, **kw)
+        args = self.bench.args
+        at = args.fault_at * (base.get("duration_s") or 10.0)
+        got = self.bench.phase(server, sessions, args.fault_rounds, f"fault-{name}",
+                               action=action, at_s=at, **kw)
         got.update(baseline_itl_p99_s=base.get("itl_p99_s"), injected_at_s=at)
-        self.out["fault_rounds"][name] = got
+        self.bench.out["fault_rounds"][name] = got
         return got
 
     def redis_faults(self, sessions: list[Session], redis: RedisHolder, proxy: Any) -> None:
         """The Redis faults on a ``cwm_redis`` server of their own whose Redis is behind the
-        proxy (the main row's server reaches Redis straight: on 2 cores a proxy process in
-        the path slowed the scheduler's 80 ms lookups); same disk folder, same sessions."""
-        with self.servers.serve("cwm_redis", redis_url=proxy.url) as server:
-            self.warm(server.base_url, "faults")
+        proxy (the main row's server reaches Redis straight, so that no proxy process is in
+        the path of its scheduler's lookups); same disk folder, same sessions."""
+        with self.bench.servers.serve("cwm_redis", redis_url=proxy.url) as server:
+            self.bench.warm(server.base_url, "faults")
             self._redis_faults(server, sessions, redis, proxy)
 
     def _redis_faults(self, server: Any, sessions: list[Session], redis: RedisHolder,
                       proxy: Any) -> None:
-        base = self.phase(server, sessions, self.args.fault_rounds, "fault-none")
-        self.out["fault_rounds"]["none"] = self.base = {**base,
-                                                        "baseline_itl_p99_s": base["itl_p99_s"]}
+        bench, args, work = self.bench, self.bench.args, self.bench.servers.work
+        base = bench.phase(server, sessions, args.fault_rounds, "fault-none")
+        bench.out["fault_rounds"]["none"] = self.base = {**base,
+                                                         "baseline_itl_p99_s": base["itl_p99_s"]}
         self.fault("redis_restart", server, sessions, base,
-                   restart_redis(redis, self.args.redis_down_s))
+                   restart_redis(redis, args.redis_down_s))
         self.fault("redis_blackhole", server, sessions, base,
-                   black_hole(proxy, self.args.blackhole_s))
-        store = shipped_redis(redis.url, self.servers.work / "redis-disk")["store"]
+                   black_hole(proxy, args.blackhole_s))
+        store = shipped_redis(redis.url, work / "redis-disk")["store"]
         runs: list[dict[str, Any]] = []
-        cfg = store_yaml(self.servers.work / "gc-store.yaml", store)
+        cfg = store_yaml(work / "gc-store.yaml", store)
         self.fault("store_gc", server, sessions, base,
-                   store_gc(cfg, self.servers.work, runs, self.args.gc_every_s))
-        self.out["fault_rounds"]["store_gc"].update(gc_runs=runs, gc_every_s=self.args.gc_every_s)
+                   store_gc(cfg, work, runs, args.gc_every_s))
+        bench.out["fault_rounds"]["store_gc"].update(gc_runs=runs, gc_every_s=args.gc_every_s)
 
     def tiny_budgets(self, sessions: list[Session], redis: RedisHolder) -> None:
-        block = self.servers.sizes.kv_bytes_per_token * 128
-        extra = shipped_redis(redis.url, self.servers.work / "tiny-disk",
+        servers = self.bench.servers
+        block = servers.sizes.kv_bytes_per_token * 128
+        extra = shipped_redis(redis.url, servers.work / "tiny-disk",
                               memory_bytes=2 * block, disk_bytes=4 * block)
         undo = squeeze_redis(redis, 8 * block + (4 << 20))()
         try:
-            with self.servers.vllm(connector_args(extra)) as server:
-                self.warm(server.base_url, "tiny")
-                self.fault("tiny_budgets", server, sessions, getattr(self, "base", {}), None)
+            with servers.vllm(connector_args(extra)) as server:
+                self.bench.warm(server.base_url, "tiny")
+                self.fault("tiny_budgets", server, sessions, self.base, None)
         finally:
             undo()
 
@@ -351,42 +330,25 @@ class FaultRounds:
         from cwm_plugin.sidecar.identity.authenticator import hash_key
         from cwm_plugin.testing.sidecar_process import SidecarProcess
 
-        work = self.servers.work
+        bench, servers = self.bench, self.bench.servers
+        work = servers.work
         url = f"redis://127.0.0.1:{redis.port}/0"
-        a, b = (self.servers.vllm(connector_args(shipped_redis(url, work / f"sc-{n}")))
+        a, b = (servers.vllm(connector_args(shipped_redis(url, work / f"sc-{n}")))
                 for n in "ab")
         key = secrets.token_hex(16)
         try:
             start_all(a, b)
-            cfg = sidecar_yaml(work / "sidecar.yaml", self.servers.model,
-                                      {"a": a.base_url, "b": b.base_url}, hash_key(key), SERVED)
+            cfg = sidecar_yaml(work / "sidecar.yaml", servers.model,
+                               {"a": a.base_url, "b": b.base_url}, hash_key(key), SERVED)
             with SidecarProcess(cfg, None, work, secrets.token_hex(32)) as sc:
-                sessions = self.sessions("sidecar")
+                sessions = bench.sessions("sidecar")
                 kw = {"salted": False, "api_key": key}
-                self.play(sc.url, sessions, 1, "sidecar-warm", **kw)
-                base = self.phase(a, sessions, self.args.fault_rounds, "sidecar-none",
-                                  **kw, url=sc.url)
-                self.out["sidecar_baseline"] = base
+                bench.play(sc.url, sessions, 1, "sidecar-warm", **kw)
+                base = bench.phase(a, sessions, bench.args.fault_rounds, "sidecar-none",
+                                   **kw, url=sc.url)
+                bench.out["sidecar_baseline"] = base
                 self.fault("sidecar_kill", b, sessions, base, kill_server(a), **kw,
                            url=sc.url)
         finally:
             a.stop()
             b.stop()
-
-    def cluster(self) -> None:
-        with RedisCluster() as cl:
-            ports = [n.port for n in cl.nodes]
-            extra = shipped_redis(cl.url, self.servers.work / "cluster-disk",
-                                  redis_cluster=True)
-            with self.servers.vllm(connector_args(extra)) as server:
-                self.warm(server.base_url, "cluster")
-                before, stats0 = commands_per_node(ports), command_stats(ports)
-                got = self.phase(server, self.sessions("cluster"), self.spec.rounds,
-                                 "cluster")
-                after, stats1 = commands_per_node(ports), command_stats(ports)
-            self.out["redis_cluster"] = {
-                **got, **shares(before, after),
-                "commandstats": {str(p): {k: v - stats0[p].get(k, 0) for k, v in s.items()
-                                          if v - stats0[p].get(k, 0)}
-                                 for p, s in stats1.items()}}
-

@@ -1,10 +1,10 @@
 """bench/serving.py's workload: multi-round QA sessions in the shape of LMCache's benchmark.
 
 N users share one system prompt; each has a context of its own (generated conversation text,
-:mod:`cwm_plugin.testing.dialogues`) and asks R questions (the conversations' questions), one a
-round; every answer is exactly A tokens (``ignore_eos``) at temperature 0 and goes into the
-user's history, so round r+1 resends everything before it. Each user has a ``cache_salt`` of
-its own (as the sidecar gives every session), so users never share KV; behind the sidecar the
+:mod:`cwm_plugin.testing.conversations.dialogues`) and asks R questions (the conversations'
+questions), one a round; every answer is exactly A tokens (``ignore_eos``) at temperature 0 and goes
+into the user's history, so round r+1 resends everything before it. Each user has a ``cache_salt``
+of its own (as the sidecar gives every session), so users never share KV; behind the sidecar the
 ``X-Session-Id`` header names the session instead.
 
 Arrivals: user i starts at ``i / qps``; its next round is sent ``users / qps`` seconds after
@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cwm_plugin.testing.prompts import conversation_prompt
+from cwm_plugin.testing.conversations.prompts import conversation_prompt
 
 SYSTEM_PREAMBLE = ("You are a helpful assistant. The notes below are from a shared archive of "
                    "conversations; the user's own conversation follows in the first message. "

@@ -33,7 +33,7 @@ from cwm_plugin.sidecar.identity.authenticator import Identity, hash_key
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.kv_store import KVStore
-from cwm_plugin.testing.prompts import conversation_lines
+from cwm_plugin.testing.conversations.prompts import conversation_lines
 from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.portable import export_window, import_window

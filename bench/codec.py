@@ -110,8 +110,8 @@ def capture_vllm(dtype: str, tokens: int = PROMPT_TOKENS) -> list[torch.Tensor]:
     """Real KV blocks of SmolLM2-135M in ``dtype``, from vLLM's paged cache via our connector."""
     from transformers import AutoTokenizer
 
+    from cwm_plugin.testing.conversations.prompts import conversation_prompt
     from cwm_plugin.testing.models import build_smollm2
-    from cwm_plugin.testing.prompts import conversation_prompt
 
     folder = build_smollm2()
     prompt = conversation_prompt(AutoTokenizer.from_pretrained(folder), tokens)

@@ -3,7 +3,7 @@
     python bench/memory.py --json out.json [--quick] [--data DIR]
 
 By default it measures on the project's generated conversations
-(:mod:`cwm_plugin.testing.dialogues`: planted facts, their questions and evidence turns). With
+(:mod:`cwm_plugin.testing.conversations.dialogues`: planted facts, their questions and evidence turns). With
 ``--data``, every ``*.json`` file in DIR holding a LoCoMo conversation (flat, as in LoCoMo's
 development split, or a ``{"conversation": ..., "qa": ...}`` sample, or a list of samples as
 in locomo10.json) is used instead; other files (README, ...) are skipped. Each conversation is
@@ -62,8 +62,8 @@ from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.memory.tokens import make_counter
 from cwm_plugin.sidecar.turn import prompt as P
 from cwm_plugin.sidecar.turn.budget import DEFAULT_ANSWER_TOKENS, memory_budget, recent_tail
-from cwm_plugin.testing import locomo
-from cwm_plugin.testing.dialogues import default_conversations
+from cwm_plugin.testing.conversations import locomo
+from cwm_plugin.testing.conversations.dialogues import default_conversations
 
 MODES = ("bm25", "vector", "hybrid")
 KS = (5, 10, 20)

@@ -21,21 +21,23 @@ output tokens a second, vLLM's external and own prefix-cache hit tokens, failed 
   requests/s is the most it completed in any phase of the run: the sweep's points, or the
   ``saturated`` phase after the main rounds, where the main users send their next
   ``--saturated-rounds`` rounds in a closed loop (all returning, KV evicted from vLLM, the
-  server never idle; 6 rounds in a full run: at 3, 24 requests in ~16 s, the ratio to LMCache
-  moved 1.17x-1.30x between two runs); the requests/s goals compare those;
+  server never idle; a full run plays enough of them that the phase's requests/s is steady);
+  the requests/s goals compare those;
 * ``fits``: the same workload on vLLM with a cache that holds every user (the ITL reference);
 * the greedy check: sample sessions' last turn on ``cwm_cpu``, restored from the CPU tier
   after dropping vLLM's prefix cache, vs the session replayed round by round under a fresh
   salt (a recompute-only run), and vs its last prompt in one piece;
 * faults under load (bench/_serving_faults.py), each a round with failed requests and ITL p99
   against its fault-free round;
-* a Redis Cluster run: the shipped Redis config on a real 3-master cluster, each master's share
-  of the commands.
+* a Redis Cluster run (bench/_serving_cluster.py): the shipped Redis config on a real
+  3-master cluster, each master's share of the commands.
+
+The command line, with each size's full and ``--quick`` value: bench/_serving_args.py.
 
 A table with ratios against ``vllm`` and ``lmcache`` of this run and the issue's goals are
 printed; the JSON (``--json``) names the machine, the load average and the commit with the
 files that differed from it. ``--quick``: 4 users, 3 rounds, 600-token contexts, 2 sweep
-points on 2 configs; every part still runs (about ten vLLM starts: ~10 minutes on 2 cores).
+points on 2 configs; every part still runs (about ten vLLM starts).
 Exit status 1 if a part failed to run (the goals are reported, not enforced).
 """
 
@@ -44,7 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import secrets
@@ -55,11 +56,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _serving_cluster as cluster
 import _serving_faults as faults
 import _serving_report as report
 from _common import load_average, machine, write_json
+from _serving_args import parse
 from _serving_configs import (
-    CONFIGS,
     SERVED,
     Servers,
     Sizes,
@@ -70,25 +72,18 @@ from _serving_configs import (
 from _serving_workload import Request, Runner, Session, WorkloadSpec, build_sessions
 from tqdm import tqdm
 
-from cwm_plugin.compute_dtype import compute_dtype
+from cwm_plugin.testing.conversations.prompts import conversation_lines
 from cwm_plugin.testing.models import build_smollm2
-from cwm_plugin.testing.prompts import conversation_lines
 from cwm_plugin.testing.redis_server import RedisServer
 
 log = logging.getLogger("bench.serving")
-FULL = {"users": 8, "rounds": 6, "answer_tokens": 16, "context_tokens": 1200, "qps": 0.6,
-        "sweep_users": [4, 16], "sweep_configs": ["vllm", "lmcache", "cwm_cpu"],
-        "fault_rounds": 2, "greedy_sessions": 3, "saturated_rounds": 6}
-QUICK = {"users": 4, "rounds": 3, "answer_tokens": 16, "context_tokens": 600, "qps": 0.6,
-         "sweep_users": [2, 6], "sweep_configs": ["vllm", "cwm_cpu"], "fault_rounds": 2,
-         "greedy_sessions": 2, "saturated_rounds": 2}
-PARTS = ("sweep", "fits", "greedy", "faults", "tiny_budgets", "sidecar", "cluster")
+
 
 
 def texts() -> tuple[list[str], list[str]]:
     """Lines of the generated conversations and their questions (the users' contexts and
     turns)."""
-    from cwm_plugin.testing.dialogues import default_conversations
+    from cwm_plugin.testing.conversations.dialogues import default_conversations
 
     questions = [q["question"] for c in default_conversations() for q in c.qa]
     return list(conversation_lines()), questions
@@ -107,13 +102,16 @@ def code_state() -> dict[str, Any]:
                                               "cwm_plugin").splitlines()]}
 
 
-class Bench(faults.FaultRounds):
+class Bench:
+    """One run: its phases against the servers, and what they measured (``out``)."""
+
     def __init__(self, args: argparse.Namespace, spec: WorkloadSpec, servers: Servers,
                  tokenizer: Any, lines: list[str], questions: list[str]) -> None:
         self.args, self.spec, self.servers = args, spec, servers
         self.tok, self.lines, self.questions = tokenizer, lines, questions
         self.out: dict[str, Any] = {"configs": {}, "fault_rounds": {}, "errors": {}}
         self.sweep: dict[str, dict[int, dict[str, Any]]] = {}
+        self.faults = faults.FaultRounds(self)
 
     def sessions(self, tag: str, users: int | None = None) -> list[Session]:
         return build_sessions(self.spec, self.tok, self.lines, self.questions, tag=tag,
@@ -191,9 +189,9 @@ class Bench(faults.FaultRounds):
             if name == "cwm_cpu" and "greedy" in self.args.parts:
                 self.guard("greedy", self.greedy, server, main)
         if name == "cwm_redis" and "faults" in self.args.parts:
-            self.guard("faults", self.redis_faults, main, redis, proxy)
+            self.guard("faults", self.faults.redis_faults, main, redis, proxy)
         if name == "cwm_redis" and "tiny_budgets" in self.args.parts:
-            self.guard("tiny_budgets", self.tiny_budgets, main, redis)
+            self.guard("tiny_budgets", self.faults.tiny_budgets, main, redis)
 
     def saturated(self, name: str, server: Any, sessions: list[Session]) -> dict[str, Any]:
         """The main users' next rounds in a closed loop (each sends again as soon as its answer
@@ -318,51 +316,8 @@ class Bench(faults.FaultRounds):
                    "another fresh salt, one at a time, temperature 0"}
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", type=Path, default=Path("bench/results/serving.json"))
-    ap.add_argument("--quick", action="store_true", help="a few minutes' run of every part")
-    ap.add_argument("--configs", nargs="*", choices=CONFIGS, default=list(CONFIGS))
-    ap.add_argument("--skip", nargs="*", choices=PARTS, default=[])
-    for k, v in FULL.items():
-        kind = type(v[0]) if isinstance(v, list) else type(v)
-        ap.add_argument(f"--{k.replace('_', '-')}", type=kind, nargs="*" if isinstance(v, list)
-                        else None, help=f"full: {v}; --quick: {QUICK[k]}")
-    ap.add_argument("--system-tokens", type=int, default=150)
-    ap.add_argument("--think-s", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kv-fraction", type=float, default=0.33,
-                    help="of the users' KV that vLLM's own cache holds")
-    ap.add_argument("--slo-x", type=float, default=4.0, help="TTFT objective: x the floor")
-    ap.add_argument("--repeat", type=int, default=1, help="main and saturated phases a config (medians)")
-    ap.add_argument("--fault-at", type=float, default=0.3, help="of the baseline round's time")
-    ap.add_argument("--blackhole-s", type=float, default=10.0)
-    ap.add_argument("--redis-down-s", type=float, default=2.0)
-    ap.add_argument("--gc-every-s", type=float, default=5.0,
-                    help="store_gc round: a gc pass starts this often (one cwm store gc --every)")
-    ap.add_argument("--dtype", default="auto", help="auto (this CPU's: cwm_plugin.compute_dtype), "
-                    "bfloat16, float32 or float16")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=128,
-                    help="vLLM's token budget a step, every config alike: a cold prefill is "
-                         "chunked so that decoding requests get a token every ~0.15 s on 2 "
-                         "cores (vLLM's CPU default, 2048, stalls them ~2 s a prefill)")
-    ap.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                    help="vLLM's cap on one request's prefill tokens a step, every config alike "
-                         "(0: vLLM's default, none): a running cold prefill then leaves part of "
-                         "the budget to requests that arrive behind it")
-    ap.add_argument("--store", type=json.loads, default={}, metavar="JSON",
-                    help='store settings over our configs\' own, e.g. \'{"zstd_level": 0}\'')
-    args = ap.parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    args.parts = [p for p in PARTS if p not in args.skip]
-    args.dtype = compute_dtype(args.dtype)
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+    args = parse(argv, __doc__.splitlines()[0])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -395,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"load_before": load_before, "t_start": t_start, "work": work}
     parts = [(name, bench.config, (name, redis, proxy)) for name in args.configs]
     parts += [(p, fn, a) for p, fn, a in (("fits", bench.fits, ()),
-                                           ("sidecar", bench.sidecar, (redis,)),
-                                           ("cluster", bench.cluster, ()))
+                                           ("sidecar", bench.faults.sidecar, (redis,)),
+                                           ("cluster", cluster.run, (bench,)))
               if p in args.parts]
     try:
         for part, fn, a in tqdm(parts, desc="parts", unit="part"):

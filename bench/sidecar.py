@@ -3,15 +3,14 @@
     python bench/sidecar.py --chunks N --json FILE [--quick] [--upstream URL]
 
 * **Import**: one tenant's memory gets ``--chunks`` chunks of conversation text (the generated
-  conversations, :mod:`cwm_plugin.testing.dialogues`) with ``cwm memory import``'s code
-  (MiniLM, the sidecar's chunk settings), in tokens/s, against the seeding path of before
-  (session files, then a reindex: each line embedded with the line before it, sessions one by
-  one, on torch's threads) timed on ``--baseline-chunks`` chunks in the same run, before and
-  after the import (this machine's speed drifts by ~10 % over minutes), in two ways: as it was
-  when the import was asked for (MiniLM in float32, the only precision then:
-  ``speedup_per_chunk_as_filed``) and with today's model precision (bfloat16 where the CPU has
-  it: ``speedup_per_chunk``, the figure that credits the import only with what is its own):
-  seconds per chunk, and the ratios.
+  conversations, :mod:`cwm_plugin.testing.conversations.dialogues`) with ``cwm memory
+  import``'s code (MiniLM, the sidecar's chunk settings), in tokens/s, against the plain
+  seeding path (session files, then a reindex: each line embedded with the line before it,
+  sessions one by one, on torch's threads) timed on ``--baseline-chunks`` chunks in the same
+  run, before and after the import (a machine's speed drifts over minutes), in two
+  precisions: MiniLM in float32 (``speedup_per_chunk_as_filed``) and in the precision this CPU
+  computes in (bfloat16 where it has it: ``speedup_per_chunk``, the figure that credits the
+  import only with what is its own): seconds per chunk, and the ratios.
 * **Overhead**: ``--requests`` chats through ``cwm serve`` (its own process), as conversations
   of ``--conv-turns`` turns whose client replays its history, each in its own session, each
   request sent once the sidecar finished indexing the previous turn (a person's reading time;
@@ -61,7 +60,7 @@ from _sidecar_client import KEY, SYSTEM, post, prefix_runs
 from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.memory.service.importer import Conversation, import_sessions
 from cwm_plugin.sidecar.identity.authenticator import hash_key
-from cwm_plugin.testing.dialogues import default_conversations
+from cwm_plugin.testing.conversations.dialogues import default_conversations
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2
 from cwm_plugin.testing.server_thread import ServerThread
@@ -89,7 +88,7 @@ def copies(lines: list[str], first: int, n: int) -> list[Conversation]:
 
 def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks: int,
                   dtype: str) -> dict:
-    """The seeding of before: whole session files written, then ``reindex`` (sessions one by
+    """The plain seeding path: whole session files written, then ``reindex`` (sessions one by
     one, each session's lines embedded in file order, each with the line before it, on torch's
     default threads), MiniLM in ``dtype``."""
     from cwm_plugin.memory.files.durable import replace_durable
@@ -98,8 +97,8 @@ def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
     from cwm_plugin.memory.service.factory import service_from_settings
     from cwm_plugin.memory.settings import MemorySettings
 
-    before = {**cfg_mem, "root": str(root), "vector_context_mode": "pair",  # as before: lines
-              "embedder": {**cfg_mem["embedder"], "threads": None, "dtype": dtype}}  # pairs
+    before = {**cfg_mem, "root": str(root), "vector_context_mode": "pair",  # lines in pairs
+              "embedder": {**cfg_mem["embedder"], "threads": None, "dtype": dtype}}
     service = service_from_settings(MemorySettings.model_validate(before))
     n = max(1, math.ceil(chunks / 14))
     t0 = time.perf_counter()
@@ -117,8 +116,8 @@ def baseline_seed(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks:
 
 
 def fresh(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in a new process: a baseline timed in this one after the import ran
-    1.6-1.8x slower (the import's heap stays behind), which is no property of the baseline."""
+    """``fn(*args)`` in a new process: a baseline timed in this one after the import would run
+    slower (the import's heap stays behind), which is no property of the baseline."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
 

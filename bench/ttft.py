@@ -54,9 +54,9 @@ from _ttft_report import BREAKDOWN, breakdown_of, goals, table, throughput
 from tqdm import tqdm
 
 from cwm_plugin.compute_dtype import compute_dtype
+from cwm_plugin.testing.conversations.prompts import conversation_prompt
 from cwm_plugin.testing.lmcache_server import LMCacheServer
 from cwm_plugin.testing.models import build_smollm2
-from cwm_plugin.testing.prompts import conversation_prompt
 from cwm_plugin.testing.redis_server import RedisServer
 from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 

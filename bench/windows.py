@@ -43,8 +43,8 @@ from ttft import HITS, stream_ttft
 from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.kv_store import KVStore
+from cwm_plugin.testing.conversations.prompts import conversation_prompt
 from cwm_plugin.testing.models import build_smollm2
-from cwm_plugin.testing.prompts import conversation_prompt
 from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 from cwm_plugin.windows.engine import WindowEngine
 

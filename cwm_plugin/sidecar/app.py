@@ -3,19 +3,18 @@
 Routes: ``POST /v1/chat/completions`` (memory, salt, streaming), ``POST /v1/completions`` and
 ``/v1/responses`` (salt only), ``POST /v1/embeddings``, ``/tokenize``, ``/detokenize``,
 ``GET /v1/models``, ``/v1/models/{id}`` (relayed), ``GET /health``, ``GET /metrics``,
-``GET /openapi.json`` (:mod:`~cwm_plugin.sidecar.api.schema`),
-``GET /v1/usage`` (:mod:`~cwm_plugin.sidecar.api.usage`), ``POST|GET /v1/activity``
+``GET /openapi.json`` (:mod:`~cwm_plugin.sidecar.api.schema`), ``GET /v1/usage``
+(:mod:`~cwm_plugin.sidecar.api.usage`), ``POST|GET /v1/activity``
 (:mod:`~cwm_plugin.sidecar.api.activity`), ``/v1/memory/...``
 (:mod:`~cwm_plugin.sidecar.api.memory`) and the context windows' routes
 (:mod:`~cwm_plugin.sidecar.api.windows`). Requests go to one of several upstreams
 (:mod:`~cwm_plugin.sidecar.upstream.router`: routing, health checks, failover). Who may do what:
 :mod:`~cwm_plugin.sidecar.identity.access`. Every route authenticates through one dependency before
-it reads a byte of its body, which is bounded (:mod:`~cwm_plugin.sidecar.identity.caller`); per-tenant
-rates and token quotas: :mod:`~cwm_plugin.sidecar.identity.ratelimit`; the server's own bounds
-(headers, slow clients, connections): :mod:`~cwm_plugin.sidecar.server_limits`. Every error
-leaves as an OpenAI-shaped body.
-``app.state.sidecar`` holds the app's runtime; assign ``app.state.sidecar.snapshot_hook`` to
-take a KV snapshot at auto-checkpoints.
+it reads a byte of its body, which is bounded (:mod:`~cwm_plugin.sidecar.identity.caller`);
+per-tenant rates and token quotas: :mod:`~cwm_plugin.sidecar.identity.ratelimit`; the server's own
+bounds (headers, slow clients, connections): :mod:`~cwm_plugin.sidecar.server_limits`. Every error
+leaves as an OpenAI-shaped body. ``app.state.sidecar`` holds the app's runtime; assign
+``app.state.sidecar.snapshot_hook`` to take a KV snapshot at auto-checkpoints.
 """
 
 from __future__ import annotations

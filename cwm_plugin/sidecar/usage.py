@@ -2,16 +2,16 @@
 cost at the configured prices (``pricing``), as metrics and ``GET /v1/usage``.
 
 Every answer that reports ``usage`` is recorded: the clients' requests (``kind: client``: chat,
-completions, responses; the ``cwm_sidecar_{prompt,completion,cached_prompt}_tokens`` counters)
-and the sidecar's own work for a tenant (``kind: background``: summaries, facts;
-``cwm_sidecar_background_tokens{kind=summary|facts}``); both cost (``cwm_sidecar_cost``). Cost = uncached prompt
-tokens x ``input_per_1m`` + cached ones x ``cached_input_per_1m`` (else the input price) +
-completion tokens x ``output_per_1m``, per million. ``GET /v1/usage`` answers the calling
+completions, responses; the ``cwm_sidecar_{prompt,completion,cached_prompt}_tokens`` counters) and
+the sidecar's own work for a tenant (``kind: background``: summaries, facts;
+``cwm_sidecar_background_tokens{kind=summary|facts}``); both cost (``cwm_sidecar_cost``). Cost =
+uncached prompt tokens x ``input_per_1m`` + cached ones x ``cached_input_per_1m`` (else the input
+price) + completion tokens x ``output_per_1m``, per million. ``GET /v1/usage`` answers the calling
 tenant's own rows only (per model, upstream and kind, since the app started; the Prometheus
-counters, per tenant, are what outlives a restart), ``?model=`` narrows it: a request acting
-for a user gets that user's rows (a client answer is kept under ``tenant/u-...``), one acting
-for no user its tenant's with all its users'. At most ``MAX_ROWS`` rows are kept per app; past
-that a user's answer is added to its tenant's row (nothing grows without bound).
+counters, per tenant, are what outlives a restart), ``?model=`` narrows it: a request acting for a
+user gets that user's rows (a client answer is kept under ``tenant/u-...``), one acting for no user
+its tenant's with all its users'. At most ``MAX_ROWS`` rows are kept per app; past that a user's
+answer is added to its tenant's row (nothing grows without bound).
 
 A client's request is billed through one :class:`Meter`, whatever its route (chat,
 completions, responses; streamed or not): opened before the request goes upstream, it reserves

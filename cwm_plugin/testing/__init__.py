@@ -1,1 +1,2 @@
-"""Test and benchmark harness: offline model builders and real server processes (vLLM, Redis)."""
+"""Test and benchmark harness: offline model builders, real server processes (vLLM, Redis,
+``cwm serve``) and the project's generated conversations (``conversations/``)."""

@@ -1,15 +1,15 @@
 """A small real OpenAI-compatible HTTP server for tests: records what it receives, answers
 like vLLM from a script.
 
-Everything vLLM's answer depends on that the sidecar does not touch (the model's wisdom) is
-scripted here; what the sidecar sends is recorded exactly (body and headers), so a test can
-compare it with what the client sent. Chat answers come from ``script(body) -> reply`` where a
-reply is ``{"content": str}`` or ``{"tool_calls": [...]}``; the default answers "ok".
-Streams are written with CRLF line ends when ``crlf`` is set (the SSE format allows it), a
-chunk every ``stream_delay`` seconds; ``stream_cut_after`` N drops the connection after N
-chunks (a server killed mid-answer); ``models_gate`` (a ``threading.Event``) holds every
-``/v1/models`` answer until it is set (a slow or stuck upstream). Like vLLM, a body it cannot use is a 400, never a 500, and
-a chat prompt over ``max_prompt_tokens`` (as ``usage_of`` counts) a 400 naming the context.
+Everything vLLM's answer depends on that the sidecar does not touch (the model's wisdom) is scripted
+here; what the sidecar sends is recorded exactly (body and headers), so a test can compare it with
+what the client sent. Chat answers come from ``script(body) -> reply`` where a reply is
+``{"content": str}`` or ``{"tool_calls": [...]}``; the default answers "ok". Streams are written
+with CRLF line ends when ``crlf`` is set (the SSE format allows it), a chunk every ``stream_delay``
+seconds; ``stream_cut_after`` N drops the connection after N chunks (a server killed mid-answer);
+``models_gate`` (a ``threading.Event``) holds every ``/v1/models`` answer until it is set (a slow or
+stuck upstream). Like vLLM, a body it cannot use is a 400, never a 500, and a chat prompt over
+``max_prompt_tokens`` (as ``usage_of`` counts) a 400 naming the context.
 """
 
 from __future__ import annotations

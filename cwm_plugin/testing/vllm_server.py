@@ -150,8 +150,8 @@ class VLLMServer:
 
     def stop_soon(self) -> subprocess.Popen | None:
         """SIGTERM and return at once: the process, for :func:`wait_process_group` to wait for
-        later. vLLM's graceful exit takes ~5 s of interpreter teardown after its work is done
-        (plain vLLM as well); a caller that needs nothing more from the server (a test's
+        later. vLLM's graceful exit spends seconds in interpreter teardown after its work is
+        done (plain vLLM as well); a caller that needs nothing more from the server (a test's
         teardown) need not wait for it."""
         proc, self._proc = self._proc, None
         if proc is not None:
@@ -251,9 +251,8 @@ def cwm_connector_args(store: dict[str, Any], **connector: Any) -> list[str]:
 
 def start_all(*servers: VLLMServer) -> tuple[VLLMServer, ...]:
     """Start ``servers`` side by side and wait for each: a server's start is mostly three
-    single-threaded processes importing vLLM one after the other, so on 2 cores two starts
-    overlap almost wholly (a test that needs two servers saves ~30 s). Any that fails stops
-    them all."""
+    single-threaded processes importing vLLM one after the other, so even on 2 cores two
+    starts overlap almost wholly. Any that fails stops them all."""
     try:
         for s in servers:
             s.launch()

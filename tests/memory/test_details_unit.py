@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from cwm_plugin.memory.service.details import MARK, extract, parse, with_details
-from cwm_plugin.testing.dialogues import default_conversations
+from cwm_plugin.testing.conversations.dialogues import default_conversations
 
 pytestmark = pytest.mark.unit
 EVERY = 8

@@ -1,6 +1,7 @@
-"""The activity log through the sidecar, over real HTTP: appends name the authenticated tenant,
-the quick and full views, a line per chat turn, and no route that rewrites or deletes an entry;
-``cwm activity verify`` names an edited file. The upstream is ``cwm_plugin.testing.fake_upstream``."""
+"""The activity log through the sidecar, over real HTTP: appends name the authenticated tenant, the
+quick and full views, a line per chat turn, and no route that rewrites or deletes an entry;
+``cwm activity verify`` names an edited file. The upstream is
+``cwm_plugin.testing.fake_upstream``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The sidecar against a scripted upstream on loopback: the running summary is incremental, a
-checkpoint never holds up the client, one session's jobs never overlap, connect errors are
-retried, and the prompt keeps its prefix once and its mid-conversation instructions. The upstream is a small real HTTP server that answers like vLLM
-(the model's wisdom is not under test here, what the sidecar sends it is)."""
+checkpoint never holds up the client, one session's jobs never overlap, connect errors are retried,
+and the prompt keeps its prefix once and its mid-conversation instructions. The upstream is a small
+real HTTP server that answers like vLLM (the model's wisdom is not under test here, what the sidecar
+sends it is)."""
 
 from __future__ import annotations
 

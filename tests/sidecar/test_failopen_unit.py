@@ -1,7 +1,7 @@
 """A memory, index or embedder failure never fails a client's request: it is answered without
 memory, flagged in ``X-CWM-Memory-Status``, counted and logged once; damaged memory lines are
-skipped. Real HTTP both ways; the upstream is ``cwm_plugin.testing.fake_upstream``; the embedder outage is a
-real embeddings endpoint that is not there."""
+skipped. Real HTTP both ways; the upstream is ``cwm_plugin.testing.fake_upstream``; the embedder
+outage is a real embeddings endpoint that is not there."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The real ``openai`` SDK against the sidecar over real HTTP, a recording upstream behind it.
 
-The upstream is a small real OpenAI-compatible server (``cwm_plugin.testing.fake_upstream``) that scripts the
-model's answers (tool calls included, which a random-weight model never makes) and records
-exactly what the sidecar sent. With memory off the upstream body must equal the client's plus
-the derived salt; with memory on no client message may be dropped, duplicated or reordered:
-the only change is the memory merged into the system message.
+The upstream is a small real OpenAI-compatible server (``cwm_plugin.testing.fake_upstream``) that
+scripts the model's answers (tool calls included, which a random-weight model never makes) and
+records exactly what the sidecar sent. With memory off the upstream body must equal the client's
+plus the derived salt; with memory on no client message may be dropped, duplicated or reordered: the
+only change is the memory merged into the system message.
 """
 
 from __future__ import annotations

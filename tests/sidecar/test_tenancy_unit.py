@@ -110,7 +110,7 @@ def test_a_request_naming_neither_session_nor_user_gets_no_other_conversations_m
         assert "ZX-4417" not in json.dumps(fake.last()["messages"])
         ask(srv, h("beta"), "What is my locker code?")  # beta shares on purpose
         assert "ZX-4417" in json.dumps(fake.last()["messages"])
-        ask(srv, h("acme", session="s2"), "What is my locker code?")  # a session: as before
+        ask(srv, h("acme", session="s2"), "What is my locker code?")  # a session reads it
         assert "ZX-4417" in json.dumps(fake.last()["messages"])
     finally:
         srv.stop()

@@ -53,7 +53,7 @@ def test_the_memory_bench_reports_recall_and_the_ranked_lines(tmp_path, monkeypa
 
 def test_the_memory_bench_needs_no_data_folder(tmp_path, monkeypatch) -> None:
     # Without --data it measures on the generated conversations (a small one here).
-    from cwm_plugin.testing.dialogues import generate
+    from cwm_plugin.testing.conversations.dialogues import generate
 
     bench = load_bench(monkeypatch)
     monkeypatch.setattr(bench, "default_conversations",

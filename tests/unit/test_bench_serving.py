@@ -24,7 +24,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 def mods(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     return SimpleNamespace(**{n: importlib.import_module(f"_serving_{n}")
-                              for n in ("workload", "report", "configs", "faults")})
+                              for n in ("workload", "report", "configs", "faults",
+                                        "cluster")})
 
 
 class WordTokenizer:
@@ -216,7 +217,7 @@ def test_fault_helpers_write_configs_and_count_each_masters_share(mods, tmp_path
                                                                         "b": "http://b"},
                                        "ab" * 32, "m").read_text())
     assert [u["name"] for u in sc["upstreams"]] == ["a", "b"] and not sc["memory_enabled"]
-    got = f.shares({1: 10, 2: 10, 3: 10}, {1: 41, 2: 21, 3: 41})
+    got = mods.cluster.shares({1: 10, 2: 10, 3: 10}, {1: 41, 2: 21, 3: 41})
     assert got["commands"] == {"1": 30, "2": 10, "3": 30} and got["max_share"] == 0.429
 
     calls = []

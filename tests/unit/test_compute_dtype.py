@@ -1,4 +1,4 @@
-"""The one place that picks the compute dtype for this CPU (issue 30), on the cpuinfo of the
+"""The one place that picks the compute dtype for this CPU, on the cpuinfo of the
 CPU kinds we run on: bfloat16 only where the CPU multiplies it natively."""
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ from collections import Counter
 
 import pytest
 
-from cwm_plugin.testing.dialogues import default_conversations, generate
-from cwm_plugin.testing.locomo import Conversation, load_conversations
+from cwm_plugin.testing.conversations.dialogues import default_conversations, generate
+from cwm_plugin.testing.conversations.locomo import Conversation, load_conversations
+from cwm_plugin.testing.conversations.prompts import conversation_lines, conversation_prompt
 from cwm_plugin.testing.models import TINY
-from cwm_plugin.testing.prompts import conversation_lines, conversation_prompt
 
 pytestmark = pytest.mark.unit
-DIGEST = ("import hashlib, json; from cwm_plugin.testing.dialogues import generate; "
+DIGEST = ("import hashlib, json; from cwm_plugin.testing.conversations.dialogues import generate; "
           "from cwm_plugin.testing.models import TINY; "
           "print(hashlib.sha256(json.dumps([(c.name, c.sessions, c.qa) for c in "
           "generate(seed=3, conversations=2)], sort_keys=True).encode()).hexdigest(), "

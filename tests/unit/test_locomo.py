@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cwm_plugin.testing.locomo import load_conversations
+from cwm_plugin.testing.conversations.locomo import load_conversations
 
 pytestmark = pytest.mark.unit
 

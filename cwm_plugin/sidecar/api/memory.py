@@ -1,17 +1,19 @@
-"""REST over memory namespaces, every route checked against the permission matrix (``identity/access.py``).
+"""REST over memory namespaces, every route checked against the permission matrix
+(``identity/access.py``).
 
-``GET /v1/memory/namespaces`` lists the namespaces the caller may use and what it may do there
-(its principal, for the user of ``X-CWM-User`` when given; none it has no access to); ``GET /v1/memory/facts?namespace=N`` lists the durable memories
-in force (read); ``POST /v1/memory/facts`` ``{"namespace"?, "text", "category"?, "importance"?,
-"key"?}`` merges one (write); ``GET /v1/memory/search?namespace=N&q=...&k=`` searches the
-namespace's conversations and memories (read); ``GET /v1/memory/view?namespace=N&view=quick|full
-&max_tokens=&model=`` returns the namespace's memory as text at that resolution with its token
-count (the served ``model``'s, else the memory's tokenizer; read; ``memory_view.py``); ``POST /v1/memory/turns`` ``{"namespace"?,
-"session", "role", "content"}`` appends a turn to a session's transcript (append). The
-namespace defaults to the request's home (the user's, else the principal's); the activity log
-is ``/v1/activity``. A namespace that does not exist and one the caller has no access to
-answer alike (404 ``namespace_not_found``); one it may use, but not so, a 403 naming the rule;
-memory off: 503. Bodies are read after the caller is authenticated (``identity/caller.py``).
+``GET /v1/memory/namespaces`` lists the namespaces the caller may use and what it may do there (its
+principal, for the user of ``X-CWM-User`` when given; none it has no access to);
+``GET /v1/memory/facts?namespace=N`` lists the durable memories in force (read);
+``POST /v1/memory/facts`` ``{"namespace"?, "text", "category"?, "importance"?, "key"?}`` merges one
+(write); ``GET /v1/memory/search?namespace=N&q=...&k=`` searches the namespace's conversations and
+memories (read); ``GET /v1/memory/view?namespace=N&view=quick|full&max_tokens=&model=`` returns the
+namespace's memory as text at that resolution with its token count (the served ``model``'s, else the
+memory's tokenizer; read; ``memory_view.py``); ``POST /v1/memory/turns``
+``{"namespace"?, "session", "role", "content"}`` appends a turn to a session's transcript (append).
+The namespace defaults to the request's home (the user's, else the principal's); the activity log is
+``/v1/activity``. A namespace that does not exist and one the caller has no access to answer alike
+(404 ``namespace_not_found``); one it may use, but not so, a 403 naming the rule; memory off: 503.
+Bodies are read after the caller is authenticated (``identity/caller.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from cwm_plugin.errors import CWMError, InvalidInput
 from cwm_plugin.sidecar.api.memory_view import VIEWS, build_view
 from cwm_plugin.sidecar.api.schema import body_doc
-from cwm_plugin.sidecar.identity.access import ACTIVITY, GLOBAL, USER, Namespace
+from cwm_plugin.sidecar.identity.access import ACTIVITY, GLOBAL, USER, MemoryNamespace
 from cwm_plugin.sidecar.identity.authenticator import Identity, validate_session
 from cwm_plugin.sidecar.identity.caller import identity_of, model_body
 from cwm_plugin.sidecar.settings.access import Access
@@ -62,7 +64,7 @@ def memory_router(sidecar: Any) -> APIRouter:
     perms = sidecar.auth.perms
     who = identity_of  # the caller: its principal, and the user of its X-CWM-User header
 
-    def where(ident: Identity, name: str | None, op: str) -> tuple[MemoryPort, Namespace]:
+    def where(ident: Identity, name: str | None, op: str) -> tuple[MemoryPort, MemoryNamespace]:
         """The memory and the namespace ``name`` (default: the home), ``op`` allowed there."""
         ns = perms.open(ident.tenant, name or ident.namespace, ident.user, op)
         if ns.folder is None:

@@ -23,7 +23,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from cwm_plugin.sidecar.api.chat import SSE_HEADERS, route_headers
+from cwm_plugin.sidecar.api.chat import SSE_HEADERS
+from cwm_plugin.sidecar.api.chat_turn import route_headers
 from cwm_plugin.sidecar.http.body import require_model
 from cwm_plugin.sidecar.http.errors import ModelNotFound, upstream_error_response
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of

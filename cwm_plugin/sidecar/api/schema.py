@@ -1,12 +1,12 @@
 """The sidecar's OpenAPI description (``GET /openapi.json``, authenticated like every route).
 
-Routes read their bodies themselves, after authenticating (``identity/caller.py``), so FastAPI does not
-see them: each declares its request body here (:func:`body_doc`: a pydantic model's schema,
-or a raw file's), and every route the error shape it may answer (:data:`ERRORS`: OpenAI's
-``{"error": {...}}`` for each status the sidecar sends). The relayed OpenAI routes are
-described by the fields the sidecar itself reads or a client commonly sends (vLLM judges the
-rest; a body may carry more). :func:`openapi` moves the nested models' definitions under
-``components/schemas`` so the document is one valid OpenAPI 3.1 file.
+Routes read their bodies themselves, after authenticating (``identity/caller.py``), so FastAPI does
+not see them: each declares its request body here (:func:`body_doc`: a pydantic model's schema, or a
+raw file's), and every route the error shape it may answer (:data:`ERRORS`: OpenAI's
+``{"error": {...}}`` for each status the sidecar sends). The relayed OpenAI routes are described by
+the fields the sidecar itself reads or a client commonly sends (vLLM judges the rest; a body may
+carry more). :func:`openapi` moves the nested models' definitions under ``components/schemas`` so
+the document is one valid OpenAPI 3.1 file.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Exporting and importing windows over HTTP (:mod:`cwm_plugin.windows.portable`).
 
-``GET /v1/windows/{name}/export`` answers the window's export file
-(``application/octet-stream``); ``POST /v1/windows/import[?name=]`` takes one as the raw body,
-at most ``windows.max_import_bytes`` (413 past it; at most ``windows.imports_per_tenant`` of a
-tenant's and ``windows.imports_at_once`` of everyone's under way, else 429 at once), spooled
-to a temporary file (not kept in memory), checked whole before anything is written (a damaged, forged or unsigned file -- with
-``windows.export_key`` the server signs its exports and takes only files signed under it -- or
-one for another model is a 400 ``bad_window_file`` and the store is unchanged). Both
-authenticate before reading or writing a byte, and need read (export) or write (import) access
-to the caller's home namespace; windows are the caller's (its tenant's, or its user's).
+``GET /v1/windows/{name}/export`` answers the window's export file (``application/octet-stream``);
+``POST /v1/windows/import[?name=]`` takes one as the raw body, at most ``windows.max_import_bytes``
+(413 past it; at most ``windows.imports_per_tenant`` of a tenant's and ``windows.imports_at_once``
+of everyone's under way, else 429 at once), spooled to a temporary file (not kept in memory),
+checked whole before anything is written (a damaged, forged or unsigned file -- with
+``windows.export_key`` the server signs its exports and takes only files signed under it -- or one
+for another model is a 400 ``bad_window_file`` and the store is unchanged). Both authenticate before
+reading or writing a byte, and need read (export) or write (import) access to the caller's home
+namespace; windows are the caller's (its tenant's, or its user's).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """After a thaw through the sidecar: the thawed session's prompt state, and the warm-up.
 
-The thawed session takes over the window's prompt state at once in this process (the engine
-wrote it to the store for every other one), so its next turn is assembled to begin with the
-window's tokens. A warm-up (``warm: true``) sends one ``max_tokens=1`` completion of the
-window's tokens under the session's salt through vLLM, on the window's model, and reports the
-tokens vLLM restored (its ``external_prefix_cache_hits``); its tokens are the caller's usage,
-spent from its quota like any request's. A warm-up that fails after a good thaw is reported in the answer (``warm.error``, a warning), never as a failed thaw.
+The thawed session takes over the window's prompt state at once in this process (the engine wrote it
+to the store for every other one), so its next turn is assembled to begin with the window's tokens.
+A warm-up (``warm: true``) sends one ``max_tokens=1`` completion of the window's tokens under the
+session's salt through vLLM, on the window's model, and reports the tokens vLLM restored (its
+``external_prefix_cache_hits``); its tokens are the caller's usage, spent from its quota like any
+request's. A warm-up that fails after a good thaw is reported in the answer (``warm.error``, a
+warning), never as a failed thaw.
 """
 
 from __future__ import annotations

@@ -9,23 +9,23 @@ the tokens vLLM restored), ``POST /v1/windows/{name}/clone`` ``{"name", "tags"?,
 ``model``, ``session``, ``q``, ``sort``, ``order``, ``limit``, ``offset``),
 ``GET /v1/windows/{name}`` shows the status, ``PATCH /v1/windows/{name}`` ``{"name"?,
 "tags"?, "description"?}`` renames or re-tags, ``DELETE /v1/windows/{name}`` deletes;
-export and import: :mod:`.windows_files`. Beside them, for agents (the MCP tools):
+export and import: :mod:`.window_files`. Beside them, for agents (the MCP tools):
 ``GET /v1/sessions``, ``DELETE /v1/sessions/{session}/kv`` (erase a session's stored KV),
 ``GET /v1/cache/stats``, ``GET|POST /v1/auto_freeze`` and ``POST /v1/auto_freeze/check``.
 
-Every route authenticates the key before it reads a body (the app's dependency,
-``caller.py``), reads at most the route's limit (413) and asks the caller's permissions (``identity/access.py``): reads need read access to its home
-namespace, changes write access; ``/v1/cache/stats`` needs the ``metrics`` grant and
-``POST /v1/auto_freeze`` the ``admin`` grant. Windows belong to the caller's home namespace: a
-tenant's, or a user's inside it (``X-CWM-User``), and no other namespace sees them (a user's
-count toward the tenant's quota; after a secret rotation a user's windows move to its newest
-name before the route runs: ``salt_move.py``). Sessions
-map to their ``cache_salt`` as in chat requests, so a thaw into session S restores S's next
-request. Errors are OpenAI-shaped (the app's handler). The engine is blocking (store I/O): it
-runs in a worker thread, within the caller's tenant's share of them (:mod:`.window_pool`). A
-freeze waits only for the session's turns this sidecar saw arrive whose records may still be on
-their way (:mod:`~cwm_plugin.sidecar.turn.arrivals`); a turn that is not kept, or a session with
-nothing stored, is refused at once.
+Every route authenticates the key before it reads a body (the app's dependency, ``caller.py``),
+reads at most the route's limit (413) and asks the caller's permissions (``identity/access.py``):
+reads need read access to its home namespace, changes write access; ``/v1/cache/stats`` needs the
+``metrics`` grant and ``POST /v1/auto_freeze`` the ``admin`` grant. Windows belong to the caller's
+home namespace: a tenant's, or a user's inside it (``X-CWM-User``), and no other namespace sees them
+(a user's count toward the tenant's quota; after a secret rotation a user's windows move to its
+newest name before the route runs: ``salt_move.py``). Sessions map to their ``cache_salt`` as in
+chat requests, so a thaw into session S restores S's next request. Errors are OpenAI-shaped (the
+app's handler). The engine is blocking (store I/O): it runs in a worker thread, within the caller's
+tenant's share of them (:mod:`.window_pool`). A freeze waits only for the session's turns this
+sidecar saw arrive whose records may still be on their way
+(:mod:`~cwm_plugin.sidecar.turn.arrivals`); a turn that is not kept, or a session with nothing
+stored, is refused at once.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ the transcript, so a dropped or merged job loses nothing:
   turns after that one (in batches that fit half the model's context, oldest first, each batch
   moving ``upto_turn`` on, so no turn is skipped however long the backlog); the model's text is
   stored with the names, dates and decisions of the turns it covers, merged with the previous
-  summary's (``memory/details.py``: kept whatever the model wrote);
+  summary's (``memory/service/details.py``: kept whatever the model wrote);
 - an input that cannot fit never stalls a session: a single turn longer than a batch's room
   is cut to fit (its head and tail kept, counted ``outcome=truncated``), and a batch the
   model still refuses (an HTTP 4xx: over its context as *it* counts) is skipped, its cursor

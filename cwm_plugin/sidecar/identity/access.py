@@ -3,7 +3,7 @@ retrieval itself ask :class:`Permissions` (the settings: ``settings/access.py``)
 
 A *principal* is who holds the API key: a tenant (``tenants:``) or a provider (``providers:``,
 an agent sharing the deployment's memory with the others). A *namespace* is where memory lives
-(:class:`Namespace`): the principal's own (its folder under the memory root, as before), the
+(:class:`MemoryNamespace`): the principal's own (its folder under the memory root), the
 user's within it (``<principal>/user``: the folder ``u-<HMAC(secret, principal, user)>``, so
 only requests for that user ever reach it), ``global`` (folder ``global``), a project
 (``project:<name>``, folder ``project.<name>``) or the activity log (``activity``). A request
@@ -45,7 +45,7 @@ class NamespaceNotFound(NotFound):
 
 
 @dataclass(frozen=True)
-class Namespace:
+class MemoryNamespace:
     """A namespace: its ``name`` (as rules and errors say it), what kind it is, the principal
     owning it (a principal's or a user's) and its memory folder (None: the activity log)."""
 
@@ -56,7 +56,9 @@ class Namespace:
 
 
 @dataclass(frozen=True)
-class Decision:
+class AccessDecision:
+    """What the matrix grants a principal on a namespace, and the rule that decided it."""
+
     access: Access
     rule: str  # what decided: "access.rules[0]" or "default: ..."
 
@@ -73,7 +75,7 @@ class Permissions:
 
     # --- namespaces ---------------------------------------------------------------------------
 
-    def _named(self, name: str) -> Namespace | None:
+    def _named(self, name: str) -> MemoryNamespace | None:
         """The namespace ``name`` stands for (a user's without its folder), None when it
         names no principal here; 400 when it is no namespace name at all."""
         if not isinstance(name, str) or not NAMESPACE.fullmatch(name):
@@ -81,19 +83,19 @@ class Permissions:
                                hint="<principal>, <principal>/user, global, project:<name> "
                                     "or activity")
         if name == ACTIVITY:
-            return Namespace(ACTIVITY, "activity")
+            return MemoryNamespace(ACTIVITY, "activity")
         if name == GLOBAL:
-            return Namespace(GLOBAL, "global", folder=GLOBAL)
+            return MemoryNamespace(GLOBAL, "global", folder=GLOBAL)
         if name.startswith(PROJECT):
-            return Namespace(name, "project", folder="project." + name[len(PROJECT):])
+            return MemoryNamespace(name, "project", folder="project." + name[len(PROJECT):])
         owner = name.removesuffix(USER)
         if owner not in self.principals:
             return None
         if owner == name:
-            return Namespace(name, "principal", owner, owner)
-        return Namespace(name, "user", owner)
+            return MemoryNamespace(name, "principal", owner, owner)
+        return MemoryNamespace(name, "user", owner)
 
-    def namespace(self, name: str, user: str | None = None) -> Namespace:
+    def namespace(self, name: str, user: str | None = None) -> MemoryNamespace:
         """The namespace called ``name`` for a request acting for ``user`` (400 if unknown)."""
         ns = self._named(name)
         if ns is None:
@@ -105,7 +107,7 @@ class Permissions:
                                hint="send the OpenAI `user` field or an X-CWM-User header")
         return replace(ns, folder=self._user_folder(str(ns.owner), user))
 
-    def open(self, principal: str, name: str, user: str | None, op: str) -> Namespace:
+    def open(self, principal: str, name: str, user: str | None, op: str) -> MemoryNamespace:
         """The namespace ``name`` for ``principal`` acting for ``user``, ``op`` allowed there:
         404 alike for no such namespace and one it has no access to at all, 403 naming the
         rule for one it may use but not for ``op``."""
@@ -124,41 +126,41 @@ class Permissions:
         return [p for p in self.principals
                 if p == principal or self.allows(principal, self.namespace(p), "read")]
 
-    def home(self, principal: str, user: str | None) -> Namespace:
+    def home(self, principal: str, user: str | None) -> MemoryNamespace:
         """Where a request's memory is written: its user's namespace, else its principal's."""
         return self.namespace(principal + USER if user is not None else principal, user)
 
     # --- the matrix ----------------------------------------------------------------------------
 
-    def decide(self, principal: str, ns: Namespace) -> Decision:
+    def decide(self, principal: str, ns: MemoryNamespace) -> AccessDecision:
         """The first rule matching (principal, namespace), else the default."""
         for i, r in enumerate(self.settings.rules):
             if r.principal in ("*", principal) and fnmatchcase(ns.name, r.namespace):
-                return Decision(r.access, f"access.rules[{i}]: {r.principal} {r.access.value} "
-                                          f"on {r.namespace}")
+                return AccessDecision(r.access, f"access.rules[{i}]: {r.principal} "
+                                                f"{r.access.value} on {r.namespace}")
         return self._default(principal, ns)
 
-    def _default(self, principal: str, ns: Namespace) -> Decision:
+    def _default(self, principal: str, ns: MemoryNamespace) -> AccessDecision:
         if ns.kind == "activity":
-            return Decision(Access.APPEND, "default: the activity log is APPEND for all")
+            return AccessDecision(Access.APPEND, "default: the activity log is APPEND for all")
         if ns.kind == "global":
             if principal == self.settings.global_owner:
-                return Decision(Access.RW, "default: `global` is RW for its owner")
-            return Decision(Access.RO, "default: `global` is RO but for access.global_owner")
+                return AccessDecision(Access.RW, "default: `global` is RW for its owner")
+            return AccessDecision(Access.RO, "default: `global` is RO but for access.global_owner")
         if ns.kind == "project":
-            return Decision(Access.NONE, "default: a project is open only through "
-                                         "access.rules")
+            return AccessDecision(Access.NONE, "default: a project is open only through "
+                                               "access.rules")
         if ns.owner == principal:
-            return Decision(Access.RW, "default: a principal's own namespace")
+            return AccessDecision(Access.RW, "default: a principal's own namespace")
         if principal in self.providers and ns.owner in self.providers:
-            return Decision(Access.RO, "default: a provider reads the other providers' "
-                                       "namespaces")
-        return Decision(Access.NONE, "default: a tenant's namespace is its own")
+            return AccessDecision(Access.RO, "default: a provider reads the other "
+                                             "providers' namespaces")
+        return AccessDecision(Access.NONE, "default: a tenant's namespace is its own")
 
-    def allows(self, principal: str, ns: Namespace, op: str) -> bool:
+    def allows(self, principal: str, ns: MemoryNamespace, op: str) -> bool:
         return self.decide(principal, ns).access.allows(op)
 
-    def require(self, principal: str, ns: Namespace, op: str) -> Decision:
+    def require(self, principal: str, ns: MemoryNamespace, op: str) -> AccessDecision:
         """The decision, or :class:`PermissionDenied` naming the rule that refused."""
         d = self.decide(principal, ns)
         if not d.access.allows(op):
@@ -169,7 +171,7 @@ class Permissions:
         return d
 
     def shared(self, principal: str, user: str | None,
-               project: str | None = None) -> list[Namespace]:
+               project: str | None = None) -> list[MemoryNamespace]:
         """The namespaces besides the request's home (:meth:`home`) a selection reads: every
         principal's and (for the same user) every user's namespace the principal may read,
         ``global``, and the request's project when it may read it."""

@@ -29,7 +29,7 @@ for, its home namespace (``access.py``), and the session's ``cache_salt``.
   tenant NUL session NUL uid), where uid is the user's ``u-`` name above, so two users of one
   tenant sending the same ``X-Session-Id`` never share KV or prefix cache; without a user (or
   for a tenant with ``users_share_kv``: a tenant-wide shared prefix, configured on purpose)
-  HMAC-SHA256(server secret, tenant NUL session), as it always was. No two inputs give one
+  HMAC-SHA256(server secret, tenant NUL session). No two inputs give one
   message: a session name holds no NUL, so the per-user message (three NULs) is never a
   (tenant, session) one, and the labels keep it apart from the client salts below. A tenant
   allowed to choose its salt sends ``cache_salt``; what is forwarded is HMAC-SHA256(server
@@ -82,7 +82,7 @@ class Identity:
     folder: str = ""  # its memory folder: the principal's name, or u-<32 hex> for a user
 
     def __post_init__(self) -> None:
-        if not self.folder:  # no user: the principal's own namespace, as before
+        if not self.folder:  # no user: the principal's own namespace
             object.__setattr__(self, "namespace", self.namespace or self.tenant)
             object.__setattr__(self, "folder", self.tenant)
 
@@ -257,10 +257,10 @@ class Authenticator:
         """The salts this request's KV may have been stored under with another version of the
         secret (call after :meth:`salt_for`, which checks a client's ``cache_salt``), most
         likely first: the one this derivation gives under that version (a session named after
-        the user had that version's name too); for the user's own session, also the salt a
-        sidecar gave it before the user was part of salts (that session's name already
-        belonged to the user alone; a session named by ``X-Session-Id`` is not moved from it,
-        since other users may have shared it)."""
+        the user had that version's name too); for the user's own session, also the salt
+        without the user (HMAC(secret, tenant NUL session), which a user's own session may
+        still be stored under: its name belongs to the user alone; a session named by
+        ``X-Session-Id`` is not moved from it, since other users may have shared it)."""
         if "cache_salt" in body:
             return [self.client_salt(identity.tenant, str(body["cache_salt"]), secret,
                                      self._uid(identity, secret))]

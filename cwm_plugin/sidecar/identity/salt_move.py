@@ -2,28 +2,30 @@
 the new salt and the user's new name.
 
 After a rotation (``settings/secret_versions.py``) every session's ``cache_salt`` changes, so
-without more its KV would be computed again. With a windows store (``windows:``: the KV store vLLM's
-connector writes), a session's first salted request while an older version is in its grace
-period derives the salts it may have had under each older version in turn
+without more its KV would be computed again. With a windows store (``windows:``: the KV store
+vLLM's connector writes), a session's first salted request while an older version is in its
+grace period derives the salts it may have had under each older version in turn
 (``Authenticator.salts_under``: the same derivation under that version, its session name too
-when that came from the user; for a user's own session also the salt from before users were
-part of salts) and, for the first that left a context record, re-keys that context under the new salt before the request is forwarded
-(:meth:`~cwm_plugin.windows.engine.WindowEngine.move_session`: thaw's re-keying, the same blobs
-under new keys, no tensor copy), so vLLM restores the prefix instead of computing it.
+when that came from the user; for a user's own session also the salt without the user) and,
+for the first that left a context record, re-keys that context under the new salt before the
+request is forwarded (:meth:`~cwm_plugin.windows.engine.WindowEngine.move_session`: thaw's
+re-keying, the same blobs under new keys, no tensor copy), so vLLM restores the prefix instead
+of computing it.
 
 A user's windows belong to ``tenant/`` + the user's name under the newest secret
 (:func:`~cwm_plugin.sidecar.identity.authenticator.owner_of`), so after a rotation they are
 where the user's name under an older version put them: a user's first request in the grace
 period -- a chat turn or a windows route -- moves them to the newest name
 (:meth:`~cwm_plugin.windows.engine.WindowEngine.adopt`: the manifests only, under the tenant's
-lock) before the request goes on, so the user lists, thaws and counts them as before.
+lock) before the request goes on, so the user lists, thaws and counts them as before the
+rotation.
 
-Once per salt (and per user for windows): requests arriving meanwhile wait for the same move,
-and the salts done are remembered (a digest each, the newest ``REMEMBER``; one forgotten, or a process
-restarted, costs one store lookup: a new salt with a context record is not moved again).
-Counted in ``cwm_sidecar_salt_moves_total{tenant,outcome}`` (moved, none, failed) and logged
-once. A failure never fails the request (it computes, as without a store). Once every older
-version is past its ``until``, nothing is looked up any more.
+Once per salt (and per user for windows): requests arriving meanwhile wait for the same move, and
+the salts done are remembered (a digest each, the newest ``REMEMBER``; one forgotten, or a process
+restarted, costs one store lookup: a new salt with a context record is not moved again). Counted in
+``cwm_sidecar_salt_moves_total{tenant,outcome}`` (moved, none, failed) and logged once. A failure
+never fails the request (it computes, as without a store). Once every older version is past its
+``until``, nothing is looked up any more.
 """
 
 from __future__ import annotations

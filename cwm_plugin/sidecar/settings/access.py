@@ -1,5 +1,5 @@
-"""The ``access:`` section of the sidecar's config: who may read and write which namespace, and
-who may see debug output, metrics and admin routes (the rules are applied by ``identity/access.py``).
+"""The ``access:`` section of the sidecar's config: who may read and write which namespace, and who
+may see debug output, metrics and admin routes (the rules are applied by ``identity/access.py``).
 
 Namespaces, by name (``NAMESPACE``): a principal's own (its name), the acting user's within a
 principal (``<principal>/user``: only ever the user the request acts for), ``global``,

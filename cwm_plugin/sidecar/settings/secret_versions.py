@@ -9,7 +9,7 @@ named after the user's default session), once, the first time it is looked up. C
 moved by the sidecar when it has a windows store (``salt_move.py``: a session's stored KV is
 re-keyed to its new salt on its first request); without one the KV cache is a cache, a
 session's next turn after a rotation computes its prefix again under the new salt. Without
-``secrets:``, ``secret`` / ``secret_env`` is the one version, as before.
+``secrets:``, ``secret`` / ``secret_env`` is the one version.
 """
 
 from __future__ import annotations

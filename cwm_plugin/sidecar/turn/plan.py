@@ -3,13 +3,13 @@
 Synchronous on purpose: it runs in a worker thread (``asyncio.to_thread``), because selecting
 memory embeds the query; the event loop never waits on it. Two modes (``PromptSettings``):
 
-- ``full`` (default): every message the client sent, in order, and nothing else but the
-  memory (the session's earlier turns reach the prompt through memory search, never prepended:
-  a client starting a new conversation in an old session gets what it sent). Memory is
-  selected once per conversation (``refresh: conversation``; again after each compaction)
-  and reused verbatim, so the prompt only grows at its end and vLLM's prefix cache serves it
-  like a client talking to vLLM directly. History is left out only from a compaction on (``Compaction``: the cut
-  and the summary fixed until the next one), or when it would not fit the context at all.
+- ``full`` (default): every message the client sent, in order, and nothing else but the memory (the
+  session's earlier turns reach the prompt through memory search, never prepended: a client starting
+  a new conversation in an old session gets what it sent). Memory is selected once per conversation
+  (``refresh: conversation``; again after each compaction) and reused verbatim, so the prompt only
+  grows at its end and vLLM's prefix cache serves it like a client talking to vLLM directly. History
+  is left out only from a compaction on (``Compaction``: the cut and the summary fixed until the
+  next one), or when it would not fit the context at all.
 - ``recent`` (token saving): memory plus the last ``memory.recent_turns`` history messages
   (``MemoryService.select_context``), the current exchange always whole.
 
@@ -17,9 +17,10 @@ The memory *view* (``prompt.memory_view``, header ``X-CWM-Memory-View``): ``full
 whole selection; ``quick`` only its short forms, the durable facts and the session summary
 (which then stands in for the transcript passages, none of which are searched).
 
-Counts use the served model's counter (``counting.py``): ``prompt_tokens`` (the assembled
-prompt, for the context thresholds: estimated from cached counts, counted exactly near one), ``sent`` and ``full`` (the prompt and a full-history
-replay, additive, for the "tokens saved" metric), ``injected`` (the memory text).
+Counts use the served model's counter (``counting.py``): ``prompt_tokens`` (the assembled prompt,
+for the context thresholds: estimated from cached counts, counted exactly near one), ``sent`` and
+``full`` (the prompt and a full-history replay, additive, for the "tokens saved" metric),
+``injected`` (the memory text).
 """
 
 from __future__ import annotations

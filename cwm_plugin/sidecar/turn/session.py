@@ -105,7 +105,7 @@ class SessionState:
     checkpointing: bool = False  # a checkpoint is under way (not triggered again)
     checkpoints: int = 0
     pinned: Pinned | None = None
-    restored: bool = False  # its prompt state was looked for in the store (windows.py)
+    restored: bool = False  # its prompt state was looked for in the store (records.py)
     turns: Arrivals = field(default_factory=Arrivals)  # its client turns as they arrive
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one background job at a time
 

@@ -1,21 +1,21 @@
 """Resuming a streamed chat answer on another upstream when its upstream dies mid-answer.
 
-A ``vllm serve`` killed while it streams an answer cuts the client's stream: the tokens relayed
-so far cannot be taken back, so failing over to another upstream means going on from them,
-not starting again. :func:`resumable_events` relays the upstream's stream in whole SSE events;
-when the upstream fails (a broken connection, not a timeout: a slow upstream may still be
-generating) and the answer so far is plain text from one choice, it asks the next upstream
-serving the route (healthy ones first) for the rest: the same request with the relayed text as a final
-assistant message that vLLM continues (``continue_final_message``, no new generation prompt),
+A ``vllm serve`` killed while it streams an answer cuts the client's stream: the tokens relayed so
+far cannot be taken back, so failing over to another upstream means going on from them, not starting
+again. :func:`resumable_events` relays the upstream's stream in whole SSE events; when the upstream
+fails (a broken connection, not a timeout: a slow upstream may still be generating) and the answer
+so far is plain text from one choice, it asks the next upstream serving the route (healthy ones
+first) for the rest: the same request with the relayed text as a final assistant message that vLLM
+continues (``continue_final_message``, no new generation prompt),
 ``max_tokens``/``max_completion_tokens``/``min_tokens`` less the tokens already relayed (vLLM
-streams a token a chunk), and relays that stream after the events already sent. The cache
-salt travels with the request, so the other server restores the session's KV from the shared
-tier and only prefills the answer so far. A partial event of the dead stream is dropped; the
-continuation's first chunk (its role) is harmless to OpenAI clients. A server that dies after
-its response began but before its first token (it had sent the headers, or only the role
-chunk: a request sent just before a kill) is asked nothing special: the same request goes
-whole to the next upstream (one that dies before answering at all is retried whole by the
-router). Tool calls and several choices are not resumed.
+streams a token a chunk), and relays that stream after the events already sent. The cache salt
+travels with the request, so the other server restores the session's KV from the shared tier and
+only prefills the answer so far. A partial event of the dead stream is dropped; the continuation's
+first chunk (its role) is harmless to OpenAI clients. A server that dies after its response began
+but before its first token (it had sent the headers, or only the role chunk: a request sent just
+before a kill) is asked nothing special: the same request goes whole to the next upstream (one that
+dies before answering at all is retried whole by the router). Tool calls and several choices are not
+resumed.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """Several upstreams (vLLM servers or models, each with its own context limit), health, failover.
 
-``Router.route(body)`` chooses the upstreams for a request: an explicit model goes to the
-upstreams serving it (``upstreams[].models``, else what their ``/v1/models`` lists), a model
-named in ``routing.aliases`` to the role it maps to (``classify``: the role the rules pick,
+``Router.route(body)`` chooses the upstreams for a request: an explicit model goes to the upstreams
+serving it (``upstreams[].models``, else what their ``/v1/models`` lists), a model named in
+``routing.aliases`` to the role it maps to (``classify``: the role the rules pick,
 :mod:`~cwm_plugin.sidecar.upstream.routing`; while no upstream with that role is up, a default one).
-The result is a :class:`Route`: one model and the upstreams that serve it, healthy ones first. ``post`` and ``open_stream`` send to the first
-and fail over to the next on a connect error or an HTTP 5xx, before any byte reached the
-client (a timeout is not retried: the request reached a server that may still be working on
-it). With the shared Redis KV tier, a session that fails over to another server of the same
-model finds its KV there (same salt, same model namespace) instead of recomputing it.
+The result is a :class:`Route`: one model and the upstreams that serve it, healthy ones first.
+``post`` and ``open_stream`` send to the first and fail over to the next on a connect error or an
+HTTP 5xx, before any byte reached the client (a timeout is not retried: the request reached a server
+that may still be working on it). With the shared Redis KV tier, a session that fails over to
+another server of the same model finds its KV there (same salt, same model namespace) instead of
+recomputing it.
 
 What an upstream serves is its kept ``/v1/models`` list (:meth:`Router._discover`): refreshed
 in the background once older than ``models_ttl_s``, and on the request path only when an

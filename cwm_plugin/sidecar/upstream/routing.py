@@ -27,7 +27,9 @@ DEFAULT_ROLE = "default"
 
 
 @dataclass(frozen=True)
-class Decision:
+class RouteDecision:
+    """The role the classifier picked for a request, and why."""
+
     role: str
     reason: str  # for the X-CWM-Route header and the logs: which rule, which evidence
 
@@ -96,7 +98,7 @@ class _Compiled:
 
 
 class Classifier:
-    """``classify(body)`` -> :class:`Decision` over the rules whose role is available."""
+    """``classify(body)`` -> :class:`RouteDecision` over the rules whose role is available."""
 
     def __init__(self, rules: list[RouteRule], roles: Iterable[str]) -> None:
         have = set(roles)
@@ -105,10 +107,10 @@ class Classifier:
         if idle:
             log.info("routing rules for roles %s are inactive: no upstream has them", idle)
 
-    def classify(self, body: dict[str, Any]) -> Decision:
+    def classify(self, body: dict[str, Any]) -> RouteDecision:
         f = features(body)
         for c in self.rules:
             why = c.match(f)
             if why is not None:
-                return Decision(c.rule.role, f"rule {c.index} ({c.rule.role}): {why}")
-        return Decision(DEFAULT_ROLE, "no rule matched")
+                return RouteDecision(c.rule.role, f"rule {c.index} ({c.rule.role}): {why}")
+        return RouteDecision(DEFAULT_ROLE, "no rule matched")

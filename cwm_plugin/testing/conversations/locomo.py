@@ -1,5 +1,6 @@
-"""Conversations in LoCoMo's layout: the generated ones (:mod:`cwm_plugin.testing.dialogues`)
-and LoCoMo's own, read from its files in either layout it ships in.
+"""Conversations in LoCoMo's layout: the generated ones
+(:mod:`cwm_plugin.testing.conversations.dialogues`) and LoCoMo's own, read from its files in either
+layout it ships in.
 
 A sample is a dict with ``session_N`` lists of turns ``{speaker, dia_id, text}`` (and
 ``session_N_date_time``), either at its top level (a file a conversation, as in LoCoMo's

@@ -1,12 +1,12 @@
 """Prompts of conversation text, of a chosen length in a model's tokens, for benchmarks and
-the demo: the generated conversations (:mod:`cwm_plugin.testing.dialogues`) as
+the demo: the generated conversations (:mod:`cwm_plugin.testing.conversations.dialogues`) as
 ``speaker: text`` lines."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from cwm_plugin.testing.dialogues import default_conversations
+from cwm_plugin.testing.conversations.dialogues import default_conversations
 
 
 def conversation_lines() -> Iterator[str]:

@@ -1,19 +1,19 @@
 """Multi-session conversations with planted facts, generated: seeded, deterministic, offline.
 
-The project's own conversation text, used by the demo, the tests, the benchmarks and as the
-test model's tokenizer corpus. Each conversation is two people (a relative sometimes drops in
-to say hello) talking over dated sessions, a few days to weeks apart: greetings, small talk,
-news that plants facts (a pet adopted, a race signed up for, a book read; see
-:mod:`cwm_plugin.testing.topics`) and, in later sessions, follow-ups that refer back to them
-(the race was run, the pet learned a trick).
+The project's own conversation text, used by the demo, the tests, the benchmarks and as the test
+model's tokenizer corpus. Each conversation is two people (a relative sometimes drops in to say
+hello) talking over dated sessions, a few days to weeks apart: greetings, small talk, news that
+plants facts (a pet adopted, a race signed up for, a book read; see
+:mod:`cwm_plugin.testing.conversations.topics`) and, in later sessions, follow-ups that refer back
+to them (the race was run, the pet learned a trick).
 
-It comes in LoCoMo's layout (:class:`cwm_plugin.testing.locomo.Conversation`): ``session_N``
-turns ``{speaker, dia_id, text}``, ``session_N_date_time`` ("1:56 pm on 8 May, 2023"),
+It comes in LoCoMo's layout (:class:`cwm_plugin.testing.conversations.locomo.Conversation`):
+``session_N`` turns ``{speaker, dia_id, text}``, ``session_N_date_time`` ("1:56 pm on 8 May, 2023"),
 ``session_N_summary``, ``speaker_a``/``speaker_b``, and ``qa`` entries with ``question``,
-``answer``, ``evidence`` (the dia_ids of the turns that hold the answer) and ``category``
-(1 multi-hop: a fact and its follow-up; 2 temporal; 4 single-hop), so whatever reads LoCoMo
-reads it. Only ``random.Random(seed)`` decides (no set order, no locale), so a seed gives the
-same text on every machine.
+``answer``, ``evidence`` (the dia_ids of the turns that hold the answer) and ``category`` (1
+multi-hop: a fact and its follow-up; 2 temporal; 4 single-hop), so whatever reads LoCoMo reads it.
+Only ``random.Random(seed)`` decides (no set order, no locale), so a seed gives the same text on
+every machine.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import random
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from cwm_plugin.testing import phrasebook
-from cwm_plugin.testing.locomo import Conversation
-from cwm_plugin.testing.topics import FACTS, OWN, Topic
+from cwm_plugin.testing.conversations import phrasebook
+from cwm_plugin.testing.conversations.locomo import Conversation
+from cwm_plugin.testing.conversations.topics import FACTS, OWN, Topic
 
 DEFAULT_SEED = 0
 DEFAULT_CONVERSATIONS = 6

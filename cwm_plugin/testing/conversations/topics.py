@@ -1,20 +1,21 @@
-"""What the people in the generated conversations talk about (:mod:`cwm_plugin.testing.dialogues`).
+"""What the people in the generated conversations talk about
+(:mod:`cwm_plugin.testing.conversations.dialogues`).
 
-A :class:`Topic` is a short exchange: lines said in turn by its owner and the other speaker,
-each picked from a few wordings with ``{slot}`` fields. ``slots`` names the pool each field is
-drawn from (:mod:`cwm_plugin.testing.phrasebook`; a pool of dicts fills several fields; a
-relative also fills ``{relname}``, one name a relation of a person), or
-``when``: a day relative to the session (``past`` or ``future``), filling ``{when}`` with the
-words and ``{when_date}`` with the day. ``{P}`` is the owner, ``{O}`` the other speaker;
-``{react}`` and ``{sympathy}`` are drawn afresh for every line. An exchange is told in
-one wording throughout: the k-th wording of every line (the k-th modulo the line's count),
-so that a reply fits what it answers.
+A :class:`Topic` is a short exchange: lines said in turn by its owner and the other speaker, each
+picked from a few wordings with ``{slot}`` fields. ``slots`` names the pool each field is drawn from
+(:mod:`cwm_plugin.testing.conversations.phrasebook`; a pool of dicts fills several fields; a
+relative also fills ``{relname}``, one name a relation of a person), or ``when``: a day relative to
+the session (``past`` or ``future``), filling ``{when}`` with the words and ``{when_date}`` with the
+day. ``{P}`` is the owner, ``{O}`` the other speaker; ``{react}`` and ``{sympathy}`` are drawn
+afresh for every line. An exchange is told in one wording throughout: the k-th wording of every line
+(the k-th modulo the line's count), so that a reply fits what it answers.
 
-:data:`FACTS` plant facts; small talk (``CHATS`` in :mod:`cwm_plugin.testing.phrasebook`)
-plants none. A topic that plants facts asks :class:`Question` s about them, the evidence being its own lines
-(``0``, ``2``, ...) or, for a follow-up (``later``, told in a later session), also the lines
-of the exchange it follows (``"p0"``). ``after_when``: the follow-up waits until the day of
-``{when}`` has passed (a race is run after the day it is on).
+:data:`FACTS` plant facts; small talk (``CHATS`` in
+:mod:`cwm_plugin.testing.conversations.phrasebook`) plants none. A topic that plants facts asks
+:class:`Question` s about them, the evidence being its own lines (``0``, ``2``, ...) or, for a
+follow-up (``later``, told in a later session), also the lines of the exchange it follows
+(``"p0"``). ``after_when``: the follow-up waits until the day of ``{when}`` has passed (a race is
+run after the day it is on).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
-"""Words and small talk for the generated conversations (:mod:`cwm_plugin.testing.dialogues`).
+"""Words and small talk for the generated conversations
+(:mod:`cwm_plugin.testing.conversations.dialogues`).
 
-Pools of names, places and things the planted facts are drawn from (each drawn once a
-conversation, so a question has one answer; ``PEOPLE`` draws from ``WOMEN`` or ``MEN``); the
-reactions around them; and small talk (``CHATS``: topics, as :mod:`cwm_plugin.testing.topics`
-describes them, that plant no facts). None of it uses the words that mark a plan or a
-decision ("decided", "signed up", "booked"): those belong to the topics that plant them.
+Pools of names, places and things the planted facts are drawn from (each drawn once a conversation,
+so a question has one answer; ``PEOPLE`` draws from ``WOMEN`` or ``MEN``); the reactions around
+them; and small talk (``CHATS``: topics, as :mod:`cwm_plugin.testing.conversations.topics` describes
+them, that plant no facts). None of it uses the words that mark a plan or a decision ("decided",
+"signed up", "booked"): those belong to the topics that plant them.
 """
 
 from __future__ import annotations
 
-from cwm_plugin.testing.topics import OTHER, OWN, topic
+from cwm_plugin.testing.conversations.topics import OTHER, OWN, topic
 
 WOMEN = [
     "Abena", "Aiko", "Alba", "Amara", "Anika", "Astrid", "Beatriz", "Bronwen", "Camille", "Dalia",

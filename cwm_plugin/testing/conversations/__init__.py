@@ -1,0 +1,1 @@
+"""Generated conversations with planted facts, LoCoMo's reader, prompts of their text."""

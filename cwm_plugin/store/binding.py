@@ -101,6 +101,24 @@ def check(meta: dict[str, str], key: bytes, *, encrypted: bool,
                       reason="foreign_key", hint=HINT)
 
 
+class Binding:
+    """What one store binds its blobs with: the ciphers of encryption at rest (none without
+    it) and the revisions of the rewritten records it read or wrote."""
+
+    def __init__(self, encryption_key: str | None) -> None:
+        self.ciphers = (crypto.Ciphers(crypto.parse_master_key(encryption_key))
+                        if encryption_key else None)
+        self.revisions = Revisions()
+
+    @property
+    def encrypted(self) -> bool:
+        return self.ciphers is not None
+
+    def cipher(self, salt: str | None) -> crypto.BlobCipher | None:
+        """The cipher of ``salt``'s blobs; None when the store does not encrypt."""
+        return self.ciphers.for_salt(salt) if self.ciphers is not None else None
+
+
 class Revisions:
     """The newest revision of each rewritten record this process read or wrote (the last
     ``size`` keys): a rewrite gets a newer one, a read of an older one is refused."""

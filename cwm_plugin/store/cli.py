@@ -159,7 +159,7 @@ def _gc(args: argparse.Namespace) -> int:
 def _gc_every(args: argparse.Namespace, store) -> int:
     """A pass every ``args.every`` seconds (start to start) until SIGTERM or SIGINT; a pass
     that fails (a tier down, a locked disk index) is logged and the next one runs."""
-    from cwm_plugin.store.key_ops import TIER_ERRORS
+    from cwm_plugin.store.tiers.base import TIER_ERRORS
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

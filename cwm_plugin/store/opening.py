@@ -10,7 +10,6 @@ at start is simply unavailable until it answers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from cwm_plugin.errors import TierUnavailable
 from cwm_plugin.store.config import StoreConfig
@@ -21,8 +20,7 @@ from cwm_plugin.store.tiers.base import Tier
 log = logging.getLogger(__name__)
 
 
-def open_tiers(config: StoreConfig, metrics: StoreMetrics,
-               log_once: Callable[..., None]) -> list[Tier]:
+def open_tiers(config: StoreConfig, metrics: StoreMetrics) -> list[Tier]:
     tiers: list[Tier] = []
     for name in registry.names():
         try:

@@ -143,7 +143,6 @@ def test_gc_sweeps_the_index_entries_a_ttl_expiry_left_behind(redis_server, make
     """A key name that expires leaves its shard's index entry behind (never freed otherwise);
     gc removes it and leaves live and pinned ones. A blob's counts carry its bytes' TTL, so
     they expire with them (format 2 kept them in hashes, ~300 B a block never freed)."""
-    from cwm_plugin.store.maintenance import collect_garbage
     from cwm_plugin.store.tiers.redis.layout import shard_of
 
     s = make_store(redis_url=redis_server.url, redis_prefix="swp", redis_ttl_s=1000,
@@ -161,10 +160,10 @@ def test_gc_sweeps_the_index_entries_a_ttl_expiry_left_behind(redis_server, make
         return sum(r.zcard(s.redis.names.index(shard_of(k(n)))) for n in (b"old", b"live",
                                                                              b"kept"))
     assert entries() == 3
-    report = collect_garbage(s, min_age_s=0)
+    report = s.gc(min_age_s=0)
     assert report.expired_entries == 1 and entries() == 2
     assert s.contains_many([k(b"live"), k(b"kept"), k(b"old")]) == [True, True, False]
-    assert collect_garbage(s, min_age_s=0).expired_entries == 0
+    assert s.gc(min_age_s=0).expired_entries == 0
 
 
 def test_format_2_names_are_never_read_and_gc_deletes_them(redis_server, make_store, kv_block):
@@ -172,7 +171,6 @@ def test_format_2_names_are_never_read_and_gc_deletes_them(redis_server, make_st
     totals in one ``stats`` hash. Those names are not read any more: the block is a miss (it
     is recomputed and saved again), nothing fails on them, and gc deletes them and then,
     unreferenced, their blob."""
-    from cwm_plugin.store.maintenance import collect_garbage
     from cwm_plugin.store.tiers.redis.layout import Names
 
     r = redis.Redis.from_url(redis_server.url)
@@ -190,7 +188,7 @@ def test_format_2_names_are_never_read_and_gc_deletes_them(redis_server, make_st
     s.put(k(b"a"), kv_block(1)).result()
     assert torch.equal(s.get(k(b"a")), kv_block(1))
     assert [i.key for i in s.redis.list_keys(G)] == [k(b"a")]
-    report = collect_garbage(s, min_age_s=0)
+    report = s.gc(min_age_s=0)
     assert report.old_format_entries == 6 and report.removed_blobs == {"redis": 1}
     assert not any(Names("cwm").old_format(n.decode()) for n in r.scan_iter("cwm:*"))
     assert not r.exists(f"cwm:{{b:{old}}}") and torch.equal(s.get(k(b"a")), kv_block(1))

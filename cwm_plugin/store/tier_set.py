@@ -5,6 +5,12 @@
 ``cwm store gc|usage`` opens one alone. Nothing here imports torch, so a maintenance run beside a
 server costs it no import (torch's import takes CPU that serving needs: bench/serving.py's
 ``store_gc`` round measures it). Usage, gauges, verify and gc are :mod:`.maintenance`'s.
+
+Each tier of the registry (:mod:`.tiers.registry`) is asked to open itself from the config
+(:func:`open_tiers`). A tier that cannot be opened (a missing or read-only ``disk_path``, a
+damaged index that cannot even be moved aside) is logged with what to do, counted, and left
+out: the KV store is a cache, so serving goes on with the other tiers. Redis connects lazily,
+so a Redis that is down at start is simply unavailable until it answers.
 """
 
 from __future__ import annotations
@@ -26,11 +32,29 @@ from cwm_plugin.store.maintenance import (
     verify_all,
 )
 from cwm_plugin.store.metrics import StoreMetrics
-from cwm_plugin.store.opening import open_tiers
+from cwm_plugin.store.tiers import registry as tier_registry
 from cwm_plugin.store.tiers.base import TIER_ERRORS, Tier
 
 log = logging.getLogger(__name__)
 LOGGED_KEPT = 4096     # distinct log-once tags remembered (then forgotten, and logged again)
+
+
+def open_tiers(config: StoreConfig, metrics: StoreMetrics) -> list[Tier]:
+    """The tiers ``config`` asks for, in lookup order (see the module docstring)."""
+    tiers: list[Tier] = []
+    for name in tier_registry.names():
+        try:
+            tier = tier_registry.opener(name)(config)
+        except TierUnavailable as exc:
+            metrics.errors.labels("tier_unavailable").inc()
+            log.error("store: %s", exc)
+            continue
+        if tier is None:
+            continue
+        if tier.recovered:
+            metrics.errors.labels("index_rebuilt").inc()
+        tiers.append(tier)
+    return tiers
 
 
 class TierSet:
@@ -38,6 +62,8 @@ class TierSet:
     opened is logged and left out), and their metrics."""
 
     def __init__(self, config: StoreConfig, *, registry=None) -> None:
+        """``registry``: the Prometheus registry of the store's metrics (default: the
+        process's)."""
         self.config = config
         self.metrics = StoreMetrics.for_registry(registry)
         self.tiers = open_tiers(config, self.metrics)

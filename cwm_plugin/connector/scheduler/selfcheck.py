@@ -25,7 +25,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cwm_plugin.connector.keys import Namespace, hash_probe
+from cwm_plugin.connector.keys import KeyNamespace, hash_probe
 from cwm_plugin.connector.records import write_record
 from cwm_plugin.store.kv_store import KVStore
 
@@ -42,7 +42,7 @@ class SelfCheck:
     stored: dict[str, Any] | None = None
 
 
-def record_key(ns: Namespace) -> bytes:
+def record_key(ns: KeyNamespace) -> bytes:
     return RECORD_PREFIX + ns.digest
 
 
@@ -65,7 +65,7 @@ def _write(store: KVStore, key: bytes, record: dict[str, Any]) -> None:
     write_record(store, key, record, RECORD_LAYOUT, what="the namespace record", wait=0)
 
 
-def run_selfcheck(store: KVStore, ns: Namespace, hash_fn: Any, block_size: int) -> SelfCheck:
+def run_selfcheck(store: KVStore, ns: KeyNamespace, hash_fn: Any, block_size: int) -> SelfCheck:
     """Compare this process's block hashing with the store's record (see the module docstring)."""
     probe = hash_probe(hash_fn, block_size)
     if not store.config.disk_path and not store.config.redis_url:

@@ -53,7 +53,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from cwm_plugin.connector import records
 from cwm_plugin.connector.config import ConnectorConfig
 from cwm_plugin.connector.content import ContentChains
-from cwm_plugin.connector.keys import Namespace, kv_block_hashes, lora_extra
+from cwm_plugin.connector.keys import KeyNamespace, kv_block_hashes, lora_extra
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.metrics.stats import StatsCollector
 from cwm_plugin.connector.params import RequestParams, params_of
@@ -90,10 +90,10 @@ def hit_source_of_saves(store_settings: Any) -> CacheHitSource:
 
 
 class SchedulerSide:
-    def __init__(self, ns: Namespace, cfg: ConnectorConfig, store: KVStore,
+    def __init__(self, ns: KeyNamespace, cfg: ConnectorConfig, store: KVStore,
                  stats: StatsCollector, *, hash_fn: Any = None, hash_ratio: int = 1,
                  stored_source: CacheHitSource = CacheHitSource.HOST,
-                 workers: list[tuple[Namespace, int]] | None = None,
+                 workers: list[tuple[KeyNamespace, int]] | None = None,
                  async_loads: bool = False) -> None:
         self.ns = ns
         self.cfg = cfg

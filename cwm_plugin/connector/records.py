@@ -64,7 +64,7 @@ def salt_group(salt: str) -> bytes:
     return PREFIX + hashlib.sha256(b"cwm-ctx-salt\0" + salt.encode()).digest()[:10]
 
 
-def record_key(salt: str) -> bytes:
+def context_record_key(salt: str) -> bytes:
     return salt_group(salt) + b"latest"
 
 

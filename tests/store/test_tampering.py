@@ -188,7 +188,7 @@ def test_an_older_version_of_a_rewritten_record_is_refused(place, caplog, encryp
     new one is: refused as replayed by a process that read or wrote the newer one (with
     encryption the revision is sealed with it, so no one can make an old version look new)."""
     s = place.open(encryption_key=MASTER if encrypted else None)
-    rec = records.record_key(SALT)
+    rec = records.context_record_key(SALT)
     s.put(rec, records.json_tensor({"turn": 1}), salt=SALT, replace=True).result()
     then = place.read(s, rec)
     s.put(rec, records.json_tensor({"turn": 2}), salt=SALT, replace=True).result()

@@ -346,7 +346,7 @@ class SchedulerSide:
             turn=params.turn, num_prompt_tokens=int(req.num_prompt_tokens), arrived=params.at,
             model=self.served_model or self.ns.model)
         body = asdict(rec)
-        for key in [records.record_key(salt)] + \
+        for key in [records.context_record_key(salt)] + \
                 ([records.turn_record_key(salt, params.slot)] if params.slot is not None else []):
             if not records.write_record(self.store, key, body, records.RECORD_LAYOUT,
                                         what="a context record", salt=salt, wait=0,

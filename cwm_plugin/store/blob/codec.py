@@ -44,7 +44,14 @@ import zstandard
 
 from cwm_kernels import shuffle as sh
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob
-from cwm_plugin.store.blob.container import FORMAT, check_meta, crc32, meta_crc, pack, read_header
+from cwm_plugin.store.blob.container import (
+    FORMAT,
+    check_meta,
+    crc32,
+    meta_crc,
+    pack_blob,
+    read_header,
+)
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = ("1", "2", "3")
@@ -147,7 +154,7 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
         meta["revision"] = str(int(revision))
     if checksum:
         meta["meta_crc"] = meta_crc(meta)
-    return pack(meta, payloads)
+    return pack_blob(meta, payloads)
 
 
 def _worth_trying(s: np.ndarray, level: int, sample: int = 128 << 10) -> bool:

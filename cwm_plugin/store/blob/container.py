@@ -37,7 +37,7 @@ def check_meta(meta: dict[str, str]) -> None:
                           hint="the blob header is damaged; the block will be recomputed")
 
 
-def pack(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
+def pack_blob(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
     """A container of ``meta`` (as given) and ``payloads`` as ``uint8`` streams s00, s01..."""
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
@@ -53,7 +53,7 @@ def pack(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
 
 
 def _byte_view(a: np.ndarray) -> memoryview:
-    import numpy as np  # here, not at the top: maintenance packs no arrays (~50 ms of imports)
+    import numpy as np  # here: maintenance packs no arrays, and goes without the import
 
     return memoryview(np.ascontiguousarray(a)).cast("B")
 
@@ -62,7 +62,7 @@ def pack_raw(meta: dict[str, str], payload: bytes) -> bytes:
     """A container of ``meta`` (its CRC added) and one opaque payload (sealed blobs)."""
     meta = {**meta, "meta_crc": ""}
     meta["meta_crc"] = meta_crc(meta)
-    return pack(meta, [payload])
+    return pack_blob(meta, [payload])
 
 
 def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[str, Any], int]:

@@ -120,7 +120,7 @@ def capture_vllm(dtype: str, tokens: int = PROMPT_TOKENS) -> list[torch.Tensor]:
     if cached.exists():
         log.info("using cached KV %s", cached)
         return _blocks_of(load_file(cached))
-    from cwm_plugin.store.tiers.disk.key_index import DiskIndex
+    from cwm_plugin.store.tiers.disk.key_index import DiskKeyIndex
     from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
     with tempfile.TemporaryDirectory(prefix="cwm-bench-kv-") as tmp:
@@ -136,7 +136,7 @@ def capture_vllm(dtype: str, tokens: int = PROMPT_TOKENS) -> list[torch.Tensor]:
         try:
             used = server.complete(prompt, max_tokens=1)["usage"]["prompt_tokens"]
             want = used // 128
-            index = DiskIndex(kv / "index.sqlite")
+            index = DiskKeyIndex(kv / "index.sqlite")
             deadline = time.monotonic() + 120
             while index.totals()[1] < want and time.monotonic() < deadline:
                 time.sleep(0.2)                  # saves finish after the response

@@ -209,7 +209,7 @@ def test_a_full_disk_at_open_leaves_the_index_alone_and_the_tier_unavailable(tmp
         exc.sqlite_errorcode = sqlite3.SQLITE_FULL
         raise exc
 
-    monkeypatch.setattr(disk_index.DiskIndex, "_init_schema", full)
+    monkeypatch.setattr(disk_index.DiskKeyIndex, "_init_schema", full)
     with pytest.raises(TierUnavailable, match="database or disk is full"):
         DiskTier(tmp_path, budget=1 << 20)
     assert not list(tmp_path.glob("index.sqlite.damaged-*"))

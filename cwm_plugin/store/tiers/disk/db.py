@@ -29,7 +29,8 @@ T = TypeVar("T")
 READ_TIMEOUT_S = 0.25
 
 
-def locked(exc: sqlite3.OperationalError) -> bool:
+def is_lock_error(exc: sqlite3.OperationalError) -> bool:
+    """Whether SQLite failed because another connection holds the lock (locked, busy)."""
     msg = str(exc).lower()
     return "locked" in msg or "busy" in msg
 
@@ -76,7 +77,7 @@ class IndexDB:
             try:
                 return fn()
             except sqlite3.OperationalError as exc:
-                if not locked(exc) or time.monotonic() + delay > deadline:
+                if not is_lock_error(exc) or time.monotonic() + delay > deadline:
                     raise
             time.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 0.05)

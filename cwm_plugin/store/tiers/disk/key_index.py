@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from cwm_plugin.errors import CWMError
-from cwm_plugin.store.tiers.disk.db import IndexDB, locked
+from cwm_plugin.store.tiers.disk.db import IndexDB, is_lock_error
 from cwm_plugin.store.tiers.disk.schema import SCHEMA, SCHEMA_VERSION, statements
 
 Unlink = Callable[[Sequence[str]], None] | None
@@ -94,7 +94,7 @@ def _create_schema(db: sqlite3.Connection) -> None:
                (SCHEMA_VERSION,))
 
 
-class DiskIndex:
+class DiskKeyIndex:
     """Thread-safe and multi-process-safe (WAL; connections and deadlines: :mod:`.db`)."""
 
     def __init__(self, path: str | Path, *, timeout_s: float = 30.0) -> None:
@@ -123,7 +123,7 @@ class DiskIndex:
                 if _schema_version(db) == SCHEMA_VERSION:
                     return
         except sqlite3.OperationalError as exc:
-            if not locked(exc):    # (locked: another process creates it; the write waits)
+            if not is_lock_error(exc):    # (locked: another process creates it; the write waits)
                 raise
         self.db.tx(_create_schema)
 

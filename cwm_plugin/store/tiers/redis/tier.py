@@ -31,7 +31,7 @@ from cwm_plugin.store.tiers.base import KeyInfo, Tier, TierUsage
 from cwm_plugin.store.tiers.redis.blobs import RedisBlobs
 from cwm_plugin.store.tiers.redis.blobs import as_str as _s
 from cwm_plugin.store.tiers.redis.conn import RedisConnection
-from cwm_plugin.store.tiers.redis.key_index import RedisIndex
+from cwm_plugin.store.tiers.redis.key_index import RedisKeyIndex
 from cwm_plugin.store.tiers.redis.layout import SHARDS, shard_of
 from cwm_plugin.store.tiers.redis.scripts import SCRIPTS
 
@@ -73,7 +73,7 @@ class RedisTier(Tier):
         self.blobs = RedisBlobs(self._call, prefix, ttl_s, max_value_bytes,
                                 max(1, read_chunk_bytes // max_value_bytes))
         self.names = self.blobs.layout
-        self.index = RedisIndex(self.conn, self.blobs, ttl_s)
+        self.index = RedisKeyIndex(self.conn, self.blobs, ttl_s)
         self.totals: tuple[int, int] | None = None     # (bytes, blobs), approximate
 
     @property

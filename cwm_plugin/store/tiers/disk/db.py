@@ -35,6 +35,14 @@ def is_lock_error(exc: sqlite3.OperationalError) -> bool:
     return "locked" in msg or "busy" in msg
 
 
+def is_damage_error(exc: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite says the file itself is bad (corrupt, not a database; or the schema
+    check, which has no code): only then is the index moved aside and rebuilt. A full disk or
+    an I/O error is not: the index is sound, the disk is not (the tier is unavailable)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is None or code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
 class IndexDB:
     """Thread-safe and multi-process-safe access to one SQLite file in WAL mode."""
 

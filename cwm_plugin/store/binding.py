@@ -19,7 +19,7 @@ key it asked for:
   a block of other tokens is refused, and a window's shared blob reads back. Binding the exact
   key would forbid the sharing; binding only the group would let any block of the model stand
   for any other. A reader that passes no content (records, manifests) accepts its key's blob
-  only; a block saved before blocks named their content is accepted per group, as then.
+  only; a block whose header names no content is accepted per group.
 * With encryption at rest a blob is sealed for exactly one key and salt: the key named in its
   clear header, which the AEAD authenticates with the rest of the header, must be the key read
   (``foreign_key``; a window's re-key re-seals a copy for each new key:

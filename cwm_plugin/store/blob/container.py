@@ -1,8 +1,8 @@
 """The blob container: a safetensors file whose ``__metadata__`` names the cwm format and
 carries a CRC-32 of itself (:mod:`.codec` says what the fields and the ``uint8`` streams
 are). Reading and writing the header needs no torch, so maintenance (``cwm store gc|usage``,
-the disk tier's index rebuild, sealing) runs without importing it: on a 2-core server that
-import alone (~2 s of CPU) slowed every decoding request while a gc loop ran.
+the disk tier's index rebuild, sealing) runs without importing it: torch's import takes CPU
+from the decoding requests of a server beside it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from cwm_plugin.errors import CorruptBlob
 
-try:     # ISA-L's CRC-32: the same values as zlib's, ~7x faster (27 vs 4 GB/s a core here)
+try:     # ISA-L's CRC-32: the same values as zlib's, several times faster
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same checksums
     from zlib import crc32

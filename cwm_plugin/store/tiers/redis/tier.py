@@ -7,7 +7,7 @@ reference and pin counts in its own slot, a key group's pinned bytes (the pin qu
 group's slot, the approximate totals in 16 stats hashes. Batch key operations are one Lua
 script per shard and per blob changed (:mod:`.key_index`, :mod:`.scripts`): atomic
 within a slot, counts never too low across slots. Format 2's names (one slot a model) are
-not read any more; ``gc`` deletes them.
+never read; ``gc`` deletes them.
 
 A key whose bytes are gone (TTL expiry, ``maxmemory`` eviction) answers present in the index;
 reads find it *dangling*, remove it and report it dropped (``exists_many`` checks the bytes
@@ -64,8 +64,8 @@ class RedisTier(Tier):
         self.prefix = prefix
         self.ttl_s = ttl_s
         # A restore (store/read_path.py) asks for one blob a round trip and decodes the last
-        # one meanwhile: 1.9 MB blobs came at 1.0-1.3 GB/s one a GET, 0.5-0.9 two or more
-        # (redis-py with hiredis, local server); get_many still batches up to read_chunk.
+        # one meanwhile: one blob a GET arrives faster than two or more (redis-py with
+        # hiredis); get_many still batches up to read_chunk.
         self.read_batch = 1
         self.conn = RedisConnection(url, timeout_s=timeout_s, cluster=cluster, scripts=SCRIPTS,
                                     backoff_s=backoff_s, max_backoff_s=max_backoff_s)
@@ -252,7 +252,7 @@ class RedisTier(Tier):
 
     def drop_old_format(self) -> int:
         """Delete the names of format 2 (one hash tag a namespace and rank, one ``stats``):
-        nothing reads them any more; their blobs, which no key points to now, go as
+        nothing reads them; their blobs, which no key of format 3 points to, go as
         unreferenced. Returns how many names were deleted."""
         def run(c: Any) -> int:
             old = [n for n in self._scan(c, f"{self.prefix}:*") if self.names.old_format(n)]

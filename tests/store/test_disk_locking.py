@@ -16,7 +16,7 @@ from cwm_plugin.testing.procs import hold_sqlite_write_lock
 pytestmark = pytest.mark.unit
 
 HOLD_S = 3.0
-BOUND_S = 0.5       # generous: the bug was a wait of the whole hold (~3 s)
+BOUND_S = 0.5       # generous, and far below the whole hold (HOLD_S)
 
 
 def bid(i: int) -> str:

@@ -127,7 +127,7 @@ def test_gc_sweeps_the_index_entries_a_ttl_expiry_left_behind(redis_server, make
                                                               kv_block):
     """A key name that expires leaves its shard's index entry behind (never freed otherwise);
     gc removes it and leaves live and pinned ones. A blob's counts carry its bytes' TTL, so
-    they expire with them (format 2 kept them in hashes, ~300 B a block never freed)."""
+    they expire with them."""
     from cwm_plugin.store.tiers.redis.layout import shard_of
 
     s = make_store(redis_url=redis_server.url, redis_prefix="swp", redis_ttl_s=1000,
@@ -153,7 +153,7 @@ def test_gc_sweeps_the_index_entries_a_ttl_expiry_left_behind(redis_server, make
 
 def test_format_2_names_are_never_read_and_gc_deletes_them(redis_server, make_store, kv_block):
     """Format 2 kept a model's whole index under one hash tag (one cluster slot) and its
-    totals in one ``stats`` hash. Those names are not read any more: the block is a miss (it
+    totals in one ``stats`` hash. Those names are never read: the block is a miss (it
     is recomputed and saved again), nothing fails on them, and gc deletes them and then,
     unreferenced, their blob."""
     from cwm_plugin.store.tiers.redis.layout import Names

@@ -164,8 +164,8 @@ def test_one_slow_answer_fails_that_lookup_only_and_the_tier_stays_up(redis_serv
 
 def test_a_cluster_no_node_of_which_answers_is_a_tier_down_not_a_crash(tmp_path, make_store,
                                                                       kv_block):
-    """``RedisClusterException`` is no ``RedisError``: it escaped the scheduler's look-up
-    and took vLLM's engine down on the first request. It is the tier being down now."""
+    """``RedisClusterException`` is no ``RedisError``; uncaught in the scheduler's look-up it
+    would take vLLM's engine down on the first request. It is the tier being down."""
     s = make_store(redis_url="redis://127.0.0.1:1/0", redis_cluster=True,
                    disk_path=str(tmp_path / "d"))
     s.put(k(b"a"), kv_block(1)).result()  # the local tiers take it

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from typing import Any
 
 from cwm_plugin.connector import records
@@ -36,26 +36,28 @@ from cwm_plugin.store.kv_store import KVStore
 log = logging.getLogger(__name__)
 
 
+@dataclass
 class Saves:
     """Plans saves into each step's metadata and writes context records; the scheduler side
     owns one (``workers``: its (namespace, TP rank) pairs; ``max_blocks``: the most blocks of
     one request stored)."""
 
-    def __init__(self, cfg: ConnectorConfig, store: KVStore, stats: StatsCollector, *,
-                 ns: KeyNamespace, workers: list[tuple[KeyNamespace, int]], hash_ratio: int,
-                 max_blocks: int, known: KnownBlocks, contents: ContentChains) -> None:
-        self.cfg = cfg
-        self.store = store
-        self.stats = stats
-        self.ns = ns
-        self.workers = workers
-        self.block_size = ns.block_size
-        self.hash_ratio = hash_ratio
-        self.max_blocks = max_blocks
-        self.known = known
-        self.contents = contents
-        self.keeps_records = cfg.context_records and records.readable(store)
-        if cfg.context_records and not self.keeps_records:
+    cfg: ConnectorConfig
+    store: KVStore
+    stats: StatsCollector
+    _: KW_ONLY
+    ns: KeyNamespace
+    workers: list[tuple[KeyNamespace, int]]
+    hash_ratio: int
+    max_blocks: int
+    known: KnownBlocks
+    contents: ContentChains
+    keeps_records: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_size = self.ns.block_size
+        self.keeps_records = self.cfg.context_records and records.readable(self.store)
+        if self.cfg.context_records and not self.keeps_records:
             log.warning("cwm connector: the store has no disk or Redis tier, so no context "
                         "records are kept (context windows freeze sessions from them, reading "
                         "the durable tiers); add a disk_path or redis_url to use windows")

@@ -1,12 +1,13 @@
 """Reading blocks back: each tier's blobs fetched in chunks, decoded on a pool as they arrive.
 
-:class:`ReadPath`, a part of :class:`~cwm_plugin.store.kv_store.KVStore`. For each tier in lookup order
-(memory -> disk -> Redis) the keys still missing are looked up in one batch; the calling
-thread then fetches their blobs chunk by chunk (the memory tier at once; the disk file by
-file, after asking the kernel to read them all ahead; Redis a pipelined round trip of a few
-blobs at a time) and hands every blob to the store's decode pool as soon as its chunk
-arrives, so reading the next chunk overlaps decoding the last one, and blocks decode in
-parallel (the codec's kernels release the GIL).
+:class:`ReadPath`, a part of :class:`~cwm_plugin.store.kv_store.KVStore`. For each tier in
+lookup order (memory -> disk -> Redis) the keys still missing are looked up in one batch; the
+calling thread then fetches their blobs chunk by chunk (the memory tier at once; the disk file
+by file, after asking the kernel to read them all ahead; Redis a pipelined round trip of a few
+blobs at a time) and hands every blob to the decode pool as soon as its chunk arrives, so
+reading the next chunk overlaps decoding the last one, and blocks decode in parallel (the
+codec's kernels release the GIL). A hit is promoted to the faster tiers
+(:meth:`~cwm_plugin.store.write_path.WritePath.promote`).
 
 Two ways to receive blocks:
 
@@ -142,7 +143,8 @@ class ReadPath:
                 return bool(sink(h.index, t))
             except Exception as exc:       # the receiver's problem: this block is a miss
                 self.metrics.errors.labels("sink_failed").inc()
-                self.tier_set.log_once("sink", "store: a loaded block could not be delivered: %s", exc)
+                self.tier_set.log_once("sink", "store: a loaded block could not be delivered: %s",
+                                       exc)
                 return False
             finally:
                 st.add("copy", time.perf_counter() - t0)
@@ -172,8 +174,8 @@ class ReadPath:
                     return handle(h, cipher, st)
                 except Exception as exc:      # a bug or no memory: a miss, never a crash
                     self.metrics.errors.labels("decode_failed").inc()
-                    self.tier_set.log_once("decode-failed", "store: decoding block %s failed: %r",
-                                   h.key.hex()[:16], exc)
+                    self.tier_set.log_once("decode-failed", "store: decoding block %s failed: "
+                                           "%r", h.key.hex()[:16], exc)
                     return False
 
             fetching = Stages()
@@ -310,14 +312,14 @@ class ReadPath:
         self.metrics.misses.labels(h.tier.name).inc()
         if isinstance(exc, RefusedBlob):     # not the key's: left alone (it may be another's)
             self.metrics.errors.labels(f"refused_{exc.reason}").inc()
-            self.tier_set.log_once(f"refused-{exc.reason}-{h.tier.name}", "store: refused blob %s for "
-                           "key %s in %s tier (%s): %s; treated as a miss", h.blob_id,
-                           h.key.hex()[:16], h.tier.name, exc.reason, exc)
+            self.tier_set.log_once(f"refused-{exc.reason}-{h.tier.name}", "store: refused blob "
+                                   "%s for key %s in %s tier (%s): %s; treated as a miss",
+                                   h.blob_id, h.key.hex()[:16], h.tier.name, exc.reason, exc)
             return
         kind = "corrupt" if isinstance(exc, CorruptBlob) else "incompatible"
         self.metrics.errors.labels(kind).inc()
-        self.tier_set.log_once(f"bad-{h.blob_id}", "store: %s blob %s for key %s in %s tier: %s; "
-                       "treated as a miss%s", kind, h.blob_id, h.key.hex()[:16], h.tier.name,
-                       exc, ", quarantined" if kind == "corrupt" else "")
+        self.tier_set.log_once(f"bad-{h.blob_id}", "store: %s blob %s for key %s in %s tier: "
+                               "%s; treated as a miss%s", kind, h.blob_id, h.key.hex()[:16],
+                               h.tier.name, exc, ", quarantined" if kind == "corrupt" else "")
         if kind == "corrupt":
             self.tier_set.quarantine(h.tier, h.blob_id, h.data, key=h.key, reason=str(exc))

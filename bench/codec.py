@@ -15,60 +15,9 @@ Everything runs on one core (``torch.set_num_threads(1)``, one thread) and is ti
 thread's CPU time (``--clock wall`` for wall-clock), best of ``--repeat``. Every configuration
 is checked bit-exact before it is timed.
 
-What was tried on bf16 (real vLLM KV of SmolLM2 over LoCoMo text, 16 blocks of 2.95 MB; ratio
-= raw / stored; the rows marked * are what this script prints, with speeds)::
-
-    zstd-1 on the raw bytes *                                        1.258
-    byte planes, high byte first: zstd-1 * / zstd-3 * / zstd-19      1.474 / 1.431 / 1.493
-    format 1 "exp": one exponent base per column of the whole        1.460  (the real interior is
-      [128 x 128] interior, sign+mantissa byte raw                           K channel-major, V
-                                                                             token-major: wrong
-                                                                             grouping)
-    with signs and mantissas as their own streams, 4-bit exponent
-    residuals two a byte against a base per ...
-      column of each half (K and V apart)                            1.509
-      row of each half                                               1.527
-      row + column of each half (two-way: fits K and V alike)        1.527
-    pairs of residuals: i and i+n/2 / neighbours / rows 2i, 2i+1     1.522 / 1.527 / 1.523
-    kvsplit:apart  (both halves' signs as bit planes) *              1.534
-    kvsplit:folded (sign+mantissa bytes raw, no entropy decoding) *  1.509
-    kvsplit, signs apart where they compress (K), folded (V) *       1.528, decode 0.98 GB/s
-    the same streams at zstd-3 * / -9 / -19 / -3 with a long window  1.532 / 1.532 / 1.538 / 1.532
-    V's sign+mantissa bytes through zstd as well                     +0.4%, one more Huffman
-                                                                     pass over 0.7 MB a block
-    format 3: residual pairs i and i+n/2 (unpacked with two masks    1.524, decode 1.25 GB/s,
-      and a shift on 64-bit words, not a byte interleave), K's 7-bit        encode 0.42 GB/s
-      mantissas bit-packed (7/8 of the bytes, as small as zstd made
-      them, undone with shifts instead of a Huffman pass)
-    the default since stop 21: format 3 with both halves folded       1.505, decode 1.65 GB/s
-      (kvsplit:folded: no sign plane to entropy-decode) *                   (1.38 for the above,
-                                                                            same run, best of 9)
-      ``sign_planes: true`` in the store's settings keeps the smaller one.
-
-Entropy of what is left (bits a value): K exponent residual 2.42 (2.35 given the previous
-token), V 2.63; K sign 0.73 (same-sign runs along a channel), V sign 0.99; mantissa 6.97 (6.92
-given the exponent). Even an ideal coder of these contexts needs ~10.3 bits a value (ratio
-~1.55), so byte transforms + zstd end near 1.53. vLLM's fp16 and fp32 KV use byte planes.
-
-Decode speed (one bf16 block of 2.95 MB, one core of this 2-core AVX-512 Xeon, the machine
-busy with other work: figures in ms a block, ratios between them hold)::
-
-    format 3 as first written (numpy): zstd 1.0, CRC-32 (zlib) 0.33,      3.6  (0.82 GB/s)
-      inverse transform 1.7 (~8 whole-array passes with temporaries)
-    CRC-32 by ISA-L (isal: zlib's values, 27 vs 4 GB/s)                   -0.28
-    inverse transform as numba kernels, one pass a stream over the block  0.8
-    ... matrix by matrix, each matrix's words in L1 between passes *      0.65
-    ... the same loops in C (gcc -O3 -march=native, via ctypes)           0.75-0.87 where numba
-                                                                          took 0.9-1.05 (busy)
-    stream sizes checked from a cache, no numpy/torch calls for shapes   -0.05..0.1
-    what is left: zstd's entropy decoding of the exponent codes (0.74 MB  ~0.8 of ~1.9
-      a block at ~1 GB/s) and K's signs; the transform, at memory speed
-
-numba (a dependency of vLLM, compiled for this CPU on first use and cached on disk) was kept
-over a C extension: about as fast, no compiler needed at install, and it vectorises for the
-CPU it runs on where a wheel's C would be built for a baseline ISA. ``decode_stages_ms``: the
-default's decode time a block split into decompress (header, zstd, checksums) and transform
-(their shares of one untimed pass).
+``decode_stages_ms``: the default's decode time a block split into decompress (header, zstd,
+checksums) and transform (their shares of one untimed pass). What was tried on bfloat16, and
+why the default is what it is: bench/README.md (codec).
 
     python bench/codec.py --json bench/results/codec.json [--quick] [--kv-dir DIR]
 """
@@ -120,7 +69,7 @@ def capture_vllm(dtype: str, tokens: int = PROMPT_TOKENS) -> list[torch.Tensor]:
     if cached.exists():
         log.info("using cached KV %s", cached)
         return _blocks_of(load_file(cached))
-    from cwm_plugin.store.tiers.disk.key_index import DiskIndex
+    from cwm_plugin.store.tiers.disk.key_index import DiskKeyIndex
     from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
     with tempfile.TemporaryDirectory(prefix="cwm-bench-kv-") as tmp:
@@ -136,7 +85,7 @@ def capture_vllm(dtype: str, tokens: int = PROMPT_TOKENS) -> list[torch.Tensor]:
         try:
             used = server.complete(prompt, max_tokens=1)["usage"]["prompt_tokens"]
             want = used // 128
-            index = DiskIndex(kv / "index.sqlite")
+            index = DiskKeyIndex(kv / "index.sqlite")
             deadline = time.monotonic() + 120
             while index.totals()[1] < want and time.monotonic() < deadline:
                 time.sleep(0.2)                  # saves finish after the response

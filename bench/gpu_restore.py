@@ -17,7 +17,7 @@ real KV, restored into CUDA paged layers, end to end (until the device has finis
 * ``ours, memory tier`` and ``ours, disk tier (cold)``: the store's blobs (kvsplit + zstd),
   the disk files evicted from the page cache (``posix_fadvise(DONTNEED)``) before each sample;
 * ``ours, memory tier uncompressed``: a store with ``zstd_level=0, shuffle=False`` (blobs
-  hold the raw bytes and their checksum): what a GPU host trades 1.52x of capacity for.
+  hold the raw bytes and their checksum): what a GPU host trades capacity for.
 
 No vLLM here (none is installed on the lent GPU machine): the paged layers are plain CUDA
 tensors shaped like vLLM's block-major views. The blocks are real SmolLM2-135M KV (bf16,

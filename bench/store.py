@@ -13,7 +13,7 @@ stored bytes over all rounds. Redis is a real ``redis-server`` started for the r
 (cwm_plugin.testing.redis_server). The JSON names the machine, the load average and this
 machine's memory copy and cached file read bandwidth.
 
-Key operations (store v2): ``link_many``, ``pin_many``, ``unpin_many`` and ``delete_many`` of
+Key operations: ``link_many``, ``pin_many``, ``unpin_many`` and ``delete_many`` of
 ``--keys`` (10k) keys in one call per tier, as keys/s; and a fill curve: put latency (p50/p99
 of 200 puts of a small block, through encode and every write) as a tier grows to ``--fill``
 (100k) blobs -- it should stay flat, not grow with the number of stored blobs.

@@ -60,7 +60,7 @@ def converse(store: KVStore, salt: str, n_tokens: int, *, save: int | None = Non
     for (_, rank), keys in zip(WORKERS, block_keys(tokens, salt, n), strict=True):
         for i, key in enumerate(keys):
             store.put(key, block(i, rank), salt=salt, content=ids[i]).result()
-    keys = [records.record_key(salt)] + \
+    keys = [records.context_record_key(salt)] + \
         ([records.turn_record_key(salt, turn % keep)] if turn is not None else [])
     for key in keys:
         assert records.write_record(store, key, asdict(rec), records.RECORD_LAYOUT,

@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from cwm_plugin.connector.config import ConnectorConfig
 from cwm_plugin.connector.keys import (
-    Namespace,
+    KeyNamespace,
     build_namespace,
     check_isolation,
     hashes_reproducible,
@@ -138,10 +138,10 @@ class CWMConnector(KVConnectorBase_V1):
         self._forwarders: list[RegistryForwarder] = []
         self._warned_no_layout = False
 
-    def _namespace(self, layout: str) -> Namespace:
+    def _namespace(self, layout: str) -> KeyNamespace:
         return build_namespace(self._vllm_config, self._kv_cache_config, layout)
 
-    def _open_store(self, ns: Namespace, *, memory: bool, rank: str) -> KVStore:
+    def _open_store(self, ns: KeyNamespace, *, memory: bool, rank: str) -> KVStore:
         registry = CollectorRegistry()
         s = self.store_settings
         scheduler = {} if memory else {"memory_bytes": 0,

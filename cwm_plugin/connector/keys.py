@@ -56,7 +56,10 @@ def hash_bytes(hash_algo: str) -> int:
 
 
 @dataclass(frozen=True)
-class Namespace:
+class KeyNamespace:
+    """What a block key is scoped by (see the module docstring); its :attr:`digest` begins
+    every key."""
+
     model: str
     model_fingerprint: str
     model_dtype: str
@@ -204,7 +207,7 @@ def lora_extra(lora_request: Any) -> bytes:
     return h.digest()[:NAMESPACE_BYTES]
 
 
-def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: str) -> Namespace:
+def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: str) -> KeyNamespace:
     """The namespace of this engine, given the KV layout its workers reported."""
     import vllm
     from vllm.platforms import current_platform
@@ -213,7 +216,7 @@ def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: str) -> Name
     spec = groups[0].kv_cache_spec
     cache = vllm_config.cache_config
     mc = vllm_config.model_config
-    return Namespace(
+    return KeyNamespace(
         model=os.path.basename(str(mc.model).rstrip("/")),
         model_fingerprint=model_fingerprint(
             str(mc.model), getattr(mc, "revision", None),

@@ -64,7 +64,7 @@ def salt_group(salt: str) -> bytes:
     return PREFIX + hashlib.sha256(b"cwm-ctx-salt\0" + salt.encode()).digest()[:10]
 
 
-def record_key(salt: str) -> bytes:
+def context_record_key(salt: str) -> bytes:
     return salt_group(salt) + b"latest"
 
 
@@ -81,7 +81,7 @@ class ContextRecord:
     block_size: int
     hash_block_size: int
     hash_algo: str
-    namespace: dict = field(default_factory=dict)   # the first worker's Namespace fields
+    namespace: dict = field(default_factory=dict)   # the first worker's KeyNamespace fields
     lora: list[str] | None = None       # [name, path] of the request's adapter
     created: float = 0.0
     version: int = 1

@@ -4,13 +4,15 @@
 * ``blob/``: the blob format -- ``codec`` (tensor <-> self-describing, checksummed
   safetensors+zstd blob), ``container`` (its header, without torch), ``crypto`` (encryption
   at rest), ``address`` (content ids).
-* ``kv_store.KVStore``: the store the connector and the windows engine use (its reads in
-  ``read_path``, its batch key operations -- presence, delete, link, per-key pins -- in
-  ``key_ops``, bounded saves in ``save_queue``).
+* ``kv_store.KVStore``: the store the connector and the windows engine use, composed of its
+  tiers (``tier_set.TierSet``: also what ``cwm store gc|usage`` opens alone), its saves
+  (``write_path``, over the bounded ``save_queue``), its reads (``read_path``) and its batch
+  key operations -- presence, delete, link, per-key pins and leases (``key_ops``); what binds a
+  blob to its key in ``binding``.
 * ``tiers/``: ``ram`` (LRU in this process), ``disk`` (atomic files, SQLite key index),
   ``redis`` (shared), each opened through ``tiers/registry.py``.
-* ``tier_set`` (the tiers alone, for ``cwm store gc|usage``), ``maintenance`` (verify, gc,
-  usage), ``metrics``, ``cli`` (``cwm store``).
+* ``maintenance`` (verify, gc, usage), ``replication`` (copying blocks to the durable tiers
+  that lack them), ``metrics``, ``cli`` (``cwm store``).
 
 Submodules are imported explicitly (``from cwm_plugin.store.kv_store import KVStore``) so that
 importing the package costs nothing.

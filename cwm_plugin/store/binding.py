@@ -19,7 +19,7 @@ key it asked for:
   a block of other tokens is refused, and a window's shared blob reads back. Binding the exact
   key would forbid the sharing; binding only the group would let any block of the model stand
   for any other. A reader that passes no content (records, manifests) accepts its key's blob
-  only; a block saved before blocks named their content is accepted per group, as then.
+  only; a block whose header names no content is accepted per group.
 * With encryption at rest a blob is sealed for exactly one key and salt: the key named in its
   clear header, which the AEAD authenticates with the rest of the header, must be the key read
   (``foreign_key``; a window's re-key re-seals a copy for each new key:
@@ -99,6 +99,24 @@ def check(meta: dict[str, str], key: bytes, *, encrypted: bool,
                       f"{key[GROUP_BYTES:].hex()[:16]}'s (content "
                       f"{bytes(content).hex()[:16] if content is not None else 'its own'})",
                       reason="foreign_key", hint=HINT)
+
+
+class Binding:
+    """What one store binds its blobs with: the ciphers of encryption at rest (none without
+    it) and the revisions of the rewritten records it read or wrote."""
+
+    def __init__(self, encryption_key: str | None) -> None:
+        self.ciphers = (crypto.Ciphers(crypto.parse_master_key(encryption_key))
+                        if encryption_key else None)
+        self.revisions = Revisions()
+
+    @property
+    def encrypted(self) -> bool:
+        return self.ciphers is not None
+
+    def cipher(self, salt: str | None) -> crypto.BlobCipher | None:
+        """The cipher of ``salt``'s blobs; None when the store does not encrypt."""
+        return self.ciphers.for_salt(salt) if self.ciphers is not None else None
 
 
 class Revisions:

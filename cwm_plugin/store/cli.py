@@ -3,8 +3,9 @@
 The store is opened with the settings of ``--config FILE.yaml`` (top-level store settings or a
 ``store:`` section) or of ``--disk-path``/``--redis-url``; the memory tier is off (a fresh CLI
 process has nothing in memory). ``gc --every SECONDS`` stays running and collects that often
-in one process (a systemd service beside vLLM): a process started for each run costs ~0.15 s of
-CPU for Python and its imports, about ten times the collecting itself.
+in one process (a systemd service beside vLLM): a process started for each run pays Python's
+start and imports each time, more CPU than the collecting itself (bench/README.md,
+``store_gc``).
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ def yield_to_serving(nice: int) -> None:
     """Lower this process's CPU priority by ``nice``, put it in the ``SCHED_IDLE`` class (it
     runs only on cycles nothing else wants) and, where psutil can, its I/O priority to the
     lowest best-effort level. On a 2-core server a ``cwm store gc`` loop at normal priority
-    took a core from vLLM (ITL p99 5.8x in bench/serving.py's ``store_gc`` round); at nice
-    +10 alone still 7x: vLLM's OpenMP threads wait for every thread of a step, so a niced
-    process that preempts one of them for a few milliseconds stalls the whole step."""
+    takes a core from vLLM, and a nice value alone is not enough: vLLM's OpenMP threads wait
+    for every thread of a step, so a niced process that preempts one of them for a few
+    milliseconds stalls the whole step (bench/serving.py's ``store_gc`` round)."""
     if nice <= 0:
         return
     os.nice(nice)
@@ -159,7 +160,7 @@ def _gc(args: argparse.Namespace) -> int:
 def _gc_every(args: argparse.Namespace, store) -> int:
     """A pass every ``args.every`` seconds (start to start) until SIGTERM or SIGINT; a pass
     that fails (a tier down, a locked disk index) is logged and the next one runs."""
-    from cwm_plugin.store.key_ops import TIER_ERRORS
+    from cwm_plugin.store.tiers.base import TIER_ERRORS
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -47,7 +47,7 @@ class StoreConfig:
     pin_quota_bytes: int | None = field(default=None, metadata=limits(min=0))
     zstd_level: int = field(default=1, metadata=limits(min=0, max=22))   # 0 = no compression
     shuffle: bool = True             # byte-plane transform before zstd
-    # bf16: signs as compressed bit planes where they compress (+1.2% ratio, -16% decode speed)
+    # bf16: signs as compressed bit planes where they compress (a better ratio, a slower decode)
     sign_planes: bool = False
     checksum: bool = True            # verify the raw payload checksum on every decode
     # AES-256-GCM at rest, a key per cache_salt (64 hex chars or base64 of 32 bytes)

@@ -1,4 +1,4 @@
-"""Batch key operations over a store's tiers: the key half of :class:`KVStore`.
+"""Batch key operations over a store's tiers (:class:`KeySpace`, a part of the KV store).
 
 Each operation is one atomic step per tier (one SQLite transaction, one Lua script per key
 group): where keys are, link (re-point keys to other keys' blobs, no copy), pin (durable tiers,
@@ -15,21 +15,15 @@ to expire. Redis, where only TTLs expire keys, renews TTLs instead (nothing to r
 
 from __future__ import annotations
 
-import logging
-import sqlite3
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cwm_plugin.errors import NotFound, TierUnavailable
-from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.metrics import StoreMetrics
+from cwm_plugin.errors import NotFound
 from cwm_plugin.store.save_queue import SaveQueue
-from cwm_plugin.store.tiers.base import KeyInfo, Tier
+from cwm_plugin.store.tier_set import TierSet
+from cwm_plugin.store.tiers.base import TIER_ERRORS, KeyInfo, Tier
 
-log = logging.getLogger(__name__)
-TIER_ERRORS = (TierUnavailable, OSError, sqlite3.Error)
 LEASE_SLACK_S = 0.005   # a tier's stamp of a lease's expiry (Redis keeps milliseconds)
 
 
@@ -57,33 +51,12 @@ class Lease:
 
 
 class KeySpace:
-    def __init__(self, config: StoreConfig, metrics: StoreMetrics, saves: SaveQueue) -> None:
-        self.config = config
-        self.metrics = metrics
+    """The key operations over ``tier_set``; a key's pending save (``saves``) is waited for
+    before the key is linked, pinned or deleted."""
+
+    def __init__(self, tier_set: TierSet, saves: SaveQueue) -> None:
+        self.tier_set = tier_set
         self._saves = saves
-        self.tiers: list[Tier] = []
-        self.durable: list[Tier] = []
-        self._lock = threading.Lock()
-        self._logged: set[str] = set()
-
-    def _gauges(self) -> None:  # noqa: B027 - the store refreshes its gauges
-        """Refresh usage gauges after a key operation."""
-
-    def _lookup_in(self, tier: Tier, keys: Sequence[bytes]) -> list[str | None]:
-        try:
-            return tier.lookup_many(keys)
-        except TIER_ERRORS as exc:
-            self._tier_failed(tier, "lookup", exc, "index")
-            return [None] * len(keys)
-
-    def _served_by(self, tier: Tier, keys: list[bytes]) -> list[bool] | None:
-        """Whether ``tier`` serves each key (Redis: only keys whose bytes are there, dangling
-        ones are removed on the way); None when the tier fails (counted, logged once)."""
-        try:
-            return tier.exists_many(keys)
-        except TIER_ERRORS as exc:
-            self._tier_failed(tier, "lookup", exc, "index")
-            return None
 
     def where_many(self, keys: Sequence[bytes]) -> list[str | None]:
         """The first tier (in lookup order) holding each key, None if none: where a read would
@@ -91,11 +64,11 @@ class KeySpace:
         tier holding it)."""
         keys = [bytes(k) for k in keys]
         out: list[str | None] = [None] * len(keys)
-        for tier in self.tiers:
+        for tier in self.tier_set.tiers:
             todo = [i for i, w in enumerate(out) if w is None]
             if not todo:
                 break
-            there = self._served_by(tier, [keys[i] for i in todo])
+            there = self.tier_set.served_by(tier, [keys[i] for i in todo])
             for i, hit in zip(todo, there or [False] * len(todo), strict=True):
                 if hit:
                     out[i] = tier.name
@@ -106,8 +79,9 @@ class KeySpace:
         """tier -> whether it serves each key, for every tier (or each of ``tiers``), so a key
         in memory *and* on disk counts for both; a tier that fails holds none."""
         keys = [bytes(k) for k in keys]
-        return {tier.name: list(self._served_by(tier, keys) or [False] * len(keys))
-                for tier in (self.tiers if tiers is None else tiers)}
+        ts = self.tier_set
+        return {tier.name: list(ts.served_by(tier, keys) or [False] * len(keys))
+                for tier in (ts.tiers if tiers is None else tiers)}
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return [w is not None for w in self.where_many(keys)]
@@ -118,8 +92,8 @@ class KeySpace:
             try:
                 out[tier.name] = fn(tier)
             except TIER_ERRORS as exc:
-                self._tier_failed(tier, op, exc, "index")
-        self._gauges()
+                self.tier_set.tier_failed(tier, op, exc, "index")
+        self.tier_set.gauges()
         return out
 
     def link_many(self, pairs: Sequence[tuple[bytes, bytes]]) -> dict[str, list[bytes]]:
@@ -132,7 +106,8 @@ class KeySpace:
             self._saves.wait_key(e)
             self._saves.wait_key(n)
 
-        sources = {t.name: self._lookup_in(t, [e for _, e in pairs]) for t in self.tiers}
+        ts = self.tier_set
+        sources = {t.name: ts.lookup_in(t, [e for _, e in pairs]) for t in ts.tiers}
         somewhere = [any(sources[t][i] for t in sources) for i in range(len(pairs))]
 
         def link(tier: Tier) -> list[bytes]:
@@ -143,7 +118,7 @@ class KeySpace:
                 tier.delete_many(stale)
             return tier.link_many([(n, b) for (n, _), b in zip(pairs, blobs, strict=True)
                                    if b is not None])
-        return self._each_tier("link", self.tiers, link)
+        return self._each_tier("link", ts.tiers, link)
 
     def link(self, new_key: bytes, existing_key: bytes) -> None:
         if not any(self.link_many([(new_key, existing_key)]).values()):
@@ -152,7 +127,7 @@ class KeySpace:
 
     def pin_tiers(self) -> list[Tier]:
         """Where pins live: the durable tiers (memory only when there is none)."""
-        return self.durable or self.tiers
+        return self.tier_set.durable or self.tier_set.tiers
 
     def pin_many(self, keys: Sequence[bytes], *, ttl_s: float | None = None
                  ) -> dict[str, list[bytes]]:
@@ -162,18 +137,18 @@ class KeySpace:
         for k in keys:
             self._saves.wait_key(k)
         return self._each_tier("pin", self.pin_tiers(), lambda t: t.pin_many(
-            keys, ttl_s=ttl_s, quota_bytes=self.config.pin_quota_for(t.name)))
+            keys, ttl_s=ttl_s, quota_bytes=self.tier_set.config.pin_quota_for(t.name)))
 
     def unpin_many(self, keys: Sequence[bytes]) -> dict[str, list[bytes]]:
         keys = [bytes(k) for k in keys]
-        return self._each_tier("unpin", self.tiers, lambda t: t.unpin_many(keys))
+        return self._each_tier("unpin", self.tier_set.tiers, lambda t: t.unpin_many(keys))
 
     def delete_many(self, keys: Sequence[bytes]) -> dict[str, list[bytes]]:
         """Drop keys and their pins everywhere; blobs no key points to any more are freed."""
         keys = [bytes(k) for k in keys]
         for k in keys:
             self._saves.wait_key(k)
-        return self._each_tier("delete", self.tiers, lambda t: t.delete_many(keys))
+        return self._each_tier("delete", self.tier_set.tiers, lambda t: t.delete_many(keys))
 
     def lease_many(self, keys: Sequence[bytes], *, ttl_s: float,
                    tiers: Sequence[Tier] | None = None) -> Lease:
@@ -184,19 +159,19 @@ class KeySpace:
         keys = list(dict.fromkeys(bytes(k) for k in keys))
         out: dict[str, list[bytes]] = {}
         lo = time.time() + ttl_s
-        for tier in self.durable if tiers is None else tiers:
+        for tier in self.tier_set.durable if tiers is None else tiers:
             try:
                 if leased := tier.lease_many(keys, ttl_s=ttl_s):
                     out[tier.name] = leased
             except TIER_ERRORS as exc:
-                self._tier_failed(tier, "lease", exc, "index")
+                self.tier_set.tier_failed(tier, "lease", exc, "index")
         return Lease(out, lo, time.time() + ttl_s)
 
     def release(self, lease: Lease) -> int:
         """Unpin the keys whose lease is still ``lease``'s own (one another lease renewed, or
         a pin taken meanwhile, is left); returns how many were unpinned."""
         n = 0
-        for tier in self.tiers:
+        for tier in self.tier_set.tiers:
             keys = lease.keys.get(tier.name)
             if not keys or not tier.leases_released:
                 continue
@@ -205,7 +180,7 @@ class KeySpace:
                         if lease.owns(i)]
                 n += len(tier.unpin_many(mine)) if mine else 0
             except TIER_ERRORS as exc:
-                self._tier_failed(tier, "release", exc, "index")
+                self.tier_set.tier_failed(tier, "release", exc, "index")
         return n
 
     def pin(self, key: bytes) -> None:
@@ -230,38 +205,20 @@ class KeySpace:
         """tier -> what that tier's index holds for each key (None: absent there)."""
         keys = [bytes(k) for k in keys]
         out: dict[str, list[KeyInfo | None]] = {}
-        for tier in self.tiers:
+        for tier in self.tier_set.tiers:
             try:
                 out[tier.name] = tier.info_many(keys)
             except TIER_ERRORS as exc:
-                self._tier_failed(tier, "info", exc, "index")
+                self.tier_set.tier_failed(tier, "info", exc, "index")
         return out
 
     def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None, limit: int = 1000
                   ) -> dict[str, list[KeyInfo]]:
         """tier -> keys starting with ``prefix`` (byte order, paginated by ``after``)."""
         out: dict[str, list[KeyInfo]] = {}
-        for tier in self.tiers:
+        for tier in self.tier_set.tiers:
             try:
                 out[tier.name] = tier.list_keys(prefix, after=after, limit=limit)
             except TIER_ERRORS as exc:
-                self._tier_failed(tier, "list", exc, "index")
+                self.tier_set.tier_failed(tier, "list", exc, "index")
         return out
-
-    def _tier_failed(self, tier: Tier, op: str, exc: BaseException, kind: str) -> None:
-        """Count a tier's failure; log it once, unless it is an outage the tier logs itself."""
-        outage = isinstance(exc, TierUnavailable)
-        self.metrics.errors.labels("tier_unavailable" if outage else kind).inc()
-        if not outage or getattr(tier, "available", True):
-            self._log_once(f"{op}-{tier.name}-{type(exc).__name__}", "store: %s on the %s tier "
-                           "failed: %s", op, tier.name, exc)
-
-    def _log_once(self, tag: str, msg: str, *args: object) -> None:
-        with self._lock:
-            if tag in self._logged:
-                return
-            if len(self._logged) > 4096:
-                self._logged.clear()
-            self._logged.add(tag)
-        log.warning(msg, *args)
-

@@ -1,16 +1,23 @@
 """The KV block store: keys -> content-addressed blobs, composed over tiers.
 
-:class:`KVStore` only composes :class:`~cwm_plugin.store.tiers.base.Tier` objects, each of
-which owns its blobs *and* its key index (memory: this process; disk: SQLite; Redis: Redis):
+:class:`KVStore` composes :class:`~cwm_plugin.store.tiers.base.Tier` objects, each of which
+owns its blobs *and* its key index (memory: this process; disk: SQLite; Redis: Redis), with
+the parts that work over them:
 
-* order: lookups go memory -> disk -> Redis; a hit is promoted to the faster tiers;
-* writes: ``put`` encodes on a small pool and returns a future; memory is written at once,
-  disk and Redis "through" (before the future resolves) or "behind" (queued after it, bounded
-  in bytes: backpressure). A key the durable tiers already hold is not saved again;
-* batch key operations (``link_many``, ``pin_many``, ``unpin_many``, ``delete_many``) are one
-  atomic step per tier (one SQLite transaction, one Lua script per key group);
-* what a tier drops by itself (eviction, expiry, dangling, quarantine) reaches
-  :meth:`take_dropped`, so the connector's scheduler stops promising those blocks.
+* :class:`~cwm_plugin.store.tier_set.TierSet` (``tier_set``): the opened tiers in lookup order
+  (memory -> disk -> Redis), the primary tier, failure counting, quarantine, usage and gc;
+* :class:`~cwm_plugin.store.write_path.WritePath` (``writes``): ``put`` encodes on a small
+  pool and returns a future; memory is written at once, disk and Redis "through" or "behind"
+  (bounded in bytes: backpressure). A key the durable tiers already hold is not saved again;
+* :class:`~cwm_plugin.store.read_path.ReadPath` (``reads``): lookups in tier order, a hit
+  promoted to the faster tiers, blobs fetched in chunks and decoded on a pool;
+* :class:`~cwm_plugin.store.key_ops.KeySpace` (``key_space``): batch key operations
+  (``link_many``, ``pin_many``, ``unpin_many``, ``delete_many``, leases), one atomic step per
+  tier (one SQLite transaction, one Lua script per key group).
+
+The store's methods are those parts' methods, each a call through one attribute. What a tier
+drops by itself (eviction, expiry, dangling, quarantine) reaches :meth:`take_dropped`, so the
+connector's scheduler stops promising those blocks.
 
 A tier that cannot be opened (unwritable directory, ...) is logged once and left out; a tier
 failing at run time is counted and the store goes on with the others. A damaged blob is a
@@ -24,241 +31,160 @@ its key (:mod:`.blob.crypto`).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
-import logging
-import time
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
-from cwm_plugin.errors import StorageFull
-from cwm_plugin.store import binding
-from cwm_plugin.store.blob import codec, container, crypto
-from cwm_plugin.store.blob.address import blob_id_of
+from cwm_plugin.store.binding import Binding
 from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.key_ops import TIER_ERRORS, KeySpace
-from cwm_plugin.store.maintenance import (
-    GCReport,
-    VerifyReport,
-    collect_garbage,
-    tier_usage,
-    update_gauge,
-    verify_all,
-)
-from cwm_plugin.store.metrics import StoreMetrics
-from cwm_plugin.store.opening import open_tiers
-from cwm_plugin.store.read_path import ReadPath
+from cwm_plugin.store.key_ops import KeySpace, Lease
+from cwm_plugin.store.maintenance import GCReport, VerifyReport
+from cwm_plugin.store.read_path import ReadPath, Sink
 from cwm_plugin.store.save_queue import SaveQueue
-from cwm_plugin.store.threads import unpin
-from cwm_plugin.store.tiers.base import Tier
+from cwm_plugin.store.tier_set import TierSet
+from cwm_plugin.store.tiers.base import KeyInfo, Tier
+from cwm_plugin.store.write_path import WritePath
+from cwm_plugin.timing import Stages
 
-log = logging.getLogger(__name__)
 DROPS_KEPT = 200_000
 
 
-def _done(value: object = None) -> cf.Future:
-    fut: cf.Future = cf.Future()
-    fut.set_result(value)
-    return fut
-
-
-class KVStore(ReadPath, KeySpace):
-    """Tiered, content-addressed KV block store; see the module docstring (reads come from
-    :class:`~cwm_plugin.store.read_path.ReadPath`, the batch key operations from
-    :class:`~cwm_plugin.store.key_ops.KeySpace`)."""
+class KVStore:
+    """Tiered, content-addressed KV block store; see the module docstring."""
 
     def __init__(self, config: StoreConfig, *, registry=None) -> None:
-        metrics = StoreMetrics.for_registry(registry)
-        saves = SaveQueue(config.io_workers, config.queue_depth,
-                          behind_bytes=config.behind_bytes)
-        super().__init__(config, metrics, saves)
-        self.tiers = open_tiers(config, self.metrics, self._log_once)
+        self.config = config
+        self.tier_set = TierSet(config, registry=registry)
+        self.metrics = self.tier_set.metrics
+        self.tiers = self.tier_set.tiers
+        self.memory = self.tier_set.memory
+        self.disk = self.tier_set.disk
+        self.redis = self.tier_set.redis
+        self.durable = self.tier_set.durable
         for tier in self.tiers:
             tier.set_drop_listener(lambda keys, why, t=tier.name: self._on_drop(t, keys, why))
-        self.memory = self._tier("memory")
-        self.disk = self._tier("disk")
-        self.redis = self._tier("redis")
-        self.durable = [t for t in self.tiers if t.durable]
-        self._ciphers = (crypto.Ciphers(crypto.parse_master_key(config.encryption_key))
-                         if config.encryption_key else None)
-        self._revisions = binding.Revisions()
+        self._saves = SaveQueue(config.io_workers, config.queue_depth,
+                                behind_bytes=config.behind_bytes)
+        binding = Binding(config.encryption_key)
+        self.writes = WritePath(self.tier_set, self._saves, binding)
+        self.reads = ReadPath(self.tier_set, binding, self.writes)
+        self.key_space = KeySpace(self.tier_set, self._saves)
+        self._lock = threading.Lock()
         self._dropped: set[bytes] = set()
         self._drops_overflow = False
-        self._decoder = (cf.ThreadPoolExecutor(config.io_workers, thread_name_prefix="cwm-decode",
-                                               initializer=unpin)
-                         if config.io_workers > 1 else None)
         self._closed = False
-        self._gauges()
+        self.tier_set.gauges()
 
-    def _tier(self, name: str):
-        return next((t for t in self.tiers if t.name == name), None)
+    @property
+    def primary(self) -> Tier | None:
+        """:attr:`TierSet.primary <cwm_plugin.store.tier_set.TierSet.primary>`."""
+        return self.tier_set.primary
 
-    def _cipher(self, salt: str | None) -> crypto.BlobCipher | None:
-        return self._ciphers.for_salt(salt) if self._ciphers is not None else None
-
-    # --- saving -------------------------------------------------------------------------------
+    # --- saving (WritePath) -------------------------------------------------------------------
 
     def put(self, key: bytes, tensor: torch.Tensor, *, num_tokens: int = 0, layout: str = "",
             salt: str | None = None, replace: bool = False, wait: float | None = None,
             unless: Callable[[], bool] | None = None,
             content: bytes | None = None) -> cf.Future:
-        """Save a block in the background; the future resolves when the "through" tiers hold
-        it. ``salt``: the request's cache_salt (the blob is sealed under it when encryption at
-        rest is on). A key already stored is skipped, unless ``replace`` (records that are
-        rewritten: the key is re-pointed and its old blob freed, and the record gets a newer
-        revision). ``content``: a KV block's content identity (:mod:`.binding`). ``wait``: while
-        ``queue_depth`` saves are pending, the longest to wait for one to finish (None: as long
-        as it takes), then :class:`~cwm_plugin.store.save_queue.QueueFull` (callers on vLLM's step
-        drop the save). ``unless``: asked on the saving thread right before the write (the
-        saves of one key run one at a time); True skips it (a record that must not replace a
-        newer one)."""
-        def job(k: bytes) -> None:
-            if unless is not None and unless():
-                self.metrics.put_skips.inc()
-                return
-            revision = self._revisions.next(k) if replace else None
-            self._store_blob(k, self._encode(k, tensor, num_tokens, layout, salt, content=content,
-                                             revision=revision), replace=replace)
-            if revision is not None:
-                self._revisions.saw(k, revision)
-        return self._submit(bytes(key), job, replace=replace, wait=wait)
-
-    def _encode(self, key: bytes, tensor: torch.Tensor, num_tokens: int, layout: str,
-                salt: str | None, *, content: bytes | None = None,
-                revision: int | None = None) -> bytes:
-        """``revision``: of a record that replaces an older one (:mod:`.binding`)."""
-        cfg = self.config
-        t0 = time.perf_counter()
-        blob = codec.encode(tensor, key=key, fingerprint=cfg.fingerprint, num_tokens=num_tokens,
-                            layout=layout, level=cfg.zstd_level, shuffle=cfg.shuffle,
-                            checksum=cfg.checksum, sign_planes=cfg.sign_planes,
-                            content=content or b"", revision=revision)
-        cipher = self._cipher(salt)
-        if cipher is not None:
-            blob = cipher.seal(blob)
-        self.metrics.encoded(tensor.numel() * tensor.element_size(), len(blob),
-                             time.perf_counter() - t0)
-        return blob
+        return self.writes.put(key, tensor, num_tokens=num_tokens, layout=layout, salt=salt,
+                               replace=replace, wait=wait, unless=unless, content=content)
 
     def claim(self, key: bytes, tensor: torch.Tensor, *, layout: str = "",
               salt: str | None = None) -> bool:
-        """Save ``tensor`` under ``key`` unless someone did first, now (not in the background):
-        the *primary* tier decides (Redis when configured, so servers sharing it agree; else
-        disk; else memory), then the other tiers follow. False: another writer holds it."""
-        key = bytes(key)
-        revision = self._revisions.next(key)
-        blob = self._encode(key, tensor, 0, layout, salt, revision=revision)
-        blob_id = blob_id_of(blob)
-        primary = self.primary
-        if primary is None:
-            raise StorageFull("the store has no tier", hint="configure memory, disk or Redis")
-        if not primary.put(blob_id, blob, key) or primary.lookup_many([key])[0] != blob_id:
-            return False
-        self._revisions.saw(key, revision)
-        for tier in self.tiers:
-            if tier is not primary:
-                self._write(tier, key, blob_id, blob, replace=True)
-        return True
+        return self.writes.claim(key, tensor, layout=layout, salt=salt)
 
     def put_blob(self, key: bytes, blob: bytes, *, replace: bool = False,
                  content: bytes | None = None) -> cf.Future:
-        """Save an already encoded (or sealed) blob, not decoded, checked to be ours and one
-        that a read of ``key`` (expecting ``content``) accepts (:func:`.binding.check`; else
-        :class:`RefusedBlob`)."""
-        binding.check(container.peek(blob), bytes(key), encrypted=self._ciphers is not None,
-                      content=content)
-        return self._submit(bytes(key), lambda k: self._store_blob(k, bytes(blob),
-                                                                   replace=replace),
-                            replace=replace)
+        return self.writes.put_blob(key, blob, replace=replace, content=content)
 
-    def _submit(self, key: bytes, job, *, replace: bool = False, wait: float | None = None
-                ) -> cf.Future:
-        if self._saves.closed:
-            raise RuntimeError("the KV store is closed")
-        return self._saves.submit(key, lambda: self._run_save(key, job, replace),
-                                  replace=replace, wait=wait)
+    # --- loading (ReadPath) -------------------------------------------------------------------
 
-    def _run_save(self, key: bytes, job, replace: bool = False) -> None:
-        target = (self.durable or self.tiers or [None])[0]
-        if not replace and target is not None and self._exists_in(target, key):
-            self.metrics.put_skips.inc()
-            return
-        job(key)
+    def get(self, key: bytes, *, salt: str | None = None, primary: bool = False,
+            content: bytes | None = None) -> torch.Tensor | None:
+        return self.reads.get(key, salt=salt, primary=primary, content=content)
 
-    def _store_blob(self, key: bytes, blob: bytes, *, replace: bool = False) -> None:
-        blob_id = blob_id_of(blob)
-        stored = False
-        for tier in self.tiers:
-            mode = {"disk": self.config.disk_write, "redis": self.config.redis_write}.get(
-                tier.name, "through")
-            if mode == "through" or replace:
-                stored = self._write(tier, key, blob_id, blob, replace=replace) or stored
-            else:
-                stored = self._behind(tier, key, blob_id, blob) or stored
-        if not stored:
-            raise StorageFull(f"no tier could store block {key.hex()[:16]} ({len(blob)} bytes)",
-                              hint="raise memory_bytes/disk_bytes or check the disk and Redis")
-        self.metrics.puts.inc()
+    def get_many(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None,
+                 layout: str | None = None, salt: str | None = None, primary: bool = False,
+                 stages: Stages | None = None, contents: Sequence[bytes] | None = None
+                 ) -> list[torch.Tensor | None]:
+        return self.reads.get_many(keys, out=out, layout=layout, salt=salt, primary=primary,
+                                   stages=stages, contents=contents)
 
-    def _write(self, tier: Tier, key: bytes, blob_id: str, blob: bytes, *,
-               replace: bool = False) -> bool:
-        try:
-            ok = tier.put(blob_id, blob, key, replace=replace)
-            if not ok:
-                self.metrics.errors.labels("storage_full").inc()
-            return ok
-        except StorageFull as exc:
-            self.metrics.errors.labels("storage_full").inc()
-            self._log_once(f"full-{tier.name}", "%s tier refused a write: %s", tier.name, exc)
-        except TIER_ERRORS as exc:
-            self._tier_failed(tier, "write", exc, "write_failed")
-        finally:
-            self._gauge(tier)
-        return False
+    def read_into(self, keys: Sequence[bytes], sink: Sink, *, shape: tuple[int, ...],
+                  dtype: torch.dtype, into: Callable[[int], torch.Tensor] | None = None,
+                  layout: str | None = None, salt: str | None = None,
+                  stages: Stages | None = None, contents: Sequence[bytes] | None = None
+                  ) -> list[str | None]:
+        return self.reads.read_into(keys, sink, shape=shape, dtype=dtype, into=into,
+                                    layout=layout, salt=salt, stages=stages, contents=contents)
 
-    def _behind(self, tier: Tier, key: bytes, blob_id: str, blob: bytes, *,
-                wait: bool = True) -> bool:
-        """Queue a write after the current work. ``wait`` False (promotions on the read path):
-        drop it, counted and logged once, when the write-behind queue is full."""
-        queued = self._saves.behind(lambda: self._write(tier, key, blob_id, blob), key=key,
-                                    nbytes=len(blob), wait=wait)
-        if not queued:
-            self.metrics.errors.labels("behind_dropped").inc()
-            self._log_once("behind-full", "store: write-behind queue full (%d bytes); "
-                           "dropping promotions until it drains", self._saves.behind_limit)
-        return queued
+    def get_blob(self, key: bytes) -> bytes | None:
+        return self.reads.get_blob(key)
 
-    # --- loading ------------------------------------------------------------------------------
+    def get_plain(self, key: bytes, *, salt: str | None = None,
+                  content: bytes | None = None) -> bytes | None:
+        return self.reads.get_plain(key, salt=salt, content=content)
 
-    def _exists_in(self, tier: Tier, key: bytes) -> bool:
-        try:
-            return tier.exists_many([key])[0]
-        except TIER_ERRORS:
-            return False
+    # --- keys (KeySpace) ----------------------------------------------------------------------
 
-    @property
-    def primary(self) -> Tier | None:
-        """The tier that decides for records every server rewrites (window manifests, context
-        records): Redis when configured (shared), else disk, else memory."""
-        return self.redis or self.disk or self.memory
+    def where_many(self, keys: Sequence[bytes]) -> list[str | None]:
+        return self.key_space.where_many(keys)
 
-    def quarantine(self, tier: Tier, blob_id: str, data: bytes | None, *, key: bytes = b"",
-                   reason: str) -> None:
-        """Take a damaged blob out of ``tier``; keep its bytes under the disk's quarantine/."""
-        try:
-            if tier is self.disk:
-                self.disk.quarantine(blob_id, reason)
-                return
-            if self.disk is not None and data is not None:
-                (self.disk.quarantine_dir / f"{blob_id}.{tier.name}.{int(time.time())}"
-                 ).write_bytes(data)
-        except TIER_ERRORS as exc:     # full or read-only disk: still out of use
-            self.metrics.errors.labels("quarantine_failed").inc()
-            self._log_once("quarantine", "store: could not keep a damaged blob under "
-                           "quarantine/: %s", exc)
-        with contextlib.suppress(*TIER_ERRORS):
-            tier.forget_blobs([blob_id], "quarantined", keys=[key] if key else ())
-        self._gauges()
+    def held_by(self, keys: Sequence[bytes], tiers: Sequence[Tier] | None = None
+                ) -> dict[str, list[bool]]:
+        return self.key_space.held_by(keys, tiers)
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.key_space.contains_many(keys)
+
+    def link_many(self, pairs: Sequence[tuple[bytes, bytes]]) -> dict[str, list[bytes]]:
+        return self.key_space.link_many(pairs)
+
+    def link(self, new_key: bytes, existing_key: bytes) -> None:
+        self.key_space.link(new_key, existing_key)
+
+    def pin_tiers(self) -> list[Tier]:
+        return self.key_space.pin_tiers()
+
+    def pin_many(self, keys: Sequence[bytes], *, ttl_s: float | None = None
+                 ) -> dict[str, list[bytes]]:
+        return self.key_space.pin_many(keys, ttl_s=ttl_s)
+
+    def unpin_many(self, keys: Sequence[bytes]) -> dict[str, list[bytes]]:
+        return self.key_space.unpin_many(keys)
+
+    def delete_many(self, keys: Sequence[bytes]) -> dict[str, list[bytes]]:
+        return self.key_space.delete_many(keys)
+
+    def lease_many(self, keys: Sequence[bytes], *, ttl_s: float,
+                   tiers: Sequence[Tier] | None = None) -> Lease:
+        return self.key_space.lease_many(keys, ttl_s=ttl_s, tiers=tiers)
+
+    def release(self, lease: Lease) -> int:
+        return self.key_space.release(lease)
+
+    def pin(self, key: bytes) -> None:
+        self.key_space.pin(key)
+
+    def unpin(self, key: bytes) -> None:
+        self.key_space.unpin(key)
+
+    def delete(self, key: bytes) -> bool:
+        return self.key_space.delete(key)
+
+    def pinned(self, key: bytes) -> bool:
+        return self.key_space.pinned(key)
+
+    def key_info(self, key: bytes) -> dict[str, KeyInfo]:
+        return self.key_space.key_info(key)
+
+    def info_many(self, keys: Sequence[bytes]) -> dict[str, list[KeyInfo | None]]:
+        return self.key_space.info_many(keys)
+
+    def list_keys(self, prefix: bytes = b"", *, after: bytes | None = None, limit: int = 1000
+                  ) -> dict[str, list[KeyInfo]]:
+        return self.key_space.list_keys(prefix, after=after, limit=limit)
 
     # --- drops --------------------------------------------------------------------------------
 
@@ -289,13 +215,13 @@ class KVStore(ReadPath, KeySpace):
         if self.memory is not None:
             self.memory.free_retired(seen)
             self.memory.evict(step)
-            self._gauge(self.memory)
+            self.tier_set.gauge(self.memory)
 
     def reset_memory(self) -> None:
         """Drop this process's memory tier (unpinned blobs); the keys are reported dropped."""
         if self.memory is not None:
             self.memory.reset()
-            self._gauges()
+            self.tier_set.gauges()
 
     # --- housekeeping -------------------------------------------------------------------------
 
@@ -308,23 +234,13 @@ class KVStore(ReadPath, KeySpace):
             self._saves.wait_key(bytes(k), timeout)
 
     def usage(self) -> dict[str, dict[str, int | None]]:
-        """Bytes, blobs, keys and pinned bytes per tier (Redis is recounted: for the CLI)."""
-        return tier_usage(self.tiers, self.metrics)
+        return self.tier_set.usage()
 
     def verify(self, progress: bool = True) -> VerifyReport:
-        return verify_all(self, progress=progress)
+        return self.tier_set.verify(progress)
 
     def gc(self, min_age_s: float | None = None) -> GCReport:
-        """Drop unreferenced blobs older than ``min_age_s`` (default: ``gc_min_age_s``),
-        dangling keys and orphan files."""
-        return collect_garbage(self, min_age_s)
-
-    def _gauge(self, tier: Tier) -> None:
-        update_gauge(tier, self.metrics)
-
-    def _gauges(self) -> None:
-        for tier in self.tiers:
-            update_gauge(tier, self.metrics)
+        return self.tier_set.gc(min_age_s)
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish pending saves, then close the tiers. With ``timeout``, saves not started
@@ -333,13 +249,10 @@ class KVStore(ReadPath, KeySpace):
         if self._closed:
             return True
         done = self._saves.flush(timeout)
-        self._closed = True
+        self._closed = self.writes.closed = True
         self._saves.shutdown(drop_queued=not done)
-        if self._decoder is not None:
-            self._decoder.shutdown(wait=True)
-        for tier in self.tiers:
-            with contextlib.suppress(Exception):
-                tier.close()
+        self.reads.close()
+        self.tier_set.close()
         return done
 
     def __enter__(self) -> KVStore:

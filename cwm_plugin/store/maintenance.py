@@ -9,43 +9,26 @@ idle for less than that), keys whose blob is gone (dangling), the disk's orphan 
 temp files, and Redis names of an earlier layout (whose blobs then go as unreferenced).
 ``tier_usage`` counts each tier and ``update_gauge`` sets its gauges.
 
-It works over the tiers alone (:class:`Tiers`: a :class:`~cwm_plugin.store.tier_set.TierSet`,
-or the :class:`~cwm_plugin.store.kv_store.KVStore`, which has them too); both call it, it
-imports neither.
+Each function takes the opened tiers and the metrics it needs
+(:class:`~cwm_plugin.store.tier_set.TierSet` passes its own).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, TierUnavailable
 from cwm_plugin.store.blob import container, crypto
-from cwm_plugin.store.config import StoreConfig
-from cwm_plugin.store.key_ops import TIER_ERRORS
 from cwm_plugin.store.metrics import StoreMetrics
-from cwm_plugin.store.tiers.base import Tier
+from cwm_plugin.store.tiers.base import TIER_ERRORS, Tier
 
 log = logging.getLogger(__name__)
-
-
-class Tiers(Protocol):
-    """What maintenance works over: the opened tiers of a store config and their metrics."""
-
-    config: StoreConfig
-    tiers: list[Tier]
-    disk: Any                   # the disk tier (orphans()), or None
-    metrics: StoreMetrics
-
-
-class Quarantines(Tiers, Protocol):
-    """Tiers that can also take a damaged blob out of use (the KV store)."""
-
-    def quarantine(self, tier: Tier, blob_id: str, data: bytes | None, *, key: bytes = b"",
-                   reason: str) -> None: ...
+# takes a damaged blob out of use: ``quarantine(tier, blob_id, data, reason=...)``
+Quarantine = Callable[..., None]
 
 
 def tier_usage(tiers: Sequence[Tier], metrics: StoreMetrics
@@ -97,15 +80,16 @@ class GCReport:
     freed_bytes: int = 0
 
 
-def verify_all(store: Quarantines, *, progress: bool = True) -> VerifyReport:
-    """Decode every blob of every tier with checksum verification; quarantine bad ones."""
+def verify_all(tiers: Sequence[Tier], metrics: StoreMetrics, quarantine: Quarantine, *,
+               progress: bool = True) -> VerifyReport:
+    """Decode every blob of ``tiers`` with checksum verification; ``quarantine`` bad ones."""
     from tqdm import tqdm
 
     from cwm_plugin.store.blob.codec import decode  # (torch: gc and usage go without it)
 
     report = VerifyReport()
     lists = []
-    for tier in store.tiers:
+    for tier in tiers:
         try:
             lists.append((tier, tier.blob_ids()))
         except TierUnavailable as exc:
@@ -132,8 +116,8 @@ def verify_all(store: Quarantines, *, progress: bool = True) -> VerifyReport:
                     decode(data, verify=True)
                 except CorruptBlob as exc:
                     report.corrupt.append(f"{tier.name}:{blob_id}")
-                    store.metrics.errors.labels("corrupt").inc()
-                    store.quarantine(tier, blob_id, data, reason=str(exc))
+                    metrics.errors.labels("corrupt").inc()
+                    quarantine(tier, blob_id, data, reason=str(exc))
                     continue
                 except IncompatibleBlob:
                     report.incompatible.append(f"{tier.name}:{blob_id}")
@@ -142,13 +126,12 @@ def verify_all(store: Quarantines, *, progress: bool = True) -> VerifyReport:
     return report
 
 
-def collect_garbage(store: Tiers, min_age_s: float | None = None) -> GCReport:
+def collect_garbage(tiers: Sequence[Tier], disk: Any, metrics: StoreMetrics,
+                    min_age_s: float) -> GCReport:
     """Drop unreferenced blobs, dangling keys, orphan and stale temp files (see the module
-    docstring); ``min_age_s`` defaults to the store's ``gc_min_age_s``."""
-    if min_age_s is None:
-        min_age_s = store.config.gc_min_age_s
+    docstring); ``disk``: the disk tier (its orphan files), or None."""
     report = GCReport()
-    for tier in store.tiers:
+    for tier in tiers:
         try:
             dangling = tier.dangling_keys()
             if dangling:
@@ -168,8 +151,8 @@ def collect_garbage(store: Tiers, min_age_s: float | None = None) -> GCReport:
                 report.freed_bytes += max(0, before - tier.usage().bytes)
         except TierUnavailable as exc:
             log.warning("gc: skipping the %s tier: %s", tier.name, exc)
-    if store.disk is not None:
-        for path in store.disk.orphans(max(min_age_s, 60.0)):   # files mid-rename
+    if disk is not None:
+        for path in disk.orphans(max(min_age_s, 60.0)):   # files mid-rename
             try:
                 size = path.stat().st_size
                 path.unlink()
@@ -177,6 +160,6 @@ def collect_garbage(store: Tiers, min_age_s: float | None = None) -> GCReport:
                 continue
             report.orphan_files += 1
             report.freed_bytes += size
-    for tier in store.tiers:
-        update_gauge(tier, store.metrics)
+    for tier in tiers:
+        update_gauge(tier, metrics)
     return report

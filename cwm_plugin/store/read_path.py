@@ -1,12 +1,13 @@
 """Reading blocks back: each tier's blobs fetched in chunks, decoded on a pool as they arrive.
 
-The read half of :class:`~cwm_plugin.store.kv_store.KVStore`. For each tier in lookup order
-(memory -> disk -> Redis) the keys still missing are looked up in one batch; the calling
-thread then fetches their blobs chunk by chunk (the memory tier at once; the disk file by
-file, after asking the kernel to read them all ahead; Redis a pipelined round trip of a few
-blobs at a time) and hands every blob to the store's decode pool as soon as its chunk
-arrives, so reading the next chunk overlaps decoding the last one, and blocks decode in
-parallel (the codec's kernels release the GIL).
+:class:`ReadPath`, a part of :class:`~cwm_plugin.store.kv_store.KVStore`. For each tier in
+lookup order (memory -> disk -> Redis) the keys still missing are looked up in one batch; the
+calling thread then fetches their blobs chunk by chunk (the memory tier at once; the disk file
+by file, after asking the kernel to read them all ahead; Redis a pipelined round trip of a few
+blobs at a time) and hands every blob to the decode pool as soon as its chunk arrives, so
+reading the next chunk overlaps decoding the last one, and blocks decode in parallel (the
+codec's kernels release the GIL). A hit is promoted to the faster tiers
+(:meth:`~cwm_plugin.store.write_path.WritePath.promote`).
 
 Two ways to receive blocks:
 
@@ -42,8 +43,10 @@ import torch
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, RefusedBlob
 from cwm_plugin.store import binding
 from cwm_plugin.store.blob import codec, crypto
-from cwm_plugin.store.key_ops import TIER_ERRORS
-from cwm_plugin.store.tiers.base import Tier
+from cwm_plugin.store.threads import unpin
+from cwm_plugin.store.tier_set import TierSet
+from cwm_plugin.store.tiers.base import TIER_ERRORS, Tier
+from cwm_plugin.store.write_path import WritePath
 from cwm_plugin.timing import Stages
 
 Sink = Callable[[int, torch.Tensor], bool]     # (key index, decoded block) -> accepted
@@ -72,7 +75,23 @@ def _scratch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class ReadPath:
-    """Mixin of :class:`KVStore` (which provides the tiers, pool, metrics and writes)."""
+    """Reads over ``tier_set``: blobs checked against ``binding``, hits promoted to the faster
+    tiers through ``writes``, decoded on a pool of ``io_workers`` threads (none for one)."""
+
+    def __init__(self, tier_set: TierSet, binding: binding.Binding, writes: WritePath) -> None:
+        self.tier_set = tier_set
+        self.config = tier_set.config
+        self.metrics = tier_set.metrics
+        self.binding = binding
+        self.writes = writes
+        workers = self.config.io_workers
+        self._decoder = (cf.ThreadPoolExecutor(workers, thread_name_prefix="cwm-decode",
+                                               initializer=unpin) if workers > 1 else None)
+
+    def close(self) -> None:
+        """Finish the decodes under way and stop the pool."""
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=True)
 
     def get(self, key: bytes, *, salt: str | None = None, primary: bool = False,
             content: bytes | None = None) -> torch.Tensor | None:
@@ -124,7 +143,8 @@ class ReadPath:
                 return bool(sink(h.index, t))
             except Exception as exc:       # the receiver's problem: this block is a miss
                 self.metrics.errors.labels("sink_failed").inc()
-                self._log_once("sink", "store: a loaded block could not be delivered: %s", exc)
+                self.tier_set.log_once("sink", "store: a loaded block could not be delivered: %s",
+                                       exc)
                 return False
             finally:
                 st.add("copy", time.perf_counter() - t0)
@@ -138,11 +158,12 @@ class ReadPath:
         if contents is not None and len(contents) != len(keys):
             raise ValueError(f"{len(contents)} contents for {len(keys)} keys")
         served: list[str | None] = [None] * len(keys)
-        cipher = self._cipher(salt)
+        cipher = self.binding.cipher(salt)
         todo = list(range(len(keys)))
-        order = self.tiers
-        if primary and self.primary is not None:
-            order = [self.primary, *(t for t in self.tiers if t is not self.primary)]
+        order = tiers = self.tier_set.tiers
+        first = self.tier_set.primary if primary else None
+        if first is not None:
+            order = [first, *(t for t in tiers if t is not first)]
         for n, tier in enumerate(order):
             if not todo or (primary and n > 0 and getattr(order[0], "available", True)):
                 break
@@ -153,8 +174,8 @@ class ReadPath:
                     return handle(h, cipher, st)
                 except Exception as exc:      # a bug or no memory: a miss, never a crash
                     self.metrics.errors.labels("decode_failed").inc()
-                    self._log_once("decode-failed", "store: decoding block %s failed: %r",
-                                   h.key.hex()[:16], exc)
+                    self.tier_set.log_once("decode-failed", "store: decoding block %s failed: "
+                                           "%r", h.key.hex()[:16], exc)
                     return False
 
             fetching = Stages()
@@ -184,7 +205,7 @@ class ReadPath:
         the seconds spent looking up and fetching go to ``stages["read"]``."""
         stages = stages if stages is not None else Stages()
         t0 = time.perf_counter()
-        ids = self._lookup_in(tier, keys)
+        ids = self.tier_set.lookup_in(tier, keys)
         want = list(dict.fromkeys(b for b in ids if b is not None))
         if not want:
             self.metrics.misses.labels(tier.name).inc(len(keys))
@@ -205,7 +226,7 @@ class ReadPath:
             try:
                 datas = tier.get_many(part)
             except TIER_ERRORS as exc:
-                self._tier_failed(tier, "read", exc, "read_failed")
+                self.tier_set.tier_failed(tier, "read", exc, "read_failed")
                 break
             finally:
                 stages.add("read", time.perf_counter() - t0)
@@ -247,7 +268,7 @@ class ReadPath:
             return None
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
         self.metrics.hits.labels(h.tier.name).inc()
-        self._promote(h)
+        self.writes.promote(h.key, h.blob_id, h.data, found_in=h.tier)
         return decoded.tensor
 
     def _open(self, h: _Hit, cipher: crypto.BlobCipher | None) -> bytes | None:
@@ -255,14 +276,14 @@ class ReadPath:
         counted miss."""
         try:
             return binding.opened(h.data, h.key, cipher, content=h.content,
-                                  revisions=self._revisions)
+                                  revisions=self.binding.revisions)
         except (CorruptBlob, IncompatibleBlob) as exc:
             self._bad_blob(h, exc)
             return None
 
     def get_blob(self, key: bytes) -> bytes | None:
         """The stored bytes of ``key`` (not checked, not decoded, still sealed if encrypted)."""
-        for tier in self.tiers:
+        for tier in self.tier_set.tiers:
             for hits in self._fetch(tier, [bytes(key)], [0]):
                 if hits:
                     self.metrics.hits.labels(tier.name).inc()
@@ -274,8 +295,8 @@ class ReadPath:
         """``key``'s blob checked as a read (expecting ``content``) checks it and opened for
         ``salt``, not decoded (what a window's re-key and export copy). None: no tier serves
         one that is ``key``'s."""
-        cipher = self._cipher(salt)
-        for tier in self.tiers:
+        cipher = self.binding.cipher(salt)
+        for tier in self.tier_set.tiers:
             for hits in self._fetch(tier, [bytes(key)], [0]):
                 for h in hits:
                     h.content = content
@@ -285,30 +306,20 @@ class ReadPath:
                     return plain
         return None
 
-    def _promote(self, h: _Hit) -> None:
-        if self._closed:
-            return
-        for tier in self.tiers:
-            if tier is h.tier:
-                break
-            if tier.name == "memory":
-                self._write(tier, h.key, h.blob_id, h.data)
-            else:
-                self._behind(tier, h.key, h.blob_id, h.data, wait=False)
 
     def _bad_blob(self, h: _Hit, exc: CorruptBlob | IncompatibleBlob) -> None:
         """Count, log (once) and, when damaged, quarantine a blob that is a miss."""
         self.metrics.misses.labels(h.tier.name).inc()
         if isinstance(exc, RefusedBlob):     # not the key's: left alone (it may be another's)
             self.metrics.errors.labels(f"refused_{exc.reason}").inc()
-            self._log_once(f"refused-{exc.reason}-{h.tier.name}", "store: refused blob %s for "
-                           "key %s in %s tier (%s): %s; treated as a miss", h.blob_id,
-                           h.key.hex()[:16], h.tier.name, exc.reason, exc)
+            self.tier_set.log_once(f"refused-{exc.reason}-{h.tier.name}", "store: refused blob "
+                                   "%s for key %s in %s tier (%s): %s; treated as a miss",
+                                   h.blob_id, h.key.hex()[:16], h.tier.name, exc.reason, exc)
             return
         kind = "corrupt" if isinstance(exc, CorruptBlob) else "incompatible"
         self.metrics.errors.labels(kind).inc()
-        self._log_once(f"bad-{h.blob_id}", "store: %s blob %s for key %s in %s tier: %s; "
-                       "treated as a miss%s", kind, h.blob_id, h.key.hex()[:16], h.tier.name,
-                       exc, ", quarantined" if kind == "corrupt" else "")
+        self.tier_set.log_once(f"bad-{h.blob_id}", "store: %s blob %s for key %s in %s tier: "
+                               "%s; treated as a miss%s", kind, h.blob_id, h.key.hex()[:16],
+                               h.tier.name, exc, ", quarantined" if kind == "corrupt" else "")
         if kind == "corrupt":
-            self.quarantine(h.tier, h.blob_id, h.data, key=h.key, reason=str(exc))
+            self.tier_set.quarantine(h.tier, h.blob_id, h.data, key=h.key, reason=str(exc))

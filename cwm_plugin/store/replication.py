@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cwm_plugin.store.key_ops import TIER_ERRORS
+from cwm_plugin.store.tiers.base import TIER_ERRORS
 
 
 def _blobs(store: Any, tier: Any, keys: Sequence[bytes]) -> list[str | None]:
@@ -23,7 +23,7 @@ def _blobs(store: Any, tier: Any, keys: Sequence[bytes]) -> list[str | None]:
         ids = tier.lookup_many(keys)
         there = tier.exists_many(keys)  # a key whose bytes are gone is not served
     except TIER_ERRORS as exc:
-        store._tier_failed(tier, "lookup", exc, "index")
+        store.tier_set.tier_failed(tier, "lookup", exc, "index")
         return [None] * len(keys)
     return [b if ok else None for b, ok in zip(ids, there, strict=True)]
 
@@ -37,8 +37,7 @@ def replicate(store: Any, keys: Sequence[bytes]) -> dict[str, int]:
     """Copy to each durable tier the blobs of ``keys`` it lacks, from a tier that holds them
     (mapping the key to the copy); returns how many of ``keys`` each durable tier serves now."""
     keys = [bytes(k) for k in keys]
-    for k in keys:
-        store._saves.wait_key(k)
+    store.wait_keys(keys)
     tiers = store.durable or store.tiers
     held = {t.name: _blobs(store, t, keys) for t in store.tiers}
     out: dict[str, int] = {}
@@ -57,7 +56,7 @@ def replicate(store: Any, keys: Sequence[bytes]) -> dict[str, int]:
                     mine[i] = sid
                     store.metrics.replicated.labels(tier.name).inc()
             except TIER_ERRORS as exc:
-                store._tier_failed(tier, "replicate", exc, "write_failed")
+                store.tier_set.tier_failed(tier, "replicate", exc, "write_failed")
                 break
         out[tier.name] = sum(b is not None for b in _blobs(store, tier, keys))
     return out

@@ -2,8 +2,8 @@
 
 ``submit(key, fn)`` runs ``fn()`` on the pool and returns a future; a second submit of a key
 whose save is still running gets the same future, unless it replaces the key's content
-(``replace=True``): then it runs after the one in flight (it was dropped, and a context
-record written by two requests finishing together kept the older one). At most ``depth``
+(``replace=True``): then it runs after the one in flight, so of two context records written
+by two requests finishing together the later one is kept. At most ``depth``
 submitted saves are pending: the next ``submit`` blocks until one finishes (backpressure on
 the caller), or with ``wait`` seconds given raises :class:`QueueFull` after that long (vLLM's
 step must not wait for a stuck disk or Redis: the caller drops that save and counts it).

@@ -131,9 +131,9 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
         try:
             return check_manifest(Manifest.from_tensor(t))
         except (CWMError, KeyError, TypeError, ValueError) as exc:  # logged once per key
-            self.store._log_once(f"manifest-{key.hex()}", "a window manifest of tenant %s is "
-                                 "unreadable and ignored: %s", tenant_of(owner),
-                                 str(exc)[:200])
+            self.store.tier_set.log_once(f"manifest-{key.hex()}", "a window manifest of tenant "
+                                         "%s is unreadable and ignored: %s", tenant_of(owner),
+                                         str(exc)[:200])
             return None
 
     def _read(self, key: bytes, owner: str) -> Manifest | None:

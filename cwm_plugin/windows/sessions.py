@@ -49,7 +49,7 @@ class SessionKV(KeyPlumbing):
         else answers at once: what is stored, or None."""
         coming = coming or {}
         if turn is None:
-            key, want = records.record_key(salt), max(coming.values(), default=None)
+            key, want = records.context_record_key(salt), max(coming.values(), default=None)
         else:
             key = records.turn_record_key(salt, turn % self.conversations.keep)
             want = coming.get(turn)
@@ -76,7 +76,7 @@ class SessionKV(KeyPlumbing):
         rec.arrived = time.time()
         if conv is not None:
             conv.arrived = rec.arrived
-        keys = [records.record_key(salt)]
+        keys = [records.context_record_key(salt)]
         if rec.turn is not None:
             keys.append(records.turn_record_key(salt, rec.turn % self.conversations.keep))
         futures = [self.store.put(k, rec.to_tensor(), layout=records.RECORD_LAYOUT, salt=salt,
@@ -92,7 +92,7 @@ class SessionKV(KeyPlumbing):
         (the same blobs, as :meth:`thaw` does) and the new salt its records, so its next
         request hits them. The old keys stay a plain cache. Returns the blocks moved (0: no
         record or no stored first block under ``old_salt``, or the new salt has one)."""
-        if self.store.where_many([records.record_key(new_salt)])[0] is not None:
+        if self.store.where_many([records.context_record_key(new_salt)])[0] is not None:
             return 0  # moved before (by another process), or the session went on already
         found = self._record(old_salt, time.monotonic())
         if found is None:
@@ -114,7 +114,7 @@ class SessionKV(KeyPlumbing):
         themselves (windows frozen from it keep their own keys). Returns the keys dropped."""
         found: list[records.ContextRecord] = []
         keep = self.conversations.keep
-        rkeys = [records.record_key(salt), *(records.turn_record_key(salt, s)
+        rkeys = [records.context_record_key(salt), *(records.turn_record_key(salt, s)
                                              for s in range(keep))]
         for key in rkeys:
             t = self.store.get(key, salt=salt, primary=True)

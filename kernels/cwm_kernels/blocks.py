@@ -60,10 +60,9 @@ class BlockWriter:
 
     Layers that are equally spaced views of one storage (vLLM allocates one buffer for all of
     them) are written as one strided array: one copy a block, which takes the GIL once. Layer
-    by layer (numpy views made once, about a microsecond of overhead each) the copy gives the
-    GIL up and takes it back once a layer, and each time another thread running Python holds
-    it the writer waits up to the interpreter's switch interval (5 ms): a 2.9 MB, 30-layer
-    block took 0.24 ms alone and ~100 ms next to a thread looping in Python."""
+    by layer the copy gives the GIL up and takes it back once a layer, and each time another
+    thread running Python holds it the writer waits up to the interpreter's switch interval:
+    next to a thread looping in Python, a block's copy would take many times its own time."""
 
     def __init__(self, layers: Sequence[torch.Tensor], block_dim: int) -> None:
         if not layers or any(layer.device.type != "cpu" for layer in layers):

@@ -2,15 +2,12 @@
 
 The numpy decoders made 6-10 whole-array passes per block (each a ufunc with its own
 temporary); these loops read each stream once and write each output word once or twice
-(matrix by matrix, in the L1 cache), and LLVM vectorises them (16-bit lanes). On real
-SmolLM2 KV (a 2.95 MB bf16 block, one core of an AVX-512 Xeon) the ``kvsplit`` inverse took
-1.7 ms with numpy, 0.8 ms with one numba pass per stream over the whole block and 0.65 ms
-matrix by matrix; the byte-plane interleave of fp16/fp32 went from ~2.5 / ~4 ms to ~0.2 /
-~0.4 ms a block.
+(matrix by matrix, in the L1 cache), and LLVM vectorises them (16-bit lanes); what that
+gives a block: bench/README.md (codec).
 
 Every kernel releases the GIL (``nogil``), so blocks decode in parallel on the store's
-threads, and is cached on disk (``cache=True``: compiled once per machine, loaded in ~0.3 s
-by a new process; :func:`warm_up` does that at start-up, before the first restore). Sizes
+threads, and is cached on disk (``cache=True``: compiled once per machine, then loaded by
+each new process; :func:`warm_up` does that at start-up, before the first restore). Sizes
 are checked by the callers before anything is called; the one data-dependent index (an
 escape position) is checked here.
 

@@ -1,6 +1,6 @@
 """The ``kvsplit`` byte transform for bfloat16 KV blocks (numpy, vectorized, one core).
 
-Measured on real KV of SmolLM2-135M served by vLLM on CPU (``bench/codec.py``): a block is
+In vLLM's CPU KV cache (real KV of SmolLM2-135M: ``bench/codec.py``) a block is
 ``[layers, kv_heads, block_size, 2*head_size]``, and inside each ``[block_size, 2*head_size]``
 matrix the first half of the rows holds K stored channel-major (a row is one channel over the
 block's tokens) and the second half V token-major. So the transform
@@ -12,21 +12,19 @@ block's tokens) and the second half V token-major. So the transform
   its half-matrix (a K row is a channel, a V column is a channel: the two-way base fits both
   without knowing which is which), two residuals a byte (value ``i`` in the low nibble,
   value ``i + n/2`` in the high one: two masks and a shift undo it, no byte interleave); the
-  rare exponents outside that range (~0.1%) are stored whole in ``escapes``, their positions
+  rare exponents outside that range are stored whole in ``escapes``, their positions
   as gaps in ``escidx`` (so decoding never scans for them);
 * keeps, per half, the signs as a packed bit plane (zstd squeezes K's signs, which run in long
   same-sign stretches along a channel) with the 7-bit mantissas bit-packed into 7/8 of a byte
   each (``sign<h>``, ``mant7<h>``: as small as zstd makes them, undone with shifts), or, when
   that half's signs do not compress, sign and mantissa as one raw byte (``sm<h>``).
 
-Entropy of what is left (bits a value, measured): exponent residual 2.4 (K) / 2.6 (V), sign
-0.73 (K) / 0.99 (V), mantissa 6.96; the transform gets within ~0.1 bit of that with zstd.
-Only the exponent residuals and K's signs go through zstd's entropy decoder.
+What is left is near its entropy with zstd (bench/README.md, codec). Only the exponent
+residuals and K's signs go through zstd's entropy decoder.
 
 Encoding is numpy (whole-array ufuncs). Decoding runs the compiled kernels of :mod:`.jit`:
 one vectorised pass writes every exponent into its 16-bit word, one more ORs in each half's
-signs and mantissas (numpy needed ~8 whole-array passes and temporaries: 1.7 ms a 2.95 MB
-block vs 0.65 ms).
+signs and mantissas (numpy would need several whole-array passes with temporaries).
 """
 
 from __future__ import annotations

@@ -64,10 +64,10 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def best_transform(dtype: torch.dtype, sign_planes: bool = False) -> str:
-    """The transform that won on real vLLM KV for ``dtype`` (see ``bench/codec.py``). For
-    bfloat16, ``"kvsplit:folded"`` (sign+mantissa bytes kept raw: decode 1.65 GB/s a core at
-    ratio 1.505 on SmolLM2's KV) unless ``sign_planes`` asks for sign bit planes where they
-    compress (``"kvsplit"``: ratio 1.524, decode 1.39 GB/s: an entropy-coded stream more)."""
+    """The transform that won on real vLLM KV for ``dtype`` (bench/README.md, codec). For
+    bfloat16, ``"kvsplit:folded"`` (sign+mantissa bytes kept raw: the faster decode) unless
+    ``sign_planes`` asks for sign bit planes where they compress (``"kvsplit"``: a slightly
+    better ratio for an entropy-coded stream more)."""
     if dtype == torch.bfloat16:
         return "kvsplit" if sign_planes else "kvsplit:folded"
     if itemsize(dtype) > 1:

@@ -15,7 +15,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from cwm_plugin.connector.keys import Namespace
+from cwm_plugin.connector.keys import KeyNamespace
 
 BS = 16
 # Scheduler settings under which a lookup answers at the first ask (it may wait a minute for
@@ -23,11 +23,11 @@ BS = 16
 SYNC = {"lookup_wait_ms": 60_000}
 
 
-def namespace(layout: str = "CPU_ATTN/vec/LBHNC/auto/float32/2x2x16x16/cpu", **kw) -> Namespace:
+def namespace(layout: str = "CPU_ATTN/vec/LBHNC/auto/float32/2x2x16x16/cpu", **kw) -> KeyNamespace:
     base = dict(model="m", model_fingerprint="f", model_dtype="float32", vllm_version="0.32.0",
                 dtype="float32", block_size=BS, num_kv_heads=2, head_size=8, num_layers=2,
                 platform="cpu", layout=layout, tp_size=2, hash_algo="sha256")
-    return Namespace(**{**base, **kw})
+    return KeyNamespace(**{**base, **kw})
 
 
 def kv_allocation(*, num_blocks: int = 8, layers: int = 2, heads: int = 2, head_size: int = 8,

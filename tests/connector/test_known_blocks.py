@@ -119,7 +119,7 @@ def test_a_finished_salted_request_leaves_a_context_record(hash_fn, open_store):
         side.build_connector_meta(step(req, [1, 2, 3, 4], 0, 3 * BS + 5))
         side.request_finished(req, [1, 2, 3, 4])
     store.flush()
-    rec = records.ContextRecord.from_tensor(store.get(records.record_key("s1")))
+    rec = records.ContextRecord.from_tensor(store.get(records.context_record_key("s1")))
     assert rec.tokens == list(range(100, 100 + 3 * BS + 5)) and rec.saved_tokens == 3 * BS
     assert rec.hashes() == hashes(make_request(hash_fn, "x", 3 * BS + 5, salt="s1"), 3)
     assert rec.workers == [(ns.digest.hex(), 0), (ns.digest.hex(), 1)]
@@ -130,7 +130,7 @@ def test_a_finished_salted_request_leaves_a_context_record(hash_fn, open_store):
     side.build_connector_meta(step(later, [1, 2, 3, 4], 0, 4 * BS))
     side.request_finished(later, [1, 2, 3, 4])
     store.flush()
-    newer = records.ContextRecord.from_tensor(store.get(records.record_key("s1")))
+    newer = records.ContextRecord.from_tensor(store.get(records.context_record_key("s1")))
     assert newer.saved_tokens == 4 * BS and store.usage()["disk"]["keys"] == 1
 
 

@@ -115,4 +115,4 @@ def test_a_durable_store_keeps_records(hash_fn, open_store):
     ns = namespace()
     side = SchedulerSide(ns, ConnectorConfig(**SYNC), open_store(ns.fingerprint),
                          StatsCollector(), hash_fn=hash_fn)
-    assert side.keeps_records and records.readable(side.store)
+    assert side.saves.keeps_records and records.readable(side.store)

@@ -235,7 +235,7 @@ def test_turn_records_are_kept_by_slot_and_background_requests_leave_no_trace(ha
         return records.ContextRecord.from_tensor(t) if t is not None else None
 
     assert rec(records.turn_record_key("salt", 3 % 2)).turn == 3
-    assert rec(records.record_key("salt")).num_prompt_tokens == 3 * BS
+    assert rec(records.context_record_key("salt")).num_prompt_tokens == 3 * BS
     # the sidecar's summary under the session's salt (it has a salt of its own, but even
     # so): no lookup, no save, no record
     bg = with_params(make_request(hash_fn, "bg", 4 * BS), store=False)
@@ -245,7 +245,7 @@ def test_turn_records_are_kept_by_slot_and_background_requests_leave_no_trace(ha
     warm = with_params(make_request(hash_fn, "w", 2 * BS + 1), record=False)
     finish(side, warm, [9, 10, 11])
     store.flush()
-    latest = rec(records.record_key("salt"))
+    latest = rec(records.context_record_key("salt"))
     assert latest.turn == 3 and len(latest.tokens) == 3 * BS   # still the client's turn
     # turn 5 replaces turn 3 in slot 1; malformed parameters are the defaults, never an error
     finish(side, with_params(make_request(hash_fn, "t5", 3 * BS), turn=5, keep=2), [1, 2, 3])
@@ -272,7 +272,7 @@ def test_a_turn_that_finishes_late_never_replaces_a_later_turns_record(hash_fn, 
            [1, 2, 3, 4])
     finish(side, with_params(make_request(hash_fn, "t5", 3 * BS), turn=5, keep=4, at=1005.0),
            [5, 6, 7])
-    latest = rec(records.record_key("salt"))
+    latest = rec(records.context_record_key("salt"))
     assert (latest.turn, latest.arrived, len(latest.tokens)) == (6, 1006.0, 4 * BS)
     assert latest.model == "tiny-served"                    # the served name, for warm-ups
     assert rec(records.turn_record_key("salt", 5 % 4)).turn == 5   # its own slot is its own
@@ -282,7 +282,7 @@ def test_a_turn_that_finishes_late_never_replaces_a_later_turns_record(hash_fn, 
     finish(side, with_params(make_request(hash_fn, "t5b", 3 * BS), turn=5, keep=4, at=1005.5),
            [5, 6, 7])
     assert rec(records.turn_record_key("salt", 1)).turn == 9
-    assert rec(records.record_key("salt")).turn == 9
+    assert rec(records.context_record_key("salt")).turn == 9
     # a request naming no arrival (a client of vLLM itself) is ordered by when it finished
     finish(side, make_request(hash_fn, "plain", 2 * BS), [1, 2])
-    assert rec(records.record_key("salt")).turn is None
+    assert rec(records.context_record_key("salt")).turn is None

@@ -15,7 +15,7 @@ from vllm.v1.request import Request
 from cwm_plugin.connector.config import ConnectorConfig
 from cwm_plugin.connector.keys import hash_probe, kv_block_hashes
 from cwm_plugin.connector.metrics.stats import StatsCollector
-from cwm_plugin.connector.scheduler.selfcheck import record_key
+from cwm_plugin.connector.scheduler.selfcheck import selfcheck_key
 from cwm_plugin.connector.scheduler.side import SchedulerSide
 
 pytestmark = pytest.mark.unit
@@ -100,7 +100,7 @@ def test_no_durable_tier_means_nothing_to_check(open_store):
     side = start(ns, store)
     side.get_num_new_matched_tokens(request("a"), 0)
     assert side.selfcheck.status == "skipped"
-    assert store.get(record_key(ns)) is None
+    assert store.get(selfcheck_key(ns)) is None
 
 
 def test_a_failing_check_never_takes_the_engine_down(vllm_hashing, open_store, monkeypatch, caplog):

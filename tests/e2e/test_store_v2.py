@@ -73,8 +73,8 @@ def test_a_different_hf_override_gets_no_external_hits(tiny_model, vllm_factory,
                                serve(vllm_factory, tiny_model, store, "--hf-overrides", override))
     complete_ids(plain, prompt, "s")
     plain.stop()
-    from cwm_plugin.store.tiers.disk.key_index import DiskIndex
-    index = DiskIndex(tmp_path / "store" / "index.sqlite")
+    from cwm_plugin.store.tiers.disk.key_index import DiskKeyIndex
+    index = DiskKeyIndex(tmp_path / "store" / "index.sqlite")
     assert index.totals()[1] >= 5                            # the blocks are there ...
     index.close()
     complete_ids(changed, prompt, "s")

@@ -164,7 +164,7 @@ def test_zstd_stream_that_lost_its_checksum_is_corrupt():
     plain = codec.encode(t, key=b"k", fingerprint="fp", checksum=False)
     meta = {k: v for k, v in container.peek(checked).items() if k != "meta_crc"}
     frames = [v.numpy() for _, v in sorted(safetensors.torch.load(plain).items())]
-    forged = container.pack(meta, frames)          # same streams, frames without XXH64
+    forged = container.pack_blob(meta, frames)          # same streams, frames without XXH64
     assert same_bits(codec.decode(forged, verify=False).tensor, t)
     with pytest.raises(CorruptBlob, match="checksum"):
         codec.decode(forged)
@@ -183,7 +183,7 @@ def test_format_1_blobs_bytes_read_exp_refused():
     raw = codec.encode(t, key=b"k", fingerprint="fp", level=0)
     planes = sh.split(t, "bytes").streams                   # high byte first
     meta = {k: v for k, v in container.peek(raw).items() if k != "meta_crc"}
-    v1 = container.pack({**meta, "format_version": "1", "transform": "bytes",
+    v1 = container.pack_blob({**meta, "format_version": "1", "transform": "bytes",
                       "checksum": codec._checksum_of(t),       # format 1: CRC of the tensor
                       "streams": json.dumps([["plane0", "raw", t.numel()],
                                              ["plane1", "raw", t.numel()]])},

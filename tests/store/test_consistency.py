@@ -33,7 +33,7 @@ def flood(store, kv_block, n: int = 12, start: int = 100) -> None:
 
 
 def test_unpinning_a_clone_keeps_the_original_protected(make_store, tmp_path, kv_block):
-    # per-blob pins: unpin(clone) used to unpin the window's blob too
+    # pins belong to keys: unpinning the clone leaves the window's pin on the shared blob
     size = blob_size(kv_block(0))
     s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0, disk_bytes=4 * size + 100)
     s.put(g(b"win"), kv_block(0), content=b"c0").result()
@@ -50,8 +50,8 @@ def test_unpinning_a_clone_keeps_the_original_protected(make_store, tmp_path, kv
 
 
 def test_pin_right_after_put_with_write_behind(make_store, tmp_path, kv_block):
-    # pin() used to miss a blob row that write-behind had not added yet (and raise NotFound
-    # without a memory tier)
+    # pin() waits for the key's write-behind, so it finds the blob row (no NotFound without a
+    # memory tier)
     size = blob_size(kv_block(0))
     root = str(tmp_path / "d")
     s = make_store(disk_path=root, memory_bytes=0, disk_write="behind",
@@ -123,8 +123,8 @@ def test_save_queue_drops_non_waiting_jobs_when_full():
 
 def test_a_replacing_save_of_a_key_in_flight_runs_after_it_newest_last():
     """New content for a key whose save is running (two requests of one salt finishing
-    together write its context record) used to get the running save's future and was
-    dropped; now it runs after it, and of several waiting only the newest runs."""
+    together write its context record) runs after it, not merged into the running save's
+    future, and of several waiting only the newest runs."""
     q = SaveQueue(workers=2, depth=4)
     release = threading.Event()
     wrote: list[str] = []
@@ -196,7 +196,7 @@ def test_layout_mismatch_is_an_incompatible_miss(make_store, kv_block):
 
 
 def test_gauges_follow_puts_and_deletes_without_usage(make_store, tmp_path, kv_block):
-    # the disk gauges used to move only when usage() ran (the CLI)
+    # the disk gauges follow every write and delete, not only usage() (the CLI)
     s = make_store(disk_path=str(tmp_path / "d"))
     for i in range(3):
         s.put(f"k{i}".encode(), kv_block(i)).result()
@@ -227,8 +227,8 @@ store.close()
 
 def test_processes_writing_the_same_keys_never_tear(tmp_path, make_store):
     # three writers create one fresh store at the same instant (the index's WAL switch and
-    # schema race) and write the same keys: "database is locked" used to escape the busy
-    # timeout in one of them (TP=2 workers share a disk store the same way)
+    # schema race) and write the same keys: "database is locked" never escapes the busy
+    # timeout in any of them (TP=2 workers share a disk store the same way)
     root = str(tmp_path / "d")
     start = time.time() + 3
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, root, str(seed), str(start)],

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cwm_plugin.store.blob import codec
-from cwm_plugin.store.tiers.disk.key_index import DiskIndex
+from cwm_plugin.store.tiers.disk.key_index import DiskKeyIndex
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +52,7 @@ def _run_until(cmd: list[str], ready, delay: float) -> None:
 def _indexed_blobs(root: Path) -> int:
     if not (root / "index.sqlite").exists():
         return 0
-    probe = DiskIndex(root / "index.sqlite")
+    probe = DiskKeyIndex(root / "index.sqlite")
     try:
         return probe.totals()[1]
     finally:
@@ -64,7 +64,7 @@ def test_sigkill_mid_write_leaves_no_partial_blob(tmp_path, delay):
     root = tmp_path / "d"
     _run_until([sys.executable, "-c", WRITER, str(root)],
                lambda p: _indexed_blobs(root) >= 2, delay)
-    index = DiskIndex(root / "index.sqlite")
+    index = DiskKeyIndex(root / "index.sqlite")
     blobs = set(index.all_blobs())
     assert len(blobs) >= 2
     on_disk = {p.name: p for p in (root / "blobs").glob("*/*/*")}

@@ -188,7 +188,7 @@ def test_an_older_version_of_a_rewritten_record_is_refused(place, caplog, encryp
     new one is: refused as replayed by a process that read or wrote the newer one (with
     encryption the revision is sealed with it, so no one can make an old version look new)."""
     s = place.open(encryption_key=MASTER if encrypted else None)
-    rec = records.record_key(SALT)
+    rec = records.context_record_key(SALT)
     s.put(rec, records.json_tensor({"turn": 1}), salt=SALT, replace=True).result()
     then = place.read(s, rec)
     s.put(rec, records.json_tensor({"turn": 2}), salt=SALT, replace=True).result()
@@ -312,7 +312,7 @@ def test_windows_shared_blobs_read_back_under_their_new_keys(place, encrypted):
 
 def test_a_thaw_does_not_reseal_a_swapped_block_for_its_new_key(place):
     """A window's keys share its salt: block 0's key pointed at block 1's blob would open, and
-    a thaw used to seal block 1's KV for the new session's block 0."""
+    a thaw that trusted it would seal block 1's KV for the new session's block 0."""
     s = place.open(encryption_key=MASTER)
     tokens = converse(s, "salt-a", 2 * BS)
     eng = WindowEngine(s, wait_s=0)

@@ -194,8 +194,8 @@ def test_a_damaged_index_is_moved_aside_and_rebuilt_from_the_blob_files(tmp_path
 def test_a_full_disk_at_open_leaves_the_index_alone_and_the_tier_unavailable(tmp_path,
                                                                              monkeypatch):
     """SQLite failing to write at open (a full disk, an I/O error) says nothing about the
-    index: it used to be moved aside as damaged (every pin and link lost), and the second
-    open failed the same way and took vLLM's start down."""
+    index: it is not moved aside as damaged (every pin and link would be lost), and the tier
+    is unavailable rather than failing vLLM's start."""
     from cwm_plugin.store.tiers.disk import key_index as disk_index
 
     d = DiskTier(tmp_path, budget=1 << 20)
@@ -209,7 +209,7 @@ def test_a_full_disk_at_open_leaves_the_index_alone_and_the_tier_unavailable(tmp
         exc.sqlite_errorcode = sqlite3.SQLITE_FULL
         raise exc
 
-    monkeypatch.setattr(disk_index.DiskIndex, "_init_schema", full)
+    monkeypatch.setattr(disk_index.DiskKeyIndex, "_init_schema", full)
     with pytest.raises(TierUnavailable, match="database or disk is full"):
         DiskTier(tmp_path, budget=1 << 20)
     assert not list(tmp_path.glob("index.sqlite.damaged-*"))

@@ -62,7 +62,7 @@ def test_clear_session_erases_its_kv_and_records_but_not_its_windows(store):
     eng.freeze("acme", "keep", session="a", salt="s")
     assert eng.clear_session("s") > 0
     assert all(b is None for bs in session_blocks(store, ids, "s", 3) for b in bs)
-    assert store.get(records.record_key("s"), salt="s") is None
+    assert store.get(records.context_record_key("s"), salt="s") is None
     assert ConversationRecords(store).read("s", 1) is None
     with pytest.raises(NotFound):
         eng.freeze("acme", "gone", session="a", salt="s")
@@ -119,7 +119,7 @@ def test_one_tenants_windows_never_make_anothers_freeze_fail(store):
 
 
 def _workers_and_hashes(store: KVStore, salt: str) -> tuple[list, list[bytes]]:
-    rec = records.ContextRecord.from_tensor(store.get(records.record_key(salt), salt=salt))
+    rec = records.ContextRecord.from_tensor(store.get(records.context_record_key(salt), salt=salt))
     return rec.workers, rec.hashes()
 
 

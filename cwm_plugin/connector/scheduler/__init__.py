@@ -1,1 +1,2 @@
-"""The connector's scheduler side: what the store holds, lookups, leases, the self-check."""
+"""The connector's scheduler side: what the store holds, lookups, leases, saves and
+context records, the self-check."""

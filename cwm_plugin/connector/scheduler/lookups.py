@@ -31,7 +31,7 @@ from typing import Any
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from cwm_plugin.connector.keys import Namespace
+from cwm_plugin.connector.keys import KeyNamespace
 from cwm_plugin.connector.metrics.stats import StatsCollector
 from cwm_plugin.connector.warn_once import WarnOnce
 from cwm_plugin.store.threads import unpin
@@ -57,7 +57,7 @@ class Lookups:
     """Background lookups by request id. Every method but the jobs runs on vLLM's scheduler
     thread."""
 
-    def __init__(self, store: Any, workers: Sequence[tuple[Namespace, int]],
+    def __init__(self, store: Any, workers: Sequence[tuple[KeyNamespace, int]],
                  stats: StatsCollector, *, wait_s: float, deadline_s: float,
                  threads: int = THREADS) -> None:
         self.store = store

@@ -25,14 +25,14 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cwm_plugin.connector.keys import Namespace, hash_probe
+from cwm_plugin.connector.keys import KeyNamespace, hash_probe
 from cwm_plugin.connector.records import write_record
 from cwm_plugin.store.kv_store import KVStore
 
 log = logging.getLogger(__name__)
 
-RECORD_PREFIX = b"cwm-ns\0"
-RECORD_LAYOUT = "cwm-namespace-record"
+SELFCHECK_PREFIX = b"cwm-ns\0"
+SELFCHECK_LAYOUT = "cwm-namespace-record"
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class SelfCheck:
     stored: dict[str, Any] | None = None
 
 
-def record_key(ns: Namespace) -> bytes:
-    return RECORD_PREFIX + ns.digest
+def selfcheck_key(ns: KeyNamespace) -> bytes:
+    return SELFCHECK_PREFIX + ns.digest
 
 
 def _seed_source() -> str:
@@ -62,15 +62,15 @@ def _read(store: KVStore, key: bytes) -> dict[str, Any] | None:
 
 def _write(store: KVStore, key: bytes, record: dict[str, Any]) -> None:
     # Not waited for: this runs inside vLLM's scheduling step, which a slow tier must not stall.
-    write_record(store, key, record, RECORD_LAYOUT, what="the namespace record", wait=0)
+    write_record(store, key, record, SELFCHECK_LAYOUT, what="the namespace record", wait=0)
 
 
-def run_selfcheck(store: KVStore, ns: Namespace, hash_fn: Any, block_size: int) -> SelfCheck:
+def run_selfcheck(store: KVStore, ns: KeyNamespace, hash_fn: Any, block_size: int) -> SelfCheck:
     """Compare this process's block hashing with the store's record (see the module docstring)."""
     probe = hash_probe(hash_fn, block_size)
     if not store.config.disk_path and not store.config.redis_url:
         return SelfCheck("skipped", probe)
-    key = record_key(ns)
+    key = selfcheck_key(ns)
     # the namespace's fields too: the window engine names what differs on a thaw elsewhere
     record = {"probe": probe, "hash_algo": ns.hash_algo, "seed": _seed_source(),
               "namespace": asdict(ns)}

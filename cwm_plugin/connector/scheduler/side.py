@@ -7,17 +7,10 @@ lookups ask the durable tiers for all of them, and the workers' reports of what 
 or failed to load feed :class:`~cwm_plugin.connector.scheduler.known.KnownBlocks`, which never
 promises a block for longer than it can vouch for it.
 
-Saving policy: a block is saved in the step whose forward pass completes it (prompt blocks during
-prefill, chunk by chunk; generated blocks as decoding fills them). The worker copies the block
-out of the paged cache at the end of that step, before the scheduler can free or reuse it, and
-encodes and writes it in the background, so ``request_finished`` never has to hold blocks back.
-When a salted request whose blocks were saved finishes, a context record is written for the
-window engine (:mod:`~cwm_plugin.connector.records`; only where the store has a disk or Redis
-tier), also under its client turn's slot when the request names one, never replacing the
-record of a turn that arrived later; a request whose ``kv_transfer_params`` say
-``store: false`` (the sidecar's background prompts) is neither looked up, saved nor recorded,
-and ``record: false`` (a warm-up) leaves the session's records alone
-(:mod:`~cwm_plugin.connector.params`).
+Which blocks each step saves, and the context record a finished request leaves, is decided
+by :class:`~cwm_plugin.connector.scheduler.saves.Saves`. A request whose ``kv_transfer_params``
+say ``store: false`` (the sidecar's background prompts) is neither looked up, saved nor
+recorded (:mod:`~cwm_plugin.connector.params`).
 
 Nothing here waits on the store. Lookups run in the background (:mod:`.lookups`): a request
 whose lookup still runs is answered ``None`` (vLLM asks again next step) until a deadline, past
@@ -28,11 +21,10 @@ still name (each metadata carries its ``step`` and ``seen``, the newest worker r
 background: a hit is answered ``(n, True)``, the request waits in vLLM's WAITING_FOR_REMOTE_KVS
 until the workers report it loaded (``get_finished``), and decoding requests go on meanwhile. A
 load that fails is recomputed (the connector sets vLLM's ``kv_load_failure_policy`` to
-``recompute``) and that request is promised nothing again. Saves are planned from what is known
-in memory: a block some tier holds already is skipped by the worker's store, in the background.
+``recompute``) and that request is promised nothing again.
 
-Each transfer carries its blocks' content identities (:mod:`.content`), which the workers write
-into the blobs they save and expect of the blobs they load.
+Each transfer carries its blocks' content identities (:mod:`~cwm_plugin.connector.content`),
+which the workers write into the blobs they save and expect of the blobs they load.
 
 Hit sources for vLLM's ``prompt_tokens_cached_by_source``: blocks the workers reported storing
 are ``host`` (their memory tier) when they have one, blocks in the disk index ``disk``, the rest
@@ -45,40 +37,26 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from cwm_plugin.connector import records
 from cwm_plugin.connector.config import ConnectorConfig
 from cwm_plugin.connector.content import ContentChains
-from cwm_plugin.connector.keys import Namespace, kv_block_hashes, lora_extra
+from cwm_plugin.connector.keys import KeyNamespace, kv_block_hashes, lora_extra
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.metrics.stats import StatsCollector
-from cwm_plugin.connector.params import RequestParams, params_of
 from cwm_plugin.connector.scheduler.known import KnownBlocks
 from cwm_plugin.connector.scheduler.leases import Leases
 from cwm_plugin.connector.scheduler.lookups import Lookups
+from cwm_plugin.connector.scheduler.requests import RequestState, eligible
+from cwm_plugin.connector.scheduler.saves import Saves
 from cwm_plugin.connector.scheduler.selfcheck import SelfCheck, run_selfcheck
 from cwm_plugin.connector.warn_once import WarnOnce
 from cwm_plugin.store.kv_store import KVStore
 
 log = logging.getLogger(__name__)
 SHUTDOWN_FLUSH_S = 30          # the longest a shutdown waits for context records being written
-
-
-@dataclass
-class _RequestState:
-    request: Any  # vllm.v1.request.Request, live: its block_hashes grow as it decodes
-    extra: bytes = b""
-    block_ids: list[int] = field(default_factory=list)
-    handled_blocks: int = 0  # blocks [0, handled) are stored, being stored, or skipped
-    saved_blocks: int = 0    # blocks planned for saving or found stored (the record's span)
-    lookup_start: int = 0
-    lookup_sources: list[CacheHitSource] = field(default_factory=list)
-    load: BlockTransfer | None = None
-    load_failed: bool = False   # a promised block did not load: recompute, promise no more
 
 
 def hit_source_of_saves(store_settings: Any) -> CacheHitSource:
@@ -90,10 +68,10 @@ def hit_source_of_saves(store_settings: Any) -> CacheHitSource:
 
 
 class SchedulerSide:
-    def __init__(self, ns: Namespace, cfg: ConnectorConfig, store: KVStore,
+    def __init__(self, ns: KeyNamespace, cfg: ConnectorConfig, store: KVStore,
                  stats: StatsCollector, *, hash_fn: Any = None, hash_ratio: int = 1,
                  stored_source: CacheHitSource = CacheHitSource.HOST,
-                 workers: list[tuple[Namespace, int]] | None = None,
+                 workers: list[tuple[KeyNamespace, int]] | None = None,
                  async_loads: bool = False) -> None:
         self.ns = ns
         self.cfg = cfg
@@ -113,14 +91,12 @@ class SchedulerSide:
                                deadline_s=cfg.lookup_deadline_ms / 1000)
         self.leases = Leases(store, stats, ttl_s=cfg.lease_ttl_s)
         self.contents = ContentChains(hash_fn, self.block_size // hash_ratio, hash_ratio)
-        self.keeps_records = cfg.context_records and records.readable(store)
-        if cfg.context_records and not self.keeps_records:
-            log.warning("cwm connector: the store has no disk or Redis tier, so no context "
-                        "records are kept (context windows freeze sessions from them, reading "
-                        "the durable tiers); add a disk_path or redis_url to use windows")
+        self.max_blocks = cfg.max_stored_tokens_per_request // self.block_size
+        self.saves = Saves(cfg, store, stats, ns=ns, workers=self.workers, hash_ratio=hash_ratio,
+                           max_blocks=self.max_blocks, known=self.known, contents=self.contents)
         # the workers load in the background (CPU) and report it in get_finished
         self.async_loads = async_loads and cfg.async_loads
-        self._reqs: dict[str, _RequestState] = {}
+        self._reqs: dict[str, RequestState] = {}
         # loads sent to the workers and not reported done: req id -> (load, asynchronous)
         self._loading: dict[str, tuple[BlockTransfer, bool]] = {}
         self._reset_pending = False
@@ -130,20 +106,13 @@ class SchedulerSide:
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _eligible(self, request: Any) -> bool:
-        return (not self.cfg.salted_only or bool(getattr(request, "cache_salt", None))) \
-            and params_of(request).store
-
-    def _cap_blocks(self) -> int:
-        return self.cfg.max_stored_tokens_per_request // self.block_size
-
     def _hashes(self, request: Any, num_blocks: int) -> list[bytes]:
         return kv_block_hashes(request.block_hashes, num_blocks, self.hash_ratio)
 
-    def _state(self, request: Any) -> _RequestState:
+    def _state(self, request: Any) -> RequestState:
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _RequestState(
+            state = self._reqs[request.request_id] = RequestState(
                 request, lora_extra(getattr(request, "lora_request", None)))
         state.request = request
         return state
@@ -197,10 +166,10 @@ class SchedulerSide:
         state = self._state(request)
         state.lookup_sources = []
         rid = request.request_id
-        if not self.cfg.load_enabled or not self._eligible(request) or state.load_failed:
+        if not self.cfg.load_enabled or not eligible(self.cfg, request) or state.load_failed:
             return 0, False
         # Leave at least one token to compute: vLLM needs a forward pass to sample from.
-        max_blocks = min((request.num_tokens - 1) // self.block_size, self._cap_blocks())
+        max_blocks = min((request.num_tokens - 1) // self.block_size, self.max_blocks)
         start = num_computed_tokens // self.block_size
         if start >= max_blocks:
             self.lookups.forget(rid)
@@ -263,7 +232,7 @@ class SchedulerSide:
             # stored or planned, or were computed here before: the worker's store skips any it
             # holds already (no lookup on the step).
             state.handled_blocks = 0
-            self._plan_save(state, new.req_id, new.num_computed_tokens
+            self.saves.plan(state, new.req_id, new.num_computed_tokens
                             + scheduler_output.num_scheduled_tokens.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -280,7 +249,7 @@ class SchedulerSide:
             state.handled_blocks = min(state.handled_blocks,
                                        cached.num_computed_tokens[i] // self.block_size)
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            self._plan_save(state, req_id, done, meta)
+            self.saves.plan(state, req_id, done, meta)
         for state in self._reqs.values():
             if state.load is not None:
                 meta.loads.append(state.load)
@@ -291,70 +260,13 @@ class SchedulerSide:
             self._end(req_id)
         return meta
 
-    def _plan_save(self, state: _RequestState, req_id: str, tokens_done: int,
-                   meta: CWMConnectorMetadata) -> None:
-        """Plan the blocks completed by ``tokens_done`` that are neither planned nor known
-        stored (a block held somewhere unknown to us is skipped by the worker's store)."""
-        if not self.cfg.save_enabled or not self._eligible(state.request):
-            return
-        limit = tokens_done if self.cfg.save_decode_blocks else min(
-            tokens_done, state.request.num_prompt_tokens)
-        n_full = min(limit // self.block_size, len(state.block_ids), self._cap_blocks())
-        if n_full <= state.handled_blocks:
-            return
-        hashes = self._hashes(state.request, n_full)
-        n_full = len(hashes)
-        start = state.handled_blocks
-        todo = [i for i in range(start, n_full) if state.extra or (
-            not self.known.planned(hashes[i]) and self.known.get(hashes[i]) is None)]
-        state.handled_blocks = n_full
-        state.saved_blocks = max(state.saved_blocks, n_full)
-        if todo:
-            contents = self.contents.of(state.request, hashes)
-            meta.saves.append(BlockTransfer(req_id, [state.block_ids[i] for i in todo],
-                                            [hashes[i] for i in todo],
-                                            num_tokens=n_full * self.block_size,
-                                            salt=getattr(state.request, "cache_salt", None),
-                                            extra=state.extra,
-                                            contents=[contents[i] for i in todo]
-                                            if contents else []))
-            if not state.extra:
-                self.known.plan(hashes[i] for i in todo)
-
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         # Saves copy blocks out at the end of the step that computed them, so nothing here
         # needs the blocks any longer.
         state = self._reqs.pop(request.request_id, None)
         self._end(request.request_id)
-        salt = getattr(request, "cache_salt", None)
-        if state is not None and salt and state.saved_blocks and self.keeps_records:
-            params = params_of(request)
-            if params.record and params.store:
-                self._write_record(state, salt, params)
+        self.saves.finished(state, request, self.served_model)
         return False, None
-
-    def _write_record(self, state: _RequestState, salt: str, params: RequestParams) -> None:
-        req = state.request
-        lora = getattr(req, "lora_request", None)
-        rec = records.ContextRecord(
-            tokens=list(req.all_token_ids),
-            block_hashes=[h.hex() for h in self._hashes(req, state.saved_blocks)],
-            workers=[(ns.scoped(state.extra).hex(), rank) for ns, rank in self.workers],
-            block_size=self.block_size, hash_block_size=self.block_size // self.hash_ratio,
-            hash_algo=self.ns.hash_algo, namespace=asdict(self.ns),
-            lora=[lora.lora_name, str(lora.lora_path)] if lora else None, created=time.time(),
-            turn=params.turn, num_prompt_tokens=int(req.num_prompt_tokens), arrived=params.at,
-            model=self.served_model or self.ns.model)
-        body = asdict(rec)
-        for key in [records.record_key(salt)] + \
-                ([records.turn_record_key(salt, params.slot)] if params.slot is not None else []):
-            if not records.write_record(self.store, key, body, records.RECORD_LAYOUT,
-                                        what="a context record", salt=salt, wait=0,
-                                        order=rec.order):
-                self.stats.add("save_errors", reason="backpressure")
-                self._warn("records", "the store's save queue is full: context records are "
-                           "dropped until it drains (counted as cwm:connector_save_errors"
-                           "{reason=backpressure})")
 
     def _end(self, req_id: str) -> None:
         """A request is finished: no lookup for it any more; its lease goes, unless its load

@@ -41,7 +41,7 @@ import torch
 
 from cwm_kernels.blocks import BlockWriter
 from cwm_plugin.connector.content import each
-from cwm_plugin.connector.keys import Namespace
+from cwm_plugin.connector.keys import KeyNamespace
 from cwm_plugin.connector.metadata import BlockTransfer
 from cwm_plugin.connector.metrics.stats import StatsCollector
 from cwm_plugin.connector.warn_once import WarnOnce
@@ -59,7 +59,7 @@ THREADS = 2                                # background loads running at once
 
 
 class Loader:
-    def __init__(self, store: KVStore, stats: StatsCollector, *, ns: Namespace, rank: int,
+    def __init__(self, store: KVStore, stats: StatsCollector, *, ns: KeyNamespace, rank: int,
                  layout: KVLayout, layers: list[torch.Tensor], block_bytes: int,
                  asynchronous: bool = True, lease_ttl_s: float = 30.0) -> None:
         self.store = store

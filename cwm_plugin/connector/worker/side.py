@@ -36,7 +36,7 @@ import torch
 from cwm_kernels import jit
 from cwm_kernels.blocks import gather_blocks
 from cwm_plugin.connector.content import each
-from cwm_plugin.connector.keys import Namespace
+from cwm_plugin.connector.keys import KeyNamespace
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.metrics.stats import StatsCollector
 from cwm_plugin.connector.warn_once import WarnOnce
@@ -52,7 +52,7 @@ SHUTDOWN_FLUSH_S = 30                      # the longest a shutdown waits for pe
 
 
 class WorkerSide:
-    def __init__(self, store: KVStore, stats: StatsCollector, *, ns: Namespace, rank: int,
+    def __init__(self, store: KVStore, stats: StatsCollector, *, ns: KeyNamespace, rank: int,
                  layout: KVLayout, layers: list[torch.Tensor], index: int = 0,
                  layer_index: dict[str, int] | None = None, async_loads: bool = True,
                  lease_ttl_s: float = 30.0, save_wait_s: float = 0.02) -> None:

@@ -4,17 +4,17 @@ The container (:mod:`.container`, which reads and writes its header without torc
 safetensors file (any safetensors reader can open it): its ``__metadata__`` holds the format
 version, model fingerprint, layout, dtype, shape, key, token count, codec parameters, the
 payload checksum and a CRC-32 of the metadata itself, and where given the ``content`` a KV
-block stands for (what every key sharing the blob shares: :mod:`cwm_plugin.store.binding`) or the ``revision``
-of a record that is rewritten under its key; its tensors
-are ``uint8`` *streams* made by a byte transform (:mod:`cwm_kernels.shuffle`), each
-compressed with zstd or kept raw when zstd would not shrink it.
+block stands for (what every key sharing the blob shares: :mod:`cwm_plugin.store.binding`) or
+the ``revision`` of a record that is rewritten under its key; its tensors are ``uint8``
+*streams* made by a byte transform (:mod:`cwm_kernels.shuffle`), each compressed with zstd or
+kept raw when zstd would not shrink it.
 
 The payload checksum covers every stored byte and is verified on every decode: each zstd
 stream is a frame with its content checksum (XXH64 of the decompressed stream, checked by zstd
 while it decompresses), and the raw streams' bytes carry a CRC-32 (``checksum:
-"crc32-raw:<hex>"``). That costs about half of a CRC-32 over the decoded tensor, which format 1
-used (``"crc32:<hex>"``, still verified when read); the transform is a deterministic, exactly
-inverted function of the checked streams.
+"crc32-raw:<hex>"``): cheaper than a CRC-32 over the decoded tensor (``"crc32:<hex>"``, what
+format 1 blobs carry, verified when read), and as strong, because the transform is a
+deterministic, exactly inverted function of the checked streams.
 
 ``level=0`` means no compression and no transform: the payload is the tensor's raw bytes, so a
 flipped payload byte with ``checksum=False`` decodes to a (wrong) tensor without an error.
@@ -23,11 +23,11 @@ Everything else that is wrong raises :class:`CorruptBlob` (damaged, truncated, n
 size in the header is checked against the tensor's shape and dtype (and a zstd frame's declared
 size) before anything is allocated, so a damaged header cannot ask for gigabytes.
 
-Format 2 ordered byte planes high byte first and added the ``kvsplit`` transform; format 3
-(this one) pairs ``kvsplit``'s exponent nibbles far apart and bit-packs its 7-bit mantissas
-(both decode with whole-word shifts instead of byte interleaving and entropy decoding). Blobs
-with the ``none`` or ``bytes`` transform of every format are still read; older ``exp`` and
-``kvsplit`` blobs are :class:`IncompatibleBlob` (recomputed).
+Format 3 (written) pairs ``kvsplit``'s exponent nibbles far apart and bit-packs its 7-bit
+mantissas, so both decode with whole-word shifts instead of byte interleaving and entropy
+decoding. Blobs with the ``none`` or ``bytes`` transform of every format are read (format 1
+orders byte planes low byte first, formats 2 and 3 high byte first); ``exp`` and ``kvsplit``
+blobs of formats 1 and 2 are :class:`IncompatibleBlob` (recomputed).
 """
 
 from __future__ import annotations
@@ -44,7 +44,14 @@ import zstandard
 
 from cwm_kernels import shuffle as sh
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob
-from cwm_plugin.store.blob.container import FORMAT, check_meta, crc32, meta_crc, pack, read_header
+from cwm_plugin.store.blob.container import (
+    FORMAT,
+    check_meta,
+    crc32,
+    meta_crc,
+    pack_blob,
+    read_header,
+)
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = ("1", "2", "3")
@@ -147,7 +154,7 @@ def encode(tensor: torch.Tensor, *, key: bytes, fingerprint: str, num_tokens: in
         meta["revision"] = str(int(revision))
     if checksum:
         meta["meta_crc"] = meta_crc(meta)
-    return pack(meta, payloads)
+    return pack_blob(meta, payloads)
 
 
 def _worth_trying(s: np.ndarray, level: int, sample: int = 128 << 10) -> bool:

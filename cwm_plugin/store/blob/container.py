@@ -1,8 +1,8 @@
 """The blob container: a safetensors file whose ``__metadata__`` names the cwm format and
 carries a CRC-32 of itself (:mod:`.codec` says what the fields and the ``uint8`` streams
 are). Reading and writing the header needs no torch, so maintenance (``cwm store gc|usage``,
-the disk tier's index rebuild, sealing) runs without importing it: on a 2-core server that
-import alone (~2 s of CPU) slowed every decoding request while a gc loop ran.
+the disk tier's index rebuild, sealing) runs without importing it: torch's import takes CPU
+from the decoding requests of a server beside it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from cwm_plugin.errors import CorruptBlob
 
-try:     # ISA-L's CRC-32: the same values as zlib's, ~7x faster (27 vs 4 GB/s a core here)
+try:     # ISA-L's CRC-32: the same values as zlib's, several times faster
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same checksums
     from zlib import crc32
@@ -37,7 +37,7 @@ def check_meta(meta: dict[str, str]) -> None:
                           hint="the blob header is damaged; the block will be recomputed")
 
 
-def pack(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
+def pack_blob(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
     """A container of ``meta`` (as given) and ``payloads`` as ``uint8`` streams s00, s01..."""
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
@@ -53,7 +53,7 @@ def pack(meta: dict[str, str], payloads: list[bytes | np.ndarray]) -> bytes:
 
 
 def _byte_view(a: np.ndarray) -> memoryview:
-    import numpy as np  # here, not at the top: maintenance packs no arrays (~50 ms of imports)
+    import numpy as np  # here: maintenance packs no arrays, and goes without the import
 
     return memoryview(np.ascontiguousarray(a)).cast("B")
 
@@ -62,7 +62,7 @@ def pack_raw(meta: dict[str, str], payload: bytes) -> bytes:
     """A container of ``meta`` (its CRC added) and one opaque payload (sealed blobs)."""
     meta = {**meta, "meta_crc": ""}
     meta["meta_crc"] = meta_crc(meta)
-    return pack(meta, [payload])
+    return pack_blob(meta, [payload])
 
 
 def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[str, Any], int]:

@@ -2,8 +2,7 @@
 
 The key of a blob is ``HKDF-SHA256(master key, info)``: for a salt, ``info`` is
 ``"cwm-kv-blob-v1\\0"`` + the salt's UTF-8; no salt (None) and the empty salt each have their
-own (:func:`_info`; they used to share one, so blobs sealed under either before are now misses,
-recomputed once). A stored block is unreadable without the salt of the request that saved it
+own (:func:`_info`). A stored block is unreadable without the salt of the request that saved it
 (and the master key). A sealed blob stays a cwm safetensors container: its header keeps what
 the store needs without the key (the store key, fingerprint, layout, shape, token count) plus
 the cipher, a key id (``sha256("cwm-key-id" + key)[:8]``, never the key) and the nonce; the

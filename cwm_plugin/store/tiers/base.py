@@ -28,14 +28,17 @@ Key semantics shared by every tier:
 
 from __future__ import annotations
 
+import sqlite3
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cwm_plugin.errors import CWMError
+from cwm_plugin.errors import CWMError, TierUnavailable
 
 # namespace digest (16) + rank (2): keys of one group share refcounts, pins and a quota
 GROUP_BYTES = 18
+# what a failing tier raises: the store counts it and goes on with the other tiers
+TIER_ERRORS = (TierUnavailable, OSError, sqlite3.Error)
 
 
 def group_of(key: bytes) -> bytes:

@@ -29,9 +29,18 @@ T = TypeVar("T")
 READ_TIMEOUT_S = 0.25
 
 
-def locked(exc: sqlite3.OperationalError) -> bool:
+def is_lock_error(exc: sqlite3.OperationalError) -> bool:
+    """Whether SQLite failed because another connection holds the lock (locked, busy)."""
     msg = str(exc).lower()
     return "locked" in msg or "busy" in msg
+
+
+def is_damage_error(exc: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite says the file itself is bad (corrupt, not a database; or the schema
+    check, which has no code): only then is the index moved aside and rebuilt. A full disk or
+    an I/O error is not: the index is sound, the disk is not (the tier is unavailable)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is None or code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
 class IndexDB:
@@ -76,7 +85,7 @@ class IndexDB:
             try:
                 return fn()
             except sqlite3.OperationalError as exc:
-                if not locked(exc) or time.monotonic() + delay > deadline:
+                if not is_lock_error(exc) or time.monotonic() + delay > deadline:
                     raise
             time.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 0.05)

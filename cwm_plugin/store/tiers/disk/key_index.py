@@ -27,19 +27,18 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from cwm_plugin.errors import CWMError
-from cwm_plugin.store.tiers.disk.db import IndexDB, locked
-from cwm_plugin.store.tiers.disk.schema import SCHEMA, SCHEMA_VERSION, statements
+from cwm_plugin.store.tiers.disk.db import IndexDB, is_damage_error, is_lock_error
+from cwm_plugin.store.tiers.disk.schema import (
+    LEASE_ONLY_BYTES,
+    LEASED,
+    SCHEMA_VERSION,
+    create_schema,
+    schema_version,
+)
 
 Unlink = Callable[[Sequence[str]], None] | None
 CHUNK = 500   # SQLite host-parameter batches
-LEASED = 2    # keys.pinned of a lease (1: a pin); the triggers count it like a pin
 KeyRow = tuple[bytes, str, bool, float | None, int | None, bool]
-# the bytes of blobs only leases pin (leased keys are few, the blocks promised to requests
-# now: found through the index of expiring pins)
-LEASE_ONLY_BYTES = (
-    "SELECT COALESCE(SUM(b.size), 0) FROM blobs b WHERE b.blob_id IN (SELECT blob_id FROM keys "
-    f"WHERE pin_expires IS NOT NULL AND pinned={LEASED}) AND NOT EXISTS (SELECT 1 FROM keys k "
-    "WHERE k.blob_id = b.blob_id AND k.pinned = 1)")
 
 
 class IndexDamaged(CWMError):
@@ -63,38 +62,7 @@ def _qs(n: int) -> str:
     return ",".join("?" * n)
 
 
-def _damaged(exc: sqlite3.DatabaseError) -> bool:
-    """Whether SQLite says the file itself is bad (corrupt, not a database; or our own
-    schema check, which has no code): only then is the index moved aside and rebuilt. A full
-    disk at open used to count too, and threw a healthy index (its pins and links) away."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    return code is None or code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
-
-
-def _schema_version(db: sqlite3.Connection) -> str | None:
-    """The index's schema version; None for an empty file."""
-    if db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
-        row = db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
-        return row[0] if row else None
-    if db.execute("SELECT 1 FROM sqlite_master WHERE name='blobs'").fetchone():
-        return "1"
-    return None
-
-
-def _create_schema(db: sqlite3.Connection) -> None:
-    version = _schema_version(db)
-    if version == SCHEMA_VERSION:
-        return
-    if version is not None:
-        raise sqlite3.DatabaseError(f"index schema {version}, this version reads "
-                                    f"{SCHEMA_VERSION}")
-    for stmt in statements(SCHEMA):
-        db.execute(stmt)
-    db.execute("INSERT OR REPLACE INTO meta(name, value) VALUES('schema', ?)",
-               (SCHEMA_VERSION,))
-
-
-class DiskIndex:
+class DiskKeyIndex:
     """Thread-safe and multi-process-safe (WAL; connections and deadlines: :mod:`.db`)."""
 
     def __init__(self, path: str | Path, *, timeout_s: float = 30.0) -> None:
@@ -108,7 +76,7 @@ class DiskIndex:
                 self.db.close()
                 raise
         except sqlite3.DatabaseError as exc:
-            if not _damaged(exc):  # a full disk, an I/O error, a lock held too long: the
+            if not is_damage_error(exc):  # a full disk, an I/O error, a lock held too long: the
                 raise              # index is fine, the disk is not (the tier is unavailable)
             raise IndexDamaged(f"store index {self.path} is unusable: {exc}",
                                hint="it is moved aside and rebuilt from the blob files") from exc
@@ -120,12 +88,12 @@ class DiskIndex:
         long as serving keeps the cores busy, stalling the server's own writes."""
         try:
             with self.db.reader() as db:
-                if _schema_version(db) == SCHEMA_VERSION:
+                if schema_version(db) == SCHEMA_VERSION:
                     return
         except sqlite3.OperationalError as exc:
-            if not locked(exc):    # (locked: another process creates it; the write waits)
+            if not is_lock_error(exc):    # (locked: another process creates it; the write waits)
                 raise
-        self.db.tx(_create_schema)
+        self.db.tx(create_schema)
 
     # --- keys ---------------------------------------------------------------------------------
 

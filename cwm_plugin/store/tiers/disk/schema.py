@@ -1,4 +1,5 @@
-"""The SQL schema of the disk tier's index (see :mod:`.key_index` for what it guarantees).
+"""The SQL schema of the disk tier's index, its version and its creation (see
+:mod:`.key_index` for what it guarantees).
 
 Reference counts, pin counts, per-group pinned bytes and the usage totals are kept by triggers
 in the transaction that changes the rows they count; ``blobs_evictable`` indexes unpinned
@@ -12,6 +13,13 @@ import sqlite3
 from collections.abc import Iterator
 
 SCHEMA_VERSION = "2"
+LEASED = 2    # keys.pinned of a lease (1: a pin); the triggers count it like a pin
+# the bytes of blobs only leases pin (leased keys are few, the blocks promised to requests
+# now: found through the index of expiring pins)
+LEASE_ONLY_BYTES = (
+    "SELECT COALESCE(SUM(b.size), 0) FROM blobs b WHERE b.blob_id IN (SELECT blob_id FROM keys "
+    f"WHERE pin_expires IS NOT NULL AND pinned={LEASED}) AND NOT EXISTS (SELECT 1 FROM keys k "
+    "WHERE k.blob_id = b.blob_id AND k.pinned = 1)")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -76,3 +84,28 @@ def statements(script: str) -> Iterator[str]:
         if sqlite3.complete_statement(buf):
             yield buf.strip()
             buf = ""
+
+
+def schema_version(db: sqlite3.Connection) -> str | None:
+    """The index's schema version; None for an empty file."""
+    if db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
+        row = db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
+        return row[0] if row else None
+    if db.execute("SELECT 1 FROM sqlite_master WHERE name='blobs'").fetchone():
+        return "1"
+    return None
+
+
+def create_schema(db: sqlite3.Connection) -> None:
+    """Create the schema in an empty file (inside the caller's transaction); a file of another
+    schema version raises :class:`sqlite3.DatabaseError`."""
+    version = schema_version(db)
+    if version == SCHEMA_VERSION:
+        return
+    if version is not None:
+        raise sqlite3.DatabaseError(f"index schema {version}, this version reads "
+                                    f"{SCHEMA_VERSION}")
+    for stmt in statements(SCHEMA):
+        db.execute(stmt)
+    db.execute("INSERT OR REPLACE INTO meta(name, value) VALUES('schema', ?)",
+               (SCHEMA_VERSION,))

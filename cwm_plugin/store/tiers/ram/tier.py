@@ -6,13 +6,8 @@ put that cannot fit even after evicting every unprotected blob is refused *befor
 evicted. Evicted blobs take their keys with them; the keys are reported to the drop listener.
 Pin expiries sit in a heap and are applied lazily, before each eviction and pin query.
 
-*Acknowledged eviction* (:meth:`RamTier.defer_evictions`: the connector's workers, whose
-scheduler promises blocks it believes are in this tier): a put evicts nothing (up to twice the
-budget); at each step's end :meth:`RamTier.evict` *retires* the cold blobs over the budget --
-reported dropped at once, still readable -- and :meth:`RamTier.free_retired` frees them only
-once the scheduler has seen that report. A block promised before the scheduler knew is still
-there when its load leases it (a lease or a save of a retired blob brings it back), so a
-promise never meets an eviction.
+With *acknowledged eviction* (:meth:`RamTier.defer_evictions`) evicted blobs are retired first
+and freed only once the connector's scheduler has seen them reported dropped (:mod:`.retired`).
 """
 
 from __future__ import annotations
@@ -25,6 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cwm_plugin.store.tiers.base import KeyInfo, QuotaExceeded, Tier, TierUsage, group_of
+from cwm_plugin.store.tiers.ram.retired import Retired
 
 if TYPE_CHECKING:
     from cwm_plugin.store.config import StoreConfig
@@ -57,9 +53,7 @@ class RamTier(Tier):
         self._lock = threading.RLock()
         self.evictions = 0
         self._deferred = False
-        self._retired: OrderedDict[str, bytes] = OrderedDict()   # evicted, not freed yet
-        self._retired_at: dict[str, int] = {}                   # blob -> the step it was
-        self._retired_bytes = 0
+        self._retired = Retired()                            # evicted, not freed yet
 
     # --- blobs --------------------------------------------------------------------------------
 
@@ -71,16 +65,9 @@ class RamTier(Tier):
             self._lru.move_to_end(blob_id)
             return data
         if revive and blob_id in self._retired:
-            data = self._lru[blob_id] = self._unretire(blob_id)
+            data = self._lru[blob_id] = self._retired.take(blob_id)
             return data
         return self._held.get(blob_id) or self._retired.get(blob_id)
-
-    def _unretire(self, blob_id: str) -> bytes:
-        """(locked) Take a blob out of the retired ones; returns its bytes."""
-        data = self._retired.pop(blob_id)
-        self._retired_at.pop(blob_id, None)
-        self._retired_bytes -= len(data)
-        return data
 
     def get_many(self, blob_ids: Sequence[str]) -> list[bytes | None]:
         with self._lock:
@@ -114,7 +101,7 @@ class RamTier(Tier):
         """(locked) Evict cold unprotected blobs until ``size`` fits; refuse up front if even
         evicting all of them would not be enough."""
         self._expire_pins()
-        need = self._bytes - self._retired_bytes + size - self.budget
+        need = self._bytes - self._retired.bytes + size - self.budget
         if need <= 0:
             return True
         if size > self.budget or self._held_bytes + size > self.budget:
@@ -146,7 +133,7 @@ class RamTier(Tier):
     def _free(self, blob_id: str) -> None:
         data = self._lru.pop(blob_id, None)
         if data is None and blob_id in self._retired:
-            data = self._unretire(blob_id)
+            data = self._retired.take(blob_id)
         if data is None and blob_id in self._held:
             data = self._held.pop(blob_id)
             self._release_held(blob_id, len(data))
@@ -192,7 +179,7 @@ class RamTier(Tier):
         if n > 0:
             self._pinned_refs[blob_id] = n
             if blob_id in self._retired:          # leased while retired: protected again
-                self._lru[blob_id] = self._unretire(blob_id)
+                self._lru[blob_id] = self._retired.take(blob_id)
             if blob_id in self._lru:
                 data = self._held[blob_id] = self._lru.pop(blob_id)
                 group = self._held_group[blob_id] = group_of(key)
@@ -341,8 +328,8 @@ class RamTier(Tier):
     # --- acknowledged eviction ---------------------------------------------------------------
 
     def defer_evictions(self) -> None:
-        """Evict only at :meth:`evict`, retiring blobs until :meth:`free_retired` (see the
-        module docstring)."""
+        """Evict only at :meth:`evict`, retiring blobs until :meth:`free_retired`
+        (:mod:`.retired`)."""
         self._deferred = True
 
     def evict(self, step: int) -> list[bytes]:
@@ -351,12 +338,10 @@ class RamTier(Tier):
         dropped: list[bytes] = []
         with self._lock:
             self._expire_pins()
-            over = self._bytes - self._retired_bytes - self.budget
+            over = self._bytes - self._retired.bytes - self.budget
             while over > 0 and self._lru:
                 blob_id, data = self._lru.popitem(last=False)
-                self._retired[blob_id] = data
-                self._retired_at[blob_id] = step
-                self._retired_bytes += len(data)
+                self._retired.add(blob_id, data, step)
                 over -= len(data)
                 self.evictions += 1
                 dropped.extend(self._refs.get(blob_id, ()))
@@ -367,7 +352,7 @@ class RamTier(Tier):
         """Free the blobs retired at step ``upto`` or before (their keys go; they were reported
         dropped then); returns how many."""
         with self._lock:
-            gone = [b for b, step in self._retired_at.items() if step <= upto]
+            gone = self._retired.due(upto)
             for b in gone:
                 for k in list(self._refs.get(b, ())):
                     self._keys.pop(k, None)
@@ -408,7 +393,6 @@ class RamTier(Tier):
             self._lru.clear()
             self._held.clear()
             self._retired.clear()
-            self._retired_at.clear()
             self._keys.clear()
             self._refs.clear()
-            self._bytes = self._held_bytes = self._retired_bytes = 0
+            self._bytes = self._held_bytes = 0

@@ -5,10 +5,10 @@ The client is made on first use, so a Redis that is down at start is simply unav
 it answers. A refused or reset connection, a cluster without its slots, or ``timeouts_to_down``
 timeouts in a row mark the connection down: calls raise :class:`TierUnavailable` at once until
 the backoff (doubling up to ``max_backoff_s``) has passed, then one call tries again. A single
-slow answer (a busy 2-core machine, Redis writing a large blob) fails that call only: measured,
-one 50 ms timeout under load marked the tier down for 4-15 s, and every restore in that time
-recomputed. The outage and the reconnection
-are logged once each. The URL's password never reaches a log line.
+slow answer (a busy 2-core machine, Redis writing a large blob) fails that call only: marking
+the tier down on one timeout would cost seconds of backoff in which every restore recomputes.
+The outage and the reconnection are logged once each. The URL's password never reaches a log
+line.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ class RedisConnection:
                                        "raise redis_timeout_ms / redis_lookup_timeout_ms") from exc
         except (redis.ConnectionError, OSError, RedisClusterException) as exc:
             # (a cluster no node of which answers, or one without cluster mode, raises
-            # RedisClusterException, which is no RedisError: it took vLLM's scheduler down)
+            # RedisClusterException, which is no RedisError: uncaught, it would take vLLM's
+            # scheduler down)
             self._mark_down(exc)
             raise TierUnavailable(f"redis at {self.safe_url} is unreachable: {exc}",
                                   hint="serving from local tiers; retrying with backoff") from exc

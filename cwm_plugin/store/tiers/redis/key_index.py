@@ -66,7 +66,7 @@ def _add(deltas: Deltas, blob: str, refs: int, pins: int) -> None:
     d[1] += pins
 
 
-class RedisIndex:
+class RedisKeyIndex:
     def __init__(self, conn: RedisConnection, blobs: RedisBlobs, ttl_s: int | None) -> None:
         self.conn = conn
         self._call = conn.call

@@ -15,8 +15,8 @@ Under ``<prefix>:``, with the hash tag in braces deciding the slot:
 * ``{s<i>}:stats``: approximate totals in :data:`STATS_SHARDS` hashes, summed on read.
 
 Format 2 named everything of one namespace and rank ``{<group hex>}:...`` (one slot for a
-model's whole index) and kept one ``stats`` hash. Nothing reads those names any more (their
-blocks are recomputed); :func:`old_format` recognises them for ``gc`` to delete.
+model's whole index) and kept one ``stats`` hash. Nothing reads those names (their blocks are
+recomputed); :func:`old_format` recognises them for ``gc`` to delete.
 """
 
 from __future__ import annotations

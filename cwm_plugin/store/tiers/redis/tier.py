@@ -7,7 +7,7 @@ reference and pin counts in its own slot, a key group's pinned bytes (the pin qu
 group's slot, the approximate totals in 16 stats hashes. Batch key operations are one Lua
 script per shard and per blob changed (:mod:`.key_index`, :mod:`.scripts`): atomic
 within a slot, counts never too low across slots. Format 2's names (one slot a model) are
-not read any more; ``gc`` deletes them.
+never read; ``gc`` deletes them.
 
 A key whose bytes are gone (TTL expiry, ``maxmemory`` eviction) answers present in the index;
 reads find it *dangling*, remove it and report it dropped (``exists_many`` checks the bytes
@@ -31,7 +31,7 @@ from cwm_plugin.store.tiers.base import KeyInfo, Tier, TierUsage
 from cwm_plugin.store.tiers.redis.blobs import RedisBlobs
 from cwm_plugin.store.tiers.redis.blobs import as_str as _s
 from cwm_plugin.store.tiers.redis.conn import RedisConnection
-from cwm_plugin.store.tiers.redis.key_index import RedisIndex
+from cwm_plugin.store.tiers.redis.key_index import RedisKeyIndex
 from cwm_plugin.store.tiers.redis.layout import SHARDS, shard_of
 from cwm_plugin.store.tiers.redis.scripts import SCRIPTS
 
@@ -64,8 +64,8 @@ class RedisTier(Tier):
         self.prefix = prefix
         self.ttl_s = ttl_s
         # A restore (store/read_path.py) asks for one blob a round trip and decodes the last
-        # one meanwhile: 1.9 MB blobs came at 1.0-1.3 GB/s one a GET, 0.5-0.9 two or more
-        # (redis-py with hiredis, local server); get_many still batches up to read_chunk.
+        # one meanwhile: one blob a GET arrives faster than two or more (redis-py with
+        # hiredis); get_many still batches up to read_chunk.
         self.read_batch = 1
         self.conn = RedisConnection(url, timeout_s=timeout_s, cluster=cluster, scripts=SCRIPTS,
                                     backoff_s=backoff_s, max_backoff_s=max_backoff_s)
@@ -73,7 +73,7 @@ class RedisTier(Tier):
         self.blobs = RedisBlobs(self._call, prefix, ttl_s, max_value_bytes,
                                 max(1, read_chunk_bytes // max_value_bytes))
         self.names = self.blobs.layout
-        self.index = RedisIndex(self.conn, self.blobs, ttl_s)
+        self.index = RedisKeyIndex(self.conn, self.blobs, ttl_s)
         self.totals: tuple[int, int] | None = None     # (bytes, blobs), approximate
 
     @property
@@ -252,7 +252,7 @@ class RedisTier(Tier):
 
     def drop_old_format(self) -> int:
         """Delete the names of format 2 (one hash tag a namespace and rank, one ``stats``):
-        nothing reads them any more; their blobs, which no key points to now, go as
+        nothing reads them; their blobs, which no key of format 3 points to, go as
         unreferenced. Returns how many names were deleted."""
         def run(c: Any) -> int:
             old = [n for n in self._scan(c, f"{self.prefix}:*") if self.names.old_format(n)]

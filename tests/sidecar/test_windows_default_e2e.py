@@ -103,7 +103,8 @@ def test_a_window_frozen_with_memory_and_background_work_on_thaws_with_its_hits(
     before = kv_vllm.metric(HITS)
     _, reply = turn(acme, "bob", nxt)
     hits = kv_vllm.metric(HITS) - before
-    assert hits >= 0.9 * len(m.tokens), (hits, len(m.tokens))
+    # every full block of the window's tokens (a partial last block is never stored)
+    assert hits >= 128 * (len(m.tokens) // 128), (hits, len(m.tokens))
     # the same prompt recomputed cold (a fresh salt, straight to vLLM): identical tokens
     cold = kv_vllm.post("/v1/completions", {
         "model": "tiny", "prompt": list(reply.prompt_token_ids), "max_tokens": 8,

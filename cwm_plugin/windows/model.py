@@ -42,7 +42,7 @@ DIGEST = re.compile(r"[0-9a-f]{32}")   # a worker's namespace digest (16 bytes)
 BLOCK_HASH = re.compile(r"(?:[0-9a-f]{2}){1,64}")
 
 
-def check_name(name: str, what: str = "window name") -> str:
+def check_window_name(name: str, what: str = "window name") -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
         shown = repr(name)[:60]
         raise InvalidInput(f"invalid {what} {shown}",
@@ -186,7 +186,7 @@ def _fields(m: Manifest, keyed: bool) -> dict[str, bool]:
     ns = m.namespace
     blocks = m.num_blocks
     return {
-        "name": _valid(check_name, m.name),
+        "name": _valid(check_window_name, m.name),
         "tenant": _text(m.tenant, 256) and m.tenant.isprintable() and bool(m.tenant),
         "session": _text(m.session, 256) and m.session.isprintable(),
         "frozen_salt": _text(m.frozen_salt, 512),
@@ -219,7 +219,7 @@ def _fields(m: Manifest, keyed: bool) -> dict[str, bool]:
         "description": _text(m.description, MAX_DESCRIPTION),
         "created": _time(m.created),
         "updated": _time(m.updated),
-        "parent": m.parent is None or _valid(check_name, m.parent),
+        "parent": m.parent is None or _valid(check_window_name, m.parent),
         "last_thaw": m.last_thaw is None or isinstance(m.last_thaw, dict),
         "version": _int(m.version, 1, 1 << 16),
         "turn": m.turn is None or _int(m.turn, 1, (1 << 63) - 1),

@@ -13,6 +13,13 @@ like any other) or changes its tags and description.
 * **An expired window is gone**: the read that finds it past its ``expires`` (a get, a list,
   a name check) drops its keys, pins, manifest and thaw note under the lock (unless the
   manifest changed meanwhile), so its name and its bytes are free at once.
+* **The former layout**: a user's windows written when each user had a manifest group of its
+  own (:func:`~.model.former_place`) are moved into the tenant's group the first time this
+  process lists or names that user's windows (remembered per user, the newest ``REMEMBER``):
+  manifest and thaw note re-keyed and re-sealed, blocks untouched. A move is a claim of the
+  new key (atomic: of two processes moving one window, one claims it; the other finds the same
+  window there and drops the former keys, as a retry after a crash does); a name the user has
+  in the tenant's group already keeps the former window where it is (logged).
 
 Every manifest written passes :func:`~.model.check_manifest`; one read that does not is logged
 and taken for absent (never dropped: a stricter rule must not delete windows).
@@ -23,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -35,12 +43,17 @@ from cwm_plugin.windows.model import (
     MAX_DESCRIPTION,
     NAME_BYTES,
     Manifest,
+    Place,
     check_manifest,
     check_tags,
     check_window_name,
+    former_group,
+    former_place,
+    former_salt,
     manifest_key,
     manifest_salt,
     owner_group,
+    place_of,
     tenant_group,
     tenant_of,
     thaw_key,
@@ -48,6 +61,7 @@ from cwm_plugin.windows.model import (
 from cwm_plugin.windows.rekey import BlockKeys
 
 log = logging.getLogger(__name__)
+REMEMBER = 65_536  # users whose former layout this process looked at
 SORTS = {"created": lambda m: m.created, "updated": lambda m: m.updated,
          "name": lambda m: m.name, "tokens": lambda m: len(m.tokens),
          "size": lambda m: m.stored_bytes}
@@ -78,6 +92,7 @@ class WindowCatalog:
         self.blocks = blocks
         self._locks: dict[str, threading.RLock] = {}
         self._locks_guard = threading.Lock()
+        self._current: OrderedDict[str, None] = OrderedDict()  # users in the tenant's group
 
     def lock(self, owner: str) -> threading.RLock:
         """The lock of ``owner``'s tenant (a user's windows share their tenant's)."""
@@ -115,6 +130,7 @@ class WindowCatalog:
 
     def find(self, owner: str, name: str) -> Manifest | None:
         """``owner``'s live window named ``name``, if there is one."""
+        self._follow_layout(owner)
         return self.read(manifest_key(owner, name), owner)
 
     def get(self, owner: str, name: str) -> Manifest:
@@ -128,6 +144,8 @@ class WindowCatalog:
         """Every live window of ``owner`` (a tenant, or a user in it: ``tenant/u-...``);
         ``whole_tenant``: of the owner's tenant and of every user in it."""
         tenant = tenant_of(owner)
+        if not whole_tenant:
+            self._follow_layout(owner)
         prefix = tenant_group(tenant) if whole_tenant else owner_group(owner)
         keys = self._keys_under(prefix, exact=not whole_tenant)  # a tenant's own: not its
         return [m for k in sorted(keys) if (m := self.read(k, owner)) is not None  # users'
@@ -214,14 +232,16 @@ class WindowCatalog:
                 log.info("window %s of tenant %s expired: its name and pins are free", m.name,
                          tenant_of(m.tenant))
 
-    def move(self, m: Manifest, owner: str, name: str) -> Manifest:
+    def move(self, m: Manifest, owner: str, name: str, src: Place | None = None) -> Manifest:
         """Claim ``m`` as ``owner``'s window ``name`` (atomic: of two moves to one name, one
-        wins), then drop its manifest and thaw note where it was (its blocks stay)."""
+        wins), then drop its manifest and thaw note where it was (``src``, by default its
+        place now; its blocks stay)."""
+        src = src or place_of(m.tenant, m.name)
         moved = replace(m, tenant=owner, name=name)
         with self.lock(owner):
             self.claim(moved)
-            self.store.unpin_many([manifest_key(m.tenant, m.name)])
-            self.store.delete_many([manifest_key(m.tenant, m.name), thaw_key(m.tenant, m.name)])
+            self.store.unpin_many([src.key])
+            self.store.delete_many([src.key, src.note])
         return moved
 
     def patch(self, owner: str, name: str, *, new_name: str | None = None,
@@ -247,6 +267,55 @@ class WindowCatalog:
                     child.parent = new_name
                     self.rewrite(child)
         return m
+
+    # --- the former layout --------------------------------------------------------------------
+
+    def _follow_layout(self, owner: str) -> None:
+        """Move user ``owner``'s windows from the former layout into its tenant's group, once
+        in this process (see the module docstring; a move that fails is logged, and the next
+        listing or naming of the user's windows tries again)."""
+        if tenant_of(owner) == owner or owner in self._current:
+            return
+        with self.lock(owner):
+            if owner in self._current:
+                return
+            outcomes = [self._upgrade(owner, key) for key in
+                        sorted(self._keys_under(former_group(owner), exact=True))]
+            if outcomes.count("moved"):
+                log.info("tenant %s: %d windows of a user moved from the former layout into "
+                         "the tenant's group", tenant_of(owner), outcomes.count("moved"))
+            if "failed" not in outcomes:
+                self._current[owner] = None
+                if len(self._current) > REMEMBER:
+                    self._current.popitem(last=False)
+
+    def _upgrade(self, owner: str, key: bytes) -> str:
+        """Move the window stored under the former layout's ``key`` into the tenant's group
+        with its thaw note: moved, cleared (moved already: the former keys left went), stays
+        (unreadable, or its name is taken) or failed."""
+        m = self._load(key, owner, former_salt(owner))
+        if m is None or m.tenant != owner or former_place(owner, m.name).key != key:
+            return "stays"   # unreadable (logged) or not this user's
+        src = former_place(owner, m.name)
+        note = self.store.get(src.note, salt=src.salt, primary=True)
+        try:
+            moved = self.move(m, owner, m.name, src)
+        except AlreadyExists:
+            there = self._load(manifest_key(owner, m.name), owner)
+            if there is None or there.window_salt != m.window_salt:
+                log.warning("tenant %s: a user's window in the former layout stays there: the "
+                            "user has a window named %r", tenant_of(owner), m.name)
+                return "stays"
+            self.store.unpin_many([src.key])   # moved by another process, or before a crash:
+            self.store.delete_many([src.key, src.note])   # what is left of it goes
+            return "cleared"
+        except CWMError as exc:  # the store's pin quota, say: the user's windows stay listable
+            log.warning("tenant %s: a user's window could not move from the former layout "
+                        "(%s); it is tried again", tenant_of(owner), exc)
+            return "failed"
+        if note is not None:
+            self.note_thaw(moved, records.tensor_json(note))
+        return "moved"
 
     # --- views --------------------------------------------------------------------------------
 

@@ -1,9 +1,12 @@
 """The memory façade the sidecar and the CLI call: ``MemoryService``.
 
-Files are the truth (``files/markdown.py``); each folder's indexes are derived from them and kept in
-step by ``folders.py`` (loaded from their saved copy or built, caught up with appends, rebuilt
-where a file was edited). One lock a folder serialises index changes inside this process; file
-appends are also locked across processes. Embeddings go through an on-disk cache under
+The service owns the files, each folder's indexes, its lock per folder and the transcript
+writer (``transcripts.py``: recording turns, which it delegates), and does the reading side:
+search, selection, durable memories and summaries. Files are the truth
+(``files/markdown.py``); each folder's indexes are derived from them and kept in step by
+``folders.py`` (loaded from their saved copy or built, caught up with appends, rebuilt where a
+file was edited). One lock a folder serialises index changes inside this process; file appends
+are also locked across processes. Embeddings go through an on-disk cache under
 ``<root>/.cache/embeddings``; saved indexes live under ``<root>/.index``.
 """
 
@@ -13,6 +16,7 @@ import gc
 import logging
 import threading
 import time
+from datetime import datetime
 
 import numpy as np
 from tqdm import tqdm
@@ -43,7 +47,7 @@ CHAT_ROLES = ("user", "assistant")
 SEARCH_K = 10
 
 
-class MemoryService(TranscriptWriter):
+class MemoryService:
     def __init__(self, config: MemoryConfig, embedder: Embedder, counter: TokenCounter,
                  metrics: MemoryMetrics | None = None) -> None:
         self.config = config
@@ -60,7 +64,8 @@ class MemoryService(TranscriptWriter):
         self._guard = threading.Lock()
         self.pending = PendingTurns()  # appended with defer_index, not indexed yet
         self._lines: dict[str, tuple[FolderIndex, LineCorpus]] = {}  # per folder, per index
-        self._unindexed: set[str] = set()  # folders whose last inline indexing failed
+        self.writer = TranscriptWriter(self.files, embedder, self.indexes, self.pending,
+                                       self.lock, self._catch_up)
         self.ratios = TokenRatios()  # index tokens -> a served model's, per folder
         self.syncs = FolderJobs()  # looks for other writers a selection found due
 
@@ -70,6 +75,43 @@ class MemoryService(TranscriptWriter):
         """The folder's re-entrant lock (hold it to keep several appends adjacent)."""
         with self._guard:
             return self._locks.setdefault(folder, threading.RLock())
+
+    # --- transcripts: the writer's ---------------------------------------------------------
+
+    def record_turn(self, folder: str, session: str, role: str, content: str, *,
+                    turn_id: str | None = None, ts: datetime | None = None) -> str:
+        """Append one turn to the session's file (durably), then index it; returns its id."""
+        return self.writer.record_turn(folder, session, role, content, turn_id=turn_id, ts=ts)
+
+    def record_turns(self, folder: str, session: str, turns: list[tuple[str, str]], *,
+                     turn_ids: list[str | None] | None = None,
+                     ts: datetime | None = None, defer_index: bool = False) -> list[str]:
+        """Append turns in one durable write, then index them (``defer_index``: later, by
+        :meth:`index_pending`); returns their ids (:meth:`TranscriptWriter.record_turns`)."""
+        return self.writer.record_turns(folder, session, turns, turn_ids=turn_ids, ts=ts,
+                                        defer_index=defer_index)
+
+    def index_pending(self, folder: str) -> int:
+        """Index the turns appended with ``defer_index``; returns how many batches."""
+        return self.writer.index_pending(folder)
+
+    def transcript(self, folder: str, session: str) -> list[dict]:
+        """Turns read back from the file: ``turn_id`` (also ``id``), role, content, ts."""
+        return self.writer.transcript(folder, session)
+
+    def _catch_up(self, folder: str) -> None:
+        """After an indexing, or in the background when a selection found it due: the look for
+        other writers (when a ``sync_interval_s`` has passed; the scan of the files made
+        before taking the lock) and the line corpus."""
+        try:
+            stats = self.files.session_stats(folder) if self.indexes.due(folder) else None
+            with self.lock(folder):
+                idx = self.indexes.refresh(folder, stats)
+                got = self._lines.get(folder)
+                if got is not None and got[0] is idx:
+                    got[1].sync(idx)
+        except Exception as exc:  # noqa: BLE001 - the next search looks again, and says
+            log.debug("folder %s: catching up after an indexing failed: %s", folder, exc)
 
     def index(self, folder: str) -> FolderIndex:
         """The folder's chunk index, caught up with its files."""

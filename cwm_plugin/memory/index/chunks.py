@@ -40,7 +40,7 @@ from cwm_plugin.memory.tokens import TokenCounter
 
 
 @dataclass
-class SessionState:
+class SessionIndex:
     units: list[Unit] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)  # hnsw label of each unit
     spans: list[tuple[int, int, str]] = field(default_factory=list)  # (begin, end, chunk_id)
@@ -68,7 +68,7 @@ def knn_labels(index: hnswlib.Index, qvec: np.ndarray, k: int, live: int) -> set
     return set(knn_ordered(index, qvec, k, live))
 
 
-class FolderIndex:
+class ChunkIndex:
     """Chunks of every session of one folder, searchable by BM25 and vectors."""
 
     def __init__(self, embedder: Embedder, counter: TokenCounter, chunk_tokens: int,
@@ -87,7 +87,7 @@ class FolderIndex:
         self._seq: dict[str, int] = {}                  # chunk -> insertion order
         self._next_seq = 0
         self._centroids: dict[str, np.ndarray] = {}
-        self.sessions: dict[str, SessionState] = {}
+        self.sessions: dict[str, SessionIndex] = {}
         self.offsets: dict[str, int] = {}  # bytes of each session file already indexed
         # grows by doubling from little, and hnswlib's index (~2.6 MB of label locks alone) is
         # made on the first line: a namespace that is only read costs next to nothing
@@ -149,7 +149,7 @@ class FolderIndex:
         session's lines in one sorted pass)."""
         if not turns:
             return
-        st = self.sessions.setdefault(session, SessionState())
+        st = self.sessions.setdefault(session, SessionIndex())
         new_units, vecs = prepared if prepared is not None else (self.units(turns), None)
         self._add_vectors(st, new_units, vecs)
         start = 0
@@ -204,7 +204,7 @@ class FolderIndex:
         self._seq.pop(cid, None)
         self._centroids.pop(cid, None)
 
-    def _add_vectors(self, st: SessionState, units: list[Unit],
+    def _add_vectors(self, st: SessionIndex, units: list[Unit],
                      vecs: np.ndarray | None = None) -> None:
         if not units:
             return
@@ -258,7 +258,7 @@ class FolderIndex:
     def doc_ids(self, session: str | None = None) -> list[str]:
         if session is None:
             return list(self.chunks)
-        return [c for _, _, c in self.sessions.get(session, SessionState()).spans]
+        return [c for _, _, c in self.sessions.get(session, SessionIndex()).spans]
 
     def bm25_top(self, query: str, n: int, also: Iterable[str] = (),
                  allowed: set[str] | None = None) -> dict[str, float]:

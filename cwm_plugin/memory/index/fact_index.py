@@ -21,7 +21,7 @@ from cwm_plugin.memory.index.embeddings import Embedder
 from cwm_plugin.memory.models import Hit, Memory
 
 
-class MemoryIndex:
+class FactIndex:
     """One folder's durable memories, searchable like chunks (``source="memory"``)."""
 
     def __init__(self, embedder: Embedder, memories: list[Memory],

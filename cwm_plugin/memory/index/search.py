@@ -44,7 +44,7 @@ MODES = ("hybrid", "bm25", "vector")
 
 
 class Corpus(Protocol):
-    """What search needs of an index (``FolderIndex``, ``MemoryIndex``)."""
+    """What search needs of an index (``ChunkIndex``, ``FactIndex``)."""
 
     @property
     def n_vectors(self) -> int: ...

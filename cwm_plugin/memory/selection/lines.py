@@ -38,7 +38,7 @@ import numpy as np
 
 from cwm_plugin.memory.index.bm25 import BM25Corpus
 from cwm_plugin.memory.index.chunking import Unit
-from cwm_plugin.memory.index.chunks import FolderIndex, SessionState
+from cwm_plugin.memory.index.chunks import ChunkIndex, SessionIndex
 from cwm_plugin.memory.index.search import search_index
 from cwm_plugin.memory.models import Hit, MemoryConfig
 from cwm_plugin.memory.selection.dates import nearness, periods
@@ -73,7 +73,7 @@ def speaker(unit: Unit) -> str:
 
 class LineCorpus:
     """BM25 over a folder's lines, alone and with their neighbours, kept in step with its
-    ``FolderIndex`` (lines are appended; a dropped session's lines are removed)."""
+    ``ChunkIndex`` (lines are appended; a dropped session's lines are removed)."""
 
     def __init__(self) -> None:
         self.alone = BM25Corpus()
@@ -84,7 +84,7 @@ class LineCorpus:
         self._speakers: dict[str, set[str]] = {}  # per session
         self._synced: tuple[int, int] | None = None  # (index.changes, sessions) at last sync
 
-    def sync(self, index: FolderIndex) -> None:
+    def sync(self, index: ChunkIndex) -> None:
         """Follow the index's appends and drops (nothing to walk when it has not changed: a
         walk over 700 sessions cost ~2.5 ms a search)."""
         state = (index.changes, len(index.sessions))
@@ -141,7 +141,7 @@ def _minmax(x: np.ndarray) -> np.ndarray:
     return (x - lo) / (hi - lo)
 
 
-def rank_lines(index: FolderIndex, corpus: LineCorpus, query: str, qvec: np.ndarray | None,
+def rank_lines(index: ChunkIndex, corpus: LineCorpus, query: str, qvec: np.ndarray | None,
                cfg: MemoryConfig, *, mode: str = "hybrid", k_chunks: int = 20,
                stages: Stages | None = None) -> list[Line]:
     """The folder's lines scored for ``query`` (see the module docstring), best first."""
@@ -233,19 +233,19 @@ def _date_boost(query: str, units: list[Unit], weight: float) -> np.ndarray:
         else np.zeros(len(units))
 
 
-def _chunk_lines(index: FolderIndex, hit: Hit) -> list[str]:
+def _chunk_lines(index: ChunkIndex, hit: Hit) -> list[str]:
     session = hit.source.removeprefix("session:")
-    for b, e, cid in index.sessions.get(session, SessionState()).spans:
+    for b, e, cid in index.sessions.get(session, SessionIndex()).spans:
         if cid == hit.chunk_id:
             return [doc_id(session, r) for r in range(b, e)]
     return []
 
 
-def _unit(index: FolderIndex, key: str) -> Unit:
+def _unit(index: ChunkIndex, key: str) -> Unit:
     session, _, row = key.rpartition(SEP)
     return index.sessions[session].units[int(row)]
 
 
-def _label(index: FolderIndex, key: str) -> int:
+def _label(index: ChunkIndex, key: str) -> int:
     session, _, row = key.rpartition(SEP)
     return index.sessions[session].labels[int(row)]

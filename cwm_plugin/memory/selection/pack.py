@@ -96,7 +96,7 @@ class Packed:
         return f"drop turn {p.lines.pop(row).unit.turn_id}: over budget once assembled"
 
 
-def pack(lines: list[Line], rows_of: Callable[[str], list], room: int,
+def pack_lines(lines: list[Line], rows_of: Callable[[str], list], room: int,
          count: Callable[[str], int], *, neighbours: int = 0,
          skip: Callable[[Line], bool] = lambda ln: False) -> Packed:
     """Take ``lines`` (best first) into passages while their estimated cost fits ``room``.

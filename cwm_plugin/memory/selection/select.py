@@ -31,7 +31,7 @@ import numpy as np
 from cwm_plugin.memory.models import Hit, Memory, Selection
 from cwm_plugin.memory.selection.history import window
 from cwm_plugin.memory.selection.lines import Line
-from cwm_plugin.memory.selection.pack import Packed, pack
+from cwm_plugin.memory.selection.pack import Packed, pack_lines
 from cwm_plugin.memory.tokens import TokenCounter, content_text
 
 FACTS_HEADER = "Known facts about the user:"
@@ -256,7 +256,7 @@ def _pack_filled(counter: TokenCounter, p: _Pieces, cands: Candidates, left: int
         return got
 
     def run(r: int) -> Packed:
-        return pack(cands.lines or [], cands.rows_of or (lambda s: []), r, p,
+        return pack_lines(cands.lines or [], cands.rows_of or (lambda s: []), r, p,
                     neighbours=cands.neighbours, skip=skip)
 
     packed = run(left)

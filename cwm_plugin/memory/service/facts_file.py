@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.memory.files.durable import locked, replace_durable
+from cwm_plugin.memory.files.durable import file_lock, replace_durable
 from cwm_plugin.memory.files.markdown import MemoryFiles, utc_iso
 from cwm_plugin.memory.index.persist import folder_dir
 from cwm_plugin.memory.models import CATEGORIES, Memory
@@ -118,7 +118,7 @@ class FactStore:
         """Count one more use of each of these memories (in the derived ``access.json``;
         ``memories.md`` is left as it is)."""
         path = access_path(self.files.root, folder)
-        with self.lock(folder), locked(path):
+        with self.lock(folder), file_lock(path):
             counts = access_counts(self.files.root, folder)
             for i in ids:
                 counts[i] = counts.get(i, 0) + 1

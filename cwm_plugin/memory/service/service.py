@@ -23,9 +23,9 @@ from tqdm import tqdm
 
 from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.files.markdown import MemoryFiles
-from cwm_plugin.memory.files.names import check_name
+from cwm_plugin.memory.files.names import check_memory_name
 from cwm_plugin.memory.files.pending import PendingTurns
-from cwm_plugin.memory.index.chunks import FolderIndex
+from cwm_plugin.memory.index.chunks import ChunkIndex
 from cwm_plugin.memory.index.embeddings import CachedEmbedder, Embedder
 from cwm_plugin.memory.index.folders import FolderIndexes
 from cwm_plugin.memory.index.ratios import TokenRatios
@@ -63,7 +63,7 @@ class MemoryService:
         self._locks: dict[str, threading.RLock] = {}
         self._guard = threading.Lock()
         self.pending = PendingTurns()  # appended with defer_index, not indexed yet
-        self._lines: dict[str, tuple[FolderIndex, LineCorpus]] = {}  # per folder, per index
+        self._lines: dict[str, tuple[ChunkIndex, LineCorpus]] = {}  # per folder, per index
         self.writer = TranscriptWriter(self.files, embedder, self.indexes, self.pending,
                                        self.lock, self._catch_up)
         self.ratios = TokenRatios()  # index tokens -> a served model's, per folder
@@ -113,9 +113,9 @@ class MemoryService:
         except Exception as exc:  # noqa: BLE001 - the next search looks again, and says
             log.debug("folder %s: catching up after an indexing failed: %s", folder, exc)
 
-    def index(self, folder: str) -> FolderIndex:
+    def index(self, folder: str) -> ChunkIndex:
         """The folder's chunk index, caught up with its files."""
-        check_name("folder", folder)
+        check_memory_name("folder", folder)
         self.index_pending(folder)
         with self.lock(folder):
             return self.indexes.refresh(folder)
@@ -142,9 +142,9 @@ class MemoryService:
     def search(self, folder: str, query: str, k: int = 10, *, mode: str = "hybrid",
                session: str | None = None) -> list[Hit]:
         """The ``k`` best chunks of the folder's transcripts (one session's, if given)."""
-        check_name("folder", folder)
+        check_memory_name("folder", folder)
         if session is not None:
-            check_name("session", session)
+            check_memory_name("session", session)
         t0 = time.perf_counter()
         qvec = self._embed_one(query) if mode != "bm25" else None
         self.index_pending(folder)
@@ -157,7 +157,7 @@ class MemoryService:
     def search_memories(self, folder: str, query: str, k: int = 8, *,
                         mode: str = "hybrid") -> list[Hit]:
         """The ``k`` best durable memories (``Hit.source == "memory"``, ``chunk_id`` = id)."""
-        check_name("folder", folder)
+        check_memory_name("folder", folder)
         qvec = self._embed_one(query) if mode != "bm25" and query.strip() else None
         with self.lock(folder):
             return self._memory_hits(folder, query, qvec, k, mode, Stages())
@@ -202,9 +202,9 @@ class MemoryService:
         caller's namespaces it may read) whose durable memories compete for the facts;
         ``passages=False``: the quick view, no conversation is searched (facts and summary).
         """
-        check_name("folder", folder)
+        check_memory_name("folder", folder)
         if session is not None:
-            check_name("session", session)
+            check_memory_name("session", session)
         if budget_tokens < 0:
             raise InvalidInput("budget_tokens must be >= 0")
         stages = stages or Stages()
@@ -236,7 +236,7 @@ class MemoryService:
     def ranked_lines(self, folder: str, query: str, *, mode: str = "hybrid") -> list[Line]:
         """Every candidate line for ``query`` scored as a selection scores it, best first
         (``selection/lines.py``): what the packer chooses from (``bench/memory.py`` measures it)."""
-        check_name("folder", folder)
+        check_memory_name("folder", folder)
         qvec = self._embed_one(query) if mode != "bm25" and query.strip() else None
         self.index_pending(folder)
         with self.lock(folder):
@@ -279,7 +279,7 @@ class MemoryService:
                                    else None for h in hits]
         facts = [(h, by_id[h.chunk_id]) for h in fact_hits]
         for other in shared:  # one folder's lock at a time: never two held together
-            if self.files.memories_path(check_name("folder", other)).exists():
+            if self.files.memories_path(check_memory_name("folder", other)).exists():
                 with self.lock(other):
                     got = self.indexes.memories(other).memories
                     facts += [(h, got[h.chunk_id]) for h in self._memory_hits(
@@ -296,7 +296,7 @@ class MemoryService:
                           rows_of=lambda s: idx.sessions[s].units if s in idx.sessions else [],
                           neighbours=self.config.turn_neighbours)
 
-    def _searchable(self, folder: str) -> FolderIndex:
+    def _searchable(self, folder: str) -> ChunkIndex:
         """A selection's index (the folder's lock held). With ``sync_interval_s`` > 0 a look
         for other writers that is due is not made here but queued for the background (the
         next selection sees what it found: a first turn at 1,000 sessions paid ~8-20 ms for
@@ -306,7 +306,7 @@ class MemoryService:
             return self.indexes.get(folder)
         return self.indexes.refresh(folder)
 
-    def _line_corpus(self, folder: str, idx: FolderIndex) -> LineCorpus:
+    def _line_corpus(self, folder: str, idx: ChunkIndex) -> LineCorpus:
         """The folder's line BM25 (``selection/lines.py``), new when its index was rebuilt or
         reloaded."""
         got = self._lines.get(folder)
@@ -325,7 +325,7 @@ class MemoryService:
     def add_fact(self, folder: str, text: str, category: str, importance: float = 0.5, *,
                  key: str = "", source: str = "") -> Merged:
         """:meth:`add_memory`, saying what happened (added, duplicate, updated)."""
-        check_name("folder", folder)
+        check_memory_name("folder", folder)
         return self.facts.add(folder, text, category, importance, key=key, source=source)
 
     def _similar(self, text: str, others: list[str]) -> np.ndarray:
@@ -355,7 +355,7 @@ class MemoryService:
     def reindex(self, folder: str | None = None, progress: bool = True) -> int:
         """Rebuild the indexes of one folder (or all) from the files and save them to disk;
         returns the number of chunks. ``progress`` shows a tqdm bar (sessions) on stderr."""
-        folders = [check_name("folder", folder)] if folder else self.files.folders()
+        folders = [check_memory_name("folder", folder)] if folder else self.files.folders()
         total_sessions = sum(len(self.files.sessions(t)) for t in folders)
         chunks = 0
         with tqdm(total=total_sessions, desc="reindex", unit="session",

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 from cwm_plugin.memory.files.markdown import MemoryFiles
-from cwm_plugin.memory.files.names import check_name
+from cwm_plugin.memory.files.names import check_memory_name
 from cwm_plugin.memory.files.pending import Batch, PendingTurns, turn_records
 from cwm_plugin.memory.index.chunking import Unit
 from cwm_plugin.memory.index.embeddings import Embedder
@@ -53,8 +53,8 @@ class TranscriptWriter:
         (adjacent, one fsync), then index them; returns their ids. ``defer_index`` leaves the
         indexing (embedding the new lines) to :meth:`index_pending`, which the next search of
         the folder runs first anyway: a caller answering a client can do it afterwards."""
-        check_name("folder", folder)
-        check_name("session", session)
+        check_memory_name("folder", folder)
+        check_memory_name("session", session)
         records = turn_records(turns, turn_ids, ts)
         if not records:
             return []

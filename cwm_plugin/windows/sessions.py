@@ -1,10 +1,10 @@
 """A session's stored context: its records, moving it to another salt, erasing it.
 
-:class:`SessionKV` works for the window engine on one store. The connector leaves a context record per salted request (the
-latest, and the last few client turns by slot) and the sidecar a conversation record per turn
-(:mod:`.conversation`); freeze reads them, thaw writes them for the target session, a secret
-rotation moves them (and the blocks) to the session's new salt, and ``clear_session`` erases a
-session's stored KV for a user who wants it gone.
+:class:`SessionKV` works for the window engine on one store. The connector leaves a context
+record per salted request (the latest, and the last few client turns by slot) and the sidecar a
+conversation record per turn (:mod:`.conversation`); freeze reads them, thaw writes them for
+the target session, a secret rotation moves them (and the blocks) to the session's new salt,
+and ``clear_session`` erases a session's stored KV for a user who wants it gone.
 """
 
 from __future__ import annotations

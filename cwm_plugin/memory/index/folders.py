@@ -88,8 +88,8 @@ class FolderIndexes:
             t = self._load(folder, bar) or self._build(folder, bar)
             self._folders[folder] = t
             # An index is millions of long-lived objects: frozen, Python's full collections
-            # leave them alone (at 10k chunks each walked them for 200-500 ms, inside
-            # whichever request was allocating). Cycles among them are never garbage.
+            # leave them alone (else each walks them all, inside whichever request is
+            # allocating). Cycles among them are never garbage.
             gc.freeze()
         return t.index
 
@@ -169,8 +169,8 @@ class FolderIndexes:
                 ) -> ChunkIndex:
         """The folder's index after catching up with every change to its files. ``stats``:
         ``MemoryFiles.session_stats`` taken before the caller took the lock (the scan of a
-        folder's files, ~8 ms at 1,000 sessions, then blocks nobody); a session it does not
-        list is dropped only if its file is gone now, one it missed is seen next time."""
+        folder's files then blocks nobody); a session it does not list is dropped only if its
+        file is gone now, one it missed is seen next time."""
         idx = self.get(folder)
         t = self._folders[folder]
         now = time.monotonic()

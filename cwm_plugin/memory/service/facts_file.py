@@ -13,13 +13,13 @@ A new fact is merged into the memories in force (:func:`merge`):
   whose text is *related* (similarity at least ``RELATED``) is replaced: it stays in the file,
   struck through under the history heading with ``replaced_by`` and ``until``, and only the new
   one is searched and injected. Both conditions are needed: a small model names keys loosely
-  (it gave "home city" to an allergy), and two facts on one topic are not always exclusive
+  (it may file an allergy under "home city"), and two facts on one topic are not always exclusive
   (tea and coffee) unless the extraction says they share a key;
 - anything else is added.
 
-Measured with MiniLM: "lives in Lisbon" / "now lives in Porto" 0.77, "moved to Porto" 0.65,
-"works as a nurse" / "became a teacher" 0.52; unrelated facts 0.14-0.35; "allergic to peanuts"
-/ "severely allergic to peanuts" 0.99.
+The thresholds sit between MiniLM's similarities of such pairs: "lives in Lisbon" / "now lives
+in Porto" 0.77, "moved to Porto" 0.65, "works as a nurse" / "became a teacher" 0.52; unrelated
+facts 0.14-0.35; "allergic to peanuts" / "severely allergic to peanuts" 0.99.
 """
 
 from __future__ import annotations

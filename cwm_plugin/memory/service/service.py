@@ -299,8 +299,8 @@ class MemoryService:
     def _searchable(self, folder: str) -> ChunkIndex:
         """A selection's index (the folder's lock held). With ``sync_interval_s`` > 0 a look
         for other writers that is due is not made here but queued for the background (the
-        next selection sees what it found: a first turn at 1,000 sessions paid ~8-20 ms for
-        it); with 0 every selection looks first."""
+        next selection sees what it found, and no turn waits for the scan of a large folder);
+        with 0 every selection looks first."""
         if self.config.sync_interval_s > 0 and self.indexes.due(folder):
             self.syncs.soon(folder, self._catch_up)
             return self.indexes.get(folder)

@@ -285,9 +285,10 @@ class WindowCatalog:
                 log.info("tenant %s: %d windows of a user moved from the former layout into "
                          "the tenant's group", tenant_of(owner), outcomes.count("moved"))
             if "failed" not in outcomes:
-                self._current[owner] = None
-                if len(self._current) > REMEMBER:
-                    self._current.popitem(last=False)
+                with self._locks_guard:   # (shared by every tenant's lock holders)
+                    self._current[owner] = None
+                    if len(self._current) > REMEMBER:
+                        self._current.popitem(last=False)
 
     def _upgrade(self, owner: str, key: bytes) -> str:
         """Move the window stored under the former layout's ``key`` into the tenant's group

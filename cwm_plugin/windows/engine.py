@@ -14,10 +14,9 @@ The engine owns its parts: the blocks' keys (:mod:`.rekey`), the catalog of mani
   refused at once, naming the kept ones), checks that this process hashes blocks like the
   vLLM that saved them, waits until every block is on *every* durable tier (copying a block a
   tier lacks from one that has it: with Redis in ``behind`` mode the disk has it first) or
-  refuses naming what each tier holds, re-keys the
-  blocks under a fresh *window salt* (the same blobs, new keys: ``link_many``, no tensor
-  copy), pins those keys (under the store's pin quota and the tenant's, :mod:`.tenancy`)
-  and claims the name.
+  refuses naming what each tier holds, re-keys the blocks under a fresh *window salt* (the
+  same blobs, new keys: ``link_many``, no tensor copy), pins those keys (under the store's pin
+  quota and the tenant's, :mod:`.tenancy`) and claims the name.
 * **thaw** re-keys the window's blocks under the target session's salt and writes that
   session's records (a connector record and a conversation record for the window's turn), so
   its next request -- assembled by the sidecar with the window's prompt state -- hits them,
@@ -92,6 +91,8 @@ class ThawResult:
 
 
 class WindowEngine:
+    """Context windows on one KV store (see the module docstring)."""
+
     def __init__(self, store: KVStore, *, wait_s: float = 30.0, keep_turns: int = 8,
                  settle_s: float = 3.0, tenant_quota_bytes: int | None = None,
                  export_key: bytes | None = None, max_ttl_s: float | None = None) -> None:

@@ -7,7 +7,7 @@ and portable export/import (used by ``bench/windows.py``).
   through REST after its background work ran; each sample thaws it into a new session, resets
   vLLM's own prefix cache, and streams the next turn through the sidecar (the ``openai`` SDK):
   ``memory_thaw_ttft_s``, and ``memory_thaw_hit_fraction`` = vLLM's external hits / the
-  window's tokens (the issue's goal: >= 0.9). Against the exact prompt of that turn sent to
+  window's tokens (the target: >= 0.9). Against the exact prompt of that turn sent to
   vLLM under a fresh salt (``memory_recompute_ttft_s``) and again under the thawed salt once
   loaded (``memory_prefix_cache_ttft_s``: the floor). The answer must equal the recompute's.
 * **export/import**: the window written to a file (``export_s``, ``export_bytes_per_1k``

@@ -33,9 +33,8 @@ share of a miss, apart from the packing's). Parameters are the library's default
 (cwm_plugin/memory/index/search.py, index/chunks.py, selection/lines.py, selection/pack.py);
 ``--unit chunk``, ``--neighbours`` and the weights' options measure the alternatives.
 
-What was measured with it (every method tried for issue 16, kept or not, with its figures)
-is in ``bench/memory_retrieval.md``; today's defaults give hybrid 0.905 / 0.944 / 0.959
-within 1k / 2k / 4k tokens on three of LoCoMo's conversations (``--data``).
+What was measured with it (every method tried, kept or not, with its figures) is in
+``bench/memory_retrieval.md``; the current headline is in ``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ from cwm_plugin.testing.conversations.dialogues import default_conversations
 
 MODES = ("bm25", "vector", "hybrid")
 KS = (5, 10, 20)
-RANKED_TOP = (25, 50, 100, 200)  # lines: a 2k block holds ~50 of LoCoMo's
+RANKED_TOP = (25, 50, 100, 200)  # lines: around what a 2k block holds, and beyond
 BUDGETS = {"1k": 1024, "2k": 2048, "4k": 4096}
 DEFAULT_BUDGET = MemorySettings().budget_tokens
 

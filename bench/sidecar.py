@@ -58,7 +58,7 @@ from _common import machine, percentile, table, write_json
 from _sidecar_client import KEY, SYSTEM, post, prefix_runs
 
 from cwm_plugin.compute_dtype import compute_dtype
-from cwm_plugin.memory.service.importer import Conversation, import_sessions
+from cwm_plugin.memory.service.importer import ImportedConversation, import_sessions
 from cwm_plugin.sidecar.identity.authenticator import hash_key
 from cwm_plugin.testing.conversations.dialogues import default_conversations
 from cwm_plugin.testing.fake_upstream import FakeUpstream
@@ -74,7 +74,7 @@ PER_SESSION = 100
 STAGES = ("auth", "history", "embed", "keyword", "vector", "fusion", "count", "files")
 
 
-def copies(lines: list[str], first: int, n: int) -> list[Conversation]:
+def copies(lines: list[str], first: int, n: int) -> list[ImportedConversation]:
     """``n`` sessions of ``PER_SESSION`` turns of conversation, each copy marked apart."""
     out = []
     for c in range(first, first + n):
@@ -82,7 +82,7 @@ def copies(lines: list[str], first: int, n: int) -> list[Conversation]:
         for i in range(PER_SESSION):
             speaker, _, text = lines[(c * PER_SESSION + i) % len(lines)].partition(": ")
             turns.append(("user" if i % 2 == 0 else "assistant", f"({speaker}, copy {c}) {text}"))
-        out.append(Conversation(f"seed-{c:05d}", turns))
+        out.append(ImportedConversation(f"seed-{c:05d}", turns))
     return out
 
 
@@ -132,7 +132,7 @@ def pooled(runs: list[dict]) -> dict:
 
 
 def import_memory(root: Path, cfg_mem: dict[str, Any], lines: list[str], chunks: int,
-                  whole: Conversation) -> dict:
+                  whole: ImportedConversation) -> dict:
     """``cwm memory import``'s path until the folder holds ``chunks`` chunks (plus ``whole``,
     one session with a whole conversation, for the token-saving measurement)."""
     from cwm_plugin.memory.service.factory import service_from_settings
@@ -301,8 +301,9 @@ def main() -> int:
     runs = [fresh(baseline_seed, work / f"baseline-{dtype}-before", cfg_mem, lines,
                   args.baseline_chunks, dtype) for dtype in ("float32", "auto")]
     log.info("import: %d chunks", chunks)
-    whole = Conversation("whole-conversation", [(ln.partition(": ")[0], ln.partition(": ")[2])
-                                                for ln in convs[-1].lines()])
+    whole = ImportedConversation("whole-conversation",
+                                 [(ln.partition(": ")[0], ln.partition(": ")[2])
+                                  for ln in convs[-1].lines()])
     imp = import_memory(root, cfg_mem, lines, chunks, whole)
     runs += [fresh(baseline_seed, work / f"baseline-{dtype}-after", cfg_mem, lines,
                    args.baseline_chunks, dtype) for dtype in ("float32", "auto")]

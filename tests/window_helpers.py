@@ -1,11 +1,12 @@
 """What the connector leaves in the KV store after a salted request, built without vLLM: blocks
 per worker under vLLM's own hashing and the context record (importable: tests/ is on sys.path).
 Shared by the window engine's tests and the sidecar's (a session's KV after a rotation), with
-what a served model leaves (:func:`serve`) and a window file as a hostile client rewrites it
-(:func:`rewritten`)."""
+what a served model leaves (:func:`serve`), a window file as a hostile client rewrites it
+(:func:`rewritten`) and a user's window in the former layout (:func:`to_former_layout`)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import asdict
 
@@ -14,6 +15,7 @@ import torch
 from cwm_plugin.connector import records
 from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows import hashing
+from cwm_plugin.windows.model import manifest_key, thaw_key
 
 BS = 16
 WORKERS = [("ab" * 16, 0), ("ab" * 16, 1)]       # one namespace, TP=2
@@ -103,3 +105,24 @@ def rewritten(good: bytes, change) -> bytes:
     raw = json.dumps(header).encode()
     body = MAGIC + struct.pack(">Q", len(raw)) + raw + good[start + n:-trailer]
     return body + hashlib.sha256(body).digest()
+
+
+def to_former_layout(store: KVStore, owner: str, name: str) -> tuple[bytes, bytes]:
+    """Store user ``owner``'s window ``name`` as the former layout did -- its manifest and thaw
+    note in a group of the user's own, sealed under the user's own salt (the keys built here
+    by hand) -- and nothing of it in the tenant's group; its blocks stay. Returns the former
+    (manifest key, thaw note key)."""
+    group = b"cwm-win\0" + hashlib.sha256(b"cwm-win-tenant\0" + owner.encode()).digest()[:10]
+    key = group + hashlib.sha256(name.encode()).digest()[:16]
+    note = b"cwm-wth\0" + key[len(b"cwm-win\0"):]
+    salt, now = "cwm-window-manifest\0" + owner, "cwm-window-manifest\0" + owner.split("/")[0]
+    store.put(key, store.get(manifest_key(owner, name), salt=now, primary=True),
+              layout="cwm-window-manifest", salt=salt, replace=True).result()
+    store.pin_many([key])
+    thawed = store.get(thaw_key(owner, name), salt=now, primary=True)
+    if thawed is not None:
+        store.put(note, thawed, layout="cwm-window-thaw", salt=salt, replace=True).result()
+    store.unpin_many([manifest_key(owner, name)])
+    store.delete_many([manifest_key(owner, name), thaw_key(owner, name)])
+    store.flush()
+    return key, note

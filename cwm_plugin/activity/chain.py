@@ -124,7 +124,7 @@ def check(entry: Entry) -> None:
 
 class Chain:
     """``<stem>.jsonl`` (the hashes) and ``<stem>.md`` (readable) in ``folder``: the entries of
-    ``principal`` (None: of anyone, as the log kept them before chains were per principal);
+    ``principal`` (None: of anyone, the single-chain format ``log.py`` moves);
     ``label``: how :meth:`verify` names the folder (a path relative to the log's root)."""
 
     def __init__(self, folder: Path, principal: str | None, *, stem: str = "activity",

@@ -4,9 +4,9 @@ The log's folder is ``--root DIR``, else ``activity.root`` of the sidecar config
 ``--config``. ``show`` prints the markdown lines (``--quick``: the last ``--hours`` hours, at
 most ``--limit`` entries; else the whole log, ``--offset``/``--limit`` to page; ``--json`` for
 JSONL), every principal's chain merged by time; ``verify`` checks each principal's hash chain
-and the markdown beside it (and the one-chain files kept from before chains were per
-principal) and exits 1 naming every problem, 0 when the log is intact, printing each chain's
-head (what to record elsewhere). Opening a one-chain log moves it first (``log.py``).
+and the markdown beside it (and the single-chain files a move kept) and exits 1 naming every
+problem, 0 when the log is intact, printing each chain's head (what to record elsewhere).
+Opening a single-chain log moves it first (``log.py``).
 """
 
 from __future__ import annotations

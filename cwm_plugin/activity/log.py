@@ -12,12 +12,12 @@ principal's chain). Appends to one chain take turns under its lock (a thread loc
 each other. Reads merge the chains a caller may read (``principal``: a name or a test of
 one) by time. Nothing here rewrites or deletes an entry.
 
-A log kept as one chain for everybody (``activity.jsonl`` at the root, as the log was written
-before chains were per principal) is moved when it is opened, under the lock its appenders
-took: each entry, its time kept, is appended to its principal's chain (new hashes, since the
-``prev`` of each was another principal's entry); the old files are kept, renamed
-``activity.legacy-<first 12 hex of its head>.jsonl`` / ``.md``, and still verified as one
-chain, so a head recorded elsewhere before the move is still checked. A warning says what was
+A log in the single-chain format (one chain for everybody: ``activity.jsonl`` at the root) is
+moved when it is opened, under the lock its appenders take: each entry, its time kept, is
+appended to its principal's chain (new hashes, since the ``prev`` of each was another
+principal's entry); the old files are kept, renamed ``activity.legacy-<first 12 hex of its
+head>.jsonl`` / ``.md``, and still verified as one chain, so a head recorded elsewhere before
+the move is still checked. A warning says what was
 moved (:attr:`ActivityLog.migrated`); a move cut short by a crash is finished on the next open,
 without moving an entry twice.
 """
@@ -150,7 +150,7 @@ class ActivityLog:
 
     def verify(self) -> list[str]:
         """What is wrong with any chain (empty: every chain and its markdown are intact), the
-        one-chain files kept from before chains were per principal included."""
+        single-chain files a move kept included."""
         problems: list[str] = []
         for path in sorted(self.root.glob("activity.legacy-*.jsonl")):
             problems += Chain(self.root, None, stem=path.stem).verify()

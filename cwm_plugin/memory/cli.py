@@ -63,9 +63,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _folder(p: argparse.ArgumentParser, required: bool = False) -> None:
-    # --tenant: the flag users know (a tenant's memory is the folder of its name); --folder
-    # also names a user's or a shared one, as the memory package calls them
-    p.add_argument("--tenant", "--folder", dest="folder", metavar="FOLDER", required=required,
+    # --tenant: another name for it (a tenant's memory is the folder of its name)
+    p.add_argument("--folder", "--tenant", dest="folder", metavar="FOLDER", required=required,
                    help="the memory folder under the root: a tenant's name, a user's "
                         "u-<32 hex>, global or project.<name>"
                         + ("" if required else " (default: all)"))

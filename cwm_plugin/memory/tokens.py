@@ -198,7 +198,7 @@ class HFTokenCounter(_Base):
         self._tok = Tokenizer.from_file(str(path))
         self._tok.no_padding()  # some tokenizer.json files pad or truncate: count everything
         self._tok.no_truncation()
-        # without offsets (tokenizers >= 0.20): a 1k-token memory block 0.88 ms, 1.1 with them
+        # without offsets where tokenizers has it (>= 0.20): counting needs none, and is faster
         self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         self.name = f"hf:{self.folder.name}"
         self._chat: Any = None  # transformers tokenizer, loaded on first count_chat

@@ -2,16 +2,21 @@
 the store (list, status and patch: :mod:`.catalog`). No HTTP in here (REST, CLI and MCP call
 this).
 
+The engine owns its parts: the blocks' keys (:mod:`.rekey`), the catalog of manifests
+(:mod:`.catalog`), the tenants' quota (:mod:`.tenancy`) and the sessions' records
+(:mod:`.sessions`); it keeps the surface its callers use (``get``, ``list``, ``status``,
+``patch``, ``adopt``, ``move_session``, ...) by delegating to them.
+
 * **freeze** takes the session's latest client turn -- or turn ``N`` of its last few -- from
   the connector's context record and the sidecar's conversation record of the same arrival
   (:mod:`.conversation`: the client's messages, what was merged into the prompt), waiting for
   a record only while the caller says one is on its way (else a turn that is not kept is
   refused at once, naming the kept ones), checks that this process hashes blocks like the
-  vLLM that saved them, waits until every block is on *every* durable tier (copying a block a tier lacks from one that has it: with Redis in
-  ``behind`` mode the disk has it first) or refuses naming what each tier holds, re-keys the
-  blocks under a fresh *window salt* (the same blobs, new keys: ``link_many``, no tensor
-  copy), pins those keys (under the store's pin quota and the tenant's, :mod:`.tenancy`)
-  and claims the name.
+  vLLM that saved them, waits until every block is on *every* durable tier (copying a block a
+  tier lacks from one that has it: with Redis in ``behind`` mode the disk has it first) or
+  refuses naming what each tier holds, re-keys the blocks under a fresh *window salt* (the
+  same blobs, new keys: ``link_many``, no tensor copy), pins those keys (under the store's pin
+  quota and the tenant's, :mod:`.tenancy`) and claims the name.
 * **thaw** re-keys the window's blocks under the target session's salt and writes that
   session's records (a connector record and a conversation record for the window's turn), so
   its next request -- assembled by the sidecar with the window's prompt state -- hits them,
@@ -22,16 +27,13 @@ this).
   bytes for the new salt (a byte copy; nothing is decoded or re-encoded).
 
 Tenants are isolated by the manifest keys (:mod:`.model`): another tenant's window is
-indistinguishable from an unknown one. Every manifest written passes
-:func:`~cwm_plugin.windows.model.check_manifest`; one read that does not is logged and taken
-for absent (never dropped: a stricter rule must not delete windows).
+indistinguishable from an unknown one.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -43,19 +45,8 @@ from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows import hashing
 from cwm_plugin.windows.catalog import WindowCatalog
 from cwm_plugin.windows.conversation import ConversationRecord, ConversationRecords
-from cwm_plugin.windows.model import (
-    MANIFEST_LAYOUT,
-    MAX_DESCRIPTION,
-    Manifest,
-    check_manifest,
-    check_name,
-    check_tags,
-    manifest_key,
-    manifest_salt,
-    tenant_of,
-    thaw_key,
-)
-from cwm_plugin.windows.rekey import WindowIncomplete
+from cwm_plugin.windows.model import MAX_DESCRIPTION, Manifest, check_tags, check_window_name
+from cwm_plugin.windows.rekey import BlockKeys, WindowIncomplete
 from cwm_plugin.windows.sessions import SessionKV
 from cwm_plugin.windows.tenancy import TenantWindows
 
@@ -99,7 +90,9 @@ class ThawResult:
                 if hits is not None and self.restorable_tokens else None}
 
 
-class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
+class WindowEngine:
+    """Context windows on one KV store (see the module docstring)."""
+
     def __init__(self, store: KVStore, *, wait_s: float = 30.0, keep_turns: int = 8,
                  settle_s: float = 3.0, tenant_quota_bytes: int | None = None,
                  export_key: bytes | None = None, max_ttl_s: float | None = None) -> None:
@@ -113,95 +106,51 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
         self.store = store
         self.max_ttl_s = max_ttl_s
         self.wait_s = wait_s
-        self.settle_s = settle_s
-        self.tenant_quota_bytes = tenant_quota_bytes
         self.export_key = export_key
         self.conversations = ConversationRecords(store, keep_turns)
-        self._locks: dict[str, threading.RLock] = {}
-        self._locks_guard = threading.Lock()
+        self.blocks = BlockKeys(store, settle_s)
+        self.catalog = WindowCatalog(store, self.blocks)
+        self.tenancy = TenantWindows(store, self.catalog, tenant_quota_bytes)
+        self.sessions = SessionKV(store, self.blocks, self.conversations)
 
-    # --- manifests ----------------------------------------------------------------------------
+    # --- the parts' surface -------------------------------------------------------------------
 
-    def _load(self, key: bytes, owner: str) -> Manifest | None:
-        """The manifest stored under ``key`` (expired or not); one that is not a valid
-        manifest is logged and taken for absent."""
-        t = self.store.get(key, salt=manifest_salt(owner), primary=True)
-        if t is None:
-            return None
-        try:
-            return check_manifest(Manifest.from_tensor(t))
-        except (CWMError, KeyError, TypeError, ValueError) as exc:  # logged once per key
-            self.store.tier_set.log_once(f"manifest-{key.hex()}", "a window manifest of tenant "
-                                         "%s is unreadable and ignored: %s", tenant_of(owner),
-                                         str(exc)[:200])
-            return None
+    def get(self, owner: str, name: str) -> Manifest:
+        return self.catalog.get(owner, name)
 
-    def _read(self, key: bytes, owner: str) -> Manifest | None:
-        """The live manifest under ``key``: an expired one is dropped here (:mod:`.tenancy`)."""
-        m = self._load(key, owner)
-        if m is not None and m.expired():
-            self._expire(key, m)
-            return None
-        return m
+    def list(self, owner: str, **filters: Any) -> tuple[list[Manifest], int]:
+        """(one page of the owner's windows, how many match): :meth:`WindowCatalog.list`."""
+        return self.catalog.list(owner, **filters)
 
-    def get(self, tenant: str, name: str) -> Manifest:
-        m = self._read(manifest_key(tenant, check_name(name)), tenant)
-        if m is None or m.tenant != tenant or m.name != name:
-            raise NotFound(f"no window named {name!r}",
-                           hint="list windows with `cwm window ls`")
-        return m
+    def manifests(self, owner: str, *, whole_tenant: bool = False) -> list[Manifest]:
+        return self.catalog.manifests(owner, whole_tenant=whole_tenant)
 
-    def _ttl(self, m: Manifest) -> float | None:
-        return None if m.expires is None else max(1.0, m.expires - time.time())
+    def status(self, owner: str, name: str) -> dict[str, Any]:
+        return self.catalog.status(owner, name)
 
-    def _claim(self, m: Manifest) -> None:
-        """Store ``m`` under its name unless a live window has it (a name an expired window
-        held is free: the read drops that one), and pin it."""
-        check_manifest(m)
-        key = manifest_key(m.tenant, m.name)
-        with self._tenant_lock(m.tenant):
-            if not self._store_new(key, m) and (self._read(key, m.tenant) is not None
-                                                or not self._store_new(key, m)):
-                raise AlreadyExists(f"a window named {m.name!r} already exists",
-                                    hint="choose another name or delete that window first")
-            try:
-                self.store.pin_many([key], ttl_s=self._ttl(m))  # as safe as its blocks
-            except BaseException:
-                self.store.delete_many([key])
-                raise
+    def patch(self, owner: str, name: str, *, new_name: str | None = None,
+              tags: list[str] | None = None, description: str | None = None) -> Manifest:
+        """Rename a window and/or replace its tags or description."""
+        return self.catalog.patch(owner, name, new_name=new_name, tags=tags,
+                                  description=description)
 
-    def _store_new(self, key: bytes, m: Manifest) -> bool:
-        return self.store.claim(key, m.to_tensor(), layout=MANIFEST_LAYOUT,
-                                salt=manifest_salt(m.tenant))
+    def window_keys(self, m: Manifest) -> list[list[bytes]]:
+        return self.blocks.of_window(m)
 
-    def _rewrite(self, m: Manifest) -> None:
-        """Replace a window's manifest; if a delete removed it meanwhile, the rewrite (which
-        would stand unpinned) is taken back."""
-        check_manifest(m)
-        m.updated = time.time()
-        key = manifest_key(m.tenant, m.name)
-        self.store.put(key, m.to_tensor(), layout=MANIFEST_LAYOUT,
-                       salt=manifest_salt(m.tenant), replace=True).result()
-        if not self.store.pinned(key):
-            self.store.delete_many([key])
-            raise NotFound(f"window {m.name!r} was deleted meanwhile")
+    def tenant_bytes(self, tenant: str) -> int:
+        return self.tenancy.tenant_bytes(tenant)
 
-    def _last_thaw(self, m: Manifest) -> dict | None:
-        t = self.store.get(thaw_key(m.tenant, m.name), salt=manifest_salt(m.tenant),
-                           primary=True)
-        return records.tensor_json(t) if t is not None else None
+    def adopt(self, owner: str, former: Sequence[str]) -> int:
+        return self.tenancy.adopt(owner, former)
 
-    def _note_thaw(self, m: Manifest, note: dict[str, Any]) -> None:
-        """Note the last thaw (written before the thaw answers, so a status right after sees
-        it; a failure is logged, never fails the thaw)."""
-        try:
-            self.store.put(thaw_key(m.tenant, m.name), records.json_tensor(note),
-                           layout="cwm-window-thaw", salt=manifest_salt(m.tenant),
-                           replace=True).result()
-        except Exception as exc:  # a full or closed store: the thaw itself stands
-            log.warning("window %s: its thaw note could not be saved: %s", m.name, exc)
+    def kept_turns(self, salt: str) -> list[int]:
+        return self.sessions.kept_turns(salt)
 
-    # --- keys and records ---------------------------------------------------------------------
+    def move_session(self, old_salt: str, new_salt: str) -> int:
+        return self.sessions.move_session(old_salt, new_salt)
+
+    def clear_session(self, salt: str) -> int:
+        return self.sessions.clear_session(salt)
 
     # --- operations ---------------------------------------------------------------------------
 
@@ -216,17 +165,17 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
         ``coming``: the session's turns whose records are on their way (turn -> arrival:
         waited for up to ``coming_s``, at most ``wait_s``; a turn neither kept nor coming is
         refused at once)."""
-        check_name(name)
+        check_window_name(name)
         tags = check_tags(tags)
         if self.max_ttl_s is not None and (ttl_s is None or ttl_s > self.max_ttl_s):
             ttl_s = self.max_ttl_s
-        if self._read(manifest_key(tenant, name), tenant) is not None:
+        if self.catalog.find(tenant, name) is not None:
             raise AlreadyExists(f"a window named {name!r} already exists",
                                 hint="choose another name or delete that window first")
         wait = self.wait_s if wait_s is None else wait_s
         deadline = time.monotonic() + wait  # for the record (what is coming) and its blocks
         patience = wait if coming_s is None else min(wait, coming_s)
-        found = self._record(salt, time.monotonic() + patience, turn, coming)
+        found = self.sessions.record(salt, time.monotonic() + patience, turn, coming)
         if found is None:
             if turn is not None:
                 kept = ", ".join(map(str, self.kept_turns(salt))) or "none"
@@ -237,13 +186,13 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
                            hint="send at least one request in that session (through vLLM "
                                 "with the cwm connector and a durable store) before freezing")
         rec, hashes = found
-        keys = self._keys(rec.workers, hashes)
-        self._complete(keys, f"session {session!r}", deadline, block_size=rec.block_size,
-                       tokens=len(rec.tokens))
+        keys = self.blocks.keys(rec.workers, hashes)
+        self.blocks.complete(keys, f"session {session!r}", deadline, block_size=rec.block_size,
+                             tokens=len(rec.tokens))
         conv = self.conversations.read(salt, rec.turn, rec.arrived) \
             if rec.turn is not None else None
         wsalt = "cwm-window:" + secrets.token_hex(16)
-        whashes = self._chain(rec, rec.tokens, wsalt, len(hashes))
+        whashes = self.blocks.chain(rec, rec.tokens, wsalt, len(hashes))
         now = time.time()
         m = Manifest(name=name, tenant=tenant, session=session, frozen_salt=salt,
                      window_salt=wsalt, tokens=list(rec.tokens), block_size=rec.block_size,
@@ -257,8 +206,8 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
                      expires=now + ttl_s if ttl_s else None,
                      prompt_prefix=str(prompt_prefix)[:MAX_DESCRIPTION], auto=auto,
                      served_model=rec.model)
-        wkeys = self._keys(rec.workers, whashes)
-        self._pin_new(m, wkeys, lambda: self._rekey(keys, wkeys, salt, wsalt))
+        wkeys = self.blocks.keys(rec.workers, whashes)
+        self.tenancy.pin_new(m, wkeys, lambda: self.blocks.rekey(keys, wkeys, salt, wsalt))
         log.info("window %s frozen for tenant %s: %d blocks, %d tokens (turn %s)", name, tenant,
                  len(hashes), len(rec.tokens), rec.turn)
         return m
@@ -271,8 +220,8 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
         m = self.get(tenant, name)
         if model is not None:
             self._check_model(m, model)
-        wkeys = self.window_keys(m)
-        n = self._restorable(wkeys)
+        wkeys = self.blocks.of_window(m)
+        n = self.blocks.restorable(wkeys)
         if n == 0 and m.num_blocks:
             raise WindowIncomplete(f"window {name!r} has lost its first block; nothing is "
                                    "restorable", hint="delete it and freeze the session again")
@@ -280,30 +229,30 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
                                salt=m.window_salt, block_size=m.block_size,
                                hash_block_size=m.hash_block_size, hash_algo=m.hash_algo,
                                lora=m.lora)
-        thashes = self._chain(m, m.tokens, salt, n)
-        self._rekey([ks[:n] for ks in wkeys], self._keys(m.workers, thashes), m.window_salt,
-                    salt)
+        thashes = self.blocks.chain(m, m.tokens, salt, n)
+        self.blocks.rekey([ks[:n] for ks in wkeys], self.blocks.keys(m.workers, thashes),
+                          m.window_salt, salt)
         rec = records.ContextRecord(
             tokens=list(m.tokens), block_hashes=[h.hex() for h in thashes], workers=m.workers,
             block_size=m.block_size, hash_block_size=m.hash_block_size, hash_algo=m.hash_algo,
             namespace=m.namespace, lora=m.lora, created=time.time(), turn=m.turn, model=m.model)
         conv = ConversationRecord(m.turn, m.messages, m.prompt, m.model) \
             if m.turn is not None else None
-        self._write_session(salt, rec, conv)
+        self.sessions.write(salt, rec, conv)
         warnings = [] if n == m.num_blocks else [
             f"{m.num_blocks - n} of the window's {m.num_blocks} blocks are gone: only its "
             f"first {n * m.block_size} tokens are restored"]
         result = ThawResult(name, session, len(m.tokens), n * m.block_size, n, m.messages,
                             prompt=dict(m.prompt), turn=m.turn, model=m.model,
                             expected=m.num_blocks, warnings=warnings, token_ids=list(m.tokens))
-        self._note_thaw(m, {"session": session, "time": time.time(),
+        self.catalog.note_thaw(m, {"session": session, "time": time.time(),
                             "restorable_tokens": result.restorable_tokens})
         return result
 
     def note_warm(self, tenant: str, name: str, session: str, warm: dict[str, Any]) -> None:
         """Record what vLLM measured when a thawed window was warmed up."""
         m = self.get(tenant, name)
-        self._note_thaw(m, {**(self._last_thaw(m) or {}), "session": session,
+        self.catalog.note_thaw(m, {**(self.catalog.last_thaw(m) or {}), "session": session,
                             "hits": warm.get("hits"), "warm_seconds": warm.get("seconds")})
 
     def _check_model(self, m: Manifest, model: str) -> None:
@@ -325,18 +274,18 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
 
     def clone(self, tenant: str, name: str, new_name: str, *, description: str | None = None,
               tags: Sequence[str] | None = None) -> Manifest:
-        check_name(new_name)
+        check_window_name(new_name)
         m = self.get(tenant, name)
-        if self._read(manifest_key(tenant, new_name), tenant) is not None:
+        if self.catalog.find(tenant, new_name) is not None:
             raise AlreadyExists(f"a window named {new_name!r} already exists",
                                 hint="choose another name")
-        wkeys = self.window_keys(m)
-        n = self._restorable(wkeys)
+        wkeys = self.blocks.of_window(m)
+        n = self.blocks.restorable(wkeys)
         if n < m.num_blocks:
             raise WindowIncomplete(f"window {name!r} has {n} of its {m.num_blocks} blocks",
                                    hint="clone a complete window, or freeze the session again")
         wsalt = "cwm-window:" + secrets.token_hex(16)
-        hashes = self._chain(m, m.tokens, wsalt, n)
+        hashes = self.blocks.chain(m, m.tokens, wsalt, n)
         now = time.time()
         clone = Manifest(**{**asdict(m), "name": new_name, "window_salt": wsalt,
                             "window_hashes": [h.hex() for h in hashes], "parent": name,
@@ -346,17 +295,12 @@ class WindowEngine(SessionKV, WindowCatalog, TenantWindows):
                             "description": m.description if description is None
                             else str(description)[:MAX_DESCRIPTION]})
         clone.workers = [tuple(w) for w in clone.workers]
-        ckeys = self._keys(m.workers, hashes)
-        self._pin_new(clone, ckeys, lambda: self._rekey(wkeys, ckeys, m.window_salt, wsalt))
+        ckeys = self.blocks.keys(m.workers, hashes)
+        self.tenancy.pin_new(clone, ckeys,
+                             lambda: self.blocks.rekey(wkeys, ckeys, m.window_salt, wsalt))
         return clone
 
     def delete(self, tenant: str, name: str) -> None:
         m = self.get(tenant, name)
-        self._drop(m)
+        self.catalog.drop(m)
         log.info("window %s deleted for tenant %s", name, tenant)
-
-    def _drop(self, m: Manifest) -> None:
-        keys = [k for ks in self.window_keys(m) for k in ks]
-        mkey = manifest_key(m.tenant, m.name)
-        self.store.unpin_many([*keys, mkey])
-        self.store.delete_many([*keys, mkey, thaw_key(m.tenant, m.name)])

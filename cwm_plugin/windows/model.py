@@ -6,9 +6,11 @@ windows under ``cwm-win\0 + sha256(tenant)[:10]``, a user's (owner ``tenant/u-..
 that and ``sha256(owner)[:8]``, then ``sha256(name)[:16]``. So one listing finds an owner's
 windows, one listing of the tenant's 18 bytes finds the tenant's and every user's in it (the
 tenant's quota), and one tenant can never name, list or touch another's. Manifests are sealed
-(with encryption at rest) under their tenant's manifest salt. The manifest holds secrets --
-the salt the session was frozen under and the window's own salt (the key scope its pinned
-blocks live under) -- which :meth:`Manifest.public` never shows.
+(with encryption at rest) under their tenant's manifest salt. A user's windows in the former
+layout (:func:`former_place`: a group and a salt of the user's own) are found there and moved
+into the tenant's group by the catalog. The manifest holds secrets -- the salt the session was
+frozen under and the window's own salt (the key scope its pinned blocks live under) -- which
+:meth:`Manifest.public` never shows.
 
 :func:`check_manifest` is the one validator of a manifest: every one the engine stores (a
 freeze's, a clone's, an import's, a rename or edit) passes it, so a stored window never holds
@@ -42,7 +44,7 @@ DIGEST = re.compile(r"[0-9a-f]{32}")   # a worker's namespace digest (16 bytes)
 BLOCK_HASH = re.compile(r"(?:[0-9a-f]{2}){1,64}")
 
 
-def check_name(name: str, what: str = "window name") -> str:
+def check_window_name(name: str, what: str = "window name") -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
         shown = repr(name)[:60]
         raise InvalidInput(f"invalid {what} {shown}",
@@ -90,6 +92,38 @@ def manifest_salt(owner: str) -> str:
     """What the owner's manifests are sealed under when the store encrypts at rest: its
     tenant's (one listing reads the tenant's and its users' windows)."""
     return "cwm-window-manifest\0" + tenant_of(owner)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a window's manifest and its thaw note are stored, and the salt sealing both."""
+
+    key: bytes
+    note: bytes
+    salt: str
+
+
+def place_of(owner: str, name: str) -> Place:
+    """Where ``owner``'s window ``name`` is stored."""
+    return Place(manifest_key(owner, name), thaw_key(owner, name), manifest_salt(owner))
+
+
+def former_group(owner: str) -> bytes:
+    """The prefix of a user's manifest keys in the former layout, where a user's windows had a
+    group of their own (the one a tenant named ``owner`` would have) and were sealed under the
+    user's own salt; the catalog moves what it finds there into the tenant's group."""
+    return tenant_group(owner)
+
+
+def former_salt(owner: str) -> str:
+    """What a user's manifests are sealed under in the former layout: the user's own salt."""
+    return "cwm-window-manifest\0" + owner
+
+
+def former_place(owner: str, name: str) -> Place:
+    """Where user ``owner``'s window ``name`` is stored in the former layout."""
+    key = former_group(owner) + hashlib.sha256(name.encode()).digest()[:NAME_BYTES]
+    return Place(key, THAW_PREFIX + key[len(PREFIX):], former_salt(owner))
 
 
 @dataclass
@@ -186,7 +220,7 @@ def _fields(m: Manifest, keyed: bool) -> dict[str, bool]:
     ns = m.namespace
     blocks = m.num_blocks
     return {
-        "name": _valid(check_name, m.name),
+        "name": _valid(check_window_name, m.name),
         "tenant": _text(m.tenant, 256) and m.tenant.isprintable() and bool(m.tenant),
         "session": _text(m.session, 256) and m.session.isprintable(),
         "frozen_salt": _text(m.frozen_salt, 512),
@@ -219,7 +253,7 @@ def _fields(m: Manifest, keyed: bool) -> dict[str, bool]:
         "description": _text(m.description, MAX_DESCRIPTION),
         "created": _time(m.created),
         "updated": _time(m.updated),
-        "parent": m.parent is None or _valid(check_name, m.parent),
+        "parent": m.parent is None or _valid(check_window_name, m.parent),
         "last_thaw": m.last_thaw is None or isinstance(m.last_thaw, dict),
         "version": _int(m.version, 1, 1 << 16),
         "turn": m.turn is None or _int(m.turn, 1, (1 << 63) - 1),

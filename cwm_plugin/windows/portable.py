@@ -30,7 +30,8 @@ from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, CWMError, InvalidInput
 from cwm_plugin.store import binding
 from cwm_plugin.store.blob import container, crypto
-from cwm_plugin.windows.model import Manifest, check_manifest, manifest_key
+from cwm_plugin.windows.engine import WindowEngine
+from cwm_plugin.windows.model import Manifest, check_manifest
 from cwm_plugin.windows.rekey import WindowIncomplete
 from cwm_plugin.windows.window_file import (
     BadWindowFile,
@@ -46,14 +47,14 @@ LOCAL_FIELDS = ("stored_bytes", "created", "updated", "expires", "parent", "auto
 __all__ = ["BadWindowFile", "export_window", "import_window"]
 
 
-def export_window(engine: Any, owner: str, name: str, out: IO[bytes]) -> dict[str, Any]:
+def export_window(engine: WindowEngine, owner: str, name: str, out: IO[bytes]) -> dict[str, Any]:
     """Write window ``name`` of ``owner`` to ``out``; returns the file's summary."""
     m: Manifest = engine.get(owner, name)
     if m.lora:
         raise InvalidInput(f"window {name!r} is of a LoRA adapter: not portable",
                            hint="thaw it on a server sharing the store instead")
-    keys = engine.window_keys(m)
-    contents = engine._chain(m, m.tokens, None, m.num_blocks)   # what each block holds
+    keys = engine.blocks.of_window(m)
+    contents = engine.blocks.chain(m, m.tokens, None, m.num_blocks)   # what each block holds
 
     def blobs():
         for w, ks in enumerate(keys):
@@ -70,7 +71,7 @@ def export_window(engine: Any, owner: str, name: str, out: IO[bytes]) -> dict[st
             "model": m.model}
 
 
-def _served(engine: Any, model: str) -> list[dict[str, Any]]:
+def _served(engine: WindowEngine, model: str) -> list[dict[str, Any]]:
     """The served-model records (namespace, workers) of the vLLMs using this store that serve
     ``model`` (by their served name or the namespace's model name: a window names the
     latter); a record that cannot be read is skipped."""
@@ -112,7 +113,7 @@ def _manifest(d: dict[str, Any], owner: str, name: str | None) -> Manifest:
     return m
 
 
-def _check_compatible(engine: Any, m: Manifest, checked: CheckedFile) -> None:
+def _check_compatible(engine: WindowEngine, m: Manifest, checked: CheckedFile) -> None:
     """The store's vLLM must serve the window's model with the same namespace and workers,
     and the file must hold each (worker, block) of the window exactly once."""
     served = _served(engine, m.model)
@@ -138,22 +139,22 @@ def _check_compatible(engine: Any, m: Manifest, checked: CheckedFile) -> None:
         raise BadWindowFile("the window file's blocks do not match its manifest")
 
 
-def import_window(engine: Any, owner: str, src: IO[bytes], name: str | None = None
+def import_window(engine: WindowEngine, owner: str, src: IO[bytes], name: str | None = None
                   ) -> Manifest:
     """Import an export file (seekable) as a window of ``owner`` (named ``name`` or as
     exported)."""
     checked = check_file(src, engine.export_key)
     m = _manifest(checked.header.manifest, owner, name)
     _check_compatible(engine, m, checked)
-    if engine._read(manifest_key(owner, m.name), owner) is not None:
+    if engine.catalog.find(owner, m.name) is not None:
         raise AlreadyExists(f"a window named {m.name!r} already exists",
                             hint="import it under another name (--name)")
     m.window_salt = m.frozen_salt = "cwm-window:" + secrets.token_hex(16)
-    hashes = engine._chain(m, m.tokens, m.window_salt, m.num_blocks)
+    hashes = engine.blocks.chain(m, m.tokens, m.window_salt, m.num_blocks)
     m.window_hashes = [h.hex() for h in hashes]
-    keys = engine._keys(m.workers, hashes)
+    keys = engine.blocks.keys(m.workers, hashes)
     flat = [keys[e.worker][e.block] for e in checked.header.blobs]
-    contents = engine._chain(m, m.tokens, None, m.num_blocks)
+    contents = engine.blocks.chain(m, m.tokens, None, m.num_blocks)
     for i, key in enumerate(flat):
         try:  # what put_blob would refuse, refused before anything is written
             meta = container.peek(read_blob(src, checked, i), verify=True)
@@ -164,7 +165,7 @@ def import_window(engine: Any, owner: str, src: IO[bytes], name: str | None = No
                                 f"manifest names ({exc})") from None
         if crypto.is_sealed(meta):  # an export holds plain blobs
             raise BadWindowFile(f"block {i} of the window file is sealed: not an export")
-    engine._check_tenant_quota(owner, sum(e.size for e in checked.header.blobs))  # at once
+    engine.tenancy.check_quota(owner, sum(e.size for e in checked.header.blobs))  # at once
 
     def write() -> None:
         cipher = None
@@ -176,8 +177,8 @@ def import_window(engine: Any, owner: str, src: IO[bytes], name: str | None = No
             engine.store.put_blob(key, cipher.seal(blob, key=key) if cipher else blob,
                                   replace=True,
                                   content=contents[checked.header.blobs[i].block]).result()
-        engine._complete(keys, f"window {m.name!r}", time.monotonic() + engine.wait_s,
-                         block_size=m.block_size, tokens=len(m.tokens))
+        engine.blocks.complete(keys, f"window {m.name!r}", time.monotonic() + engine.wait_s,
+                               block_size=m.block_size, tokens=len(m.tokens))
 
-    engine._pin_new(m, keys, write)
+    engine.tenancy.pin_new(m, keys, write)
     return m

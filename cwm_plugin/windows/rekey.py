@@ -1,10 +1,10 @@
 """Keys of a window's blocks: vLLM's hash chain under a salt, re-keying, completeness.
 
-A mixin of the window engine and its session operations (it needs ``self.store``): the chain
-of keys a token sequence has under a salt, how many blocks are restorable from the first on,
-re-keying (``link_many``; with encryption at rest a re-seal per salt), and waiting until a set
-of blocks is on every durable tier (copying what one lacks: :mod:`cwm_plugin.store.replication`)
-or refusing with what each tier holds.
+:class:`BlockKeys` works on one store for the window engine and its session operations: the
+chain of keys a token sequence has under a salt, how many blocks are restorable from the first
+on, re-keying (``link_many``; with encryption at rest a re-seal per salt), and waiting until a
+set of blocks is on every durable tier (copying what one lacks:
+:mod:`cwm_plugin.store.replication`) or refusing with what each tier holds.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from typing import Any
 
 from cwm_plugin.errors import CWMError
 from cwm_plugin.store.blob import crypto
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.store.replication import presence, replicate
 from cwm_plugin.windows import hashing
+from cwm_plugin.windows.model import Manifest
 
 
 class WindowIncomplete(CWMError):
@@ -26,11 +28,15 @@ class WindowIncomplete(CWMError):
     http_status = 409
 
 
-class KeyPlumbing:
-    store: Any
-    settle_s: float = 3.0
+class BlockKeys:
+    """The keys of blocks in ``store`` (see the module docstring); ``settle_s``: how long
+    :meth:`complete` waits for write-behind before copying what a durable tier lacks."""
 
-    def _chain(self, m: Any, tokens: Sequence[int], salt: str | None,
+    def __init__(self, store: KVStore, settle_s: float = 3.0) -> None:
+        self.store = store
+        self.settle_s = settle_s
+
+    def chain(self, m: Any, tokens: Sequence[int], salt: str | None,
                n: int) -> list[bytes]:
         """vLLM's hash chain of ``tokens`` under ``salt`` (None: the blocks' content
         identities, :mod:`cwm_plugin.connector.content`)."""
@@ -39,11 +45,15 @@ class KeyPlumbing:
                              lora=m.lora, num_blocks=n)
 
     @staticmethod
-    def _keys(workers: Sequence[tuple[str, int]], hashes: Sequence[bytes]) -> list[list[bytes]]:
+    def keys(workers: Sequence[tuple[str, int]], hashes: Sequence[bytes]) -> list[list[bytes]]:
         return [[bytes.fromhex(d) + int(r).to_bytes(2, "big") + h for h in hashes]
                 for d, r in workers]
 
-    def _restorable(self, keys: list[list[bytes]], *, durable: bool = True) -> int:
+    def of_window(self, m: Manifest) -> list[list[bytes]]:
+        """Per worker, the keys of window ``m``'s blocks (under its window salt)."""
+        return self.keys(m.workers, [bytes.fromhex(h) for h in m.window_hashes])
+
+    def restorable(self, keys: list[list[bytes]], *, durable: bool = True) -> int:
         """Blocks present for every worker, from the first block on (``durable``: on a
         durable tier, whatever faster tier holds them too)."""
         n = len(keys[0]) if keys else 0
@@ -55,7 +65,7 @@ class KeyPlumbing:
               for i in range(n)]
         return next((i for i, good in enumerate(ok) if not good), n)
 
-    def _rekey(self, src: list[list[bytes]], dst: list[list[bytes]], src_salt: str,
+    def rekey(self, src: list[list[bytes]], dst: list[list[bytes]], src_salt: str,
                dst_salt: str) -> None:
         """Point ``dst`` keys at ``src`` keys' blobs (per worker, one batch per tier)."""
         pairs = [(d, s) for ds, ss in zip(dst, src, strict=True)
@@ -86,7 +96,7 @@ class KeyPlumbing:
         for f in futures:
             f.result()
 
-    def _complete(self, keys: list[list[bytes]], what: str, deadline: float, *,
+    def complete(self, keys: list[list[bytes]], what: str, deadline: float, *,
                   block_size: int, tokens: int) -> None:
         """Wait until every durable tier serves every key (copying a block a tier lacks from
         one that has it once ``settle_s`` passed), else refuse saying what each tier holds."""
@@ -105,7 +115,7 @@ class KeyPlumbing:
         per_tier = ", ".join(
             f"{t} holds {sum(all(v[w * n + i] for w in range(len(keys))) for i in range(n))}"
             for t, v in held.items()) or "no durable tier answers"
-        got = self._restorable(keys)
+        got = self.restorable(keys)
         raise WindowIncomplete(
             f"{n - got} of {n} blocks of {what} are not on every durable tier ({per_tier}); "
             f"{got * block_size} of {tokens} tokens are restorable",

@@ -1,10 +1,10 @@
 """A session's stored context: its records, moving it to another salt, erasing it.
 
-A mixin of the window engine. The connector leaves a context record per salted request (the
-latest, and the last few client turns by slot) and the sidecar a conversation record per turn
-(:mod:`.conversation`); freeze reads them, thaw writes them for the target session, a secret
-rotation moves them (and the blocks) to the session's new salt, and ``clear_session`` erases a
-session's stored KV for a user who wants it gone.
+:class:`SessionKV` works for the window engine on one store. The connector leaves a context
+record per salted request (the latest, and the last few client turns by slot) and the sidecar a
+conversation record per turn (:mod:`.conversation`); freeze reads them, thaw writes them for
+the target session, a secret rotation moves them (and the blocks) to the session's new salt,
+and ``clear_session`` erases a session's stored KV for a user who wants it gone.
 """
 
 from __future__ import annotations
@@ -14,19 +14,26 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from cwm_plugin.connector import records
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.windows import hashing
 from cwm_plugin.windows.conversation import (
     ConversationRecord,
     ConversationRecords,
     conversation_key,
 )
-from cwm_plugin.windows.rekey import KeyPlumbing
+from cwm_plugin.windows.rekey import BlockKeys
 
 POLL_S = 0.1
 
 
-class SessionKV(KeyPlumbing):
-    conversations: ConversationRecords
+class SessionKV:
+    """Sessions' records and KV in ``store`` (see the module docstring)."""
+
+    def __init__(self, store: KVStore, blocks: BlockKeys,
+                 conversations: ConversationRecords) -> None:
+        self.store = store
+        self.blocks = blocks
+        self.conversations = conversations
 
     def _context(self, salt: str, key: bytes) -> records.ContextRecord | None:
         t = self.store.get(key, salt=salt, primary=True)
@@ -39,7 +46,7 @@ class SessionKV(KeyPlumbing):
         return sorted({rec.turn for t in found if t is not None
                        and (rec := records.ContextRecord.from_tensor(t)).turn is not None})
 
-    def _record(self, salt: str, deadline: float, turn: int | None = None,
+    def record(self, salt: str, deadline: float, turn: int | None = None,
                 coming: Mapping[int, float] | None = None
                 ) -> tuple[records.ContextRecord, list[bytes]] | None:
         """The salt's latest context record (or turn ``turn``'s) and its verified block
@@ -69,7 +76,7 @@ class SessionKV(KeyPlumbing):
                                lora=rec.lora)
         return rec, hashes
 
-    def _write_session(self, salt: str, rec: records.ContextRecord,
+    def write(self, salt: str, rec: records.ContextRecord,
                        conv: ConversationRecord | None) -> None:
         """A session's records, as the connector and the sidecar would have left them (as of
         a turn arriving now: the session's turns from here on replace them, none before)."""
@@ -89,24 +96,25 @@ class SessionKV(KeyPlumbing):
     def move_session(self, old_salt: str, new_salt: str) -> int:
         """Re-key a session's latest context from ``old_salt`` to ``new_salt`` (its salt after
         a secret rotation): the blocks stored from the first on get keys under the new salt
-        (the same blobs, as :meth:`thaw` does) and the new salt its records, so its next
+        (the same blobs, as a thaw does) and the new salt its records, so its next
         request hits them. The old keys stay a plain cache. Returns the blocks moved (0: no
         record or no stored first block under ``old_salt``, or the new salt has one)."""
         if self.store.where_many([records.context_record_key(new_salt)])[0] is not None:
             return 0  # moved before (by another process), or the session went on already
-        found = self._record(old_salt, time.monotonic())
+        found = self.record(old_salt, time.monotonic())
         if found is None:
             return 0
         rec, hashes = found
-        keys = self._keys(rec.workers, hashes)
-        n = self._restorable(keys, durable=False)  # the sidecar's store has no memory tier
+        keys = self.blocks.keys(rec.workers, hashes)
+        n = self.blocks.restorable(keys, durable=False)  # the sidecar's store has no RAM tier
         if n == 0:
             return 0
-        moved = self._chain(rec, rec.tokens, new_salt, n)
-        self._rekey([ks[:n] for ks in keys], self._keys(rec.workers, moved), old_salt, new_salt)
+        moved = self.blocks.chain(rec, rec.tokens, new_salt, n)
+        self.blocks.rekey([ks[:n] for ks in keys], self.blocks.keys(rec.workers, moved),
+                          old_salt, new_salt)
         conv = self.conversations.read(old_salt, rec.turn, rec.arrived) \
             if rec.turn is not None else None
-        self._write_session(new_salt, replace(rec, block_hashes=[h.hex() for h in moved]), conv)
+        self.write(new_salt, replace(rec, block_hashes=[h.hex() for h in moved]), conv)
         return n
 
     def clear_session(self, salt: str) -> int:
@@ -120,7 +128,7 @@ class SessionKV(KeyPlumbing):
             t = self.store.get(key, salt=salt, primary=True)
             if t is not None:
                 found.append(records.ContextRecord.from_tensor(t))
-        blocks = {k for rec in found for ks in self._keys(rec.workers, rec.hashes())
+        blocks = {k for rec in found for ks in self.blocks.keys(rec.workers, rec.hashes())
                   for k in ks}
         conv = [conversation_key(salt, s) for s in range(keep)]
         dropped = self.store.delete_many([*blocks, *rkeys, *conv])

@@ -1,20 +1,16 @@
-"""A tenant's windows as one account: its quota, its names, and its users' windows after a
-secret rotation.
+"""A tenant's windows as one account: its quota, and its users' windows after a secret
+rotation.
 
-A mixin of :class:`~cwm_plugin.windows.engine.WindowEngine`. Every step that pins or names a
-window -- the commit of a freeze, a clone or an import (:meth:`TenantWindows._pin_new`), a
-rename, a move after a rotation, the removal of an expired window -- holds its tenant's lock
-(one re-entrant lock per tenant: one tenant never waits for another's operations), so the
-check of the tenant's quota and the pin it allows are one step in this process.
+:class:`TenantWindows` works over the engine's :class:`~.catalog.WindowCatalog` and holds the
+catalog's tenant lock (one re-entrant lock per tenant) for every commit of a window -- a
+freeze, a clone or an import (:meth:`TenantWindows.pin_new`) -- so the check of the tenant's
+quota and the pin it allows are one step in this process.
 
-* **The quota** (``tenant_quota_bytes``) counts the blob bytes of every live window of the
-  tenant *and of all its users* (owners ``tenant/u-...``: a user is a name any holder of the
+* **The quota** (``quota_bytes``) counts the blob bytes of every live window of the tenant
+  *and of all its users* (owners ``tenant/u-...``: a user is a name any holder of the
   tenant's key may send, so a per-user count would bound nothing). A window's bytes are what
   the store holds under its keys, measured while its lock is held, just before its pin: never
   a figure from a caller or a file.
-* **An expired window is gone**: the read that finds it past its ``expires`` (a get, a list,
-  a name check) drops its keys, pins, manifest and thaw note under the lock (unless the
-  manifest changed meanwhile), so its name and its bytes are free at once.
 * **A secret rotation** renames users: their owner is ``tenant/`` + the user's name under the
   newest secret. :meth:`TenantWindows.adopt` moves the windows a user has under its names from
   older versions (the sidecar calls it once per user in the grace period, ``salt_move.py``):
@@ -32,41 +28,30 @@ cross-process race left).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import replace
-from typing import Any
 
 from cwm_plugin.errors import AlreadyExists, InvalidInput
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.store.tiers.base import QuotaExceeded
-from cwm_plugin.windows.model import Manifest, manifest_key, tenant_of, thaw_key
+from cwm_plugin.windows.catalog import WindowCatalog
+from cwm_plugin.windows.model import Manifest, tenant_of
 from cwm_plugin.windows.rekey import WindowIncomplete
 
 log = logging.getLogger(__name__)
 
 
 class TenantWindows:
-    store: Any
-    tenant_quota_bytes: int | None
-    _locks: dict[str, threading.RLock]
-    _locks_guard: threading.Lock
+    """The quota and the moves of a tenant's windows (see the module docstring);
+    ``quota_bytes``: blob bytes the windows of one tenant and its users may pin (None: only
+    the store's pin quota)."""
 
-    manifests: Callable[..., list[Manifest]]   # the catalog's (a base before this one)
-    def _load(self, key: bytes, owner: str) -> Manifest | None: ...
-    def _claim(self, m: Manifest) -> None: ...
-    def _drop(self, m: Manifest) -> None: ...
-    def _ttl(self, m: Manifest) -> float | None: ...
+    def __init__(self, store: KVStore, catalog: WindowCatalog,
+                 quota_bytes: int | None = None) -> None:
+        self.store = store
+        self.catalog = catalog
+        self.quota_bytes = quota_bytes
 
-    def _tenant_lock(self, owner: str) -> threading.RLock:
-        """The lock of ``owner``'s tenant (a user's windows share their tenant's)."""
-        tenant = tenant_of(owner)
-        with self._locks_guard:
-            lock = self._locks.get(tenant)
-            if lock is None:
-                lock = self._locks[tenant] = threading.RLock()
-            return lock
-
-    def _stored_bytes(self, keys: list[list[bytes]]) -> int:
+    def stored_bytes(self, keys: list[list[bytes]]) -> int:
         """The blob bytes the store holds under ``keys`` (the fullest tier's count)."""
         infos = self.store.info_many([k for ks in keys for k in ks])
         return max((sum(i.size or 0 for i in got if i is not None) for got in infos.values()),
@@ -74,22 +59,22 @@ class TenantWindows:
 
     def tenant_bytes(self, tenant: str) -> int:
         """What the live windows of ``tenant`` and of all its users pin."""
-        return sum(m.stored_bytes for m in self.manifests(tenant, whole_tenant=True))
+        return sum(m.stored_bytes for m in self.catalog.manifests(tenant, whole_tenant=True))
 
-    def _check_tenant_quota(self, owner: str, more: int) -> None:
+    def check_quota(self, owner: str, more: int) -> None:
         """Refuse ``more`` bytes that would take the tenant of ``owner`` past its quota."""
-        if self.tenant_quota_bytes is None:
+        if self.quota_bytes is None:
             return
         tenant = tenant_of(owner)
         used = self.tenant_bytes(tenant)
-        if used + more > self.tenant_quota_bytes:
+        if used + more > self.quota_bytes:
             raise QuotaExceeded(
                 f"the windows of tenant {tenant!r} (its users' included) pin {used} bytes; "
                 f"this one ({more} bytes) would take them past the tenant's quota of "
-                f"{self.tenant_quota_bytes}",
+                f"{self.quota_bytes}",
                 hint="delete windows you no longer need, or give them a TTL")
 
-    def _pin_new(self, m: Manifest, wkeys: list[list[bytes]],
+    def pin_new(self, m: Manifest, wkeys: list[list[bytes]],
                  write: Callable[[], None]) -> None:
         """Put the window's blocks under its keys (``write``: a re-key, or an import's blobs);
         then, holding the tenant's lock, measure what they take, check the tenant's quota,
@@ -97,10 +82,10 @@ class TenantWindows:
         flat = [k for ks in wkeys for k in ks]
         try:
             write()
-            with self._tenant_lock(m.tenant):
-                m.stored_bytes = self._stored_bytes(wkeys)
-                self._check_tenant_quota(m.tenant, m.stored_bytes)
-                pinned = self.store.pin_many(flat, ttl_s=self._ttl(m))
+            with self.catalog.lock(m.tenant):
+                m.stored_bytes = self.stored_bytes(wkeys)
+                self.check_quota(m.tenant, m.stored_bytes)
+                pinned = self.store.pin_many(flat, ttl_s=self.catalog.ttl(m))
                 short = {t.name: len(set(flat)) - len(set(pinned.get(t.name, [])))
                          for t in self.store.pin_tiers()}
                 if any(short.values()):
@@ -110,45 +95,23 @@ class TenantWindows:
                     raise WindowIncomplete(f"{max(short.values())} blocks were evicted while "
                                            f"being pinned ({where})", hint="retry, or re-run "
                                            "the conversation so its blocks are saved again")
-                self._claim(m)
+                self.catalog.claim(m)
         except BaseException:
             self.store.delete_many(flat)
             raise
-
-    def _expire(self, key: bytes, m: Manifest) -> None:
-        """Drop window ``m`` (read under ``key``, expired) with its keys, pins and thaw note,
-        if it is still there and still that window (not renewed, not replaced)."""
-        if manifest_key(m.tenant, m.name) != key:
-            return
-        with self._tenant_lock(m.tenant):
-            now = self._load(key, m.tenant)
-            if now is not None and now.window_salt == m.window_salt and now.expired():
-                self._drop(now)
-                log.info("window %s of tenant %s expired: its name and pins are free", m.name,
-                         tenant_of(m.tenant))
-
-    def _move(self, m: Manifest, owner: str, name: str) -> Manifest:
-        """Claim ``m`` as ``owner``'s window ``name`` (atomic: of two moves to one name, one
-        wins), then drop its manifest and thaw note where it was (its blocks stay)."""
-        moved = replace(m, tenant=owner, name=name)
-        with self._tenant_lock(owner):
-            self._claim(moved)
-            self.store.unpin_many([manifest_key(m.tenant, m.name)])
-            self.store.delete_many([manifest_key(m.tenant, m.name), thaw_key(m.tenant, m.name)])
-        return moved
 
     def adopt(self, owner: str, former: Sequence[str]) -> int:
         """Move the windows of the ``former`` owners (the user's names under older versions of
         the secret) to ``owner``; a name ``owner`` has already stays where it was (logged).
         Returns how many moved."""
         moved = 0
-        with self._tenant_lock(owner):
+        with self.catalog.lock(owner):
             for old in former:
                 if old == owner or tenant_of(old) != tenant_of(owner):
                     continue
-                for m in self.manifests(old):
+                for m in self.catalog.manifests(old):
                     try:
-                        self._move(m, owner, m.name)
+                        self.catalog.move(m, owner, m.name)
                         moved += 1
                     except (AlreadyExists, InvalidInput) as exc:
                         log.warning("tenant %s: a window of a user's former name stays there "

@@ -23,8 +23,8 @@ def minilm() -> MiniLMEmbedder:
 
 
 @pytest.fixture
-def make_service(tmp_path: Path, counter: TiktokenCounter):
-    """``make_service(embedder=None, root=None, **config)``; hashing embedder by default."""
+def new_service(tmp_path: Path, counter: TiktokenCounter):
+    """``new_service(embedder=None, root=None, **config)``; hashing embedder by default."""
     made: list[MemoryService] = []
 
     def make(embedder=None, root: Path | None = None, metrics=None, **config) -> MemoryService:

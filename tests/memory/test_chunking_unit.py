@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cwm_plugin.memory.index.chunking import chunk_units, spans, turn_units
-from cwm_plugin.memory.index.chunks import FolderIndex
+from cwm_plugin.memory.index.chunks import ChunkIndex
 from cwm_plugin.memory.index.embeddings import HashingEmbedder
 from cwm_plugin.memory.models import Turn
 
@@ -68,10 +68,10 @@ def test_chunk_ids_and_turn_ids(counter) -> None:
 @given(texts=st.lists(TEXTS, min_size=1, max_size=30), split=st.integers(0, 30))
 def test_incremental_equals_full(counter, texts: list[str], split: int) -> None:
     turns = turns_of(texts)
-    inc = FolderIndex(HashingEmbedder(32), counter, 120, 30)
+    inc = ChunkIndex(HashingEmbedder(32), counter, 120, 30)
     for i in range(0, len(turns), max(1, split)):
         inc.add_turns("s", turns[i:i + max(1, split)])
-    full = FolderIndex(HashingEmbedder(32), counter, 120, 30)
+    full = ChunkIndex(HashingEmbedder(32), counter, 120, 30)
     full.add_turns("s", turns)
     assert inc.doc_ids("s") == full.doc_ids("s")
     assert set(inc.chunks) == set(full.chunks)

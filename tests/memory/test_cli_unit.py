@@ -20,21 +20,21 @@ def test_cli_add_show_reindex_search(tmp_path: Path, counter, capsys) -> None:
                     turn_id="t1")
     svc.close()
     common = ["--root", str(tmp_path), "--embedder", "hashing"]
-    assert main(["memory", "add", *common, "--tenant", "acme", "--category", "preference",
+    assert main(["memory", "add", *common, "--folder", "acme", "--category", "preference",
                  "The user likes mint tea."]) == 0
     assert main(["memory", "reindex", *common]) == 0
     assert "1 chunks indexed" in capsys.readouterr().out
-    assert main(["memory", "search", *common, "--tenant", "acme", "balcony basil"]) == 0
-    assert "turns t1" in capsys.readouterr().out
     assert main(["memory", "search", *common, "--folder", "acme", "balcony basil"]) == 0
-    assert "turns t1" in capsys.readouterr().out  # --folder: another name for --tenant
-    assert main(["memory", "show", "--root", str(tmp_path), "--tenant", "acme"]) == 0
+    assert "turns t1" in capsys.readouterr().out
+    assert main(["memory", "search", *common, "--tenant", "acme", "balcony basil"]) == 0
+    assert "turns t1" in capsys.readouterr().out  # --tenant: another name for --folder
+    assert main(["memory", "show", "--root", str(tmp_path), "--folder", "acme"]) == 0
     out = capsys.readouterr().out
     assert "s1" in out and "mint tea" in out
-    assert main(["memory", "show", "--root", str(tmp_path), "--tenant", "acme",
+    assert main(["memory", "show", "--root", str(tmp_path), "--folder", "acme",
                  "--session", "s1"]) == 0
     assert "t1 user: We planted basil" in capsys.readouterr().out
-    assert main(["memory", "search", *common, "--tenant", "../x", "q"]) == 2
+    assert main(["memory", "search", *common, "--folder", "../x", "q"]) == 2
     assert "invalid_input" in capsys.readouterr().err
 
 
@@ -50,7 +50,7 @@ def test_cli_takes_search_settings_from_the_sidecar_config_and_flags(tmp_path: P
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
     cli.register(sub)
-    args = parser.parse_args(["memory", "search", "--config", str(config), "--tenant", "a",
+    args = parser.parse_args(["memory", "search", "--config", str(config), "--folder", "a",
                               "--vector-weight", "0.3", "--recency-half-life-days", "7", "q"])
     svc = cli._service(args)
     c = svc.config
@@ -61,3 +61,12 @@ def test_cli_takes_search_settings_from_the_sidecar_config_and_flags(tmp_path: P
     args = parser.parse_args(["memory", "reindex", "--embedder", "hashing"])
     with pytest.raises(Exception, match="no memory root"):
         cli._service(args)
+
+
+@pytest.mark.parametrize("cmd", ["reindex", "import", "search", "add", "check", "show"])
+def test_every_command_names_a_memory_folder_with_folder(cmd: str, capsys) -> None:
+    """``--folder`` is the flag the help shows; ``--tenant`` stays its other name."""
+    with pytest.raises(SystemExit):
+        main(["memory", cmd, "--help"])
+    out = capsys.readouterr().out
+    assert "--folder FOLDER, --tenant FOLDER" in out and "--tenant FOLDER, --folder" not in out

@@ -38,8 +38,8 @@ def test_nearness_is_one_inside_the_period_and_fades_within_a_week() -> None:
     assert nearness([], "2023-05-23") == nearness(day, "not a date") == 0.0
 
 
-def test_a_question_naming_a_day_prefers_the_lines_of_that_day(make_service) -> None:
-    svc = make_service(date_weight=0.2)
+def test_a_question_naming_a_day_prefers_the_lines_of_that_day(new_service) -> None:
+    svc = new_service(date_weight=0.2)
     for day, tid in ((3, "early"), (16, "late")):
         svc.record_turn("acme", f"s{day}", "Maria", "I started a new class at the gym.",
                         turn_id=tid, ts=datetime(2023, 6, day, 10, tzinfo=UTC))

@@ -181,7 +181,7 @@ def test_a_local_model_that_is_not_there_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(ConfigError) as exc:
         MiniLMEmbedder(tmp_path)
     assert "config.json missing" in exc.value.message
-    with pytest.raises(ConfigError) as exc:  # a typo no longer falls back to MiniLM
+    with pytest.raises(ConfigError) as exc:  # a typo never falls back to MiniLM
         make_embedder("local", model=str(tmp_path / "no-such-model"))
     assert "is not a folder" in exc.value.message and "embedder.model" in exc.value.hint
     assert local_folder(None) is None

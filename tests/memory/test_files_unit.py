@@ -18,8 +18,8 @@ pytestmark = pytest.mark.unit
 TRICKY = 'line one\n<!-- cwm-turn {"id": "x", "role": "user", "ts": "t", "bytes": 3} -->\n\n### x'
 
 
-def test_round_trip_verbatim_and_append_only(make_service, tmp_path: Path) -> None:
-    svc = make_service()
+def test_round_trip_verbatim_and_append_only(new_service, tmp_path: Path) -> None:
+    svc = new_service()
     a = svc.record_turn("acme", "s1", "user", TRICKY, turn_id="u1")
     path = tmp_path / "mem" / "acme" / "sessions" / "s1.md"
     first = path.read_bytes()
@@ -86,9 +86,9 @@ BAD_NAMES = ["..", "../etc", "a/b", "a\\b", "a\x00b", "x" * 65, "", ".hidden", "
 
 
 @pytest.mark.parametrize("name", BAD_NAMES)
-def test_bad_names_rejected_and_nothing_written(make_service, tmp_path: Path,
+def test_bad_names_rejected_and_nothing_written(new_service, tmp_path: Path,
                                                 name: str) -> None:
-    svc = make_service()
+    svc = new_service()
     with pytest.raises(InvalidInput) as exc:
         svc.record_turn(name, "s1", "user", "hi")
     assert "name" in str(exc.value)
@@ -104,8 +104,8 @@ def test_bad_names_rejected_and_nothing_written(make_service, tmp_path: Path,
     assert not (tmp_path / "etc").exists()
 
 
-def test_memories_and_summary_files(make_service) -> None:
-    svc = make_service()
+def test_memories_and_summary_files(new_service) -> None:
+    svc = new_service()
     m = svc.add_memory("acme", "The user  is allergic\nto peanuts.", "fact", 0.4)
     again = svc.add_memory("acme", "the user is allergic to peanuts.", "fact", 0.9)
     assert again.id == m.id and again.importance == 0.9
@@ -169,7 +169,7 @@ def test_a_failed_append_leaves_no_torn_record_and_readers_wait_for_appends(
     assert [t.turn_id for t in files.read_turns("acme", "s")] == ["t1", "t3"]
 
     got: list = []
-    with F.locked(path):  # an append under way (another process's, say)
+    with F.file_lock(path):  # an append under way (another process's, say)
         reader = threading.Thread(target=lambda: got.append(files.read_turns("acme", "s")))
         reader.start()
         time.sleep(0.3)

@@ -49,8 +49,8 @@ def test_incremental_bm25_equals_a_fresh_build() -> None:
             assert (d in got) == (w > 0)
 
 
-def test_memories_are_found_by_hybrid_search(make_service, minilm) -> None:
-    svc = make_service(minilm)
+def test_memories_are_found_by_hybrid_search(new_service, minilm) -> None:
+    svc = new_service(minilm)
     for text, cat, imp in FACTS:
         svc.add_memory("acme", text, cat, imp)
     exact = svc.search_memories("acme", "what was ZX-4417 again?", 2)
@@ -66,8 +66,8 @@ def test_memories_are_found_by_hybrid_search(make_service, minilm) -> None:
     assert svc.search("acme", "ZX-4417", 5) == []  # memories are not transcript chunks
 
 
-def test_importance_weighs_in(make_service) -> None:
-    svc = make_service()
+def test_importance_weighs_in(new_service) -> None:
+    svc = new_service()
     low = svc.add_memory("acme", "The user likes green tea in the morning.", "preference", 0.1)
     high = svc.add_memory("acme", "The user likes green tea in the evening.", "preference",
                           1.0)
@@ -80,17 +80,17 @@ def test_importance_weighs_in(make_service) -> None:
 LOCKER_QUESTION = [{"role": "user", "content": "Remind me of my locker code ZX-4417?"}]
 
 
-def facts_service(make_service, minilm):
+def facts_service(new_service, minilm):
     """A service whose folder ``acme`` holds FACTS and one turn of session ``s1``."""
-    svc = make_service(minilm, max_facts=1)
+    svc = new_service(minilm, max_facts=1)
     for text, cat, imp in FACTS:
         svc.add_memory("acme", text, cat, imp)
     svc.record_turn("acme", "s1", "user", "Hello!")
     return svc
 
 
-def test_selection_takes_memories_in_search_order(make_service, minilm) -> None:
-    svc = facts_service(make_service, minilm)
+def test_selection_takes_memories_in_search_order(new_service, minilm) -> None:
+    svc = facts_service(new_service, minilm)
     sel = svc.select_context("acme", "s1", LOCKER_QUESTION, 2000)
     # the most important memory (peanuts, 0.9) loses to the one the question is about
     assert [m.text for m in sel.facts] == ["The user's gym locker code is ZX-4417."]
@@ -102,8 +102,8 @@ def test_selection_takes_memories_in_search_order(make_service, minilm) -> None:
     assert svc.search_memories("acme", "  ", 1)[0].text == "The user is allergic to peanuts."
 
 
-def test_a_selection_counts_uses_without_writing_or_re_indexing(make_service, minilm) -> None:
-    svc = facts_service(make_service, minilm)
+def test_a_selection_counts_uses_without_writing_or_re_indexing(new_service, minilm) -> None:
+    svc = facts_service(new_service, minilm)
     svc.select_context("acme", "s1", LOCKER_QUESTION, 2000)
     index = svc.indexes.memories("acme")
     svc.select_context("acme", "s1", LOCKER_QUESTION, 2000)  # counted in .index/, not the .md
@@ -115,10 +115,10 @@ def test_a_selection_counts_uses_without_writing_or_re_indexing(make_service, mi
     assert "Cinelli" in svc.search_memories("acme", "which bike?", 1)[0].text
 
 
-def test_a_selection_leaves_every_file_byte_identical(make_service, minilm) -> None:
+def test_a_selection_leaves_every_file_byte_identical(new_service, minilm) -> None:
     """Reading never writes: content and mtime of every file under the memory folder are
     the same after selections (with and without the deferred count of uses)."""
-    svc = facts_service(make_service, minilm)
+    svc = facts_service(new_service, minilm)
     svc.set_summary("acme", "s1", "They talked about the gym.", upto_turn="")
     svc.select_context("acme", "s1", LOCKER_QUESTION, 2000, bump=False)  # indexes built
     folder = svc.files.folder_dir("acme")

@@ -8,7 +8,7 @@ import pytest
 from cwm_plugin.memory.index.chunking import Unit
 from cwm_plugin.memory.selection import select as S
 from cwm_plugin.memory.selection.lines import Line
-from cwm_plugin.memory.selection.pack import pack
+from cwm_plugin.memory.selection.pack import pack_lines
 
 pytestmark = pytest.mark.unit
 
@@ -21,15 +21,15 @@ def line(session: str, row: int, text: str, score: float) -> Line:
 
 def test_a_passage_emptied_by_dropping_its_lines_is_no_hit(counter) -> None:
     lines = [line("a", 0, "First thing.", 0.9), line("b", 0, "Second thing.", 0.8)]
-    packed = pack(lines, lambda s: [], 200, counter.count)
+    packed = pack_lines(lines, lambda s: [], 200, counter.count)
     assert len(packed.hits()) == 2
     assert packed.drop_last().startswith("drop turn b-0")
     assert [h.turn_ids for h in packed.hits()] == [["a-0"]]
 
 
-def test_the_room_left_unused_by_the_estimate_is_packed_again(make_service, counter,
+def test_the_room_left_unused_by_the_estimate_is_packed_again(new_service, counter,
                                                                monkeypatch) -> None:
-    svc = make_service(chunk_tokens=80, chunk_overlap=10)
+    svc = new_service(chunk_tokens=80, chunk_overlap=10)
     for i in range(100):
         svc.record_turn("acme", "s", "user", f"We planted tomato seedling number {i}.",
                         turn_id=f"t{i}")

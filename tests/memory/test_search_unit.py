@@ -34,8 +34,8 @@ def top(hits, n: int) -> list[str]:
     return [h.turn_ids[0] for h in hits[:n]]
 
 
-def test_hybrid_combines_both_methods(make_service, minilm) -> None:
-    svc = make_service(minilm, chunk_tokens=40, chunk_overlap=0)
+def test_hybrid_combines_both_methods(new_service, minilm) -> None:
+    svc = new_service(minilm, chunk_tokens=40, chunk_overlap=0)
     fill(svc)
     q = "what pet dog do we have, and what is ZX-4417 for?"
     bm25 = svc.search("acme", q, 3, mode="bm25")
@@ -52,8 +52,8 @@ def test_hybrid_combines_both_methods(make_service, minilm) -> None:
     assert hyb[0].reasons["bm25_norm"] == 1.0 or hyb[0].reasons["vector_norm"] == 1.0
 
 
-def test_weights_reduce_to_single_methods(make_service, minilm) -> None:
-    svc = make_service(minilm, chunk_tokens=40, chunk_overlap=0, bm25_weight=1.0,
+def test_weights_reduce_to_single_methods(new_service, minilm) -> None:
+    svc = new_service(minilm, chunk_tokens=40, chunk_overlap=0, bm25_weight=1.0,
                        vector_weight=0.0)
     fill(svc)
     q = "ZX-4417 locker"
@@ -71,8 +71,8 @@ def test_minmax() -> None:
     assert _minmax({"a": 0.0}) == {"a": 0.0}
 
 
-def test_mmr_recency_and_session_filter(make_service, minilm) -> None:
-    svc = make_service(minilm, chunk_tokens=40, chunk_overlap=0, mmr_lambda=0.5,
+def test_mmr_recency_and_session_filter(new_service, minilm) -> None:
+    svc = new_service(minilm, chunk_tokens=40, chunk_overlap=0, mmr_lambda=0.5,
                        recency_half_life_days=30.0)
     fill(svc)
     svc.record_turn("acme", "s2", "user", "The puppy chewed my slippers.", turn_id="d1")
@@ -84,8 +84,8 @@ def test_mmr_recency_and_session_filter(make_service, minilm) -> None:
     assert all(h.source == "session:s2" for h in only)
 
 
-def test_folder_isolation(make_service, minilm, tmp_path) -> None:
-    svc = make_service(minilm)
+def test_folder_isolation(new_service, minilm, tmp_path) -> None:
+    svc = new_service(minilm)
     svc.record_turn("alpha", "s1", "user", "The vault password is banana-42.")
     svc.add_memory("alpha", "Alpha's vault password is banana-42.", "fact")
     svc.record_turn("beta", "s1", "user", "We like hiking in the mountains.")
@@ -100,9 +100,9 @@ def test_folder_isolation(make_service, minilm, tmp_path) -> None:
     assert svc.search("gamma", "anything", 5) == []
 
 
-def test_reindex_and_new_process_give_identical_results(make_service, minilm, tmp_path) -> None:
+def test_reindex_and_new_process_give_identical_results(new_service, minilm, tmp_path) -> None:
     metrics = MemoryMetrics()
-    svc = make_service(minilm, chunk_tokens=60, chunk_overlap=20, metrics=metrics)
+    svc = new_service(minilm, chunk_tokens=60, chunk_overlap=20, metrics=metrics)
     for i, (tid, text) in enumerate(CORPUS * 3):
         svc.record_turn("acme", f"s{i % 2}", "user", text, turn_id=f"{tid}-{i}")
     queries = ["puppy in the park", "ZX-4417", "flight to Lisbon", "report due"]
@@ -115,7 +115,7 @@ def test_reindex_and_new_process_give_identical_results(make_service, minilm, tm
     n = svc.reindex(progress=False)
     assert n == len(svc.index("acme").chunks) > 2
     assert snapshot(svc) == before
-    fresh = make_service(minilm, root=svc.config.root, chunk_tokens=60, chunk_overlap=20)
+    fresh = new_service(minilm, root=svc.config.root, chunk_tokens=60, chunk_overlap=20)
     assert snapshot(fresh) == before
     # the rebuild embedded nothing new: every text came from the on-disk cache
     hits = fresh.metrics.cache.labels("hit")._value.get()
@@ -125,10 +125,10 @@ def test_reindex_and_new_process_give_identical_results(make_service, minilm, tm
     assert metrics.retrieval.labels("hybrid")._sum.get() > 0
 
 
-def test_two_writers_on_one_root_see_each_other(make_service) -> None:
+def test_two_writers_on_one_root_see_each_other(new_service) -> None:
     """Two services (as two processes would) append to one session; both indexes catch up."""
-    a = make_service()
-    b = make_service(root=a.config.root)
+    a = new_service()
+    b = new_service(root=a.config.root)
     a.record_turn("acme", "s1", "user", "We adopted a puppy named Biscuit.", turn_id="a1")
     assert b.search("acme", "Biscuit puppy", 1)[0].turn_ids == ["a1"]  # b builds from files
     a.record_turn("acme", "s1", "user", "The locker code is ZX-4417.", turn_id="a2")
@@ -137,19 +137,19 @@ def test_two_writers_on_one_root_see_each_other(make_service) -> None:
     assert b.search("acme", "Lisbon flight", 1, mode="bm25")[0].turn_ids == ["a3"]
     assert [t["turn_id"] for t in a.transcript("acme", "s1")] == ["a1", "a2", "b1"]
     a.search("acme", "anything", 1)
-    fresh = make_service(root=a.config.root)
+    fresh = new_service(root=a.config.root)
     fresh.search("acme", "anything", 1)
     ids = set(fresh.index("acme").chunks)
     assert set(a.index("acme").chunks) == ids == set(b.index("acme").chunks)
 
 
 def test_index_grows_past_its_initial_capacity(counter) -> None:
-    from cwm_plugin.memory.index.chunks import FolderIndex
+    from cwm_plugin.memory.index.chunks import ChunkIndex
     from cwm_plugin.memory.index.embeddings import HashingEmbedder
     from cwm_plugin.memory.index.search import search_index
     from cwm_plugin.memory.models import MemoryConfig, Turn
 
-    idx = FolderIndex(HashingEmbedder(384), counter, 200, 40)
+    idx = ChunkIndex(HashingEmbedder(384), counter, 200, 40)
     emb = HashingEmbedder(384)
     turns = [Turn(f"t{i}", "user", f"note number {i} mentions word{i}", "2024-01-01T00:00:00Z")
              for i in range(1500)]
@@ -169,13 +169,13 @@ def test_index_grows_past_its_initial_capacity(counter) -> None:
         assert "t1234" in {t for h in hits[:2] for t in h.turn_ids}
 
 
-def test_an_exchange_is_one_durable_append_and_indexed_at_once(make_service, monkeypatch) -> None:
+def test_an_exchange_is_one_durable_append_and_indexed_at_once(new_service, monkeypatch) -> None:
     from datetime import UTC, datetime
 
     from cwm_plugin.memory.files import markdown as files_mod
 
     when = datetime(2026, 5, 1, 12, tzinfo=UTC)  # one daily file for every turn here
-    svc = make_service()
+    svc = new_service()
     svc.record_turn("acme", "s", "user", "warm up the index", ts=when)
     syncs: list[int] = []
     real_fsync = files_mod.os.fsync
@@ -193,8 +193,8 @@ def test_an_exchange_is_one_durable_append_and_indexed_at_once(make_service, mon
     assert not svc.pending.waiting("acme") and svc.index_pending("acme") == 0
 
 
-def test_vector_candidates_follow_adds_and_drops(make_service) -> None:
-    svc = make_service(chunk_tokens=40, chunk_overlap=8)
+def test_vector_candidates_follow_adds_and_drops(new_service) -> None:
+    svc = new_service(chunk_tokens=40, chunk_overlap=8)
     for i in range(30):
         svc.record_turn("acme", f"s{i % 3}", "user", f"line {i} about topic {i % 7} " * 3)
     idx = svc.index("acme")
@@ -213,10 +213,10 @@ def test_vector_candidates_follow_adds_and_drops(make_service) -> None:
         assert not any(idx.chunks[c].session == "s1" for c in got)
 
 
-def test_deferred_indexing_under_concurrent_appends_equals_a_rebuild(make_service) -> None:
+def test_deferred_indexing_under_concurrent_appends_equals_a_rebuild(new_service) -> None:
     import threading
 
-    svc = make_service(chunk_tokens=60, chunk_overlap=12)
+    svc = new_service(chunk_tokens=60, chunk_overlap=12)
     svc.record_turn("acme", "s0", "user", "warm up the index")
 
     def writer(w: int) -> None:
@@ -244,17 +244,17 @@ def test_deferred_indexing_under_concurrent_appends_equals_a_rebuild(make_servic
 
 
 def test_an_indexing_brings_the_line_corpus_and_other_writers_in_before_the_next_search(
-        make_service, monkeypatch) -> None:
+        new_service, monkeypatch) -> None:
     """The catch-up after a deferred indexing: the line corpus holds the new lines and a file
     written by another process is indexed, before any search; a catch-up that fails leaves
     the turns indexed (and the next search to look again)."""
-    svc = make_service(sync_interval_s=0.0)
+    svc = new_service(sync_interval_s=0.0)
     svc.record_turn("acme", "s", "user", "warm up the index")
     assert svc.select_context("acme", None, [{"role": "user", "content": "warm"}], 200,
                               bump=False, mode="bm25") is not None  # builds the line corpus
     corpus = svc._lines["acme"][1]
     before = len(corpus.alone)
-    other = make_service(root=svc.config.root)  # another writer on the same files
+    other = new_service(root=svc.config.root)  # another writer on the same files
     other.record_turn("acme", "t", "user", "a walrus named Olga")
     svc.record_turns("acme", "s", [("user", "my canoe is mauve")], defer_index=True)
     searched: list[str] = []
@@ -270,8 +270,8 @@ def test_an_indexing_brings_the_line_corpus_and_other_writers_in_before_the_next
 
 
 @pytest.mark.parametrize("chunk_weight", [1.0, 0.0])
-def test_vector_scores_of_many_chunks_equal_one_at_a_time(make_service, chunk_weight) -> None:
-    svc = make_service(chunk_tokens=40, chunk_overlap=8, chunk_vector_weight=chunk_weight)
+def test_vector_scores_of_many_chunks_equal_one_at_a_time(new_service, chunk_weight) -> None:
+    svc = new_service(chunk_tokens=40, chunk_overlap=8, chunk_vector_weight=chunk_weight)
     for i in range(40):
         svc.record_turn("acme", f"s{i % 4}", "user", f"line {i} about topic {i % 7} " * 3)
     idx = svc.index("acme")
@@ -287,12 +287,12 @@ def test_vector_scores_of_many_chunks_equal_one_at_a_time(make_service, chunk_we
 
 
 def test_nearest_lines_answers_a_narrower_ask_from_the_last_one_until_the_index_changes(
-        make_service) -> None:
+        new_service) -> None:
     """A selection asks for the chunks' nearest lines, then for fewer lines of the same query:
     the second answer is the head of the first, and any add or drop searches again."""
     from cwm_plugin.memory.index.chunks import knn_ordered
 
-    svc = make_service(chunk_tokens=40, chunk_overlap=8)
+    svc = new_service(chunk_tokens=40, chunk_overlap=8)
     for i in range(40):
         svc.record_turn("acme", f"s{i % 4}", "user", f"line {i} about topic {i % 9}")
     idx = svc.index("acme")

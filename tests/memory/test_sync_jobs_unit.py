@@ -39,13 +39,13 @@ def test_one_job_a_folder_at_a_time_and_a_failing_job_does_not_stop_the_rest(cap
     assert not jobs.soon("acme", slow)  # closed
 
 
-def test_a_selection_leaves_a_due_look_for_other_writers_to_the_background(make_service,
+def test_a_selection_leaves_a_due_look_for_other_writers_to_the_background(new_service,
                                                                            monkeypatch) -> None:
-    svc = make_service(sync_interval_s=0.05)
+    svc = new_service(sync_interval_s=0.05)
     svc.record_turn("acme", "s", "user", "warm up the index")
     svc.select_context("acme", None, ASK, 200, bump=False, mode="bm25")
     assert svc.syncs.idle(10)  # a look the warm-up found due is over before Olga is written
-    other = make_service(root=svc.config.root)  # another process writing the same folder
+    other = new_service(root=svc.config.root)  # another process writing the same folder
     other.record_turn("acme", "t", "user", "a walrus named Olga")
     scans: list[str] = []
     real, gate = svc.files.session_stats, threading.Event()
@@ -66,18 +66,18 @@ def test_a_selection_leaves_a_due_look_for_other_writers_to_the_background(make_
                                         mode="bm25").memory_block
 
 
-def test_every_selection_looks_first_with_no_interval(make_service) -> None:
-    svc = make_service(sync_interval_s=0.0)  # the CLI's setting
+def test_every_selection_looks_first_with_no_interval(new_service) -> None:
+    svc = new_service(sync_interval_s=0.0)  # the CLI's setting
     svc.record_turn("acme", "s", "user", "warm up the index")
     svc.select_context("acme", None, ASK, 200, bump=False, mode="bm25")
-    make_service(root=svc.config.root).record_turn("acme", "t", "user", "a walrus named Olga")
+    new_service(root=svc.config.root).record_turn("acme", "t", "user", "a walrus named Olga")
     assert "Olga" in svc.select_context("acme", None, ASK, 200, bump=False,
                                         mode="bm25").memory_block
 
 
 def test_a_scan_taken_before_the_lock_never_drops_a_session_written_after_it(
-        make_service) -> None:
-    svc = make_service(sync_interval_s=0.0)
+        new_service) -> None:
+    svc = new_service(sync_interval_s=0.0)
     svc.record_turn("acme", "old", "user", "the mauve canoe")
     svc.index("acme")
     (svc.files.folder_dir("acme") / "sessions" / "old.md").unlink()  # a session goes
@@ -88,10 +88,10 @@ def test_a_scan_taken_before_the_lock_never_drops_a_session_written_after_it(
     assert set(idx.sessions) == {"new"}  # the new one kept, the removed one dropped
 
 
-def test_warm_centroids_computes_every_chunk_centroid_once(make_service) -> None:
+def test_warm_centroids_computes_every_chunk_centroid_once(new_service) -> None:
     import numpy as np
 
-    svc = make_service(chunk_tokens=40, chunk_overlap=8)
+    svc = new_service(chunk_tokens=40, chunk_overlap=8)
     for i in range(30):
         svc.record_turn("acme", "s", "user", f"note {i} about the canoe number {i}")
     idx = svc.index("acme")

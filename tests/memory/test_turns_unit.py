@@ -22,8 +22,8 @@ def fill(svc, session: str, n: int, role: str = "user", start: int = 0) -> None:
                         turn_id=f"{session}-{i}")
 
 
-def test_the_line_corpus_follows_appends_edits_and_removals(make_service) -> None:
-    svc = make_service(chunk_tokens=60, chunk_overlap=10)
+def test_the_line_corpus_follows_appends_edits_and_removals(new_service) -> None:
+    svc = new_service(chunk_tokens=60, chunk_overlap=10)
     fill(svc, "s1", 6)
     corpus = LineCorpus()
     idx = svc.index("acme")
@@ -56,8 +56,8 @@ def _context(corpus: LineCorpus, session: str, row: int) -> list[str]:
     return list(terms)
 
 
-def test_lines_are_packed_into_dated_passages_within_the_budget(make_service, counter) -> None:
-    svc = make_service(chunk_tokens=80, chunk_overlap=10)
+def test_lines_are_packed_into_dated_passages_within_the_budget(new_service, counter) -> None:
+    svc = new_service(chunk_tokens=80, chunk_overlap=10)
     for s in ("a", "b", "c"):
         fill(svc, s, 12)
     svc.record_turn("acme", "b", "user", "My violin teacher is called Ingrid.", turn_id="v")
@@ -83,8 +83,8 @@ def test_lines_are_packed_into_dated_passages_within_the_budget(make_service, co
     assert {"b-11", "v", "b-12"} <= set(passage.turn_ids)
 
 
-def test_a_question_naming_a_speaker_prefers_that_speakers_lines(make_service) -> None:
-    svc = make_service(speaker_weight=0.2)
+def test_a_question_naming_a_speaker_prefers_that_speakers_lines(new_service) -> None:
+    svc = new_service(speaker_weight=0.2)
     svc.record_turn("acme", "s", "Caroline", "I went hiking in the mountains.", turn_id="c1")
     svc.record_turn("acme", "s", "Melanie", "I went hiking in the mountains too.", turn_id="m1")
     idx = svc.index("acme")
@@ -98,8 +98,8 @@ def test_a_question_naming_a_speaker_prefers_that_speakers_lines(make_service) -
     assert all("speaker" not in ln.reasons for ln in both)  # two named: no preference
 
 
-def test_warm_loads_the_index_and_builds_the_line_corpus(make_service) -> None:
-    svc = make_service()
+def test_warm_loads_the_index_and_builds_the_line_corpus(new_service) -> None:
+    svc = new_service()
     svc.record_turn("acme", "s1", "user", "We hiked the Dolomites in June.")
     svc.record_turn("acme", "s1", "assistant", "That sounds wonderful.")
     svc.indexes._folders.clear()  # as after a restart: nothing loaded
@@ -110,7 +110,7 @@ def test_warm_loads_the_index_and_builds_the_line_corpus(make_service) -> None:
     assert idx is svc.indexes.get("acme") and len(corpus.alone) == 2
 
 
-def test_warm_builds_the_line_corpus_when_the_embedder_is_down(make_service, caplog) -> None:
+def test_warm_builds_the_line_corpus_when_the_embedder_is_down(new_service, caplog) -> None:
     from cwm_plugin.errors import UpstreamError
     from cwm_plugin.memory.index.embeddings import HashingEmbedder
 
@@ -118,19 +118,19 @@ def test_warm_builds_the_line_corpus_when_the_embedder_is_down(make_service, cap
         def embed(self, texts):
             raise UpstreamError("embeddings server refused the connection", hint="start it")
 
-    first = make_service()
+    first = new_service()
     first.record_turn("acme", "s1", "user", "We hiked the Dolomites in June.")
     first.close()  # saves the index
-    svc = make_service(Down(), root=first.config.root)
+    svc = new_service(Down(), root=first.config.root)
     svc.warm("acme")  # no exception: the keyword side is warm, the embedder is logged
     assert svc.indexes.loaded("acme") and "acme" in svc._lines
     assert "did not warm up" in caplog.text
 
 
-def test_ranked_lines_are_what_a_selection_packs_from(make_service, counter) -> None:
+def test_ranked_lines_are_what_a_selection_packs_from(new_service, counter) -> None:
     """``MemoryService.ranked_lines`` (bench/memory.py's top-N diagnostic) ranks exactly the
     lines a selection packs: the best of them lead the block it injects."""
-    svc = make_service()
+    svc = new_service()
     fill(svc, "s1", 12)
     svc.record_turn("acme", "s2", "user", "My sister Lotte plays the cello in Utrecht.",
                     turn_id="cello")

@@ -44,7 +44,7 @@ def test_package_clis_read_their_own_settings_without_the_sidecar(tmp_path):
     env = {**os.environ, "CWM_SIDECAR_SECRET": "s" * 32}
     out = subprocess.run(
         [sys.executable, "-c", RUN,
-         f"memory|search|--config|{config}|--tenant|acme|anything",
+         f"memory|search|--config|{config}|--folder|acme|anything",
          f"activity|show|--config|{config}",
          f"window|ls|--store|{store}|--tenant|acme"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)

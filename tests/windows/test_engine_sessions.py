@@ -18,6 +18,7 @@ from cwm_plugin.store.tiers.base import QuotaExceeded
 from cwm_plugin.windows.conversation import ConversationRecord, ConversationRecords
 from cwm_plugin.windows.engine import WindowEngine, WindowIncomplete
 from cwm_plugin.windows.model import manifest_key
+from cwm_plugin.windows.rekey import BlockKeys
 
 pytestmark = pytest.mark.unit
 PROMPT = {"pinned": {"key": "k:0:full", "memory_block": "the user lives in Chur", "tokens": 6}}
@@ -95,18 +96,18 @@ def test_ttl_patch_and_a_delete_racing_a_thaw(store):
     # a thaw that read the manifest before a delete never brings it back
     m = eng.get("acme", "trip")
     eng.delete("acme", "trip")
-    eng._note_thaw(m, {"session": "late"})
+    eng.catalog.note_thaw(m, {"session": "late"})
     store.flush()
     assert store.get(manifest_key("acme", "trip"), salt="cwm-window-manifest\0acme") is None
     with pytest.raises(NotFound):
-        eng._rewrite(m)                   # a late rewrite is taken back, not left unpinned
+        eng.catalog.rewrite(m)                   # a late rewrite is taken back, not left unpinned
     assert store.get(manifest_key("acme", "trip"), salt="cwm-window-manifest\0acme") is None
 
 
 def test_one_tenants_windows_never_make_anothers_freeze_fail(store):
     turn(store, "s", 1, 3 * BS)
-    size = WindowEngine(store)._stored_bytes(
-        WindowEngine(store)._keys(*_workers_and_hashes(store, "s")))
+    size = WindowEngine(store).tenancy.stored_bytes(
+        BlockKeys.keys(*_workers_and_hashes(store, "s")))
     eng = WindowEngine(store, wait_s=0, tenant_quota_bytes=int(size * 2.5))
     eng.freeze("acme", "w1", session="a", salt="s")
     eng.freeze("acme", "w2", session="a", salt="s")
@@ -134,7 +135,7 @@ def test_behind_mode_freeze_completes_every_durable_tier_or_says_what_is_missing
     ids = turn(vllm_side, "s", 1, 4 * BS)
     vllm_side.flush()
     workers, hashes = _workers_and_hashes(vllm_side, "s")
-    keys = WindowEngine._keys(workers, hashes)
+    keys = BlockKeys.keys(workers, hashes)
     vllm_side.redis.delete_many([k for ks in keys for k in ks])
     vllm_side.close()
     sidecar_side = KVStore(StoreConfig(**cfg), registry=CollectorRegistry())

@@ -25,7 +25,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """An exclusive lock on ``<path>.lock`` (threads and processes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "a") as fh:
@@ -40,7 +40,7 @@ def append_durable(path: Path, data: bytes, *, sync: bool = True) -> tuple[int, 
     """Append under the lock, flush and fsync (and the folder of a new file); (start, end).
     ``sync=False`` only flushes (a derived file whose tail may be lost in a crash)."""
     new = not path.exists()
-    with locked(path), open(path, "ab") as fh:
+    with file_lock(path), open(path, "ab") as fh:
         start = fh.seek(0, os.SEEK_END)
         try:
             fh.write(data)
@@ -58,7 +58,7 @@ def append_durable(path: Path, data: bytes, *, sync: bool = True) -> tuple[int, 
 
 
 def read_locked(path: Path, offset: int = 0) -> bytes:
-    """The file's bytes from ``offset`` on, read while no append (:func:`locked`) is under
+    """The file's bytes from ``offset`` on, read while no append (:func:`file_lock`) is under
     way, so never half a record: a shared lock on ``<path>.lock``, or none where it cannot be
     opened (a read-only copy of the root)."""
     def read() -> bytes:

@@ -27,8 +27,8 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from cwm_plugin.memory.files.durable import append_durable, locked, read_locked, replace_durable
-from cwm_plugin.memory.files.names import NAME, check_name
+from cwm_plugin.memory.files.durable import append_durable, file_lock, read_locked, replace_durable
+from cwm_plugin.memory.files.names import NAME, check_memory_name
 from cwm_plugin.memory.models import Memory, Turn
 
 log = logging.getLogger(__name__)
@@ -155,13 +155,13 @@ class MemoryFiles:
     # --- paths -----------------------------------------------------------------------------
 
     def folder_dir(self, folder: str) -> Path:
-        return self.root / check_name("folder", folder)
+        return self.root / check_memory_name("folder", folder)
 
     def session_path(self, folder: str, session: str) -> Path:
-        return self.folder_dir(folder) / "sessions" / f"{check_name('session', session)}.md"
+        return self.folder_dir(folder) / "sessions" / f"{check_memory_name('session', session)}.md"
 
     def summary_path(self, folder: str, session: str) -> Path:
-        return self.folder_dir(folder) / "summaries" / f"{check_name('session', session)}.md"
+        return self.folder_dir(folder) / "summaries" / f"{check_memory_name('session', session)}.md"
 
     def memories_path(self, folder: str) -> Path:
         return self.folder_dir(folder) / "memories.md"
@@ -291,7 +291,7 @@ class MemoryFiles:
         replaced ones. Lines that do not parse are written back as they were (for a person to
         fix)."""
         path = self.memories_path(folder)
-        with locked(path):
+        with file_lock(path):
             parsed, bad = self.scan_memories(folder)
             mems = fn(parsed)
             lines = ["# Durable memories", ""]
@@ -323,7 +323,7 @@ class MemoryFiles:
 
     def read_cursor(self, folder: str, session: str, name: str) -> str:
         """The id of the last turn the work ``name`` covered in the session ("" if none)."""
-        path = self.folder_dir(folder) / "cursors" / f"{check_name('session', session)}.json"
+        path = self.folder_dir(folder) / "cursors" / f"{check_memory_name('session', session)}.json"
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -331,7 +331,7 @@ class MemoryFiles:
         return str(data.get(name, "")) if isinstance(data, dict) else ""
 
     def write_cursor(self, folder: str, session: str, name: str, turn_id: str) -> None:
-        path = self.folder_dir(folder) / "cursors" / f"{check_name('session', session)}.json"
+        path = self.folder_dir(folder) / "cursors" / f"{check_memory_name('session', session)}.json"
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):

@@ -15,7 +15,7 @@ ROLE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 _.'-]{0,63}$")
 MAX_LEN = 64
 
 
-def check_name(kind: str, name: object) -> str:
+def check_memory_name(kind: str, name: object) -> str:
     """Return ``name`` if it is a safe file name, else raise :class:`InvalidInput`."""
     if not isinstance(name, str) or not name:
         raise InvalidInput(f"{kind} name must be a non-empty string, got {name!r}")

@@ -2,9 +2,9 @@
 
 The stemmer strips a few English inflections (``-ies -> -y``, ``-s``, ``-es``, ``-ing``, ``-ed``,
 ``-ly``) from words that keep at least three letters, so "painted" finds "painting" and
-"hikes" finds "hiking". It is deliberately light (no Porter rules): on the three LoCoMo
-development conversations it lifted BM25 recall@10 from 0.880 to 0.904 on each of the three,
-and the same tokens are used everywhere BM25 runs (the BM25-only mode included).
+"hikes" finds "hiking". It is deliberately light (no Porter rules: a fuller stemmer finds no
+more evidence, ``bench/memory_retrieval.md``), and the same tokens are used everywhere BM25
+runs (the BM25-only mode included).
 """
 
 from __future__ import annotations
@@ -65,16 +65,14 @@ class BM25Corpus:
     per document, document lengths, document frequencies, their total) are updated as
     documents come and go, and a query's idf values are computed for its own terms only
     (Lucene's form, as ``LuceneBM25``): nothing is recomputed for the whole corpus after a
-    change, which at ten thousand chunks cost more than a search. Each term's postings are
-    also kept as numpy arrays (rows, frequencies; rebuilt for a term when a document holding it
-    comes or goes), so a query adds its terms' contributions vectorised; the scores are
-    exactly ``LuceneBM25``'s (k1 1.5, b 0.75) for the same documents. Measured at 10,000
-    LoCoMo chunks, 200 LoCoMo queries, on a machine shared with other work: p50 25.7 ms (p99
-    70 ms) scoring dict postings in Python, 30-38 ms with SQLite FTS5's ``bm25()`` (which also
-    ranks differently: top-10 overlap 0.75), 3.6 ms (p99 14 ms) with the arrays. The postings
-    are keyed by row, so a term's arrays are built from them at C speed the first time a query
-    uses it (keyed by document id, the lookups cost a first-turn line search at 10,000 chunks
-    -- 75k lines -- 37 ms p50, 97 ms p90).
+    change, which at ten thousand chunks would cost more than a search. Each term's postings
+    are also kept as numpy arrays (rows, frequencies; rebuilt for a term when a document
+    holding it comes or goes), so a query adds its terms' contributions vectorised, several
+    times faster than dict postings in Python or SQLite FTS5's ``bm25()`` (which also ranks
+    differently); the scores are exactly ``LuceneBM25``'s (k1 1.5, b 0.75) for the same
+    documents. The postings are keyed by row, so a term's arrays are built from them at C speed
+    the first time a query uses it (keyed by document id, the lookups would dominate a
+    first-turn line search).
     """
 
     K1 = 1.5
@@ -180,7 +178,7 @@ class BM25Corpus:
         for the best documents and then for the scores of more candidates)."""
         if self._last is not None and self._last[0] == query:
             return self._last[1]
-        if not self._built:  # every term at once: a first-time term cost a query ~0.2 ms
+        if not self._built:  # every term at once, not one first-time term per query
             for term in self._postings:
                 self._term(term)
             self._built = True
@@ -213,8 +211,8 @@ class BM25Corpus:
             allowed: set[str] | None = None) -> dict[str, float]:
         """The ``n`` best documents sharing a term with the query (of ``allowed`` ones, when
         given), plus the exact score (0 if none) of each document in ``also``. Only the rows
-        the query scored are partitioned (a few thousand of 75,000 lines: the partition of
-        every row was ~0.7 ms of each call)."""
+        the query scored are partitioned (a few thousand of tens of thousands of lines, not
+        every row)."""
         if not self._row or n <= 0:
             return {}
         acc = self._accumulate(query)

@@ -12,16 +12,14 @@ vector would see only its head, and a mean over a dozen turns blurs the one turn
 about. A chunk's vector score is the best cosine similarity of any of its lines (a max-sim,
 late interaction) plus ``chunk_weight`` (1 by default: the two terms weigh the same) times the
 cosine of the chunk's centroid (the normalised mean of its line vectors: what the chunk is
-about as a whole). On the LoCoMo development set the centroid term lifted vector-only recall@10
-from 0.816 to 0.830 and hybrid from 0.920 to 0.930; embedding the whole chunk text instead did
-as well (0.826 / 0.932) but cost a 256-token forward pass on every turn.
+about as a whole): it finds as much more evidence as embedding the whole chunk text would,
+without a 256-token forward pass on every turn (``bench/memory_retrieval.md``).
 
 The context comes in two ways (``context_mode``). ``pair`` embeds each line with the line
 before it (twice the tokens of the line); ``mix`` (default) embeds each line alone and adds the
 previous line's vector to it, both weighted by their tokens (mean pooling over the two lines,
 without the attention between them): half the embedding work, for every turn recorded and for
-bulk imports. On the LoCoMo development set (495 questions, recall@10 vector / hybrid):
-``pair`` 0.830 / 0.930, ``mix`` 0.822 / 0.927, no context 0.773 / 0.917.
+bulk imports, at nearly ``pair``'s recall and well above no context at all.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from cwm_plugin.memory.tokens import TokenCounter
 
 
 @dataclass
-class SessionState:
+class SessionIndex:
     units: list[Unit] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)  # hnsw label of each unit
     spans: list[tuple[int, int, str]] = field(default_factory=list)  # (begin, end, chunk_id)
@@ -68,7 +66,7 @@ def knn_labels(index: hnswlib.Index, qvec: np.ndarray, k: int, live: int) -> set
     return set(knn_ordered(index, qvec, k, live))
 
 
-class FolderIndex:
+class ChunkIndex:
     """Chunks of every session of one folder, searchable by BM25 and vectors."""
 
     def __init__(self, embedder: Embedder, counter: TokenCounter, chunk_tokens: int,
@@ -87,10 +85,10 @@ class FolderIndex:
         self._seq: dict[str, int] = {}                  # chunk -> insertion order
         self._next_seq = 0
         self._centroids: dict[str, np.ndarray] = {}
-        self.sessions: dict[str, SessionState] = {}
+        self.sessions: dict[str, SessionIndex] = {}
         self.offsets: dict[str, int] = {}  # bytes of each session file already indexed
-        # grows by doubling from little, and hnswlib's index (~2.6 MB of label locks alone) is
-        # made on the first line: a namespace that is only read costs next to nothing
+        # grows by doubling from little, and hnswlib's index (megabytes of label locks alone)
+        # is made on the first line: a namespace that is only read costs next to nothing
         self._vecs = np.zeros((64, embedder.dims), dtype=np.float32)
         self._n = 0
         self._hnsw: hnswlib.Index | None = None
@@ -149,7 +147,7 @@ class FolderIndex:
         session's lines in one sorted pass)."""
         if not turns:
             return
-        st = self.sessions.setdefault(session, SessionState())
+        st = self.sessions.setdefault(session, SessionIndex())
         new_units, vecs = prepared if prepared is not None else (self.units(turns), None)
         self._add_vectors(st, new_units, vecs)
         start = 0
@@ -204,7 +202,7 @@ class FolderIndex:
         self._seq.pop(cid, None)
         self._centroids.pop(cid, None)
 
-    def _add_vectors(self, st: SessionState, units: list[Unit],
+    def _add_vectors(self, st: SessionIndex, units: list[Unit],
                      vecs: np.ndarray | None = None) -> None:
         if not units:
             return
@@ -258,7 +256,7 @@ class FolderIndex:
     def doc_ids(self, session: str | None = None) -> list[str]:
         if session is None:
             return list(self.chunks)
-        return [c for _, _, c in self.sessions.get(session, SessionState()).spans]
+        return [c for _, _, c in self.sessions.get(session, SessionIndex()).spans]
 
     def bm25_top(self, query: str, n: int, also: Iterable[str] = (),
                  allowed: set[str] | None = None) -> dict[str, float]:
@@ -268,8 +266,8 @@ class FolderIndex:
     def nearest_lines(self, qvec: np.ndarray, k: int) -> list[int]:
         """Labels of the ``k`` line vectors nearest ``qvec``, nearest first. A selection asks
         twice for one query (the chunks' candidates, then the lines'): the second is the head
-        of the first answer while nothing was added or deleted (a search of 75,000 lines is
-        ~1 ms; the wider one is the more exact)."""
+        of the first answer while nothing was added or deleted (the wider search is the more
+        exact)."""
         if self.n_vectors - self.deleted <= 0:
             return []
         key = (qvec.tobytes(), id(self.hnsw), self.n_vectors, self.deleted)
@@ -304,7 +302,7 @@ class FolderIndex:
 
     def vector_scores(self, qvec: np.ndarray, cids: list[str]) -> dict[str, float]:
         """``vector_score`` of many chunks: one product over all their lines (a search scores
-        ~130 candidate chunks; one at a time that was ~3 ms of a first turn at 10k chunks)."""
+        a hundred or more candidate chunks)."""
         out = dict.fromkeys(cids, 0.0)  # a chunk without lines scores 0, as one at a time
         have = [c for c in cids if self.chunk_labels.get(c)]
         if not have:
@@ -328,8 +326,8 @@ class FolderIndex:
         return v
 
     def warm_centroids(self) -> int:
-        """Compute every chunk's centroid ahead (a first turn at 10k chunks met ~140 it had
-        never computed, ~2 ms); returns how many were computed."""
+        """Compute every chunk's centroid ahead (so a folder's first turn computes none);
+        returns how many were computed."""
         todo = [c for c in self.chunk_labels if c not in self._centroids and self.chunk_labels[c]]
         for c in todo:
             self.doc_vector(c)

@@ -92,14 +92,13 @@ def model_name(folder: Path, default: bool = False) -> str:
 class MiniLMEmbedder:
     """``threads``: torch's threads for this process (None: torch's default, every core). One
     thread embeds a short query as fast as two on this model and never stalls when another
-    process holds a core (two threads then wait on each other: a 10 ms query took 300 ms).
+    process holds a core (two threads then wait on each other, many times the query's time).
 
     ``dtype``: the model's precision. ``auto``: bfloat16 where :func:`compute_dtype` says so
     (the CPU multiplies it natively and its kernels are not capped, or ``CWM_DTYPE``) and its
-    vectors agree with float32's (cosine >= ``BF16_COSINE_MIN`` on
-    check texts, tested at load), else float32; ``dtype_used`` says which. On a 2-core AMD
-    EPYC with AVX512-BF16: a LoCoMo question 9.7 -> 6.2 ms p50 (15.5 -> 7.5 ms p99), 1,024
-    lines sorted by length 75 -> 138 a second, at cosine >= 0.9999 with float32's vectors."""
+    vectors agree with float32's (cosine >= ``BF16_COSINE_MIN`` on check texts, tested at
+    load), else float32; ``dtype_used`` says which. Where it is native, bfloat16 embeds a
+    query and a bulk import markedly faster (``bench/README.md``)."""
 
     def __init__(self, folder: Path | None = None, batch_size: int = 64,
                  max_length: int = 256, threads: int | None = None,
@@ -152,7 +151,7 @@ class MiniLMEmbedder:
     def embed(self, texts: list[str]) -> np.ndarray:
         if not texts:
             return np.zeros((0, self.dims), dtype=np.float32)
-        if len(texts) == 1:  # a query: the frozen graph (15 -> 10 ms here, same vector)
+        if len(texts) == 1:  # a query: the frozen graph (faster, the same vector)
             got = self._embed_one(texts[0])
             if got is not None:
                 return got

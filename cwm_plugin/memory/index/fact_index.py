@@ -4,9 +4,10 @@
 changes), so this index is rebuilt whenever the file's signature (size, mtime) changes and the
 memories it indexes differ (a rewrite that only bumped access counts, as every selection of a
 memory does, just refreshes them in place); the vectors come from the embedding cache, so a
-rebuild of a few hundred memories embeds only new texts. Memories are searched with the same hybrid code as chunks (``search.py``) in a corpus of
-their own, with ``0.5 + importance`` as the prior: a memory's score is its normalised hybrid
-relevance scaled by how important it was judged (0.5x to 1.5x).
+rebuild of a few hundred memories embeds only new texts. Memories are searched with the same
+hybrid code as chunks (``search.py``) in a corpus of their own, with ``0.5 + importance`` as the
+prior: a memory's score is its normalised hybrid relevance scaled by how important it was
+judged (0.5x to 1.5x).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from cwm_plugin.memory.index.embeddings import Embedder
 from cwm_plugin.memory.models import Hit, Memory
 
 
-class MemoryIndex:
+class FactIndex:
     """One folder's durable memories, searchable like chunks (``source="memory"``)."""
 
     def __init__(self, embedder: Embedder, memories: list[Memory],
@@ -33,7 +34,7 @@ class MemoryIndex:
         self.vectors = embedder.embed([m.text for m in memories]) if memories else \
             np.zeros((0, embedder.dims), dtype=np.float32)
         self.hnsw = new_hnsw(embedder.dims, max(16, len(memories))) if memories else None
-        if self.hnsw is not None:  # (none for a namespace without memories: ~2.6 MB each)
+        if self.hnsw is not None:  # (none for a namespace without memories: megabytes each)
             self.hnsw.add_items(self.vectors, np.arange(len(memories)))
         self._bm25 = BM25Corpus()
         for m in memories:

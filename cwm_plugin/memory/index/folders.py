@@ -1,6 +1,6 @@
 """Each folder's derived indexes over time: loaded from disk or built, kept in step with files.
 
-The markdown files are the truth; this module makes each folder's ``FolderIndex`` agree with
+The markdown files are the truth; this module makes each folder's ``ChunkIndex`` agree with
 them. On first use the saved index (``persist.py``) is loaded if it was built with the same
 settings, else the index is built from the files and saved. Each session file then has a mark
 (bytes indexed, size, mtime, sha256 of the indexed bytes); whenever a file's size or mtime
@@ -26,9 +26,9 @@ from tqdm import tqdm
 from cwm_plugin.memory.files.durable import read_locked
 from cwm_plugin.memory.files.markdown import MemoryFiles, decode_turns_at, encode_turn
 from cwm_plugin.memory.index import persist
-from cwm_plugin.memory.index.chunks import FolderIndex
+from cwm_plugin.memory.index.chunks import ChunkIndex
 from cwm_plugin.memory.index.embeddings import Embedder
-from cwm_plugin.memory.index.fact_index import MemoryIndex
+from cwm_plugin.memory.index.fact_index import FactIndex
 from cwm_plugin.memory.metrics import MemoryMetrics
 from cwm_plugin.memory.models import MemoryConfig, Turn
 from cwm_plugin.memory.tokens import TokenCounter
@@ -51,11 +51,11 @@ class LiveMark:
 
 @dataclass
 class _Folder:
-    index: FolderIndex
+    index: ChunkIndex
     marks: dict[str, LiveMark]
     generation: str | None
     dirty: bool = False
-    memories: MemoryIndex | None = None
+    memories: FactIndex | None = None
     synced_at: float = -1e9  # monotonic time of the last look at the files
 
 
@@ -70,26 +70,26 @@ class FolderIndexes:
         self._unsaved: set[str] = set()  # folders whose last save failed (logged once)
         self._folders: dict[str, _Folder] = {}
 
-    def _new_index(self) -> FolderIndex:
+    def _new_index(self) -> ChunkIndex:
         c = self.config
-        return FolderIndex(self.embedder, self.counter, c.chunk_tokens, c.chunk_overlap,
-                           c.vector_context_lines, c.chunk_vector_weight,
-                           c.vector_context_mode)
+        return ChunkIndex(self.embedder, self.counter, c.chunk_tokens, c.chunk_overlap,
+                          c.vector_context_lines, c.chunk_vector_weight,
+                          c.vector_context_mode)
 
     # --- loading, building, saving ---------------------------------------------------------------
 
     def loaded(self, folder: str) -> bool:
         return folder in self._folders
 
-    def get(self, folder: str, bar: tqdm | None = None) -> FolderIndex:
+    def get(self, folder: str, bar: tqdm | None = None) -> ChunkIndex:
         """The folder's index: in memory, else loaded from disk, else built from the files."""
         t = self._folders.get(folder)
         if t is None:
             t = self._load(folder, bar) or self._build(folder, bar)
             self._folders[folder] = t
             # An index is millions of long-lived objects: frozen, Python's full collections
-            # leave them alone (at 10k chunks each walked them for 200-500 ms, inside
-            # whichever request was allocating). Cycles among them are never garbage.
+            # leave them alone (else each walks them all, inside whichever request is
+            # allocating). Cycles among them are never garbage.
             gc.freeze()
         return t.index
 
@@ -119,7 +119,7 @@ class FolderIndexes:
             self._save(folder, t, strict)
         return t
 
-    def rebuild(self, folder: str, bar: tqdm | None = None) -> FolderIndex:
+    def rebuild(self, folder: str, bar: tqdm | None = None) -> ChunkIndex:
         """Build the folder's index from its files, ignoring what is saved, and save it (a
         save that fails raises here: this is what ``cwm memory reindex`` was asked for)."""
         self._folders.pop(folder, None)
@@ -166,11 +166,11 @@ class FolderIndexes:
         return t is not None and time.monotonic() - t.synced_at >= self.config.sync_interval_s
 
     def refresh(self, folder: str, stats: dict[str, tuple[int, int]] | None = None
-                ) -> FolderIndex:
+                ) -> ChunkIndex:
         """The folder's index after catching up with every change to its files. ``stats``:
         ``MemoryFiles.session_stats`` taken before the caller took the lock (the scan of a
-        folder's files, ~8 ms at 1,000 sessions, then blocks nobody); a session it does not
-        list is dropped only if its file is gone now, one it missed is seen next time."""
+        folder's files then blocks nobody); a session it does not list is dropped only if its
+        file is gone now, one it missed is seen next time."""
         idx = self.get(folder)
         t = self._folders[folder]
         now = time.monotonic()
@@ -234,7 +234,7 @@ class FolderIndexes:
     def appended(self, folder: str, session: str, turns: list[Turn], start: int,
                  end: int, prepared: Any = None) -> None:
         """Index turns this process just appended at ``[start, end)`` of the session file
-        (``prepared``: their units and vectors, see ``FolderIndex.add_turns``)."""
+        (``prepared``: their units and vectors, see ``ChunkIndex.add_turns``)."""
         t = self._folders.get(folder)
         if t is None:
             return
@@ -259,7 +259,7 @@ class FolderIndexes:
 
     # --- durable memories ------------------------------------------------------------------------
 
-    def memories(self, folder: str) -> MemoryIndex:
+    def memories(self, folder: str) -> FactIndex:
         """The folder's memory index, rebuilt whenever memories.md changed."""
         self.get(folder)
         t = self._folders[folder]
@@ -274,7 +274,7 @@ class FolderIndexes:
             if t.memories is not None and t.memories.same_corpus(mems):
                 t.memories.refresh(mems, sig)   # only access counts moved: no re-index
             else:
-                t.memories = MemoryIndex(self.embedder, mems, sig)
+                t.memories = FactIndex(self.embedder, mems, sig)
         return t.memories
 
 

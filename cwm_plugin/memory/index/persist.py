@@ -33,9 +33,9 @@ from pathlib import Path
 import hnswlib
 import numpy as np
 
-from cwm_plugin.memory.files.durable import locked, replace_durable
+from cwm_plugin.memory.files.durable import file_lock, replace_durable
 from cwm_plugin.memory.index.chunking import Unit, make_chunk
-from cwm_plugin.memory.index.chunks import FolderIndex, SessionState
+from cwm_plugin.memory.index.chunks import ChunkIndex, SessionIndex
 
 log = logging.getLogger(__name__)
 FORMAT = 1
@@ -53,7 +53,7 @@ class FileMark:
     digest: str  # sha256 hex of the first ``offset`` bytes
 
 
-def fingerprint(idx: FolderIndex) -> dict[str, object]:
+def fingerprint(idx: ChunkIndex) -> dict[str, object]:
     """Everything the stored chunks and vectors depend on."""
     return {"format": FORMAT, "embedder": idx.embedder.name, "dims": idx.embedder.dims,
             "tokenizer": idx.counter.name, "chunk_tokens": idx.chunk_tokens,
@@ -79,7 +79,7 @@ def _write(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
-def save(idx: FolderIndex, marks: dict[str, FileMark], root: Path, folder: str) -> str:
+def save(idx: ChunkIndex, marks: dict[str, FileMark], root: Path, folder: str) -> str:
     """Write a new generation of the folder's index and make it current; returns its name."""
     base = folder_dir(root, folder)
     gen = f"g{time.time_ns():x}-{os.getpid()}-{secrets.token_hex(2)}"
@@ -93,7 +93,7 @@ def save(idx: FolderIndex, marks: dict[str, FileMark], root: Path, folder: str) 
     # Two savers of one folder (the sidecar and `cwm memory reindex`) take turns here, so
     # CURRENT always names a folder that exists; each removes the generations before its own
     # and unfinished ones a crashed writer left (hidden, older than STALE_TMP_S).
-    with locked(base / "CURRENT"):
+    with file_lock(base / "CURRENT"):
         os.replace(tmp, base / gen)
         replace_durable(base / "CURRENT", gen + "\n")
         now = time.time()
@@ -107,7 +107,7 @@ def save(idx: FolderIndex, marks: dict[str, FileMark], root: Path, folder: str) 
     return gen
 
 
-def _write_generation(idx: FolderIndex, marks: dict[str, FileMark], tmp: Path) -> None:
+def _write_generation(idx: ChunkIndex, marks: dict[str, FileMark], tmp: Path) -> None:
     """The index's files in ``tmp``, synced."""
     sessions = {name: {"units": [[u.text, u.turn_id, u.ts, u.tokens] for u in st.units],
                        "labels": st.labels,
@@ -124,7 +124,7 @@ def _write_generation(idx: FolderIndex, marks: dict[str, FileMark], tmp: Path) -
             os.fsync(fh.fileno())
 
 
-def load(idx: FolderIndex, root: Path, folder: str) -> tuple[dict[str, FileMark], str] | None:
+def load(idx: ChunkIndex, root: Path, folder: str) -> tuple[dict[str, FileMark], str] | None:
     """Fill the empty ``idx`` from the current generation; ``(marks, generation)`` or None."""
     gen = current_generation(root, folder)
     if gen is None:
@@ -143,7 +143,7 @@ def load(idx: FolderIndex, root: Path, folder: str) -> tuple[dict[str, FileMark]
         if vectors.shape != (n, idx.embedder.dims) or hnsw.get_current_count() != n:
             raise ValueError("vector counts disagree")
         for name, raw in sessions.items():
-            st = SessionState(units=[Unit(t, tid, ts, tok) for t, tid, ts, tok in raw["units"]],
+            st = SessionIndex(units=[Unit(t, tid, ts, tok) for t, tid, ts, tok in raw["units"]],
                               labels=[int(x) for x in raw["labels"]])
             for b, e, cid, tokens in raw["spans"]:
                 chunk = make_chunk(name, st.units[b:e], None, tokens=int(tokens))

@@ -1,12 +1,12 @@
 """The index's token counts turned into the served model's: one ratio a folder and tokenizer.
 
 The index counts each line with its own tokenizer (``index_tokenizer``) when the line is
-indexed; a selection budgets in the served model's tokens. Counting a first turn's ~400
-candidate lines again with the served tokenizer took 35-60 ms of ~100 in the sidecar at 10k
-chunks; instead a line costs its index count times the ratio of the two tokenizers on the
-folder's own text, measured once on a sample of lines counted both ways. The packer's costs
-were estimates already: the assembled block is counted exactly, packed again with the room it
-left unused and cut back should it be over, so the budget holds exactly as before.
+indexed; a selection budgets in the served model's tokens. Counting a first turn's hundreds of
+candidate lines again with the served tokenizer would take a large part of the turn; instead a
+line costs its index count times the ratio of the two tokenizers on the folder's own text,
+measured once on a sample of lines counted both ways. The packer's costs are estimates
+anyway: the assembled block is counted exactly, packed again with the room it left unused
+and cut back should it be over, so the budget holds exactly.
 """
 
 from __future__ import annotations

@@ -11,13 +11,12 @@ Normalisation (hybrid): min-max per query over the candidate set, per method:
 to each if its scores are positive, else 0. BM25 scores are unbounded and their scale depends
 on the query's length and term rarity; cosine similarities sit in a narrow band (0.2-0.7 for
 MiniLM). Min-max puts both on [0, 1] *within this query*, so the best candidate of each method
-gets the full weight and the weights mean what they say. Measured on the LoCoMo development
-conversations (recall@10): min-max 0.932, z-score 0.930, reciprocal-rank fusion 0.921 (rank
-fusion throws away how far ahead the best candidate is, which is most of BM25's signal on exact
-names). Weights: 0.5 / 0.5 by default, no preference between the methods once normalised; the
-often quoted 0.3 / 0.7 assumes a dense model much stronger than BM25, and MiniLM-L6 on
-conversation text is the weaker of the two (0.3 / 0.7 gave 0.913 there, lower on all three
-conversations).
+gets the full weight and the weights mean what they say. It finds at least as much evidence
+as z-scores and more than reciprocal-rank fusion (``bench/memory_retrieval.md``), which throws
+away how far ahead the best candidate is, most of BM25's signal on exact names. Weights:
+0.5 / 0.5 by default, no preference between the methods once normalised; the often quoted
+0.3 / 0.7 assumes a dense model much stronger than BM25, and MiniLM-L6 on conversation text is
+the weaker of the two.
 
 Priors: a document's hybrid score is multiplied by its corpus's ``prior`` (1 for chunks;
 ``0.5 + importance`` for durable memories, so importance still weighs in). Recency (optional):
@@ -44,7 +43,7 @@ MODES = ("hybrid", "bm25", "vector")
 
 
 class Corpus(Protocol):
-    """What search needs of an index (``FolderIndex``, ``MemoryIndex``)."""
+    """What search needs of an index (``ChunkIndex``, ``FactIndex``)."""
 
     @property
     def n_vectors(self) -> int: ...

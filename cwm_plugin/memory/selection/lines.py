@@ -1,7 +1,7 @@
 """Retrieval at turn granularity: every line (a turn, or a piece of an over-long one) scored.
 
 What the model sees is what fits the memory budget (1,024 tokens by default), and with
-~400-token chunks two or three chunks fill it: one well-ranked but long chunk crowds out the
+400-token chunks two or three chunks fill it: one well-ranked but long chunk crowds out the
 evidence. So a selection ranks *lines* and packs the best of them (``pack.py``); chunks stay
 the unit of ``search`` (recall@k, the CLI) and lend each line their context.
 
@@ -22,10 +22,9 @@ A line's score, each part min-max normalised over the query's candidate lines (a
   names ("on 16 June, 2023", "in August": ``dates.py``): 1 inside it, 0 a week away.
 
 Candidates: the lines of the ``k`` best chunks, the ``n`` best lines by BM25 and the ``n``
-nearest line vectors (hnswlib). Measured on the LoCoMo development conversations
-(``bench/memory.py``, hybrid evidence recall within 1k / 2k tokens): 0.897 / 0.942 before the
-date match (packed once), 0.901 / 0.944 with it; without the chunk prior 0.853 / 0.912,
-without the neighbours' BM25 0.880 / 0.941, without the speaker match 0.888 / 0.927.
+nearest line vectors (hnswlib). Each part earns its place: without the chunk prior, the
+neighbours' BM25 or the speaker match less evidence fits the budget (``bench/memory.py``; the
+figures are in ``bench/memory_retrieval.md``).
 """
 
 from __future__ import annotations
@@ -38,16 +37,16 @@ import numpy as np
 
 from cwm_plugin.memory.index.bm25 import BM25Corpus
 from cwm_plugin.memory.index.chunking import Unit
-from cwm_plugin.memory.index.chunks import FolderIndex, SessionState
+from cwm_plugin.memory.index.chunks import ChunkIndex, SessionIndex
 from cwm_plugin.memory.index.search import search_index
 from cwm_plugin.memory.models import Hit, MemoryConfig
 from cwm_plugin.memory.selection.dates import nearness, periods
 from cwm_plugin.timing import Stages
 
 SEP = "\x1f"  # between session and line number in a line's document id
-# best lines taken from each method (BM25, vectors; the top chunks' lines come too). 100 and 200
-# reach the same LoCoMo recall within 1k / 2k / 4k (0.905 / 0.944 / 0.959): a 2k block holds
-# ~80 lines; a first turn at 10k chunks fuses and prices half as many lines
+# best lines taken from each method (BM25, vectors; the top chunks' lines come too): more find
+# no more evidence within the budgets (a 2k block holds fewer lines than that), and a first
+# turn fuses and prices every candidate
 LINE_CANDIDATES = 100
 FREEZE_AFTER = 5000  # lines added in one sync that make the corpus worth freezing (gc)
 
@@ -73,7 +72,7 @@ def speaker(unit: Unit) -> str:
 
 class LineCorpus:
     """BM25 over a folder's lines, alone and with their neighbours, kept in step with its
-    ``FolderIndex`` (lines are appended; a dropped session's lines are removed)."""
+    ``ChunkIndex`` (lines are appended; a dropped session's lines are removed)."""
 
     def __init__(self) -> None:
         self.alone = BM25Corpus()
@@ -84,9 +83,9 @@ class LineCorpus:
         self._speakers: dict[str, set[str]] = {}  # per session
         self._synced: tuple[int, int] | None = None  # (index.changes, sessions) at last sync
 
-    def sync(self, index: FolderIndex) -> None:
-        """Follow the index's appends and drops (nothing to walk when it has not changed: a
-        walk over 700 sessions cost ~2.5 ms a search)."""
+    def sync(self, index: ChunkIndex) -> None:
+        """Follow the index's appends and drops (nothing to walk when it has not changed, so
+        a search does not walk every session)."""
         state = (index.changes, len(index.sessions))
         if state == self._synced:
             return
@@ -141,7 +140,7 @@ def _minmax(x: np.ndarray) -> np.ndarray:
     return (x - lo) / (hi - lo)
 
 
-def rank_lines(index: FolderIndex, corpus: LineCorpus, query: str, qvec: np.ndarray | None,
+def rank_lines(index: ChunkIndex, corpus: LineCorpus, query: str, qvec: np.ndarray | None,
                cfg: MemoryConfig, *, mode: str = "hybrid", k_chunks: int = 20,
                stages: Stages | None = None) -> list[Line]:
     """The folder's lines scored for ``query`` (see the module docstring), best first."""
@@ -233,19 +232,19 @@ def _date_boost(query: str, units: list[Unit], weight: float) -> np.ndarray:
         else np.zeros(len(units))
 
 
-def _chunk_lines(index: FolderIndex, hit: Hit) -> list[str]:
+def _chunk_lines(index: ChunkIndex, hit: Hit) -> list[str]:
     session = hit.source.removeprefix("session:")
-    for b, e, cid in index.sessions.get(session, SessionState()).spans:
+    for b, e, cid in index.sessions.get(session, SessionIndex()).spans:
         if cid == hit.chunk_id:
             return [doc_id(session, r) for r in range(b, e)]
     return []
 
 
-def _unit(index: FolderIndex, key: str) -> Unit:
+def _unit(index: ChunkIndex, key: str) -> Unit:
     session, _, row = key.rpartition(SEP)
     return index.sessions[session].units[int(row)]
 
 
-def _label(index: FolderIndex, key: str) -> int:
+def _label(index: ChunkIndex, key: str) -> int:
     session, _, row = key.rpartition(SEP)
     return index.sessions[session].labels[int(row)]

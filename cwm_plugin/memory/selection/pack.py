@@ -10,10 +10,9 @@ exchange) are skipped. Costs are summed from counted pieces (each line and heade
 with the budget's counter); the caller counts the assembled block exactly and drops the last
 lines taken should joining have cost more.
 
-Measured on the LoCoMo development conversations (``bench/memory.py``, hybrid, evidence recall
-within 1,024 / 2,048 tokens): whole chunks, the last one trimmed, 0.836 / 0.898; lines packed
-0.897 / 0.942; with one neighbour each side 0.879 / 0.918 (a hit costs three lines), so
-``neighbours`` is 0 by default.
+Lines packed put more evidence within a budget than whole chunks, and more than lines with one
+neighbour each side (a hit then costs three lines), so ``neighbours`` is 0 by default
+(``bench/memory_retrieval.md``).
 """
 
 from __future__ import annotations
@@ -96,7 +95,7 @@ class Packed:
         return f"drop turn {p.lines.pop(row).unit.turn_id}: over budget once assembled"
 
 
-def pack(lines: list[Line], rows_of: Callable[[str], list], room: int,
+def pack_lines(lines: list[Line], rows_of: Callable[[str], list], room: int,
          count: Callable[[str], int], *, neighbours: int = 0,
          skip: Callable[[Line], bool] = lambda ln: False) -> Packed:
     """Take ``lines`` (best first) into passages while their estimated cost fits ``room``.
@@ -179,7 +178,7 @@ def _line_cost(passages: dict[tuple[str, str], Passage], g: Line,
                count: Callable[[str], int]) -> int | None:
     """``_extra_cost`` of one line, from its neighbours in its passage alone (``Passage.cost``
     of the passage with and without it, without copying or re-counting the passage: a
-    selection weighs ~400 lines, up to three times)."""
+    selection weighs hundreds of lines, up to three times)."""
     key = (g.session, g.unit.ts[:10])
     p = passages.get(key)
     own = count(g.unit.text) + 1

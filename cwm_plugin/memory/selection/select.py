@@ -17,7 +17,7 @@ separator, counted once and cached), which is cheap even when counting means ask
 should joining pieces have cost more than their sum, the last items are dropped until it fits,
 so ``Selection.tokens <= budget`` always holds. The sum is an upper estimate (a newline after
 punctuation shares its token), so lines are packed again with the room the assembled block
-left unused: on LoCoMo (``bench/memory.py``) 1k blocks held 974 tokens on average, 1,014 now.
+left unused: a block comes close to its budget.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 from cwm_plugin.memory.models import Hit, Memory, Selection
 from cwm_plugin.memory.selection.history import window
 from cwm_plugin.memory.selection.lines import Line
-from cwm_plugin.memory.selection.pack import Packed, pack
+from cwm_plugin.memory.selection.pack import Packed, pack_lines
 from cwm_plugin.memory.tokens import TokenCounter, content_text
 
 FACTS_HEADER = "Known facts about the user:"
@@ -174,8 +174,8 @@ def select(counter: TokenCounter, history: list[dict], recent_turns: int, budget
     """``present``: messages the prompt carries anyway (the current exchange): chunks made
     only of their text are skipped like recent ones. ``known``: token counts of lines made
     when the index was built, times ``scale`` in ``counter``'s tokens (1 when it is the
-    index's tokenizer): not counted again (counting a first turn's ~200-400 candidate lines
-    took 17 ms of a ~50 ms selection with the index's tokenizer, 35-60 ms with a model's)."""
+    index's tokenizer): not counted again (counting a first turn's hundreds of candidate
+    lines would be a large part of the selection, more so with a model's tokenizer)."""
     reasons: list[str] = []
     known = known or {}
     prefetch = getattr(counter, "count_many", None)
@@ -256,7 +256,7 @@ def _pack_filled(counter: TokenCounter, p: _Pieces, cands: Candidates, left: int
         return got
 
     def run(r: int) -> Packed:
-        return pack(cands.lines or [], cands.rows_of or (lambda s: []), r, p,
+        return pack_lines(cands.lines or [], cands.rows_of or (lambda s: []), r, p,
                     neighbours=cands.neighbours, skip=skip)
 
     packed = run(left)
@@ -274,8 +274,8 @@ def _pack_filled(counter: TokenCounter, p: _Pieces, cands: Candidates, left: int
 def _shrink(packed: Packed, p: _Pieces, over: int, ratio: float) -> list[str]:
     """Give back the lines taken last until their estimated cost, times ``ratio`` (real tokens
     per estimated one in this block), covers the ``over`` tokens the block has too many: one
-    exact count of the block after, where dropping a line at a time counted it again after
-    each (~0.8 ms a count of a 1k block with a model's tokenizer, up to six a selection)."""
+    exact count of the block after, not one after each line dropped (a count with a model's
+    tokenizer is not cheap)."""
     reasons: list[str] = []
     freed = 0.0
     while packed.taken and freed < over:

@@ -13,13 +13,13 @@ A new fact is merged into the memories in force (:func:`merge`):
   whose text is *related* (similarity at least ``RELATED``) is replaced: it stays in the file,
   struck through under the history heading with ``replaced_by`` and ``until``, and only the new
   one is searched and injected. Both conditions are needed: a small model names keys loosely
-  (it gave "home city" to an allergy), and two facts on one topic are not always exclusive
+  (it may file an allergy under "home city"), and two facts on one topic are not always exclusive
   (tea and coffee) unless the extraction says they share a key;
 - anything else is added.
 
-Measured with MiniLM: "lives in Lisbon" / "now lives in Porto" 0.77, "moved to Porto" 0.65,
-"works as a nurse" / "became a teacher" 0.52; unrelated facts 0.14-0.35; "allergic to peanuts"
-/ "severely allergic to peanuts" 0.99.
+The thresholds sit between MiniLM's similarities of such pairs: "lives in Lisbon" / "now lives
+in Porto" 0.77, "moved to Porto" 0.65, "works as a nurse" / "became a teacher" 0.52; unrelated
+facts 0.14-0.35; "allergic to peanuts" / "severely allergic to peanuts" 0.99.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.memory.files.durable import locked, replace_durable
+from cwm_plugin.memory.files.durable import file_lock, replace_durable
 from cwm_plugin.memory.files.markdown import MemoryFiles, utc_iso
 from cwm_plugin.memory.index.persist import folder_dir
 from cwm_plugin.memory.models import CATEGORIES, Memory
@@ -118,7 +118,7 @@ class FactStore:
         """Count one more use of each of these memories (in the derived ``access.json``;
         ``memories.md`` is left as it is)."""
         path = access_path(self.files.root, folder)
-        with self.lock(folder), locked(path):
+        with self.lock(folder), file_lock(path):
             counts = access_counts(self.files.root, folder)
             for i in ids:
                 counts[i] = counts.get(i, 0) + 1

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.files.markdown import utc_iso
-from cwm_plugin.memory.files.names import check_name, check_role
+from cwm_plugin.memory.files.names import check_memory_name, check_role
 from cwm_plugin.memory.index.embeddings import MiniLMEmbedder
 from cwm_plugin.memory.models import Turn, new_turn_id
 
@@ -53,7 +53,7 @@ _ROLE_UNSAFE = re.compile(r"[^A-Za-z0-9 _.'-]")
 
 
 @dataclass
-class Conversation:
+class ImportedConversation:
     session: str
     turns: list[tuple[str, str]]  # (role or speaker, text)
     ts: str | None = None
@@ -95,7 +95,7 @@ def _openai_turns(messages: list[Any], where: str) -> list[tuple[str, str]]:
     return out
 
 
-def read_jsonl(path: Path, prefix: str) -> Iterator[Conversation]:
+def read_jsonl(path: Path, prefix: str) -> Iterator[ImportedConversation]:
     with open(path, encoding="utf-8") as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
@@ -111,7 +111,7 @@ def read_jsonl(path: Path, prefix: str) -> Iterator[Conversation]:
             session = obj.get("session") if isinstance(obj, dict) else None
             name = _SAFE.sub("_", str(session))[:64] if session else f"{prefix}-{n:06d}"
             ts = obj.get("ts") if isinstance(obj, dict) else None
-            yield Conversation(name, _openai_turns(messages, where),
+            yield ImportedConversation(name, _openai_turns(messages, where),
                                None if ts is None else iso_time(ts, f"{where}: `ts`"))
 
 
@@ -150,7 +150,7 @@ def speaker_role(raw: object) -> str:
     return role or "speaker"
 
 
-def read_locomo(path: Path, prefix: str) -> Iterator[Conversation]:
+def read_locomo(path: Path, prefix: str) -> Iterator[ImportedConversation]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except ValueError:
@@ -165,11 +165,11 @@ def read_locomo(path: Path, prefix: str) -> Iterator[Conversation]:
                           key=lambda k: int(k.split("_")[1])):
             turns = [(speaker_role(t.get("speaker")), str(t.get("text") or ""))
                      for t in conv[key] if isinstance(t, dict) and t.get("text")]
-            yield Conversation(f"{name}-s{key.split('_')[1]}", turns,
+            yield ImportedConversation(f"{name}-s{key.split('_')[1]}", turns,
                                _locomo_time(conv.get(f"{key}_date_time")))
 
 
-def read_conversations(path: Path) -> Iterator[Conversation]:
+def read_conversations(path: Path) -> Iterator[ImportedConversation]:
     """The conversations in a file (by its extension: ``.jsonl`` or ``.json``)."""
     prefix = _SAFE.sub("_", path.stem)[:40] or "import"
     if path.suffix == ".jsonl":
@@ -213,15 +213,15 @@ def embedding_pool(service: Any, workers: int, texts: int) -> Iterator[Callable 
         yield compute
 
 
-def import_sessions(service: Any, folder: str, conversations: list[Conversation], *,
+def import_sessions(service: Any, folder: str, conversations: list[ImportedConversation], *,
                     progress: bool = True, workers: int = 1) -> ImportStats:
     """Write and index ``conversations`` into ``folder``'s memory (see the module docstring);
     ``workers`` processes embed a large import (the local MiniLM model only)."""
-    check_name("folder", folder)
+    check_memory_name("folder", folder)
     t0 = time.perf_counter()
     merged: dict[str, list[Turn]] = {}  # one append a session, conversations in order
     for c in conversations:  # everything checked before anything is written
-        check_name("session", c.session)
+        check_memory_name("session", c.session)
         ts = utc_iso() if c.ts is None else iso_time(c.ts, f"session {c.session}: ts")
         merged.setdefault(c.session, []).extend(
             Turn(new_turn_id(), check_role(role), text, ts) for role, text in c.turns)

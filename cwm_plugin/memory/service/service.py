@@ -1,9 +1,12 @@
 """The memory façade the sidecar and the CLI call: ``MemoryService``.
 
-Files are the truth (``files/markdown.py``); each folder's indexes are derived from them and kept in
-step by ``folders.py`` (loaded from their saved copy or built, caught up with appends, rebuilt
-where a file was edited). One lock a folder serialises index changes inside this process; file
-appends are also locked across processes. Embeddings go through an on-disk cache under
+The service owns the files, each folder's indexes, its lock per folder and the transcript
+writer (``transcripts.py``: recording turns, which it delegates), and does the reading side:
+search, selection, durable memories and summaries. Files are the truth
+(``files/markdown.py``); each folder's indexes are derived from them and kept in step by
+``folders.py`` (loaded from their saved copy or built, caught up with appends, rebuilt where a
+file was edited). One lock a folder serialises index changes inside this process; file appends
+are also locked across processes. Embeddings go through an on-disk cache under
 ``<root>/.cache/embeddings``; saved indexes live under ``<root>/.index``.
 """
 
@@ -13,15 +16,16 @@ import gc
 import logging
 import threading
 import time
+from datetime import datetime
 
 import numpy as np
 from tqdm import tqdm
 
 from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.files.markdown import MemoryFiles
-from cwm_plugin.memory.files.names import check_name
+from cwm_plugin.memory.files.names import check_memory_name
 from cwm_plugin.memory.files.pending import PendingTurns
-from cwm_plugin.memory.index.chunks import FolderIndex
+from cwm_plugin.memory.index.chunks import ChunkIndex
 from cwm_plugin.memory.index.embeddings import CachedEmbedder, Embedder
 from cwm_plugin.memory.index.folders import FolderIndexes
 from cwm_plugin.memory.index.ratios import TokenRatios
@@ -43,7 +47,7 @@ CHAT_ROLES = ("user", "assistant")
 SEARCH_K = 10
 
 
-class MemoryService(TranscriptWriter):
+class MemoryService:
     def __init__(self, config: MemoryConfig, embedder: Embedder, counter: TokenCounter,
                  metrics: MemoryMetrics | None = None) -> None:
         self.config = config
@@ -59,8 +63,9 @@ class MemoryService(TranscriptWriter):
         self._locks: dict[str, threading.RLock] = {}
         self._guard = threading.Lock()
         self.pending = PendingTurns()  # appended with defer_index, not indexed yet
-        self._lines: dict[str, tuple[FolderIndex, LineCorpus]] = {}  # per folder, per index
-        self._unindexed: set[str] = set()  # folders whose last inline indexing failed
+        self._lines: dict[str, tuple[ChunkIndex, LineCorpus]] = {}  # per folder, per index
+        self.writer = TranscriptWriter(self.files, embedder, self.indexes, self.pending,
+                                       self.lock, self._catch_up)
         self.ratios = TokenRatios()  # index tokens -> a served model's, per folder
         self.syncs = FolderJobs()  # looks for other writers a selection found due
 
@@ -71,9 +76,46 @@ class MemoryService(TranscriptWriter):
         with self._guard:
             return self._locks.setdefault(folder, threading.RLock())
 
-    def index(self, folder: str) -> FolderIndex:
+    # --- transcripts: the writer's ---------------------------------------------------------
+
+    def record_turn(self, folder: str, session: str, role: str, content: str, *,
+                    turn_id: str | None = None, ts: datetime | None = None) -> str:
+        """Append one turn to the session's file (durably), then index it; returns its id."""
+        return self.writer.record_turn(folder, session, role, content, turn_id=turn_id, ts=ts)
+
+    def record_turns(self, folder: str, session: str, turns: list[tuple[str, str]], *,
+                     turn_ids: list[str | None] | None = None,
+                     ts: datetime | None = None, defer_index: bool = False) -> list[str]:
+        """Append turns in one durable write, then index them (``defer_index``: later, by
+        :meth:`index_pending`); returns their ids (:meth:`TranscriptWriter.record_turns`)."""
+        return self.writer.record_turns(folder, session, turns, turn_ids=turn_ids, ts=ts,
+                                        defer_index=defer_index)
+
+    def index_pending(self, folder: str) -> int:
+        """Index the turns appended with ``defer_index``; returns how many batches."""
+        return self.writer.index_pending(folder)
+
+    def transcript(self, folder: str, session: str) -> list[dict]:
+        """Turns read back from the file: ``turn_id`` (also ``id``), role, content, ts."""
+        return self.writer.transcript(folder, session)
+
+    def _catch_up(self, folder: str) -> None:
+        """After an indexing, or in the background when a selection found it due: the look for
+        other writers (when a ``sync_interval_s`` has passed; the scan of the files made
+        before taking the lock) and the line corpus."""
+        try:
+            stats = self.files.session_stats(folder) if self.indexes.due(folder) else None
+            with self.lock(folder):
+                idx = self.indexes.refresh(folder, stats)
+                got = self._lines.get(folder)
+                if got is not None and got[0] is idx:
+                    got[1].sync(idx)
+        except Exception as exc:  # noqa: BLE001 - the next search looks again, and says
+            log.debug("folder %s: catching up after an indexing failed: %s", folder, exc)
+
+    def index(self, folder: str) -> ChunkIndex:
         """The folder's chunk index, caught up with its files."""
-        check_name("folder", folder)
+        check_memory_name("folder", folder)
         self.index_pending(folder)
         with self.lock(folder):
             return self.indexes.refresh(folder)
@@ -100,9 +142,9 @@ class MemoryService(TranscriptWriter):
     def search(self, folder: str, query: str, k: int = 10, *, mode: str = "hybrid",
                session: str | None = None) -> list[Hit]:
         """The ``k`` best chunks of the folder's transcripts (one session's, if given)."""
-        check_name("folder", folder)
+        check_memory_name("folder", folder)
         if session is not None:
-            check_name("session", session)
+            check_memory_name("session", session)
         t0 = time.perf_counter()
         qvec = self._embed_one(query) if mode != "bm25" else None
         self.index_pending(folder)
@@ -115,7 +157,7 @@ class MemoryService(TranscriptWriter):
     def search_memories(self, folder: str, query: str, k: int = 8, *,
                         mode: str = "hybrid") -> list[Hit]:
         """The ``k`` best durable memories (``Hit.source == "memory"``, ``chunk_id`` = id)."""
-        check_name("folder", folder)
+        check_memory_name("folder", folder)
         qvec = self._embed_one(query) if mode != "bm25" and query.strip() else None
         with self.lock(folder):
             return self._memory_hits(folder, query, qvec, k, mode, Stages())
@@ -160,9 +202,9 @@ class MemoryService(TranscriptWriter):
         caller's namespaces it may read) whose durable memories compete for the facts;
         ``passages=False``: the quick view, no conversation is searched (facts and summary).
         """
-        check_name("folder", folder)
+        check_memory_name("folder", folder)
         if session is not None:
-            check_name("session", session)
+            check_memory_name("session", session)
         if budget_tokens < 0:
             raise InvalidInput("budget_tokens must be >= 0")
         stages = stages or Stages()
@@ -194,7 +236,7 @@ class MemoryService(TranscriptWriter):
     def ranked_lines(self, folder: str, query: str, *, mode: str = "hybrid") -> list[Line]:
         """Every candidate line for ``query`` scored as a selection scores it, best first
         (``selection/lines.py``): what the packer chooses from (``bench/memory.py`` measures it)."""
-        check_name("folder", folder)
+        check_memory_name("folder", folder)
         qvec = self._embed_one(query) if mode != "bm25" and query.strip() else None
         self.index_pending(folder)
         with self.lock(folder):
@@ -237,7 +279,7 @@ class MemoryService(TranscriptWriter):
                                    else None for h in hits]
         facts = [(h, by_id[h.chunk_id]) for h in fact_hits]
         for other in shared:  # one folder's lock at a time: never two held together
-            if self.files.memories_path(check_name("folder", other)).exists():
+            if self.files.memories_path(check_memory_name("folder", other)).exists():
                 with self.lock(other):
                     got = self.indexes.memories(other).memories
                     facts += [(h, got[h.chunk_id]) for h in self._memory_hits(
@@ -254,17 +296,17 @@ class MemoryService(TranscriptWriter):
                           rows_of=lambda s: idx.sessions[s].units if s in idx.sessions else [],
                           neighbours=self.config.turn_neighbours)
 
-    def _searchable(self, folder: str) -> FolderIndex:
+    def _searchable(self, folder: str) -> ChunkIndex:
         """A selection's index (the folder's lock held). With ``sync_interval_s`` > 0 a look
         for other writers that is due is not made here but queued for the background (the
-        next selection sees what it found: a first turn at 1,000 sessions paid ~8-20 ms for
-        it); with 0 every selection looks first."""
+        next selection sees what it found, and no turn waits for the scan of a large folder);
+        with 0 every selection looks first."""
         if self.config.sync_interval_s > 0 and self.indexes.due(folder):
             self.syncs.soon(folder, self._catch_up)
             return self.indexes.get(folder)
         return self.indexes.refresh(folder)
 
-    def _line_corpus(self, folder: str, idx: FolderIndex) -> LineCorpus:
+    def _line_corpus(self, folder: str, idx: ChunkIndex) -> LineCorpus:
         """The folder's line BM25 (``selection/lines.py``), new when its index was rebuilt or
         reloaded."""
         got = self._lines.get(folder)
@@ -283,7 +325,7 @@ class MemoryService(TranscriptWriter):
     def add_fact(self, folder: str, text: str, category: str, importance: float = 0.5, *,
                  key: str = "", source: str = "") -> Merged:
         """:meth:`add_memory`, saying what happened (added, duplicate, updated)."""
-        check_name("folder", folder)
+        check_memory_name("folder", folder)
         return self.facts.add(folder, text, category, importance, key=key, source=source)
 
     def _similar(self, text: str, others: list[str]) -> np.ndarray:
@@ -313,7 +355,7 @@ class MemoryService(TranscriptWriter):
     def reindex(self, folder: str | None = None, progress: bool = True) -> int:
         """Rebuild the indexes of one folder (or all) from the files and save them to disk;
         returns the number of chunks. ``progress`` shows a tqdm bar (sessions) on stderr."""
-        folders = [check_name("folder", folder)] if folder else self.files.folders()
+        folders = [check_memory_name("folder", folder)] if folder else self.files.folders()
         total_sessions = sum(len(self.files.sessions(t)) for t in folders)
         chunks = 0
         with tqdm(total=total_sessions, desc="reindex", unit="session",

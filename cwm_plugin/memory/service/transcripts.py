@@ -1,7 +1,8 @@
 """The write side of ``MemoryService``: turns appended to their session's file, then indexed.
 
-A mixin of the service (``service.py``), which owns the attributes it declares: appends are
-durable first (``files/markdown.py``), indexing follows under the folder's lock, or later with
+:class:`TranscriptWriter` works on the service's files and indexes, under the service's folder
+locks (``service.py`` owns them and makes the writer): appends are durable first
+(``files/markdown.py``), indexing follows under the folder's lock, or later with
 ``defer_index`` (``pending.py``: a caller answering a client embeds the new lines after it
 answered; the next search of the folder indexes them first).
 """
@@ -10,32 +11,34 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from datetime import datetime
 
 from cwm_plugin.memory.files.markdown import MemoryFiles
-from cwm_plugin.memory.files.names import check_name
+from cwm_plugin.memory.files.names import check_memory_name
 from cwm_plugin.memory.files.pending import Batch, PendingTurns, turn_records
 from cwm_plugin.memory.index.chunking import Unit
-from cwm_plugin.memory.index.chunks import FolderIndex
 from cwm_plugin.memory.index.embeddings import Embedder
 from cwm_plugin.memory.index.folders import FolderIndexes
-from cwm_plugin.memory.selection.lines import LineCorpus
 
 log = logging.getLogger(__name__)
 
 
 class TranscriptWriter:
-    """Recording turns and indexing them (see the module docstring)."""
+    """Recording turns and indexing them (see the module docstring); ``lock(folder)``: the
+    folder's lock, ``caught_up(folder)``: what follows an indexing (the service's look for
+    other writers)."""
 
-    files: MemoryFiles
-    embedder: Embedder
-    indexes: FolderIndexes
-    pending: PendingTurns
-    _lines: dict[str, tuple[FolderIndex, LineCorpus]]
-    _unindexed: set[str]  # folders whose last inline indexing failed
-
-    def lock(self, folder: str) -> threading.RLock:  # the service's
-        raise NotImplementedError
+    def __init__(self, files: MemoryFiles, embedder: Embedder, indexes: FolderIndexes,
+                 pending: PendingTurns, lock: Callable[[str], threading.RLock],
+                 caught_up: Callable[[str], None]) -> None:
+        self.files = files
+        self.embedder = embedder
+        self.indexes = indexes
+        self.pending = pending
+        self.lock = lock
+        self.caught_up = caught_up
+        self._unindexed: set[str] = set()  # folders whose last inline indexing failed
 
     def record_turn(self, folder: str, session: str, role: str, content: str, *,
                     turn_id: str | None = None, ts: datetime | None = None) -> str:
@@ -50,8 +53,8 @@ class TranscriptWriter:
         (adjacent, one fsync), then index them; returns their ids. ``defer_index`` leaves the
         indexing (embedding the new lines) to :meth:`index_pending`, which the next search of
         the folder runs first anyway: a caller answering a client can do it afterwards."""
-        check_name("folder", folder)
-        check_name("session", session)
+        check_memory_name("folder", folder)
+        check_memory_name("session", session)
         records = turn_records(turns, turn_ids, ts)
         if not records:
             return []
@@ -89,7 +92,7 @@ class TranscriptWriter:
         with self.pending.take(folder) as todo:
             if todo:
                 self._index_batches(folder, todo)
-                self._catch_up(folder)
+                self.caught_up(folder)
         return len(todo)
 
     def _index_batches(self, folder: str, todo: list[Batch]) -> None:
@@ -111,20 +114,6 @@ class TranscriptWriter:
                 self.indexes.appended(folder, session, records, start, end,
                                       prepared=(us, vecs))
                 at += len(ins)
-
-    def _catch_up(self, folder: str) -> None:
-        """After an indexing, or in the background when a selection found it due: the look for
-        other writers (when a ``sync_interval_s`` has passed; the scan of the files made
-        before taking the lock) and the line corpus (~5-10 ms each at 10k chunks)."""
-        try:
-            stats = self.files.session_stats(folder) if self.indexes.due(folder) else None
-            with self.lock(folder):
-                idx = self.indexes.refresh(folder, stats)
-                got = self._lines.get(folder)
-                if got is not None and got[0] is idx:
-                    got[1].sync(idx)
-        except Exception as exc:  # noqa: BLE001 - the next search looks again, and says
-            log.debug("folder %s: catching up after an indexing failed: %s", folder, exc)
 
     def transcript(self, folder: str, session: str) -> list[dict]:
         """Turns read back from the file: ``turn_id`` (also ``id``), role, content, ts."""

@@ -25,7 +25,7 @@ from cwm_plugin.sidecar.api.schema import body_doc
 from cwm_plugin.sidecar.http.errors import BodyTooLarge
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
 from cwm_plugin.sidecar.identity.ratelimit import Slots
-from cwm_plugin.windows.model import check_name
+from cwm_plugin.windows.model import check_window_name
 from cwm_plugin.windows.portable import export_window, import_window
 
 CHUNK = 1 << 20
@@ -46,7 +46,7 @@ def windows_files_router(sidecar: Any, run: Callable[..., Any],
     @router.get("/windows/{name}/export")
     async def export(name: str, request: Request) -> StreamingResponse:
         ident = caller(request, "read")
-        check_name(name)
+        check_window_name(name)
         spool = tempfile.SpooledTemporaryFile(max_size=SPOOL)  # noqa: SIM115 - closed below
         try:
             summary = await run(ident, lambda e: export_window(e, owner_of(ident), name, spool))
@@ -70,7 +70,7 @@ def windows_files_router(sidecar: Any, run: Callable[..., Any],
     async def import_(request: Request, name: str | None = None) -> dict[str, Any]:
         ident = caller(request, "write")
         if name is not None:
-            check_name(name)
+            check_window_name(name)
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"window file over {limit} bytes",

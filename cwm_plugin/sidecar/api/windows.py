@@ -48,7 +48,7 @@ from cwm_plugin.sidecar.identity.caller import identity_of, model_body, principa
 from cwm_plugin.sidecar.turn.arrivals import Arrivals
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
-from cwm_plugin.windows.model import check_name
+from cwm_plugin.windows.model import check_window_name
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     async def freeze(request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
         body = await model_body(request, FreezeBody)
-        check_name(body.name)
+        check_window_name(body.name)
         session = session_of(body.session)
         turns = getattr(sidecar.tracker.peek(owner_of(ident), session), "turns", Arrivals())
         coming, wait = turns.coming(), turns.patience(settings.windows.wait_s)
@@ -192,7 +192,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
         body = await model_body(request, ThawBody)
         session = session_of(body.session)
         salt = auth.session_salt(ident, session)
-        r = await run(ident, lambda e: e.thaw(owner_of(ident), check_name(name),
+        r = await run(ident, lambda e: e.thaw(owner_of(ident), check_window_name(name),
                                               session=session, salt=salt, model=body.model))
         sidecar.tracker.get(owner_of(ident), session).adopt(r.prompt)  # its next turn
         if body.warm:
@@ -210,8 +210,8 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     async def clone(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
         body = await model_body(request, CloneBody)
-        m = await run(ident, lambda e: e.clone(owner_of(ident), check_name(name),
-                                               check_name(body.name), tags=body.tags,
+        m = await run(ident, lambda e: e.clone(owner_of(ident), check_window_name(name),
+                                               check_window_name(body.name), tags=body.tags,
                                                description=body.description))
         return {"object": "window", **m.public()}
 
@@ -235,13 +235,13 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     async def status(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request)
         return {"object": "window",
-                **await run(ident, lambda e: e.status(owner_of(ident), check_name(name)))}
+                **await run(ident, lambda e: e.status(owner_of(ident), check_window_name(name)))}
 
     @router.patch("/windows/{name}", openapi_extra=body_doc(PatchBody))
     async def patch(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
         body = await model_body(request, PatchBody)
-        m = await run(ident, lambda e: e.patch(owner_of(ident), check_name(name),
+        m = await run(ident, lambda e: e.patch(owner_of(ident), check_window_name(name),
                                                new_name=body.name, tags=body.tags,
                                                description=body.description))
         return {"object": "window", **m.public()}
@@ -249,7 +249,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     @router.delete("/windows/{name}")
     async def delete(name: str, request: Request) -> dict[str, Any]:
         ident = caller(request, "write")
-        await run(ident, lambda e: e.delete(owner_of(ident), check_name(name)))
+        await run(ident, lambda e: e.delete(owner_of(ident), check_window_name(name)))
         return {"object": "window.deleted", "name": name, "deleted": True}
 
     @router.get("/sessions")

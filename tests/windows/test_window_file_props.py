@@ -3,7 +3,7 @@ bytes are a ``bad_window_file`` or a checked file, never another error; a file w
 fields are arbitrary JSON is imported whole -- and then lists, shows, thaws and exports like
 any window -- or refused with a client error, pinning and writing nothing. Over a real disk
 store with a served model; the same through the sidecar's HTTP route is in
-tests/sidecar/test_window_imports_unit.py."""
+tests/sidecar/windows/test_window_imports_unit.py."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 
 pytestmark = pytest.mark.unit
-DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[3] / "configs" / "grafana-dashboard.json"
 
 
 def test_dashboard_metrics_exist():

@@ -28,7 +28,7 @@ from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.windows.conversation import ConversationRecords
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from window_helpers import BS, converse  # noqa: E402
 
 pytestmark = pytest.mark.unit

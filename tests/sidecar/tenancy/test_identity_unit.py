@@ -134,7 +134,7 @@ def test_settings_validation_never_echoes_the_secret(tmp_path, monkeypatch):
 def test_the_documented_example_config_loads():
     from pathlib import Path
 
-    example = Path(__file__).resolve().parents[2] / "configs" / "sidecar.yaml"
+    example = Path(__file__).resolve().parents[3] / "configs" / "sidecar.yaml"
     s = load_settings(example)
     assert [t.name for t in s.tenants] == ["acme", "beta"]
     assert (s.prompt.history, s.prompt.placement, s.prompt.refresh) == \

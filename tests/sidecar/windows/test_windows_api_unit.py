@@ -19,7 +19,7 @@ from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.server_thread import ServerThread
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from window_helpers import NS, WORKERS, converse  # noqa: E402
 
 pytestmark = pytest.mark.unit

@@ -28,7 +28,7 @@ from cwm_plugin.windows.cli import client_from_args
 from cwm_plugin.windows.client import HttpWindows
 from cwm_plugin.windows.engine import WindowEngine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from window_helpers import BS, NS, converse  # noqa: E402
 
 pytestmark = pytest.mark.unit

@@ -251,7 +251,7 @@ def test_background_work_goes_to_the_background_upstream_and_falls_back(tmp_path
 def test_the_documented_routing_examples_are_valid():
     """configs/sidecar.yaml: its rules are the defaults, its commented-out upstreams and
     activity examples load as they are written."""
-    path = Path(__file__).parents[2] / "configs" / "sidecar.yaml"
+    path = Path(__file__).parents[3] / "configs" / "sidecar.yaml"
     assert load_settings(path).routing.rules == DEFAULT_RULES
     lines = path.read_text().splitlines()
 

@@ -72,13 +72,14 @@ def run(args: argparse.Namespace) -> dict:
     out: dict = {"machine": machine(), "tokens": args.tokens, "samples": args.samples}
     with server:
         stream_ttft(server, "warm-up: " + prompt[:2000], "warm-up", max_tokens=1)
+        sent = time.time()      # its record is written after the reply: freezes wait for it
         cold_s, cold_ids, n_prompt = stream_ttft(server, prompt, "session-0")
         store = KVStore(StoreConfig(**store_cfg, memory_bytes=0), registry=CollectorRegistry())
         eng = WindowEngine(store)
         bar = tqdm(total=args.samples, desc="windows", unit="round")
         for i in range(args.samples):
             dt, w = timed(lambda i=i: eng.freeze("bench", f"w{i}", session="session-0",
-                                                 salt="session-0"))
+                                                 salt="session-0", coming={1: sent}))
             samples["freeze_s"].append(dt)
             before = sum(u["bytes"] or 0 for u in store.usage().values())
             dt, _ = timed(lambda i=i: eng.clone("bench", f"w{i}", f"c{i}"))

@@ -184,7 +184,9 @@ class WindowEngine:
                                     "client turns; freeze without a turn for the latest")
             raise NotFound(f"session {session!r} has no saved context yet",
                            hint="send at least one request in that session (through vLLM "
-                                "with the cwm connector and a durable store) before freezing")
+                                "with the cwm connector and a durable store) before freezing; "
+                                "a request that just finished leaves its record when its "
+                                "blocks are saved: try again in a moment")
         rec, hashes = found
         keys = self.blocks.keys(rec.workers, hashes)
         self.blocks.complete(keys, f"session {session!r}", deadline, block_size=rec.block_size,

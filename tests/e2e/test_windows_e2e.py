@@ -9,6 +9,8 @@ frozen on one server thaws on another through a shared Redis.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client import CollectorRegistry
 from test_connector import HITS, long_text, serve
@@ -22,20 +24,27 @@ pytestmark = pytest.mark.e2e
 SYSTEM = {"role": "system", "content": "You are a careful assistant."}
 
 
-def ask(server, messages: list[dict], salt: str, max_tokens: int = 12) -> tuple[str, list[int]]:
-    out = server.chat(messages, max_tokens=max_tokens, return_token_ids=True, cache_salt=salt)
+def ask(server, messages: list[dict], salt: str, max_tokens: int = 12,
+        **cwm: float) -> tuple[str, list[int]]:
+    kw = {"kv_transfer_params": {"cwm": cwm}} if cwm else {}
+    out = server.chat(messages, max_tokens=max_tokens, return_token_ids=True, cache_salt=salt,
+                      **kw)
     choice = out["choices"][0]
     return choice["message"]["content"], choice["token_ids"]
 
 
-def conversation(server, salt: str) -> list[dict]:
-    """Three turns under ``salt``; the history a client would hold afterwards."""
-    msgs = [SYSTEM]
-    for i in range(3):
-        msgs.append({"role": "user", "content": long_text(70 + i, 160)})
-        text, _ = ask(server, msgs, salt)
+def conversation(server, salt: str) -> tuple[list[dict], dict[int, float]]:
+    """Three turns under ``salt``, each telling the connector when it arrived, as the sidecar
+    does: the history a client would hold afterwards, and {turn: arrival} for a freeze to
+    wait for (a turn's record is written after its reply, when its blocks are saved: a
+    freeze the moment the reply is in found no record yet on a slow machine)."""
+    msgs, arrivals = [SYSTEM], {}
+    for turn in (1, 2, 3):
+        msgs.append({"role": "user", "content": long_text(69 + turn, 160)})
+        arrivals[turn] = time.time()
+        text, _ = ask(server, msgs, salt, turn=turn, at=arrivals[turn])
         msgs.append({"role": "assistant", "content": text})
-    return msgs
+    return msgs, arrivals
 
 
 def engine_on(settings: dict) -> WindowEngine:
@@ -49,10 +58,10 @@ def test_freeze_restart_thaw_clone_and_branches_restore_exactly(tiny_model, vllm
     store = {"disk_path": str(tmp_path / "store"), "disk_bytes": 24 << 20,
              "pin_quota_bytes": 20 << 20}
     server = serve(vllm_factory, tiny_model, store, env={"VLLM_SERVER_DEV_MODE": "1"}).start()
-    history = conversation(server, "salt-alice")
+    history, arrivals = conversation(server, "salt-alice")
     eng = engine_on(store)
     window = eng.freeze("acme", "trip", session="alice", salt="salt-alice",
-                        messages=history)
+                        messages=history, coming=arrivals)
     assert window.pinned_tokens >= 3 * 128
 
     server.restart()
@@ -101,9 +110,9 @@ def test_a_window_frozen_on_one_server_thaws_on_another_through_redis(
     shared = {"redis_url": redis_server.url, "redis_write": "behind"}
     a, b = start_all(*(serve(vllm_factory, tiny_model, {**shared, "disk_path": str(tmp_path / n)})
                        for n in "ab"))
-    history = conversation(a, "salt-a")
+    history, arrivals = conversation(a, "salt-a")
     eng_a = engine_on({**shared, "disk_path": str(tmp_path / "a")})
-    w = eng_a.freeze("acme", "handover", session="a", salt="salt-a")
+    w = eng_a.freeze("acme", "handover", session="a", salt="salt-a", coming=arrivals)
     tiers = eng_a.status("acme", "handover")["tiers"]
     assert tiers["redis"]["complete"] and tiers["redis"]["blocks"] == w.num_blocks
     eng_a.store.close()
@@ -129,9 +138,10 @@ def test_an_exported_window_imported_into_a_fresh_store_restores_exactly(
 
     a, b = start_all(*(serve(vllm_factory, tiny_model, {"disk_path": str(tmp_path / n)})
                        for n in "ab"))                       # b: a store of its own
-    history = conversation(a, "salt-a")
+    history, arrivals = conversation(a, "salt-a")
     eng_a = engine_on({"disk_path": str(tmp_path / "a")})
-    w = eng_a.freeze("acme", "trip", session="a", salt="salt-a", messages=history)
+    w = eng_a.freeze("acme", "trip", session="a", salt="salt-a", messages=history,
+                     coming=arrivals)
     path = tmp_path / "trip.cwmw"
     with open(path, "wb") as out:
         export_window(eng_a, "acme", "trip", out)

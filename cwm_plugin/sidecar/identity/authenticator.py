@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from cwm_plugin.errors import Forbidden, InvalidInput
 from cwm_plugin.salts import derive_salt, user_session
+from cwm_plugin.salts import owner_of as owner_name
 from cwm_plugin.sidecar.identity.access import PermissionDenied, Permissions
 from cwm_plugin.sidecar.settings import ProviderConfig, TenantConfig
 from cwm_plugin.sidecar.settings.access import AccessSettings
@@ -91,8 +92,9 @@ class Identity:
 
 
 def owner_of(ident: Identity) -> str:
-    """Whose context windows a request sees: its tenant's, or its user's inside the tenant."""
-    return ident.tenant if ident.user is None else f"{ident.tenant}/{ident.folder}"
+    """Whose context windows, sessions, activity chain and usage rows a request's are: its
+    tenant's, or its user's inside the tenant (:func:`cwm_plugin.salts.owner_of`)."""
+    return owner_name(ident.tenant, None if ident.user is None else ident.folder)
 
 
 def hash_key(api_key: str) -> str:

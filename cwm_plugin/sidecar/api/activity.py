@@ -120,7 +120,7 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
     def caller(request: Request, op: str) -> Identity:
         """The caller, its principal allowed ``op`` on the ``activity`` namespace."""
         ident = identity_of(request)
-        perms.require(ident.tenant, perms.namespace("activity"), op)
+        perms.require(ident, perms.namespace("activity"), op)
         return ident
 
     def readable(ident: Identity) -> Callable[[str], bool] | None:
@@ -129,13 +129,16 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
         if read == "all":
             return None
         mine = owner_of(ident)
-        others = set() if read == "own" else \
-            set(perms.readable_principals(ident.tenant)) - {ident.tenant}
+        principals = set(perms.readable_principals(ident))
+        if read == "own":
+            principals &= {ident.tenant}
 
         def sees(principal: str) -> bool:
-            if tenant_of(principal) == ident.tenant:
-                return principal == mine or user_of(principal) is None or ident.user is None
-            return user_of(principal) is None and principal in others
+            if principal == mine:
+                return True
+            if user_of(principal) is None:  # a principal's own chain
+                return principal in principals
+            return tenant_of(principal) == ident.tenant and ident.user is None
 
         return sees
 

@@ -149,10 +149,11 @@ class ContextTracker:
 
     ``owner`` is a tenant's name or ``tenant/u-...`` (a user's,
     :func:`~cwm_plugin.salts.owner_of`), counted as its tenant's. At most ``max_sessions``
-    states in all; each tenant is sure of ``share`` of them, so the total is full only when someone is over its share. A new state
-    past the total evicts the least recently used of its own tenant when that tenant holds more
-    than its share, else of the tenant holding the most (one over its share): no tenant's
-    sessions, however many it opens, evict another tenant's within its share."""
+    states in all; each tenant is sure of ``share`` of them, so the total is full only when
+    someone is over its share. A new state past the total evicts the least recently used of
+    its own tenant when that tenant holds more than its share, else of the tenant holding the
+    most (the one furthest over its share), never the oldest of all: no tenant's sessions,
+    however many it opens, evict another tenant's within its share."""
 
     def __init__(self, max_sessions: int = 100_000, share: int | None = None) -> None:
         self._tenants: dict[str, OrderedDict[tuple[str, str], SessionState]] = {}

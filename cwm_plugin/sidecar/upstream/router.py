@@ -16,8 +16,8 @@ in the background once older than ``models_ttl_s``, and on the request path only
 upstream was never asked or for a name no list has, at most once every ``models_recheck_s``
 (unknown names are answered from the lists in between; a failed fetch is stamped like an
 answered one, so a failing upstream is not asked again sooner); requests for served models
-never wait for a fetch. Health (:class:`~cwm_plugin.sidecar.upstream.endpoints.Health`): an upstream is
-marked down by a failure and checked at once (``GET /v1/models``), then every
+never wait for a fetch. Health (:class:`~cwm_plugin.sidecar.upstream.endpoints.Health`): an
+upstream is marked down by a failure and checked at once (``GET /v1/models``), then every
 ``routing.health.interval_s``; a down upstream is tried last, never skipped, and is up again
 as soon as a check or a request succeeds. A down upstream is not asked for its model list on
 the request path (a dead host would cost a connect timeout per request): its last known list

@@ -1,9 +1,14 @@
-"""Cache salts: HMAC-SHA256 under the server secret, so a session's KV is unguessable.
+"""Cache salts: HMAC-SHA256 under the server secret, so a session's KV is unguessable; and
+owners: whose windows, sessions, activity chain and usage rows a thing is.
 
 The sidecar derives every request's ``cache_salt`` here (who the caller is, and which of the
 secret's versions apply, is :mod:`cwm_plugin.sidecar.identity.authenticator`'s business; its
 docstring spells out every message and why no two collide); tools that hold the store and the
 secret but no request (``cwm window --store``) derive the same salts without the sidecar.
+
+An *owner* is a tenant (its name) or one of its users (``tenant/u-...``: the tenant, a slash,
+the user's folder from :func:`user_session`). :func:`owner_of`, :func:`tenant_of` and
+:func:`user_of` are the one place that rule is written.
 """
 
 from __future__ import annotations
@@ -19,13 +24,25 @@ def derive_salt(secret: bytes, tenant: str, session: str, uid: str | None = None
     return hmac.new(secret, msg.encode(), hashlib.sha256).hexdigest()
 
 
+def owner_of(tenant: str, user_folder: str | None = None) -> str:
+    """The owner of a tenant's own things (``user_folder`` None), or of one of its users'."""
+    return tenant if user_folder is None else f"{tenant}/{user_folder}"
+
+
+def tenant_of(owner: str) -> str:
+    """The tenant of an owner: the owner itself, or ``tenant`` of ``tenant/u-...``."""
+    return owner.partition("/")[0]
+
+
+def user_of(owner: str) -> str | None:
+    """The user folder of an owner (``u-...``), None for a tenant's own."""
+    return owner.partition("/")[2] or None
+
+
 def owner_salt(owner: str, session: str) -> tuple[str, str, str | None]:
-    """:func:`derive_salt`'s (tenant, session, uid) for a session of a windows owner (a tenant,
-    or ``tenant/u-...``: a user's, see
-    :func:`~cwm_plugin.sidecar.identity.authenticator.owner_of`), for tools that have the store
-    and the secret but no request (``cwm window --store``)."""
-    tenant, _, uid = owner.partition("/")
-    return tenant, session, uid or None
+    """:func:`derive_salt`'s (tenant, session, uid) for a session of an owner, for tools that
+    have the store and the secret but no request (``cwm window --store``)."""
+    return tenant_of(owner), session, user_of(owner)
 
 
 def user_session(secret: bytes, tenant: str, user: str) -> str:

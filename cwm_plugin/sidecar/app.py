@@ -209,13 +209,14 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         return await model_entry(sidecar, request, model_id)
 
     @app.get("/health", responses=ERRORS)
-    async def health(who: Anyone) -> JSONResponse:
+    async def health(who: Anyone, request: Request) -> JSONResponse:
         """``ok`` when every upstream is up, ``degraded`` (HTTP 503 only when none is)
         otherwise, as the router last saw them (requests and its background checks every
         ``routing.health.interval_s``): a call asks no upstream. Only that to a caller without
         the ``admin`` grant; to one with it, every upstream checked now and also ``upstream``
         (the default upstream), ``upstreams``, ``memory``, ``background_tasks``."""
-        admin = sidecar.auth.perms.granted(who.name if who else None, "admin")
+        admin = sidecar.auth.perms.granted(who.name if who else None, "admin",
+                                           bound=sidecar.auth.bound(request.headers))
         ups = await router.check_all() if admin else router.states()
         alive = any(u["up"] for u in ups)
         status = "ok" if all(u["up"] for u in ups) else "degraded"
@@ -236,7 +237,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     async def metrics_route(request: Request) -> Response:
         """Prometheus text; needs a key with the ``metrics`` grant unless ``metrics_public``."""
         if not settings.access.metrics_public:
-            sidecar.auth.perms.require_grant(principal_of(request).name, "metrics", "/metrics")
+            sidecar.auth.perms.require_grant(principal_of(request).name, "metrics", "/metrics",
+                                             bound=sidecar.auth.bound(request.headers))
         metrics.mirror_upstream(await router.metrics_texts())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cwm_plugin.salts import tenant_of
 from cwm_plugin.sidecar.identity.ratelimit import Reservation, TenantLimits
 from cwm_plugin.sidecar.metrics import SidecarMetrics, tokens_of
 from cwm_plugin.sidecar.settings import PricingSettings
@@ -152,7 +153,7 @@ class UsageLedger:
         """The rows of ``owner`` (a user's ``tenant/u-...``), else of ``principal`` and its
         users, and their total (the body of ``GET /v1/usage``)."""
         def mine(p: str) -> bool:
-            return p == owner if owner else p == principal or p.startswith(principal + "/")
+            return p == owner if owner else tenant_of(p) == principal
 
         with self._lock:
             rows = [({"model": m, "upstream": u, "kind": k}, asdict(t))

@@ -8,7 +8,8 @@ what the client sent. Chat answers come from ``script(body) -> reply`` where a r
 with CRLF line ends when ``crlf`` is set (the SSE format allows it), a chunk every ``stream_delay``
 seconds; ``stream_cut_after`` N drops the connection after N chunks (a server killed mid-answer);
 ``models_gate`` (a ``threading.Event``) holds every ``/v1/models`` answer until it is set (a slow or
-stuck upstream). Like vLLM, a body it cannot use is a 400, never a 500, and a chat prompt over
+stuck upstream); ``models_status`` other than 200 answers ``/v1/models`` with that status (a
+broken one). Like vLLM, a body it cannot use is a 400, never a 500, and a chat prompt over
 ``max_prompt_tokens`` (as ``usage_of`` counts) a 400 naming the context.
 """
 
@@ -51,6 +52,7 @@ class FakeUpstream:
         self.calls: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.model_lists = 0  # GET /v1/models asked (health checks, model lookups)
         self.models_gate: threading.Event | None = None  # set: /v1/models answers
+        self.models_status = 200  # answer /v1/models with this HTTP status
         self.app = FastAPI()
         self._routes()
 
@@ -174,6 +176,8 @@ class FakeUpstream:
             self.model_lists += 1
             if self.models_gate is not None:
                 await asyncio.to_thread(self.models_gate.wait, 60)
+            if self.models_status != 200:
+                return JSONResponse({"error": "down"}, status_code=self.models_status)
             return JSONResponse({"object": "list", "data": [
                 {"id": self.model, "object": "model", "created": 0, "owned_by": "fake",
                  "root": self.root, "max_model_len": self.max_model_len}]})

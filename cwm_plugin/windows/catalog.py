@@ -36,6 +36,7 @@ from typing import Any
 
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, CWMError, InvalidInput, NotFound
+from cwm_plugin.salts import tenant_of, user_of
 from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.store.replication import presence
 from cwm_plugin.windows.model import (
@@ -55,7 +56,6 @@ from cwm_plugin.windows.model import (
     owner_group,
     place_of,
     tenant_group,
-    tenant_of,
     thaw_key,
 )
 from cwm_plugin.windows.rekey import BlockKeys
@@ -274,7 +274,7 @@ class WindowCatalog:
         """Move user ``owner``'s windows from the former layout into its tenant's group, once
         in this process (see the module docstring; a move that fails is logged, and the next
         listing or naming of the user's windows tries again)."""
-        if tenant_of(owner) == owner or owner in self._current:
+        if user_of(owner) is None or owner in self._current:
             return
         with self.lock(owner):
             if owner in self._current:

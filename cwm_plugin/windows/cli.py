@@ -99,7 +99,7 @@ def client_options(p: argparse.ArgumentParser) -> None:
 
 def client_from_args(args: argparse.Namespace) -> WindowsClient:
     if args.store:
-        from cwm_plugin.salts import derive_salt, owner_salt, user_session
+        from cwm_plugin.salts import derive_salt, owner_of, owner_salt, user_session
         from cwm_plugin.windows.client import LocalWindows
         from cwm_plugin.windows.opening import open_engine, windows_settings
 
@@ -109,8 +109,8 @@ def client_from_args(args: argparse.Namespace) -> WindowsClient:
         if not secret:
             raise ConfigError(f"${args.secret_env} is not set",
                               hint="export the sidecar's secret to derive session salts")
-        owner = args.tenant if args.user is None else \
-            f"{args.tenant}/{user_session(secret, args.tenant, args.user)}"
+        owner = owner_of(args.tenant, None if args.user is None else
+                         user_session(secret, args.tenant, args.user))
         return LocalWindows(open_engine(windows_settings(args.store)), owner,
                             lambda owner, s: derive_salt(secret, *owner_salt(owner, s)))
     if not args.api_key:

@@ -30,6 +30,7 @@ import torch
 
 from cwm_plugin.connector.records import json_tensor, tensor_json
 from cwm_plugin.errors import InvalidInput
+from cwm_plugin.salts import tenant_of, user_of
 
 PREFIX = b"cwm-win\0"
 THAW_PREFIX = b"cwm-wth\0"
@@ -60,11 +61,6 @@ def check_tags(tags: list[str] | tuple[str, ...] | None) -> list[str]:
     return sorted(set(tags))
 
 
-def tenant_of(owner: str) -> str:
-    """The tenant of a windows owner: the owner itself, or ``tenant`` of ``tenant/u-...``."""
-    return owner.partition("/")[0]
-
-
 def tenant_group(tenant: str) -> bytes:
     """The first 18 bytes of every manifest key of the tenant and of its users."""
     return PREFIX + hashlib.sha256(b"cwm-win-tenant\0" + tenant.encode()).digest()[:10]
@@ -72,10 +68,9 @@ def tenant_group(tenant: str) -> bytes:
 
 def owner_group(owner: str) -> bytes:
     """The prefix of an owner's manifest keys (see the module docstring)."""
-    tenant, _, user = owner.partition("/")
-    group = tenant_group(tenant)
+    group = tenant_group(tenant_of(owner))
     return group + hashlib.sha256(b"cwm-win-user\0" + owner.encode()).digest()[:8] \
-        if user else group
+        if user_of(owner) else group
 
 
 def manifest_key(owner: str, name: str) -> bytes:

@@ -31,10 +31,11 @@ import logging
 from collections.abc import Callable, Sequence
 
 from cwm_plugin.errors import AlreadyExists, InvalidInput
+from cwm_plugin.salts import tenant_of
 from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.store.tiers.base import QuotaExceeded
 from cwm_plugin.windows.catalog import WindowCatalog
-from cwm_plugin.windows.model import Manifest, tenant_of
+from cwm_plugin.windows.model import Manifest
 from cwm_plugin.windows.rekey import WindowIncomplete
 
 log = logging.getLogger(__name__)

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cwm_plugin.activity.log import GENESIS, MAX_NAME, MAX_TEXT, ActivityLog, Entry
 from cwm_plugin.errors import CWMError, InvalidInput
+from cwm_plugin.salts import tenant_of, user_of
 from cwm_plugin.sidecar.api.schema import body_doc
 from cwm_plugin.sidecar.http.errors import error_response
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of, validate_session
@@ -106,7 +107,7 @@ async def log_turn(sc: Any, entry: Entry) -> None:
     try:
         await asyncio.to_thread(sc.activity.append, entry)
     except Exception as exc:
-        sc.failopen.failed(entry.principal.partition("/")[0], "activity", exc)
+        sc.failopen.failed(tenant_of(entry.principal), "activity", exc)
 
 
 def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
@@ -119,7 +120,7 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
     def caller(request: Request, op: str) -> Identity:
         """The caller, its principal allowed ``op`` on the ``activity`` namespace."""
         ident = identity_of(request)
-        perms.require(ident.tenant, perms.namespace("activity"), op)
+        perms.require(ident, perms.namespace("activity"), op)
         return ident
 
     def readable(ident: Identity) -> Callable[[str], bool] | None:
@@ -128,14 +129,16 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
         if read == "all":
             return None
         mine = owner_of(ident)
-        others = set() if read == "own" else \
-            set(perms.readable_principals(ident.tenant)) - {ident.tenant}
+        principals = set(perms.readable_principals(ident))
+        if read == "own":
+            principals &= {ident.tenant}
 
         def sees(principal: str) -> bool:
-            tenant, _, user = principal.partition("/")
-            if tenant == ident.tenant:
-                return principal == mine or not user or ident.user is None
-            return not user and tenant in others
+            if principal == mine:
+                return True
+            if user_of(principal) is None:  # a principal's own chain
+                return principal in principals
+            return tenant_of(principal) == ident.tenant and ident.user is None
 
         return sees
 

@@ -110,9 +110,9 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     view = memory_view(sc, request.headers)
     perms, debug = sc.auth.perms, request.headers.get("x-cwm-debug") == "1"
     if debug:
-        perms.require_grant(ident.tenant, "debug", "X-CWM-Debug: 1")
+        perms.require_grant(ident.tenant, "debug", "X-CWM-Debug: 1", bound=ident.bound)
     home, project = perms.namespace(ident.namespace, ident.user), _project(request.headers)
-    shared = [ns.folder for ns in perms.shared(ident.tenant, ident.user, project) if ns.folder]
+    shared = [ns.folder for ns in perms.shared(ident, project) if ns.folder]
     stages.add("auth", time.perf_counter() - t0)
     route = await sc.router.route(body)
     model, info = route.model or model, route.info()
@@ -127,7 +127,7 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
         "view": view,
         # a request naming neither session nor user may be anyone's (one key often serves
         # many people): no memory of other conversations unless its tenant turns that on
-        "readable": perms.allows(ident.tenant, home, "read") and
+        "readable": perms.allows(ident, home, "read") and
         (not ident.sessionless or tenant_cfg.stateless_memory)}, stages)
     if sc.memory is not None and not status:
         sc.metrics.retrieval_seconds.labels(ident.tenant, model).observe(plan.sel.seconds)
@@ -139,8 +139,8 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     turn = ChatTurn(sc, ident, model, info.max_model_len, salt, messages, state, plan, counter,
                 stages, route, turn_headers,
                 used=state.estimate(plan.prompt_tokens), project=project,
-                can_append=perms.allows(ident.tenant, home, "append"),
-                can_write=perms.allows(ident.tenant, home, "write"))
+                can_append=perms.allows(ident, home, "append"),
+                can_write=perms.allows(ident, home, "write"))
     if debug:
         p = sc.settings.prompt
         turn.headers["X-CWM-Memory"] = debug_header(

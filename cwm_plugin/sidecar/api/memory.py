@@ -66,7 +66,7 @@ def memory_router(sidecar: Any) -> APIRouter:
 
     def where(ident: Identity, name: str | None, op: str) -> tuple[MemoryPort, MemoryNamespace]:
         """The memory and the namespace ``name`` (default: the home), ``op`` allowed there."""
-        ns = perms.open(ident.tenant, name or ident.namespace, ident.user, op)
+        ns = perms.open(ident, name or ident.namespace, op)
         if ns.folder is None:
             raise InvalidInput(f"namespace {ns.name!r} is not memory",
                                hint="the activity log is /v1/activity")
@@ -83,7 +83,7 @@ def memory_router(sidecar: Any) -> APIRouter:
         rows = []
         for name in names:
             ns = perms.namespace(name, ident.user)
-            d = perms.decide(ident.tenant, ns)
+            d = perms.decide(ident, ns)
             if d.access is Access.NONE:
                 continue
             rows.append({"namespace": ns.name, "access": d.access.value, "rule": d.rule,

@@ -154,12 +154,13 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     def caller(request: Request, op: str = "read") -> Identity:
         """The caller, allowed ``op`` on its home namespace (windows are its KV)."""
         ident = identity_of(request)
-        auth.perms.require(ident.tenant, auth.perms.namespace(ident.namespace, ident.user), op)
+        auth.perms.require(ident, auth.perms.namespace(ident.namespace, ident.user), op)
         return ident
 
     def granted(request: Request, grant: str, what: str) -> str:
         tenant = principal_of(request).name
-        auth.perms.require_grant(tenant, grant, what)
+        auth.perms.require_grant(tenant, grant, what,
+                                 bound=auth.bound(request.headers))
         return tenant
 
     async def run(ident: Identity, fn: Callable[[WindowEngine], Any]) -> Any:

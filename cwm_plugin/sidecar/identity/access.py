@@ -11,6 +11,14 @@ acts as one principal for at most one user: its memory is written to the user's 
 it names a user, else to the principal's, and a selection reads that one plus every other
 namespace the principal may read (:meth:`Permissions.shared`: their durable memories).
 
+Every decision is about a *caller* (:class:`Caller`: the request's identity): its principal,
+the user it acts for, and whether its key is one of the principal's ``user_keys``, *bound* to
+that user. A bound key is a credential of one user, not of its principal: it writes only its
+user's namespace (and appends to the activity log, under its user's chain); everywhere else it
+has at most RO, and on its principal's own namespace -- whose memory every other user's
+selection reads -- what the principal's ``user_keys_access`` says (``RO``, the default: the
+principal's facts still serve its users; ``none``). It holds none of the principal's grants.
+
 A refusal is a :class:`PermissionDenied` (HTTP 403, ``permission_denied``) that names the rule:
 "principal `claude` has RO on namespace `llama` (default: a provider reads the other
 providers' namespaces): writes need RW". A name that is no namespace here and one the principal
@@ -20,9 +28,10 @@ the same message), so an answer never tells which principals exist.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
+from typing import Protocol
 
 from cwm_plugin.errors import Forbidden, InvalidInput, NotFound
 from cwm_plugin.sidecar.settings.access import NAMESPACE, Access, AccessSettings
@@ -30,6 +39,19 @@ from cwm_plugin.sidecar.settings.access import NAMESPACE, Access, AccessSettings
 ACTIVITY, GLOBAL, PROJECT, USER = "activity", "global", "project:", "/user"
 NEEDS = {"read": "RO, APPEND or RW", "append": "APPEND or RW", "write": "RW"}
 UserFolder = Callable[[str, str], str]  # (principal, user) -> the user's memory folder
+
+
+class Caller(Protocol):
+    """Who asks (the request's identity, ``authenticator.Identity``)."""
+
+    @property
+    def tenant(self) -> str: ...  # the principal
+
+    @property
+    def user(self) -> str | None: ...  # the user it acts for
+
+    @property
+    def bound(self) -> bool: ...  # its key is bound to that user (user_keys)
 
 
 class PermissionDenied(Forbidden):
@@ -67,11 +89,15 @@ class Permissions:
     """The permission matrix of one deployment (see the module docstring)."""
 
     def __init__(self, settings: AccessSettings, tenants: list[str], providers: list[str],
-                 user_folder: UserFolder) -> None:
+                 user_folder: UserFolder, user_keys_access: Mapping[str, Access] | None = None,
+                 ) -> None:
+        """``user_keys_access``: principal -> what its bound keys may do in its own namespace
+        (absent: RO)."""
         self.settings = settings
         self.providers = set(providers)
         self.principals = [*tenants, *providers]
         self._user_folder = user_folder
+        self._user_keys_access = dict(user_keys_access or {})
 
     # --- namespaces ---------------------------------------------------------------------------
 
@@ -107,24 +133,23 @@ class Permissions:
                                hint="send the OpenAI `user` field or an X-CWM-User header")
         return replace(ns, folder=self._user_folder(str(ns.owner), user))
 
-    def open(self, principal: str, name: str, user: str | None, op: str) -> MemoryNamespace:
-        """The namespace ``name`` for ``principal`` acting for ``user``, ``op`` allowed there:
-        404 alike for no such namespace and one it has no access to at all, 403 naming the
-        rule for one it may use but not for ``op``."""
+    def open(self, who: Caller, name: str, op: str) -> MemoryNamespace:
+        """The namespace ``name`` for ``who``, ``op`` allowed there: 404 alike for no such
+        namespace and one it has no access to at all, 403 naming the rule for one it may use
+        but not for ``op``."""
         ns = self._named(name)
-        if ns is None or self.decide(principal, ns).access is Access.NONE:
+        if ns is None or self.decide(who, ns).access is Access.NONE:
             raise NamespaceNotFound(f"no namespace `{name}` is open to principal "
-                                    f"`{principal}`",
+                                    f"`{who.tenant}`",
                                     hint="GET /v1/memory/namespaces lists yours; the operator "
                                          "grants more under access.rules")
-        ns = self.namespace(name, user)
-        self.require(principal, ns, op)
+        ns = self.namespace(name, who.user)
+        self.require(who, ns, op)
         return ns
 
-    def readable_principals(self, principal: str) -> list[str]:
-        """The principals whose own namespace ``principal`` may read (itself included)."""
-        return [p for p in self.principals
-                if p == principal or self.allows(principal, self.namespace(p), "read")]
+    def readable_principals(self, who: Caller) -> list[str]:
+        """The principals whose own namespace ``who`` may read."""
+        return [p for p in self.principals if self.allows(who, self.namespace(p), "read")]
 
     def home(self, principal: str, user: str | None) -> MemoryNamespace:
         """Where a request's memory is written: its user's namespace, else its principal's."""
@@ -132,8 +157,23 @@ class Permissions:
 
     # --- the matrix ----------------------------------------------------------------------------
 
-    def decide(self, principal: str, ns: MemoryNamespace) -> AccessDecision:
-        """The first rule matching (principal, namespace), else the default."""
+    def decide(self, who: Caller, ns: MemoryNamespace) -> AccessDecision:
+        """The first rule matching (principal, namespace), else the default; for a bound key,
+        no more than a key of one user may (see the module docstring)."""
+        d = self._ruled(who.tenant, ns)
+        if not who.bound or ns.kind == "activity" or \
+                (ns.kind == "user" and ns.owner == who.tenant):
+            return d
+        if ns.kind == "principal" and ns.owner == who.tenant:
+            cap = self._user_keys_access.get(who.tenant, Access.RO)
+            why = f"a user key: {cap.value} at most on its principal's own namespace " \
+                  f"(user_keys_access of `{who.tenant}`)"
+        else:
+            cap, why = Access.RO, "a user key: RO at most outside its user's namespace"
+        access = d.access.at_most(cap)
+        return d if access is d.access else AccessDecision(access, f"{d.rule}; {why}")
+
+    def _ruled(self, principal: str, ns: MemoryNamespace) -> AccessDecision:
         for i, r in enumerate(self.settings.rules):
             if r.principal in ("*", principal) and fnmatchcase(ns.name, r.namespace):
                 return AccessDecision(r.access, f"access.rules[{i}]: {r.principal} "
@@ -157,46 +197,53 @@ class Permissions:
                                              "providers' namespaces")
         return AccessDecision(Access.NONE, "default: a tenant's namespace is its own")
 
-    def allows(self, principal: str, ns: MemoryNamespace, op: str) -> bool:
-        return self.decide(principal, ns).access.allows(op)
+    def allows(self, who: Caller, ns: MemoryNamespace, op: str) -> bool:
+        return self.decide(who, ns).access.allows(op)
 
-    def require(self, principal: str, ns: MemoryNamespace, op: str) -> AccessDecision:
+    def require(self, who: Caller, ns: MemoryNamespace, op: str) -> AccessDecision:
         """The decision, or :class:`PermissionDenied` naming the rule that refused."""
-        d = self.decide(principal, ns)
+        d = self.decide(who, ns)
         if not d.access.allows(op):
-            raise PermissionDenied(
-                f"principal `{principal}` has {d.access.value} on namespace `{ns.name}` "
-                f"({d.rule}): {op}s need {NEEDS[op]}",
-                hint="ask the operator for a rule under access.rules in the sidecar config")
+            holder = f"a user key of principal `{who.tenant}`" if who.bound else \
+                f"principal `{who.tenant}`"
+            hint = "use a key of the principal (key_sha256) for the principal's own memory" \
+                if who.bound else "ask the operator for a rule under access.rules in the " \
+                                  "sidecar config"
+            raise PermissionDenied(f"{holder} has {d.access.value} on namespace `{ns.name}` "
+                                   f"({d.rule}): {op}s need {NEEDS[op]}", hint=hint)
         return d
 
-    def shared(self, principal: str, user: str | None,
-               project: str | None = None) -> list[MemoryNamespace]:
+    def shared(self, who: Caller, project: str | None = None) -> list[MemoryNamespace]:
         """The namespaces besides the request's home (:meth:`home`) a selection reads: every
-        principal's and (for the same user) every user's namespace the principal may read,
+        principal's and (for the same user) every user's namespace ``who`` may read,
         ``global``, and the request's project when it may read it."""
-        home = self.home(principal, user)
+        home = self.home(who.tenant, who.user)
         names = [GLOBAL, *self.principals]
-        if user is not None:
+        if who.user is not None:
             names += [p + USER for p in self.principals]
         if project is not None and NAMESPACE.fullmatch(PROJECT + project):
             names.append(PROJECT + project)
         out = []
         for name in names:
-            ns = self.namespace(name, user)
-            if ns.name != home.name and self.allows(principal, ns, "read"):
+            ns = self.namespace(name, who.user)
+            if ns.name != home.name and self.allows(who, ns, "read"):
                 out.append(ns)
         return out
 
     # --- grants ------------------------------------------------------------------------------
 
-    def granted(self, principal: str | None, grant: str) -> bool:
+    def granted(self, principal: str | None, grant: str, *, bound: bool) -> bool:
+        """Whether a key of ``principal`` holds ``grant`` (``bound``: a user key, never)."""
         g = self.settings.grants
-        return principal is not None and (grant in g.get(principal, ()) or
-                                          grant in g.get("*", ()))
+        return principal is not None and not bound and (grant in g.get(principal, ()) or
+                                                        grant in g.get("*", ()))
 
-    def require_grant(self, principal: str, grant: str, what: str) -> None:
-        if not self.granted(principal, grant):
+    def require_grant(self, principal: str, grant: str, what: str, *, bound: bool) -> None:
+        if bound:
+            raise PermissionDenied(f"a user key of principal `{principal}` holds none of the "
+                                   f"principal's grants, and {what} needs `{grant}`",
+                                   hint="use a key of the principal (key_sha256)")
+        if not self.granted(principal, grant, bound=bound):
             raise PermissionDenied(f"principal `{principal}` lacks the `{grant}` grant, "
                                    f"which {what} needs",
                                    hint=f"add {grant} under access.grants.{principal} in the "

@@ -5,7 +5,8 @@ for, its home namespace (``access.py``), and the session's ``cache_salt``.
   every configured digest (no early exit, so timing does not tell which tenant came close).
 * The user a request acts for is resolved here and only here (:meth:`Authenticator.identify`),
   so every route -- chat, relays, memory, windows, activity, usage -- obeys one rule: a key in
-  its principal's ``user_keys`` acts for its own user (a request naming another is a 403); a
+  its principal's ``user_keys`` acts for its own user (a request naming another is a 403)
+  and is marked ``bound`` (``access.py``: it writes only its user's data); a
   principal's own key acts for the user the request names -- the ``X-CWM-User`` header, else
   its ``user`` field (any string up to 1024 characters) -- when the principal has
   ``users: any`` (the default: its app vouches for its users), and for none with
@@ -49,9 +50,10 @@ from dataclasses import dataclass
 
 from cwm_plugin.errors import Forbidden, InvalidInput
 from cwm_plugin.salts import derive_salt, user_session
+from cwm_plugin.salts import owner_of as owner_name
 from cwm_plugin.sidecar.identity.access import PermissionDenied, Permissions
 from cwm_plugin.sidecar.settings import ProviderConfig, TenantConfig
-from cwm_plugin.sidecar.settings.access import AccessSettings
+from cwm_plugin.sidecar.settings.access import Access, AccessSettings
 from cwm_plugin.sidecar.settings.secret_versions import Locate
 
 # The memory package stores a session as a file: the same rule as cwm_plugin.memory.files.names.
@@ -77,6 +79,7 @@ class Identity:
     allow_client_cache_salt: bool = False
     user: str | None = None  # as the client named it, or its key's (never logged)
     users_share_kv: bool = False  # the tenant's: the user is not part of the salt
+    bound: bool = False  # its key is bound to its user (user_keys): access.py's Caller
     sessionless: bool = False  # it named neither session nor user (identify)
     namespace: str = ""  # the home namespace's name: <principal> or <principal>/user
     folder: str = ""  # its memory folder: the principal's name, or u-<32 hex> for a user
@@ -91,8 +94,9 @@ class Identity:
 
 
 def owner_of(ident: Identity) -> str:
-    """Whose context windows a request sees: its tenant's, or its user's inside the tenant."""
-    return ident.tenant if ident.user is None else f"{ident.tenant}/{ident.folder}"
+    """Whose context windows, sessions, activity chain and usage rows a request's are: its
+    tenant's, or its user's inside the tenant (:func:`cwm_plugin.salts.owner_of`)."""
+    return owner_name(ident.tenant, None if ident.user is None else ident.folder)
 
 
 def hash_key(api_key: str) -> str:
@@ -138,7 +142,9 @@ class Authenticator:
         self._locate = locate
         self._shared_default = shared_default
         self.perms = Permissions(access or AccessSettings(), [t.name for t in tenants],
-                                 [p.name for p in providers], self.user_folder)
+                                 [p.name for p in providers], self.user_folder,
+                                 {t.name: Access(t.user_keys_access)
+                                  for t in [*tenants, *providers]})
 
     def __repr__(self) -> str:
         return f"Authenticator({len(self._entries)} keys)"
@@ -165,7 +171,8 @@ class Authenticator:
             user = body["user"]
         if user is not None and (not isinstance(user, str) or not user or len(user) > 1024):
             raise InvalidInput("`user` must be a non-empty string of at most 1024 characters")
-        user = self._acting_for(tenant, headers, user)
+        bound = self.key_user(headers)
+        user = self._acting_for(tenant, bound, user)
         sessionless = not session and user is None
         if not session and user is not None:
             session = self.user_folder(tenant.name, user)
@@ -177,16 +184,26 @@ class Authenticator:
         ident = Identity(tenant=tenant.name, session=session or None, cache_salt="",
                          allow_client_cache_salt=tenant.allow_client_cache_salt, user=user,
                          users_share_kv=tenant.users_share_kv, sessionless=sessionless,
+                         bound=bound is not None,
                          namespace=home.name, folder=home.folder or tenant.name)
         object.__setattr__(ident, "cache_salt", self.session_salt(ident, session or ""))
         return ident
 
-    def _acting_for(self, tenant: TenantConfig, headers: Mapping[str, str],
-                    named: str | None) -> str | None:
-        """The user the request acts for: its key's own (a user key), else the one it names
-        where ``tenant`` lets its keys act for users (see the module docstring)."""
+    def key_user(self, headers: Mapping[str, str]) -> str | None:
+        """The user the request's key is bound to (``user_keys``), None for a principal's."""
         key = bearer_key(headers)
-        bound = self._key_user.get(hash_key(key)) if key else None
+        return self._key_user.get(hash_key(key)) if key else None
+
+    def bound(self, headers: Mapping[str, str]) -> bool:
+        """Whether the request's key is bound to a user (holds none of its principal's
+        grants, ``access.py``)."""
+        return self.key_user(headers) is not None
+
+    def _acting_for(self, tenant: TenantConfig, bound: str | None,
+                    named: str | None) -> str | None:
+        """The user the request acts for: its key's own (``bound``: a user key's), else the
+        one it names where ``tenant`` lets its keys act for users (see the module
+        docstring)."""
         if bound is not None:
             if named is not None and named != bound:
                 raise PermissionDenied(

@@ -40,6 +40,7 @@ from datetime import datetime
 
 from prometheus_client import Counter
 
+from cwm_plugin.salts import owner_of as owner_name
 from cwm_plugin.sidecar.identity.authenticator import Authenticator, Identity, owner_of
 from cwm_plugin.sidecar.settings.secret_versions import SecretVersion, alive
 from cwm_plugin.windows.engine import WindowEngine
@@ -86,7 +87,7 @@ class SaltMover:
         if ident.user is None:
             return 0
         owner = owner_of(ident)
-        former = [f"{ident.tenant}/{self.auth.user_session(ident.tenant, ident.user, s)}"
+        former = [owner_name(ident.tenant, self.auth.user_session(ident.tenant, ident.user, s))
                   for s in self.secrets()]
         try:
             return await self._once("windows\0" + owner, lambda: asyncio.to_thread(

@@ -48,9 +48,10 @@ class TenantConfig(_Strict):
     request naming neither session nor user gets memory selected from the tenant's; default:
     none, since one key often serves many people). ``users``: whether its keys may act for
     the user a request names (``any``: its app vouches for its users; ``none``: naming one is
-    refused); ``user_keys``: keys each bound to one user (``settings/access.py``). Its own
-    ``rate_limit`` / ``token_quota`` (``settings/limits.py``) replace ``rate_limits``'
-    defaults."""
+    refused); ``user_keys``: keys each bound to one user (``settings/access.py``), which may
+    read the principal's own namespace with ``user_keys_access: RO`` (the default) and not at
+    all with ``none`` (never write it). Its own ``rate_limit`` / ``token_quota``
+    (``settings/limits.py``) replace ``rate_limits``' defaults."""
 
     name: str
     key_sha256: list[str] = Field(min_length=1)
@@ -60,6 +61,7 @@ class TenantConfig(_Strict):
     stateless_memory: bool = False
     users: Literal["any", "none"] = "any"  # may its keys act for a user a request names?
     user_keys: list[UserKey] = Field(default_factory=list)  # keys each bound to one user
+    user_keys_access: Literal["RO", "none"] = "RO"  # theirs on the principal's own namespace
     rate_limit: str | None = None  # None: rate_limits.rate_limit
     token_quota: str | None = None  # None: rate_limits.token_quota
 

@@ -16,7 +16,10 @@ Who a key acts for (``identity/authenticator.py``): a principal's own keys (``ke
 for the user a request names (``X-CWM-User``, else its ``user``) with ``users: any`` (the
 default: the principal's app vouches for its users) and for none with ``users: none`` (naming
 one is a 403); a key in ``user_keys`` (:class:`UserKey`) acts for its one user whatever the
-request names (naming another is a 403).
+request names (naming another is a 403). Such a key is its user's credential, not the
+principal's: it writes only its user's namespace, reads at most RO elsewhere -- on the
+principal's own namespace what the principal's ``user_keys_access`` says (``RO`` by default,
+or ``none``) -- and holds none of the principal's grants.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ class Access(StrEnum):
 
     def allows(self, op: str) -> bool:
         return op in OPS_ALLOWED[self]
+
+    def at_most(self, cap: Access) -> Access:
+        """This access, or ``cap`` where this allows more."""
+        return self if len(OPS_ALLOWED[self]) <= len(OPS_ALLOWED[cap]) else cap
 
 
 OPS = ("read", "append", "write")

@@ -7,7 +7,8 @@ user messages, anything else as the session's next number -- and stamped with it
 time (unix seconds, strictly increasing within the session). Both go to the connector in
 ``kv_transfer_params`` (:func:`kv_params`): the number names the slot its context record is
 kept under, the arrival orders the records, so a turn that finishes late never replaces the
-record of a turn that arrived after it (:mod:`cwm_plugin.connector.records`).
+record of a turn that arrived after it (:mod:`cwm_plugin.connector.records`). A request of no
+session is no turn: it goes up with ``record: false`` and leaves no context record.
 
 A window freeze waits only for what is on its way (:meth:`Arrivals.coming`): the session's
 turns in flight (up to ``windows.wait_s``), and those that ended less than ``RECORD_GRACE_S``
@@ -84,9 +85,12 @@ class Arrivals:
 
 
 def kv_params(arrival: Arrival | None, windows: Any) -> dict[str, Any]:
-    """The ``kv_transfer_params`` of a client request (``arrival`` None: a stateless one, no
-    session; ``windows``: the sidecar's windows settings, whose ``keep_turns`` it sends)."""
+    """The ``kv_transfer_params`` of a client request (``windows``: the sidecar's windows
+    settings, whose ``keep_turns`` it sends). ``arrival`` None: no conversation turn (a
+    stateless request, no session), which leaves no context record (``record: false``), so it
+    never becomes the latest turn of a session sharing its salt (a client's own
+    ``cache_salt``, say)."""
     if arrival is None:
-        return {"cwm": {}}
+        return {"cwm": {"record": False}}
     keep = windows.keep_turns if windows is not None else DEFAULT_KEEP
     return {"cwm": {"turn": arrival.turn, "keep": keep, "at": arrival.at}}

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from cwm_plugin.salts import tenant_of
 from cwm_plugin.sidecar.settings import ThresholdConfig
 from cwm_plugin.sidecar.turn.arrivals import Arrivals
 from cwm_plugin.sidecar.turn.memory_port import Selected
@@ -146,12 +147,13 @@ class SessionState:
 class ContextTracker:
     """``(owner, session) -> SessionState``, bounded per tenant (see the module docstring).
 
-    ``owner`` is a tenant's name or ``tenant/u-...`` (a user's, :func:`owner_of`); the tenant
-    is its part before ``/``. At most ``max_sessions`` states in all; each tenant is sure of
-    ``share`` of them, so the total is full only when someone is over its share. A new state
-    past the total evicts the least recently used of its own tenant when that tenant holds more
-    than its share, else of the tenant holding the most (one over its share): no tenant's
-    sessions, however many it opens, evict another tenant's within its share."""
+    ``owner`` is a tenant's name or ``tenant/u-...`` (a user's,
+    :func:`~cwm_plugin.salts.owner_of`), counted as its tenant's. At most ``max_sessions``
+    states in all; each tenant is sure of ``share`` of them, so the total is full only when
+    someone is over its share. A new state past the total evicts the least recently used of
+    its own tenant when that tenant holds more than its share, else of the tenant holding the
+    most (the one furthest over its share), never the oldest of all: no tenant's sessions,
+    however many it opens, evict another tenant's within its share."""
 
     def __init__(self, max_sessions: int = 100_000, share: int | None = None) -> None:
         self._tenants: dict[str, OrderedDict[tuple[str, str], SessionState]] = {}
@@ -160,7 +162,7 @@ class ContextTracker:
         self._count = 0
 
     def get(self, owner: str, session: str) -> SessionState:
-        tenant = owner.partition("/")[0]
+        tenant = tenant_of(owner)
         mine = self._tenants.setdefault(tenant, OrderedDict())
         key = (owner, session)
         state = mine.get(key)
@@ -180,7 +182,7 @@ class ContextTracker:
 
     def peek(self, owner: str, session: str) -> SessionState | None:
         """The session's state if it is tracked (nothing created, nothing reordered)."""
-        return self._tenants.get(owner.partition("/")[0], {}).get((owner, session))
+        return self._tenants.get(tenant_of(owner), {}).get((owner, session))
 
     def __len__(self) -> int:
         return self._count
@@ -191,7 +193,7 @@ class ContextTracker:
 
     def sessions(self, owner: str) -> list[str]:
         """The owner's sessions tracked since the app started."""
-        mine = self._tenants.get(owner.partition("/")[0], {})
+        mine = self._tenants.get(tenant_of(owner), {})
         return [s for (o, s) in mine if o == owner]
 
 

@@ -75,6 +75,8 @@ class Upstream:
         )
         self._models: dict[str, ModelInfo] | None = None
         self._models_at = -math.inf  # when the list was fetched (monotonic)
+        self._asked_at = -math.inf  # when a fetch last ended, answered or failed
+        self._failure: UpstreamError | None = None  # why the last fetch failed
         self._fetch: asyncio.Future[dict[str, ModelInfo]] | None = None
 
     async def aclose(self) -> None:
@@ -116,6 +118,17 @@ class Upstream:
         """Seconds since the model list was last fetched (``inf``: never)."""
         return time.monotonic() - self._models_at
 
+    def asked_age(self) -> float:
+        """Seconds since a fetch of the model list last ended, answered or failed (``inf``:
+        never): what keeps a failing upstream from being asked on every request."""
+        return time.monotonic() - self._asked_at
+
+    @property
+    def failure(self) -> UpstreamError | None:
+        """Why the last fetch of the model list failed (None: it was answered, or none was
+        made)."""
+        return self._failure
+
     @property
     def fetching(self) -> bool:
         return self._fetch is not None
@@ -141,6 +154,17 @@ class Upstream:
             fut.exception()  # retrieved: the callers that waited have raised it
 
     async def _fetch_models(self) -> dict[str, ModelInfo]:
+        """The list fetched now; the fetch's end stamped, its failure kept."""
+        try:
+            models = await self._list_models()
+        except UpstreamError as exc:
+            self._asked_at, self._failure = time.monotonic(), exc
+            raise
+        self._models, self._failure = models, None
+        self._models_at = self._asked_at = time.monotonic()
+        return models
+
+    async def _list_models(self) -> dict[str, ModelInfo]:
         resp = await self.request("GET", "/v1/models", timeout=self.config.connect_timeout_s + 5)
         if resp.status_code != 200:
             raise UpstreamError(f"upstream `{self.name}` /v1/models answered HTTP "
@@ -152,7 +176,6 @@ class Upstream:
         except (ValueError, TypeError, KeyError, AttributeError):
             raise UpstreamError(f"upstream `{self.name}` /v1/models answered something "
                                 "that is not a model list") from None
-        self._models, self._models_at = models, time.monotonic()
         return models
 
     async def metrics_text(self) -> str | None:

@@ -14,9 +14,10 @@ recomputing it.
 What an upstream serves is its kept ``/v1/models`` list (:meth:`Router._discover`): refreshed
 in the background once older than ``models_ttl_s``, and on the request path only when an
 upstream was never asked or for a name no list has, at most once every ``models_recheck_s``
-(unknown names are answered from the lists in between); requests for served models never wait
-for a fetch. Health (:class:`~cwm_plugin.sidecar.upstream.endpoints.Health`): an upstream is
-marked down by a failure and checked at once (``GET /v1/models``), then every
+(unknown names are answered from the lists in between; a failed fetch is stamped like an
+answered one, so a failing upstream is not asked again sooner); requests for served models
+never wait for a fetch. Health (:class:`~cwm_plugin.sidecar.upstream.endpoints.Health`): an
+upstream is marked down by a failure and checked at once (``GET /v1/models``), then every
 ``routing.health.interval_s``; a down upstream is tried last, never skipped, and is up again
 as soon as a check or a request succeeds. A down upstream is not asked for its model list on
 the request path (a dead host would cost a connect timeout per request): its last known list
@@ -98,21 +99,24 @@ class Router:
         answer); a list older than ``models_ttl_s`` still answers while a fresh one is fetched
         in the background; ``recheck`` (a name none of them serves): a list older than
         ``models_recheck_s`` is fetched now, one fetch for every caller. Upstreams with
-        ``models`` in their settings are asked once, for what those models are."""
+        ``models`` in their settings are asked once, for what those models are. A fetch on
+        the request path waits ``models_recheck_s`` after the last one ended, failed ones
+        too: a failing upstream answers with its kept failure in between, never asked per
+        request."""
         now: list[tuple[Endpoint, float]] = []
+        kept: list[UpstreamError | None] = []
         for e in eps:
             if not (e.up or include_down):
                 continue
-            age = e.client.models_age()
-            if age == math.inf:
-                now.append((e, math.inf))
-            elif e.cfg.models:
-                continue
-            elif recheck and age > e.cfg.models_recheck_s:
-                now.append((e, e.cfg.models_recheck_s))
-            elif age > e.cfg.models_ttl_s and not e.client.fetching:
+            age, recheck_s = e.client.models_age(), e.cfg.models_recheck_s
+            if age == math.inf or (recheck and not e.cfg.models and age > recheck_s):
+                if e.client.asked_age() > recheck_s:
+                    now.append((e, math.inf if age == math.inf else recheck_s))
+                else:  # a fetch failed a moment ago: its failure stands (a negative cache)
+                    kept.append(e.client.failure)
+            elif not e.cfg.models and age > e.cfg.models_ttl_s and not e.client.fetching:
                 self.health.spawn(self._models_of(e, e.cfg.models_ttl_s), f"models-{e.name}")
-        results = await asyncio.gather(*(self._models_of(e, age) for e, age in now))
+        results = kept + await asyncio.gather(*(self._models_of(e, age) for e, age in now))
         return next((r for r in reversed(results) if r is not None), None)
 
     async def _models_of(self, ep: Endpoint, max_age: float) -> UpstreamError | None:

@@ -196,3 +196,21 @@ def test_a_user_acts_in_its_own_namespace_header_first():
         == plain.cache_salt
     with pytest.raises(InvalidInput):
         a.identify(acme, {"x-cwm-user": ""}, {})
+
+
+def test_an_owner_is_a_tenant_or_one_of_its_users_written_by_one_rule():
+    """Windows, sessions, activity chains and usage rows name their owner the same way:
+    ``cwm_plugin.salts`` writes and reads it, and a request's owner is that rule's."""
+    from cwm_plugin.salts import owner_of, owner_salt, tenant_of, user_of
+    from cwm_plugin.sidecar.identity.authenticator import owner_of as owner_of_request
+
+    a = auth()
+    t = a.tenant_for("key-a")
+    alice = a.identify(t, {"x-session-id": "s1"}, {"user": "alice"})
+    folder = a.user_session("acme", "alice")
+    assert owner_of_request(alice) == owner_of("acme", folder) == f"acme/{folder}"
+    assert owner_of_request(a.identify(t, {"x-session-id": "s1"}, {})) == owner_of("acme")
+    assert (tenant_of(owner_of("acme", folder)), user_of(owner_of("acme", folder))) == \
+        ("acme", folder)
+    assert (tenant_of("acme"), user_of("acme")) == ("acme", None)
+    assert owner_salt(owner_of("acme", folder), "s1") == ("acme", "s1", folder)

@@ -133,3 +133,65 @@ def test_a_key_listed_twice_or_a_bad_user_key_is_a_config_error(tmp_path):
         with pytest.raises(ConfigError) as exc:
             load_settings(cfg)
         assert said in str(exc.value), str(exc.value)
+
+
+def test_a_user_key_writes_only_its_users_data_and_holds_none_of_the_principals_grants(
+        srv, fake):
+    alice, tenant = USER_KEYS["alice"], KEYS["acme"]
+    fact = {"namespace": "acme", "text": "The office opens at 9."}
+    assert call(srv, "POST", "/v1/memory/facts", h(tenant), fact).status_code == 201
+    # the principal's own namespace (every user's selection reads it): RO for a user key
+    for method, path, body in [
+            ("POST", "/v1/memory/facts", {**fact, "text": "The office is closed."}),
+            ("POST", "/v1/memory/turns", {"namespace": "acme", "session": "s1",
+                                          "role": "user", "content": "x"})]:
+        r = call(srv, method, path, h(alice), body)
+        assert r.status_code == 403, (path, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "permission_denied"
+        assert "a user key of principal `acme` has RO on namespace `acme`" in err["message"]
+        assert "key_sha256" in err["message"]
+    facts = call(srv, "GET", "/v1/memory/facts?namespace=acme", h(alice)).json()["data"]
+    assert [f["text"] for f in facts] == ["The office opens at 9."]
+    rows = call(srv, "GET", "/v1/memory/namespaces", h(alice)).json()["data"]
+    assert {r["namespace"]: r["access"] for r in rows}["acme"] == "RO"
+    # a tenant key acting for alice keeps the principal's access
+    assert call(srv, "POST", "/v1/memory/facts", h(tenant, "alice"),
+                {**fact, "text": "Doors close at 6."}).status_code == 201
+    # acme's grants (debug, metrics, admin) are the principal's, not its users' keys'
+    sent = len(fake.bodies())
+    for method, path, headers, body in [
+            ("POST", "/v1/chat/completions", {**h(alice), "X-CWM-Debug": "1"}, CHAT),
+            ("GET", "/metrics", h(alice), None), ("GET", "/v1/cache/stats", h(alice), None),
+            ("POST", "/v1/auto_freeze", h(alice), {"enabled": False})]:
+        r = call(srv, method, path, headers, body)
+        assert r.status_code == 403, (path, r.text)
+        assert r.json()["error"]["code"] == "permission_denied"
+        assert "a user key of principal `acme` holds none of the principal's grants" in \
+            r.json()["error"]["message"]
+    assert len(fake.bodies()) == sent
+    assert "upstreams" not in call(srv, "GET", "/health", h(alice)).json()
+    assert "upstreams" in call(srv, "GET", "/health", h(tenant)).json()
+    assert call(srv, "GET", "/metrics", h(tenant)).status_code == 200
+
+
+def test_user_keys_access_none_hides_the_principals_namespace_and_chain(fake_upstream,
+                                                                        tmp_path):
+    tenants = [{"name": "acme", "key_sha256": [hash_key(KEYS["acme"])],
+                "user_keys": [{"user": "alice", "key_sha256": [hash_key(USER_KEYS["alice"])]}],
+                "user_keys_access": "none"}]
+    settings = make_settings(fake_upstream[1].url, tmp_path / "memory", "tiktoken:cl100k_base",
+                             tenants=tenants, activity={"root": str(tmp_path / "activity")},
+                             access={"grants": {}})
+    with ServerThread(create_app(settings)) as server:
+        alice = USER_KEYS["alice"]
+        assert call(server, "POST", "/v1/activity", h(KEYS["acme"]),
+                    {"what": "tenant acted"}).status_code == 201
+        r = call(server, "GET", "/v1/memory/facts?namespace=acme", h(alice))
+        assert r.status_code == 404 and r.json()["error"]["code"] == "namespace_not_found"
+        assert call(server, "POST", "/v1/activity", h(alice), {"what": "a"}).status_code == 201
+        seen = call(server, "GET", "/v1/activity", h(alice)).json()
+        assert [e["what"] for e in seen["data"]] == ["a"] and "acme" not in seen["heads"]
+        # the tenant's key still reads every chain of its tenant
+        seen = call(server, "GET", "/v1/activity", h(KEYS["acme"])).json()
+        assert sorted(e["what"] for e in seen["data"]) == ["a", "tenant acted"]

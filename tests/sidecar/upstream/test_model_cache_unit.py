@@ -81,3 +81,18 @@ def test_a_model_added_upstream_is_found_after_the_recheck_interval(tmp_path):
         fake.model = "newer"
         time.sleep(0.4)
         assert chat(srv, "acme", "hi", model="newer").status_code == 200
+
+
+def test_a_failing_model_list_is_not_asked_again_on_every_request(tmp_path):
+    """The upstream's /v1/models fails: the failure is stamped like an answer, so requests
+    in the next ``models_recheck_s`` get it (a clear 502) without asking the upstream again."""
+    fake = FakeUpstream(model="tiny")
+    fake.models_status = 503
+    with ServerThread(fake.app) as up, sidecar(up, tmp_path, models_recheck_s=60) as srv:
+        answers = [chat(srv, "acme", "hello") for _ in range(8)]
+        answers += [chat(srv, "beta", "hi", model=f"nope-{i}") for i in range(4)]
+        assert {r.status_code for r in answers} == {502}, answers[0].text
+        assert "/v1/models answered HTTP 503" in answers[-1].json()["error"]["message"]
+        # the first request's fetch and the health check its failure started, no more
+        assert fake.model_lists <= 2, fake.model_lists
+        assert fake.bodies() == []  # nothing went up

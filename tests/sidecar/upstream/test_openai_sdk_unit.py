@@ -308,6 +308,28 @@ def test_without_session_or_user_a_request_is_stateless(upstream, sidecars):
     assert fake.last()["cache_salt"] == salt("beta", "")  # the tenant's own stateless salt
 
 
+def test_a_stateless_request_on_every_salted_route_leaves_no_context_record(upstream,
+                                                                          sidecars):
+    """No session: no conversation turn, so the connector is told to keep no record of it
+    (it would become the latest turn of whatever shares its salt: a client's own, say)."""
+    fake, _ = upstream
+    sdk = client(sidecars["on"], session=None, tenant="gamma")
+    for send, path in [
+            (lambda: sdk.chat.completions.create(
+                model="fake", messages=[{"role": "user", "content": "hi"}],
+                extra_body={"cache_salt": "team-salt"}), "/v1/chat/completions"),
+            (lambda: sdk.completions.create(model="fake", prompt="hi", max_tokens=4,
+                                            extra_body={"cache_salt": "team-salt"}),
+             "/v1/completions"),
+            (lambda: sdk.responses.create(model="fake", input="hi"), "/v1/responses")]:
+        send()
+        assert fake.last(path)["kv_transfer_params"] == {"cwm": {"record": False}}, path
+    # a turn of a session is recorded (the connector's default)
+    client(sidecars["on"], session="g", tenant="gamma").completions.create(
+        model="fake", prompt="hi", max_tokens=4)
+    assert "record" not in fake.last("/v1/completions")["kv_transfer_params"]["cwm"]
+
+
 def test_a_client_salt_is_hmacd_with_the_tenant(upstream, sidecars):
     fake, _ = upstream
     sdk = client(sidecars["on"], session="g", tenant="gamma")

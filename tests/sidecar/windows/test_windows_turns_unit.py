@@ -154,10 +154,10 @@ def test_a_freeze_takes_the_turn_that_arrived_last_on_every_salted_route(engine,
             assert sent["turn"] == turn and sent["at"] > 0
             w = freeze(srv, f"after-{path}")
             assert w.status_code == 200 and w.json()["turn"] == turn, w.text
-        # a request of no session names no turn
+        # a request of no session names no turn and leaves no record
         httpx.post(f"{srv.url}/v1/completions", headers=ACME, timeout=60,
                    json={"model": "tiny", "prompt": "x"})
-        assert e.received[-1]["kv_transfer_params"] == {"cwm": {}}
+        assert e.received[-1]["kv_transfer_params"] == {"cwm": {"record": False}}
     finally:
         srv.stop()
 

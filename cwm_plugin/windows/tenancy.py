@@ -10,7 +10,12 @@ quota and the pin it allows are one step in this process.
   *and of all its users* (owners ``tenant/u-...``: a user is a name any holder of the
   tenant's key may send, so a per-user count would bound nothing). A window's bytes are what
   the store holds under its keys, measured while its lock is held, just before its pin: never
-  a figure from a caller or a file.
+  a figure from a caller or a file. By default (``auto``) each tenant's quota is its share of
+  the store's pin quota (:meth:`~cwm_plugin.store.kv_store.KVStore.pin_quota`, per key group)
+  among the deployment's principals, so no tenant can pin what the others need
+  (:func:`tenant_quota`: a number is taken as it is, None is no tenant quota). A quota counts a window's
+  blocks of every rank and model against a pin quota of one rank and model: the tenants'
+  windows never fill a key group's pin quota between them.
 * **A secret rotation** renames users: their owner is ``tenant/`` + the user's name under the
   newest secret. :meth:`TenantWindows.adopt` moves the windows a user has under its names from
   older versions (the sidecar calls it once per user in the grace period, ``salt_move.py``):
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from cwm_plugin.errors import AlreadyExists, InvalidInput
 from cwm_plugin.store.kv_store import KVStore
@@ -40,16 +46,37 @@ from cwm_plugin.windows.rekey import WindowIncomplete
 log = logging.getLogger(__name__)
 
 
+def tenant_quota(store: KVStore, quota: int | Literal["auto"] | None,
+                 principals: int) -> int | None:
+    """The blob bytes the windows of one tenant and its users may pin: ``auto``: the store's
+    pin quota (:meth:`~cwm_plugin.store.kv_store.KVStore.pin_quota`) divided by
+    ``principals`` (the sidecar's tenants plus providers; at least one); a number: that; None:
+    no tenant quota (only the store's pin quota bounds a tenant: one may pin it all). Explicit
+    quotas that together exceed the pin quota are taken as they are, with a warning."""
+    pool = store.pin_quota()
+    n = max(1, principals)
+    if quota == "auto":
+        return None if pool is None else pool // n
+    if quota is None or pool is None or quota * n <= pool:
+        return quota
+    log.warning("windows.tenant_quota_bytes %s for each of %d principals (tenants and "
+                "providers) is %s bytes, over the store's pin quota of %s: a tenant's windows "
+                "can take pins the others need (auto: %s each)", f"{quota:,}", n,
+                f"{quota * n:,}", f"{pool:,}", f"{pool // n:,}")
+    return quota
+
+
 class TenantWindows:
     """The quota and the moves of a tenant's windows (see the module docstring);
-    ``quota_bytes``: blob bytes the windows of one tenant and its users may pin (None: only
-    the store's pin quota)."""
+    ``quota_bytes``: blob bytes the windows of one tenant and its users may pin, or ``auto``
+    (:func:`tenant_quota`); ``principals``: how many tenants and providers share the store."""
 
     def __init__(self, store: KVStore, catalog: WindowCatalog,
-                 quota_bytes: int | None = None) -> None:
+                 quota_bytes: int | Literal["auto"] | None = "auto", principals: int = 1
+                 ) -> None:
         self.store = store
         self.catalog = catalog
-        self.quota_bytes = quota_bytes
+        self.quota_bytes = tenant_quota(store, quota_bytes, principals)
 
     def stored_bytes(self, keys: list[list[bytes]]) -> int:
         """The blob bytes the store holds under ``keys`` (the fullest tier's count)."""

@@ -174,6 +174,37 @@ def test_with_an_export_key_only_files_signed_under_it_are_imported(upstream, tm
         srv.stop()
 
 
+def test_an_unsigned_file_of_blocks_not_bound_to_their_tokens_is_refused(upstream, tmp_path,
+                                                                          monkeypatch):
+    """Blocks saved naming no content (an older connector): their export, unsigned, is a
+    ``bad_window_file`` that writes nothing; the same window signed under the export key is
+    imported (the signature vouches for the blocks)."""
+    import window_helpers
+
+    monkeypatch.setattr(window_helpers, "contents", lambda tokens, n: [None] * n)
+    _, unbound = prepare(tmp_path / "kv")
+    srv = start(upstream, tmp_path)
+    try:
+        before = keys(srv)
+        r = post_file(srv, unbound, "w")
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "bad_window_file" and "names no content" in error["message"]
+        assert keys(srv) == before
+    finally:
+        srv.stop()
+    monkeypatch.setenv("CWM_WINDOW_EXPORT_KEY", EXPORT_KEY)
+    srv = start(upstream, tmp_path)
+    try:
+        assert httpx.post(f"{srv.url}/v1/windows", headers=ACME, timeout=60,
+                          json={"name": "plan", "session": "alice"}).status_code == 200
+        signed = httpx.get(f"{srv.url}/v1/windows/plan/export", headers=ACME, timeout=60)
+        r = post_file(srv, signed.content, "plan-copy")
+        assert r.status_code == 200 and r.json()["blocks"] == 3, r.text
+    finally:
+        srv.stop()
+
+
 def test_by_default_a_tenant_pins_only_its_share_of_the_pin_quota(upstream, tmp_path):
     """The windows' default settings (the tenant quota ``auto``) and three principals: acme
     pins at most a third of the store's pin quota (half of disk_bytes), so beta pins too."""

@@ -10,24 +10,29 @@ quota and the pin it allows are one step in this process.
   *and of all its users* (owners ``tenant/u-...``: a user is a name any holder of the
   tenant's key may send, so a per-user count would bound nothing). A window's bytes are what
   the store holds under its keys, measured while its lock is held, just before its pin: never
-  a figure from a caller or a file. By default (``auto``) each tenant's quota is its share of
-  the store's pin quota (:meth:`~cwm_plugin.store.kv_store.KVStore.pin_quota`, per key group)
-  among the deployment's principals, so no tenant can pin what the others need
-  (:func:`tenant_quota`: a number is taken as it is, None is no tenant quota). A quota counts a window's
-  blocks of every rank and model against a pin quota of one rank and model: the tenants'
-  windows never fill a key group's pin quota between them.
+  a figure from a caller or a file. The tenant's total is a running one
+  (:meth:`~.catalog.WindowCatalog.pinned_bytes`: derived from its manifests once, then kept
+  by each claim and drop; derived again before a refusal and every
+  :data:`~.tenant_state.RESCAN_S`), never a scan of every manifest per commit. By default
+  (``auto``) each tenant's quota is its share of the store's pin quota
+  (:meth:`~cwm_plugin.store.kv_store.KVStore.pin_quota`, per key group) among the
+  deployment's principals, so no tenant can pin what the others need (:func:`tenant_quota`:
+  a number is taken as it is, None is no tenant quota). A quota counts a window's blocks of
+  every rank and model against a pin quota of one rank and model: the tenants' windows never
+  fill a key group's pin quota between them.
 * **A secret rotation** renames users: their owner is ``tenant/`` + the user's name under the
   newest secret. :meth:`TenantWindows.adopt` moves the windows a user has under its names from
   older versions (the sidecar calls it once per user in the grace period, ``salt_move.py``):
   the manifests only, the blocks stay under their window salts.
 
 Across processes sharing a store (sidecars on one Redis, ``cwm window --store`` beside a
-sidecar) the lock is this process's: two commits of one tenant in two processes at once can
-both pass the check, so the quota can be overshot by one window per other process committing
-at that moment; names stay exclusive (the store's claim is atomic), and an expired window's
-removal re-reads the manifest first, so it takes back only a window that is still the expired
-one (a name re-claimed by another process between that read and the removal is the one
-cross-process race left).
+sidecar) the lock and the running total are this process's: a process sees the windows
+another commits when it derives its total again (before a refusal, and at least every
+``RESCAN_S``), so the quota can be overshot by what other processes commit in that time;
+names stay exclusive (the store's claim is atomic), and an expired window's removal re-reads
+the manifest first, so it takes back only a window that is still the expired one (a name
+re-claimed by another process between that read and the removal is the one cross-process race
+left).
 """
 
 from __future__ import annotations
@@ -86,14 +91,18 @@ class TenantWindows:
 
     def tenant_bytes(self, tenant: str) -> int:
         """What the live windows of ``tenant`` and of all its users pin."""
-        return sum(m.stored_bytes for m in self.catalog.manifests(tenant, whole_tenant=True))
+        return self.catalog.pinned_bytes(tenant)
 
     def check_quota(self, owner: str, more: int) -> None:
-        """Refuse ``more`` bytes that would take the tenant of ``owner`` past its quota."""
+        """Refuse ``more`` bytes that would take the tenant of ``owner`` past its quota (its
+        running total, derived again from the store before a refusal)."""
         if self.quota_bytes is None:
             return
         tenant = tenant_of(owner)
-        used = self.tenant_bytes(tenant)
+        with self.catalog.lock(tenant):
+            used = self.catalog.pinned_bytes(tenant)
+            if used + more > self.quota_bytes:
+                used = self.catalog.pinned_bytes(tenant, fresh=True)
         if used + more > self.quota_bytes:
             raise QuotaExceeded(
                 f"the windows of tenant {tenant!r} (its users' included) pin {used} bytes; "

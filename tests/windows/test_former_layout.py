@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from prometheus_client import CollectorRegistry
-from window_helpers import BS, converse, to_former_layout
+from window_helpers import BS, converse, listings, to_former_layout
 
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.kv_store import KVStore
@@ -131,15 +131,7 @@ def test_each_tenant_remembers_the_users_it_looked_at_apart(store, monkeypatch):
     from cwm_plugin.windows import catalog, model
 
     monkeypatch.setattr(catalog, "REMEMBER", 2)
-    looked: list[bytes] = []
-    real = store.list_keys
-
-    def spy(prefix: bytes = b"", **kw):
-        if prefix == model.former_group(USER):
-            looked.append(prefix)
-        return real(prefix, **kw)
-
-    monkeypatch.setattr(store, "list_keys", spy)
+    looked = listings(store, monkeypatch, model.former_group(USER))
     eng = WindowEngine(store, wait_s=0)
     eng.list(USER)
     for i in range(3):                       # another tenant's users, past REMEMBER

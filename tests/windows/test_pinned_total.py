@@ -10,7 +10,7 @@ import io
 import threading
 
 import pytest
-from window_helpers import BS, NS, converse, serve
+from window_helpers import BS, NS, converse, listings, serve
 
 from cwm_plugin.errors import NotFound
 from cwm_plugin.store.tiers.base import QuotaExceeded
@@ -29,20 +29,6 @@ def window_size(store) -> int:
     return size
 
 
-def scans(store, monkeypatch, tenant: str) -> list[bytes]:
-    """Every listing of ``tenant``'s manifest group from now on (a scan of its windows)."""
-    seen: list[bytes] = []
-    real = store.list_keys
-
-    def spy(prefix: bytes = b"", **kw):
-        if prefix == model.tenant_group(tenant):
-            seen.append(prefix)
-        return real(prefix, **kw)
-
-    monkeypatch.setattr(store, "list_keys", spy)
-    return seen
-
-
 def stored_total(eng: WindowEngine, tenant: str) -> int:
     return sum(m.stored_bytes for m in eng.manifests(tenant, whole_tenant=True))
 
@@ -51,7 +37,7 @@ def test_commits_keep_the_total_without_scanning_the_tenants_windows(store, monk
     converse(store, "s", 3 * BS)
     size = window_size(store)
     eng = WindowEngine(store, wait_s=0, tenant_quota_bytes=10 * size)
-    seen = scans(store, monkeypatch, "acme")
+    seen = listings(store, monkeypatch, model.tenant_group("acme"))
     for i in range(4):
         eng.freeze("acme", f"w{i}", session="a", salt="s")
     eng.freeze("acme/u-" + "1" * 32, "mine", session="a", salt="s")

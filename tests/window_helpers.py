@@ -126,3 +126,18 @@ def to_former_layout(store: KVStore, owner: str, name: str) -> tuple[bytes, byte
     store.delete_many([manifest_key(owner, name), thaw_key(owner, name)])
     store.flush()
     return key, note
+
+
+def listings(store: KVStore, monkeypatch, prefix: bytes) -> list[bytes]:
+    """Every listing of the store's keys under ``prefix`` from now on (a scan of that group),
+    as the store is asked for it."""
+    seen: list[bytes] = []
+    real = store.list_keys
+
+    def spy(asked: bytes = b"", **kw):
+        if asked == prefix:
+            seen.append(asked)
+        return real(asked, **kw)
+
+    monkeypatch.setattr(store, "list_keys", spy)
+    return seen

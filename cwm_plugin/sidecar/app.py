@@ -86,7 +86,7 @@ def open_windows(settings: Settings) -> tuple[WindowEngine | None, AutoFreeze | 
         return None, None
     w = settings.windows
     try:
-        engine = open_engine(w)
+        engine = open_engine(w, len(settings.principals()))
     except ConfigError:
         raise  # a setting to fix (a short export key): the start fails, never windows alone
     except CWMError as exc:

@@ -42,9 +42,12 @@ class StoreConfig:
     redis_timeout_ms: int = field(default=2000, metadata=limits(min=1, max=600_000))
     # the scheduler's lookups: a slow or black-holed Redis must not stall vLLM's step
     redis_lookup_timeout_ms: int = field(default=80, metadata=limits(min=1, max=60_000))
-    # pinned bytes allowed per key group (model namespace + rank) in each durable tier;
-    # None: half of disk_bytes on disk, no limit in Redis
+    # pinned (window) bytes allowed per key group (model namespace + rank) in each tier that
+    # holds pins; None: half of the tier's budget (disk_bytes, memory_bytes), and in Redis,
+    # which has no budget here, redis_pin_quota_bytes. Pinned blobs are never evicted.
     pin_quota_bytes: int | None = field(default=None, metadata=limits(min=0))
+    # Redis keeps pinned blobs in its memory without a TTL: a share of its maxmemory
+    redis_pin_quota_bytes: int = field(default=4 << 30, metadata=limits(min=0))
     zstd_level: int = field(default=1, metadata=limits(min=0, max=22))   # 0 = no compression
     shuffle: bool = True             # byte-plane transform before zstd
     # bf16: signs as compressed bit planes where they compress (a better ratio, a slower decode)
@@ -74,9 +77,14 @@ class StoreConfig:
             parse_master_key(self.encryption_key)
 
     def pin_quota_for(self, tier: str) -> int | None:
+        """The pinned bytes one key group may hold in ``tier`` (see ``pin_quota_bytes``;
+        None: a tier of no known budget)."""
         if self.pin_quota_bytes is not None:
             return self.pin_quota_bytes
-        return self.disk_bytes // 2 if tier == "disk" else None
+        budget = {"memory": self.memory_bytes, "disk": self.disk_bytes}.get(tier)
+        if budget is not None:
+            return budget // 2
+        return self.redis_pin_quota_bytes if tier == "redis" else None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None = None, *, env: dict[str, str] | None = None

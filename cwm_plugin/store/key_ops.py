@@ -129,6 +129,13 @@ class KeySpace:
         """Where pins live: the durable tiers (memory only when there is none)."""
         return self.tier_set.durable or self.tier_set.tiers
 
+    def pin_quota(self) -> int | None:
+        """The pinned bytes one key group may hold on every tier pins go to: the smallest of
+        their pin quotas (None: none has one)."""
+        quotas = [q for t in self.pin_tiers()
+                  if (q := self.tier_set.config.pin_quota_for(t.name)) is not None]
+        return min(quotas, default=None)
+
     def pin_many(self, keys: Sequence[bytes], *, ttl_s: float | None = None
                  ) -> dict[str, list[bytes]]:
         """Pin keys on the durable tiers (after their pending saves), each tier atomically

@@ -147,6 +147,9 @@ class KVStore:
     def pin_tiers(self) -> list[Tier]:
         return self.key_space.pin_tiers()
 
+    def pin_quota(self) -> int | None:
+        return self.key_space.pin_quota()
+
     def pin_many(self, keys: Sequence[bytes], *, ttl_s: float | None = None
                  ) -> dict[str, list[bytes]]:
         return self.key_space.pin_many(keys, ttl_s=ttl_s)

@@ -8,14 +8,18 @@ belong to the window's own salt, not its name; the new name is claimed under the
 like any other) or changes its tags and description.
 
 * **One lock per tenant** (re-entrant: one tenant never waits for another's operations): every
-  step that pins or names a window -- a claim, a rename, a move, the removal of an expired
-  window, a commit's quota check (:mod:`.tenancy`) -- holds it.
+  step that pins or names a window -- a claim, a rename, a move, a delete, the removal of an
+  expired window, a commit's quota check (:mod:`.tenancy`) -- holds it. It guards the rest of
+  what this process keeps of the tenant (:class:`~.tenant_state.TenantState`): the bytes its
+  live windows pin (:meth:`WindowCatalog.pinned_bytes`, a running total a claim adds to and a
+  drop takes from) and the users whose former layout it looked at.
 * **An expired window is gone**: the read that finds it past its ``expires`` (a get, a list,
   a name check) drops its keys, pins, manifest and thaw note under the lock (unless the
   manifest changed meanwhile), so its name and its bytes are free at once.
 * **The former layout**: a user's windows written when each user had a manifest group of its
   own (:func:`~.model.former_place`) are moved into the tenant's group the first time this
-  process lists or names that user's windows (remembered per user, the newest ``REMEMBER``):
+  process lists or names that user's windows (remembered per user, the newest ``REMEMBER`` of
+  each tenant, so one tenant's users never push out another's):
   manifest and thaw note re-keyed and re-sealed, blocks untouched. A move is a claim of the
   new key (atomic: of two processes moving one window, one claims it; the other finds the same
   window there and drops the former keys, as a retry after a crash does); a name the user has
@@ -30,7 +34,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -59,9 +62,10 @@ from cwm_plugin.windows.model import (
     thaw_key,
 )
 from cwm_plugin.windows.rekey import BlockKeys
+from cwm_plugin.windows.tenant_state import TenantState
 
 log = logging.getLogger(__name__)
-REMEMBER = 65_536  # users whose former layout this process looked at
+REMEMBER = 65_536  # users of a tenant whose former layout this process looked at
 SORTS = {"created": lambda m: m.created, "updated": lambda m: m.updated,
          "name": lambda m: m.name, "tokens": lambda m: len(m.tokens),
          "size": lambda m: m.stored_bytes}
@@ -90,18 +94,31 @@ class WindowCatalog:
     def __init__(self, store: KVStore, blocks: BlockKeys) -> None:
         self.store = store
         self.blocks = blocks
-        self._locks: dict[str, threading.RLock] = {}
-        self._locks_guard = threading.Lock()
-        self._current: OrderedDict[str, None] = OrderedDict()  # users in the tenant's group
+        self._tenants: dict[str, TenantState] = {}
+        self._tenants_guard = threading.Lock()
+
+    def state(self, owner: str) -> TenantState:
+        """What this process keeps of ``owner``'s tenant (a user's windows are their
+        tenant's); read and changed holding its ``lock``."""
+        tenant = tenant_of(owner)
+        with self._tenants_guard:
+            state = self._tenants.get(tenant)
+            if state is None:
+                state = self._tenants[tenant] = TenantState()
+            return state
 
     def lock(self, owner: str) -> threading.RLock:
         """The lock of ``owner``'s tenant (a user's windows share their tenant's)."""
-        tenant = tenant_of(owner)
-        with self._locks_guard:
-            lock = self._locks.get(tenant)
-            if lock is None:
-                lock = self._locks[tenant] = threading.RLock()
-            return lock
+        return self.state(owner).lock
+
+    def pinned_bytes(self, owner: str, *, fresh: bool = False) -> int:
+        """What the live windows of ``owner``'s tenant and of all its users pin: the running
+        total, derived from their manifests first, when it is stale, or when ``fresh``."""
+        state = self.state(owner)
+        with state.lock:
+            if fresh or state.stale():
+                state.derive(self.manifests(tenant_of(owner), whole_tenant=True))
+            return state.total
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -186,6 +203,7 @@ class WindowCatalog:
             except BaseException:
                 self.store.delete_many([key])
                 raise
+            self.state(m.tenant).add(m)
 
     def _store_new(self, key: bytes, m: Manifest) -> bool:
         return self.store.claim(key, m.to_tensor(), layout=MANIFEST_LAYOUT,
@@ -217,8 +235,10 @@ class WindowCatalog:
         """Unpin and delete window ``m``'s keys, its manifest and its thaw note."""
         keys = [k for ks in self.blocks.of_window(m) for k in ks]
         mkey = manifest_key(m.tenant, m.name)
-        self.store.unpin_many([*keys, mkey])
-        self.store.delete_many([*keys, mkey, thaw_key(m.tenant, m.name)])
+        with self.lock(m.tenant):
+            self.store.unpin_many([*keys, mkey])
+            self.store.delete_many([*keys, mkey, thaw_key(m.tenant, m.name)])
+            self.state(m.tenant).remove(m)
 
     def _expire(self, key: bytes, m: Manifest) -> None:
         """Drop window ``m`` (read under ``key``, expired) with its keys, pins and thaw note,
@@ -274,10 +294,11 @@ class WindowCatalog:
         """Move user ``owner``'s windows from the former layout into its tenant's group, once
         in this process (see the module docstring; a move that fails is logged, and the next
         listing or naming of the user's windows tries again)."""
-        if user_of(owner) is None or owner in self._current:
+        state = self.state(owner)
+        if user_of(owner) is None or owner in state.users:
             return
-        with self.lock(owner):
-            if owner in self._current:
+        with state.lock:
+            if owner in state.users:
                 return
             outcomes = [self._upgrade(owner, key) for key in
                         sorted(self._keys_under(former_group(owner), exact=True))]
@@ -285,10 +306,7 @@ class WindowCatalog:
                 log.info("tenant %s: %d windows of a user moved from the former layout into "
                          "the tenant's group", tenant_of(owner), outcomes.count("moved"))
             if "failed" not in outcomes:
-                with self._locks_guard:   # (shared by every tenant's lock holders)
-                    self._current[owner] = None
-                    if len(self._current) > REMEMBER:
-                        self._current.popitem(last=False)
+                state.remember(owner, REMEMBER)
 
     def _upgrade(self, owner: str, key: bytes) -> str:
         """Move the window stored under the former layout's ``key`` into the tenant's group

@@ -111,7 +111,7 @@ def client_from_args(args: argparse.Namespace) -> WindowsClient:
                               hint="export the sidecar's secret to derive session salts")
         owner = owner_of(args.tenant, None if args.user is None else
                          user_session(secret, args.tenant, args.user))
-        return LocalWindows(open_engine(windows_settings(args.store)), owner,
+        return LocalWindows(open_engine(*windows_settings(args.store)), owner,
                             lambda owner, s: derive_salt(secret, *owner_salt(owner, s)))
     if not args.api_key:
         raise ConfigError("no API key", hint="pass --api-key or set CWM_API_KEY (or use "

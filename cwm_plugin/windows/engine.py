@@ -37,7 +37,7 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from cwm_plugin.connector import records
 from cwm_plugin.errors import AlreadyExists, CWMError, NotFound
@@ -94,15 +94,18 @@ class WindowEngine:
     """Context windows on one KV store (see the module docstring)."""
 
     def __init__(self, store: KVStore, *, wait_s: float = 30.0, keep_turns: int = 8,
-                 settle_s: float = 3.0, tenant_quota_bytes: int | None = None,
+                 settle_s: float = 3.0,
+                 tenant_quota_bytes: int | Literal["auto"] | None = "auto", principals: int = 1,
                  export_key: bytes | None = None, max_ttl_s: float | None = None) -> None:
         """``wait_s``: how long a freeze waits for a record and its blocks; ``settle_s``: how
         long it waits for write-behind before copying what a durable tier lacks;
         ``keep_turns``: client turns a session keeps records of; ``tenant_quota_bytes``:
-        blob bytes the windows of one tenant and its users may pin (None: only the store's
-        pin quota); ``export_key``: signs export files, and imports take only files it
-        signed (None: unsigned files, :mod:`.portable`); ``max_ttl_s``: the longest a window
-        lives (None: any TTL, or none)."""
+        blob bytes the windows of one tenant and its users may pin (``auto``: the store's pin
+        quota divided by the ``principals``; None: no tenant quota;
+        :func:`~.tenancy.tenant_quota`);
+        ``export_key``: signs export files, and imports take only files it signed (None:
+        unsigned files, :mod:`.portable`); ``max_ttl_s``: the longest a window lives (None:
+        any TTL, or none)."""
         self.store = store
         self.max_ttl_s = max_ttl_s
         self.wait_s = wait_s
@@ -110,7 +113,7 @@ class WindowEngine:
         self.conversations = ConversationRecords(store, keep_turns)
         self.blocks = BlockKeys(store, settle_s)
         self.catalog = WindowCatalog(store, self.blocks)
-        self.tenancy = TenantWindows(store, self.catalog, tenant_quota_bytes)
+        self.tenancy = TenantWindows(store, self.catalog, tenant_quota_bytes, principals)
         self.sessions = SessionKV(store, self.blocks, self.conversations)
 
     # --- the parts' surface -------------------------------------------------------------------

@@ -7,16 +7,18 @@ the engine has an export key. Import checks, before it writes anything, that the
 manifest passes the validator every stored manifest passes
 (:func:`~cwm_plugin.windows.model.check_manifest`: a field of the wrong type or range is a
 ``bad_window_file``, never an error later), that each blob is a KV block of the key group it
-lands in, and that it is for what the importing store's vLLM serves: the namespace must match
-field for field, and the file's workers (the key scopes its blocks go under) must be exactly
-the served workers -- a file never chooses where in the store its keys land (another tenant's
-window listing, a served-model record). A damaged, truncated, forged or foreign file is refused
-with what is wrong and the store is unchanged. Then the blocks go in one by one under a fresh
-window salt (sealed for it with encryption at rest) and the engine's commit measures the bytes
-they take (never the file's figure), checks the tenant's quota, pins them and claims the name
-(:mod:`.tenancy`); a failure on the way takes back what was written. Windows of a LoRA
-adapter are not portable (their key scope is the adapter's content, which no served record
-names).
+lands in and, in an unsigned file (no export key), bound to the content the manifest's tokens
+give it (its header's ``content``, :mod:`cwm_plugin.store.binding`: a block naming none could
+hold any KV of the model), and that it is for what the importing store's vLLM serves: the
+namespace must match field for field, and the file's workers (the key scopes its blocks go
+under) must be exactly the served workers -- a file never chooses where in the store its keys
+land (another tenant's window listing, a served-model record). A damaged, truncated, forged or
+foreign file is refused with what is wrong and the store is unchanged. Then the blocks go in
+one by one under a fresh window salt (sealed for it with encryption at rest) and the engine's
+commit measures the bytes they take (never the file's figure), checks the tenant's quota, pins
+them and claims the name (:mod:`.tenancy`); a failure on the way takes back what was written.
+Windows of a LoRA adapter are not portable (their key scope is the adapter's content, which
+no served record names).
 """
 
 from __future__ import annotations
@@ -165,6 +167,12 @@ def import_window(engine: WindowEngine, owner: str, src: IO[bytes], name: str | 
                                 f"manifest names ({exc})") from None
         if crypto.is_sealed(meta):  # an export holds plain blobs
             raise BadWindowFile(f"block {i} of the window file is sealed: not an export")
+        if engine.export_key is None and "content" not in meta:
+            raise BadWindowFile(
+                f"block {i} of the window file names no content (the tokens it holds): an "
+                "unsigned window file is imported only when each block is bound to its tokens",
+                hint="export the window again from a server that saves blocks with their "
+                     "content, or give both servers one windows.export_key (signed files)")
     engine.tenancy.check_quota(owner, sum(e.size for e in checked.header.blobs))  # at once
 
     def write() -> None:

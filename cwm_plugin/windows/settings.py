@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr
 
@@ -25,7 +25,9 @@ class WindowsSettings(Strict):
     keep_turns: int = Field(default=8, ge=1, le=256)  # client turns a session can freeze
     # the client's messages travel with a window up to this size (JSON), else they are left out
     max_message_bytes: int = Field(default=1 << 20, ge=0)
-    tenant_quota_bytes: int | None = Field(default=None, ge=0)  # blob bytes a tenant may pin
+    # blob bytes the windows of one tenant and its users may pin; auto: the store's pin quota
+    # divided by the principals (tenants + providers); None: no tenant quota (the pin quota only)
+    tenant_quota_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] | None = "auto"
     max_ttl_s: float | None = Field(default=None, gt=0)  # windows' longest TTL (None: any)
     max_import_bytes: int = Field(default=1 << 30, ge=1024)  # an imported window file's size
     imports_per_tenant: int = Field(default=1, ge=1)  # window imports of one tenant at once

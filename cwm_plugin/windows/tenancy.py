@@ -10,25 +10,36 @@ quota and the pin it allows are one step in this process.
   *and of all its users* (owners ``tenant/u-...``: a user is a name any holder of the
   tenant's key may send, so a per-user count would bound nothing). A window's bytes are what
   the store holds under its keys, measured while its lock is held, just before its pin: never
-  a figure from a caller or a file.
+  a figure from a caller or a file. The tenant's total is a running one
+  (:meth:`~.catalog.WindowCatalog.pinned_bytes`: derived from its manifests once, then kept
+  by each claim and drop; derived again before a refusal and every
+  :data:`~.tenant_state.RESCAN_S`), never a scan of every manifest per commit. By default
+  (``auto``) each tenant's quota is its share of the store's pin quota
+  (:meth:`~cwm_plugin.store.kv_store.KVStore.pin_quota`, per key group) among the
+  deployment's principals, so no tenant can pin what the others need (:func:`tenant_quota`:
+  a number is taken as it is, None is no tenant quota). A quota counts a window's blocks of
+  every rank and model against a pin quota of one rank and model: the tenants' windows never
+  fill a key group's pin quota between them.
 * **A secret rotation** renames users: their owner is ``tenant/`` + the user's name under the
   newest secret. :meth:`TenantWindows.adopt` moves the windows a user has under its names from
   older versions (the sidecar calls it once per user in the grace period, ``salt_move.py``):
   the manifests only, the blocks stay under their window salts.
 
 Across processes sharing a store (sidecars on one Redis, ``cwm window --store`` beside a
-sidecar) the lock is this process's: two commits of one tenant in two processes at once can
-both pass the check, so the quota can be overshot by one window per other process committing
-at that moment; names stay exclusive (the store's claim is atomic), and an expired window's
-removal re-reads the manifest first, so it takes back only a window that is still the expired
-one (a name re-claimed by another process between that read and the removal is the one
-cross-process race left).
+sidecar) the lock and the running total are this process's: a process sees the windows
+another commits when it derives its total again (before a refusal, and at least every
+``RESCAN_S``), so the quota can be overshot by what other processes commit in that time;
+names stay exclusive (the store's claim is atomic), and an expired window's removal re-reads
+the manifest first, so it takes back only a window that is still the expired one (a name
+re-claimed by another process between that read and the removal is the one cross-process race
+left).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from cwm_plugin.errors import AlreadyExists, InvalidInput
 from cwm_plugin.salts import tenant_of
@@ -41,16 +52,37 @@ from cwm_plugin.windows.rekey import WindowIncomplete
 log = logging.getLogger(__name__)
 
 
+def tenant_quota(store: KVStore, quota: int | Literal["auto"] | None,
+                 principals: int) -> int | None:
+    """The blob bytes the windows of one tenant and its users may pin: ``auto``: the store's
+    pin quota (:meth:`~cwm_plugin.store.kv_store.KVStore.pin_quota`) divided by
+    ``principals`` (the sidecar's tenants plus providers; at least one); a number: that; None:
+    no tenant quota (only the store's pin quota bounds a tenant: one may pin it all). Explicit
+    quotas that together exceed the pin quota are taken as they are, with a warning."""
+    pool = store.pin_quota()
+    n = max(1, principals)
+    if quota == "auto":
+        return None if pool is None else pool // n
+    if quota is None or pool is None or quota * n <= pool:
+        return quota
+    log.warning("windows.tenant_quota_bytes %s for each of %d principals (tenants and "
+                "providers) is %s bytes, over the store's pin quota of %s: a tenant's windows "
+                "can take pins the others need (auto: %s each)", f"{quota:,}", n,
+                f"{quota * n:,}", f"{pool:,}", f"{pool // n:,}")
+    return quota
+
+
 class TenantWindows:
     """The quota and the moves of a tenant's windows (see the module docstring);
-    ``quota_bytes``: blob bytes the windows of one tenant and its users may pin (None: only
-    the store's pin quota)."""
+    ``quota_bytes``: blob bytes the windows of one tenant and its users may pin, or ``auto``
+    (:func:`tenant_quota`); ``principals``: how many tenants and providers share the store."""
 
     def __init__(self, store: KVStore, catalog: WindowCatalog,
-                 quota_bytes: int | None = None) -> None:
+                 quota_bytes: int | Literal["auto"] | None = "auto", principals: int = 1
+                 ) -> None:
         self.store = store
         self.catalog = catalog
-        self.quota_bytes = quota_bytes
+        self.quota_bytes = tenant_quota(store, quota_bytes, principals)
 
     def stored_bytes(self, keys: list[list[bytes]]) -> int:
         """The blob bytes the store holds under ``keys`` (the fullest tier's count)."""
@@ -60,14 +92,18 @@ class TenantWindows:
 
     def tenant_bytes(self, tenant: str) -> int:
         """What the live windows of ``tenant`` and of all its users pin."""
-        return sum(m.stored_bytes for m in self.catalog.manifests(tenant, whole_tenant=True))
+        return self.catalog.pinned_bytes(tenant)
 
     def check_quota(self, owner: str, more: int) -> None:
-        """Refuse ``more`` bytes that would take the tenant of ``owner`` past its quota."""
+        """Refuse ``more`` bytes that would take the tenant of ``owner`` past its quota (its
+        running total, derived again from the store before a refusal)."""
         if self.quota_bytes is None:
             return
         tenant = tenant_of(owner)
-        used = self.tenant_bytes(tenant)
+        with self.catalog.lock(tenant):
+            used = self.catalog.pinned_bytes(tenant)
+            if used + more > self.quota_bytes:
+                used = self.catalog.pinned_bytes(tenant, fresh=True)
         if used + more > self.quota_bytes:
             raise QuotaExceeded(
                 f"the windows of tenant {tenant!r} (its users' included) pin {used} bytes; "

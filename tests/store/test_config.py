@@ -15,6 +15,18 @@ def test_defaults_and_dict():
     assert cfg.disk_path == "/x" and cfg.zstd_level == 3 and cfg.memory_bytes == 2 << 30
 
 
+def test_every_tier_that_holds_pins_has_a_pin_quota_by_default():
+    """Pinned blobs are never evicted: without a quota one key group could pin a tier full.
+    Half of a tier's budget; Redis, with no budget here, redis_pin_quota_bytes."""
+    cfg = StoreConfig.from_dict({"disk_bytes": "10G", "memory_bytes": "2G"}, env={})
+    assert cfg.pin_quota_for("disk") == 5 << 30 and cfg.pin_quota_for("memory") == 1 << 30
+    assert cfg.pin_quota_for("redis") == cfg.redis_pin_quota_bytes == 4 << 30
+    cfg = StoreConfig.from_dict({"redis_pin_quota_bytes": "1G"}, env={})
+    assert cfg.pin_quota_for("redis") == 1 << 30
+    cfg = StoreConfig.from_dict({"pin_quota_bytes": "3G"}, env={})   # every tier's
+    assert {cfg.pin_quota_for(t) for t in ("memory", "disk", "redis")} == {3 << 30}
+
+
 def test_unknown_key_is_named():
     with pytest.raises(ConfigError, match="disk_pth"):
         StoreConfig.from_dict({"disk_pth": "/x"}, env={})

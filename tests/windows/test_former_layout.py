@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from prometheus_client import CollectorRegistry
-from window_helpers import BS, converse, to_former_layout
+from window_helpers import BS, converse, listings, to_former_layout
 
 from cwm_plugin.store.config import StoreConfig
 from cwm_plugin.store.kv_store import KVStore
@@ -123,3 +123,22 @@ def test_a_rotation_adopts_a_former_names_windows_in_the_former_layout(store):
     assert eng.adopt(newest, [USER]) == 1
     assert [m.name for m in eng.list(newest)[0]] == ["plan"]
     assert eng.list(USER) == ([], 0)
+
+
+def test_each_tenant_remembers_the_users_it_looked_at_apart(store, monkeypatch):
+    """The memo of users whose former layout was looked at is kept per tenant: another
+    tenant's lookups never push a tenant's users out (its own do, past ``REMEMBER``)."""
+    from cwm_plugin.windows import catalog, model
+
+    monkeypatch.setattr(catalog, "REMEMBER", 2)
+    looked = listings(store, monkeypatch, model.former_group(USER))
+    eng = WindowEngine(store, wait_s=0)
+    eng.list(USER)
+    for i in range(3):                       # another tenant's users, past REMEMBER
+        eng.list(f"beta/u-{i:032d}")
+    eng.list(USER)
+    assert len(looked) == 1                  # acme's memo kept USER
+    for i in range(2):                       # acme's own users push it out
+        eng.list(f"acme/u-{i:032d}")
+    eng.list(USER)
+    assert len(looked) == 2

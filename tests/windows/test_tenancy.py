@@ -10,9 +10,12 @@ import io
 import threading
 
 import pytest
+from prometheus_client import CollectorRegistry
 from window_helpers import BS, NS, converse, serve
 
 from cwm_plugin.errors import AlreadyExists, NotFound
+from cwm_plugin.store.config import StoreConfig
+from cwm_plugin.store.kv_store import KVStore
 from cwm_plugin.store.tiers.base import QuotaExceeded
 from cwm_plugin.windows import model
 from cwm_plugin.windows.engine import WindowEngine
@@ -52,11 +55,6 @@ def test_users_windows_count_toward_their_tenants_quota(store):
 
 
 def test_an_import_is_held_to_the_quota_with_the_bytes_it_pins(tmp_path):
-    from prometheus_client import CollectorRegistry
-
-    from cwm_plugin.store.config import StoreConfig
-    from cwm_plugin.store.kv_store import KVStore
-
     store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
                     registry=CollectorRegistry())
     try:
@@ -149,3 +147,72 @@ def test_a_users_windows_move_from_a_former_name(store):
     assert eng.adopt(new, [old]) == 0
     with pytest.raises(AlreadyExists):
         eng.patch(new, "plan", new_name="clash")
+
+
+def default_engine(store_settings: dict, principals: int) -> WindowEngine:
+    """The engine as the sidecar and ``cwm window --store`` open it, with the windows'
+    default settings (the tenant quota ``auto``)."""
+    from cwm_plugin.windows.opening import open_engine
+    from cwm_plugin.windows.settings import WindowsSettings
+
+    return open_engine(WindowsSettings(store=store_settings, wait_s=0), principals)
+
+
+def fill(eng: WindowEngine, tenant: str, sessions: int) -> int:
+    """Freeze one window of each of the tenant's ``sessions`` (distinct blocks each: what the
+    store's pin quota counts) until its quota refuses one; how many were frozen."""
+    for i in range(sessions):
+        salt = f"{tenant}-{i}"
+        converse(eng.store, salt, 3 * BS, seed=i + (100 if tenant == "b" else 0))
+        try:
+            eng.freeze(tenant, f"w{i}", session=salt, salt=salt)
+        except QuotaExceeded as exc:
+            assert "tenant's quota" in str(exc), exc
+            return i
+    return sessions
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_by_default_a_tenant_pins_only_its_share_of_the_stores_pin_quota(tier, tmp_path,
+                                                                         request):
+    """Two tenants, the windows' default settings: the first cannot pin past its half of the
+    pin quota (on disk half of disk_bytes; in Redis redis_pin_quota_bytes), so the second
+    still pins its own."""
+    probe = KVStore(StoreConfig(disk_path=str(tmp_path / "probe"), memory_bytes=0),
+                    registry=CollectorRegistry())
+    try:
+        converse(probe, "s", 3 * BS)
+        size = window_size(probe)
+    finally:
+        probe.close()
+    pool = 5 * size                                   # two windows and a half each
+    if tier == "disk":
+        settings = {"disk_path": str(tmp_path / "kv"), "disk_bytes": 2 * pool}
+    else:
+        server = request.getfixturevalue("redis_server")
+        settings = {"redis_url": server.url, "redis_pin_quota_bytes": pool}
+    eng = default_engine(settings, principals=2)
+    try:
+        assert eng.store.pin_quota() == pool and eng.tenancy.quota_bytes == pool // 2
+        assert fill(eng, "a", 5) == 2                 # 3 of 5: past its share, refused
+        assert fill(eng, "b", 2) == 2                 # the other's share is still there
+        assert eng.tenant_bytes("a") == eng.tenant_bytes("b") == 2 * size
+    finally:
+        eng.store.close()
+
+
+def test_explicit_tenant_quotas_are_taken_as_they_are_and_null_is_none(tmp_path, caplog):
+    """A number is each tenant's quota (a warning when they add up past the pin quota); null
+    is no tenant quota."""
+    from cwm_plugin.windows.opening import open_engine
+    from cwm_plugin.windows.settings import WindowsSettings
+
+    store = {"disk_path": str(tmp_path / "kv"), "disk_bytes": 1_000_000}   # pins: 500,000
+    for quota, principals, want, warned in [(250_000, 2, 250_000, False),
+                                            (250_000, 3, 250_000, True), (None, 3, None, False),
+                                            ("auto", 4, 125_000, False)]:
+        caplog.clear()
+        eng = open_engine(WindowsSettings(store=store, tenant_quota_bytes=quota), principals)
+        eng.store.close()
+        assert eng.tenancy.quota_bytes == want
+        assert ("over the store's pin quota of 500,000" in caplog.text) == warned

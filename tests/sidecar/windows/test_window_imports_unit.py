@@ -174,6 +174,67 @@ def test_with_an_export_key_only_files_signed_under_it_are_imported(upstream, tm
         srv.stop()
 
 
+def test_an_unsigned_file_of_blocks_not_bound_to_their_tokens_is_refused(upstream, tmp_path,
+                                                                          monkeypatch):
+    """Blocks saved naming no content (an older connector): their export, unsigned, is a
+    ``bad_window_file`` that writes nothing; the same window signed under the export key is
+    imported (the signature vouches for the blocks)."""
+    import window_helpers
+
+    monkeypatch.setattr(window_helpers, "contents", lambda tokens, n: [None] * n)
+    _, unbound = prepare(tmp_path / "kv")
+    srv = start(upstream, tmp_path)
+    try:
+        before = keys(srv)
+        r = post_file(srv, unbound, "w")
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "bad_window_file" and "names no content" in error["message"]
+        assert keys(srv) == before
+    finally:
+        srv.stop()
+    monkeypatch.setenv("CWM_WINDOW_EXPORT_KEY", EXPORT_KEY)
+    srv = start(upstream, tmp_path)
+    try:
+        assert httpx.post(f"{srv.url}/v1/windows", headers=ACME, timeout=60,
+                          json={"name": "plan", "session": "alice"}).status_code == 200
+        signed = httpx.get(f"{srv.url}/v1/windows/plan/export", headers=ACME, timeout=60)
+        r = post_file(srv, signed.content, "plan-copy")
+        assert r.status_code == 200 and r.json()["blocks"] == 3, r.text
+    finally:
+        srv.stop()
+
+
+def test_by_default_a_tenant_pins_only_its_share_of_the_pin_quota(upstream, tmp_path):
+    """The windows' default settings (the tenant quota ``auto``) and three principals: acme
+    pins at most a third of the store's pin quota (half of disk_bytes), so beta pins too."""
+    size, _ = prepare(tmp_path / "probe")
+    store = KVStore(StoreConfig(disk_path=str(tmp_path / "kv"), memory_bytes=0),
+                    registry=CollectorRegistry())
+    try:
+        for i, (tenant, session) in enumerate([("acme", "a0"), ("acme", "a1"), ("acme", "a2"),
+                                               ("beta", "b0")]):
+            converse(store, salt(tenant, session), 3 * BS + 5, seed=i)   # distinct blocks
+    finally:
+        store.close()
+    # a pin quota of 7.5 windows (2.5 a principal): without a tenant quota acme could take it
+    srv = start(upstream, tmp_path, store={"disk_path": str(tmp_path / "kv"),
+                                           "disk_bytes": 15 * size})
+    try:
+        def freeze(key: str, session: str) -> httpx.Response:
+            return httpx.post(f"{srv.url}/v1/windows", timeout=60, json={
+                "name": session, "session": session},
+                headers={"Authorization": f"Bearer {KEYS[key]}"})
+
+        assert [freeze("acme", s).status_code for s in ("a0", "a1")] == [200, 200]
+        r = freeze("acme", "a2")
+        assert r.status_code == 507 and r.json()["error"]["code"] == "pin_quota_exceeded"
+        assert "tenant's quota" in r.json()["error"]["message"], r.text
+        assert freeze("beta", "b0").status_code == 200
+    finally:
+        srv.stop()
+
+
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2 ** 70), max_value=2 ** 70)
     | st.floats() | st.text(max_size=12),

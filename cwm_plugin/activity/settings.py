@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from cwm_plugin.activity.log import MAX_USER_CHAINS
 from cwm_plugin.config_file import Strict, beside, load_section
 
 
@@ -17,12 +18,16 @@ class ActivitySettings(Strict):
     question and answer; 0: none). ``read``: ``shared`` (a principal reads its own entries
     and those of the principals whose namespace it may read: by default providers each
     other's, a tenant only its own; ``access.rules`` grant more), ``own`` (only its own) or
-    ``all`` (every principal reads the whole log)."""
+    ``all`` (every principal reads the whole log). ``max_user_chains``: the users of one
+    tenant with a chain of their own (a new user's entry past it: 507
+    ``activity_users_full``, nothing written), so a tenant naming ever new users grows the
+    log's folders, and what its own reads look at, only so far."""
 
     root: Path = Path("./cwm-activity")
     log_turns: bool = False
     turn_preview_chars: int = Field(default=120, ge=0, le=500)
     read: Literal["shared", "own", "all"] = "shared"
+    max_user_chains: int = Field(default=MAX_USER_CHAINS, ge=1)
 
     def resolve_root(self, config_file: str | os.PathLike[str]) -> None:
         """Take a relative ``root`` from the folder of the settings file it was read from."""

@@ -75,6 +75,8 @@ class MemorySettings(Strict):
     structured_facts: bool = True  # ask vLLM for schema-constrained JSON (structured outputs)
     background_max_tokens: int = 256
     background_queue_limit: int = Field(default=64, ge=1)  # sessions with work waiting
+    # waiting jobs each principal is sure of (None: background_queue_limit // principals)
+    background_tenant_share: int | None = Field(default=None, ge=1)
     background_workers: int = Field(default=1, ge=1)  # model calls for background work at once
     warm_on_start: bool = True  # load every tenant's index when the app starts
     sync_interval_s: float = Field(default=1.0, ge=0)  # look for other writers (background)

@@ -124,7 +124,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         activity=open_activity(settings),
         tracker=ContextTracker(settings.sessions.max_tracked, settings.session_share()),
         background=Background(settings.memory.background_queue_limit,
-                              settings.memory.background_workers, metrics),
+                              settings.memory.background_workers, metrics,
+                              share=settings.background_share()),
     )
     engine, auto = open_windows(settings)
     sidecar.windows = engine

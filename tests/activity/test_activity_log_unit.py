@@ -17,7 +17,7 @@ import pytest
 
 from cwm_plugin.activity.chain import Chain
 from cwm_plugin.activity.log import GENESIS, MAX_TEXT, ActivityLog, Entry
-from cwm_plugin.errors import InvalidInput
+from cwm_plugin.errors import InvalidInput, StorageFull
 
 pytestmark = pytest.mark.unit
 
@@ -66,12 +66,46 @@ def test_each_principal_chains_only_its_own_entries(tmp_path):
         assert [e.principal for e in mine] == [p] * who.count(p)
         assert mine[0].prev == GENESIS and log.head(p) == mine[-1].hash
         assert all(b.prev == a.hash for a, b in zip(mine, mine[1:], strict=False))
-        others = {e.hash for e in log.entries(lambda q, p=p: q != p)}
+        others = {e.hash for e in log.entries() if e.principal != p}
         assert not others & ({e.prev for e in mine} | {log.head(p)})
-    # a user's chain is a folder of its own (the name percent-encoded), beside its tenant's
-    assert (tmp_path / "chains" / ("acme%2Fu-" + "a" * 32) / "activity.jsonl").is_file()
-    assert log.heads(lambda q: q.startswith("acme")).keys() == {"acme", "acme/u-" + "a" * 32}
+    # a user's chain is a folder of its own inside its tenant's, beside the tenant's own
+    assert (tmp_path / "chains" / "acme" / ("u-" + "a" * 32) / "activity.jsonl").is_file()
+    assert (tmp_path / "chains" / "acme" / "_self" / "activity.jsonl").is_file()
+    assert log.heads({"acme": None}).keys() == {"acme", "acme/u-" + "a" * 32}
+    assert log.heads({"acme": frozenset(), "beta": None}).keys() == {"acme", "beta"}
     assert [e.what for e in log.quick(limit=2, principal="beta")] == ["step 13", "step 15"]
+
+
+def test_the_locks_held_do_not_grow_with_the_chains(tmp_path):
+    """Every principal's chain is locked with one of a fixed set of locks (striped by its
+    folder), so a tenant naming ever new users grows no lock table."""
+    log = ActivityLog(tmp_path)
+    for i in range(150):
+        log.append(Entry(principal=f"t{i % 3}/user-{i}", what="x"))
+    assert len(log.principals()) == 150 and log.verify() == []
+    assert len(log._locks) <= 64
+
+
+def test_a_tenant_holds_at_most_max_user_chains_and_is_told_past_them(tmp_path):
+    """Past ``max_user_chains`` a new user's entry is refused (507), nothing written; the
+    tenant's users already there, the tenant itself and another tenant's users go on; every
+    chain is verified, a user's included."""
+    log = ActivityLog(tmp_path, max_user_chains=3)
+    for user in ("u1", "u2", "u3"):
+        log.append(Entry(principal=f"acme/{user}", what="hello"))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(StorageFull) as refused:
+        log.append(Entry(principal="acme/u4", what="one too many"))
+    assert refused.value.http_status == 507 and refused.value.code == "activity_users_full"
+    assert "activity.max_user_chains" in str(refused.value)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    for principal in ("acme/u1", "acme", "beta/u4", "beta/u5"):
+        log.append(Entry(principal=principal, what="still fine"))
+    assert log.principals({"acme": None}) == ["acme", "acme/u1", "acme/u2", "acme/u3"]
+    assert log.verify() == []
+    chain = log.chain("acme/u2").jsonl
+    chain.write_text(chain.read_text().replace('"hello"', '"bye"'))
+    assert log.verify()[0].startswith("chains/acme/u2/activity.jsonl line 1 was edited")
 
 
 def test_an_entry_moved_into_another_principals_chain_is_named(tmp_path):
@@ -85,7 +119,7 @@ def test_an_entry_moved_into_another_principals_chain_is_named(tmp_path):
         f.write(json.dumps(theirs.__dict__, sort_keys=True) + "\n")
     with open(log.chain("acme").md, "a") as f:
         f.write(theirs.markdown() + "\n")
-    assert log.verify() == ["chains/acme/activity.jsonl line 2 is an entry of another "
+    assert log.verify() == ["chains/acme/_self/activity.jsonl line 2 is an entry of another "
                             "principal (moved in from another chain)"]
 
 
@@ -97,8 +131,8 @@ def test_an_edited_line_is_named(tmp_path):
     rows[2] = json.dumps(obj, sort_keys=True)
     log.chain("p0").jsonl.write_text("\n".join(rows) + "\n")
     problems = log.verify()
-    assert any("chains/p0/activity.jsonl line 3 was edited" in p for p in problems), problems
-    assert any("chains/p0/activity.md differs" in p for p in problems)
+    assert any("chains/p0/_self/activity.jsonl line 3 was edited" in p for p in problems), problems
+    assert any("chains/p0/_self/activity.md differs" in p for p in problems)
 
 
 def test_an_edit_with_its_hash_recomputed_breaks_the_next_link(tmp_path):
@@ -132,8 +166,8 @@ def test_an_edited_markdown_line_is_named(tmp_path):
     log = filled(tmp_path)
     md = log.chain("p0").md.read_text().replace("step 4", "step 44")
     log.chain("p0").md.write_text(md)
-    assert log.verify() == ["chains/p0/activity.md differs from the hash chain in "
-                            "chains/p0/activity.jsonl from "
+    assert log.verify() == ["chains/p0/_self/activity.md differs from the hash chain in "
+                            "chains/p0/_self/activity.jsonl from "
                             "line 5 on (5 lines for 5 entries)"]
     log.chain("p0").md.write_text("".join(md.splitlines(keepends=True)[:3]))  # lines cut off the end
     assert "from line 4 on (3 lines for 5 entries)" in log.verify()[0]
@@ -147,9 +181,9 @@ def test_garbage_and_wrong_types_are_reported_not_raised(tmp_path):
     log.chain("p0").jsonl.write_text("\n".join([rows[0], json.dumps(bad), "{not json", "[1, 2]"]) + "\n")
     problems = log.verify()
     assert [p.split(":")[0] for p in problems[:3]] == [
-        "chains/p0/activity.jsonl line 2 is not an entry",
-        "chains/p0/activity.jsonl line 3 is not an entry",
-        "chains/p0/activity.jsonl line 4 is not an entry"]
+        "chains/p0/_self/activity.jsonl line 2 is not an entry",
+        "chains/p0/_self/activity.jsonl line 3 is not an entry",
+        "chains/p0/_self/activity.jsonl line 4 is not an entry"]
 
 
 def test_a_line_cut_short_by_a_crash_is_reported_and_later_appends_still_chain(tmp_path):

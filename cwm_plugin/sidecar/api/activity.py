@@ -16,7 +16,9 @@ the caller's own entries and, with ``activity.read: shared`` (the default), thos
 whose namespace it may read (``identity/access.py``: providers each other's; a tenant only its own
 unless a rule grants more); ``own``: its own only; ``all``: every entry. A request acting for
 a user sees its principal's own entries and that user's, never another user's; one acting for
-no user sees its principal's and all its users' (the key's holder).
+no user sees its principal's and all its users' (the key's holder). A read looks only at the
+chains it may read (``activity/log.py``). A user's entry past its tenant's
+``activity.max_user_chains`` users with a chain is refused: 507 ``activity_users_full``.
 No route rewrites or deletes an entry: ``PUT``, ``PATCH`` and ``DELETE`` on ``/v1/activity``
 (and below it) answer 405. With ``activity.log_turns`` each chat turn is appended too
 (:func:`log_turn`, in the background; a failure is counted and logged, never the turn's).
@@ -28,16 +30,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from cwm_plugin.activity.log import GENESIS, MAX_NAME, MAX_TEXT, ActivityLog, Entry
+from cwm_plugin.activity.log import GENESIS, MAX_NAME, MAX_TEXT, ActivityLog, Entry, Who
 from cwm_plugin.errors import CWMError, InvalidInput
-from cwm_plugin.salts import tenant_of, user_of
+from cwm_plugin.salts import tenant_of
 from cwm_plugin.sidecar.api.schema import body_doc
 from cwm_plugin.sidecar.http.errors import error_response
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of, validate_session
@@ -71,7 +72,8 @@ def open_activity(settings: Settings) -> ActivityLog | None:
     if settings.activity is None:
         return None
     try:
-        return ActivityLog(settings.activity.root)
+        return ActivityLog(settings.activity.root,
+                           max_user_chains=settings.activity.max_user_chains)
     except OSError as exc:
         log.error("the activity log is off: cannot use %s: %s", settings.activity.root,
                   exc.strerror)
@@ -123,24 +125,20 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
         perms.require(ident, perms.namespace("activity"), op)
         return ident
 
-    def readable(ident: Identity) -> Callable[[str], bool] | None:
-        """Whose entries the caller reads (None: everyone's; see the module docstring)."""
+    def readable(ident: Identity) -> Who:
+        """Whose entries the caller reads (None: everyone's; see the module docstring): its
+        tenant's chain and its own user's (for no user: every user's of its tenant), and the
+        chains of the principals it shares (not their users')."""
         read = settings.activity.read if settings.activity else "shared"
         if read == "all":
             return None
-        mine = owner_of(ident)
-        principals = set(perms.readable_principals(ident))
+        readable = set(perms.readable_principals(ident))
         if read == "own":
-            principals &= {ident.tenant}
-
-        def sees(principal: str) -> bool:
-            if principal == mine:
-                return True
-            if user_of(principal) is None:  # a principal's own chain
-                return principal in principals
-            return tenant_of(principal) == ident.tenant and ident.user is None
-
-        return sees
+            readable &= {ident.tenant}
+        if ident.tenant not in readable:    # a user key kept from its principal's chain
+            return owner_of(ident)
+        return {ident.tenant: None if ident.user is None else frozenset({ident.folder}),
+                **{other: frozenset() for other in readable - {ident.tenant}}}
 
     def need() -> ActivityLog:
         if activity is None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from cwm_plugin.errors import InvalidInput, UpstreamError
 from cwm_plugin.sidecar.api.activity import PROJECT_HEADER, project_of
@@ -52,6 +53,24 @@ from cwm_plugin.sidecar.usage import answer_cap, prompt_estimate
 from cwm_plugin.timing import Stages
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream whose generator is closed when the response ends, however it ends: its
+    ``finally`` settles the request (bills it, ends its arrival), also when the server raised
+    on a client gone away (ASGI 2.4), which would leave the generator suspended otherwise (a
+    client gone away is no error)."""
+
+    def __init__(self, body: Any, headers: dict[str, str]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # nobody reads the rest: no error to answer or log
+            pass
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 HISTORY_HEADER = "x-cwm-history"
 VIEW_HEADER = "x-cwm-memory-view"
 
@@ -244,5 +263,4 @@ async def _stream(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -
             else:  # not awaited here: a client gone away cancelled this task
                 sc.background.spawn(cut(), name=f"cut-{turn.ident.tenant}")
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={**SSE_HEADERS, **headers})
+    return SSEResponse(body(), headers)

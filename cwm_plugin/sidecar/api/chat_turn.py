@@ -173,10 +173,8 @@ class ChatTurn:
             "model": self.model,
             "salt": self.salt, "state": state, "max_model_len": self.max_len,
             "hook": sc.snapshot_hook, "owner": owner_of(self.ident)})
-        if sc.background.submit((self.ident.folder, self.ident.session), job,
-                                force=checkpoint) == "dropped":
-            log.info("background queue full: the work due for tenant %s waits for the "
-                     "session's next turn", tenant)
+        sc.background.submit(tenant, (self.ident.folder, self.ident.session), job,
+                             force=checkpoint)  # dropped: the session's next turn asks again
 
     def response_headers(self, upstream: Any = None) -> dict[str, str]:
         """Ours plus the upstream's that the client should see; timing of the sidecar's own

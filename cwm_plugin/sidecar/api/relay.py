@@ -5,7 +5,8 @@ in a session, the client turn's number and arrival (:mod:`~cwm_plugin.sidecar.tu
 the session's next number, so windows can freeze them like chat turns), and are routed like
 chat (an explicit model to the upstreams serving it, an alias by role, with failover; each is
 billed through one ``Meter``, its estimate reserved from the token quota before it goes up:
-``usage.py``); ``POST /v1/embeddings``, ``/tokenize`` and ``/detokenize``
+``usage.py``; a stream is billed once in its generator's ``finally``, however it ends: done,
+failed or its client gone away); ``POST /v1/embeddings``, ``/tokenize`` and ``/detokenize``
 go where their model is served (else to the default upstream) as they are; ``GET /v1/models``
 is the default upstream's list, or with several upstreams all their lists merged;
 ``GET /v1/models/{id}`` (which vLLM does not serve) answers that model's entry of the list, or
@@ -20,10 +21,9 @@ import json
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 
-from cwm_plugin.sidecar.api.chat import SSE_HEADERS
+from cwm_plugin.sidecar.api.chat import SSEResponse
 from cwm_plugin.sidecar.api.chat_turn import route_headers
 from cwm_plugin.sidecar.http.body import require_model
 from cwm_plugin.sidecar.http.errors import ModelNotFound, upstream_error_response
@@ -117,23 +117,30 @@ async def _forward(sc: Sidecar, request: Request, ident: Identity, path: str, ro
         return upstream_error_response(resp.status_code, content, down)
     collected = Collected()
 
+    async def settle() -> None:  # once, however the stream ended: what was relayed is billed
+        try:
+            await handle.close()
+        finally:
+            if not collected.usage:
+                sc.metrics.streams_cut.labels(ident.tenant, model, labels[2]).inc()
+            if meter is not None:
+                await meter.bill(handle.ep.name, collected.usage, relayed=collected.chunks)
+
     async def body_iter():
+        ended = False
         try:
             async for piece in relay_sse(handle.chunks(), collected, chat=False,
                                          strip_usage=not client_wants_usage):
                 yield piece
-        finally:
+            ended = True
+        finally:  # also on an error or a client gone away (a BackgroundTask would not run)
             Arrivals.end(arrival)
-            await handle.close()
+            if ended:
+                await settle()
+            else:  # not awaited here: a client gone away cancelled this task
+                sc.background.spawn(settle(), name=f"settle-{ident.tenant}")
 
-    async def after() -> None:  # also after a client went away: what was relayed is billed
-        if not collected.usage:
-            sc.metrics.streams_cut.labels(ident.tenant, model, labels[2]).inc()
-        if meter is not None:
-            await meter.bill(handle.ep.name, collected.usage, relayed=collected.chunks)
-
-    return StreamingResponse(body_iter(), media_type="text/event-stream",
-                             headers={**SSE_HEADERS, **down}, background=BackgroundTask(after))
+    return SSEResponse(body_iter(), down)
 
 
 async def relay_get(sc: Sidecar, request: Request, path: str) -> Response:

@@ -236,6 +236,12 @@ class Settings(_Strict):
                 f"sessions: {len(names)} principals x tenant_share {self.session_share()} is "
                 f"over max_tracked ({self.sessions.max_tracked}): raise sessions.max_tracked "
                 "or lower sessions.tenant_share")
+        share, limit = self.memory.background_tenant_share, self.memory.background_queue_limit
+        if share is not None and share * len(names) > limit:
+            raise ValueError(
+                f"memory: {len(names)} principals x background_tenant_share {share} is over "
+                f"background_queue_limit ({limit}): raise memory.background_queue_limit or "
+                "lower memory.background_tenant_share")
         ids = [v.id for v in self.secrets]
         if len(ids) != len(set(ids)):
             raise ValueError("secret ids must be unique")
@@ -252,6 +258,11 @@ class Settings(_Strict):
         """The tracked sessions each principal is sure of (``SessionSettings``)."""
         return self.sessions.tenant_share or \
             max(1, self.sessions.max_tracked // max(1, len(self.principals())))
+
+    def background_share(self) -> int:
+        """The waiting background jobs each principal is sure of (``background/queue.py``)."""
+        return self.memory.background_tenant_share or \
+            max(1, self.memory.background_queue_limit // max(1, len(self.principals())))
 
     def context_limit(self, principal: str, upstream: int | None) -> int | None:
         """The context a principal's prompts must fit: the upstream's limit, or a provider's

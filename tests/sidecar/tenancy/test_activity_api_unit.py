@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -166,6 +167,96 @@ def test_no_read_tells_of_another_principals_entries(upstream, tmp_path):
         srv.stop()
 
 
+class Listings:
+    """The names the process lists (``os.scandir``, ``os.listdir``) under ``root`` while it
+    is on: what a read looks at."""
+
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root, self.names = str(root), 0
+        scandir, listdir = os.scandir, os.listdir
+
+        def counted(found: list, path: Any) -> list:
+            if str(path).startswith(self.root):
+                self.names += len(found)
+            return found
+
+        class Scanned(list):
+            def __enter__(self) -> Scanned:
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                return None
+
+        monkeypatch.setattr(os, "scandir", lambda path=".": Scanned(
+            counted(list(scandir(path)), path)))
+        monkeypatch.setattr(os, "listdir", lambda path=".": counted(listdir(path), path))
+
+
+def test_a_read_looks_only_at_the_chains_its_reader_may_read(upstream, tmp_path, monkeypatch):
+    """What a read lists does not grow with another tenant's users, nor, for a user, with
+    its tenant's other users: one tenant naming ever new users slows no one else's reads."""
+    srv = sidecar(upstream, tmp_path)
+    try:
+        url = f"{srv.url}/v1/activity"
+
+        def post(tenant: str, user: str | None = None) -> None:
+            headers = auth(tenant, **({"X-CWM-User": user} if user else {}))
+            assert httpx.post(url, headers=headers, json={"what": "x"}).status_code == 201
+
+        readers = {"acme": auth("acme"), "alice": auth("acme", **{"X-CWM-User": "alice"}),
+                   "beta": auth("beta")}
+
+        def looked_at() -> dict[str, int]:
+            out = {}
+            for name, headers in readers.items():
+                with monkeypatch.context() as m:
+                    listed = Listings(tmp_path / "activity", m)
+                    got = httpx.get(f"{url}?view=full", headers=headers)
+                    assert got.status_code == 200, got.text
+                out[name] = listed.names
+            return out
+
+        for tenant, user in (("acme", None), ("acme", "alice"), ("beta", None)):
+            post(tenant, user)
+        alone = looked_at()
+        for i in range(40):  # beta's user churn
+            post("beta", f"b{i}")
+        churned = looked_at()
+        assert churned["beta"] > alone["beta"]  # its own users: it reads them
+        assert (churned["acme"], churned["alice"]) == (alone["acme"], alone["alice"]), churned
+        for i in range(40):  # acme's
+            post("acme", f"a{i}")
+        assert looked_at()["alice"] == alone["alice"]  # a user never its tenant's other users
+    finally:
+        srv.stop()
+
+
+def test_a_tenant_past_max_user_chains_is_told_and_others_go_on(upstream, tmp_path):
+    srv = sidecar(upstream, tmp_path, max_user_chains=2)
+    try:
+        url = f"{srv.url}/v1/activity"
+
+        def post(tenant: str, user: str | None = None) -> httpx.Response:
+            headers = auth(tenant, **({"X-CWM-User": user} if user else {}))
+            return httpx.post(url, headers=headers, json={"what": f"{tenant} {user}"})
+
+        assert [post("acme", u).status_code for u in ("a1", "a2")] == [201, 201]
+        files = sorted((tmp_path / "activity").rglob("*"))
+        r = post("acme", "a3")
+        assert r.status_code == 507 and r.json()["error"]["code"] == "activity_users_full"
+        assert "activity.max_user_chains" in r.json()["error"]["message"]
+        assert sorted((tmp_path / "activity").rglob("*")) == files  # nothing written
+        assert [post(t, u).status_code for t, u in (("acme", "a1"), ("acme", None),
+                                                     ("beta", "b1"), ("beta", "b2"))] == \
+            [201] * 4
+        got = httpx.get(f"{url}?view=full", headers=auth("acme")).json()
+        assert sorted(e["what"] for e in got["data"]) == \
+            ["acme None", "acme a1", "acme a1", "acme a2"]
+        assert ActivityLog(tmp_path / "activity").verify() == []
+    finally:
+        srv.stop()
+
+
 def test_each_chat_turn_is_logged_with_its_context_use(upstream, tmp_path):
     srv = sidecar(upstream, tmp_path, log_turns=True, turn_preview_chars=20)
     try:
@@ -178,8 +269,8 @@ def test_each_chat_turn_is_logged_with_its_context_use(upstream, tmp_path):
         assert e.what == "chat: Summarise the meetin" and e.output == "ok"
         assert (e.used_tokens, e.limit_tokens) == (r.json()["usage"]["prompt_tokens"], 4096)
         # a log that cannot be written never fails a turn: counted instead
-        (tmp_path / "activity" / "chains" / "acme" / "activity.jsonl").unlink()
-        (tmp_path / "activity" / "chains" / "acme" / "activity.jsonl").mkdir()
+        (tmp_path / "activity" / "chains" / "acme" / "_self" / "activity.jsonl").unlink()
+        (tmp_path / "activity" / "chains" / "acme" / "_self" / "activity.jsonl").mkdir()
         assert chat(srv, "acme", "again", session="t1").status_code == 200
         wait_idle(srv)
         assert metric_value(srv, "cwm_sidecar_memory_failures_total", tenant="acme",
@@ -253,7 +344,7 @@ def test_the_cli_shows_the_log_and_verify_names_an_edited_file(tmp_path):
     chain.write_text(chain.read_text().replace('"step 5"', '"step five"'))
     bad = cwm("activity", "verify", "--root", str(tmp_path))
     assert bad.returncode == 1
-    assert "chains/acme/activity.jsonl line 6 was edited" in bad.stderr
+    assert "chains/acme/_self/activity.jsonl line 6 was edited" in bad.stderr
     cfg = tmp_path / "sidecar.yaml"
     cfg.write_text("activity: {root: .}\n")
     assert cwm("activity", "verify", "--config", str(cfg)).returncode == 1

@@ -2,7 +2,8 @@
 (real HTTP; the model's wisdom is not under test here, what the sidecar sends it and does
 with its answers is): facts come from the transcript after a cursor, with the known facts'
 keys, merged with their source; the queue holds at most ``background_queue_limit`` jobs,
-merges a session's jobs, drops (and counts) the rest, and the work dropped is done later."""
+merges a session's jobs, drops (and counts) the rest, and the work dropped is done later; each
+tenant is sure of its share of the queue, however much another queues."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from sidecar_helpers import chat, make_settings, metric_value, runtime, scripted_app, wait_idle
 
 from cwm_plugin.sidecar.app import create_app
+from cwm_plugin.sidecar.background.queue import Background, Job
 from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
@@ -112,3 +114,67 @@ def test_the_queue_is_bounded_merges_per_session_and_drops_the_rest(tmp_path):
         last = user_turns(up.extractions[-1])
         assert "hello from s4" in last and "me again" in last
         assert metric_value(srv, "cwm_sidecar_background_queue_depth") == 0
+
+
+def test_a_tenant_flooding_the_queue_never_drops_another_tenants_job(tmp_path, caplog):
+    """Each tenant is sure of its share of the queue (4 // 3 principals: 1): acme's backlog
+    fills the queue, beta's one job still gets a place (acme's newest gives it up, acme's next
+    is dropped, not beta's) and runs next, before acme's backlog; acme's turns are not lost."""
+    up = FactsUpstream([])
+    up.gate.clear()  # extractions wait: jobs pile up while clients are answered
+    with ServerThread(up.app) as u, sidecar(u.url, tmp_path, facts_every_turns=2,
+                                            background_queue_limit=4) as srv:
+        bg = runtime(srv).background
+        for s in ["a1", "a2", "a3", "a4", "a5", "a6"]:  # a1 runs, a2-a5 wait, a6 dropped
+            assert chat(srv, "acme", f"hello from {s}", session=s).status_code == 200
+        assert chat(srv, "beta", "hello from b1", session="b1").status_code == 200
+        assert chat(srv, "acme", "hello from a7", session="a7").status_code == 200
+        assert bg.depth == 5  # one running + `limit` waiting
+        assert metric_value(srv, "cwm_sidecar_background_jobs_total", outcome="dropped") == 3
+        up.gate.set()
+        wait_idle(srv)
+        done = [user_turns(b).split("hello from ")[1].split("\n")[0] for b in up.extractions]
+        assert done == ["a1", "b1", "a2", "a3", "a4"]
+        full = [r for r in caplog.records if "background queue full" in r.getMessage()]
+        assert len(full) == 1 and "acme" in full[0].getMessage()  # logged once, not per drop
+        # a dropped session's turns wait for its next turn
+        assert chat(srv, "acme", "me again", session="a5").status_code == 200
+        wait_idle(srv)
+        assert "hello from a5" in user_turns(up.extractions[-1])
+
+
+def test_a_waiting_checkpoint_is_never_given_up_for_another_tenant():
+    """A tenant under its share takes the place of the newest waiting job of the tenant over
+    it that is not a checkpoint (a checkpoint dropped would leave its session uncompacted)."""
+    async def scenario() -> tuple[list[str], list[str]]:
+        ran: list[str] = []
+        gate = asyncio.Event()
+
+        async def run(job: Job) -> None:
+            await gate.wait()
+            ran.append(job.info["name"])
+
+        bg = Background(limit=3, share=1)
+        outcomes = [bg.submit("acme", ("acme", name),
+                              Job(run, checkpoint=name.startswith("c"), info={"name": name}),
+                              force=name.startswith("c"))  # a checkpoint is always queued
+                    for name in ("a0", "a1", "a2", "c3")]  # a0 is taken by the worker
+        await asyncio.sleep(0)
+        outcomes += [bg.submit("acme", ("acme", "a4"), Job(run, info={"name": "a4"})),
+                     bg.submit("beta", ("beta", "b0"), Job(run, info={"name": "b0"})),
+                     bg.submit("gamma", ("gamma", "g0"), Job(run, info={"name": "g0"})),
+                     bg.submit("gamma", ("gamma", "g1"), Job(run, info={"name": "g1"}))]
+        gate.set()
+        await bg.drain()
+        await bg.close()
+        return outcomes, ran
+
+    outcomes, ran = asyncio.run(scenario())
+    assert outcomes == ["queued"] * 4 + ["dropped", "queued", "queued", "dropped"]
+    assert ran == ["a0", "b0", "g0", "c3"]  # a1 and a2 gave their places up, c3 did not
+
+
+def test_shares_that_do_not_fit_the_queue_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="background_tenant_share 30 is over"):
+        make_settings("http://127.0.0.1:9", tmp_path, "tiktoken:cl100k_base",
+                      memory={"background_tenant_share": 30})

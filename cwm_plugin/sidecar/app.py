@@ -11,15 +11,16 @@ Routes: ``POST /v1/chat/completions`` (memory, salt, streaming), ``POST /v1/comp
 (:mod:`~cwm_plugin.sidecar.upstream.router`: routing, health checks, failover). Who may do what:
 :mod:`~cwm_plugin.sidecar.identity.access`. Every route authenticates through one dependency before
 it reads a byte of its body, which is bounded (:mod:`~cwm_plugin.sidecar.identity.caller`);
-per-tenant rates and token quotas: :mod:`~cwm_plugin.sidecar.identity.ratelimit`; the server's own
-bounds (headers, slow clients, connections): :mod:`~cwm_plugin.sidecar.server_limits`. Every error
+per-tenant rates and token quotas: :mod:`~cwm_plugin.sidecar.identity.ratelimit`; per-tenant
+bounds on work under way (requests in flight, imports, window and store work on threads of their
+own): :mod:`~cwm_plugin.sidecar.identity.tenant_bounds`; the server's own bounds (headers, slow
+clients, connections): :mod:`~cwm_plugin.sidecar.server_limits`. Every error
 leaves as an OpenAI-shaped body. ``app.state.sidecar`` holds the app's runtime; assign
 ``app.state.sidecar.snapshot_hook`` to take a KV snapshot at auto-checkpoints.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -52,8 +53,10 @@ from cwm_plugin.sidecar.identity.caller import (
     check_routes,
     principal_of,
 )
+from cwm_plugin.sidecar.identity.in_flight import Finish
 from cwm_plugin.sidecar.identity.ratelimit import TenantLimits
 from cwm_plugin.sidecar.identity.salt_move import SaltMover
+from cwm_plugin.sidecar.identity.tenant_bounds import TenantBound, TenantPool
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.server_limits import BodyDeadline
@@ -62,12 +65,15 @@ from cwm_plugin.sidecar.settings.secret_versions import folder_locator
 from cwm_plugin.sidecar.turn.counting import ModelCounters
 from cwm_plugin.sidecar.turn.failopen import FailOpen
 from cwm_plugin.sidecar.turn.memory_port import MemoryPort, build_memory
+from cwm_plugin.sidecar.turn.records import restores
 from cwm_plugin.sidecar.turn.session import ContextTracker, SnapshotHook
 from cwm_plugin.sidecar.upstream.router import Router
 from cwm_plugin.sidecar.usage import UsageLedger
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
+from cwm_plugin.windows.model import tenant_of
 from cwm_plugin.windows.opening import open_engine
+from cwm_plugin.windows.settings import WindowsSettings
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +116,10 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)
     limits = TenantLimits(settings.rate_limits, settings.principals(), metrics.rate_limited)
     usage = UsageLedger(settings.pricing, metrics, limits)
+    w, principals = settings.windows or WindowsSettings(), len(settings.principals())
+    window_pool = TenantPool("cwm-windows", TenantBound(
+        "window_ops", "window operations", w.tenant_threads, w.tenant_waiting,
+        metrics.rate_limited), principals)
     sidecar = Sidecar(
         settings=settings,
         auth=Authenticator(settings.tenants, secrets[0],
@@ -121,6 +131,9 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         if memory else None,
         counters=ModelCounters(settings.memory),
         failopen=FailOpen(metrics), usage=usage, limits=limits,
+        in_flight=TenantBound("in_flight", "requests in flight", None, 0, metrics.rate_limited,
+                              own=settings.in_flight()),
+        window_pool=window_pool, restores=restores(principals, metrics.rate_limited),
         activity=open_activity(settings),
         tracker=ContextTracker(settings.sessions.max_tracked, settings.session_share()),
         background=Background(settings.memory.background_queue_limit,
@@ -131,12 +144,12 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     sidecar.windows = engine
     if engine is not None and len(settings.secrets) > 1:  # KV survives a rotation
         sidecar.salt_mover = SaltMover(engine, sidecar.auth, settings.secrets[1:],
-                                       metrics.salt_moves)
+                                       metrics.salt_moves, window_pool)
     if snapshot_hook is not None:
         sidecar.snapshot_hook = snapshot_hook
     elif auto is not None and settings.windows is not None and settings.windows.auto_freeze:
-        async def freeze_at_checkpoint(tenant: str, session: str, salt: str, name: str) -> None:
-            await asyncio.to_thread(auto, tenant, session, salt, name)
+        async def freeze_at_checkpoint(owner: str, session: str, salt: str, name: str) -> None:
+            await window_pool.run(tenant_of(owner), lambda: auto(owner, session, salt, name))
         sidecar.snapshot_hook = freeze_at_checkpoint
 
     @asynccontextmanager
@@ -151,6 +164,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
             await memory.close()  # saves the indexes that changed
         sidecar.counters.close()
         await router.aclose()
+        window_pool.close()
+        sidecar.restores.close()
         if engine is not None:
             engine.store.close()
 
@@ -159,6 +174,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     app.state.sidecar = sidecar
     app.add_middleware(BodyDeadline, timeout_s=settings.server.body_timeout_s,
                        min_rate=settings.server.body_min_rate)  # server_limits.py
+    app.add_middleware(Finish)  # gives back requests in flight (identity/in_flight.py)
 
     @app.exception_handler(CWMError)
     async def _cwm_error(request: Request, exc: CWMError) -> JSONResponse:

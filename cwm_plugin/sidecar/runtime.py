@@ -10,6 +10,7 @@ from cwm_plugin.sidecar.background.queue import Background
 from cwm_plugin.sidecar.identity.authenticator import Authenticator
 from cwm_plugin.sidecar.identity.ratelimit import TenantLimits
 from cwm_plugin.sidecar.identity.salt_move import SaltMover
+from cwm_plugin.sidecar.identity.tenant_bounds import TenantBound, TenantPool
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.turn.counting import ModelCounters
@@ -33,6 +34,10 @@ class Sidecar:
     failopen: FailOpen
     usage: UsageLedger
     limits: TenantLimits
+    in_flight: TenantBound  # each principal's requests in flight (identity/in_flight.py)
+    # every window-engine and store call, within its principal's share (tenant_bounds.py)
+    window_pool: TenantPool
+    restores: TenantPool  # prompt-state reads of continuing sessions (turn/records.py)
     activity: ActivityLog | None = None
     tracker: ContextTracker = field(default_factory=ContextTracker)
     background: Background = field(default_factory=Background)

@@ -24,8 +24,10 @@ What uvicorn has no bound for is added here, each the smallest mechanism that ho
   408 (``request_timeout``) and the connection closed. A body sent a byte at a time is cut
   off; a large upload at a sane rate never is.
 
-Uploads (``/v1/windows/import``) are bounded by their size (``windows.max_import_bytes``) and
-by how many are under way at once (``identity/ratelimit.py``'s ``Slots``).
+Uploads (``/v1/windows/import``) are bounded by their size (``windows.max_import_bytes``), their
+duration (``windows.import_timeout_s``), how many of a tenant's are under way and the bytes all
+of them spool at once (``api/window_files.py``). How many requests one principal has in flight
+(and so how many connections it holds past their headers): ``identity/in_flight.py``.
 """
 
 from __future__ import annotations

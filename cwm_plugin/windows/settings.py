@@ -31,8 +31,11 @@ class WindowsSettings(Strict):
     max_ttl_s: float | None = Field(default=None, gt=0)  # windows' longest TTL (None: any)
     max_import_bytes: int = Field(default=1 << 30, ge=1024)  # an imported window file's size
     imports_per_tenant: int = Field(default=1, ge=1)  # window imports of one tenant at once
-    imports_at_once: int = Field(default=2, ge=1)  # ... and of everyone (each spools to disk)
+    # bytes of an import kept in memory (past them it spools to a temporary file)
+    import_spool_bytes: int = Field(default=8 << 20, ge=1)
+    import_timeout_s: float = Field(default=900.0, gt=0)  # an import's upload, start to end
     tenant_threads: int = Field(default=2, ge=1, le=64)  # one tenant's window operations at once
+    tenant_waiting: int = Field(default=8, ge=0)  # ... and waiting for one of those
     # HMAC key: exports are signed with it, imports must be signed with it (None: unsigned)
     export_key: SecretStr | None = None
     export_key_env: str = "CWM_WINDOW_EXPORT_KEY"   # ... read from here when not in the file

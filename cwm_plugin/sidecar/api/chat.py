@@ -138,7 +138,8 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     state = sc.tracker.get(owner_of(ident), ident.session) if ident.session else SessionState()
     number = client_turn(messages, mode)
     if ident.session is not None:  # a thawed window, a restart: its prompt state first
-        await restore_prompt(sc, salt, state, state.turns.number(number), messages)
+        await restore_prompt(sc, ident.tenant, salt, state, state.turns.number(number),
+                             messages)
     plan, counter, status = await _plan(sc, {
         "ident": ident, "body": body, "messages": messages, "state": state, "model": model,
         "max_len": sc.settings.context_limit(ident.tenant, info.max_model_len), "mode": mode,

@@ -2,9 +2,13 @@
 
 ``GET /v1/windows/{name}/export`` answers the window's export file (``application/octet-stream``);
 ``POST /v1/windows/import[?name=]`` takes one as the raw body, at most ``windows.max_import_bytes``
-(413 past it; at most ``windows.imports_per_tenant`` of a tenant's and ``windows.imports_at_once``
-of everyone's under way, else 429 at once), spooled to a temporary file (not kept in memory),
-checked whole before anything is written (a damaged, forged or unsigned file -- with
+(413 past it), received within ``windows.import_timeout_s`` of its start (408 past it, the
+connection closed; the server's body pace, ``server.body_min_rate``, cuts a slower one sooner) and
+spooled to a temporary file once it is over ``windows.import_spool_bytes`` (below that it stays in
+memory). At most ``windows.imports_per_tenant`` of a tenant's are under way, else 429 at once
+(``identity/tenant_bounds.py``); the bound is the tenant's only, so one tenant's imports never
+refuse another's, and the memory imports hold is at most principals x ``imports_per_tenant`` x
+``import_spool_bytes``. A file is checked whole before anything is written (a damaged, forged or unsigned file -- with
 ``windows.export_key`` the server signs its exports and takes only files signed under it -- or one
 for another model is a 400 ``bad_window_file`` and the store is unchanged). Both authenticate before
 reading or writing a byte, and need read (export) or write (import) access to the caller's home
@@ -22,14 +26,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from cwm_plugin.sidecar.api.schema import body_doc
-from cwm_plugin.sidecar.http.errors import BodyTooLarge
+from cwm_plugin.sidecar.http.body import body_chunks
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
-from cwm_plugin.sidecar.identity.ratelimit import Slots
+from cwm_plugin.sidecar.identity.tenant_bounds import TenantBound
+from cwm_plugin.sidecar.server_limits import ClientTooSlow
 from cwm_plugin.windows.model import check_window_name
 from cwm_plugin.windows.portable import export_window, import_window
+from cwm_plugin.windows.settings import WindowsSettings
 
 CHUNK = 1 << 20
-SPOOL = 8 << 20  # a file smaller than this stays in memory
+SPOOL = 8 << 20  # an export smaller than this stays in memory
 
 
 def windows_files_router(sidecar: Any, run: Callable[..., Any],
@@ -39,9 +45,9 @@ def windows_files_router(sidecar: Any, run: Callable[..., Any],
     ``caller(request, op)`` authenticates and checks access (windows.py)."""
     router = APIRouter()  # included by the windows router, under its /v1
     limit = sidecar.settings.body_limit("/v1/windows/import")
-    w = sidecar.settings.windows
-    imports = Slots("window imports", w.imports_per_tenant if w else 1,
-                    w.imports_at_once if w else 1, sidecar.metrics.rate_limited)
+    w = sidecar.settings.windows or WindowsSettings()
+    imports = TenantBound("window_imports", "window imports", w.imports_per_tenant, 0,
+                          sidecar.metrics.rate_limited)
 
     @router.get("/windows/{name}/export")
     async def export(name: str, request: Request) -> StreamingResponse:
@@ -71,20 +77,20 @@ def windows_files_router(sidecar: Any, run: Callable[..., Any],
         ident = caller(request, "write")
         if name is not None:
             check_window_name(name)
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise BodyTooLarge(f"window file over {limit} bytes",
-                               hint="raise windows.max_import_bytes in the sidecar config")
-        with imports.hold(ident.tenant), tempfile.SpooledTemporaryFile(max_size=SPOOL) as spool:
-            size = 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(f"window file over {limit} bytes",
-                                       hint="raise windows.max_import_bytes")
-                await asyncio.to_thread(spool.write, chunk)
-            spool.seek(0)
-            m = await run(ident, lambda e: import_window(e, owner_of(ident), spool, name))
+        async with imports.hold(ident.tenant):
+            with tempfile.SpooledTemporaryFile(max_size=w.import_spool_bytes) as spool:
+                try:
+                    async with asyncio.timeout(w.import_timeout_s):
+                        async for chunk in body_chunks(request, limit,
+                                                       "raise windows.max_import_bytes"):
+                            await asyncio.to_thread(spool.write, chunk)
+                except TimeoutError:
+                    raise ClientTooSlow(
+                        f"the window file did not arrive within {w.import_timeout_s:g} s",
+                        hint="send it faster, or ask the operator for a higher "
+                             "windows.import_timeout_s") from None
+                spool.seek(0)
+                m = await run(ident, lambda e: import_window(e, owner_of(ident), spool, name))
         return {"object": "window", **m.public()}
 
     return router

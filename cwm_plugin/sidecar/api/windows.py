@@ -21,9 +21,10 @@ home namespace: a tenant's, or a user's inside it (``X-CWM-User``), and no other
 (a user's count toward the tenant's quota; after a secret rotation a user's windows move to its
 newest name before the route runs: ``salt_move.py``). Sessions map to their ``cache_salt`` as in
 chat requests, so a thaw into session S restores S's next request. Errors are OpenAI-shaped (the
-app's handler). The engine is blocking (store I/O): it runs in a worker thread, within the caller's
-tenant's share of them (:mod:`.window_pool`). A freeze waits only for the session's turns this
-sidecar saw arrive whose records may still be on their way
+app's handler). The engine is blocking (store I/O): it runs on the sidecar's window threads, within
+the caller's tenant's share of them (``windows.tenant_threads`` at once, ``windows.tenant_waiting``
+more waiting, past that 429 at once: ``identity/tenant_bounds.py``). A freeze waits only for the
+session's turns this sidecar saw arrive whose records may still be on their way
 (:mod:`~cwm_plugin.sidecar.turn.arrivals`); a turn that is not kept, or a session with nothing
 stored, is refused at once.
 """
@@ -41,7 +42,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from cwm_plugin.errors import CWMError, InvalidInput, UpstreamError
 from cwm_plugin.sidecar.api.schema import body_doc
 from cwm_plugin.sidecar.api.window_files import windows_files_router
-from cwm_plugin.sidecar.api.window_pool import TenantPool
 from cwm_plugin.sidecar.api.window_warm import warm_up
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of, validate_session
 from cwm_plugin.sidecar.identity.caller import identity_of, model_body, principal_of
@@ -148,8 +148,7 @@ def windows_router(sidecar: Any, engine: WindowEngine | None,
     router = APIRouter(prefix="/v1", dependencies=[Depends(follow_rotation)])
     auth = sidecar.auth
     settings = sidecar.settings
-    pool = TenantPool(len(settings.principals()),
-                      settings.windows.tenant_threads if settings.windows else 1)
+    pool = sidecar.window_pool
 
     def caller(request: Request, op: str = "read") -> Identity:
         """The caller, allowed ``op`` on its home namespace (windows are its KV)."""

@@ -5,6 +5,7 @@ being parsed or re-encoded for the upstream)."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -12,24 +13,30 @@ from fastapi import Request
 from cwm_plugin.errors import InvalidInput
 from cwm_plugin.sidecar.http.errors import BodyTooLarge
 
+LIMIT_HINT = "send less; the operator sets the limit per route (max_body_bytes, " \
+             "max_body_bytes_by_route)"
+
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body; never reads more than ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            too_big = int(declared) > limit
-        except ValueError:
-            raise InvalidInput("invalid Content-Length header") from None
-        if too_big:
-            raise BodyTooLarge(f"request body over {limit} bytes",
-                               hint="send less history; the sidecar keeps it in memory")
+    """The raw body; never reads more than ``limit`` bytes (its declared ``Content-Length`` was
+    checked when the caller was authenticated: ``identity/caller.py``)."""
     buf = bytearray()
-    async for chunk in request.stream():
+    async for chunk in body_chunks(request, limit):
         buf += chunk
-        if len(buf) > limit:
-            raise BodyTooLarge(f"request body over {limit} bytes")
     return bytes(buf)
+
+
+async def body_chunks(request: Request, limit: int, hint: str | None = None
+                      ) -> AsyncIterator[bytes]:
+    """The body as it comes in, chunk by chunk; :class:`BodyTooLarge` (``hint``) as soon as it
+    is over ``limit`` bytes (a chunked body declares no size)."""
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body over {limit} bytes",
+                               hint=hint or LIMIT_HINT)
+        yield chunk
 
 
 def too_deep(obj: Any, max_depth: int) -> bool:

@@ -3,16 +3,17 @@ the body is read, and the one way a route reads its body.
 
 :func:`authenticate` (``Depends``; routes declare ``who: Principal`` or carry it in their
 router's ``dependencies``): the API key's principal (401 without a key or with an unknown
-one), one hit on its request rate and, for routes that spend tokens, a look at its token
-quota (429, ``ratelimit.py``), and the request's declared ``Content-Length`` against the
-route's limit (413; ``Settings.body_limit``: ``max_body_bytes``, per route
-``max_body_bytes_by_route``). Only then does a route read its body, through
-:func:`json_body` or :func:`model_body` (bounded while it streams in, so a chunked body gets
-the same 413; strictly parsed; a model's refusal is a 400 naming the fields, never echoing
-them). No route declares a body parameter that FastAPI would parse before its dependencies
-run: :func:`check_routes` refuses such an app when it is built, and a route without the
-dependency (``/health`` and a public ``/metrics`` use :func:`authenticate_optional`, which
-never refuses).
+one), a slot of its requests in flight, held until the response is finished (429 past
+``max_in_flight``: ``in_flight.py``), one hit on its request rate and, for routes that spend
+tokens, a look at its token quota (429, ``ratelimit.py``), and the request's declared
+``Content-Length`` against the route's limit (413; ``Settings.body_limit``:
+``max_body_bytes``, per route ``max_body_bytes_by_route``). Only then does a route read its
+body, through :func:`json_body` or :func:`model_body` (bounded while it streams in, so a
+chunked body gets the same 413; strictly parsed; a model's refusal is a 400 naming the fields,
+never echoing them). No route declares a body parameter that FastAPI would parse before its
+dependencies run: :func:`check_routes` refuses such an app when it is built, and a route
+without the dependency (``/health`` and a public ``/metrics`` use :func:`authenticate_optional`,
+which never refuses).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.sidecar.http.body import read_json_body
+from cwm_plugin.sidecar.http.body import LIMIT_HINT, read_json_body
 from cwm_plugin.sidecar.http.errors import BodyTooLarge
 from cwm_plugin.sidecar.identity.authenticator import Identity, Unauthorized, bearer_key
+from cwm_plugin.sidecar.identity.in_flight import on_finish
 from cwm_plugin.sidecar.settings import TenantConfig
 
 M = TypeVar("M", bound=BaseModel)
@@ -46,17 +48,18 @@ def _declared_size(request: Request, limit: int) -> None:
     if not declared.isdigit():
         raise InvalidInput("invalid Content-Length header")
     if int(declared) > limit:
-        raise BodyTooLarge(f"request body over {limit} bytes",
-                           hint="send less; the operator sets the limit per route "
-                                "(max_body_bytes, max_body_bytes_by_route)")
+        raise BodyTooLarge(f"request body over {limit} bytes", hint=LIMIT_HINT)
 
 
 async def authenticate(request: Request) -> TenantConfig:
     """The caller's principal, admitted by its limits, its body's declared size checked (see
-    the module docstring)."""
+    the module docstring); once a request."""
     sc = request.app.state.sidecar
     who = sc.auth.tenant_for(bearer_key(request.headers))
+    if getattr(request.state, "principal", None) is not None:
+        return who  # already admitted (a dependency that ran twice)
     request.state.principal = who
+    on_finish(request, await sc.in_flight.take(who.name))
     path = route_path(request)
     await sc.limits.admit(who.name, metered=request.method == "POST" and path in METERED)
     _declared_size(request, sc.settings.body_limit(path))

@@ -16,8 +16,7 @@ what its prompt was underestimated. What is given back after its window ended is
 would be a gift to the next window). Background work (summaries, facts) and warm-ups spend
 what they used afterwards (:meth:`TenantLimits.spend`).
 
-Uploads (:class:`Slots`): at most so many of one principal's at once and of everyone's; past
-either, 429 at once (nothing queues).
+Work under way (requests in flight, imports, window operations): ``tenant_bounds.py``.
 
 A refusal is an OpenAI-shaped 429 (``rate_limit_exceeded``) with ``Retry-After`` (seconds
 until the window frees room), counted in ``cwm_sidecar_rate_limited_total{tenant,limit}``.
@@ -27,7 +26,11 @@ sidecar shares. A Redis call that fails or takes longer than ``storage_timeout_s
 (``limit="storage_error"``) and logged once an outage, and the counts move to this process's
 own until Redis is tried again ``storage_retry_s`` later: a hung or down Redis costs a request
 at most ``storage_timeout_s`` and never stalls the others, and the limits keep holding (per
-process) -- neither failing open nor taking the sidecar down.
+process) -- neither failing open nor taking the sidecar down. Tokens an operation had already
+added to Redis's counts when it failed are given back there (in the background, within
+``storage_timeout_s``; best effort), since the operation is counted again in this process. (A
+request's hit on a moving window cannot be taken back: one that failed midway may count once
+more in Redis.)
 """
 
 from __future__ import annotations
@@ -36,9 +39,7 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter as Tally
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -53,10 +54,11 @@ from cwm_plugin.sidecar.settings.limits import NO_LIMIT, RateLimitSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Added = list[tuple[str, int, int]]  # what an op added to token counts: key, expiry, amount
 
 
 class RateLimited(CWMError):
-    """A principal over its request rate, token quota or uploads at once (HTTP 429,
+    """A principal over its request rate, token quota or work under way at once (HTTP 429,
     ``Retry-After``)."""
 
     code = "rate_limit_exceeded"
@@ -78,6 +80,16 @@ class _Counts:
     storage: Any
     requests: MovingWindowRateLimiter
     tokens: FixedWindowRateLimiter
+
+
+async def _add(c: _Counts, item: RateLimitItem, principal: str, amount: int,
+               added: Added) -> int:
+    """Add ``amount`` tokens to ``principal``'s count of ``item`` in ``c``, noted in ``added``;
+    the count now."""
+    key, expiry = item.key_for(principal), item.get_expiry()
+    value = await c.storage.incr(key, expiry, amount=amount)
+    added.append((key, expiry, amount))
+    return value
 
 
 def _counts(uri: str, timeout_s: float) -> _Counts:
@@ -124,7 +136,7 @@ class TenantLimits:
         if not rates and not quotas:
             return
 
-        async def check(c: _Counts) -> tuple[str, RateLimitItem, float] | None:
+        async def check(c: _Counts, _: Added) -> tuple[str, RateLimitItem, float] | None:
             for item in rates:
                 if not await c.requests.hit(item, principal):
                     stats = await c.requests.get_window_stats(item, principal)
@@ -146,15 +158,14 @@ class TenantLimits:
         if not quotas or tokens <= 0:
             return Reservation(principal, 0)
 
-        async def take(c: _Counts) -> tuple[RateLimitItem | None, float]:
+        async def take(c: _Counts, added: Added) -> tuple[RateLimitItem | None, float]:
             taken: list[RateLimitItem] = []
             for item in quotas:
-                if not await c.tokens.hit(item, principal, cost=tokens):
-                    for it in [*taken, item]:  # a refused hit counted too: give it all back
-                        await c.storage.incr(it.key_for(principal), it.get_expiry(),
-                                             amount=-tokens)
-                    return item, (await c.tokens.get_window_stats(item, principal)).reset_time
                 taken.append(item)
+                if await _add(c, item, principal, tokens, added) > item.amount:
+                    for it in taken:  # a refused hit counted too: give it all back
+                        await _add(c, it, principal, -tokens, added)
+                    return item, (await c.tokens.get_window_stats(item, principal)).reset_time
             return None, min([await c.storage.get_expiry(it.key_for(principal))
                               for it in quotas])
 
@@ -174,12 +185,11 @@ class TenantLimits:
         if not quotas or delta == 0 or (delta < 0 and time.time() >= res.until):
             return
 
-        async def adjust(c: _Counts) -> None:
+        async def adjust(c: _Counts, added: Added) -> None:
             if delta < 0 and c is not res.counts:  # taken where it cannot be given back now
                 return
             for item in quotas:
-                await c.storage.incr(item.key_for(res.principal), item.get_expiry(),
-                                     amount=delta)
+                await _add(c, item, res.principal, delta, added)
 
         await self._on_counts(res.principal, adjust)
 
@@ -189,9 +199,9 @@ class TenantLimits:
         if not quotas or tokens <= 0:
             return
 
-        async def hit(c: _Counts) -> None:
+        async def hit(c: _Counts, added: Added) -> None:
             for item in quotas:
-                await c.tokens.hit(item, principal, cost=tokens)
+                await _add(c, item, principal, tokens, added)
 
         await self._on_counts(principal, hit)
 
@@ -207,20 +217,37 @@ class TenantLimits:
         task.add_done_callback(self._tasks.discard)
 
     async def _on_counts(self, principal: str,
-                         op: Callable[[_Counts], Awaitable[T]]) -> tuple[T, _Counts]:
-        """``op`` on the shared counts, or on this process's own while those fail."""
+                         op: Callable[[_Counts, Added], Awaitable[T]]) -> tuple[T, _Counts]:
+        """``op`` on the shared counts, or on this process's own while those fail (what it had
+        added to the shared ones is given back: see the module docstring)."""
         if self._shared is self._local or time.monotonic() < self._down_until:
-            return await op(self._local), self._local
+            return await op(self._local, []), self._local
+        added: Added = []
         try:
             async with asyncio.timeout(self._timeout_s):
-                result = await op(self._shared)
+                result = await op(self._shared, added)
         except Exception as exc:  # Redis down, hung, refusing: this process counts for now
             self._storage_failed(principal, exc)
-            return await op(self._local), self._local
+            if added:
+                self.later(self._give_back(added))
+            return await op(self._local, []), self._local
         if self._outage:
             self._outage = False
             log.warning("rate limit storage is back: counting there again")
         return result, self._shared
+
+    async def _give_back(self, added: Added) -> None:
+        """Take back from the shared counts what a failed op had added there, newest first,
+        within ``storage_timeout_s`` (best effort: Redis may still be failing)."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                while added:
+                    key, expiry, amount = added[-1]
+                    await self._shared.storage.incr(key, expiry, amount=-amount)
+                    added.pop()
+        except Exception as exc:
+            log.info("rate limit storage: %d token counts of a failed operation were not "
+                     "given back (%s: %s)", len(added), type(exc).__name__, exc)
 
     def _refuse(self, principal: str, limit: str, item: RateLimitItem, reset: float,
                 asked: int | None = None) -> None:
@@ -248,33 +275,3 @@ class TenantLimits:
                       "asking it again every %.0f s (cwm_sidecar_rate_limited_total"
                       "{limit=storage_error})", type(exc).__name__, exc, self._retry_s)
 
-
-class Slots:
-    """At most ``per_principal`` of one principal's things (uploads) under way at once and
-    ``total`` of everyone's; past either, :class:`RateLimited` at once (counted as
-    ``limit=what``)."""
-
-    def __init__(self, what: str, per_principal: int, total: int, counter: Counter) -> None:
-        self.what = what
-        self.per_principal = per_principal
-        self.total = total
-        self._counter = counter
-        self._held: Tally[str] = Tally()
-
-    @contextmanager
-    def hold(self, principal: str) -> Iterator[None]:
-        mine, everyone = self._held[principal], self._held.total()
-        if mine >= self.per_principal or everyone >= self.total:
-            self._counter.labels(principal, self.what).inc()
-            whose = f"{mine} of principal `{principal}`'s" if mine >= self.per_principal \
-                else f"{everyone} in all"
-            raise RateLimited(f"{whose} {self.what} are under way, the most at once "
-                              f"({self.per_principal} a principal, {self.total} in all)",
-                              retry_after=1, hint="retry when one of them has finished")
-        self._held[principal] += 1
-        try:
-            yield
-        finally:
-            self._held[principal] -= 1
-            if not self._held[principal]:
-                del self._held[principal]

@@ -25,7 +25,8 @@ the salts done are remembered (a digest each, the newest ``REMEMBER``; one forgo
 restarted, costs one store lookup: a new salt with a context record is not moved again). Counted in
 ``cwm_sidecar_salt_moves_total{tenant,outcome}`` (moved, none, failed) and logged once. A failure
 never fails the request (it computes, as without a store). Once every older version is past its
-``until``, nothing is looked up any more.
+``until``, nothing is looked up any more. The store work runs on the window threads, within the
+tenant's share (``tenant_bounds.py``: a move past its bound fails, and is tried again later).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from prometheus_client import Counter
 
 from cwm_plugin.salts import owner_of as owner_name
 from cwm_plugin.sidecar.identity.authenticator import Authenticator, Identity, owner_of
+from cwm_plugin.sidecar.identity.tenant_bounds import TenantPool
 from cwm_plugin.sidecar.settings.secret_versions import SecretVersion, alive
 from cwm_plugin.windows.engine import WindowEngine
 
@@ -58,6 +60,7 @@ class SaltMover:
     auth: Authenticator
     older: list[SecretVersion]  # the versions after the newest, newest first
     counter: Counter  # SidecarMetrics.salt_moves
+    pool: TenantPool  # the window threads (Sidecar.window_pool)
     _values: list[tuple[SecretVersion, bytes]] = field(init=False, repr=False)
     _running: dict[str, asyncio.Future[int]] = field(default_factory=dict, init=False,
                                                      repr=False)
@@ -90,8 +93,8 @@ class SaltMover:
         former = [owner_name(ident.tenant, self.auth.user_session(ident.tenant, ident.user, s))
                   for s in self.secrets()]
         try:
-            return await self._once("windows\0" + owner, lambda: asyncio.to_thread(
-                self.engine.adopt, owner, former))
+            return await self._once("windows\0" + owner, lambda: self.pool.run(
+                ident.tenant, lambda: self.engine.adopt(owner, former)))
         except Exception as exc:  # the store, say: the request goes on
             log.warning("tenant %s: a user's windows could not move to its name under the "
                         "newest secret (%s); its next request tries again", ident.tenant, exc)
@@ -130,7 +133,8 @@ class SaltMover:
             if old == salt:
                 continue
             try:
-                blocks = await asyncio.to_thread(self.engine.move_session, old, salt)
+                blocks = await self.pool.run(
+                    tenant, lambda old=old: self.engine.move_session(old, salt))
             except Exception as exc:  # the store, say: the request computes its prefix
                 self.counter.labels(tenant, "failed").inc()
                 (log.debug if self._warned else log.warning)(

@@ -28,7 +28,14 @@ from cwm_plugin.config_file import validate
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.sidecar.settings.access import AccessSettings, UserKey, key_digests
-from cwm_plugin.sidecar.settings.limits import RateLimitSettings, ServerSettings, check_rate
+from cwm_plugin.sidecar.settings.limits import (
+    NO_LIMIT,
+    InFlight,
+    RateLimitSettings,
+    ServerSettings,
+    check_in_flight,
+    check_rate,
+)
 from cwm_plugin.sidecar.settings.routing import DEFAULT_RULES as DEFAULT_RULES
 from cwm_plugin.sidecar.settings.routing import NAME as NAME
 from cwm_plugin.sidecar.settings.routing import UPSTREAM_OWN, RoutingSettings
@@ -50,8 +57,8 @@ class TenantConfig(_Strict):
     the user a request names (``any``: its app vouches for its users; ``none``: naming one is
     refused); ``user_keys``: keys each bound to one user (``settings/access.py``), which may
     read the principal's own namespace with ``user_keys_access: RO`` (the default) and not at
-    all with ``none`` (never write it). Its own ``rate_limit`` / ``token_quota``
-    (``settings/limits.py``) replace ``rate_limits``' defaults."""
+    all with ``none`` (never write it). Its own ``rate_limit`` / ``token_quota`` /
+    ``max_in_flight`` (``settings/limits.py``) replace ``rate_limits``' defaults."""
 
     name: str
     key_sha256: list[str] = Field(min_length=1)
@@ -64,11 +71,17 @@ class TenantConfig(_Strict):
     user_keys_access: Literal["RO", "none"] = "RO"  # theirs on the principal's own namespace
     rate_limit: str | None = None  # None: rate_limits.rate_limit
     token_quota: str | None = None  # None: rate_limits.token_quota
+    max_in_flight: InFlight | None = None  # None: rate_limits.max_in_flight
 
     @field_validator("rate_limit", "token_quota")
     @classmethod
     def _rate(cls, v: str | None) -> str | None:
         return check_rate(v)
+
+    @field_validator("max_in_flight")
+    @classmethod
+    def _in_flight(cls, v: InFlight | None) -> InFlight | None:
+        return check_in_flight(v)
 
     @field_validator("name")
     @classmethod
@@ -253,6 +266,15 @@ class Settings(_Strict):
     def principals(self) -> list[TenantConfig]:
         """Every principal: the tenants, then the providers."""
         return [*self.tenants, *self.providers]
+
+    def in_flight(self) -> dict[str, int | None]:
+        """Each principal's bound on its requests in flight (None: no bound)."""
+        out: dict[str, int | None] = {}
+        for p in self.principals():
+            own = p.max_in_flight if p.max_in_flight is not None \
+                else self.rate_limits.max_in_flight
+            out[p.name] = None if own == NO_LIMIT else int(own)
+        return out
 
     def session_share(self) -> int:
         """The tracked sessions each principal is sure of (``SessionSettings``)."""

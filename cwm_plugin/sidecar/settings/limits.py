@@ -9,10 +9,13 @@ its own (``tenants[].rate_limit``, ``tenants[].token_quota``; ``"none"``: no lim
 ``storage``: where the counts live, ``memory://`` (this process) or a ``redis://`` URL that
 every sidecar of a deployment shares (one quota however many processes serve the tenant);
 ``storage_timeout_s`` bounds each call to it and ``storage_retry_s`` how long the counts stay
-in this process after it failed.
+in this process after it failed. ``max_in_flight``: a principal's requests in flight at once
+(``identity/in_flight.py``; a tenant's own ``tenants[].max_in_flight``; ``none``: no bound).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -39,6 +42,16 @@ def check_rate(value: str | None) -> str | None:
 # 20 a second sustained; tokens about a fifth of what one GPU prefills with an 8B model
 DEFAULT_RATE = "50/second;1200/minute"  # requests a principal, any route
 DEFAULT_QUOTA = "10000000/hour"  # prompt + completion tokens a principal
+# requests of a principal in flight: an eighth of the server's default max_connections, so one
+# principal never holds every connection with requests that wait
+DEFAULT_IN_FLIGHT = 64
+InFlight = int | Literal["none"]  # a number of requests, or no bound
+
+
+def check_in_flight(value: InFlight | None) -> InFlight | None:
+    if isinstance(value, int) and value < 1:
+        raise ValueError("max_in_flight must be at least 1 (or none)")
+    return value
 
 
 class RateLimitSettings(Strict):
@@ -49,11 +62,17 @@ class RateLimitSettings(Strict):
     token_quota: str | None = DEFAULT_QUOTA  # tokens, client and background work (ditto)
     storage_timeout_s: float = Field(default=0.25, gt=0)  # a call to a Redis storage
     storage_retry_s: float = Field(default=5.0, gt=0)  # after it failed, counted here this long
+    max_in_flight: InFlight = DEFAULT_IN_FLIGHT  # a principal's requests at once ("none": any)
 
     @field_validator("rate_limit", "token_quota")
     @classmethod
     def _rate(cls, v: str | None) -> str | None:
         return check_rate(v)
+
+    @field_validator("max_in_flight")
+    @classmethod
+    def _in_flight(cls, v: InFlight) -> InFlight:
+        return check_in_flight(v)  # type: ignore[return-value]
 
     @field_validator("storage")
     @classmethod
@@ -64,13 +83,12 @@ class RateLimitSettings(Strict):
         return v
 
 
-
 class ServerSettings(Strict):
     """The HTTP server's bounds (``server:``; see ``cwm_plugin/sidecar/server_limits.py``)."""
 
     max_header_bytes: int = Field(default=32 * 1024, ge=1024)  # request line + headers
     header_timeout_s: float = Field(default=10.0, gt=0)  # for a request's headers to arrive
     body_timeout_s: float = Field(default=20.0, gt=0)  # for its body, ...
-    body_min_rate: int = Field(default=500, ge=1)  # ... plus a second for each this many bytes
+    body_min_rate: int = Field(default=64 * 1024, ge=1)  # ... plus a second for each this many
     keep_alive_s: int = Field(default=5, ge=1)  # an idle connection between requests
     max_connections: int = Field(default=512, ge=2)  # past it a request gets 503

@@ -14,7 +14,11 @@
 * A session this process has not seen that continues a conversation (a thawed window, a
   restart, another sidecar) takes the prompt state of its previous turn from the store first,
   so its prompt begins with the tokens its KV was computed for (memory selected once per
-  conversation stays the same block).
+  conversation stays the same block). The read runs on threads of its own (:func:`restores`:
+  ``RESTORE_THREADS`` a principal, ``RESTORE_WAITING`` more waiting, else skipped at once),
+  never on those other work (chat's planning) runs on, and the turn waits for it at most
+  ``RESTORE_TIMEOUT_S``: a hung store costs a principal at most its share of these threads and
+  its turns nothing more than that wait.
 
 The turn number is the count of the client's user messages (full history mode), or the
 session's next number (``recent`` mode, where the history is the server's; other routes).
@@ -26,12 +30,24 @@ import asyncio
 import logging
 from typing import Any
 
+from prometheus_client import Counter
+
+from cwm_plugin.sidecar.identity.tenant_bounds import TenantBound, TenantPool
 from cwm_plugin.sidecar.turn.arrivals import Arrival
 from cwm_plugin.sidecar.turn.session import SessionState
 from cwm_plugin.windows.conversation import ConversationRecord, capped_messages
 
 log = logging.getLogger(__name__)
 RESTORE_TIMEOUT_S = 1.0  # a store that does not answer within this costs the turn nothing more
+RESTORE_THREADS = 1  # a principal's reads at once ...
+RESTORE_WAITING = 8  # ... and waiting for one of those (past it, the turn goes on without)
+
+
+def restores(principals: int, counter: Counter) -> TenantPool:
+    """The threads prompt-state reads run on (see the module docstring)."""
+    return TenantPool("cwm-restores", TenantBound("prompt_restores", "prompt-state reads",
+                                                  RESTORE_THREADS, RESTORE_WAITING, counter),
+                      principals)
 
 
 def client_turn(messages: list[dict[str, Any]], mode: str) -> int | None:
@@ -50,20 +66,22 @@ def answer_message(content: str | None, tool_calls: list[dict[str, Any]] | None
     return msg
 
 
-async def restore_prompt(sc: Any, salt: str, state: SessionState, turn: int,
+async def restore_prompt(sc: Any, tenant: str, salt: str, state: SessionState, turn: int,
                          messages: list[dict[str, Any]]) -> None:
     """Adopt the stored prompt state of the turn this request continues (the one before
     ``turn`` when it starts with a new user message, else ``turn`` itself: tool results) for a
-    session this process has not seen (never fails the turn: a miss selects anew)."""
+    session of ``tenant``'s this process has not seen (never fails the turn: a miss selects
+    anew)."""
     previous = turn - 1 if messages and messages[-1].get("role") == "user" else turn
     if sc.windows is None or state.restored or previous < 1 or state.pinned is not None \
             or not any(m.get("role") == "assistant" for m in messages):
         return
     state.restored = True
     try:
-        rec = await asyncio.wait_for(asyncio.to_thread(
-            sc.windows.conversations.read, salt, previous), RESTORE_TIMEOUT_S)
-    except Exception as exc:  # a store that is down or slow: the turn goes on without
+        records = sc.windows.conversations
+        rec = await asyncio.wait_for(sc.restores.run(
+            tenant, lambda: records.read(salt, previous)), RESTORE_TIMEOUT_S)
+    except Exception as exc:  # a store down or slow, reads past the bound: goes on without
         sc.metrics.windows_restores.labels("error").inc()
         log.info("the prompt state of a continuing session could not be read: %s", exc)
         return

@@ -111,3 +111,41 @@ def test_the_limits_count_in_a_shared_redis(tmp_path, redis_server):
         assert metric_value(srv, LIMITED, limit="storage_error") == 0
     keys = redis.Redis.from_url(redis_server.url).keys("LIMITS:*")
     assert any(b"beta" in k for k in keys), keys
+
+
+@pytest.mark.redis
+def test_tokens_a_failed_redis_call_had_taken_are_given_back(redis_server):
+    """Redis fails midway through a reservation (its hour's count taken, its day's refused):
+    the request is counted in this process instead, and the tokens taken in Redis are given
+    back there, so the tenant loses none of its shared quota to the outage."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from cwm_plugin.sidecar.identity.ratelimit import TenantLimits
+    from cwm_plugin.sidecar.settings import TenantConfig
+    from cwm_plugin.sidecar.settings.limits import RateLimitSettings
+
+    counter = Counter("limited", "x", ["tenant", "limit"], registry=CollectorRegistry())
+    limits = TenantLimits(
+        RateLimitSettings(storage=redis_server.url, rate_limit=None,
+                          token_quota="1000/hour;5000/day", storage_timeout_s=2),
+        [TenantConfig(name="acme", key_sha256=[hash_key(KEYS["acme"])])], counter)
+    storage = limits._shared.storage
+    real, calls = storage.incr, []
+
+    async def incr(*a, **k):
+        calls.append(k.get("amount"))
+        if len(calls) == 2:  # the day's count: Redis goes away
+            raise redis.ConnectionError("redis went away")
+        return await real(*a, **k)
+    storage.incr = incr
+
+    async def run() -> int:
+        res = await limits.reserve("acme", 600)
+        await asyncio.gather(*list(limits._tasks))  # the give-back, in the background
+        assert res.tokens == 600 and res.counts is limits._local  # counted here instead
+        return sum(int(v) for k in redis.Redis.from_url(redis_server.url).keys("LIMITS:*")
+                   for v in [redis.Redis.from_url(redis_server.url).get(k) or 0])
+
+    assert asyncio.run(run()) == 0  # Redis holds none of the 600

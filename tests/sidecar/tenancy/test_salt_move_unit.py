@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -128,6 +129,27 @@ def test_past_its_grace_an_old_salt_is_not_looked_up(tmp_path):
         assert chat(srv, "acme", "hello").status_code == 200
         assert not moved_to(srv, tokens["s1"], "s1")
         assert metric_value(srv, MOVES) == 0
+    finally:
+        srv.stop()
+        up.stop()
+
+
+def test_the_move_runs_on_the_window_threads(tmp_path, monkeypatch):
+    """Not on asyncio's default executor, which every tenant's chat planning shares."""
+    tokens = old_sessions(tmp_path / "kv", ["s1"])
+    fake = FakeUpstream(model="tiny", max_model_len=4096)
+    up, srv = serve(tmp_path, fake, datetime.now(UTC) + timedelta(days=1))
+    try:
+        engine, threads = runtime(srv).salt_mover.engine, []
+        real = engine.move_session
+
+        def move(*a):
+            threads.append(threading.current_thread().name)
+            return real(*a)
+        monkeypatch.setattr(engine, "move_session", move)
+        assert chat(srv, "acme", "hello").status_code == 200
+        assert moved_to(srv, tokens["s1"], "s1")
+        assert threads and all(t.startswith("cwm-windows") for t in threads), threads
     finally:
         srv.stop()
         up.stop()

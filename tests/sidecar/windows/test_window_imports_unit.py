@@ -79,7 +79,7 @@ def test_the_pin_quota_is_the_tenants_whatever_users_it_names(upstream, tmp_path
     size, exported = prepare(tmp_path / "kv")
     # four imports of one tenant at once (the default lets one run): the quota is what holds
     srv = start(upstream, tmp_path, tenant_quota_bytes=int(size * 2.5), imports_per_tenant=4,
-                imports_at_once=4)
+                max_import_bytes=1 << 20)
     try:
         r = httpx.post(f"{srv.url}/v1/windows", headers=ACME, timeout=60,
                        json={"name": "plan", "session": "alice"})

@@ -33,9 +33,9 @@ class WindowsSettings(Strict):
     imports_per_tenant: int = Field(default=1, ge=1)  # window imports of one tenant at once
     # bytes of an import kept in memory (past them it spools to a temporary file)
     import_spool_bytes: int = Field(default=8 << 20, ge=1)
-    import_timeout_s: float = Field(default=900.0, gt=0)  # an import's upload, start to end
+    import_timeout_s: float = Field(default=3600.0, gt=0)  # an import's upload, start to end
     tenant_threads: int = Field(default=2, ge=1, le=64)  # one tenant's window operations at once
-    tenant_waiting: int = Field(default=8, ge=0)  # ... and waiting for one of those
+    tenant_waiting: int = Field(default=32, ge=0)  # ... and waiting for one of those
     # HMAC key: exports are signed with it, imports must be signed with it (None: unsigned)
     export_key: SecretStr | None = None
     export_key_env: str = "CWM_WINDOW_EXPORT_KEY"   # ... read from here when not in the file

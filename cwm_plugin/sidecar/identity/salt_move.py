@@ -26,7 +26,9 @@ restarted, costs one store lookup: a new salt with a context record is not moved
 ``cwm_sidecar_salt_moves_total{tenant,outcome}`` (moved, none, failed) and logged once. A failure
 never fails the request (it computes, as without a store). Once every older version is past its
 ``until``, nothing is looked up any more. The store work runs on the window threads, within the
-tenant's share (``tenant_bounds.py``: a move past its bound fails, and is tried again later).
+tenant's share (``tenant_bounds.py``: a move past its bound fails, and the session's next
+request tries again); a request waits ``MOVE_WAIT_S`` at most for its move (it goes on
+meanwhile, and the request computes its prefix).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from cwm_plugin.windows.engine import WindowEngine
 
 log = logging.getLogger(__name__)
 REMEMBER = 65_536  # salts whose move is done, remembered by digest
+MOVE_WAIT_S = 2.0  # a request waits this long for its session's move, then computes its prefix
 
 
 @dataclass
@@ -81,7 +84,11 @@ class SaltMover:
         windows to its newest name, if this is their first request here in a grace period;
         the blocks moved (0: none, or moved before)."""
         await self.move_windows(ident)
-        return await self._once(salt, lambda: self._move(ident, body, salt, self.secrets()))
+        try:  # the move goes on if the request stops waiting (its next request finds it)
+            return await asyncio.wait_for(self._once(
+                salt, lambda: self._move(ident, body, salt, self.secrets())), MOVE_WAIT_S)
+        except Exception:  # counted and logged by _move; or past MOVE_WAIT_S: computes
+            return 0
 
     async def move_windows(self, ident: Identity) -> int:
         """Move the windows the caller's user has under its names from older secret versions
@@ -135,14 +142,15 @@ class SaltMover:
             try:
                 blocks = await self.pool.run(
                     tenant, lambda old=old: self.engine.move_session(old, salt))
-            except Exception as exc:  # the store, say: the request computes its prefix
+            except Exception as exc:  # the store, or the tenant's bound: the request computes
                 self.counter.labels(tenant, "failed").inc()
                 (log.debug if self._warned else log.warning)(
                     "tenant %s: a session's KV could not move to its new salt after the secret "
-                    "rotation (%s); its next request computes it (later failures: counted in "
-                    "cwm_sidecar_salt_moves_total{outcome=failed})", tenant, exc)
+                    "rotation (%s); this request computes its prefix and the next tries again "
+                    "(later failures: counted in cwm_sidecar_salt_moves_total{outcome=failed})",
+                    tenant, exc)
                 self._warned = True
-                return 0
+                raise  # not done: the session's next request tries again
             if blocks:
                 self.counter.labels(tenant, "moved").inc()
                 log.info("tenant %s: a session's KV (%d blocks) moved to its new salt after "

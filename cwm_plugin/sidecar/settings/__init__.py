@@ -29,6 +29,7 @@ from cwm_plugin.errors import ConfigError
 from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.sidecar.settings.access import AccessSettings, UserKey, key_digests
 from cwm_plugin.sidecar.settings.limits import (
+    AUTO,
     NO_LIMIT,
     InFlight,
     RateLimitSettings,
@@ -270,10 +271,11 @@ class Settings(_Strict):
     def in_flight(self) -> dict[str, int | None]:
         """Each principal's bound on its requests in flight (None: no bound)."""
         out: dict[str, int | None] = {}
+        share = max(1, self.server.max_connections // max(1, len(self.principals())))
         for p in self.principals():
             own = p.max_in_flight if p.max_in_flight is not None \
                 else self.rate_limits.max_in_flight
-            out[p.name] = None if own == NO_LIMIT else int(own)
+            out[p.name] = None if own == NO_LIMIT else share if own == AUTO else int(own)
         return out
 
     def session_share(self) -> int:

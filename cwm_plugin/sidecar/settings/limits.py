@@ -10,7 +10,8 @@ its own (``tenants[].rate_limit``, ``tenants[].token_quota``; ``"none"``: no lim
 every sidecar of a deployment shares (one quota however many processes serve the tenant);
 ``storage_timeout_s`` bounds each call to it and ``storage_retry_s`` how long the counts stay
 in this process after it failed. ``max_in_flight``: a principal's requests in flight at once
-(``identity/in_flight.py``; a tenant's own ``tenants[].max_in_flight``; ``none``: no bound).
+(``identity/in_flight.py``; a tenant's own ``tenants[].max_in_flight``; ``auto``, the default:
+its share of ``server.max_connections``, those divided by the principals; ``none``: no bound).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pydantic import Field, field_validator
 from cwm_plugin.config_file import Strict
 
 NO_LIMIT = "none"
+AUTO = "auto"
 
 
 def check_rate(value: str | None) -> str | None:
@@ -42,10 +44,9 @@ def check_rate(value: str | None) -> str | None:
 # 20 a second sustained; tokens about a fifth of what one GPU prefills with an 8B model
 DEFAULT_RATE = "50/second;1200/minute"  # requests a principal, any route
 DEFAULT_QUOTA = "10000000/hour"  # prompt + completion tokens a principal
-# requests of a principal in flight: an eighth of the server's default max_connections, so one
-# principal never holds every connection with requests that wait
-DEFAULT_IN_FLIGHT = 64
-InFlight = int | Literal["none"]  # a number of requests, or no bound
+# requests of a principal in flight: its share of the server's connections, so one principal
+# never holds every connection with requests that wait (one principal alone: all of them)
+InFlight = int | Literal["none", "auto"]  # a number of requests, no bound, or the share
 
 
 def check_in_flight(value: InFlight | None) -> InFlight | None:
@@ -62,7 +63,7 @@ class RateLimitSettings(Strict):
     token_quota: str | None = DEFAULT_QUOTA  # tokens, client and background work (ditto)
     storage_timeout_s: float = Field(default=0.25, gt=0)  # a call to a Redis storage
     storage_retry_s: float = Field(default=5.0, gt=0)  # after it failed, counted here this long
-    max_in_flight: InFlight = DEFAULT_IN_FLIGHT  # a principal's requests at once ("none": any)
+    max_in_flight: InFlight = AUTO  # a principal's requests at once ("none": any)
 
     @field_validator("rate_limit", "token_quota")
     @classmethod
@@ -89,6 +90,6 @@ class ServerSettings(Strict):
     max_header_bytes: int = Field(default=32 * 1024, ge=1024)  # request line + headers
     header_timeout_s: float = Field(default=10.0, gt=0)  # for a request's headers to arrive
     body_timeout_s: float = Field(default=20.0, gt=0)  # for its body, ...
-    body_min_rate: int = Field(default=64 * 1024, ge=1)  # ... plus a second for each this many
+    body_min_rate: int = Field(default=4096, ge=1)  # ... plus a second for each this many
     keep_alive_s: int = Field(default=5, ge=1)  # an idle connection between requests
     max_connections: int = Field(default=512, ge=2)  # past it a request gets 503

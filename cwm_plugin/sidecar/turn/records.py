@@ -40,7 +40,7 @@ from cwm_plugin.windows.conversation import ConversationRecord, capped_messages
 log = logging.getLogger(__name__)
 RESTORE_TIMEOUT_S = 1.0  # a store that does not answer within this costs the turn nothing more
 RESTORE_THREADS = 1  # a principal's reads at once ...
-RESTORE_WAITING = 8  # ... and waiting for one of those (past it, the turn goes on without)
+RESTORE_WAITING = 64  # ... and waiting for one of those (past it, the turn goes on without)
 
 
 def restores(principals: int, counter: Counter) -> TenantPool:

@@ -123,3 +123,20 @@ def test_max_in_flight_none_turns_the_bound_off(tmp_path):
             held.enter_context(streaming(srv, "acme"))
         assert httpx.get(f"{srv.url}/v1/models", headers=auth("acme"),
                          timeout=30).status_code == 200
+
+
+def test_by_default_each_principal_may_hold_its_share_of_the_connections(tmp_path):
+    """``auto``: a lone principal may use every connection (a plain deployment is not capped
+    below what the server takes); several share them; a tenant's own number stands."""
+    def bounds(**over: Any) -> dict[str, int | None]:
+        return make_settings("http://127.0.0.1:9", tmp_path, "tiktoken:cl100k_base",
+                             access={"grants": {}}, **over).in_flight()
+
+    assert bounds() == {"acme": 170, "beta": 170, "gamma": 170}       # 512 // 3
+    alone = [{"name": "acme", "key_sha256": [hash_key(KEYS["acme"])]}]
+    assert bounds(tenants=alone) == {"acme": 512}
+    assert bounds(tenants=alone, server={"max_connections": 64}) == {"acme": 64}
+    own = [{**alone[0], "max_in_flight": 3},
+           {"name": "beta", "key_sha256": [hash_key(KEYS["beta"])]}]
+    assert bounds(tenants=own) == {"acme": 3, "beta": 256}
+    assert bounds(rate_limits={"max_in_flight": "none"}, tenants=alone) == {"acme": None}

@@ -198,6 +198,36 @@ def test_a_store_that_fails_the_move_never_fails_the_request(tmp_path, caplog, m
         up.stop()
 
 
+def test_a_move_that_failed_is_tried_again_by_the_sessions_next_request(tmp_path, monkeypatch):
+    """A move refused (the tenant's window threads busy, a store down) is not remembered as
+    done: the session's next request moves its KV."""
+    from cwm_plugin.sidecar.identity.ratelimit import RateLimited
+
+    tokens = old_sessions(tmp_path / "kv", ["s1"])
+    fake = FakeUpstream(model="tiny", max_model_len=4096)
+    up, srv = serve(tmp_path, fake, datetime.now(UTC) + timedelta(days=1))
+    try:
+        engine = runtime(srv).salt_mover.engine
+        real, calls = engine.move_session, []
+
+        def busy_once(*a):
+            calls.append(a)
+            if len(calls) == 1:
+                raise RateLimited("window operations of tenant acme: 2 running, 8 waiting",
+                                  retry_after=1)
+            return real(*a)
+        monkeypatch.setattr(engine, "move_session", busy_once)
+        assert chat(srv, "acme", "hello").status_code == 200
+        assert not moved_to(srv, tokens["s1"], "s1")
+        assert chat(srv, "acme", "hello again").status_code == 200
+        assert moved_to(srv, tokens["s1"], "s1")
+        assert metric_value(srv, MOVES, tenant="acme", outcome="failed") == 1
+        assert metric_value(srv, MOVES, tenant="acme", outcome="moved") == 1
+    finally:
+        srv.stop()
+        up.stop()
+
+
 def test_a_users_windows_move_to_its_newest_name_within_grace(tmp_path):
     """A user's windows belong to its name under the newest secret: after a rotation the
     user's first request -- a windows route, or only a chat turn -- moves them there, so the

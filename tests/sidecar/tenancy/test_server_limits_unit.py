@@ -163,10 +163,10 @@ def test_window_imports_are_bounded_in_size_and_per_tenant_only(tmp_path):
 
 
 def test_a_slow_loris_import_is_cut_off_by_the_default_body_pace(tmp_path):
-    # 16 KiB a second would keep a 1 GiB body coming for most of a day
+    # 2 KiB a second would keep a 1 GiB body coming for almost a week
     with sidecar(tmp_path, windows={"store": {"disk_path": str(tmp_path / "kv")}},
                  server={"body_timeout_s": 1.0}) as srv:
-        got = trickle(srv, head("POST", IMPORT, Content_Length=str(64 << 20)), b"x" * 4096,
+        got = trickle(srv, head("POST", IMPORT, Content_Length=str(64 << 20)), b"x" * 512,
                       0.25)
         assert got.startswith(b"HTTP/1.1 408"), got[:200]
         assert b'"request_timeout"' in got

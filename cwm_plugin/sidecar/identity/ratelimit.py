@@ -20,6 +20,10 @@ Work under way (requests in flight, imports, window operations): ``tenant_bounds
 
 A refusal is an OpenAI-shaped 429 (``rate_limit_exceeded``) with ``Retry-After`` (seconds
 until the window frees room), counted in ``cwm_sidecar_rate_limited_total{tenant,limit}``.
+A request refused for its rate or quota is answered ``refusal_delay_s`` later (at most when
+its window frees room): it waits holding one of its principal's requests in flight and no
+work, so a client that sends as fast as it is answered sends a few requests a second instead
+of the thousands a second of refusals that would keep the event loop from everyone else's.
 
 The counts live in ``rate_limits.storage``: this process (``memory://``) or a Redis every
 sidecar shares. A Redis call that fails or takes longer than ``storage_timeout_s`` is counted
@@ -119,6 +123,7 @@ class TenantLimits:
         self._local = self._shared if settings.storage.startswith("memory://") \
             else _counts("memory://", 0)
         self._timeout_s = settings.storage_timeout_s
+        self._refusal_delay_s = settings.refusal_delay_s
         self._retry_s = settings.storage_retry_s
         self._down_until = -math.inf  # monotonic: the shared counts are not asked before
         self._outage = False
@@ -149,6 +154,9 @@ class TenantLimits:
 
         refused, _ = await self._on_counts(principal, check)
         if refused is not None:
+            if self._refusal_delay_s:  # held, not worked on: a flooding client waits for it
+                await asyncio.sleep(min(self._refusal_delay_s,
+                                        max(0.0, refused[2] - time.time())))
             self._refuse(principal, *refused)
 
     async def reserve(self, principal: str, tokens: int) -> Reservation:

@@ -64,6 +64,7 @@ class RateLimitSettings(Strict):
     storage_timeout_s: float = Field(default=0.25, gt=0)  # a call to a Redis storage
     storage_retry_s: float = Field(default=5.0, gt=0)  # after it failed, counted here this long
     max_in_flight: InFlight = AUTO  # a principal's requests at once ("none": any)
+    refusal_delay_s: float = Field(default=0.5, ge=0, le=10)  # a 429 of rate or quota waits
 
     @field_validator("rate_limit", "token_quota")
     @classmethod

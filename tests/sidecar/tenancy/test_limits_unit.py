@@ -57,6 +57,29 @@ def test_a_tenant_over_its_rate_gets_429_and_the_others_are_served(tmp_path):
         assert len(fake.bodies()) == 7  # the refused requests never reached the upstream
 
 
+def test_a_refusal_is_held_so_a_hammering_client_slows_down_and_the_others_are_served(
+        tmp_path):
+    """A request over its rate waits ``refusal_delay_s`` for its 429, doing no work: the
+    others' requests are answered meanwhile, and a client that sends as fast as it is
+    answered sends one request per delay instead of thousands of refusals a second."""
+    fake = FakeUpstream(model="tiny")
+    with ServerThread(fake.app) as up, ServerThread(create_app(make_settings(
+            up.url, tmp_path, "tiktoken:cl100k_base",
+            rate_limits={"rate_limit": "100/minute", "refusal_delay_s": 5},
+            tenants=tenants(beta={"rate_limit": "1/minute"})))) as srv, \
+            ThreadPoolExecutor(2) as pool:
+        assert chat(srv, "beta").status_code == 200
+        refused = pool.submit(chat, srv, "beta")
+        while runtime(srv).in_flight.held("beta") == 0:
+            time.sleep(0.02)                        # in flight: it is being held now
+        assert [chat(srv, t).status_code for t in ("acme", "gamma")] == [200, 200]
+        assert not refused.done(), "the refusal was not held"
+        r = refused.result()
+        assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 60
+        assert metric_value(srv, LIMITED, tenant="beta", limit="requests") == 1
+        assert len(fake.bodies()) == 3
+
+
 def test_a_tenant_over_its_token_quota_gets_429_and_never_goes_past_it(tmp_path):
     """Each request reserves its estimate (prompt + max_tokens) before it goes up and settles
     to its usage after: the one that would take the tenant past its quota is refused."""

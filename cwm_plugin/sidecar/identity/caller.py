@@ -61,7 +61,8 @@ async def authenticate(request: Request) -> TenantConfig:
     request.state.principal = who
     on_finish(request, await sc.in_flight.take(who.name))
     path = route_path(request)
-    await sc.limits.admit(who.name, metered=request.method == "POST" and path in METERED)
+    await sc.limits.admit(who.name, metered=request.method == "POST" and path in METERED,
+                          hold=sc.in_flight.bound(who.name) is not None)
     _declared_size(request, sc.settings.body_limit(path))
     return who
 

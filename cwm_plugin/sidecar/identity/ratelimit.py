@@ -22,7 +22,8 @@ A refusal is an OpenAI-shaped 429 (``rate_limit_exceeded``) with ``Retry-After``
 until the window frees room), counted in ``cwm_sidecar_rate_limited_total{tenant,limit}``.
 A request refused for its rate or quota is answered ``refusal_delay_s`` later (at most when
 its window frees room): it waits holding one of its principal's requests in flight and no
-work, so a client that sends as fast as it is answered sends a few requests a second instead
+work (a principal with no bound on those is answered at once: its held refusals could take
+the connections every principal shares), so a client that sends as fast as it is answered sends a few requests a second instead
 of the thousands a second of refusals that would keep the event loop from everyone else's.
 
 The counts live in ``rate_limits.storage``: this process (``memory://``) or a Redis every
@@ -133,9 +134,11 @@ class TenantLimits:
         self._quotas = {p.name: _items(p.token_quota or settings.token_quota)
                         for p in principals}
 
-    async def admit(self, principal: str, *, metered: bool) -> None:
+    async def admit(self, principal: str, *, metered: bool, hold: bool = True) -> None:
         """Count one request of ``principal``; :class:`RateLimited` when it is over its rate
-        or, for a request that spends tokens (``metered``), its token quota has nothing left."""
+        or, for a request that spends tokens (``metered``), its token quota has nothing left,
+        answered ``refusal_delay_s`` later when ``hold`` (the caller bounds what it may hold:
+        its requests in flight)."""
         rates = self._rates.get(principal, [])
         quotas = self._quotas.get(principal, []) if metered else []
         if not rates and not quotas:
@@ -154,7 +157,7 @@ class TenantLimits:
 
         refused, _ = await self._on_counts(principal, check)
         if refused is not None:
-            if self._refusal_delay_s:  # held, not worked on: a flooding client waits for it
+            if hold and self._refusal_delay_s:  # held, not worked on: a flooder waits
                 await asyncio.sleep(min(self._refusal_delay_s,
                                         max(0.0, refused[2] - time.time())))
             self._refuse(principal, *refused)

@@ -80,6 +80,19 @@ def test_a_refusal_is_held_so_a_hammering_client_slows_down_and_the_others_are_s
         assert len(fake.bodies()) == 3
 
 
+def test_a_principal_with_no_bound_in_flight_is_refused_at_once(tmp_path):
+    """Its held refusals could take the connections every principal shares: none is held."""
+    fake = FakeUpstream(model="tiny")
+    with ServerThread(fake.app) as up, ServerThread(create_app(make_settings(
+            up.url, tmp_path, "tiktoken:cl100k_base",
+            rate_limits={"rate_limit": "100/minute", "refusal_delay_s": 10},
+            tenants=tenants(beta={"rate_limit": "1/minute", "max_in_flight": "none"})))) as srv:
+        assert chat(srv, "beta").status_code == 200
+        t0 = time.monotonic()
+        assert chat(srv, "beta").status_code == 429
+        assert time.monotonic() - t0 < 10      # not held its 10 s
+
+
 def test_a_tenant_over_its_token_quota_gets_429_and_never_goes_past_it(tmp_path):
     """Each request reserves its estimate (prompt + max_tokens) before it goes up and settles
     to its usage after: the one that would take the tenant past its quota is refused."""

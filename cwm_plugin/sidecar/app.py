@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from cwm_plugin.errors import ConfigError, CWMError
-from cwm_plugin.sidecar.api.activity import activity_router, open_activity
+from cwm_plugin.sidecar.api.activity import activity_router, activity_threads, open_activity
 from cwm_plugin.sidecar.api.chat import handle_chat
 from cwm_plugin.sidecar.api.memory import memory_router
 from cwm_plugin.sidecar.api.relay import model_entry, relay_get, relay_post
@@ -134,6 +134,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         in_flight=TenantBound("in_flight", "requests in flight", None, 0, metrics.rate_limited,
                               own=settings.in_flight()),
         window_pool=window_pool, restores=restores(principals, metrics.rate_limited),
+        activity_pool=activity_threads(principals, metrics.rate_limited),
         activity=open_activity(settings),
         tracker=ContextTracker(settings.sessions.max_tracked, settings.session_share()),
         background=Background(settings.memory.background_queue_limit,
@@ -166,6 +167,7 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         await router.aclose()
         window_pool.close()
         sidecar.restores.close()
+        sidecar.activity_pool.close()
         if engine is not None:
             engine.store.close()
 

@@ -38,6 +38,7 @@ class Sidecar:
     # every window-engine and store call, within its principal's share (tenant_bounds.py)
     window_pool: TenantPool
     restores: TenantPool  # prompt-state reads of continuing sessions (turn/records.py)
+    activity_pool: TenantPool  # the activity log's file work (api/activity.py)
     activity: ActivityLog | None = None
     tracker: ContextTracker = field(default_factory=ContextTracker)
     background: Background = field(default_factory=Background)

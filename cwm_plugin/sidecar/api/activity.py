@@ -27,7 +27,6 @@ The log is file I/O under a lock: it runs on a worker thread.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from typing import Any
@@ -43,9 +42,12 @@ from cwm_plugin.sidecar.api.schema import body_doc
 from cwm_plugin.sidecar.http.errors import error_response
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of, validate_session
 from cwm_plugin.sidecar.identity.caller import identity_of, model_body, principal_of
+from cwm_plugin.sidecar.identity.tenant_bounds import TenantBound, TenantPool
 from cwm_plugin.sidecar.settings import Settings
 
 log = logging.getLogger(__name__)
+THREADS = 1  # a principal's activity log calls at once ...
+WAITING = 64  # ... and waiting for one of those
 PROJECT_HEADER = "x-cwm-project"
 PROJECT = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")
 
@@ -104,10 +106,19 @@ def turn_entry(settings: Settings, *, principal: str, session: str | None,
                  output=preview(answer, chars), used_tokens=used, limit_tokens=limit)
 
 
+def activity_threads(principals: int, counter: Any) -> TenantPool:
+    """The threads the log's file work runs on: ``THREADS`` of a principal's at once and
+    ``WAITING`` more waiting (past it: 429, or a turn's entry counted as failed), so one
+    principal's reads and appends never hold up another's (nor anything else's threads)."""
+    return TenantPool("cwm-activity", TenantBound("activity", "activity log calls", THREADS,
+                                                  WAITING, counter), principals)
+
+
 async def log_turn(sc: Any, entry: Entry) -> None:
     """Append a turn's entry (in the background); a failure is counted, never raised."""
     try:
-        await asyncio.to_thread(sc.activity.append, entry)
+        await sc.activity_pool.run(tenant_of(entry.principal),
+                                   lambda: sc.activity.append(entry))
     except Exception as exc:
         sc.failopen.failed(tenant_of(entry.principal), "activity", exc)
 
@@ -167,7 +178,7 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
                       project=project_of(body.project or request.headers.get(PROJECT_HEADER)),
                       model=body.model or getattr(who, "model", None), used_tokens=used,
                       limit_tokens=limit)
-        done = await asyncio.to_thread(act.append, entry)
+        done = await sidecar.activity_pool.run(ident.tenant, lambda: act.append(entry))
         return {"object": "activity.entry", **done.public()}
 
     @router.get("/activity")
@@ -181,14 +192,14 @@ def activity_router(sidecar: Any, activity: ActivityLog | None) -> APIRouter:
             raise InvalidInput("bad activity parameters",
                                hint="view quick|full, hours > 0, 1 <= limit <= 1000, "
                                     "offset >= 0")
-        if view == "quick":
-            entries = await asyncio.to_thread(act.quick, hours=hours, limit=limit or 10,
-                                              principal=own)
-            total = len(entries)
-        else:
-            entries, total = await asyncio.to_thread(act.page, offset=offset,
-                                                     limit=limit or 100, principal=own)
-        heads = await asyncio.to_thread(act.heads, own)
+        def look() -> tuple[list[Entry], int, dict[str, str]]:
+            if view == "quick":
+                found = act.quick(hours=hours, limit=limit or 10, principal=own)
+                return found, len(found), act.heads(own)
+            found, total = act.page(offset=offset, limit=limit or 100, principal=own)
+            return found, total, act.heads(own)
+
+        entries, total, heads = await sidecar.activity_pool.run(ident.tenant, look)
         return {"object": "list", "view": view, "data": [e.public() for e in entries],
                 "total": total, "offset": offset if view == "full" else 0,
                 "head": heads.get(owner_of(ident), GENESIS), "heads": heads}

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -350,3 +351,26 @@ def test_the_cli_shows_the_log_and_verify_names_an_edited_file(tmp_path):
     assert cwm("activity", "verify", "--config", str(cfg)).returncode == 1
     nowhere = cwm("activity", "show")
     assert nowhere.returncode == 2 and "say where the log is" in nowhere.stderr
+
+
+def test_the_logs_file_work_runs_on_each_principals_own_threads(upstream, tmp_path,
+                                                                 monkeypatch):
+    """Not on asyncio's default executor, which every tenant's memory work shares: appends
+    and reads run on the activity threads within their principal's share."""
+    srv = sidecar(upstream, tmp_path)
+    try:
+        log, threads = runtime(srv).activity, []
+        for name in ("append", "quick", "page", "heads"):
+            real = getattr(log, name)
+
+            def spy(*a, real=real, **kw):
+                threads.append(threading.current_thread().name)
+                return real(*a, **kw)
+            monkeypatch.setattr(log, name, spy)
+        url = f"{srv.url}/v1/activity"
+        assert httpx.post(url, headers=auth("acme"), json={"what": "x"}).status_code == 201
+        assert httpx.get(url, headers=auth("beta")).status_code == 200
+        assert httpx.get(url, params={"view": "full"}, headers=auth("beta")).status_code == 200
+        assert len(threads) == 5 and all(t.startswith("cwm-activity") for t in threads), threads
+    finally:
+        srv.stop()

@@ -64,7 +64,7 @@ from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.settings.secret_versions import folder_locator
 from cwm_plugin.sidecar.turn.counting import ModelCounters
 from cwm_plugin.sidecar.turn.failopen import FailOpen
-from cwm_plugin.sidecar.turn.memory_port import MemoryPort, build_memory
+from cwm_plugin.sidecar.turn.memory_port import MemoryPort, build_memory, memory_threads
 from cwm_plugin.sidecar.turn.records import restores
 from cwm_plugin.sidecar.turn.session import ContextTracker, SnapshotHook
 from cwm_plugin.sidecar.upstream.router import Router
@@ -112,7 +112,9 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     metrics = SidecarMetrics()
     secrets = settings.server_secrets()  # newest first (settings/secret_versions.py)
     if memory is None and settings.memory_enabled:
-        memory = build_memory(settings.memory, metrics.registry)
+        memory = build_memory(settings.memory, memory_threads(len(settings.principals()),
+                                                             metrics.rate_limited),
+                              metrics.registry)
     router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)
     limits = TenantLimits(settings.rate_limits, settings.principals(), metrics.rate_limited)
     usage = UsageLedger(settings.pricing, metrics, limits)
@@ -158,11 +160,12 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         router.start_health_checks()
         if memory is not None and settings.memory.warm_on_start:
             for tenant in settings.principals():  # in the background: answers at once
-                sidecar.background.spawn(memory.warm(tenant.name), name=f"warm-{tenant.name}")
+                sidecar.background.spawn(memory.warm(tenant.name, tenant.name), name=f"warm-{tenant.name}")
         yield
         await sidecar.background.close()
         if memory is not None:
             await memory.close()  # saves the indexes that changed
+            memory.pool.close()
         sidecar.counters.close()
         await router.aclose()
         window_pool.close()

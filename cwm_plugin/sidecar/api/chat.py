@@ -23,7 +23,6 @@ Where the time goes (everything but the upstream's own time) is reported per req
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -110,7 +109,7 @@ async def _plan(sc: Sidecar, turn_in: dict[str, Any], stages: Stages) -> tuple[P
         system_role = await sc.counters.system_role(turn_in["model"], counter)
         t = TurnInput(settings=sc.settings, mem=sc.memory, counter=counter,
                       system_role=system_role, stages=stages, **turn_in)
-        return await asyncio.to_thread(plan_turn, t), counter, ""
+        return await sc.memory.run(ident.tenant, lambda: plan_turn(t)), counter, ""
     except Exception as exc:  # fail open: the client's request goes up as it came
         return passthrough(turn_in["messages"]), counter, \
             sc.failopen.failed(ident.tenant, "select", exc)

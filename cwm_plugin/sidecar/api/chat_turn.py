@@ -105,7 +105,7 @@ class ChatTurn:
         msgs = [{"role": r, "content": t} for r, t in turns]
         try:
             with self.stages("files"):
-                await sc.memory.record_turns(folder, session, turns, defer_index=True)
+                await sc.memory.record_turns(tenant, folder, session, turns, defer_index=True)
         except Exception as exc:
             self.headers.setdefault(STATUS_HEADER, sc.failopen.failed(tenant, "record", exc))
             return
@@ -122,7 +122,8 @@ class ChatTurn:
 
     async def _after_record(self) -> None:
         try:
-            await self.sc.memory.after_record(self.ident.folder, self.plan.sel)
+            await self.sc.memory.after_record(self.ident.tenant, self.ident.folder,
+                                              self.plan.sel)
         except Exception as exc:  # an embedder outage, say: counted and logged once
             self.sc.failopen.failed(self.ident.tenant, "index", exc)
 

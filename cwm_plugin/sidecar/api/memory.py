@@ -18,7 +18,6 @@ Bodies are read after the caller is authenticated (``identity/caller.py``).
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -92,8 +91,9 @@ def memory_router(sidecar: Any) -> APIRouter:
 
     @router.get("/facts")
     async def facts(request: Request, namespace: str | None = None) -> dict[str, Any]:
-        mem, ns = where(who(request), namespace, "read")
-        got = await mem.memories(ns.folder)
+        ident = who(request)
+        mem, ns = where(ident, namespace, "read")
+        got = await mem.memories(ident.tenant, ns.folder)
         return {"object": "list", "namespace": ns.name, "data": [
             {"id": m.id, "text": m.text, "category": m.category, "importance": m.importance,
              "key": m.key, "created": m.created} for m in got]}
@@ -103,7 +103,7 @@ def memory_router(sidecar: Any) -> APIRouter:
         ident = who(request)
         body = await model_body(request, FactBody)
         mem, ns = where(ident, body.namespace, "write")
-        got = await mem.add_fact(ns.folder, body.text, body.category, body.importance,
+        got = await mem.add_fact(ident.tenant, ns.folder, body.text, body.category, body.importance,
                                  key=body.key, source=f"api:{ident.tenant}")
         return {"object": "memory", "namespace": ns.name, "id": got.memory.id,
                 "outcome": got.outcome}
@@ -113,9 +113,10 @@ def memory_router(sidecar: Any) -> APIRouter:
                      k: int = 5) -> dict[str, Any]:
         if not 0 < k <= 50 or not q.strip() or len(q) > 2000:
             raise InvalidInput("bad search parameters", hint="q: 1-2000 characters, 1 <= k <= 50")
-        mem, ns = where(who(request), namespace, "read")
-        hits = await asyncio.to_thread(mem.now.search, ns.folder, q, k)
-        facts = await asyncio.to_thread(mem.now.search_memories, ns.folder, q, k)
+        ident = who(request)
+        mem, ns = where(ident, namespace, "read")
+        hits, facts = await mem.run(ident.tenant, lambda: (
+            mem.now.search(ns.folder, q, k), mem.now.search_memories(ns.folder, q, k)))
         return {"object": "list", "namespace": ns.name, "data": [
             {"source": h.source, "score": round(h.score, 4), "text": h.text}
             for h in [*facts, *hits]]}
@@ -128,12 +129,14 @@ def memory_router(sidecar: Any) -> APIRouter:
         view = view or sidecar.settings.prompt.memory_view
         if view not in VIEWS or (max_tokens is not None and max_tokens < 1):
             raise InvalidInput("bad view parameters", hint="view: quick|full, max_tokens >= 1")
-        mem, ns = where(who(request), namespace, "read")
+        ident = who(request)
+        mem, ns = where(ident, namespace, "read")
         count = mem.count
         if model is not None:
             route = await sidecar.router.for_model(model)
             count = (await sidecar.counters.get(model, route.info())).count
-        got = await asyncio.to_thread(build_view, mem.now, ns.folder, view, count, max_tokens)
+        got = await mem.run(ident.tenant,
+                            lambda: build_view(mem.now, ns.folder, view, count, max_tokens))
         return {"object": "memory.view", "namespace": ns.name, "counted_with": model or "memory",
                 **got.public()}
 
@@ -143,7 +146,7 @@ def memory_router(sidecar: Any) -> APIRouter:
         body = await model_body(request, TurnBody)
         mem, ns = where(ident, body.namespace, "append")
         session = validate_session(body.session)
-        ids = await mem.record_turns(ns.folder, session, [(body.role, body.content)])
+        ids = await mem.record_turns(ident.tenant, ns.folder, session, [(body.role, body.content)])
         return {"object": "memory.turn", "namespace": ns.name, "session": session,
                 "turn_id": ids[0]}
 

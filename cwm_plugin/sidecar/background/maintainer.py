@@ -86,8 +86,8 @@ class Maintainer:
         last one it covers); returns the summary, or None if nothing could be written.
         ``folder``: the session's memory folder (default: the tenant's own)."""
         folder = folder or tenant
-        turns = await self.memory.transcript(folder, session)
-        previous, upto = await self.memory.summary_state(folder, session)
+        turns = await self.memory.transcript(tenant, folder, session)
+        previous, upto = await self.memory.summary_state(tenant, folder, session)
         ids = [_turn_id(t) for t in turns]
         start = ids.index(upto) + 1 if upto and upto in ids else 0
         max_model_len = await self._context(model, max_model_len)
@@ -102,7 +102,7 @@ class Maintainer:
             except UpstreamRejected as exc:  # this batch never fits: move past it
                 self._skipped(tenant, "summary", exc)
                 previous = previous or "(the first turns were too long to summarise)"
-                await self.memory.set_summary(folder, session, previous,
+                await self.memory.set_summary(tenant, folder, session, previous,
                                               upto_turn=ids[end - 1])
                 start = end
                 continue
@@ -110,7 +110,7 @@ class Maintainer:
                 self.metrics.background.labels(tenant, "summary", "empty").inc()
                 return previous
             text = with_details(text, previous, turns[start:end])
-            await self.memory.set_summary(folder, session, text, upto_turn=ids[end - 1])
+            await self.memory.set_summary(tenant, folder, session, text, upto_turn=ids[end - 1])
             self.metrics.background.labels(tenant, "summary", "ok").inc()
             previous, start = text, end
         return previous
@@ -171,16 +171,16 @@ class Maintainer:
         """Facts from the turns after the facts cursor; returns how many were merged (into
         ``folder``, the session's memory folder; default: the tenant's own)."""
         folder = folder or tenant
-        turns = await self.memory.transcript(folder, session)
+        turns = await self.memory.transcript(tenant, folder, session)
         ids = [_turn_id(t) for t in turns]
-        upto = await self.memory.cursor(folder, session, "facts")
+        upto = await self.memory.cursor(tenant, folder, session, "facts")
         start = ids.index(upto) + 1 if upto and upto in ids else 0
         max_model_len = await self._context(model, max_model_len)
         merged = 0
         for _ in range(MAX_FACT_BATCHES):
             if start >= len(turns):
                 break
-            known = [(m.key, m.text) for m in await self.memory.memories(folder)
+            known = [(m.key, m.text) for m in await self.memory.memories(tenant, folder)
                      if m.key][-MAX_KNOWN:]
             used = self.memory.count_messages(llm_prompts.facts_messages("", known))
             lines, end = self._batch(tenant, turns, start, used, max_model_len)
@@ -190,7 +190,7 @@ class Maintainer:
                                               source, folder)
             except UpstreamRejected as exc:  # this batch never fits: move past it
                 self._skipped(tenant, "facts", exc)
-            await self.memory.set_cursor(folder, session, "facts", ids[end - 1])
+            await self.memory.set_cursor(tenant, folder, session, "facts", ids[end - 1])
             start = end
         return merged
 
@@ -211,7 +211,8 @@ class Maintainer:
                 messages = llm_prompts.facts_retry_messages(exchange, text, known)
                 continue
             for f in facts:
-                got = await self.memory.add_fact(folder, f["text"], f.get("category", "fact"),
+                got = await self.memory.add_fact(tenant, folder, f["text"],
+                                                 f.get("category", "fact"),
                                                  float(f.get("importance", 0.5)),
                                                  key=f.get("key", ""), source=source)
                 self.metrics.facts.labels(tenant, got.outcome).inc()

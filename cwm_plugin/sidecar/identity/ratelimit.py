@@ -130,7 +130,9 @@ class TenantLimits:
         self._outage = False
         self._counter = counter
         self._tasks: set[asyncio.Task] = set()
-        self._rates = {p.name: _items(p.rate_limit or settings.rate_limit) for p in principals}
+        principals = list(principals)
+        self._rates = {p.name: _items(settings.rate_of(p.rate_limit, len(principals)))
+                       for p in principals}
         self._quotas = {p.name: _items(p.token_quota or settings.token_quota)
                         for p in principals}
 

@@ -70,13 +70,18 @@ class TenantConfig(_Strict):
     users: Literal["any", "none"] = "any"  # may its keys act for a user a request names?
     user_keys: list[UserKey] = Field(default_factory=list)  # keys each bound to one user
     user_keys_access: Literal["RO", "none"] = "RO"  # theirs on the principal's own namespace
-    rate_limit: str | None = None  # None: rate_limits.rate_limit
+    rate_limit: str | None = None  # None: rate_limits.rate_limit ("auto": a share)
     token_quota: str | None = None  # None: rate_limits.token_quota
     max_in_flight: InFlight | None = None  # None: rate_limits.max_in_flight
 
-    @field_validator("rate_limit", "token_quota")
+    @field_validator("rate_limit")
     @classmethod
     def _rate(cls, v: str | None) -> str | None:
+        return check_rate(v, auto=True)
+
+    @field_validator("token_quota")
+    @classmethod
+    def _quota(cls, v: str | None) -> str | None:
         return check_rate(v)
 
     @field_validator("max_in_flight")

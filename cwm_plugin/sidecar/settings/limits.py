@@ -6,6 +6,10 @@ A rate is written in that package's notation, several separated by ``;``: ``"10/
 600/minute"`` (requests), ``"2000000/hour"`` (tokens). ``rate_limit`` and ``token_quota``
 here are every principal's defaults (on unless set to ``none``); a tenant or provider sets
 its own (``tenants[].rate_limit``, ``tenants[].token_quota``; ``"none"``: no limit for it).
+A request rate of ``auto`` (the default) is the principal's share of ``server_rate``, the
+requests the whole sidecar is sized for, divided by the principals: one tenant alone may use
+all of it, and of nine none more than a ninth, which is what keeps a tenant sending as fast as
+it is allowed from slowing the others on a small machine (``bench/tenancy.py``).
 ``storage``: where the counts live, ``memory://`` (this process) or a ``redis://`` URL that
 every sidecar of a deployment shares (one quota however many processes serve the tenant);
 ``storage_timeout_s`` bounds each call to it and ``storage_retry_s`` how long the counts stay
@@ -26,9 +30,10 @@ NO_LIMIT = "none"
 AUTO = "auto"
 
 
-def check_rate(value: str | None) -> str | None:
-    """A rate in the ``limits`` package's notation (or ``none``), else a clear error."""
-    if value is None or value == NO_LIMIT:
+def check_rate(value: str | None, *, auto: bool = False) -> str | None:
+    """A rate in the ``limits`` package's notation (or ``none``; ``auto`` where ``auto``),
+    else a clear error."""
+    if value is None or value == NO_LIMIT or (auto and value == AUTO):
         return value
     from limits import parse_many
 
@@ -40,9 +45,20 @@ def check_rate(value: str | None) -> str | None:
     return value
 
 
-# A principal is a whole tenant (an app and all its users): bursts of 50 requests a second,
-# 20 a second sustained; tokens about a fifth of what one GPU prefills with an 8B model
-DEFAULT_RATE = "50/second;1200/minute"  # requests a principal, any route
+def share_of(rate: str, parts: int) -> str:
+    """``rate`` divided among ``parts`` (each item's amount, at least 1)."""
+    from limits import parse_many
+
+    def one(item) -> str:
+        amount, unit = max(1, item.amount // max(1, parts)), item.GRANULARITY.name
+        return f"{amount}/{item.multiples} {unit}s" if item.multiples != 1 else f"{amount}/{unit}"
+    return ";".join(one(item) for item in parse_many(rate))
+
+
+# A principal is a whole tenant (an app and all its users). The sidecar is sized for bursts of
+# 200 requests a second and 100 a second sustained (one process: 2 cores keep up with that
+# mix of routes); tokens about a fifth of what one GPU prefills with an 8B model
+DEFAULT_SERVER_RATE = "200/second;6000/minute"  # requests, all principals together
 DEFAULT_QUOTA = "10000000/hour"  # prompt + completion tokens a principal
 # requests of a principal in flight: its share of the server's connections, so one principal
 # never holds every connection with requests that wait (one principal alone: all of them)
@@ -59,17 +75,38 @@ class RateLimitSettings(Strict):
     """Defaults for every principal and where the counts are kept (see the module docstring)."""
 
     storage: str = "memory://"
-    rate_limit: str | None = DEFAULT_RATE  # requests, any route (None or "none": none)
+    rate_limit: str | None = AUTO  # requests, any route ("auto": a share of server_rate;
+    #                                 None or "none": none)
+    server_rate: str = DEFAULT_SERVER_RATE  # what "auto" rates share
     token_quota: str | None = DEFAULT_QUOTA  # tokens, client and background work (ditto)
     storage_timeout_s: float = Field(default=0.25, gt=0)  # a call to a Redis storage
     storage_retry_s: float = Field(default=5.0, gt=0)  # after it failed, counted here this long
     max_in_flight: InFlight = AUTO  # a principal's requests at once ("none": any)
     refusal_delay_s: float = Field(default=0.5, ge=0, le=10)  # a 429 of rate or quota waits
 
-    @field_validator("rate_limit", "token_quota")
+    @field_validator("rate_limit")
     @classmethod
     def _rate(cls, v: str | None) -> str | None:
+        return check_rate(v, auto=True)
+
+    @field_validator("token_quota")
+    @classmethod
+    def _quota(cls, v: str | None) -> str | None:
         return check_rate(v)
+
+    @field_validator("server_rate")
+    @classmethod
+    def _server_rate(cls, v: str) -> str:
+        if v in (NO_LIMIT, AUTO):
+            raise ValueError("rate_limits.server_rate is a rate, like '200/second;6000/minute' "
+                             "(to turn rates off, set rate_limit: none)")
+        return str(check_rate(v))
+
+    def rate_of(self, own: str | None, principals: int) -> str | None:
+        """A principal's request rate: its own (``own``), else the default; ``auto``: its share
+        of ``server_rate`` among ``principals``."""
+        rate = own or self.rate_limit
+        return share_of(self.server_rate, principals) if rate == AUTO else rate
 
     @field_validator("max_in_flight")
     @classmethod

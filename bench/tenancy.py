@@ -15,7 +15,8 @@ finish their headers beside them (:mod:`_tenancy_flood`). The flooder has the sh
 (``--flood-rate`` overrides its request rate). Prints and writes (JSON) the others' p50/p99 by
 route family in both conditions and their ratios (``families.<f>.p99_ratio``: the aim is
 <= 1.5; per round too, their median: a shared machine's other load moves a p99 of a few hundred
-samples more than anything measured here), the flooder's answers by status and the sidecar's
+samples more than anything measured here, which is why a round lasts 45 s: 15 s rounds gave
+1.26x to 2.74x on the same code), the flooder's answers by status and the sidecar's
 ``cwm_sidecar_rate_limited_total`` for it.
 """
 
@@ -139,7 +140,8 @@ def summary(alone: Latencies, flooded: Latencies, rounds: list[dict[str, float]]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tenants", type=int, default=8)
-    ap.add_argument("--seconds", type=float, default=15.0)
+    # 45 s a round: ~1,500 samples a family, so that a p99 is not its few worst samples
+    ap.add_argument("--seconds", type=float, default=45.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--think-ms", type=float, default=200.0)
     ap.add_argument("--upstream-ms", type=float, default=20.0)

@@ -19,9 +19,11 @@ On servers of their own:
 * ``tiny_budgets``    the same users on a fresh server whose memory tier holds 2 blocks, disk
   tier 4 blocks, Redis ``maxmemory`` a few blocks (``volatile-lru``; the shipped TTL makes
   blobs evictable): every tier evicts all the time (baseline: ``none``);
-* ``sidecar_kill``    two vLLMs sharing the Redis, ``cwm serve`` in front routing sessions
-  (``X-Session-Id``; the sidecar salts them) to the first, which is SIGKILLed mid-round; the
-  sidecar fails over to the second, which restores from Redis. Baseline: the same two servers
+* ``sidecar_kill``    two vLLMs sharing the Redis, ``cwm serve`` in front routing each session
+  (``X-Session-Id``; the sidecar salts them) to its own of the two (``routing.affinity:
+  session``, as shipped: about half on each); the first is SIGKILLed mid-round and the
+  sidecar fails its sessions over to the second, which restores them from Redis (the second's
+  own sessions go on where they were). Baseline: the same two servers
   and sidecar, a fault-free round just before (after one unreported warm-up round: the
   sidecar's salts are not the bench's, so every session starts cold there).
 """

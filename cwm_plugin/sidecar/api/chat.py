@@ -132,7 +132,7 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     home, project = perms.namespace(ident.namespace, ident.user), _project(request.headers)
     shared = [ns.folder for ns in perms.shared(ident, project) if ns.folder]
     stages.add("auth", time.perf_counter() - t0)
-    route = await sc.router.route(body)
+    route = await sc.router.route(body, key=salt)  # the session's upstream first
     model, info = route.model or model, route.info()
     state = sc.tracker.get(owner_of(ident), ident.session) if ident.session else SessionState()
     number = client_turn(messages, mode)

@@ -58,8 +58,8 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     meter: Meter | None = None
     if path in SALTED:
         require_model(body)
-        route = await sc.router.route(body)
         forward = {**body, "cache_salt": sc.auth.salt_for(ident, body)}
+        route = await sc.router.route(body, key=forward["cache_salt"])
         if sc.salt_mover is not None:  # after a secret rotation: the session's KV follows
             await sc.salt_mover.before_forward(ident, body, forward["cache_salt"])
         if ident.session is not None:

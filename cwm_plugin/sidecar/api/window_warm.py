@@ -39,7 +39,7 @@ async def warm_up(sidecar: Any, token_ids: list[int], salt: str, model: str | No
     upstream: vLLM loads the restored blocks now. Never raises: a failure is ``error``."""
     router = sidecar.router
     try:
-        route = await router.any_model(model)
+        route = await router.any_model(model, key=salt)  # where the session's turns go
         before = {e.name: hits_of(await e.client.metrics_text())
                   for e in route.candidates if e.up}
         t0 = time.perf_counter()

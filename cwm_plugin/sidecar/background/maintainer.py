@@ -158,9 +158,10 @@ class Maintainer:
     async def _call(self, tenant: str, model: str, salt: str, kind: str,
                     messages: list[dict[str, Any]], extra: dict[str, Any] | None = None,
                     max_tokens: int | None = None) -> str:
-        route = await self.router.background_route(model)
+        salt = background_salt(salt)
+        route = await self.router.background_route(model, key=salt)  # the session's own
         text, usage, ep, answered = await self.router.chat_once(
-            route, messages, salt=background_salt(salt),
+            route, messages, salt=salt,
             extra={**(extra or {}), "kv_transfer_params": NOT_STORED},
             max_tokens=max_tokens or self.cfg.background_max_tokens)
         self.usage.record(tenant, answered, ep.name, usage, kind=BACKGROUND, work=kind)

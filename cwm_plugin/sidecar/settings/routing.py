@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
@@ -70,6 +71,11 @@ class RoutingSettings(Strict):
     rules: list[RouteRule] = Field(default_factory=lambda: list(DEFAULT_RULES))
     background_model: str | None = None
     health: HealthSettings = HealthSettings()
+    # Which of the upstreams able to answer goes first: "session", each session's own (the
+    # one its cache_salt ranks highest, rendezvous hashing: a session stays where its KV is,
+    # sessions spread over the upstreams, and one going down moves only its own sessions);
+    # "first", the first healthy in the list (a primary and its standbys).
+    affinity: Literal["session", "first"] = "session"
 
 
 class UpstreamConfig(Strict):

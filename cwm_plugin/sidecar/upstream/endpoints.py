@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -55,6 +56,15 @@ class Endpoint:
         found = self.known.get(model)
         limit = self.cfg.context_limit or (found.max_model_len if found else None)
         return ModelInfo(model, limit, found.root if found else None, self.client.base_url)
+
+
+def rendezvous(key: str, eps: list[Endpoint]) -> list[Endpoint]:
+    """``eps`` ordered by their rendezvous score for ``key``, highest first: a key keeps its
+    endpoint while that one is in the list, and one leaving moves only its own keys (each to
+    its next, spread over the others)."""
+    def score(e: Endpoint) -> bytes:
+        return hashlib.blake2b(f"{e.name}\0{key}".encode(), digest_size=8).digest()
+    return sorted(eps, key=score, reverse=True)
 
 
 @dataclass

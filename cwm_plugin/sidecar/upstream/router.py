@@ -4,7 +4,12 @@
 serving it (``upstreams[].models``, else what their ``/v1/models`` lists), a model named in
 ``routing.aliases`` to the role it maps to (``classify``: the role the rules pick,
 :mod:`~cwm_plugin.sidecar.upstream.routing`; while no upstream with that role is up, a default one).
-The result is a :class:`Route`: one model and the upstreams that serve it, healthy ones first.
+The result is a :class:`Route`: one model and the upstreams that serve it, healthy ones first;
+with a ``key`` (a session's cache_salt) and ``routing.affinity: session`` (the default), in
+the order that key ranks them (:func:`~cwm_plugin.sidecar.upstream.endpoints.rendezvous`), so a
+session's turns, its warm-ups and its background work go where its KV is, sessions spread over
+the upstreams serving a model, and an upstream going down moves only its own sessions
+(``first``: the first healthy in the list, a primary and its standbys).
 ``post`` and ``open_stream`` send to the first and fail over to the next on a connect error or an
 HTTP 5xx, before any byte reached the client (a timeout is not retried: the request reached a server
 that may still be working on it). With the shared Redis KV tier, a session that fails over to
@@ -41,7 +46,13 @@ from cwm_plugin.sidecar.http.errors import ModelNotFound
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.settings import RoutingSettings, UpstreamConfig
 from cwm_plugin.sidecar.upstream.client import Upstream
-from cwm_plugin.sidecar.upstream.endpoints import Endpoint, Health, Route, StreamHandle
+from cwm_plugin.sidecar.upstream.endpoints import (
+    Endpoint,
+    Health,
+    Route,
+    StreamHandle,
+    rendezvous,
+)
 from cwm_plugin.sidecar.upstream.routing import DEFAULT_ROLE, Classifier
 
 log = logging.getLogger(__name__)
@@ -89,8 +100,12 @@ class Router:
 
     # --- choosing ---------------------------------------------------------------------------
 
-    def _ordered(self, eps: list[Endpoint]) -> list[Endpoint]:
-        return [e for e in eps if e.up] + [e for e in eps if not e.up]
+    def _ordered(self, eps: list[Endpoint], key: str | None = None) -> list[Endpoint]:
+        """The up ones first; in ``key``'s order with session affinity, else as listed."""
+        up, down = [e for e in eps if e.up], [e for e in eps if not e.up]
+        if key is not None and self.routing.affinity == "session":
+            up, down = rendezvous(key, up), rendezvous(key, down)
+        return up + down
 
     async def _discover(self, eps: list[Endpoint], *, recheck: bool = False,
                         include_down: bool = False) -> UpstreamError | None:
@@ -128,7 +143,7 @@ class Router:
         self.health.set_up(ep, True)
         return None
 
-    async def for_model(self, model: str) -> Route:
+    async def for_model(self, model: str, key: str | None = None) -> Route:
         """The upstreams serving ``model`` (404 when none does, 502 when none answers). A name
         none serves is answered from the lists as they are (a negative cache) unless one is
         older than ``models_recheck_s``: a flood of unknown names costs an upstream at most one
@@ -146,41 +161,45 @@ class Router:
                 raise failure
             raise ModelNotFound(f"the model `{model}` does not exist",
                                 hint="GET /v1/models lists the served models")
-        return Route(model, self._ordered(eps))
+        return Route(model, self._ordered(eps, key))
 
-    async def for_role(self, role: str, reason: str) -> Route:
-        """The first healthy upstream with ``role`` and its first model, then the other
-        upstreams serving that model; a default upstream when none with the role is up."""
+    async def for_role(self, role: str, reason: str, key: str | None = None) -> Route:
+        """The first healthy upstream with ``role`` (``key``'s, with session affinity) and its
+        first model, then the other upstreams serving that model; a default upstream when none
+        with the role is up."""
         pool = [e for e in self.endpoints if role in e.cfg.roles] or self.defaults
         failure = await self._discover(pool)
-        ep = next((e for e in self._ordered(pool) if e.first_model()), None)
+        ep = next((e for e in self._ordered(pool, key) if e.first_model()), None)
         if (ep is None or not ep.up) and pool is not self.defaults:
             await self._discover(self.defaults)
-            instead = next((e for e in self._ordered(self.defaults) if e.first_model()), None)
+            instead = next((e for e in self._ordered(self.defaults, key) if e.first_model()),
+                           None)
             if instead is not None and (ep is None or instead.up):
                 ep, reason = instead, f"{reason}; no `{role}` upstream is up: default"
         if ep is None:
             raise failure or UpstreamError(f"no upstream for role `{role}` names a model",
                                            hint="list its models in upstreams[].models")
         model = ep.first_model() or ""
-        others = [e for e in self._ordered(self.endpoints) if e is not ep and e.serves(model)]
+        others = [e for e in self._ordered(self.endpoints, key)
+                  if e is not ep and e.serves(model)]
         return Route(model, [ep, *others], role=role, reason=reason)
 
-    async def route(self, body: dict[str, Any]) -> Route:
-        """The route of a request body with a ``model`` (an alias routes by role)."""
+    async def route(self, body: dict[str, Any], key: str | None = None) -> Route:
+        """The route of a request body with a ``model`` (an alias routes by role); ``key``:
+        the session's cache_salt (see the module docstring)."""
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidInput("`model` must be a non-empty string")
         target = self.routing.aliases.get(model)
         if target is None:
-            return await self.for_model(model)
+            return await self.for_model(model, key)
         if target == CLASSIFY:
             decision = self.classifier.classify(body)
             role, reason = decision.role, decision.reason
         else:
             role, reason = target, f"alias {model!r}"
         self.metrics.routed.labels(role).inc()
-        return await self.for_role(role, reason)
+        return await self.for_role(role, reason, key)
 
     async def route_loose(self, body: dict[str, Any]) -> Route:
         """For relays where vLLM judges the model (embeddings, tokenize): a known model or
@@ -191,22 +210,22 @@ class Router:
                 return await self.route(body)
         return self.default_route()
 
-    async def any_model(self, model: str | None) -> Route:
+    async def any_model(self, model: str | None, key: str | None = None) -> Route:
         """``model``'s route if it is served, else the default upstream's first model's."""
         if model:
             with contextlib.suppress(ModelNotFound):
-                return await self.for_model(model)
-        return await self.for_role(DEFAULT_ROLE, "default model")
+                return await self.for_model(model, key)
+        return await self.for_role(DEFAULT_ROLE, "default model", key)
 
     def default_route(self) -> Route:
         """The default upstreams, the body's model left as it is."""
         return Route(None, self._ordered(self.defaults), reason="default upstream")
 
-    async def background_route(self, model: str) -> Route:
+    async def background_route(self, model: str, key: str | None = None) -> Route:
         """Summaries and facts: on the ``background`` upstreams when there are any, with
         ``routing.background_model`` (else ``model`` where served, else their first model);
-        the turn's own route is the fallback."""
-        own = await self.for_model(model)
+        the turn's own route is the fallback (``key``: the session's cache_salt)."""
+        own = await self.for_model(model, key)
         pool = [e for e in self.endpoints if BACKGROUND_ROLE in e.cfg.roles]
         if not pool:
             return own
@@ -217,7 +236,7 @@ class Router:
         eps = [e for e in pool if want and e.serves(want)]
         if not eps:
             return own
-        return Route(want, self._ordered(eps), role=BACKGROUND_ROLE, reason="background",
+        return Route(want, self._ordered(eps, key), role=BACKGROUND_ROLE, reason="background",
                      fallback=own)
 
     # --- sending, with failover -------------------------------------------------------------

@@ -56,34 +56,34 @@ def test_a_session_that_fails_over_restores_its_kv_on_the_other_server(
 
         history = [{"role": "system", "content": "You are a careful assistant."},
                    {"role": "user", "content": text(250)}]
-        where, first = turn(history)
-        assert where == "a"
+        home, first = turn(history)  # the session's upstream (routing.affinity: session)
+        gone, left = (a, b) if home == "a" else (b, a)
         prefix = first.usage.prompt_tokens
         assert prefix >= 4 * BLOCK
         history += [{"role": "assistant", "content": first.choices[0].message.content},
                     {"role": "user", "content": "And what comes next? " + text(10)}]
-        a.stop()  # SIGTERM: the connector flushes what it saved to Redis before exiting
-        assert b.metric(HITS) == 0
+        gone.stop()  # SIGTERM: the connector flushes what it saved to Redis before exiting
+        assert left.metric(HITS) == 0
 
         where, second = turn(history)
-        assert where == "b"
-        restored = b.metric(HITS)
+        assert where != home
+        restored = left.metric(HITS)
         assert restored >= prefix // BLOCK * BLOCK, (restored, prefix)
         assert restored < second.usage.prompt_tokens
 
-        # The same prompt recomputed cold on B (a salt nobody used: no hit anywhere).
-        cold = b.chat(history, max_tokens=16, cache_salt="cold-reference",
-                      return_token_ids=True)
-        assert b.metric(HITS) == restored, "the reference was not a cold recompute"
+        # The same prompt recomputed cold on the survivor (a salt nobody used: no hit anywhere).
+        cold = left.chat(history, max_tokens=16, cache_salt="cold-reference",
+                         return_token_ids=True)
+        assert left.metric(HITS) == restored, "the reference was not a cold recompute"
         assert cold["usage"]["prompt_tokens"] == second.usage.prompt_tokens
         assert second.choices[0].token_ids == cold["choices"][0]["token_ids"]
         assert second.choices[0].message.content == cold["choices"][0]["message"]["content"]
-        print(f"failover: earlier prefix {prefix} tokens, restored on B {restored:.0f} of "
+        print(f"failover: earlier prefix {prefix} tokens, restored on {where} {restored:.0f} of "
               f"{second.usage.prompt_tokens}; answer identical to a cold recompute")
 
-        # A is back; the server streaming the next answer is SIGKILLed mid-answer: the stream
+        # The first is back; the server streaming the next answer is SIGKILLed mid-answer: the stream
         # goes on, on the other, from the text already relayed (one unbroken answer).
-        a.start()
+        gone.start()
         history += [{"role": "assistant", "content": second.choices[0].message.content},
                     {"role": "user", "content": "Go on at length. " + text(12)}]
         raw = client.chat.completions.with_raw_response.create(

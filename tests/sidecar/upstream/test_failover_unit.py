@@ -23,13 +23,14 @@ pytestmark = pytest.mark.unit
 TOKENIZER = "tiktoken:cl100k_base"
 
 
-def pair(tmp_path, interval: float = 0.0, **upstream: Any):
+def pair(tmp_path, interval: float = 0.0, affinity: str = "session", **upstream: Any):
     a, b = FakeUpstream(model="tiny"), FakeUpstream(model="tiny")
     sa, sb = ServerThread(a.app).start(), ServerThread(b.app).start()
     settings = make_settings(sa.url, tmp_path, TOKENIZER, memory_enabled=False,
                              upstreams=[{"name": "a", "url": sa.url, **upstream},
                                         {"name": "b", "url": sb.url, **upstream}],
-                             routing={"health": {"interval_s": interval}})
+                             routing={"health": {"interval_s": interval},
+                                      "affinity": affinity})
     return a, b, sa, sb, ServerThread(create_app(settings)).start()
 
 
@@ -78,8 +79,9 @@ def test_a_5xx_or_a_dead_upstream_fails_over_streamed_or_not(tmp_path):
 def test_an_upstream_dying_mid_answer_is_resumed_on_the_other_from_the_relayed_text(tmp_path):
     """A streamed answer whose server dies after two tokens goes on, on the other server, from
     exactly the text the client already has: same salt, the text as a final assistant message
-    to continue, the token limits less what was relayed; the client sees one unbroken stream."""
-    a, b, sa, sb, srv = pair(tmp_path)
+    to continue, the token limits less what was relayed; the client sees one unbroken stream.
+    A primary and its standby (``affinity: first``): every session starts on ``a``."""
+    a, b, sa, sb, srv = pair(tmp_path, affinity="first")
     a.script = lambda body: {"content": "alpha beta gamma delta"}
     b.script = lambda body: {"content": "gamma delta"}
     try:

@@ -33,6 +33,7 @@ from starlette.requests import ClientDisconnect
 from cwm_plugin.errors import InvalidInput, UpstreamError
 from cwm_plugin.sidecar.api.activity import PROJECT_HEADER, project_of
 from cwm_plugin.sidecar.api.chat_turn import ChatTurn, answer_text, observe_stages
+from cwm_plugin.sidecar.api.priority import client_priority, returning_priority
 from cwm_plugin.sidecar.http.body import require_model
 from cwm_plugin.sidecar.http.errors import upstream_error_response
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
@@ -122,6 +123,7 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     body = await json_body(request)
     ident = identity_of(request, body)
     model = require_model(body)
+    body = client_priority(body, sc.auth.perms, ident)
     salt = sc.auth.salt_for(ident, body)
     messages = P.validate_messages(body.get("messages"))
     mode = history_mode(sc, tenant_cfg.history, request.headers)
@@ -174,6 +176,8 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     turn.meter = await sc.usage.meter(ident.tenant, model, prompt=prompt, owner=owner_of(ident),
                                       cap=answer_cap(body, info.max_model_len, prompt))
     up = headers_up(request.headers)
+    turn.priority = returning_priority(body, number, state.last_prompt_tokens,
+                                       sc.settings.routing.returning_priority)
     arrival = turn.arrival = state.turns.arrive(number) if ident.session else None
     forward["kv_transfer_params"] = kv_params(arrival, sc.settings.windows)
     try:
@@ -188,7 +192,8 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
 
 async def _once(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -> Response:
     sc = turn.sc
-    ep, resp = await sc.router.post(turn.route, "/v1/chat/completions", forward, headers=up)
+    ep, resp = await sc.router.post(turn.route, "/v1/chat/completions", forward, headers=up,
+                                    priority=turn.priority)
     Arrivals.end(turn.arrival)
     turn.served_by(ep)
     sc.metrics.requests.labels(turn.ident.tenant, turn.model, "chat", str(resp.status_code)).inc()
@@ -210,7 +215,7 @@ async def _stream(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -
     sc = turn.sc
     client_wants_usage = ask_usage(forward)
     handle = await sc.router.open_stream(turn.route, "/v1/chat/completions", forward,
-                                         headers=up)
+                                         headers=up, priority=turn.priority)
     resp = handle.resp
     turn.served_by(handle.ep)
     sc.metrics.requests.labels(turn.ident.tenant, turn.model, "chat", str(resp.status_code)).inc()

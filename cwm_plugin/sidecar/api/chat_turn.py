@@ -84,6 +84,7 @@ class ChatTurn:
     can_write: bool = True  # ... and its summaries and facts
     arrival: Arrival | None = None  # the client turn of its session (arrivals.py)
     meter: Meter | None = None  # bills it (usage.py)
+    priority: int | None = None  # on priority-scheduling upstreams (api/priority.py)
 
     def served_by(self, ep: Endpoint) -> None:
         """The context limit is the one of the upstream that answered (it may have failed

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from cwm_plugin.sidecar.api.chat import SSEResponse
 from cwm_plugin.sidecar.api.chat_turn import route_headers
+from cwm_plugin.sidecar.api.priority import client_priority
 from cwm_plugin.sidecar.http.body import require_model
 from cwm_plugin.sidecar.http.errors import ModelNotFound, upstream_error_response
 from cwm_plugin.sidecar.identity.authenticator import Identity, owner_of
@@ -58,6 +59,7 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     meter: Meter | None = None
     if path in SALTED:
         require_model(body)
+        body = client_priority(body, sc.auth.perms, ident)
         forward = {**body, "cache_salt": sc.auth.salt_for(ident, body)}
         route = await sc.router.route(body, key=forward["cache_salt"])
         if sc.salt_mover is not None:  # after a secret rotation: the session's KV follows

@@ -33,8 +33,8 @@ from pydantic import Field, field_validator
 from cwm_plugin.config_file import Strict
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-GRANTS = ("debug", "metrics", "admin")
-Grant = Literal["debug", "metrics", "admin"]
+GRANTS = ("debug", "metrics", "admin", "priority")
+Grant = Literal["debug", "metrics", "admin", "priority"]
 NAMESPACE = re.compile(r"^(global|activity|project:[A-Za-z0-9][A-Za-z0-9_.-]{0,55}"
                        r"|[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(/user)?)$")
 PATTERN = re.compile(r"^[A-Za-z0-9_.:/*?\[\]-]{1,80}$")

@@ -76,6 +76,12 @@ class RoutingSettings(Strict):
     # sessions spread over the upstreams, and one going down moves only its own sessions);
     # "first", the first healthy in the list (a primary and its standbys).
     affinity: Literal["session", "first"] = "session"
+    # The priority of a turn that continues a conversation (its prefix was computed before, so
+    # its KV is cached or stored) on upstreams with priority_scheduling: lower goes first, so
+    # it is restored and answered ahead of queued first turns (vLLM orders its queues by
+    # priority, then arrival); none: every turn 0. A client's own priority is kept as sent
+    # only with the `priority` grant; without it, at least 0 (it may only go after others).
+    returning_priority: int | None = Field(default=-1, le=0)
 
 
 class UpstreamConfig(Strict):
@@ -98,6 +104,9 @@ class UpstreamConfig(Strict):
     connect_retries: int = Field(default=2, ge=0, le=10)
     max_connections: int = Field(default=200, ge=1)
     max_keepalive: int = Field(default=50, ge=1)
+    # vLLM runs with --scheduling-policy priority: returning turns may go first
+    # (routing.returning_priority); one without it refuses any priority but 0
+    priority_scheduling: bool = False
     # /v1/models: a list older than this is refreshed in the background while it answers
     models_ttl_s: float = Field(default=30.0, ge=0)
     # a model name no list has is answered from the lists (404) unless one is older than this

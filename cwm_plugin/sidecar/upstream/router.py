@@ -246,6 +246,14 @@ class Router:
             return body
         return {**body, "model": route.model}
 
+    @staticmethod
+    def _on(ep: Endpoint, body: dict[str, Any], priority: int | None) -> dict[str, Any]:
+        """``body`` as ``ep`` gets it: with ``priority`` (the sidecar's, ``api/priority.py``)
+        where it schedules by priority and the body names none."""
+        if priority is None or not ep.cfg.priority_scheduling or "priority" in body:
+            return body
+        return {**body, "priority": priority}
+
     async def _try(self, route: Route, send: Callable[[Endpoint], Any]) -> tuple[Endpoint, Any]:
         """``send(endpoint)`` -> response, on each candidate in turn until one answers below
         500 (the last one's 5xx is returned; its connect error raised)."""
@@ -277,12 +285,12 @@ class Router:
         raise UpstreamError("no upstream to send to")  # a route always has a candidate
 
     async def post(self, route: Route, path: str, body: dict[str, Any], *,
-                   headers: dict[str, str] | None = None,
-                   timeout: float | None = None) -> tuple[Endpoint, httpx.Response]:
+                   headers: dict[str, str] | None = None, timeout: float | None = None,
+                   priority: int | None = None) -> tuple[Endpoint, httpx.Response]:
         """``POST path`` on the route (see the module docstring), not streamed."""
         out = self._body(route, body)
         return await self._try(route, lambda ep: ep.client.request(
-            "POST", path, json=out, headers=headers, timeout=timeout))
+            "POST", path, json=self._on(ep, out, priority), headers=headers, timeout=timeout))
 
     async def get(self, route: Route, path: str, *, headers: dict[str, str] | None = None
                   ) -> tuple[Endpoint, httpx.Response]:
@@ -315,13 +323,15 @@ class Router:
         return list(merged.values())
 
     async def open_stream(self, route: Route, path: str, body: dict[str, Any], *,
-                          headers: dict[str, str] | None = None) -> StreamHandle:
+                          headers: dict[str, str] | None = None,
+                          priority: int | None = None) -> StreamHandle:
         """A streamed ``POST path`` on the route; close the handle when done."""
         out = self._body(route, body)
         handles: dict[Endpoint, StreamHandle] = {}
 
         async def send(ep: Endpoint) -> httpx.Response:
-            handle = StreamHandle(ep, ep.client.stream(path, out, headers=headers))
+            handle = StreamHandle(ep, ep.client.stream(path, self._on(ep, out, priority),
+                                                       headers=headers))
             resp = await handle.open()
             handles[ep] = handle
             return resp

@@ -108,19 +108,25 @@ class FakeUpstream:
                 yield piece
                 await asyncio.sleep(self.stream_delay)
 
+        opts = body.get("stream_options") or {}
+        running = opts.get("include_usage") and opts.get("continuous_usage_stats")
+
+        def chunk(delta: dict[str, Any], n: int) -> bytes:  # n: tokens so far (vLLM's usage)
+            obj = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+            return event({**obj, "usage": usage_of(body, n)} if running else obj)
+
         def pieces():
             if msg.get("tool_calls"):
                 for i, call in enumerate(msg["tool_calls"]):
-                    yield event({**base, "choices": [{"index": 0, "delta": {"tool_calls": [
-                        {"index": i, **call}]}, "finish_reason": None}]})
+                    yield chunk({"tool_calls": [{"index": i, **call}]}, i + 1)
             else:
-                for word in (msg["content"] or "").split(" "):
-                    yield event({**base, "choices": [{"index": 0, "delta": {"content": word + " "},
-                                                      "finish_reason": None}]})
+                for i, word in enumerate((msg["content"] or "").split(" ")):
+                    yield chunk({"content": word + " "}, i + 1)
             yield event({**base, "choices": [{"index": 0, "delta": {},
                                               "finish_reason": "stop"}]})
-            if (body.get("stream_options") or {}).get("include_usage"):
-                yield event({**base, "choices": [], "usage": usage_of(body, 3)})
+            if opts.get("include_usage"):  # the tokens streamed (continuous: as they went)
+                n = len(msg.get("tool_calls") or []) or len((msg["content"] or "").split(" "))
+                yield event({**base, "choices": [], "usage": usage_of(body, n if running else 3)})
             yield f"data: [DONE]{end}{end}".encode()
 
         return StreamingResponse(gen(), media_type="text/event-stream")

@@ -11,7 +11,9 @@ exactly the stream vLLM sends a client that did not ask for usage. ``on_done`` r
 upstream failure in mid-stream becomes one OpenAI-shaped error event; the stream never hangs
 beyond the upstream read timeout. A stream that ends before its end (the client went away, or
 the upstream failed) is billed for what was relayed (``Collected.chunks``: vLLM streams a token
-a chunk; ``usage.py``'s ``Meter``) unless its usage had already come.
+a chunk; ``usage.py``'s ``Meter``) unless its usage had already come. After a resume on another
+upstream (``resume.py``) the events carrying ``usage`` are rewritten to count the whole answer
+(:func:`_resumed`); every other byte is still vLLM's.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Collected:
     done: bool = False
     error: str | None = None
     carried: int = 0  # tokens relayed before the stream was resumed on another upstream
+    prompt_tokens: int | None = None  # the prompt's, as the first upstream's usage said
 
     @property
     def text(self) -> str:
@@ -55,6 +58,8 @@ class Collected:
     def feed(self, obj: dict[str, Any], *, chat: bool) -> None:
         if obj.get("usage"):
             self.usage = obj["usage"]
+            if not self.carried and isinstance(self.usage.get("prompt_tokens"), int):
+                self.prompt_tokens = self.usage["prompt_tokens"]
             if self.carried and isinstance(self.usage.get("completion_tokens"), int):
                 # a resumed answer: the continuation counted only its own tokens
                 self.usage = {**self.usage, "completion_tokens":
@@ -119,6 +124,26 @@ def ask_usage(forward: dict[str, Any]) -> bool:
     return wanted
 
 
+def _resumed(event: bytes, obj: dict[str, Any], collected: Collected) -> bytes:
+    """``event`` of a resumed answer with its ``usage`` as the client's whole answer counts:
+    the tokens relayed before the resume added to the continuation's, and the prompt's as the
+    first upstream counted them (else the continuation's less the relayed answer in it), so a
+    client summing ``continuous_usage_stats`` never sees the count go back."""
+    usage = dict(obj["usage"])
+    done = usage.get("completion_tokens")
+    if isinstance(done, int):
+        usage["completion_tokens"] = done + collected.carried
+    prompt = usage.get("prompt_tokens")
+    if isinstance(prompt, int):
+        usage["prompt_tokens"] = collected.prompt_tokens if collected.prompt_tokens is not None \
+            else max(0, prompt - collected.carried)
+        if isinstance(usage.get("completion_tokens"), int):
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    ends = list(EVENT_END.finditer(event))
+    end = event[ends[-1].start():] if ends else b"\n\n"
+    return b"data: " + json.dumps({**obj, "usage": usage}, separators=(",", ":")).encode() + end
+
+
 def _terminal(obj: dict[str, Any]) -> bool:
     return any(c.get("finish_reason") for c in obj.get("choices") or [])
 
@@ -146,6 +171,8 @@ async def relay_sse(source: AsyncIterator[bytes], collected: Collected, *, chat:
                         obj = None
                 if isinstance(obj, dict):
                     collected.feed(obj, chat=chat)
+                    if collected.carried and isinstance(obj.get("usage"), dict):
+                        event = _resumed(event, obj, collected)
                     if strip_usage and obj.get("choices") == [] and obj.get("usage"):
                         fp = obj.get("system_fingerprint")
                         if held is not None:

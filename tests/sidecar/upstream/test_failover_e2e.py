@@ -88,11 +88,14 @@ def test_a_session_that_fails_over_restores_its_kv_on_the_other_server(
                     {"role": "user", "content": "Go on at length. " + text(12)}]
         raw = client.chat.completions.with_raw_response.create(
             model="tiny", messages=history, max_tokens=240, temperature=0.0, stream=True,
-            extra_body={"ignore_eos": True})
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True})
         where = raw.headers["x-cwm-upstream"]
         victim, other = (b, "a") if where == "b" else (a, "b")
-        pieces, finish = [], None
+        pieces, finish, counts = [], None, []
         for chunk in raw.parse():
+            if chunk.usage is not None:  # as bench/serving.py counts tokens
+                counts.append(chunk.usage.completion_tokens)
             for c in chunk.choices:
                 if c.delta.content:
                     pieces.append(c.delta.content)
@@ -101,5 +104,7 @@ def test_a_session_that_fails_over_restores_its_kv_on_the_other_server(
                 os.killpg(victim.pid, signal.SIGKILL)
         wait_until(lambda: not victim.alive(), timeout=30, what=f"{where} gone")
         assert finish == "length" and len(pieces) > 120, (finish, len(pieces))
+        # the usage the client sees counts the whole answer across the resume, never back
+        assert counts == sorted(counts) and counts[-1] == 240, counts
         assert metric_value(srv, "cwm_sidecar_streams_resumed_total", upstream=where,
                             to=other) == 1

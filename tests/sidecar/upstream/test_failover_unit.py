@@ -76,6 +76,32 @@ def test_a_5xx_or_a_dead_upstream_fails_over_streamed_or_not(tmp_path):
             s.stop()
 
 
+def test_a_resumed_answers_usage_counts_the_whole_answer(tmp_path):
+    """A client counting tokens by ``continuous_usage_stats`` (as ``bench/serving.py`` does)
+    sees the count go on across the resume, never back: the continuation's usage plus the
+    tokens relayed before it, and the prompt as the first upstream counted it. Before, it saw
+    the continuation's own count restart at 1 and counted "2 of 4 tokens"."""
+    a, b, sa, sb, srv = pair(tmp_path, affinity="first")
+    a.script = lambda body: {"content": "alpha beta gamma delta"}
+    b.script = lambda body: {"content": "gamma delta"}
+    try:
+        a.stream_cut_after = 2
+        r = chat(srv, "acme", "tell me", stream=True, max_tokens=8,
+                 stream_options={"include_usage": True, "continuous_usage_stats": True})
+        events = [e for e in sse_events(r.text) if isinstance(e, dict)]
+        assert r.headers["x-cwm-upstream"] == "a" and not any("error" in e for e in events)
+        counts = [e["usage"]["completion_tokens"] for e in events if e.get("usage")]
+        assert counts == sorted(counts) and counts[-1] == 4, counts
+        prompts = {e["usage"]["prompt_tokens"] for e in events if e.get("usage")}
+        assert len(prompts) == 1, prompts  # the first upstream's, before and after
+        last = events[-1]["usage"]
+        assert last["total_tokens"] == last["prompt_tokens"] + 4
+        assert metric_value(srv, "cwm_sidecar_streams_resumed_total", upstream="a", to="b") == 1
+    finally:
+        for s in (srv, sa, sb):
+            s.stop()
+
+
 def test_an_upstream_dying_mid_answer_is_resumed_on_the_other_from_the_relayed_text(tmp_path):
     """A streamed answer whose server dies after two tokens goes on, on the other server, from
     exactly the text the client already has: same salt, the text as a final assistant message

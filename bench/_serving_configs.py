@@ -3,7 +3,10 @@ KV cache holds only a fraction of the active users' KV.
 
 * ``vllm``      vLLM alone, prefix caching on;
 * ``lmcache``   vLLM + LMCache's multi-process server, CPU offload only (L1 in memory, LRU,
-  256-token chunks, sized to hold every user; see docs/vllm-cpu.md);
+  sized to hold every user; see docs/vllm-cpu.md), in 128-token chunks: block for block with
+  our 128-token blocks, so neither recomputes more of a prompt's tail than the other;
+* ``lmcache_256`` the same in LMCache's default 256-token chunks (it recomputes up to 255
+  tokens of a prompt where a 128-token config recomputes up to 127);
 * ``cwm_cpu``   our connector, CPU memory tier only, sized to hold every user;
 * ``cwm_disk``  our connector, disk tier only (memory tier off; page cache as it is);
 * ``cwm_redis`` our connector as configs/connector-shared-redis.json ships it (memory + disk +
@@ -35,7 +38,7 @@ from typing import Any
 from cwm_plugin.testing.lmcache_server import LMCacheServer
 from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
-CONFIGS = ("vllm", "lmcache", "cwm_cpu", "cwm_disk", "cwm_redis")
+CONFIGS = ("vllm", "lmcache", "lmcache_256", "cwm_cpu", "cwm_disk", "cwm_redis")
 SHIPPED_REDIS = Path(__file__).resolve().parents[1] / "configs" / "connector-shared-redis.json"
 SERVED = "smollm2"
 BLOCK = 128
@@ -176,10 +179,11 @@ class Servers:
         if name in ("vllm", "fits"):
             blocks = self.sizes.fits_blocks(self.all_users) if name == "fits" else None
             server = self.vllm([], blocks=blocks)
-        elif name == "lmcache":
+        elif name in ("lmcache", "lmcache_256"):
             gb = max(1, math.ceil(self.tier_bytes() / 2**30))
-            lm = LMCacheServer(store_dir=self.work / "lmcache", log_dir=self.work, l1_gb=gb,
-                               l2_fs=False).start()
+            lm = LMCacheServer(store_dir=self.work / name, log_dir=self.work, l1_gb=gb,
+                               l2_fs=False, chunk_size=256 if name == "lmcache_256" else BLOCK
+                               ).start()
             server = self.vllm(lm.vllm_args())
         else:
             server = self.vllm(self.cwm_args(name, redis_url))

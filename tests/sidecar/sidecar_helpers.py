@@ -12,6 +12,8 @@ import hashlib
 import hmac
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +120,20 @@ class Recorder:
         a summary say, may have posted after the request a test is looking for)."""
         return next(b for p, b in reversed(self.bodies)
                     if p == path and (where is None or where(b)))
+
+
+@contextmanager
+def over_fake_upstream(root: Path, **over: Any) -> Iterator[ServerThread]:
+    """The sidecar (memory under ``root``, ``over`` merged into the settings, no health
+    checks) in front of a fake upstream serving ``tiny``, both on loopback."""
+    from cwm_plugin.sidecar.app import create_app
+    from cwm_plugin.testing.fake_upstream import FakeUpstream
+
+    with ServerThread(FakeUpstream(model="tiny", max_model_len=4096).app) as up, \
+            ServerThread(create_app(make_settings(
+                up.url, root / "memory", "tiktoken:cl100k_base",
+                routing={"health": {"interval_s": 0}}, **over))) as srv:
+        yield srv
 
 
 def runtime(srv: ServerThread):

@@ -12,11 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sidecar_helpers import KEYS, chat, make_settings, metric_value, runtime, wait_idle
+from sidecar_helpers import KEYS, chat, metric_value, over_fake_upstream, runtime, wait_idle
 
-from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.turn import memory_port
-from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.unit
@@ -24,10 +22,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture
 def srv(tmp_path: Path):
-    with ServerThread(FakeUpstream(model="tiny", max_model_len=4096).app) as up, \
-            ServerThread(create_app(make_settings(
-                up.url, tmp_path / "memory", "tiktoken:cl100k_base",
-                routing={"health": {"interval_s": 0}}))) as s:
+    with over_fake_upstream(tmp_path) as s:
         yield s
 
 

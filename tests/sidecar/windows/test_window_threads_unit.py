@@ -13,10 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sidecar_helpers import KEYS, chat, make_settings, metric_value, runtime
+from sidecar_helpers import KEYS, chat, metric_value, over_fake_upstream, runtime
 
-from cwm_plugin.sidecar.app import create_app
-from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.windows.auto import AutoFreeze
 
@@ -25,12 +23,9 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture
 def srv(tmp_path: Path):
-    with ServerThread(FakeUpstream(model="tiny", max_model_len=4096).app) as up, \
-            ServerThread(create_app(make_settings(
-                up.url, tmp_path / "memory", "tiktoken:cl100k_base",
-                routing={"health": {"interval_s": 0}},
-                windows={"store": {"disk_path": str(tmp_path / "kv")}, "wait_s": 0,
-                         "settle_s": 0, "tenant_threads": 1, "tenant_waiting": 1}))) as s:
+    with over_fake_upstream(tmp_path, windows={
+            "store": {"disk_path": str(tmp_path / "kv")}, "wait_s": 0, "settle_s": 0,
+            "tenant_threads": 1, "tenant_waiting": 1}) as s:
         yield s
 
 

@@ -160,7 +160,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         router.start_health_checks()
         if memory is not None and settings.memory.warm_on_start:
             for tenant in settings.principals():  # in the background: answers at once
-                sidecar.background.spawn(memory.warm(tenant.name, tenant.name), name=f"warm-{tenant.name}")
+                sidecar.background.spawn(memory.warm(tenant.name, tenant.name),
+                                         name=f"warm-{tenant.name}")
         yield
         await sidecar.background.close()
         if memory is not None:

@@ -176,7 +176,7 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     turn.meter = await sc.usage.meter(ident.tenant, model, prompt=prompt, owner=owner_of(ident),
                                       cap=answer_cap(body, info.max_model_len, prompt))
     up = headers_up(request.headers)
-    turn.priority = returning_priority(body, number, state.last_prompt_tokens,
+    turn.priority = returning_priority(body, state, ident.session,
                                        sc.settings.routing.returning_priority)
     arrival = turn.arrival = state.turns.arrive(number) if ident.session else None
     forward["kv_transfer_params"] = kv_params(arrival, sc.settings.windows)
@@ -256,7 +256,8 @@ async def _stream(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -
 
     async def body():
         events = resumable_events(sc.router, turn.route, "/v1/chat/completions", forward,
-                                  handle, collected, headers=up, on_resume=resumed)
+                                  handle, collected, headers=up, on_resume=resumed,
+                                  priority=turn.priority)
         try:
             async for piece in relay_sse(events, collected, chat=True,
                                          strip_usage=not client_wants_usage, on_done=on_done):

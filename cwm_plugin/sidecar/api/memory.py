@@ -103,8 +103,8 @@ def memory_router(sidecar: Any) -> APIRouter:
         ident = who(request)
         body = await model_body(request, FactBody)
         mem, ns = where(ident, body.namespace, "write")
-        got = await mem.add_fact(ident.tenant, ns.folder, body.text, body.category, body.importance,
-                                 key=body.key, source=f"api:{ident.tenant}")
+        got = await mem.add_fact(ident.tenant, ns.folder, body.text, body.category,
+                                 body.importance, key=body.key, source=f"api:{ident.tenant}")
         return {"object": "memory", "namespace": ns.name, "id": got.memory.id,
                 "outcome": got.outcome}
 

@@ -55,11 +55,11 @@ async def relay_post(sc: Sidecar, request: Request, path: str) -> Response:
     """``POST path`` to the upstream (see the module docstring)."""
     body = await json_body(request)
     ident = identity_of(request, body)
+    body = client_priority(body, sc.auth.perms, ident)  # every route vLLM queues by it
     forward, arrival = body, None
     meter: Meter | None = None
     if path in SALTED:
         require_model(body)
-        body = client_priority(body, sc.auth.perms, ident)
         forward = {**body, "cache_salt": sc.auth.salt_for(ident, body)}
         route = await sc.router.route(body, key=forward["cache_salt"])
         if sc.salt_mover is not None:  # after a secret rotation: the session's KV follows

@@ -159,7 +159,7 @@ class Maintainer:
                     messages: list[dict[str, Any]], extra: dict[str, Any] | None = None,
                     max_tokens: int | None = None) -> str:
         salt = background_salt(salt)
-        route = await self.router.background_route(model, key=salt)  # the session's own
+        route = await self.router.background_route(model, key=salt)  # one upstream a session
         text, usage, ep, answered = await self.router.chat_once(
             route, messages, salt=salt,
             extra={**(extra or {}), "kv_transfer_params": NOT_STORED},

@@ -83,6 +83,11 @@ class RoutingSettings(Strict):
     # only with the `priority` grant; without it, at least 0 (it may only go after others).
     returning_priority: int | None = Field(default=-1, le=0)
 
+    @field_validator("returning_priority", mode="before")
+    @classmethod
+    def _none(cls, v: object) -> object:
+        return None if v == "none" else v
+
 
 class UpstreamConfig(Strict):
     """One model server (vLLM's OpenAI server): where it is, what it serves, its roles, and how

@@ -144,7 +144,8 @@ class MemoryPort:
 
     # --- writes -------------------------------------------------------------------------------
 
-    async def record_turn(self, who: str, folder: str, session: str, role: str, content: str) -> str:
+    async def record_turn(self, who: str, folder: str, session: str, role: str,
+                          content: str) -> str:
         return await self._call(who, self.service.record_turn, folder, session, role, content)
 
     async def record_turns(self, who: str, folder: str, session: str, turns: list[tuple[str, str]],
@@ -170,7 +171,8 @@ class MemoryPort:
         """Save what changed in the indexes and close the embedding cache."""
         await asyncio.to_thread(self.service.close)  # no tenant's work: the shutdown's
 
-    async def set_summary(self, who: str, folder: str, session: str, text: str, upto_turn: str) -> None:
+    async def set_summary(self, who: str, folder: str, session: str, text: str,
+                          upto_turn: str) -> None:
         await self._call(who, self.service.set_summary, folder, session, text,
                          upto_turn=upto_turn)
 
@@ -179,7 +181,8 @@ class MemoryPort:
         return await self._call(who, self.service.add_memory, folder, text, category,
                                 importance)
 
-    async def add_fact(self, who: str, folder: str, text: str, category: str, importance: float = 0.5,
+    async def add_fact(self, who: str, folder: str, text: str, category: str,
+                       importance: float = 0.5,
                        *, key: str = "", source: str = "") -> Any:
         """Merge an extracted fact (``Merged``: the memory in force and the outcome)."""
         return await self._call(who, self.service.add_fact, folder, text, category,
@@ -193,7 +196,8 @@ class MemoryPort:
         """The last turn the work ``name`` (``facts``) covered in the session, or ""."""
         return await self._call(who, self.service.files.read_cursor, folder, session, name)
 
-    async def set_cursor(self, who: str, folder: str, session: str, name: str, turn_id: str) -> None:
+    async def set_cursor(self, who: str, folder: str, session: str, name: str,
+                         turn_id: str) -> None:
         await self._call(who, self.service.files.write_cursor, folder, session, name,
                          turn_id)
 

@@ -1,7 +1,8 @@
 """What one chat turn sends upstream: history, memory, and the counts that go with them.
 
-Synchronous on purpose: it runs in a worker thread (``asyncio.to_thread``), because selecting
-memory embeds the query; the event loop never waits on it. Two modes (``PromptSettings``):
+Synchronous on purpose: it runs on a memory thread, within the caller's share
+(``MemoryPort.run``), because selecting memory embeds the query; the event loop never waits
+on it. Two modes (``PromptSettings``):
 
 - ``full`` (default): every message the client sent, in order, and nothing else but the memory (the
   session's earlier turns reach the prompt through memory search, never prepended: a client starting

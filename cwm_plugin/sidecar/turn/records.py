@@ -85,6 +85,7 @@ async def restore_prompt(sc: Any, tenant: str, salt: str, state: SessionState, t
         sc.metrics.windows_restores.labels("error").inc()
         log.info("the prompt state of a continuing session could not be read: %s", exc)
         return
+    state.stored = rec is not None
     if rec is not None and state.adopt(rec.prompt):
         sc.metrics.windows_restores.labels("adopted").inc()
 

@@ -107,6 +107,7 @@ class SessionState:
     checkpoints: int = 0
     pinned: Pinned | None = None
     restored: bool = False  # its prompt state was looked for in the store (records.py)
+    stored: bool = False  # ... and its record found there (a turn answered before a restart)
     turns: Arrivals = field(default_factory=Arrivals)  # its client turns as they arrive
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one background job at a time
 

@@ -60,9 +60,10 @@ async def resumable_events(
         router: Any, route: Route, path: str, forward: dict[str, Any], first: StreamHandle,
         collected: Collected, *, headers: dict[str, str] | None = None,
         on_resume: Callable[[StreamHandle, UpstreamError], None] | None = None,
-        max_resumes: int = 2) -> AsyncIterator[bytes]:
+        max_resumes: int = 2, priority: int | None = None) -> AsyncIterator[bytes]:
     """The stream of ``first`` in whole events, resumed on another upstream of ``route``
-    when it fails mid-answer (see the module docstring); closes the handles it opened."""
+    when it fails mid-answer (see the module docstring; ``priority``: the turn's, as
+    ``Router.open_stream`` takes it); closes the handles it opened."""
     handle, resumes, tried = first, 0, {first.ep.name}
     try:
         while True:
@@ -92,7 +93,8 @@ async def resumable_events(
                             "on `%s`", handle.ep.name, exc.code, collected.chunks,
                             others[0].name)
                 nxt = await router.open_stream(dataclasses.replace(route, candidates=others),
-                                               path, body, headers=headers)
+                                               path, body, headers=headers,
+                                               priority=priority)
                 if nxt.resp is None or nxt.resp.status_code != 200:
                     await nxt.close()
                     raise

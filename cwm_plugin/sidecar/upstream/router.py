@@ -164,22 +164,25 @@ class Router:
         return Route(model, self._ordered(eps, key))
 
     async def for_role(self, role: str, reason: str, key: str | None = None) -> Route:
-        """The first healthy upstream with ``role`` (``key``'s, with session affinity) and its
-        first model, then the other upstreams serving that model; a default upstream when none
-        with the role is up."""
+        """The first healthy upstream with ``role`` and its first model (the same model for
+        every session), then the other upstreams serving that model; a default upstream when
+        none with the role is up. With a ``key``, the session's own of those with the role
+        that serve that model goes first (see the module docstring)."""
         pool = [e for e in self.endpoints if role in e.cfg.roles] or self.defaults
         failure = await self._discover(pool)
-        ep = next((e for e in self._ordered(pool, key) if e.first_model()), None)
+        ep = next((e for e in self._ordered(pool) if e.first_model()), None)
         if (ep is None or not ep.up) and pool is not self.defaults:
             await self._discover(self.defaults)
-            instead = next((e for e in self._ordered(self.defaults, key) if e.first_model()),
-                           None)
+            instead = next((e for e in self._ordered(self.defaults) if e.first_model()), None)
             if instead is not None and (ep is None or instead.up):
-                ep, reason = instead, f"{reason}; no `{role}` upstream is up: default"
+                ep, reason, pool = instead, f"{reason}; no `{role}` upstream is up: default", \
+                    self.defaults
         if ep is None:
             raise failure or UpstreamError(f"no upstream for role `{role}` names a model",
                                            hint="list its models in upstreams[].models")
         model = ep.first_model() or ""
+        if ep.up and key is not None:
+            ep = self._ordered([e for e in pool if e.serves(model)], key)[0]
         others = [e for e in self._ordered(self.endpoints, key)
                   if e is not ep and e.serves(model)]
         return Route(model, [ep, *others], role=role, reason=reason)

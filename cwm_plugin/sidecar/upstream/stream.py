@@ -56,7 +56,7 @@ class Collected:
         return [{"type": "function", "function": dict(c)} for _, c in sorted(self.calls.items())]
 
     def feed(self, obj: dict[str, Any], *, chat: bool) -> None:
-        if obj.get("usage"):
+        if obj.get("usage") and isinstance(obj["usage"], dict):
             self.usage = obj["usage"]
             if not self.carried and isinstance(self.usage.get("prompt_tokens"), int):
                 self.prompt_tokens = self.usage["prompt_tokens"]

@@ -89,3 +89,21 @@ def test_affinity_first_sends_every_session_to_the_first_healthy_upstream(tmp_pa
     finally:
         for s in (srv, *threads):
             s.stop()
+
+
+def test_a_role_keeps_one_model_for_every_session(tmp_path):
+    """Two upstreams with the role ``code`` serving different models: every session gets the
+    first one's model (as without affinity), never the other's by its hash."""
+    c1, c2 = FakeUpstream(model="m1"), FakeUpstream(model="m2")
+    with ServerThread(c1.app) as s1, ServerThread(c2.app) as s2:
+        settings = make_settings(s1.url, tmp_path, "tiktoken:cl100k_base",
+                                 memory_enabled=False,
+                                 upstreams=[{"name": "c1", "url": s1.url, "roles": ["code"]},
+                                            {"name": "c2", "url": s2.url, "roles": ["code"]}],
+                                 routing={"health": {"interval_s": 0},
+                                          "aliases": {"coder": "code"}})
+        with ServerThread(create_app(settings)) as srv:
+            for s in SESSIONS[:12]:
+                r = chat(srv, "acme", "hello", session=s, model="coder")
+                assert r.status_code == 200 and r.headers["x-cwm-upstream"] == "c1", r.text
+            assert c2.bodies() == [] and len(c1.bodies()) == 12

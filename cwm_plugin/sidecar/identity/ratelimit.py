@@ -23,8 +23,9 @@ until the window frees room), counted in ``cwm_sidecar_rate_limited_total{tenant
 A request refused for its rate or quota is answered ``refusal_delay_s`` later (at most when
 its window frees room): it waits holding one of its principal's requests in flight and no
 work (a principal with no bound on those is answered at once: its held refusals could take
-the connections every principal shares), so a client that sends as fast as it is answered sends a few requests a second instead
-of the thousands a second of refusals that would keep the event loop from everyone else's.
+the connections every principal shares), so a client that sends as fast as it is answered
+sends a few requests a second instead of the thousands a second of refusals that would keep
+the event loop from everyone else's.
 
 The counts live in ``rate_limits.storage``: this process (``memory://``) or a Redis every
 sidecar shares. A Redis call that fails or takes longer than ``storage_timeout_s`` is counted

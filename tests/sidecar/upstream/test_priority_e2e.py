@@ -1,5 +1,5 @@
 """Priority for returning sessions on a real ``vllm serve --scheduling-policy priority`` with our
-connector: through the sidecar (``upstreams[].priority_scheduling``), a conversation's first
+connector, memory on as it ships: through the sidecar (``upstreams[].priority_scheduling``), a conversation's first
 turn goes at 0 and its next at ``routing.returning_priority`` (-1), which vLLM takes; the
 returning turn restores its earlier prefix (our connector, or vLLM's own cache) and answers
 exactly what the same prompt answers sent straight to vLLM at priority 0 under the same salt.
@@ -12,6 +12,7 @@ import pytest
 from sidecar_helpers import KEYS, make_settings
 
 from cwm_plugin.sidecar.app import create_app
+from cwm_plugin.sidecar.background.maintainer import NOT_STORED
 from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.testing.vllm_server import cwm_connector_args
 
@@ -30,7 +31,6 @@ def test_a_returning_turn_goes_first_on_a_priority_scheduling_vllm(tiny_model, v
         "--scheduling-policy", "priority"])
     vllm.start()
     settings = make_settings(vllm.base_url, tmp_path / "memory", tiny_model,
-                             memory_enabled=False,
                              upstreams=[{"name": "v", "url": vllm.base_url,
                                          "priority_scheduling": True}],
                              routing={"health": {"interval_s": 0}})
@@ -40,8 +40,9 @@ def test_a_returning_turn_goes_first_on_a_priority_scheduling_vllm(tiny_model, v
 
         def watched(ep, body, priority):
             out = real(ep, body, priority)
-            sent.append({"priority": out.get("priority"), "salt": out.get("cache_salt"),
-                         "messages": out.get("messages")})
+            if out.get("kv_transfer_params") != NOT_STORED:  # turns, not memory's background
+                sent.append({"priority": out.get("priority"), "salt": out.get("cache_salt"),
+                             "messages": out.get("messages")})
             return out
         srv.app.state.sidecar.router._on = watched
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEYS["beta"], max_retries=0,

@@ -83,8 +83,10 @@ def test_a_clients_priority_needs_the_grant_to_go_ahead_of_others(pair):
         assert r.status_code == 200, r.text
         assert sent(p, path) == 0
         assert "x-vllm-priority" not in {h.lower() for h in p.headers(path)}
-    r = chat(srv, "beta", FIRST, priority="high")
-    assert r.status_code == 400 and "`priority` must be an integer" in r.text
+    for bad in ("high", True, 1.5, 2**64):
+        r = chat(srv, "beta", FIRST, session="s9", priority=bad)
+        assert r.status_code == 400 and "`priority` must be an integer" in r.text, bad
+    assert p.last().get("priority") == -50  # nothing of the refused went up
 
 
 def test_an_upstream_without_priority_scheduling_never_gets_one(pair):

@@ -7,8 +7,9 @@ serving it (``upstreams[].models``, else what their ``/v1/models`` lists), a mod
 The result is a :class:`Route`: one model and the upstreams that serve it, healthy ones first;
 with a ``key`` (a session's cache_salt) and ``routing.affinity: session`` (the default), in
 the order that key ranks them (:func:`~cwm_plugin.sidecar.upstream.endpoints.rendezvous`), so a
-session's turns, its warm-ups and its background work go where its KV is, sessions spread over
-the upstreams serving a model, and an upstream going down moves only its own sessions
+session's turns and warm-ups go where its KV is (its background work, under a salt of its own,
+to one upstream too), sessions spread over the upstreams serving a model, and an upstream going
+down moves only its own sessions
 (``first``: the first healthy in the list, a primary and its standbys).
 ``post`` and ``open_stream`` send to the first and fail over to the next on a connect error or an
 HTTP 5xx, before any byte reached the client (a timeout is not retried: the request reached a server

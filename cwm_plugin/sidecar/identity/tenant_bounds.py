@@ -167,8 +167,13 @@ class TenantPool:
         except BaseException:
             release()
             raise
-        call.add_done_callback(lambda _: _on_loop(loop, release))
-        return await asyncio.wrap_future(call)
+        try:
+            return await asyncio.wrap_future(call)
+        finally:
+            if call.done():  # the usual way: given back here, with no second loop wake-up
+                release()
+            else:  # the waiter went away first: the slot is the thread's until it returns
+                call.add_done_callback(lambda _: _on_loop(loop, release))
 
     def close(self) -> None:
         """Start nothing more; calls not started are dropped, running ones run out."""

@@ -74,3 +74,34 @@ def test_a_tenants_window_waiters_are_bounded_and_never_hold_up_another_tenant(s
     finally:
         gate.set()
     assert [h.result(30) for h in held] == [True, True]
+
+
+def test_a_pools_slot_is_the_threads_until_its_call_returns_even_if_the_waiter_goes():
+    """Given back at once when the call returns; when the request that waited goes away first,
+    held until the call on its thread returns (a hung store holds at most the share)."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from cwm_plugin.sidecar.identity.tenant_bounds import TenantBound, TenantPool
+
+    counter = Counter("refused", "x", ["tenant", "limit"], registry=CollectorRegistry())
+    pool = TenantPool("t", TenantBound("t", "test calls", 1, 0, counter), 1)
+    gate = threading.Event()
+
+    async def go() -> None:
+        assert await pool.run("a", lambda: 7) == 7
+        assert pool.bound.held("a") == 0  # given back with the answer
+        task = asyncio.ensure_future(pool.run("a", gate.wait))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert pool.bound.held("a") == 1  # still the thread's
+        gate.set()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if pool.bound.held("a") == 0:
+                break
+        assert pool.bound.held("a") == 0
+    try:
+        asyncio.run(go())
+    finally:
+        pool.close()

@@ -53,6 +53,12 @@ class ConnectorConfig:
     # CPU workers load in the background (the request waits, the others decode); GPU workers
     # load synchronously, their copies overlapping the forward pass.
     async_loads: bool = True
+    # ... except a request whose promised blocks are all in the workers' memory tier and span
+    # this many tokens at most: loaded before the forward of the step that admits it, which
+    # prefills it too (no step waiting on a background load); 0: every CPU load in the
+    # background. Its cost is the load's time added to that step, the ITL of the requests
+    # decoding beside it (bench/serving.py: itl_while_prefill_p99_s; bench/README.md).
+    sync_load_max_tokens: int = field(default=2048, metadata=limits(min=0, max=1 << 20))
 
     def __post_init__(self) -> None:
         check_fields(self, "kv_connector_extra_config")

@@ -133,6 +133,7 @@ class CWMConnector(KVConnectorBase_V1):
                         "workers at once and saves still being written are lost (those blocks "
                         "are recomputed later); start vLLM with --shutdown-timeout 30")
         self.stats = StatsCollector()
+        self._loads_started_for: KVConnectorMetadata | None = None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._forwarders: list[RegistryForwarder] = []
@@ -259,9 +260,24 @@ class CWMConnector(KVConnectorBase_V1):
 
     # --- worker side --------------------------------------------------------------------------
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's metadata, before its forward pass (vLLM has zeroed the step's new blocks
+        by then). Background loads start here, not in ``start_load_kv``, which vLLM calls after
+        the forward when no load is synchronous: a load that ends while the forward runs is
+        reported in this step's ``get_finished`` and its request prefills in the next step,
+        one step earlier. The blocks it fills belong to a request this forward does not
+        touch (it waits for its KV, 0 tokens scheduled), so the forward reads none of them."""
+        super().bind_connector_metadata(connector_metadata)
+        if (self._worker is not None and self._worker.async_loads
+                and isinstance(connector_metadata, CWMConnectorMetadata)
+                and connector_metadata is not self._loads_started_for):
+            self._loads_started_for = connector_metadata
+            self._worker.start_load_kv(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if self._worker is not None and isinstance(meta, CWMConnectorMetadata):
+        if (self._worker is not None and isinstance(meta, CWMConnectorMetadata)
+                and meta is not self._loads_started_for):
             self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -32,6 +32,7 @@ class BlockTransfer:
     extra: bytes = b""        # per-request namespace scope (a LoRA adapter's content)
     # each block's content identity (:mod:`~cwm_plugin.connector.content`); empty: the hashes
     contents: list[bytes] = field(default_factory=list)
+    sync: bool = False   # a load the worker runs before the step's forward (CPU memory tier)
 
 
 @dataclass

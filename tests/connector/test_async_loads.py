@@ -10,7 +10,9 @@ import pytest
 import torch
 from test_worker_side import block, h, make_worker, save
 
+from cwm_plugin.connector.connector import CWMConnector
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata
+from cwm_plugin.connector.worker.side import WorkerSide
 
 pytestmark = pytest.mark.unit
 STEP_BOUND_S = 0.2      # generous for a loaded 2-core machine
@@ -118,3 +120,47 @@ def test_a_burst_larger_than_the_queue_waits_for_room_while_the_store_moves(open
     meta = worker.take_worker_meta()
     assert meta.stored == {(h(i), 0) for i in range(1, 6)} and not meta.failed
     assert "save_errors|reason=backpressure" not in worker.stats.snapshot()
+
+
+def connector_over(worker: WorkerSide) -> CWMConnector:
+    """The connector's worker half as vLLM drives it each step (bind, start_load_kv, ...)
+    over a real WorkerSide; the rest of start-up is not under test."""
+    connector = CWMConnector.__new__(CWMConnector)
+    connector._connector_metadata = None
+    connector._loads_started_for = None
+    connector._worker = worker
+    return connector
+
+
+def test_background_loads_start_when_the_step_binds_its_metadata_before_the_forward(
+        open_store):
+    """vLLM calls start_load_kv after the forward unless a load is synchronous: started at
+    bind, a load that ends during the forward is reported in the same step."""
+    src = make_worker(open_store, seed=1)
+    save(src, [1, 2, 3], [h(1), h(2), h(3)])
+    dst = make_worker(open_store, store=src.store)
+    connector = connector_over(dst)
+    meta = CWMConnectorMetadata(loads=[BlockTransfer("r1", [5, 6, 7], [h(1), h(2), h(3)])])
+    connector.bind_connector_metadata(meta)
+    assert dst.loader.wait(timeout=30)                       # the forward would run here
+    assert connector.get_finished(set()) == (None, {"r1"})
+    connector.start_load_kv(None)                            # after the forward: no second load
+    assert dst.loader.wait(timeout=30)
+    assert connector.get_finished(set()) == (None, None)
+    assert dst.stats.snapshot()["async_loads|outcome=ok"] == 1
+    for a, b in ((1, 5), (2, 6), (3, 7)):
+        assert torch.equal(block(dst, b), block(src, a))
+    connector.bind_connector_metadata(meta)                  # bound again: started once
+    assert dst.stats.snapshot()["async_loads|outcome=ok"] == 1
+
+
+def test_synchronous_loads_still_start_in_start_load_kv(open_store):
+    src = make_worker(open_store, seed=1)
+    save(src, [1, 2], [h(1), h(2)])
+    dst = make_worker(open_store, store=src.store, async_loads=False)
+    connector = connector_over(dst)
+    connector.bind_connector_metadata(
+        CWMConnectorMetadata(loads=[BlockTransfer("r1", [5, 6], [h(1), h(2)])]))
+    assert torch.count_nonzero(block(dst, 5)) == 0           # nothing loaded at bind
+    connector.start_load_kv(None)
+    assert torch.equal(block(dst, 5), block(src, 1)) and torch.equal(block(dst, 6), block(src, 2))

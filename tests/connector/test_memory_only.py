@@ -26,8 +26,9 @@ from cwm_plugin.store.blob import codec
 pytestmark = pytest.mark.unit
 
 
-def pair(open_store, hash_fn, blocks_in_memory: float):
-    """A worker whose memory tier holds ``blocks_in_memory`` blocks, and its scheduler."""
+def pair(open_store, hash_fn, blocks_in_memory: float, sync_load_max_tokens: int = 0):
+    """A worker whose memory tier holds ``blocks_in_memory`` blocks, and its scheduler (loads in
+    the background, unless ``sync_load_max_tokens``)."""
     cfg, kv = kv_allocation(num_blocks=16)
     fill_random(kv, 9)
     layout, views = discover_layout(vllm_config_for(kv), cfg, kv)
@@ -38,8 +39,9 @@ def pair(open_store, hash_fn, blocks_in_memory: float):
     worker = WorkerSide(open_store(ns.fingerprint, disk_path=None, zstd_level=0,
                                    memory_bytes=int(blocks_in_memory * blob)),
                         StatsCollector(), ns=ns, rank=0, layout=layout, layers=views)
-    side = SchedulerSide(ns, ConnectorConfig(**SYNC), open_store(ns.fingerprint, disk_path=None),
-                         StatsCollector(), hash_fn=hash_fn, async_loads=True)
+    side = SchedulerSide(ns, ConnectorConfig(**SYNC, sync_load_max_tokens=sync_load_max_tokens),
+                         open_store(ns.fingerprint, disk_path=None), StatsCollector(),
+                         hash_fn=hash_fn, async_loads=True)
     return worker, side
 
 
@@ -92,6 +94,41 @@ def test_a_block_promised_before_its_eviction_was_reported_still_loads(hash_fn, 
     used = worker.store.usage()["memory"]
     assert used["bytes"] <= used["budget"]          # what it saw reported is gone for good
     assert worker.stats.snapshot().get("load_errors", 0) == 0
+
+
+def test_a_small_load_from_the_memory_tier_runs_in_the_step_that_admits_it(hash_fn, open_store):
+    """Up to ``sync_load_max_tokens``, blocks the workers hold in memory are promised as a
+    synchronous load: vLLM prefills the request in the same step, the worker loads before
+    that step's forward and names it in the step's report; a longer one stays in the
+    background."""
+    worker, side = pair(open_store, hash_fn, 16, sync_load_max_tokens=2 * BS)
+    a = make_request(hash_fn, "a", 3 * BS + 1, salt="s")
+    assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+    side.update_connector_output(Output(meta=run(
+        worker, side.build_connector_meta(step(a, [1, 2, 3, 4], 0, 3 * BS + 1)))))
+    side.request_finished(a, [1, 2, 3, 4])
+
+    small = make_request(hash_fn, "small", 2 * BS + 1, salt="s")
+    assert side.get_num_new_matched_tokens(small, 0) == (2 * BS, False)   # in this step
+    side.update_state_after_alloc(small, Blocks([8, 9, 10]), 2 * BS)
+    meta = side.build_connector_meta(step(small, [8, 9, 10], 2 * BS, 1))
+    assert [(t.block_ids, t.sync) for t in meta.loads] == [([8, 9], True)]
+    out = run(worker, meta)
+    assert out.loaded == {"small"}                           # done before the forward
+    assert worker.get_finished() == set() and worker.take_load_errors() == set()
+    assert torch.equal(block(worker, 8), block(worker, 1))
+    assert torch.equal(block(worker, 9), block(worker, 2))
+    side.update_connector_output(Output(meta=out))
+    assert not side._loading                                 # settled by the report
+
+    large = make_request(hash_fn, "large", 3 * BS + 1, salt="s")
+    assert side.get_num_new_matched_tokens(large, 0) == (3 * BS, True)   # over the cap
+    side.update_state_after_alloc(large, Blocks([11, 12, 13, 14]), 3 * BS)
+    meta = side.build_connector_meta(step(large, [11, 12, 13, 14], 3 * BS, 0))
+    assert [t.sync for t in meta.loads] == [False]
+    run(worker, meta)
+    assert worker.loader.wait(timeout=30) and worker.get_finished() == {"large"}
+    assert torch.equal(block(worker, 13), block(worker, 3))
 
 
 def test_a_memory_only_store_keeps_no_records_and_says_so_once(hash_fn, open_store, caplog):

@@ -22,6 +22,7 @@ class RequestState:
     lookup_start: int = 0
     lookup_sources: list[CacheHitSource] = field(default_factory=list)
     load: BlockTransfer | None = None
+    load_sync: bool = False     # the lookup promised a synchronous load (memory tier, small)
     load_failed: bool = False   # a promised block did not load: recompute, promise no more
 
 

@@ -161,7 +161,10 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """Tokens loadable past ``num_computed_tokens``; None while the lookup runs (vLLM
-        skips the request this step); True with a hit when the workers load asynchronously."""
+        skips the request this step); True with a hit when the workers load it in the
+        background (CPU), False when they load it before the step's forward: on a device, or a
+        small load from their memory tier (``sync_load_max_tokens``), whose request vLLM then
+        prefills in the same step."""
         self._start_selfcheck()
         state = self._state(request)
         state.lookup_sources = []
@@ -189,7 +192,9 @@ class SchedulerSide:
         else:
             self.leases.release(rid)
         n = len(sources) * self.block_size
-        return n, n > 0 and self.async_loads
+        state.load_sync = self.async_loads and 0 < n <= self.cfg.sync_load_max_tokens and \
+            all(s == CacheHitSource.HOST for s in sources)
+        return n, n > 0 and self.async_loads and not state.load_sync
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
@@ -215,7 +220,8 @@ class SchedulerSide:
         state.load = BlockTransfer(request.request_id, list(block_ids[start:start + n]), hashes,
                                    num_tokens=(start + n) * self.block_size,
                                    salt=getattr(request, "cache_salt", None), extra=state.extra,
-                                   contents=self.contents.of(request, hashes, start))
+                                   contents=self.contents.of(request, hashes, start),
+                                   sync=state.load_sync)
         state.saved_blocks = max(state.saved_blocks, start + n)
 
     def build_connector_meta(self, scheduler_output: Any) -> CWMConnectorMetadata:
@@ -253,7 +259,8 @@ class SchedulerSide:
         for state in self._reqs.values():
             if state.load is not None:
                 meta.loads.append(state.load)
-                self._loading[state.load.req_id] = (state.load, self.async_loads)
+                self._loading[state.load.req_id] = (state.load,
+                                                    self.async_loads and not state.load.sync)
                 state.load = None
         for req_id in scheduler_output.finished_req_ids:
             self._reqs.pop(req_id, None)

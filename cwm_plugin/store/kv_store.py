@@ -114,10 +114,11 @@ class KVStore:
     def read_into(self, keys: Sequence[bytes], sink: Sink, *, shape: tuple[int, ...],
                   dtype: torch.dtype, into: Callable[[int], torch.Tensor] | None = None,
                   layout: str | None = None, salt: str | None = None,
-                  stages: Stages | None = None, contents: Sequence[bytes] | None = None
-                  ) -> list[str | None]:
+                  stages: Stages | None = None, contents: Sequence[bytes] | None = None,
+                  tiers: Sequence[Tier] | None = None) -> list[str | None]:
         return self.reads.read_into(keys, sink, shape=shape, dtype=dtype, into=into,
-                                    layout=layout, salt=salt, stages=stages, contents=contents)
+                                    layout=layout, salt=salt, stages=stages, contents=contents,
+                                    tiers=tiers)
 
     def get_blob(self, key: bytes) -> bytes | None:
         return self.reads.get_blob(key)

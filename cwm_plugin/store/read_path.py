@@ -125,10 +125,11 @@ class ReadPath:
     def read_into(self, keys: Sequence[bytes], sink: Sink, *, shape: tuple[int, ...],
                   dtype: torch.dtype, into: Callable[[int], torch.Tensor] | None = None,
                   layout: str | None = None, salt: str | None = None,
-                  stages: Stages | None = None, contents: Sequence[bytes] | None = None
-                  ) -> list[str | None]:
+                  stages: Stages | None = None, contents: Sequence[bytes] | None = None,
+                  tiers: Sequence[Tier] | None = None) -> list[str | None]:
         """Decode each key's block and call ``sink(i, tensor)`` on the decoding thread
-        (``contents``: as for :meth:`get_many`). The
+        (``contents``: as for :meth:`get_many`; ``tiers``: only these are read, in lookup
+        order, as a caller that must not wait on I/O asks for the memory tier alone). The
         block is decoded into ``into(i)`` when given, else into a per-thread scratch tensor
         of ``shape`` and ``dtype`` that is reused once the sink returns; a blob of another
         shape or dtype comes as its own tensor. Returns, per key, the tier that served it, or
@@ -149,18 +150,20 @@ class ReadPath:
             finally:
                 st.add("copy", time.perf_counter() - t0)
 
-        return self._read(keys, deliver, salt, stages, contents=contents)
+        return self._read(keys, deliver, salt, stages, contents=contents, tiers=tiers)
 
     def _read(self, keys: Sequence[bytes], handle, salt: str | None,
               stages: Stages | None, *, primary: bool = False,
-              contents: Sequence[bytes] | None = None) -> list[str | None]:
+              contents: Sequence[bytes] | None = None,
+              tiers: Sequence[Tier] | None = None) -> list[str | None]:
         keys = [bytes(k) for k in keys]
         if contents is not None and len(contents) != len(keys):
             raise ValueError(f"{len(contents)} contents for {len(keys)} keys")
         served: list[str | None] = [None] * len(keys)
         cipher = self.binding.cipher(salt)
         todo = list(range(len(keys)))
-        order = tiers = self.tier_set.tiers
+        order = tiers = self.tier_set.tiers if tiers is None else \
+            [t for t in self.tier_set.tiers if t in tiers]
         first = self.tier_set.primary if primary else None
         if first is not None:
             order = [first, *(t for t in tiers if t is not first)]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from test_worker_side import block, h, make_worker, save
+from test_worker_side import block, finish_loads, h, make_worker, save
 
 from cwm_plugin.connector.connector import CWMConnector
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata
@@ -163,4 +163,33 @@ def test_synchronous_loads_still_start_in_start_load_kv(open_store):
         CWMConnectorMetadata(loads=[BlockTransfer("r1", [5, 6], [h(1), h(2)])]))
     assert torch.count_nonzero(block(dst, 5)) == 0           # nothing loaded at bind
     connector.start_load_kv(None)
+    assert torch.equal(block(dst, 5), block(src, 1)) and torch.equal(block(dst, 6), block(src, 2))
+
+
+def test_a_synchronous_load_reads_the_memory_tier_only_never_disk_inside_the_step(
+        open_store, monkeypatch):
+    """It runs before vLLM's forward: a block the memory tier no longer holds (here: all of
+    them, the memory dropped; the disk still has them) is a load error vLLM recomputes, not a
+    disk read on the step. A background load of the same blocks reads them from disk."""
+    src = make_worker(open_store, seed=1, memory_bytes=64 << 20)
+    save(src, [1, 2], [h(1), h(2)])
+    dst = make_worker(open_store, store=src.store)
+    dst.store.reset_memory()
+    disk = dst.store.disk
+    touched: list[str] = []
+    for name in ("exists_many", "get_many", "prefetch"):
+        real = getattr(disk, name)
+
+        def spy(*a, _name=name, _real=real, **kw):
+            touched.append(_name)
+            return _real(*a, **kw)
+        monkeypatch.setattr(disk, name, spy)
+    dst.start_load_kv(CWMConnectorMetadata(loads=[BlockTransfer("r1", [5, 6], [h(1), h(2)],
+                                                                sync=True)]))
+    assert touched == []
+    assert dst.loader.take_sync_done() == {"r1"}
+    assert dst.take_load_errors() == {5, 6}                  # recomputed by vLLM
+    assert torch.count_nonzero(block(dst, 5)) == 0
+    dst.start_load_kv(CWMConnectorMetadata(loads=[BlockTransfer("r2", [5, 6], [h(1), h(2)])]))
+    assert finish_loads(dst) == set() and "get_many" in touched
     assert torch.equal(block(dst, 5), block(src, 1)) and torch.equal(block(dst, 6), block(src, 2))

@@ -197,14 +197,20 @@ class Loader:
         keys = self.ns.keys(t.block_hashes, self.rank, t.extra)
         contents = each(t.contents, t.block_hashes)
         stages = Stages()
-        held = self.store.where_many(keys)
-        todo = next((i for i, tier in enumerate(held) if tier is None), len(keys))
+        # a synchronous load runs inside vLLM's step: the memory tier only, never disk or
+        # Redis I/O (a block it no longer holds is a load error: vLLM recomputes it)
+        tiers = [self.store.memory] if t.sync and self.store.memory is not None else None
+        if tiers is not None:
+            held = self.store.held_by(keys, tiers)[tiers[0].name]
+        else:
+            held = [w is not None for w in self.store.where_many(keys)]
+        todo = next((i for i, there in enumerate(held) if not there), len(keys))
         stages.add("lookup", time.perf_counter() - t0)
         if staging is None:
             served = self.store.read_into(keys[:todo], self._sink(keys, t.block_ids),
                                           shape=self.layout.per_block, dtype=self.dtype,
                                           layout=self.layout_name, salt=t.salt, stages=stages,
-                                          contents=contents[:todo])
+                                          contents=contents[:todo], tiers=tiers)
         else:
             served = self._decode_staged(keys[:todo], staging, t.salt, stages,
                                          contents[:todo])

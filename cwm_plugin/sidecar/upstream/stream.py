@@ -46,6 +46,22 @@ class Collected:
     carried: int = 0  # tokens relayed before the stream was resumed on another upstream
     prompt_tokens: int | None = None  # the prompt's, as the first upstream's usage said
 
+    def _whole(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """A resumed answer's ``usage`` as the client's whole answer counts: the tokens relayed
+        before the resume added to the continuation's, and the prompt's as the first upstream
+        counted them (else the continuation's less the relayed answer in it)."""
+        usage = dict(usage)
+        done = usage.get("completion_tokens")
+        if isinstance(done, int):
+            usage["completion_tokens"] = done + self.carried
+        prompt = usage.get("prompt_tokens")
+        if isinstance(prompt, int):
+            usage["prompt_tokens"] = self.prompt_tokens if self.prompt_tokens is not None \
+                else max(0, prompt - self.carried)
+            if isinstance(usage.get("completion_tokens"), int):
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return usage
+
     @property
     def text(self) -> str:
         return "".join(self.parts)
@@ -57,15 +73,9 @@ class Collected:
 
     def feed(self, obj: dict[str, Any], *, chat: bool) -> None:
         if obj.get("usage") and isinstance(obj["usage"], dict):
-            self.usage = obj["usage"]
+            self.usage = obj["usage"] if not self.carried else self._whole(obj["usage"])
             if not self.carried and isinstance(self.usage.get("prompt_tokens"), int):
                 self.prompt_tokens = self.usage["prompt_tokens"]
-            if self.carried and isinstance(self.usage.get("completion_tokens"), int):
-                # a resumed answer: the continuation counted only its own tokens
-                self.usage = {**self.usage, "completion_tokens":
-                              self.usage["completion_tokens"] + self.carried,
-                              "total_tokens": int(self.usage.get("total_tokens") or 0)
-                              + self.carried}
         elif obj.get("type") == "response.completed":  # the Responses API's final event
             done = obj.get("response")
             if isinstance(done, dict) and isinstance(done.get("usage"), dict):
@@ -125,23 +135,13 @@ def ask_usage(forward: dict[str, Any]) -> bool:
 
 
 def _resumed(event: bytes, obj: dict[str, Any], collected: Collected) -> bytes:
-    """``event`` of a resumed answer with its ``usage`` as the client's whole answer counts:
-    the tokens relayed before the resume added to the continuation's, and the prompt's as the
-    first upstream counted them (else the continuation's less the relayed answer in it), so a
-    client summing ``continuous_usage_stats`` never sees the count go back."""
-    usage = dict(obj["usage"])
-    done = usage.get("completion_tokens")
-    if isinstance(done, int):
-        usage["completion_tokens"] = done + collected.carried
-    prompt = usage.get("prompt_tokens")
-    if isinstance(prompt, int):
-        usage["prompt_tokens"] = collected.prompt_tokens if collected.prompt_tokens is not None \
-            else max(0, prompt - collected.carried)
-        if isinstance(usage.get("completion_tokens"), int):
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    """``event`` of a resumed answer with the usage :meth:`Collected.feed` just counted for
+    the whole answer, so a client summing ``continuous_usage_stats`` never sees the count go
+    back."""
     ends = list(EVENT_END.finditer(event))
     end = event[ends[-1].start():] if ends else b"\n\n"
-    return b"data: " + json.dumps({**obj, "usage": usage}, separators=(",", ":")).encode() + end
+    return b"data: " + json.dumps({**obj, "usage": collected.usage},
+                                  separators=(",", ":")).encode() + end
 
 
 def _terminal(obj: dict[str, Any]) -> bool:
@@ -171,7 +171,8 @@ async def relay_sse(source: AsyncIterator[bytes], collected: Collected, *, chat:
                         obj = None
                 if isinstance(obj, dict):
                     collected.feed(obj, chat=chat)
-                    if collected.carried and isinstance(obj.get("usage"), dict):
+                    if collected.carried and obj.get("usage") and isinstance(obj["usage"],
+                                                                             dict):
                         event = _resumed(event, obj, collected)
                     if strip_usage and obj.get("choices") == [] and obj.get("usage"):
                         fp = obj.get("system_fingerprint")

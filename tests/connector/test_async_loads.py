@@ -193,3 +193,19 @@ def test_a_synchronous_load_reads_the_memory_tier_only_never_disk_inside_the_ste
     dst.start_load_kv(CWMConnectorMetadata(loads=[BlockTransfer("r2", [5, 6], [h(1), h(2)])]))
     assert finish_loads(dst) == set() and "get_many" in touched
     assert torch.equal(block(dst, 5), block(src, 1)) and torch.equal(block(dst, 6), block(src, 2))
+
+
+def test_a_synchronous_load_that_raises_is_recomputed_and_never_stops_the_step(
+        open_store, monkeypatch, caplog):
+    src = make_worker(open_store, seed=1, memory_bytes=64 << 20)
+    save(src, [1, 2], [h(1), h(2)])
+    dst = make_worker(open_store, store=src.store)
+
+    def broken(*a, **kw):
+        raise RuntimeError("the KV store is closed")
+    monkeypatch.setattr(dst.store, "read_into", broken)
+    dst.start_load_kv(CWMConnectorMetadata(loads=[BlockTransfer("r1", [5, 6], [h(1), h(2)],
+                                                                sync=True)]))
+    assert dst.loader.take_sync_done() == {"r1"}
+    assert dst.take_load_errors() == {5, 6}                  # recomputed by vLLM
+    assert "recomputed" in caplog.text

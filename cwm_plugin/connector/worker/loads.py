@@ -97,19 +97,27 @@ class Loader:
             self._sync_done.update(t.req_id for t in loads)
         elif self._pool is None:
             for t in loads:
-                self._give_up(t, self._load(t), spoils=True)
-                self._sync_done.add(t.req_id)
+                self._load_now(t)
         else:
             for t in loads:
                 if t.sync:      # small, from the memory tier: before the forward (no lease:
-                    self._give_up(t, self._load(t), spoils=True)    # nothing runs meanwhile)
-                    self._sync_done.add(t.req_id)
+                    self._load_now(t)                               # nothing runs meanwhile)
                     continue
                 lease = self._protect(t)
                 fut = self._pool.submit(self._background, t, lease)
                 with self._lock:
                     self._running.add(fut)
                 fut.add_done_callback(self._discard)
+
+    def _load_now(self, t: BlockTransfer) -> None:
+        """A synchronous load, on vLLM's step: whatever fails is recomputed, never raised."""
+        good = 0
+        try:
+            good = self._load(t)
+        except Exception as exc:     # a closed store, a bug: recomputed, never a crash
+            self._warn("sync", "a load failed (%r); its blocks are recomputed", exc)
+        self._give_up(t, good, spoils=True)
+        self._sync_done.add(t.req_id)
 
     def _protect(self, t: BlockTransfer) -> Lease | None:
         """Lease the request's keys in this worker's memory tier until its load is done."""

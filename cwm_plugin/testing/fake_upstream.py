@@ -7,6 +7,8 @@ what the client sent. Chat answers come from ``script(body) -> reply`` where a r
 ``{"content": str}`` or ``{"tool_calls": [...]}``; the default answers "ok". Streams are written
 with CRLF line ends when ``crlf`` is set (the SSE format allows it), a chunk every ``stream_delay``
 seconds; ``stream_cut_after`` N drops the connection after N chunks (a server killed mid-answer);
+``held_tokens`` (token indexes) are streamed as vLLM streams a token whose text it holds back (part
+of a UTF-8 character): no chunk of their own, their text on the next one, counted in its usage;
 ``models_gate`` (a ``threading.Event``) holds every ``/v1/models`` answer until it is set (a slow or
 stuck upstream); ``models_status`` other than 200 answers ``/v1/models`` with that status (a
 broken one). Like vLLM, a body it cannot use is a 400, never a 500, and a chat prompt over
@@ -48,6 +50,7 @@ class FakeUpstream:
         self.chat_delay = 0.0  # seconds before a chat is answered (a stuck engine)
         self.stream_delay = 0.0  # seconds between two streamed chunks (a model generating)
         self.stream_cut_after: int | None = None  # die after this many chunks (a killed server)
+        self.held_tokens: set[int] = set()  # tokens whose text comes with the next one's chunk
         self.max_prompt_tokens: int | None = None  # longer chat prompts: 400, as vLLM
         self.calls: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.model_lists = 0  # GET /v1/models asked (health checks, model lookups)
@@ -120,8 +123,13 @@ class FakeUpstream:
                 for i, call in enumerate(msg["tool_calls"]):
                     yield chunk({"tool_calls": [{"index": i, **call}]}, i + 1)
             else:
+                held = ""
                 for i, word in enumerate((msg["content"] or "").split(" ")):
-                    yield chunk({"content": word + " "}, i + 1)
+                    if i in self.held_tokens:
+                        held += word + " "
+                        continue
+                    yield chunk({"content": held + word + " "}, i + 1)
+                    held = ""
             yield event({**base, "choices": [{"index": 0, "delta": {},
                                               "finish_reason": "stop"}]})
             if opts.get("include_usage"):  # the tokens streamed (continuous: as they went)

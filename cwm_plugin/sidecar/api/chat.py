@@ -249,7 +249,7 @@ async def _stream(turn: ChatTurn, forward: dict[str, Any], up: dict[str, str]) -
         observe_stages(turn)
 
     def resumed(nxt: StreamHandle, exc: UpstreamError) -> None:
-        collected.carried = collected.chunks
+        collected.carried = collected.relayed
         turn.served_by(nxt.ep)
         sc.metrics.streams_resumed.labels(turn.ident.tenant, turn.model, handle.ep.name,
                                           nxt.ep.name).inc()

@@ -46,13 +46,14 @@ def continuation(forward: dict[str, Any], collected: Collected) -> dict[str, Any
     body = {**forward, "messages": [*forward["messages"],
                                     {"role": "assistant", "content": collected.text}],
             "continue_final_message": True, "add_generation_prompt": False}
+    done = collected.relayed
     for key in LIMITS:
         if isinstance(body.get(key), int):
-            if body[key] - collected.chunks < 1:
+            if body[key] - done < 1:
                 return None
-            body[key] -= collected.chunks
+            body[key] -= done
     if isinstance(body.get("min_tokens"), int):
-        body["min_tokens"] = max(0, body["min_tokens"] - collected.chunks)
+        body["min_tokens"] = max(0, body["min_tokens"] - done)
     return body
 
 
@@ -90,7 +91,7 @@ async def resumable_events(
                     raise
                 router.health.failed(handle.ep, exc.code)
                 log.warning("upstream `%s` failed mid-answer (%s): resuming after %d tokens "
-                            "on `%s`", handle.ep.name, exc.code, collected.chunks,
+                            "on `%s`", handle.ep.name, exc.code, collected.relayed,
                             others[0].name)
                 nxt = await router.open_stream(dataclasses.replace(route, candidates=others),
                                                path, body, headers=headers,

@@ -63,6 +63,14 @@ class Collected:
         return usage
 
     @property
+    def relayed(self) -> int:
+        """Tokens relayed so far: the chunks that carried text, or the upstream's own count
+        when its usage came along and says more (vLLM sends no chunk for a token whose text it
+        holds back, such as part of a UTF-8 character, but counts it)."""
+        done = (self.usage or {}).get("completion_tokens")
+        return max(self.chunks, done) if isinstance(done, int) else self.chunks
+
+    @property
     def text(self) -> str:
         return "".join(self.parts)
 

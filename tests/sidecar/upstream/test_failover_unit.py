@@ -102,6 +102,32 @@ def test_a_resumed_answers_usage_counts_the_whole_answer(tmp_path):
             s.stop()
 
 
+def test_a_token_relayed_without_a_chunk_of_its_own_is_carried_across_the_resume(tmp_path):
+    """vLLM sends no chunk for a token whose text it holds back (part of a UTF-8 character) but
+    counts it in the next chunk's usage. Such tokens relayed before a resume count as relayed:
+    the continuation is asked for the rest and the client's count goes on from what it saw.
+    Before, CI saw a SIGKILLed server's answer count 52, 53, then 51 (the chunks with text)."""
+    a, b, sa, sb, srv = pair(tmp_path, affinity="first")
+    a.script = lambda body: {"content": "alpha beta gamma delta"}
+    a.held_tokens = {1}  # "beta" comes with "gamma": chunks "alpha " (1), "beta gamma " (3)
+    b.script = lambda body: {"content": "delta"}
+    try:
+        a.stream_cut_after = 2
+        r = chat(srv, "acme", "tell me", stream=True, max_tokens=8,
+                 stream_options={"include_usage": True, "continuous_usage_stats": True})
+        events = [e for e in sse_events(r.text) if isinstance(e, dict)]
+        assert r.headers["x-cwm-upstream"] == "a" and not any("error" in e for e in events)
+        text = "".join((c["delta"].get("content") or "") for e in events
+                       for c in e.get("choices") or [])
+        assert text == "alpha beta gamma delta "
+        assert b.last()["max_tokens"] == 5  # 8 less the 3 tokens relayed, not less 2 chunks
+        counts = [e["usage"]["completion_tokens"] for e in events if e.get("usage")]
+        assert counts == sorted(counts) and counts[-1] == 4, counts
+    finally:
+        for s in (srv, sa, sb):
+            s.stop()
+
+
 def test_an_upstream_dying_mid_answer_is_resumed_on_the_other_from_the_relayed_text(tmp_path):
     """A streamed answer whose server dies after two tokens goes on, on the other server, from
     exactly the text the client already has: same salt, the text as a final assistant message

@@ -57,9 +57,10 @@ class ConnectorConfig:
     # this many tokens at most: loaded before the forward of the step that admits it, which
     # prefills it too (no step waiting on a background load); 0: every CPU load in the
     # background. Its cost is the load's time added to that step, the ITL of the requests
-    # decoding beside it: at most half a decode step by default (SmolLM2-135M bf16 on 2 cores:
-    # about 19 ms for 1,024 tokens, bench/ttft.py's CPU-tier load, against a ~41 ms step).
-    sync_load_max_tokens: int = field(default=1024, metadata=limits(min=0, max=1 << 20))
+    # decoding beside it: under half a decode step by default (SmolLM2-135M bf16 on 2 cores:
+    # 8-9 ms for 1,024 tokens from the uncompressed memory tier, bench/ttft.py's CPU-tier load,
+    # so 16-18 ms for 2,048, against a ~41 ms step).
+    sync_load_max_tokens: int = field(default=2048, metadata=limits(min=0, max=1 << 20))
 
     def __post_init__(self) -> None:
         check_fields(self, "kv_connector_extra_config")

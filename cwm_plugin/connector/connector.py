@@ -298,7 +298,9 @@ class CWMConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose background load is done (their failed blocks come with
         ``get_block_ids_with_load_errors`` in the same pass); no sends."""
-        done = self._worker.get_finished() if self._worker is not None else set()
+        meta = self._connector_metadata
+        idle = isinstance(meta, CWMConnectorMetadata) and meta.idle
+        done = self._worker.get_finished(idle=idle) if self._worker is not None else set()
         return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

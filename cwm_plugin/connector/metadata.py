@@ -44,6 +44,9 @@ class CWMConnectorMetadata(KVConnectorMetadata):
     # when it planned it: a worker frees the memory it reported evicted up to ``seen``
     step: int = 0
     seen: int = 0
+    # the step schedules no tokens (its requests wait for loads): the workers wait a moment
+    # for a load to end instead of letting vLLM's loop spin, which takes the GIL from them
+    idle: bool = False
 
 
 @dataclass

@@ -131,12 +131,14 @@ class ReadPath:
         (``contents``: as for :meth:`get_many`; ``tiers``: only these are read, in lookup
         order, as a caller that must not wait on I/O asks for the memory tier alone). The
         block is decoded into ``into(i)`` when given, else into a per-thread scratch tensor
-        of ``shape`` and ``dtype`` that is reused once the sink returns; a blob of another
-        shape or dtype comes as its own tensor. Returns, per key, the tier that served it, or
+        of ``shape`` and ``dtype`` that is reused once the sink returns (an uncompressed blob,
+        the memory tier's: a read-only view of its bytes, no copy); a blob of another shape or
+        dtype comes as its own tensor. Returns, per key, the tier that served it, or
         None (a miss, or the sink said False or raised: logged once, never raised)."""
         def deliver(h: _Hit, cipher, st: Stages) -> bool:
             target = into(h.index) if into is not None else _scratch_tensor(tuple(shape), dtype)
-            t = self._decode(h, into=target, layout=layout, cipher=cipher, stages=st)
+            t = self._decode(h, into=target, layout=layout, cipher=cipher, stages=st,
+                             borrow=into is None)
             if t is None:
                 return False
             t0 = time.perf_counter()
@@ -256,8 +258,8 @@ class ReadPath:
         return max(1, min(tier.read_batch, math.ceil(n / (2 * workers))))
 
     def _decode(self, h: _Hit, *, into: torch.Tensor | None, layout: str | None,
-                cipher: crypto.BlobCipher | None, stages: Stages | None = None
-                ) -> torch.Tensor | None:
+                cipher: crypto.BlobCipher | None, stages: Stages | None = None,
+                borrow: bool = False) -> torch.Tensor | None:
         t0 = time.perf_counter()
         plain = self._open(h, cipher)
         if plain is None:
@@ -265,7 +267,7 @@ class ReadPath:
         try:
             decoded = codec.decode(plain, fingerprint=self.config.fingerprint or None,
                                    layout=layout, verify=self.config.checksum, into=into,
-                                   stages=stages)
+                                   stages=stages, borrow=borrow)
         except (CorruptBlob, IncompatibleBlob) as exc:
             self._bad_blob(h, exc)
             return None

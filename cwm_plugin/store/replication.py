@@ -46,7 +46,9 @@ def replicate(store: Any, keys: Sequence[bytes]) -> dict[str, int]:
         for i, blob_id in enumerate(mine):
             if blob_id is not None:
                 continue
-            source = next((s for s in store.tiers if s is not tier and held[s.name][i]), None)
+            # a durable source first: the memory tier's copy may be the uncompressed twin
+            source = next((s for s in sorted(store.tiers, key=lambda t: not t.durable)
+                           if s is not tier and held[s.name][i]), None)
             if source is None:
                 continue
             sid = held[source.name][i]

@@ -23,7 +23,7 @@ import torch
 from cwm_plugin.errors import StorageFull
 from cwm_plugin.store import binding
 from cwm_plugin.store.blob import codec, container
-from cwm_plugin.store.blob.address import blob_id_of
+from cwm_plugin.store.blob.address import blob_id_of, twin_id_of
 from cwm_plugin.store.save_queue import SaveQueue
 from cwm_plugin.store.tier_set import TierSet
 from cwm_plugin.store.tiers.base import TIER_ERRORS, Tier
@@ -61,28 +61,52 @@ class WritePath:
                 self.metrics.put_skips.inc()
                 return
             revision = revisions.next(k) if replace else None
-            self._store_blob(k, self._encode(k, tensor, num_tokens, layout, salt, content=content,
-                                            revision=revision), replace=replace)
+            blob, plain = self._blobs(k, tensor, num_tokens, layout, salt, content=content,
+                                      revision=revision)
+            self._store_blob(k, blob, replace=replace, memory_blob=plain)
             if revision is not None:
                 revisions.saw(k, revision)
         return self._submit(bytes(key), job, replace=replace, wait=wait)
 
+    def _blobs(self, key: bytes, tensor: torch.Tensor, num_tokens: int, layout: str,
+               salt: str | None, *, content: bytes | None = None,
+               revision: int | None = None) -> tuple[bytes, bytes | None]:
+        """``key``'s blob for the tiers, and the memory tier's own uncompressed one where it
+        keeps blocks so (``memory_compress`` off; None: it takes the same blob). A store of a
+        memory tier alone encodes only that one."""
+        cfg, ts = self.config, self.tier_set
+
+        def encode(level: int | None = None, count: bool = True) -> bytes:
+            return self._encode(key, tensor, num_tokens, layout, salt, content=content,
+                                revision=revision, level=level, count=count)
+
+        if ts.memory is None or cfg.memory_compress or cfg.zstd_level == 0:
+            return encode(), None
+        if all(t is ts.memory for t in ts.tiers):
+            return encode(level=0), None
+        return encode(), encode(level=0, count=False)
+
     def _encode(self, key: bytes, tensor: torch.Tensor, num_tokens: int, layout: str,
                salt: str | None, *, content: bytes | None = None,
-               revision: int | None = None) -> bytes:
+               revision: int | None = None, level: int | None = None,
+               count: bool = True) -> bytes:
         """``key``'s blob of ``tensor``, sealed for ``salt`` when the store encrypts;
-        ``revision``: of a record that replaces an older one (:mod:`.binding`)."""
+        ``revision``: of a record that replaces an older one (:mod:`.binding`); ``level``:
+        zstd's (default: the config's; 0, the raw tensor); ``count``: in the encoded bytes
+        and the compression ratio (not an uncompressed twin, which the tiers' blob stands for)."""
         cfg = self.config
         t0 = time.perf_counter()
+        level = cfg.zstd_level if level is None else level
         blob = codec.encode(tensor, key=key, fingerprint=cfg.fingerprint, num_tokens=num_tokens,
-                            layout=layout, level=cfg.zstd_level, shuffle=cfg.shuffle,
+                            layout=layout, level=level, shuffle=cfg.shuffle,
                             checksum=cfg.checksum, sign_planes=cfg.sign_planes,
                             content=content or b"", revision=revision)
         cipher = self.binding.cipher(salt)
         if cipher is not None:
             blob = cipher.seal(blob)
-        self.metrics.encoded(tensor.numel() * tensor.element_size(), len(blob),
-                             time.perf_counter() - t0)
+        if count:
+            self.metrics.encoded(tensor.numel() * tensor.element_size(), len(blob),
+                                 time.perf_counter() - t0)
         return blob
 
     def claim(self, key: bytes, tensor: torch.Tensor, *, layout: str = "",
@@ -93,7 +117,7 @@ class WritePath:
         key = bytes(key)
         revisions = self.binding.revisions
         revision = revisions.next(key)
-        blob = self._encode(key, tensor, 0, layout, salt, revision=revision)
+        blob, plain = self._blobs(key, tensor, 0, layout, salt, revision=revision)
         blob_id = blob_id_of(blob)
         primary = self.tier_set.primary
         if primary is None:
@@ -103,7 +127,9 @@ class WritePath:
         revisions.saw(key, revision)
         for tier in self.tier_set.tiers:
             if tier is not primary:
-                self._write(tier, key, blob_id, blob, replace=True)
+                mine = plain if plain is not None and tier is self.tier_set.memory else blob
+                self._write(tier, key, blob_id if mine is blob else twin_id_of(blob_id), mine,
+                            replace=True)
         return True
 
     def put_blob(self, key: bytes, blob: bytes, *, replace: bool = False,
@@ -139,16 +165,21 @@ class WritePath:
         except TIER_ERRORS:
             return False
 
-    def _store_blob(self, key: bytes, blob: bytes, *, replace: bool = False) -> None:
+    def _store_blob(self, key: bytes, blob: bytes, *, replace: bool = False,
+                    memory_blob: bytes | None = None) -> None:
+        """``blob`` to every tier (``memory_blob`` instead to the memory tier when given)."""
         blob_id = blob_id_of(blob)
         stored = False
         for tier in self.tier_set.tiers:
+            data, data_id = blob, blob_id
+            if memory_blob is not None and tier is self.tier_set.memory:
+                data, data_id = memory_blob, twin_id_of(blob_id)
             mode = {"disk": self.config.disk_write, "redis": self.config.redis_write}.get(
                 tier.name, "through")
             if mode == "through" or replace:
-                stored = self._write(tier, key, blob_id, blob, replace=replace) or stored
+                stored = self._write(tier, key, data_id, data, replace=replace) or stored
             else:
-                stored = self._behind(tier, key, blob_id, blob) or stored
+                stored = self._behind(tier, key, data_id, data) or stored
         if not stored:
             raise StorageFull(f"no tier could store block {key.hex()[:16]} ({len(blob)} bytes)",
                               hint="raise memory_bytes/disk_bytes or check the disk and Redis")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -173,9 +174,11 @@ def _expected_sizes(transform: str, dtype: torch.dtype, shape: tuple[int, ...],
 
 
 def join(parts: Split, dtype: torch.dtype, shape: tuple[int, ...], *,
-         into: torch.Tensor | None = None) -> torch.Tensor:
+         into: torch.Tensor | None = None, borrow: bool = False) -> torch.Tensor:
     """Inverse of :func:`split`: rebuild a tensor of ``dtype`` and ``shape``, new or written
-    into ``into`` (a contiguous CPU tensor of that dtype and shape, e.g. one row of a batch)."""
+    into ``into`` (a contiguous CPU tensor of that dtype and shape, e.g. one row of a batch).
+    ``borrow``: a ``none`` transform's tensor is a view of its stream (no copy, ``into`` left
+    alone); the caller only reads it, and not after the stream's buffer is gone."""
     n = math.prod(shape)
     k = itemsize(dtype)
     names, streams = parts.names, parts.streams
@@ -183,6 +186,9 @@ def join(parts: Split, dtype: torch.dtype, shape: tuple[int, ...], *,
                                                                  names), strict=True):
         if not lo <= s.size <= hi:
             raise ValueError(f"stream {name} holds {s.size} bytes, expected {lo}..{hi}")
+    if borrow and n and parts.transform == "none":
+        _expect(names, ["raw"])
+        return _read_only(streams[0]).view(INT_VIEW[k]).view(dtype).reshape(shape)
     if into is not None and n:
         if (into.dtype != dtype or tuple(into.shape) != tuple(shape)
                 or not into.is_contiguous() or into.device.type != "cpu"):
@@ -205,6 +211,23 @@ def join(parts: Split, dtype: torch.dtype, shape: tuple[int, ...], *,
     if n == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(out).view(INT_VIEW[k]).view(dtype).reshape(shape)
+
+
+_warn_lock = threading.Lock()
+_warned = threading.Event()   # torch has warned (once per process) of a read-only array
+
+
+def _read_only(a: np.ndarray) -> torch.Tensor:
+    """A tensor over ``a``'s bytes; ``a`` may be read-only (a view of ``bytes``), which torch
+    warns of once per process: the warning is taken here, where nothing writes to it."""
+    if a.flags.writeable or _warned.is_set():
+        return torch.from_numpy(a)
+    with _warn_lock:     # the filters are process-wide: changed by one thread at a time, once
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(a)
+        _warned.set()
+    return t
 
 
 def _expect(names: list[str], want: list[str]) -> None:

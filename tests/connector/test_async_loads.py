@@ -154,6 +154,33 @@ def test_background_loads_start_when_the_step_binds_its_metadata_before_the_forw
     assert dst.stats.snapshot()["async_loads|outcome=ok"] == 1
 
 
+def test_an_idle_step_waits_for_a_running_load_instead_of_spinning(open_store, monkeypatch):
+    """A step that schedules no tokens (every request waits for its KV) waits in
+    get_finished for a running load to end, the GIL free, instead of returning at once and
+    letting vLLM's loop spin through empty steps; a step that computes never waits, nor one
+    with no load running."""
+    from cwm_plugin.connector.worker import side
+    monkeypatch.setattr(side, "IDLE_WAIT_S", 30.0)   # here: until the load ends
+    src = make_worker(open_store, seed=1)
+    save(src, [1, 2], [h(1), h(2)])
+    dst = make_worker(open_store, store=src.store)
+    connector = connector_over(dst)
+    opened = gate_reads(dst.store, monkeypatch)
+    meta = CWMConnectorMetadata(loads=[BlockTransfer("r1", [5, 6], [h(1), h(2)])])
+    connector.bind_connector_metadata(meta)
+    assert connector.get_finished(set()) == (None, None)     # computing: no wait
+    connector.clear_connector_metadata()
+    connector.bind_connector_metadata(CWMConnectorMetadata(step=2, idle=True))
+    threading.Timer(0.2, opened.set).start()
+    t0 = time.monotonic()
+    assert connector.get_finished(set()) == (None, {"r1"})   # the idle step waited for it
+    assert 0.1 < time.monotonic() - t0 < 20
+    t0 = time.monotonic()
+    assert connector.get_finished(set()) == (None, None)     # nothing runs: no wait
+    assert time.monotonic() - t0 < STEP_BOUND_S
+    assert torch.equal(block(dst, 5), block(src, 1)) and torch.equal(block(dst, 6), block(src, 2))
+
+
 def test_synchronous_loads_still_start_in_start_load_kv(open_store):
     src = make_worker(open_store, seed=1)
     save(src, [1, 2], [h(1), h(2)])

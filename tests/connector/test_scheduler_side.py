@@ -46,6 +46,7 @@ def step(req: Request, block_ids: list[int], computed: int, scheduled: int) -> S
     out.scheduled_new_reqs = [NewRequestData.from_request(req, (block_ids,))]
     out.scheduled_new_reqs[0].num_computed_tokens = computed
     out.num_scheduled_tokens = {req.request_id: scheduled}
+    out.total_num_scheduled_tokens = scheduled
     return out
 
 
@@ -125,6 +126,14 @@ def test_saves_cover_completed_blocks_once_and_respect_the_cap(hash_fn, ns, stor
     side.get_num_new_matched_tokens(twin, 0)
     meta = side.build_connector_meta(step(twin, [20, 21, 22, 23, 24, 25], 0, 5 * BS + 3))
     assert meta.saves == []
+
+
+def test_a_step_that_computes_nothing_is_marked_idle_for_the_workers(hash_fn, ns, store):
+    """Its requests all wait for their KV: the workers may wait for a load to end."""
+    side = side_for(ns, store)
+    req = make_request(hash_fn, "r1", 2 * BS + 1)
+    assert side.build_connector_meta(step(req, [1, 2, 3], 0, 2 * BS + 1)).idle is False
+    assert side.build_connector_meta(SchedulerOutput.make_empty()).idle is True
 
 
 def test_loads_are_planned_for_allocated_blocks_and_failed_hashes_are_forgotten(hash_fn, ns, store):

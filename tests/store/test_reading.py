@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,3 +182,34 @@ def test_a_decoder_that_breaks_costs_its_block_and_never_raises(make_store, kv_b
     assert served.count(None) == 1 and len(got) == 2
     assert s.metrics.errors.labels("decode_failed")._value.get() == 1
     assert stages.seconds["read"] > 0
+
+
+def test_the_memory_tier_keeps_blocks_uncompressed_and_hands_them_over_without_a_copy(
+        make_store, tmp_path, kv_block):
+    """With a disk (or Redis) beside it the memory tier holds each block's uncompressed twin
+    (a load is one copy, not a zstd decode), the disk the compressed blob; a read of the twin
+    gives the sink a view of the stored bytes. ``memory_compress`` keeps one blob for all."""
+    s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=1 << 24)
+    blocks = fill(s, 4, kv_block)
+    keys = list(blocks)
+    usage = s.usage()
+    raw = sum(b.numel() * b.element_size() for b in blocks.values())
+    assert usage["memory"]["bytes"] > raw > usage["disk"]["bytes"]
+    assert s.metrics.ratio._value.get() > 1.0        # the ratio of the tiers' blobs, not twins
+    held = [s.memory.get(b) for b in s.memory.lookup_many(keys)]   # the tier's own bytes
+    spans = [(a, a + len(b)) for b in held for a in [np.frombuffer(b, np.uint8).ctypes.data]]
+    inside = []
+
+    def sink(i: int, t: torch.Tensor) -> bool:
+        inside.append(any(lo <= t.data_ptr() < hi for lo, hi in spans))
+        return torch.equal(t, blocks[keys[i]])
+    served = s.read_into(keys, sink, shape=SHAPE, dtype=torch.bfloat16)
+    assert served == ["memory"] * 4 and inside == [True] * 4      # views of the stored bytes
+    assert not set(s.disk.lookup_many(keys)) & set(s.memory.lookup_many(keys))
+    served, got, _, _ = collect(s, keys, tiers=[s.disk])      # the disk's blobs decode too
+    assert served == ["disk"] * 4 and all(torch.equal(got[i], blocks[k])
+                                          for i, k in enumerate(keys))
+    one = make_store(disk_path=str(tmp_path / "e"), memory_bytes=1 << 24, memory_compress=True)
+    fill(one, 4, kv_block)
+    assert one.memory.lookup_many(keys) == one.disk.lookup_many(keys)
+    assert one.usage()["memory"]["bytes"] == one.usage()["disk"]["bytes"]

@@ -227,7 +227,9 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> CWMConnectorMetadata:
         self.lookups.new_step()
         self._step += 1
-        meta = CWMConnectorMetadata(reset=self._reset_pending, step=self._step, seen=self._seen)
+        meta = CWMConnectorMetadata(reset=self._reset_pending, step=self._step, seen=self._seen,
+                                    idle=not getattr(scheduler_output,
+                                                     "total_num_scheduled_tokens", 1))
         self._reset_pending = False
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)

@@ -179,6 +179,15 @@ class Loader:
             running = list(self._running)
         return not cf.wait(running, timeout=timeout).not_done
 
+    def wait_any(self, timeout: float) -> None:
+        """Wait until a background load ends, ``timeout`` seconds at most (no wait when none
+        runs or one has ended unreported); the GIL is free meanwhile."""
+        with self._lock:
+            running = list(self._running)
+            ended = bool(self._done)
+        if running and not ended:
+            cf.wait(running, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
     def shutdown(self, timeout: float | None = None) -> None:
         self.wait(timeout)
         if self._pool is not None:

@@ -49,6 +49,11 @@ from cwm_plugin.store.save_queue import QueueFull
 log = logging.getLogger(__name__)
 
 SHUTDOWN_FLUSH_S = 30                      # the longest a shutdown waits for pending saves
+# An idle step (every request waits for its load) waits this long at most for one to end:
+# vLLM's loop would otherwise spin through empty steps, holding the GIL the loading threads
+# need (an 8k-token CPU-tier load took 104 ms beside the spinning loop, ~45 ms alone). A
+# request arriving meanwhile is scheduled this much later at most.
+IDLE_WAIT_S = 0.005
 
 
 class WorkerSide:
@@ -105,8 +110,12 @@ class WorkerSide:
         that layer's restored blocks (a device-side wait)."""
         self.loader.wait_layer(self.layer_index.get(layer_name, -1))
 
-    def get_finished(self) -> set[str]:
-        """Requests whose background load is done (vLLM's ``finished_recving``)."""
+    def get_finished(self, *, idle: bool = False) -> set[str]:
+        """Requests whose background load is done (vLLM's ``finished_recving``). ``idle``: the
+        step computed nothing, so it first waits up to ``IDLE_WAIT_S`` for a running load to
+        end (see :meth:`~cwm_plugin.connector.worker.loads.Loader.wait_any`)."""
+        if idle:
+            self.loader.wait_any(IDLE_WAIT_S)
         return self.loader.take_finished()
 
     def take_load_errors(self) -> set[int]:

@@ -179,13 +179,16 @@ def _raw_crc(raw: list) -> str:
 
 def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = None,
            layout: str | None = None, verify: bool = True,
-           into: torch.Tensor | None = None, stages: Any = None) -> DecodedBlob:
+           into: torch.Tensor | None = None, stages: Any = None,
+           borrow: bool = False) -> DecodedBlob:
     """Decode a blob made by :func:`encode`. ``fingerprint`` and ``layout`` (if given) must
     match the blob's, else :class:`IncompatibleBlob`.
 
     ``into``: a contiguous CPU tensor to write the result into (saves an allocation and a
     copy when the caller stacks blocks); used only if its dtype and shape match the blob's,
-    and left with unspecified content if decoding fails. ``stages`` (a
+    and left with unspecified content if decoding fails. ``borrow``: an uncompressed blob
+    (``level=0``) decodes to a read-only view of ``data``, not a copy into ``into``: for a
+    caller that copies the block on at once, while ``data`` lives. ``stages`` (a
     :class:`~cwm_plugin.timing.Stages`): seconds spent in ``decompress`` (header, zstd,
     checksums) and ``transform`` (the inverse byte transform) are added to it."""
     t0 = time.perf_counter()
@@ -235,7 +238,7 @@ def decode(data: bytes | bytearray | memoryview, *, fingerprint: str | None = No
         if into is not None and (into.dtype != dtype or tuple(into.shape) != shape
                                  or not into.is_contiguous() or into.device.type != "cpu"):
             into = None
-        tensor = sh.join(parts, dtype, shape, into=into)
+        tensor = sh.join(parts, dtype, shape, into=into, borrow=borrow)
     except (ValueError, IndexError, MemoryError) as exc:
         raise CorruptBlob(f"blob payload does not rebuild a {meta['dtype']} {list(shape)} "
                           f"tensor: {exc}", hint="damaged blob; recompute") from exc

@@ -76,6 +76,17 @@ def test_a_5xx_or_a_dead_upstream_fails_over_streamed_or_not(tmp_path):
             s.stop()
 
 
+def cut_after_two(srv: ServerThread, a: FakeUpstream) -> tuple[list[dict], list[int]]:
+    """A streamed answer counted by ``continuous_usage_stats`` whose server ``a`` dies after
+    two chunks: its events, and the completion tokens each usage said."""
+    a.stream_cut_after = 2
+    r = chat(srv, "acme", "tell me", stream=True, max_tokens=8,
+             stream_options={"include_usage": True, "continuous_usage_stats": True})
+    events = [e for e in sse_events(r.text) if isinstance(e, dict)]
+    assert r.headers["x-cwm-upstream"] == "a" and not any("error" in e for e in events)
+    return events, [e["usage"]["completion_tokens"] for e in events if e.get("usage")]
+
+
 def test_a_resumed_answers_usage_counts_the_whole_answer(tmp_path):
     """A client counting tokens by ``continuous_usage_stats`` (as ``bench/serving.py`` does)
     sees the count go on across the resume, never back: the continuation's usage plus the
@@ -85,12 +96,7 @@ def test_a_resumed_answers_usage_counts_the_whole_answer(tmp_path):
     a.script = lambda body: {"content": "alpha beta gamma delta"}
     b.script = lambda body: {"content": "gamma delta"}
     try:
-        a.stream_cut_after = 2
-        r = chat(srv, "acme", "tell me", stream=True, max_tokens=8,
-                 stream_options={"include_usage": True, "continuous_usage_stats": True})
-        events = [e for e in sse_events(r.text) if isinstance(e, dict)]
-        assert r.headers["x-cwm-upstream"] == "a" and not any("error" in e for e in events)
-        counts = [e["usage"]["completion_tokens"] for e in events if e.get("usage")]
+        events, counts = cut_after_two(srv, a)
         assert counts == sorted(counts) and counts[-1] == 4, counts
         prompts = {e["usage"]["prompt_tokens"] for e in events if e.get("usage")}
         assert len(prompts) == 1, prompts  # the first upstream's, before and after
@@ -112,16 +118,11 @@ def test_a_token_relayed_without_a_chunk_of_its_own_is_carried_across_the_resume
     a.held_tokens = {1}  # "beta" comes with "gamma": chunks "alpha " (1), "beta gamma " (3)
     b.script = lambda body: {"content": "delta"}
     try:
-        a.stream_cut_after = 2
-        r = chat(srv, "acme", "tell me", stream=True, max_tokens=8,
-                 stream_options={"include_usage": True, "continuous_usage_stats": True})
-        events = [e for e in sse_events(r.text) if isinstance(e, dict)]
-        assert r.headers["x-cwm-upstream"] == "a" and not any("error" in e for e in events)
+        events, counts = cut_after_two(srv, a)
         text = "".join((c["delta"].get("content") or "") for e in events
                        for c in e.get("choices") or [])
         assert text == "alpha beta gamma delta "
         assert b.last()["max_tokens"] == 5  # 8 less the 3 tokens relayed, not less 2 chunks
-        counts = [e["usage"]["completion_tokens"] for e in events if e.get("usage")]
         assert counts == sorted(counts) and counts[-1] == 4, counts
     finally:
         for s in (srv, sa, sb):

@@ -24,6 +24,10 @@ class RequestState:
     load: BlockTransfer | None = None
     load_sync: bool = False     # the lookup promised a synchronous load (memory tier, small)
     load_failed: bool = False   # a promised block did not load: recompute, promise no more
+    # blocks [lo, hi) this request loads from the store: never saved again by it (their
+    # hashes may be forgotten meanwhile: a worker's drop report, the lookup's short trust),
+    # unless the load fails (vLLM recomputes them; then they are planned as any block)
+    loaded: tuple[int, int] = (0, 0)
 
 
 def eligible(cfg: ConnectorConfig, request: Any) -> bool:

@@ -80,8 +80,9 @@ class Saves:
         hashes = self._hashes(state.request, n_full)
         n_full = len(hashes)
         start = state.handled_blocks
-        todo = [i for i in range(start, n_full) if state.extra or (
-            not self.known.planned(hashes[i]) and self.known.get(hashes[i]) is None)]
+        lo, hi = state.loaded        # loaded from the store just now: stored
+        todo = [i for i in range(start, n_full) if not lo <= i < hi and (state.extra or (
+            not self.known.planned(hashes[i]) and self.known.get(hashes[i]) is None))]
         state.handled_blocks = n_full
         state.saved_blocks = max(state.saved_blocks, n_full)
         if todo:

@@ -223,6 +223,7 @@ class SchedulerSide:
                                    contents=self.contents.of(request, hashes, start),
                                    sync=state.load_sync)
         state.saved_blocks = max(state.saved_blocks, start + n)
+        state.loaded = (start, start + n)
 
     def build_connector_meta(self, scheduler_output: Any) -> CWMConnectorMetadata:
         self.lookups.new_step()
@@ -254,8 +255,10 @@ class SchedulerSide:
                 state.block_ids.extend(new_ids[0])
             # vLLM rolls a request back to a block whose load failed (and recomputes the rest):
             # what was planned past the roll-back point is planned again
-            state.handled_blocks = min(state.handled_blocks,
-                                       cached.num_computed_tokens[i] // self.block_size)
+            back = cached.num_computed_tokens[i] // self.block_size
+            state.handled_blocks = min(state.handled_blocks, back)
+            lo, hi = state.loaded       # (and the blocks past it are not loaded ones)
+            state.loaded = (lo, max(lo, min(hi, back)))
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self.saves.plan(state, req_id, done, meta)
         for state in self._reqs.values():
@@ -305,6 +308,7 @@ class SchedulerSide:
             self.stats.add("load_failures_recomputed")
             if (state := self._reqs.get(req_id)) is not None:
                 state.load_failed = True
+                state.loaded = (0, 0)        # recomputed: saved as any computed block
             self._warn("load", "promised blocks could not be loaded (evicted, deleted or "
                        "damaged after the lookup); vLLM recomputes them (counted as "
                        "cwm:connector_load_failures_recomputed)")

@@ -154,6 +154,19 @@ def test_loads_are_planned_for_allocated_blocks_and_failed_hashes_are_forgotten(
     assert side.get_num_new_matched_tokens(make_request(hash_fn, "r9", 4 * BS + 1), 0)[0] == BS
 
 
+def loading_three(hash_fn, ns, store, ids: list[int]):
+    """A request of ``len(ids) - 1`` blocks and a token whose first 3 blocks are stored,
+    promised and allocated ``ids``: (the scheduler side, the request, its block hashes)."""
+    side = side_for(ns, store)
+    req = make_request(hash_fn, "r1", (len(ids) - 1) * BS + 1)
+    hs = hashes(req, len(ids) - 1)
+    fill(store, ns.keys(hs[:3], 0))
+    n, _ = side.get_num_new_matched_tokens(req, 0)
+    assert n == 3 * BS
+    side.update_state_after_alloc(req, Blocks(ids), n)
+    return side, req, hs
+
+
 def test_blocks_a_request_loads_are_never_saved_again_by_it(hash_fn, ns, store):
     """The loaded blocks' hashes may be forgotten between the lookup and the step that
     prefills the request (a worker's memory tier reported them dropped; a durable lookup is
@@ -161,14 +174,8 @@ def test_blocks_a_request_loads_are_never_saved_again_by_it(hash_fn, ns, store):
     them (one would copy every loaded block out of the cache again: an 8k-token restore
     from disk spent ~100 ms faulting in and filling a 188 MB staging copy), only of the
     blocks the request computes."""
-    side = side_for(ns, store)
-    req = make_request(hash_fn, "r1", 5 * BS + 1)
-    hs = hashes(req, 5)
-    fill(store, ns.keys(hs[:3], 0))
-    n, _ = side.get_num_new_matched_tokens(req, 0)
-    assert n == 3 * BS
     ids = [7, 8, 9, 10, 11, 12]
-    side.update_state_after_alloc(req, Blocks(ids), n)
+    side, req, hs = loading_three(hash_fn, ns, store, ids)
     side.build_connector_meta(SchedulerOutput.make_empty())    # the load's step
     side.update_connector_output(type("Out", (), {              # the memory tier dropped them
         "kv_connector_worker_meta": CWMWorkerMetadata(dropped=set(hs[:3]), step=1)})())
@@ -182,14 +189,8 @@ def test_a_request_rolled_back_by_a_failed_load_has_its_blocks_planned_again(has
     """vLLM rolls a request back to a block whose load failed and recomputes from there;
     the workers did not save what was computed over it and reported those hashes failed.
     The blocks recomputed must be planned for saving again, not skipped as handled."""
-    side = side_for(ns, store)
-    req = make_request(hash_fn, "r1", 6 * BS + 1)
-    hs = hashes(req, 6)
-    fill(store, ns.keys(hs[:3], 0))
-    n, _ = side.get_num_new_matched_tokens(req, 0)
-    assert n == 3 * BS
     ids = [7, 8, 9, 10, 11, 12, 13]
-    side.update_state_after_alloc(req, Blocks(ids), n)
+    side, req, hs = loading_three(hash_fn, ns, store, ids)
     meta = side.build_connector_meta(step(req, ids, 3 * BS, 3 * BS + 1))
     assert [s.block_ids for s in meta.saves] == [[10, 11, 12]]  # computed over the loads
     side.update_connector_output(type("Out", (), {  # block 1's load failed: not saved

@@ -41,14 +41,14 @@ def replicate(store: Any, keys: Sequence[bytes]) -> dict[str, int]:
     tiers = store.durable or store.tiers
     held = {t.name: _blobs(store, t, keys) for t in store.tiers}
     out: dict[str, int] = {}
+    # a durable source first: the memory tier's copy may be the uncompressed twin
+    sources = sorted(store.tiers, key=lambda t: not t.durable)
     for tier in tiers:
         mine = held[tier.name]
         for i, blob_id in enumerate(mine):
             if blob_id is not None:
                 continue
-            # a durable source first: the memory tier's copy may be the uncompressed twin
-            source = next((s for s in sorted(store.tiers, key=lambda t: not t.durable)
-                           if s is not tier and held[s.name][i]), None)
+            source = next((s for s in sources if s is not tier and held[s.name][i]), None)
             if source is None:
                 continue
             sid = held[source.name][i]

@@ -213,3 +213,20 @@ def test_the_memory_tier_keeps_blocks_uncompressed_and_hands_them_over_without_a
     fill(one, 4, kv_block)
     assert one.memory.lookup_many(keys) == one.disk.lookup_many(keys)
     assert one.usage()["memory"]["bytes"] == one.usage()["disk"]["bytes"]
+
+
+def test_a_durable_tier_lacking_a_block_gets_the_compressed_copy_not_the_memory_twin(
+        make_store, tmp_path, kv_block, redis_server):
+    """Replication (a window pinned on every durable tier) copies a block Redis lacks from a
+    durable tier that holds it: the compressed blob, never the memory tier's uncompressed
+    twin, which would take ~1.5x the bytes in Redis."""
+    from cwm_plugin.store.replication import replicate
+    s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=1 << 24,
+                   redis_url=redis_server.url, redis_prefix="twin")
+    blocks = fill(s, 2, kv_block)
+    keys = list(blocks)
+    s.redis.delete_many(keys[:1])                      # a write-behind that never arrived
+    assert s.redis.lookup_many(keys[:1]) == [None]
+    assert replicate(s, keys) == {"disk": 2, "redis": 2}
+    assert s.redis.lookup_many(keys) == s.disk.lookup_many(keys)
+    assert s.redis.lookup_many(keys[:1]) != s.memory.lookup_many(keys[:1])

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 SHUTDOWN_FLUSH_S = 30                      # the longest a shutdown waits for pending saves
 # An idle step (every request waits for its load) waits this long at most for one to end:
 # vLLM's loop would otherwise spin through empty steps, holding the GIL the loading threads
-# need (an 8k-token CPU-tier load took 104 ms beside the spinning loop, ~45 ms alone). A
+# need (an 8k-token CPU-tier load took 104 ms beside the spinning loop, 57-82 ms with it). A
 # request arriving meanwhile is scheduled this much later at most.
 IDLE_WAIT_S = 0.005
 

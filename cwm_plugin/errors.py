@@ -90,6 +90,15 @@ class TierUnavailable(CWMError):
     http_status = 503
 
 
+class MemoryUnavailable(CWMError):
+    """The memory's shared database (PostgreSQL) cannot be reached right now; a turn is
+    answered without memory until it is back."""
+
+    code = "memory_unavailable"
+    retryable = True
+    http_status = 503
+
+
 class UpstreamError(CWMError):
     code = "upstream_error"
     retryable = True

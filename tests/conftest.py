@@ -12,6 +12,7 @@ import pytest
 
 from cwm_plugin.compute_dtype import compute_dtype
 from cwm_plugin.testing.models import TINY, build_random_model, build_smollm2
+from cwm_plugin.testing.postgres_server import PostgresServer
 from cwm_plugin.testing.procs import wait_process_group
 from cwm_plugin.testing.redis_cluster import RedisCluster
 from cwm_plugin.testing.redis_server import RedisServer
@@ -47,6 +48,33 @@ def redis_server() -> Iterator[RedisServer]:
     """A real redis-server on a free loopback port, no persistence, stopped after the test."""
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A real PostgreSQL with pgvector on loopback, one for the run (use :func:`postgres_url`
+    for a database of the test's own; start a ``PostgresServer`` of its own to stop or kill)."""
+    with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """A fresh database with pgvector on the run's PostgreSQL, dropped after the test."""
+    import secrets
+
+    import psycopg
+
+    name = f"t_{secrets.token_hex(6)}"
+    admin = postgres_server.url.rsplit("/", 1)[0] + "/postgres"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = postgres_server.url.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION vector")
+    yield url
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,11 @@ class MemoryConfig:
     # Look at the files for changes by other processes at most this often (seconds; 0: on
     # every search). This process's own appends are indexed as they are written.
     sync_interval_s: float = 0.0
+    # The truth in PostgreSQL (shared by replicas) instead of markdown files under ``root``;
+    # ``root`` then keeps only derived data. ``repr=False``: a URL may carry a password.
+    postgres_url: str | None = field(default=None, repr=False)
+    postgres_pool_size: int = 8
+    postgres_timeout_s: float = 5.0  # to connect, or to wait for a pooled connection
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)

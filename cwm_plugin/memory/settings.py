@@ -9,9 +9,11 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
 from cwm_plugin.config_file import Strict, beside, load_section
+
+POSTGRES_URL_ENV = "CWM_POSTGRES_URL"
 
 
 class EmbedderConfig(Strict):
@@ -80,6 +82,24 @@ class MemorySettings(Strict):
     background_workers: int = Field(default=1, ge=1)  # model calls for background work at once
     warm_on_start: bool = True  # load every tenant's index when the app starts
     sync_interval_s: float = Field(default=1.0, ge=0)  # look for other writers (background)
+    # Where the truth lives: markdown files under ``root`` (one machine), or a PostgreSQL every
+    # sidecar replica shares (``root`` then keeps this replica's derived data only).
+    backend: Literal["files", "postgres"] = "files"
+    # postgresql://user:password@host:port/db; unset: $CWM_POSTGRES_URL (a password kept out of
+    # the file). Never logged or shown (a SecretStr).
+    postgres_url: SecretStr | None = None
+    postgres_pool_size: int = Field(default=8, ge=1)  # connections per replica
+    postgres_timeout_s: float = Field(default=5.0, gt=0)  # to connect, or for a free connection
+
+    @model_validator(mode="after")
+    def _postgres_url(self) -> MemorySettings:
+        if self.backend == "postgres" and self.postgres_url is None:
+            env = os.environ.get(POSTGRES_URL_ENV)
+            if not env:
+                raise ValueError(f"memory.backend is postgres but there is no postgres_url: "
+                                 f"set memory.postgres_url or ${POSTGRES_URL_ENV}")
+            self.postgres_url = SecretStr(env)
+        return self
 
     def resolve_root(self, config_file: str | os.PathLike[str]) -> None:
         """Take a relative ``root`` from the folder of the settings file it was read from."""
@@ -103,4 +123,8 @@ def service_kwargs(cfg: MemorySettings) -> dict[str, Any]:
             "vector_context_lines": cfg.vector_context_lines, "recent_turns": cfg.recent_turns,
             "sync_interval_s": cfg.sync_interval_s,
             "vector_context_mode": cfg.vector_context_mode,
+            **({"postgres_url": cfg.postgres_url.get_secret_value(),
+                "postgres_pool_size": cfg.postgres_pool_size,
+                "postgres_timeout_s": cfg.postgres_timeout_s}
+               if cfg.backend == "postgres" and cfg.postgres_url else {}),
             **cfg.search.model_dump()}

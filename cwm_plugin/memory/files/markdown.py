@@ -152,6 +152,9 @@ class MemoryFiles:
         self.root = Path(root)
         self._strays: set[str] = set()  # names skipped (and logged) once
 
+    def close(self) -> None:
+        """Nothing held open (the truth's interface: a database closes its pool)."""
+
     # --- paths -----------------------------------------------------------------------------
 
     def folder_dir(self, folder: str) -> Path:
@@ -235,9 +238,31 @@ class MemoryFiles:
                 out[e.name[:-3]] = (st.st_size, st.st_mtime_ns)
         return out
 
-    def session_size(self, folder: str, session: str) -> int:
+    def session_data(self, folder: str, session: str) -> tuple[bytes, int] | None:
+        """The session file's bytes (never half an append another writer is making) and its
+        mtime in nanoseconds; None when there is no such file."""
         path = self.session_path(folder, session)
-        return path.stat().st_size if path.exists() else 0
+        try:
+            mtime = path.stat().st_mtime_ns
+            return read_locked(path), mtime
+        except FileNotFoundError:
+            return None
+
+    def session_stat(self, folder: str, session: str) -> tuple[int, int] | None:
+        """``(size, mtime_ns)`` of the session file; None when there is none."""
+        try:
+            st = self.session_path(folder, session).stat()
+        except FileNotFoundError:
+            return None
+        return st.st_size, st.st_mtime_ns
+
+    def memories_signature(self, folder: str) -> tuple[int, int] | None:
+        """``(size, mtime_ns)`` of memories.md; None when there is none."""
+        try:
+            st = self.memories_path(folder).stat()
+        except FileNotFoundError:
+            return None
+        return st.st_size, st.st_mtime_ns
 
     def _daily(self, folder: str, session: str, turns: list[Turn]) -> None:
         by_day: dict[str, list[str]] = {}

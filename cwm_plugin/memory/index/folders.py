@@ -18,13 +18,12 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from cwm_plugin.memory.files.durable import read_locked
-from cwm_plugin.memory.files.markdown import MemoryFiles, decode_turns_at, encode_turn
+from cwm_plugin.memory.files.markdown import decode_turns_at, encode_turn
+from cwm_plugin.memory.files.truth import MemoryTruth
 from cwm_plugin.memory.index import persist
 from cwm_plugin.memory.index.chunks import ChunkIndex
 from cwm_plugin.memory.index.embeddings import Embedder
@@ -60,7 +59,7 @@ class _Folder:
 
 
 class FolderIndexes:
-    def __init__(self, files: MemoryFiles, config: MemoryConfig, embedder: Embedder,
+    def __init__(self, files: MemoryTruth, config: MemoryConfig, embedder: Embedder,
                  counter: TokenCounter, metrics: MemoryMetrics) -> None:
         self.files = files
         self.config = config
@@ -190,7 +189,7 @@ class FolderIndexes:
     def _sync(self, folder: str, t: _Folder, stats: dict | None = None) -> None:
         on_disk = self.files.session_stats(folder) if stats is None else stats  # one scan
         for session in sorted(set(t.marks) - set(on_disk)):
-            if stats is not None and self.files.session_path(folder, session).exists():
+            if stats is not None and self.files.session_stat(folder, session) is not None:
                 continue  # written after the scan: not removed
             log.info("session %s of folder %s was removed: dropping it from the index",
                      session, folder)
@@ -203,15 +202,13 @@ class FolderIndexes:
                 self._sync_session(folder, t, session)
 
     def _sync_session(self, folder: str, t: _Folder, session: str) -> None:
-        path = self.files.session_path(folder, session)
-        try:
-            st = path.stat()
-        except FileNotFoundError:
+        got = self.files.session_data(folder, session)  # (never half another's append)
+        if got is None:
             return
+        data, version = got
         mark = t.marks.get(session)
-        if mark is not None and (st.st_size, st.st_mtime_ns) == (mark.size, mark.mtime_ns):
+        if mark is not None and (len(data), version) == (mark.size, mark.mtime_ns):
             return
-        data = read_locked(path)  # (never half an append another writer is making)
         before = t.index.added
         if mark is not None and len(data) >= mark.offset and \
                 _same(mark, data[:mark.offset]):
@@ -227,7 +224,7 @@ class FolderIndexes:
         mark.hasher.update(data[mark.offset:mark.offset + used])
         mark.offset += used
         t.index.offsets[session] = mark.offset
-        mark.size, mark.mtime_ns = len(data), st.st_mtime_ns
+        mark.size, mark.mtime_ns = len(data), version
         t.dirty = True
         self.metrics.chunks.inc(t.index.added - before)
 
@@ -246,14 +243,11 @@ class FolderIndexes:
             mark = t.marks[session] = LiveMark()
         before = t.index.added
         t.index.add_turns(session, turns, prepared)
-        _running(mark, self.files.session_path(folder, session)).update(
+        _running(mark, self.files, folder, session).update(
             b"".join(encode_turn(turn) for turn in turns))
         mark.offset = t.index.offsets[session] = end
-        try:
-            st = self.files.session_path(folder, session).stat()
-            mark.size, mark.mtime_ns = (end, st.st_mtime_ns) if st.st_size == end else (-1, -1)
-        except FileNotFoundError:
-            mark.size = mark.mtime_ns = -1
+        seen = self.files.session_stat(folder, session)
+        mark.size, mark.mtime_ns = seen if seen is not None and seen[0] == end else (-1, -1)
         t.dirty = True
         self.metrics.chunks.inc(t.index.added - before)
 
@@ -263,12 +257,7 @@ class FolderIndexes:
         """The folder's memory index, rebuilt whenever memories.md changed."""
         self.get(folder)
         t = self._folders[folder]
-        path = self.files.memories_path(folder)
-        try:
-            st = path.stat()
-            sig = (st.st_size, st.st_mtime_ns)
-        except FileNotFoundError:
-            sig = None
+        sig = self.files.memories_signature(folder)
         if t.memories is None or t.memories.signature != sig:
             mems = self.files.read_memories(folder)
             if t.memories is not None and t.memories.same_corpus(mems):
@@ -299,9 +288,10 @@ def _same(mark: LiveMark, prefix: bytes) -> bool:
     return True
 
 
-def _running(mark: LiveMark, path: Path) -> Any:
-    """The running sha256 of a mark; a saved digest is replaced by hashing the file's prefix."""
+def _running(mark: LiveMark, files: MemoryTruth, folder: str, session: str) -> Any:
+    """The running sha256 of a mark; a saved digest is replaced by hashing the session's
+    first ``mark.offset`` bytes."""
     if isinstance(mark.hasher, _Digest):
-        with open(path, "rb") as fh:
-            mark.hasher = hashlib.sha256(fh.read(mark.offset))
+        got = files.session_data(folder, session)
+        mark.hasher = hashlib.sha256((got[0] if got else b"")[:mark.offset])
     return mark.hasher

@@ -35,7 +35,8 @@ import numpy as np
 
 from cwm_plugin.errors import InvalidInput
 from cwm_plugin.memory.files.durable import file_lock, replace_durable
-from cwm_plugin.memory.files.markdown import MemoryFiles, utc_iso
+from cwm_plugin.memory.files.markdown import utc_iso
+from cwm_plugin.memory.files.truth import MemoryTruth
 from cwm_plugin.memory.index.persist import folder_dir
 from cwm_plugin.memory.models import CATEGORIES, Memory
 
@@ -83,7 +84,7 @@ def merge(mems: list[Memory], new: Memory, similar: Similar) -> tuple[list[Memor
 class FactStore:
     """One memory root's durable memories; ``lock(folder)`` serialises a folder's changes."""
 
-    def __init__(self, files: MemoryFiles, similar: Similar,
+    def __init__(self, files: MemoryTruth, similar: Similar,
                  lock: Callable[[str], AbstractContextManager[object]]) -> None:
         self.files = files
         self.similar = similar

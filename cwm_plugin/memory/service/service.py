@@ -22,7 +22,6 @@ import numpy as np
 from tqdm import tqdm
 
 from cwm_plugin.errors import InvalidInput
-from cwm_plugin.memory.files.markdown import MemoryFiles
 from cwm_plugin.memory.files.names import check_memory_name
 from cwm_plugin.memory.files.pending import PendingTurns
 from cwm_plugin.memory.index.chunks import ChunkIndex
@@ -32,6 +31,7 @@ from cwm_plugin.memory.index.ratios import TokenRatios
 from cwm_plugin.memory.index.search import search_index
 from cwm_plugin.memory.metrics import MemoryMetrics
 from cwm_plugin.memory.models import Hit, Memory, MemoryConfig, Selection, Turn
+from cwm_plugin.memory.postgres import open_truth
 from cwm_plugin.memory.selection.history import prefix_length, split_current
 from cwm_plugin.memory.selection.lines import Line, LineCorpus, rank_lines
 from cwm_plugin.memory.selection.select import Candidates, select
@@ -52,7 +52,7 @@ class MemoryService:
                  metrics: MemoryMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or MemoryMetrics()
-        self.files = MemoryFiles(config.root)
+        self.files = open_truth(config)
         if not isinstance(embedder, CachedEmbedder):
             embedder = CachedEmbedder(embedder, config.root / ".cache" / "embeddings",
                                       self.metrics)
@@ -279,7 +279,7 @@ class MemoryService:
                                    else None for h in hits]
         facts = [(h, by_id[h.chunk_id]) for h in fact_hits]
         for other in shared:  # one folder's lock at a time: never two held together
-            if self.files.memories_path(check_memory_name("folder", other)).exists():
+            if self.files.memories_signature(check_memory_name("folder", other)) is not None:
                 with self.lock(other):
                     got = self.indexes.memories(other).memories
                     facts += [(h, got[h.chunk_id]) for h in self._memory_hits(
@@ -382,6 +382,7 @@ class MemoryService:
         self.save()
         if isinstance(self.embedder, CachedEmbedder):
             self.embedder.close()
+        self.files.close()
         gc.unfreeze()  # what the indexes froze (folders.py) is garbage like the rest now
 
 

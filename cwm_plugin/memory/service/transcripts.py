@@ -14,9 +14,9 @@ import threading
 from collections.abc import Callable
 from datetime import datetime
 
-from cwm_plugin.memory.files.markdown import MemoryFiles
 from cwm_plugin.memory.files.names import check_memory_name
 from cwm_plugin.memory.files.pending import Batch, PendingTurns, turn_records
+from cwm_plugin.memory.files.truth import MemoryTruth
 from cwm_plugin.memory.index.chunking import Unit
 from cwm_plugin.memory.index.embeddings import Embedder
 from cwm_plugin.memory.index.folders import FolderIndexes
@@ -29,7 +29,7 @@ class TranscriptWriter:
     folder's lock, ``caught_up(folder)``: what follows an indexing (the service's look for
     other writers)."""
 
-    def __init__(self, files: MemoryFiles, embedder: Embedder, indexes: FolderIndexes,
+    def __init__(self, files: MemoryTruth, embedder: Embedder, indexes: FolderIndexes,
                  pending: PendingTurns, lock: Callable[[str], threading.RLock],
                  caught_up: Callable[[str], None]) -> None:
         self.files = files

@@ -1,0 +1,73 @@
+"""The memory's tables in PostgreSQL, created and upgraded by numbered migrations.
+
+``migrate`` brings a database to :data:`MIGRATIONS`' newest version, each migration in one
+transaction under an advisory lock, so replicas starting together apply each exactly once; the
+versions applied are kept in ``cwm_schema``. A database newer than this code is refused (a
+downgraded replica must not write rows it does not understand). Never edit a migration that has
+shipped: add the next one.
+
+Version 1: transcripts as rows of turns (their byte span in the session's record run, so
+offsets agree with the file backend's), one row a session (its size and a version that moves
+on every append), durable memories (one row each, their order kept) with a per-folder version,
+summaries and the background work's cursors. Every table starts with ``folder``: the owner
+(tenant, user or project namespace) every query is scoped by.
+"""
+
+from __future__ import annotations
+
+import psycopg
+
+from cwm_plugin.errors import ConfigError
+
+LOCK_ID = 0x63776D5F6D656D  # "cwm_mem": the advisory lock migrations take
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (  # 1
+        """CREATE TABLE cwm_memory_sessions (
+            folder text NOT NULL, session text NOT NULL,
+            size bigint NOT NULL DEFAULT 0, version bigint NOT NULL DEFAULT 0,
+            PRIMARY KEY (folder, session))""",
+        """CREATE TABLE cwm_memory_turns (
+            folder text NOT NULL, session text NOT NULL,
+            start_at bigint NOT NULL, end_at bigint NOT NULL,
+            turn_id text NOT NULL, role text NOT NULL, ts text NOT NULL, content text NOT NULL,
+            PRIMARY KEY (folder, session, start_at),
+            FOREIGN KEY (folder, session) REFERENCES cwm_memory_sessions ON DELETE CASCADE)""",
+        """CREATE TABLE cwm_memory_folders (
+            folder text PRIMARY KEY, facts_version bigint NOT NULL DEFAULT 0)""",
+        """CREATE TABLE cwm_memory_facts (
+            folder text NOT NULL REFERENCES cwm_memory_folders ON DELETE CASCADE,
+            position integer NOT NULL, id text NOT NULL, text text NOT NULL,
+            category text NOT NULL, importance double precision NOT NULL,
+            access_count integer NOT NULL, created text NOT NULL, key text NOT NULL,
+            source text NOT NULL, replaced_by text NOT NULL, until text NOT NULL,
+            PRIMARY KEY (folder, id))""",
+        """CREATE TABLE cwm_memory_summaries (
+            folder text NOT NULL, session text NOT NULL, text text NOT NULL,
+            upto_turn text NOT NULL, updated timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (folder, session))""",
+        """CREATE TABLE cwm_memory_cursors (
+            folder text NOT NULL, session text NOT NULL, name text NOT NULL,
+            turn_id text NOT NULL, PRIMARY KEY (folder, session, name))""",
+    ),
+)
+
+
+def migrate(conn: psycopg.Connection) -> int:
+    """Apply the migrations the database lacks; returns its version now."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_ID,))
+        conn.execute("CREATE TABLE IF NOT EXISTS cwm_schema (version integer PRIMARY KEY, "
+                     "applied timestamptz NOT NULL DEFAULT now())")
+        row = conn.execute("SELECT coalesce(max(version), 0) FROM cwm_schema").fetchone()
+        have = int(row[0]) if row else 0
+        if have > len(MIGRATIONS):
+            raise ConfigError(
+                f"the memory database is at schema version {have}, newer than this "
+                f"cwm_plugin knows ({len(MIGRATIONS)})",
+                hint="upgrade cwm_plugin on this replica to the version the others run")
+        for version in range(have + 1, len(MIGRATIONS) + 1):
+            for statement in MIGRATIONS[version - 1]:
+                conn.execute(statement)  # type: ignore[arg-type]  (constant SQL)
+            conn.execute("INSERT INTO cwm_schema (version) VALUES (%s)", (version,))
+    return len(MIGRATIONS)

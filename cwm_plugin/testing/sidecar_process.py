@@ -6,7 +6,9 @@ line), waits until ``/health`` answers, keeps its log, and stops it by its proce
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -59,6 +61,14 @@ class SidecarProcess:
             return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def kill(self) -> None:
+        """SIGKILL the process group (a replica that dies: nothing it holds is finished)."""
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=10)
+            self._proc = None
 
     def stop(self) -> None:
         if self._proc is not None:

@@ -22,6 +22,7 @@ from cwm_plugin.testing.conversations.locomo import turn_text
 from cwm_plugin.testing.postgres_server import PostgresServer
 from cwm_plugin.testing.procs import free_port
 
+pytestmark = pytest.mark.postgres
 WORDS = ("violin", "glacier", "tram", "saffron", "origami", "lighthouse", "cricket", "quartz",
          "mango", "tundra", "kayak", "sonnet", "falcon", "pottery", "harbour", "comet")
 

@@ -138,6 +138,9 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     model, info = route.model or model, route.info()
     state = sc.tracker.get(owner_of(ident), ident.session) if ident.session else SessionState()
     number = client_turn(messages, mode)
+    if sc.shared is not None and ident.session is not None:  # moved on by another replica?
+        with stages("state"):
+            await sc.shared.pull(ident.tenant, owner_of(ident), ident.session, state)
     if ident.session is not None:  # a thawed window, a restart: its prompt state first
         await restore_prompt(sc, ident.tenant, salt, state, state.turns.number(number),
                              messages)
@@ -150,6 +153,9 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
         # many people): no memory of other conversations unless its tenant turns that on
         "readable": perms.allows(ident, home, "read") and
         (not ident.sessionless or tenant_cfg.stateless_memory)}, stages)
+    if sc.shared is not None and ident.session is not None:  # before the client has the answer
+        with stages("state"):
+            await sc.shared.push(ident.tenant, owner_of(ident), ident.session, state)
     if sc.memory is not None and not status:
         sc.metrics.retrieval_seconds.labels(ident.tenant, model).observe(plan.sel.seconds)
         sc.metrics.injected_tokens.labels(ident.tenant, model).inc(plan.injected)

@@ -158,6 +158,8 @@ class ChatTurn:
                 project=self.project, model=self.model, question=asked[-1] if asked else "",
                 answer=answer, used=prompt_tokens, limit=self.max_len)),
                 name=f"activity-{tenant}")
+        if sc.shared is not None and self.ident.session is not None:  # the counters moved
+            await sc.shared.push(tenant, owner_of(self.ident), self.ident.session, state)
         if sc.maintainer is None or sc.memory is None or self.ident.session is None \
                 or not self.can_write:
             return
@@ -170,11 +172,14 @@ class ChatTurn:
         facts_due = cfg.extract_facts and state.turns_since_facts >= cfg.facts_every_turns
         if not (checkpoint or summary_due or facts_due):
             return
-        job = Job(sc.maintainer.run, checkpoint=checkpoint, info={
-            "tenant": tenant, "folder": self.ident.folder, "session": self.ident.session,
-            "model": self.model,
-            "salt": self.salt, "state": state, "max_model_len": self.max_len,
-            "hook": sc.snapshot_hook, "owner": owner_of(self.ident)})
+        info = {"tenant": tenant, "folder": self.ident.folder, "session": self.ident.session,
+                "model": self.model, "salt": self.salt, "state": state,
+                "max_model_len": self.max_len, "hook": sc.snapshot_hook,
+                "owner": owner_of(self.ident), "shared": sc.shared, "jobs": sc.jobs,
+                "checkpoint": checkpoint}
+        if sc.jobs is not None:  # recorded for the other replicas before it may run here
+            info["shared_id"] = await sc.jobs.record(info)
+        job = Job(sc.maintainer.run, checkpoint=checkpoint, info=info)
         sc.background.submit(tenant, (self.ident.folder, self.ident.session), job,
                              force=checkpoint)  # dropped: the session's next turn asks again
 

@@ -45,6 +45,7 @@ from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.salts import background_salt
 from cwm_plugin.sidecar.background import prompts as llm_prompts
 from cwm_plugin.sidecar.background.queue import Job
+from cwm_plugin.sidecar.background.shared_jobs import Claim
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.turn.memory_port import MemoryPort
 from cwm_plugin.sidecar.turn.session import SessionState, SnapshotHook, call_hook
@@ -230,10 +231,25 @@ class Maintainer:
         checkpoint's freeze makes; default: the tenant's)."""
         i = job.info
         state: SessionState = i["state"]
+        tenant, owner = i["tenant"], i.get("owner") or i["tenant"]
+        jobs, jid = i.get("jobs"), i.get("shared_id")
+        claim = await jobs.claim(tenant, jid) if jobs is not None and jid else True
+        if claim is False:  # another replica runs it, or has done it
+            self.metrics.background.labels(tenant, "after_turn", "elsewhere").inc()
+            return
         async with state.lock:  # one job of this session at a time, in turn order
-            await self._run(i["tenant"], i["session"], i["model"], i["salt"], state,
-                            i["max_model_len"], job.checkpoint, i["hook"],
-                            i.get("folder") or i["tenant"], i.get("owner") or i["tenant"])
+            shared = i.get("shared")
+            if shared is not None:  # where the replica that recorded it left the session
+                await shared.pull(tenant, owner, i["session"], state)
+            work = self._run(tenant, i["session"], i["model"], i["salt"], state,
+                             i["max_model_len"], job.checkpoint, i["hook"],
+                             i.get("folder") or tenant, owner)
+            if isinstance(claim, Claim):
+                await jobs.hold(tenant, claim, work)
+            else:
+                await work
+            if shared is not None:  # what it changed, for the other replicas
+                await shared.push(tenant, owner, i["session"], state)
 
     async def _run(self, tenant: str, session: str, model: str, salt: str,
                    state: SessionState, max_model_len: int | None, checkpoint: bool,

@@ -3,7 +3,7 @@ keeps, in all and for each principal (applied by ``turn/session.py``'s tracker).
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from cwm_plugin.config_file import Strict
 
@@ -19,3 +19,13 @@ class SessionSettings(Strict):
 
     max_tracked: int = Field(default=100_000, ge=1)
     tenant_share: int | None = Field(default=None, ge=1)
+    # Replicas sharing session state (turn/shared_state.py): a Redis URL (None: each process
+    # keeps its own). A password in it is never logged (a SecretStr).
+    shared_url: SecretStr | None = None
+    shared_ttl_s: int = Field(default=7 * 24 * 3600, ge=60)  # after a session's last write
+    shared_timeout_s: float = Field(default=0.25, gt=0)  # a slower Redis: the replica's own
+    # background jobs across replicas (background/shared_jobs.py): a new one is its replica's
+    # alone for grace_s; a claim lasts lease_s unless renewed (a dead replica's job is taken
+    # over once its lease has passed)
+    shared_job_grace_s: float = Field(default=5.0, ge=0)
+    shared_job_lease_s: float = Field(default=30.0, ge=1)

@@ -108,6 +108,8 @@ class SessionState:
     pinned: Pinned | None = None
     restored: bool = False  # its prompt state was looked for in the store (records.py)
     stored: bool = False  # ... and its record found there (a turn answered before a restart)
+    shared_version: int = 0  # the version of the replicas' shared state last seen (shared_state.py)
+    shared_seen: dict[str, Any] | None = None  # ... and what it held
     turns: Arrivals = field(default_factory=Arrivals)  # its client turns as they arrive
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one background job at a time
 

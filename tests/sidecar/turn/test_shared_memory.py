@@ -20,7 +20,7 @@ from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.postgres_server import PostgresServer
 from cwm_plugin.testing.server_thread import ServerThread
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.postgres
 
 
 def _replicas(url: str, tmp_path: Path, n: int = 2

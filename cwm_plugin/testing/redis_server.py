@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cwm_plugin.testing.procs import free_port, tail, wait_until
+from cwm_plugin.testing.procs import free_port, tail, terminate, wait_until
 
 
 @dataclass
@@ -67,13 +67,8 @@ class RedisServer:
             client.close()
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=5)
+        if self._proc is not None:
+            terminate(self._proc)
         self._proc = None
         if self._own_dir and self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)

@@ -6,9 +6,7 @@ line), waits until ``/health`` answers, keeps its log, and stops it by its proce
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -16,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from cwm_plugin.testing.procs import free_port, stop_process_group, tail, wait_until
+from cwm_plugin.testing.procs import free_port, kill_group, stop_process_group, tail, wait_until
 
 
 @dataclass
@@ -65,9 +63,7 @@ class SidecarProcess:
     def kill(self) -> None:
         """SIGKILL the process group (a replica that dies: nothing it holds is finished)."""
         if self._proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait(timeout=10)
+            kill_group(self._proc)
             self._proc = None
 
     def stop(self) -> None:

@@ -200,3 +200,23 @@ def drop_stream(srv: ServerThread, path: str, body: dict[str, Any], headers: dic
     while metric_value(srv, cut) <= before:
         assert time.monotonic() < deadline, "the cut was never noticed"
         time.sleep(0.1)
+
+
+@contextmanager
+def replicas_over_fake(pg_url: str, root: Path, n: int, **over: Any
+                       ) -> Iterator[tuple[Any, list[ServerThread]]]:
+    """``n`` sidecars on one PostgreSQL memory (``over`` merged into each one's settings; its
+    ``memory`` into the memory section) in front of one fake upstream serving ``tiny``."""
+    from contextlib import ExitStack
+
+    from cwm_plugin.sidecar.app import create_app
+    from cwm_plugin.testing.fake_upstream import FakeUpstream
+
+    fake = FakeUpstream(model="tiny", max_model_len=4096)
+    memory = {"backend": "postgres", "postgres_url": pg_url, **over.pop("memory", {})}
+    with ExitStack() as stack:
+        up = stack.enter_context(ServerThread(fake.app))
+        srvs = [stack.enter_context(ServerThread(create_app(make_settings(
+            up.url, root / f"replica-{i}", "tiktoken:cl100k_base", memory=memory,
+            routing={"health": {"interval_s": 0}}, **over)))) for i in range(n)]
+        yield fake, srvs

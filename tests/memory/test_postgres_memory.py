@@ -60,8 +60,13 @@ def test_both_truths_keep_one_contract(truth) -> None:
     assert data == b"".join(encode_turn(t) for t in [*first, _turn(2, "x" * 5000)])
     assert truth.session_stats("alice") == {"s1": (end2, version)}
     assert truth.session_stat("alice", "s1") == (end2, version)
+    sig = truth.folder_signature("alice")
     truth.append_turns("alice", "s2", [_turn(3)])
     assert truth.session_stat("alice", "s1") == (end2, version)  # another session's append
+    if sig is not None:  # (a database tells at once that some session moved)
+        assert truth.folder_signature("alice") not in (sig, None)
+        truth.append_turns("alice", "s2", [_turn(4)])
+        assert truth.folder_signature("alice") != sig
     assert truth.sessions("alice") == ["s1", "s2"] and truth.folders() == ["alice"]
     assert truth.session_data("alice", "nope") is None and truth.session_stat("bob", "s1") is None
 

@@ -248,6 +248,10 @@ class MemoryFiles:
         except FileNotFoundError:
             return None
 
+    def folder_signature(self, folder: str) -> None:
+        """None: a file appended to does not move its directory; every file is looked at."""
+        return None
+
     def session_stat(self, folder: str, session: str) -> tuple[int, int] | None:
         """``(size, mtime_ns)`` of the session file; None when there is none."""
         try:

@@ -42,6 +42,10 @@ class MemoryTruth(Protocol):
     def session_data(self, folder: str, session: str) -> tuple[bytes, int] | None:
         """The session's whole record run and its version; None when it does not exist."""
 
+    def folder_signature(self, folder: str) -> object | None:
+        """Moves whenever any session of the folder changes, in one cheap answer; None when
+        the truth cannot tell so cheaply (then every session is looked at)."""
+
     def session_stat(self, folder: str, session: str) -> tuple[int, int] | None:
         """One session's ``(size, version)``; None when it does not exist."""
 

@@ -56,6 +56,7 @@ class _Folder:
     dirty: bool = False
     memories: FactIndex | None = None
     synced_at: float = -1e9  # monotonic time of the last look at the files
+    signature: Any = None  # the truth's folder signature at the last full look, if it has one
 
 
 class FolderIndexes:
@@ -187,6 +188,11 @@ class FolderIndexes:
         return idx
 
     def _sync(self, folder: str, t: _Folder, stats: dict | None = None) -> None:
+        # a truth that can tell in one cheap answer that no session moved (a database) spares
+        # the look at every session; taken before that look, so a write in between moves it
+        sig = self.files.folder_signature(folder) if stats is None else None
+        if sig is not None and sig == t.signature:
+            return
         on_disk = self.files.session_stats(folder) if stats is None else stats  # one scan
         for session in sorted(set(t.marks) - set(on_disk)):
             if stats is not None and self.files.session_stat(folder, session) is not None:
@@ -200,6 +206,7 @@ class FolderIndexes:
             mark = t.marks.get(session)
             if mark is None or seen != (mark.size, mark.mtime_ns):
                 self._sync_session(folder, t, session)
+        t.signature = sig
 
     def _sync_session(self, folder: str, t: _Folder, session: str) -> None:
         got = self.files.session_data(folder, session)  # (never half another's append)

@@ -217,6 +217,15 @@ class PostgresTruth:
                                 "WHERE folder = %s", (folder,)).fetchall()
         return {r[0]: (int(r[1]), int(r[2])) for r in rows}
 
+    def folder_signature(self, folder: str) -> tuple[int, int]:
+        """``(sessions, sum of their versions)``: every append bumps a version, so this moves
+        with any session of the folder (one row back, however many sessions)."""
+        check_memory_name("folder", folder)
+        with self._conn() as conn:
+            row = conn.execute("SELECT count(*), coalesce(sum(version), 0) FROM "
+                               "cwm_memory_sessions WHERE folder = %s", (folder,)).fetchone()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
     def session_stat(self, folder: str, session: str) -> tuple[int, int] | None:
         _names(folder, session)
         with self._conn() as conn:

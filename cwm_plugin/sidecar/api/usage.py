@@ -17,7 +17,7 @@ def usage_router(sidecar: Any) -> APIRouter:
     @router.get("/usage")
     async def usage(request: Request, model: str | None = None) -> dict[str, Any]:
         ident = identity_of(request)
-        return sidecar.usage.report(ident.tenant, model,
-                                    owner_of(ident) if ident.user is not None else None)
+        return await sidecar.usage.shared_report(
+            ident.tenant, model, owner_of(ident) if ident.user is not None else None)
 
     return router

@@ -7,6 +7,7 @@ so vLLM's prefix cache keeps hitting. Without the shared state the second replic
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,25 @@ def test_the_shared_state_carries_a_compaction_and_the_counters(redis_server) ->
     garbled = SessionState()
     apply(garbled, {"prompt": "not a dict"})
     assert snapshot(garbled) == snapshot(SessionState())  # a malformed state changes nothing
+
+
+def test_usage_on_any_replica_counts_every_replicas_requests(postgres_server, redis_server,
+                                                              tmp_path: Path) -> None:
+    """``GET /v1/usage`` answers a tenant's (a user's) requests on every replica; another
+    tenant's stay out; without Redis a replica answers its own rows."""
+    with _sidecars(postgres_server, tmp_path, 2, redis_server.url) as (fake, (a, b)):
+        for srv, user in ((a, None), (b, None), (b, "xavier")):
+            r = chat(srv, "acme", [{"role": "user", "content": "Hi"}], session="u1",
+                     headers={"X-CWM-User": user} if user else None)
+            assert r.status_code == 200, r.text
+        assert chat(a, "beta", "Hi", session="u2").status_code == 200
+        time.sleep(0.5)  # (added in the background)
+        for srv in (a, b):
+            got = httpx.get(f"{srv.url}/v1/usage", headers=ADMIN, timeout=30).json()
+            assert got["total"]["requests"] == 3, got  # acme's own and its user's
+            mine = httpx.get(f"{srv.url}/v1/usage", timeout=30,
+                             headers={**ADMIN, "X-CWM-User": "xavier"}).json()
+            assert mine["total"]["requests"] == 1
+        redis_server.stop()
+        got = httpx.get(f"{a.url}/v1/usage", headers=ADMIN, timeout=30).json()
+        assert got["total"]["requests"] == 1  # A's own, Redis gone

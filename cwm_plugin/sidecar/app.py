@@ -165,11 +165,11 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     engine, auto = open_windows(settings)
     sidecar.windows = engine
     if s.shared_url is not None:
-        sidecar.shared = SharedSessions(s.shared_url.get_secret_value(), secrets[0],
+        sidecar.shared = SharedSessions(s.shared_url.get_secret_value(), secrets,
                                         ttl_s=s.shared_ttl_s, timeout_s=s.shared_timeout_s,
                                         failopen=sidecar.failopen)
         if sidecar.maintainer is not None:
-            sidecar.jobs = SharedJobs(s.shared_url.get_secret_value(), secrets[0],
+            sidecar.jobs = SharedJobs(s.shared_url.get_secret_value(), secrets,
                                       failopen=sidecar.failopen, lease_s=s.shared_job_lease_s,
                                       grace_s=s.shared_job_grace_s,
                                       timeout_s=s.shared_timeout_s)
@@ -195,6 +195,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
                 sidecar.background.spawn(memory.warm(tenant.name, tenant.name),
                                          name=f"warm-{tenant.name}")
         yield
+        if sidecar.jobs is not None:  # take over no more work: this replica is going
+            sidecar.jobs.stop_sweeping()
         await sidecar.background.close()
         if memory is not None:
             await memory.close()  # saves the indexes that changed

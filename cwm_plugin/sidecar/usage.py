@@ -297,7 +297,9 @@ class SharedUsage:
         except Exception as exc:  # noqa: BLE001 - the replica's own rows answer
             log.info("the replicas' shared usage could not be read (%s)", exc)
             return None
-        since = float(got.pop(b"since", b"0") or 0)
+        if b"since" not in got:  # nothing counted yet, or a Redis that lost it: our own rows
+            return None
+        since = float(got.pop(b"since"))
         out: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         for field, value in got.items():
             parts = field.decode().split(SEP)

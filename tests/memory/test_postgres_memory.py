@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -339,6 +340,13 @@ def test_migrate_then_export_gives_the_memory_back_and_reruns_resume(
     assert main(["memory", "export", "--root", str(tmp_path / "out"), *url]) == 0
     assert _listing(MemoryFiles(tmp_path / "out")) == _listing(src)
 
+    pg.update_memories("alice", lambda ms: [  # moved on in the database since the copy
+        replace(m, importance=0.1) if m.text == "Abena now lives in Porto" else m for m in ms])
+    before_mem = [m.__dict__ for m in pg.read_memories("alice", history=True)]
+    assert main(["memory", "migrate", "--root", str(tmp_path / "files"), *url]) == 1
+    assert "alice/memories" in capsys.readouterr().out  # reported, not overwritten
+    assert [m.__dict__ for m in pg.read_memories("alice", history=True)] == before_mem
+
     pg.append_turns("bob", "s1", [_turn(8, "only in the database")])
     before = pg.session_data("bob", "s1")
     src.append_turns("bob", "s1", [_turn(9, "only in the files")])
@@ -346,3 +354,19 @@ def test_migrate_then_export_gives_the_memory_back_and_reruns_resume(
     assert "conflict: bob/s1" in capsys.readouterr().out
     assert pg.session_data("bob", "s1") == before  # nothing overwritten
     pg.close()
+
+
+def test_a_nul_character_is_kept_as_a_replacement_and_a_closed_truth_says_so(
+        postgres_url: str, tmp_path: Path) -> None:
+    truth = PostgresTruth(postgres_url, tmp_path)
+    truth.append_turns("alice", "s1", [_turn(0, "a\x00b")])
+    truth.write_summary("alice", "s1", "x\x00y", "t-0")
+    truth.update_memories("alice", lambda ms: [Memory("m-1", "p\x00q", "fact", 0.5, 0, "c")])
+    assert truth.read_turns("alice", "s1")[0].content == "a\ufffdb"
+    assert truth.read_summary("alice", "s1")[0] == "x\ufffdy"
+    assert truth.read_memories("alice")[0].text == "p\ufffdq"
+    data, _ = truth.session_data("alice", "s1")
+    assert len(data) == truth.session_stat("alice", "s1")[0]  # spans of what is stored
+    truth.close()
+    with pytest.raises(MemoryUnavailable, match="closed"):
+        truth.folders()

@@ -4,8 +4,10 @@ PostgreSQL) and ``cwm memory export`` (PostgreSQL back out to markdown files).
 A copy can be run again and resumes: a session the destination holds whole is skipped, one it
 holds a beginning of (an interrupted copy, or turns added since) gets the rest appended, and one
 that differs from the source is left alone and reported (a conflict: nothing is overwritten).
-Summaries and the background work's cursors are the source's; durable memories are merged by
-id (the source's first, then any only the destination has). What is derived (indexes, access
+Summaries and the background work's cursors are the source's; the source's durable memories
+the destination lacks are added (one both hold that differs is reported and left as the
+destination has it). A session the database refuses (a duplicate id, say) is reported too;
+the copy goes on with the others. What is derived (indexes, access
 counts, the embedding cache) is not copied: each side rebuilds it.
 """
 
@@ -15,11 +17,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import psycopg
 from tqdm import tqdm
 
 from cwm_plugin.memory.files.markdown import encode_turn
 from cwm_plugin.memory.files.truth import MemoryTruth
-from cwm_plugin.memory.models import Memory
 
 log = logging.getLogger(__name__)
 CURSORS = ("facts",)  # the background work's cursors (sidecar/background/maintainer.py)
@@ -53,14 +55,22 @@ def copy_memory(src: MemoryTruth, dst: MemoryTruth, folders: list[str] | None = 
         for folder in names:
             report.folders += 1
             for session in src.sessions(folder):
-                why = _copy_session(src, dst, folder, session, report)
+                try:
+                    why = _copy_session(src, dst, folder, session, report)
+                except (psycopg.DataError, psycopg.IntegrityError) as exc:
+                    why = f"refused by the database ({type(exc).__name__}: {exc})"[:300]
                 if why:
                     report.conflicts.append(f"{folder}/{session}: {why}")
                     log.warning("memory copy: %s/%s left alone: %s", folder, session, why)
                     if on_conflict is not None:
                         on_conflict(report.conflicts[-1])
                 bar.update(1)
-            report.memories += _merge_memories(src, dst, folder)
+            gained, differ = _merge_memories(src, dst, folder)
+            report.memories += gained
+            for mid in differ:
+                report.conflicts.append(f"{folder}/memories: {mid} differs between the two "
+                                        "sides (the destination's is kept)")
+                log.warning("memory copy: %s", report.conflicts[-1])
     return report
 
 
@@ -99,19 +109,16 @@ def _copy_session(src: MemoryTruth, dst: MemoryTruth, folder: str, session: str,
     return ""
 
 
-def _merge_memories(src: MemoryTruth, dst: MemoryTruth, folder: str) -> int:
-    """The source's memories (replaced ones too), then those only the destination has;
-    returns how many the destination gained (0, and nothing written, when it had them)."""
+def _merge_memories(src: MemoryTruth, dst: MemoryTruth, folder: str
+                    ) -> tuple[int, list[str]]:
+    """Add the source's memories (replaced ones too) the destination lacks, after its own;
+    returns how many it gained and the ids both hold that differ (left as the destination has
+    them: it may have moved on since an earlier copy, a fact replaced there, say)."""
     theirs = src.read_memories(folder, history=True)
-    ids = {m.id for m in theirs}
-    if not theirs or [asdict(m) for m in theirs] == \
-            [asdict(m) for m in dst.read_memories(folder, history=True) if m.id in ids]:
-        return 0
-    gained: list[int] = []
-
-    def merge(mine: list[Memory]) -> list[Memory]:
-        gained.append(len(ids - {m.id for m in mine}))
-        return [*theirs, *(m for m in mine if m.id not in ids)]
-
-    dst.update_memories(folder, merge)
-    return gained[0]
+    mine = {m.id: m for m in dst.read_memories(folder, history=True)}
+    differ = [m.id for m in theirs if m.id in mine and asdict(m) != asdict(mine[m.id])]
+    new = [m for m in theirs if m.id not in mine]
+    if new:  # (the lock held, what another writer added meanwhile is kept)
+        dst.update_memories(folder, lambda ms: [
+            *ms, *(m for m in new if m.id not in {x.id for x in ms})])
+    return len(new), differ

@@ -35,6 +35,8 @@ from cwm_plugin.memory.models import Memory, Turn
 from cwm_plugin.memory.postgres.schema import migrate
 
 log = logging.getLogger(__name__)
+STATEMENT_TIMEOUT_S = 15.0  # one statement, at most
+LOCK_TIMEOUT_S = 10.0  # waiting for a row lock (another replica merging facts into a folder)
 FACT_FIELDS = ("id", "text", "category", "importance", "access_count", "created", "key",
                "source", "replaced_by", "until")
 
@@ -70,7 +72,17 @@ class PostgresTruth:
         self._pool: ConnectionPool | None = None
         self._retry_at = 0.0
         self._down_since: float | None = None
+        self._closed = False
         self._guard = threading.Lock()
+        # bounds on every connection: a database that stops answering (a partition, a host
+        # gone without a reset) fails a call in seconds instead of hanging a memory thread
+        self._options: dict[str, object] = {
+            "connect_timeout": max(1, round(timeout_s)),
+            "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
+            "keepalives_count": 3, "tcp_user_timeout": int(STATEMENT_TIMEOUT_S * 1000),
+            "options": f"-c statement_timeout={int(STATEMENT_TIMEOUT_S * 1000)} "
+                       f"-c lock_timeout={int(LOCK_TIMEOUT_S * 1000)} "
+                       "-c idle_in_transaction_session_timeout=60000"}
 
     # --- connections -----------------------------------------------------------------------
 
@@ -93,14 +105,24 @@ class PostgresTruth:
             self._lost(pool, exc)
 
     def _ready(self) -> ConnectionPool:
-        with self._guard:
+        pool = self._pool
+        if pool is not None:
+            return pool
+        if self._closed:
+            raise MemoryUnavailable("the memory is closed (the server is shutting down)")
+        # one caller probes; the others wait for it only while the database was never found
+        # down (a first connection), else they are answered at once
+        wait = self.timeout_s if self._down_since is None else 0.0
+        got = self._guard.acquire(timeout=wait) if wait else self._guard.acquire(blocking=False)
+        if not got:
+            raise self._unavailable("reconnecting")
+        try:
             if self._pool is not None:
                 return self._pool
             if time.monotonic() < self._retry_at:
                 raise self._unavailable("down")
             try:
-                with psycopg.connect(self._url, autocommit=True,
-                                     connect_timeout=max(1, round(self.timeout_s))) as conn:
+                with psycopg.connect(self._url, autocommit=True, **self._options) as conn:
                     migrate(conn)
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 self._retry_at = time.monotonic() + self.RETRY_S
@@ -108,8 +130,7 @@ class PostgresTruth:
                 raise self._unavailable(type(exc).__name__) from exc
             pool = ConnectionPool(self._url, min_size=1, max_size=self.pool_size, open=False,
                                   timeout=self.timeout_s, name="cwm-memory",
-                                  kwargs={"autocommit": True,
-                                          "connect_timeout": max(1, round(self.timeout_s))})
+                                  kwargs={"autocommit": True, **self._options})
             pool.open(wait=False)
             if self._down_since is not None:
                 log.warning("the memory database %s is back after %.1f s", self.where,
@@ -117,10 +138,12 @@ class PostgresTruth:
                 self._down_since = None
             self._pool = pool
             return pool
+        finally:
+            self._guard.release()
 
     def _probe(self) -> bool:
         try:
-            with psycopg.connect(self._url, connect_timeout=max(1, round(self.timeout_s))):
+            with psycopg.connect(self._url, **self._options):
                 return True
         except (psycopg.OperationalError, psycopg.InterfaceError):
             return False
@@ -159,6 +182,7 @@ class PostgresTruth:
 
     def close(self) -> None:
         with self._guard:
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
@@ -177,6 +201,7 @@ class PostgresTruth:
     def append_turns(self, folder: str, session: str, turns: list[Turn]) -> tuple[int, int]:
         """Append the records in one transaction; their ``(start, end)`` byte offsets."""
         _names(folder, session)
+        turns = [Turn(t.turn_id, t.role, _text(t.content), t.ts) for t in turns]
         sizes = [len(encode_turn(t)) for t in turns]
         with self._conn() as conn, conn.transaction():
             row = conn.execute(
@@ -217,14 +242,17 @@ class PostgresTruth:
                                 "WHERE folder = %s", (folder,)).fetchall()
         return {r[0]: (int(r[1]), int(r[2])) for r in rows}
 
-    def folder_signature(self, folder: str) -> tuple[int, int]:
-        """``(sessions, sum of their versions)``: every append bumps a version, so this moves
-        with any session of the folder (one row back, however many sessions)."""
+    def folder_signature(self, folder: str) -> tuple[int, int, int]:
+        """``(sessions, sum of their versions, sum of their sizes)``: every append bumps a
+        version and a size, so this moves with any session of the folder (one row back,
+        however many sessions; a session deleted by hand and written again moves the sizes
+        unless it holds the same bytes, and then the index is right anyway)."""
         check_memory_name("folder", folder)
         with self._conn() as conn:
-            row = conn.execute("SELECT count(*), coalesce(sum(version), 0) FROM "
-                               "cwm_memory_sessions WHERE folder = %s", (folder,)).fetchone()
-        return (int(row[0]), int(row[1])) if row else (0, 0)
+            row = conn.execute("SELECT count(*), coalesce(sum(version), 0), coalesce(sum(size), "
+                               "0) FROM cwm_memory_sessions WHERE folder = %s",
+                               (folder,)).fetchone()
+        return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
 
     def session_stat(self, folder: str, session: str) -> tuple[int, int] | None:
         _names(folder, session)
@@ -276,7 +304,8 @@ class PostgresTruth:
                 cur.executemany(
                     f"INSERT INTO cwm_memory_facts (folder, position, {', '.join(FACT_FIELDS)}) "
                     f"VALUES (%s, %s{', %s' * len(FACT_FIELDS)})",
-                    [(folder, i, *(getattr(m, f) for f in FACT_FIELDS))
+                    [(folder, i, *(_text(v) if isinstance(v, str) else v
+                                   for v in (getattr(m, f) for f in FACT_FIELDS)))
                      for i, m in enumerate(ordered)])
             conn.execute("UPDATE cwm_memory_folders SET facts_version = facts_version + 1 "
                          "WHERE folder = %s", (folder,))
@@ -300,7 +329,7 @@ class PostgresTruth:
         self._one("INSERT INTO cwm_memory_summaries (folder, session, text, upto_turn) VALUES "
                   "(%s, %s, %s, %s) ON CONFLICT (folder, session) DO UPDATE SET text = "
                   "excluded.text, upto_turn = excluded.upto_turn, updated = now() RETURNING 1",
-                  folder, session, text.strip(), upto_turn)
+                  folder, session, _text(text.strip()), upto_turn)
 
     def read_cursor(self, folder: str, session: str, name: str) -> str:
         row = self._one("SELECT turn_id FROM cwm_memory_cursors WHERE folder = %s AND "
@@ -317,6 +346,12 @@ class PostgresTruth:
         _names(folder, session)
         with self._conn() as conn:
             return conn.execute(sql, (folder, session, *more)).fetchone()  # type: ignore[arg-type]
+
+
+def _text(value: str) -> str:
+    """PostgreSQL's text holds no NUL character: one in a turn or a fact (JSON allows it) is
+    kept as U+FFFD, not refused."""
+    return value.replace("\x00", "\ufffd") if "\x00" in value else value
 
 
 def _names(folder: str, session: str) -> None:

@@ -236,13 +236,16 @@ class Maintainer:
         claim = await jobs.claim(tenant, jid) if jobs is not None and jid else True
         if claim is False:  # another replica runs it, or has done it
             self.metrics.background.labels(tenant, "after_turn", "elsewhere").inc()
+            if job.checkpoint:  # (that replica's job runs the checkpoint: see Claim)
+                state.checkpointing = False
             return
+        checkpoint = job.checkpoint or (isinstance(claim, Claim) and claim.checkpoint)
         async with state.lock:  # one job of this session at a time, in turn order
             shared = i.get("shared")
             if shared is not None:  # where the replica that recorded it left the session
                 await shared.pull(tenant, owner, i["session"], state)
             work = self._run(tenant, i["session"], i["model"], i["salt"], state,
-                             i["max_model_len"], job.checkpoint, i["hook"],
+                             i["max_model_len"], checkpoint, i["hook"],
                              i.get("folder") or tenant, owner)
             if isinstance(claim, Claim):
                 await jobs.hold(tenant, claim, work)

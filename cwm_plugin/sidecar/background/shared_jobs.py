@@ -26,7 +26,6 @@ Redis that is down or slow never stops the work: the replica runs its own jobs u
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import secrets
@@ -39,12 +38,14 @@ from cwm_plugin.sidecar.turn.failopen import FailOpen
 from cwm_plugin.sidecar.turn.shared_state import STAGE, Sealer
 
 log = logging.getLogger(__name__)
-INFO, DUE, CLAIM, GEN = "cwm:jobs:info", "cwm:jobs:due", "cwm:jobs:claim", "cwm:jobs:gen"
+INFO, DUE, CLAIM, GEN, CHECKPOINT = ("cwm:jobs:info", "cwm:jobs:due", "cwm:jobs:claim",
+                                     "cwm:jobs:gen", "cwm:jobs:checkpoint")
 SHARED = ("tenant", "folder", "session", "model", "salt", "max_model_len", "owner",
           "checkpoint")  # what another replica needs to run a session's job
 
 RECORD = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+if ARGV[4] == '1' then redis.call('HSET', KEYS[5], ARGV[1], 1) end
 local gen = redis.call('HINCRBY', KEYS[4], ARGV[1], 1)
 if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
   redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
@@ -52,13 +53,14 @@ end
 return gen
 """
 CLAIM_JOB = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return -1 end
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return {-1, 0} end
 local holder = redis.call('HGET', KEYS[3], ARGV[1])
 local due = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]) or '0')
-if holder and holder ~= ARGV[2] and due > tonumber(ARGV[3]) then return -2 end
+if holder and holder ~= ARGV[2] and due > tonumber(ARGV[3]) then return {-2, 0} end
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
-return tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0')
+return {tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0'),
+        redis.call('HEXISTS', KEYS[5], ARGV[1])}
 """
 RENEW = """
 if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return 0 end
@@ -71,6 +73,7 @@ redis.call('HDEL', KEYS[3], ARGV[1])
 if tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0') == tonumber(ARGV[3]) then
   redis.call('HDEL', KEYS[1], ARGV[1])
   redis.call('HDEL', KEYS[4], ARGV[1])
+  redis.call('HDEL', KEYS[5], ARGV[1])
   redis.call('ZREM', KEYS[2], ARGV[1])
   return 1
 end
@@ -84,22 +87,20 @@ class Claim:
     job_id: str
     token: str
     generation: int
-
-
-def job_id(owner: str, session: str) -> str:
-    return hashlib.sha256(f"{owner}\x00{session}".encode()).hexdigest()[:32]
+    checkpoint: bool  # a checkpoint was recorded for it (by any replica): it runs one
 
 
 class SharedJobs:
     """The replicas' shared record of due background work (see the module docstring)."""
 
-    def __init__(self, url: str, secret: bytes, *, failopen: FailOpen, lease_s: float = 30.0,
+    def __init__(self, url: str, secrets: list[bytes] | bytes, *, failopen: FailOpen,
+                 lease_s: float = 30.0,
                  grace_s: float = 5.0, timeout_s: float = 0.25) -> None:
         import redis.asyncio as aioredis
 
         self._redis = aioredis.from_url(url, socket_timeout=timeout_s,
                                         socket_connect_timeout=timeout_s)
-        self._sealer = Sealer(secret, "jobs")
+        self._sealer = Sealer(secrets, "jobs")
         self._scripts = {name: self._redis.register_script(src) for name, src in
                          (("record", RECORD), ("claim", CLAIM_JOB), ("renew", RENEW),
                           ("done", DONE))}
@@ -111,16 +112,17 @@ class SharedJobs:
 
     async def _run(self, name: str, *args: Any) -> Any:
         return await asyncio.wait_for(
-            self._scripts[name](keys=[INFO, DUE, CLAIM, GEN], args=list(args)), self.timeout_s)
+            self._scripts[name](keys=[INFO, DUE, CLAIM, GEN, CHECKPOINT], args=list(args)),
+            self.timeout_s)
 
     async def record(self, info: dict[str, Any]) -> str | None:
         """Record a session's due work (``info``: :data:`SHARED` and more); its id, or None
         when Redis could not take it (the job then runs here, unclaimed)."""
-        jid = job_id(info["owner"], info["session"])
+        jid = self._sealer.name(str(info["owner"]), str(info["session"]))
         data = json.dumps({k: info.get(k) for k in SHARED}).encode()
         try:
             await self._run("record", jid, self._sealer.seal(jid, data),
-                            time.time() + self.grace_s)
+                            time.time() + self.grace_s, "1" if info.get("checkpoint") else "0")
         except Exception as exc:  # noqa: BLE001 - the job runs here all the same
             self.failopen.failed(str(info.get("tenant")), STAGE, exc)
             return None
@@ -132,11 +134,11 @@ class SharedJobs:
         token = secrets.token_hex(8)
         now = time.time()
         try:
-            gen = int(await self._run("claim", jid, token, now, now + self.lease_s))
+            gen, checkpoint = await self._run("claim", jid, token, now, now + self.lease_s)
         except Exception as exc:  # noqa: BLE001
             self.failopen.failed(tenant, STAGE, exc)
             return True
-        return False if gen < 0 else Claim(jid, token, gen)
+        return False if int(gen) < 0 else Claim(jid, token, int(gen), bool(int(checkpoint)))
 
     async def hold(self, tenant: str, claim: Claim, work: Awaitable[Any]) -> None:
         """Run ``work`` under ``claim``, renewing it every third of the lease; then the entry
@@ -166,13 +168,29 @@ class SharedJobs:
         if not ids:
             return []
         blobs = await asyncio.wait_for(self._redis.hmget(INFO, ids), self.timeout_s)
-        out = []
+        out, unreadable = [], []
         for raw_id, blob in zip(ids, blobs, strict=True):
             jid = raw_id.decode()
             data = self._sealer.open(jid, blob) if blob is not None else None
-            if data is not None:
+            if data is None:  # sealed under a secret no longer in its grace, or damaged
+                unreadable.append(jid)
+            else:
                 out.append((jid, json.loads(data)))
+        if unreadable:  # never left to hold the head of the queue
+            log.warning("%d shared background jobs could not be opened (another server secret, "
+                        "or damaged): dropped; their sessions' next turns ask again",
+                        len(unreadable))
+            pipe = self._redis.pipeline(transaction=False)
+            for key in (INFO, CLAIM, GEN, CHECKPOINT):
+                pipe.hdel(key, *unreadable)
+            pipe.zrem(DUE, *unreadable)
+            await asyncio.wait_for(pipe.execute(), self.timeout_s)
         return out
+
+    def stop_sweeping(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
 
     def sweep(self, submit: Callable[[str, dict[str, Any]], None], every_s: float) -> None:
         """Start sweeping every ``every_s``: ``submit(id, info)`` queues a job found due."""
@@ -188,6 +206,5 @@ class SharedJobs:
         self._sweeper = asyncio.get_running_loop().create_task(loop(), name="cwm-job-sweeper")
 
     async def aclose(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        self.stop_sweeping()
         await self._redis.aclose()

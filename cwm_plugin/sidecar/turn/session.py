@@ -110,6 +110,7 @@ class SessionState:
     stored: bool = False  # ... and its record found there (a turn answered before a restart)
     shared_version: int = 0  # the version of the replicas' shared state last seen (shared_state.py)
     shared_seen: dict[str, Any] | None = None  # ... and what it held
+    shared_pulled: bool = True  # the last read of it succeeded (else this state is not written)
     turns: Arrivals = field(default_factory=Arrivals)  # its client turns as they arrive
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one background job at a time
 

@@ -9,14 +9,16 @@ Redis when another replica has moved it on (``pull``: one ``HGETALL``), and puts
 changed (``push``: after planning, awaited, so it is there before the client holds the answer;
 after the turn's bookkeeping and after its background work, in the background).
 
-One hash a session, ``cwm:session:<sha256(owner, session)>``: ``v`` (a version bumped by every
-write) and ``s`` (the state as JSON, sealed: :class:`Sealer`, so the memory pinned to a
-conversation is not readable in Redis without the server secret), expiring ``shared_ttl_s``
-after its last write. Writes
-are last-writer-wins: two turns of one session at once on two replicas are not ordered (the
-client did not order them either). A Redis that is down or slow (``shared_timeout_s``) costs a
-turn nothing but the sharing: the replica goes on with its own state, the failure is logged
-once and counted (``cwm_sidecar_memory_failures_total{stage="session_state"}``).
+One hash a session, ``cwm:session:<HMAC(owner, session)>``: ``v`` (a version bumped by every
+write) and ``s`` (the state as JSON, sealed with its version: :class:`Sealer`, so the memory
+pinned to a conversation is neither readable nor replayable in Redis without the server
+secret), expiring ``shared_ttl_s`` after its last write. A write goes over the version its
+replica read, else it is dropped (two turns of one session at once on two replicas: the first
+write stands, the other replica reads it next turn), and a replica whose read failed does not
+write (its own state may be older than Redis's). A Redis that is down or slow
+(``shared_timeout_s``) costs a turn nothing but the sharing: the replica goes on with its own
+state, the failure is logged once and counted
+(``cwm_sidecar_memory_failures_total{stage="session_state"}``).
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ log = logging.getLogger(__name__)
 STAGE = "session_state"
 COUNTERS = ("turns_recorded", "turns_since_summary", "turns_since_facts", "checkpoints",
             "compaction_due", "calibration", "last_prompt_tokens")
-# bump the version and write the state in one step; answer the new version
+# write the state over the version the writer read (ARGV[3]) and bump it, in one step; -1
+# when another replica wrote since
 WRITE = """
-local v = redis.call('HINCRBY', KEYS[1], 'v', 1)
-redis.call('HSET', KEYS[1], 's', ARGV[1])
+local cur = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
+if cur ~= tonumber(ARGV[3]) then return -1 end
+redis.call('HSET', KEYS[1], 'v', cur + 1, 's', ARGV[1])
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
-return v
+return cur + 1
 """
 
 
@@ -70,62 +74,76 @@ def apply(state: SessionState, got: dict[str, Any]) -> None:
 
 
 class Sealer:
-    """AES-256-GCM under a key derived from the server secret (every replica holds it), the
-    Redis key as associated data: what replicas share in Redis is unreadable without the
-    secret, and a value moved to another key does not open."""
+    """What replicas keep in Redis, unreadable and unforgeable without the server secret: values
+    sealed with AES-256-GCM under a key derived from the newest secret (any version still in
+    its grace opens them, so a rotation loses nothing), the caller's associated data bound in
+    (a value moved to another key, or replayed under another version, does not open); key
+    names keyed by HMAC (whoever reads Redis cannot test for a tenant's session)."""
 
-    def __init__(self, secret: bytes, purpose: str) -> None:
+    def __init__(self, secrets: list[bytes] | bytes, purpose: str) -> None:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-        self._aead = AESGCM(hmac.new(secret, f"cwm-shared\x00{purpose}".encode(),
-                                     hashlib.sha256).digest())
+        versions = [secrets] if isinstance(secrets, bytes) else list(secrets)
+        self._aeads = [AESGCM(hmac.new(s, f"cwm-shared\x00{purpose}".encode(),
+                                       hashlib.sha256).digest()) for s in versions]
+        self._namer = hmac.new(versions[0], f"cwm-shared-name\x00{purpose}".encode(),
+                               hashlib.sha256).digest()
 
-    def seal(self, key: str, data: bytes) -> bytes:
+    def name(self, *parts: str) -> str:
+        return hmac.new(self._namer, "\x00".join(parts).encode(), hashlib.sha256).hexdigest()[:40]
+
+    def seal(self, aad: str, data: bytes) -> bytes:
         nonce = os.urandom(12)
-        return nonce + self._aead.encrypt(nonce, data, key.encode())
+        return nonce + self._aeads[0].encrypt(nonce, data, aad.encode())
 
-    def open(self, key: str, sealed: bytes) -> bytes | None:
-        """The data, or None when it does not open (another secret, another key, damage)."""
+    def open(self, aad: str, sealed: bytes) -> bytes | None:
+        """The data, or None when it does not open (another secret, key or version; damage)."""
         from cryptography.exceptions import InvalidTag
 
-        try:
-            return self._aead.decrypt(sealed[:12], sealed[12:], key.encode())
-        except (InvalidTag, ValueError):
-            return None
+        for aead in self._aeads:
+            try:
+                return aead.decrypt(sealed[:12], sealed[12:], aad.encode())
+            except (InvalidTag, ValueError):
+                continue
+        return None
 
 
 class SharedSessions:
     """The sessions' shared state in one Redis (see the module docstring)."""
 
-    def __init__(self, url: str, secret: bytes, *, ttl_s: int, timeout_s: float,
-                 failopen: FailOpen) -> None:
+    def __init__(self, url: str, secrets: list[bytes] | bytes, *, ttl_s: int,
+                 timeout_s: float, failopen: FailOpen) -> None:
         import redis.asyncio as aioredis
 
         self._redis = aioredis.from_url(url, socket_timeout=timeout_s,
                                         socket_connect_timeout=timeout_s)
-        self._sealer = Sealer(secret, "sessions")
+        self._sealer = Sealer(secrets, "sessions")
         self._write = self._redis.register_script(WRITE)
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         self.failopen = failopen
 
-    @staticmethod
-    def key(owner: str, session: str) -> str:
-        return "cwm:session:" + hashlib.sha256(f"{owner}\x00{session}".encode()).hexdigest()
+    def key(self, owner: str, session: str) -> str:
+        return "cwm:session:" + self._sealer.name(owner, session)
 
     async def pull(self, tenant: str, owner: str, session: str, state: SessionState) -> None:
         """Take the session's shared state if another replica moved it on since this one
-        last saw it (never raises)."""
+        last saw it (never raises). A pull that fails leaves the replica's own state, which
+        this turn then does not write back (``state.shared_pulled``): it may be older."""
+        key = self.key(owner, session)
         try:
-            got = await asyncio.wait_for(self._redis.hgetall(self.key(owner, session)),
-                                         self.timeout_s)
+            got = await asyncio.wait_for(self._redis.hgetall(key), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - the replica's own state serves
+            state.shared_pulled = False
             self.failopen.failed(tenant, STAGE, exc)
             return
+        state.shared_pulled = True
         version = int(got.get(b"v", 0) or 0)
+        if version < state.shared_version:  # Redis lost it (flushed, restarted): start over
+            state.shared_version, state.shared_seen = version, None
         if version <= state.shared_version or b"s" not in got:
             return
-        raw = self._sealer.open(self.key(owner, session), got[b"s"])
+        raw = self._sealer.open(f"{key}\x00{version}", got[b"s"])
         try:
             data = json.loads(raw) if raw is not None else None
         except ValueError:
@@ -136,21 +154,26 @@ class SharedSessions:
         state.shared_version = version
 
     async def push(self, tenant: str, owner: str, session: str, state: SessionState) -> None:
-        """Write the session's state if it changed since this replica last read or wrote it
-        (never raises)."""
+        """Write the session's state if it changed since this replica last read or wrote it,
+        and only over the version it read (another replica's newer write wins; never
+        raises)."""
         now = snapshot(state)
-        if now == state.shared_seen:
+        if now == state.shared_seen or not state.shared_pulled:
             return
+        key = self.key(owner, session)
+        nxt = state.shared_version + 1
         try:
-            key = self.key(owner, session)
-            sealed = self._sealer.seal(key, json.dumps(now, default=_plain).encode())
-            version = await asyncio.wait_for(self._write(keys=[key], args=[sealed, self.ttl_s]),
-                                             self.timeout_s)
+            sealed = self._sealer.seal(f"{key}\x00{nxt}",
+                                       json.dumps(now, default=_plain).encode())
+            version = int(await asyncio.wait_for(self._write(
+                keys=[key], args=[sealed, self.ttl_s, state.shared_version]), self.timeout_s))
         except Exception as exc:  # noqa: BLE001 - shared again at the next change
             self.failopen.failed(tenant, STAGE, exc)
             return
+        if version < 0:  # another replica wrote first: its state stands, read next turn
+            return
         state.shared_seen = now
-        state.shared_version = max(state.shared_version, int(version))
+        state.shared_version = version
 
     async def aclose(self) -> None:
         await self._redis.aclose()

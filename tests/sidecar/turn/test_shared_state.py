@@ -140,3 +140,82 @@ def test_usage_on_any_replica_counts_every_replicas_requests(postgres_server, re
         redis_server.stop()
         got = httpx.get(f"{a.url}/v1/usage", headers=ADMIN, timeout=30).json()
         assert got["total"]["requests"] == 1  # A's own, Redis gone
+
+
+def test_a_write_goes_over_the_version_read_and_an_old_value_does_not_replay(redis_server
+                                                                             ) -> None:
+    import asyncio
+
+    import redis
+
+    from cwm_plugin.sidecar.metrics import SidecarMetrics
+    from cwm_plugin.sidecar.turn.failopen import FailOpen
+
+    async def run() -> None:
+        a, b = (SharedSessions(redis_server.url, [b"n" * 32, b"o" * 32], ttl_s=60,
+                               timeout_s=1.0, failopen=FailOpen(SidecarMetrics()))
+                for _ in range(2))
+        first, second = SessionState(), SessionState()
+        first.turns_since_facts = 4
+        await a.push("acme", "acme", "s1", first)
+        await b.pull("acme", "acme", "s1", second)
+        assert second.turns_since_facts == 4 and second.shared_version == 1
+        first.turns_since_facts = 5
+        await a.push("acme", "acme", "s1", first)  # v2
+        second.turns_since_facts = 0  # written over v1, which is gone: dropped
+        await b.push("acme", "acme", "s1", second)
+        check = SessionState()
+        await a.pull("acme", "acme", "s1", check)
+        assert check.turns_since_facts == 5 and check.shared_version == 2
+        stale = SessionState()
+        stale.shared_pulled = False  # its read failed: it writes nothing
+        stale.turns_since_facts = 9
+        await b.push("acme", "acme", "s9", stale)
+        raw = redis.Redis.from_url(redis_server.url)
+        assert not raw.exists(a.key("acme", "s9"))
+        key = a.key("acme", "s1")  # an old sealed value replayed under a newer version
+        old = raw.hget(key, "s")
+        first.turns_since_facts = 6
+        await a.push("acme", "acme", "s1", first)  # v3
+        raw.hset(key, mapping={"v": 4, "s": old})
+        replayed = SessionState()
+        await b.pull("acme", "acme", "s1", replayed)
+        assert replayed.turns_since_facts == 0  # it did not open: nothing taken
+        assert "acme" not in key and "s1" not in key  # names keyed by the secret
+        for s in (a, b):
+            await s.aclose()
+
+    asyncio.run(run())
+
+
+def test_jobs_keep_a_recorded_checkpoint_and_drop_what_no_secret_opens(redis_server) -> None:
+    import asyncio
+
+    from cwm_plugin.sidecar.background.shared_jobs import Claim, SharedJobs
+    from cwm_plugin.sidecar.metrics import SidecarMetrics
+    from cwm_plugin.sidecar.turn.failopen import FailOpen
+
+    async def run() -> None:
+        jobs = SharedJobs(redis_server.url, [b"n" * 32], failopen=FailOpen(SidecarMetrics()),
+                          grace_s=0.0, lease_s=5.0, timeout_s=1.0)
+        info = {"tenant": "acme", "folder": "acme", "session": "s1", "model": "tiny",
+                "salt": "x", "max_model_len": 4096, "owner": "acme"}
+        jid = await jobs.record({**info, "checkpoint": True})  # replica A: a checkpoint
+        assert await jobs.record({**info, "checkpoint": False}) == jid  # B: facts only
+        claim = await jobs.claim("acme", jid)
+        assert isinstance(claim, Claim) and claim.checkpoint  # A's checkpoint runs
+        assert await jobs.claim("acme", jid) is False  # held by the first claim
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        await jobs.hold("acme", claim, done)
+        assert await jobs.claim("acme", jid) is False  # done: nothing left to claim
+        other = SharedJobs(redis_server.url, [b"z" * 32], failopen=FailOpen(SidecarMetrics()),
+                           grace_s=0.0, timeout_s=1.0)
+        await other.record({**info, "session": "s2", "checkpoint": False})
+        await asyncio.sleep(0.01)
+        assert await jobs.due() == []  # sealed under a secret this one lacks: dropped,
+        assert await other.due() == []  # not left at the head of the queue
+        for j in (jobs, other):
+            await j.aclose()
+
+    asyncio.run(run())

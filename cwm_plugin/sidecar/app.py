@@ -63,6 +63,7 @@ from cwm_plugin.sidecar.runtime import Sidecar
 from cwm_plugin.sidecar.server_limits import BodyDeadline
 from cwm_plugin.sidecar.settings import Settings
 from cwm_plugin.sidecar.settings.secret_versions import folder_locator
+from cwm_plugin.sidecar.shared_redis import open_shared
 from cwm_plugin.sidecar.turn.counting import ModelCounters
 from cwm_plugin.sidecar.turn.failopen import FailOpen
 from cwm_plugin.sidecar.turn.memory_port import MemoryPort, build_memory, memory_threads
@@ -134,9 +135,10 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     router = Router(settings.endpoints(), settings.routing, metrics, transport=transport)
     limits = TenantLimits(settings.rate_limits, settings.principals(), metrics.rate_limited)
     s = settings.sessions
+    shared_redis = open_shared(s.shared_url.get_secret_value(), s.shared_timeout_s) \
+        if s.shared_url is not None else None  # one client for the replicas' shared parts
     usage = UsageLedger(settings.pricing, metrics, limits, shared=SharedUsage(
-        s.shared_url.get_secret_value(), timeout_s=s.shared_timeout_s)
-        if s.shared_url is not None else None)
+        shared_redis, timeout_s=s.shared_timeout_s) if shared_redis is not None else None)
     w, principals = settings.windows or WindowsSettings(), len(settings.principals())
     window_pool = TenantPool("cwm-windows", TenantBound(
         "window_ops", "window operations", w.tenant_threads, w.tenant_waiting,
@@ -164,12 +166,12 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
     )
     engine, auto = open_windows(settings)
     sidecar.windows = engine
-    if s.shared_url is not None:
-        sidecar.shared = SharedSessions(s.shared_url.get_secret_value(), secrets,
+    if shared_redis is not None:
+        sidecar.shared = SharedSessions(shared_redis, secrets,
                                         ttl_s=s.shared_ttl_s, timeout_s=s.shared_timeout_s,
                                         failopen=sidecar.failopen)
         if sidecar.maintainer is not None:
-            sidecar.jobs = SharedJobs(s.shared_url.get_secret_value(), secrets,
+            sidecar.jobs = SharedJobs(shared_redis, secrets,
                                       failopen=sidecar.failopen, lease_s=s.shared_job_lease_s,
                                       grace_s=s.shared_job_grace_s,
                                       timeout_s=s.shared_timeout_s)
@@ -214,6 +216,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
             await sidecar.jobs.aclose()
         if usage.shared is not None:
             await usage.shared.aclose()
+        if shared_redis is not None:
+            await shared_redis.aclose()
 
     app = FastAPI(title="cwm sidecar", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)

@@ -25,7 +25,8 @@ recorded with :meth:`UsageLedger.record` and spent from the quota afterwards.
 
 With ``sessions.shared_url`` the sidecar replicas also count usage together in Redis
 (:class:`SharedUsage`): each tally is added, in the background, to one hash a tenant
-(``cwm:usage:<tenant>``, a field per row and figure, one pipelined round trip), and
+(``cwm:usage:<tenant>``, a field per row and figure, one Lua step; past ``MAX_SHARED_ROWS``
+rows a new user's tally goes to the tenant's own row, so no tenant grows Redis without end), and
 ``GET /v1/usage`` on any replica answers from it (``since``: when the first replica counted
 anything). Redis down: the shared count misses that tally (logged once; the replica's own rows
 and the Prometheus counters keep it) and a report falls back to the replica's own rows.
@@ -44,6 +45,7 @@ from cwm_plugin.salts import tenant_of
 from cwm_plugin.sidecar.identity.ratelimit import Reservation, TenantLimits
 from cwm_plugin.sidecar.metrics import SidecarMetrics, tokens_of
 from cwm_plugin.sidecar.settings import PricingSettings
+from cwm_plugin.sidecar.shared_redis import client_of
 
 log = logging.getLogger(__name__)
 CLIENT, BACKGROUND = "client", "background"
@@ -239,16 +241,35 @@ class Meter:
 
 SEP = "\x1f"
 FIGURES = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cost")
+# rows (user x model x upstream x kind) one tenant's shared hash holds, so one tenant's users
+# cannot grow Redis without end; a new row past it is counted in the tenant's own row of that
+# model, upstream and kind (the tenant's total stays whole, only the per-user split is lost)
+MAX_SHARED_ROWS = 2000
+# KEYS[1]: the tenant's hash; ARGV: now, the most fields, the row, the tenant's own row, then
+# (figure, amount) pairs. One step, so replicas adding at once never pass the bound.
+ADD_ROW = """
+redis.call('HSETNX', KEYS[1], 'since', ARGV[1])
+local row = ARGV[3]
+if redis.call('HEXISTS', KEYS[1], row .. '\\31requests') == 0
+   and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[2]) then
+  row = ARGV[4]
+end
+for i = 5, #ARGV, 2 do
+  if ARGV[i] == 'cost' then
+    redis.call('HINCRBYFLOAT', KEYS[1], row .. '\\31' .. ARGV[i], ARGV[i + 1])
+  else
+    redis.call('HINCRBY', KEYS[1], row .. '\\31' .. ARGV[i], ARGV[i + 1])
+  end
+end
+"""
 
 
 class SharedUsage:
     """The tenants' usage rows in one Redis (see the module docstring)."""
 
-    def __init__(self, url: str, *, timeout_s: float) -> None:
-        import redis.asyncio as aioredis
-
-        self._redis = aioredis.from_url(url, socket_timeout=timeout_s,
-                                        socket_connect_timeout=timeout_s)
+    def __init__(self, redis: Any, *, timeout_s: float) -> None:
+        self._redis, self._owned = client_of(redis, timeout_s)
+        self._add_row = self._redis.register_script(ADD_ROW)
         self.timeout_s = timeout_s
         self._tasks: set[asyncio.Task] = set()
         self._failed = False
@@ -270,17 +291,14 @@ class SharedUsage:
 
     async def _add(self, owner: str, model: str, upstream: str, kind: str,
                    figures: dict[str, Any]) -> None:
-        row = SEP.join((owner, model, upstream, kind))
         key = self.key(tenant_of(owner))
+        args: list[Any] = [time.time(), MAX_SHARED_ROWS * len(FIGURES) + 1,
+                           SEP.join((owner, model, upstream, kind)),
+                           SEP.join((tenant_of(owner), model, upstream, kind))]
+        for name in FIGURES:
+            args += [name, float(figures[name]) if name == "cost" else int(figures[name])]
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.hsetnx(key, "since", time.time())
-            for name in FIGURES:
-                if name == "cost":
-                    pipe.hincrbyfloat(key, f"{row}{SEP}{name}", float(figures[name]))
-                else:
-                    pipe.hincrby(key, f"{row}{SEP}{name}", int(figures[name]))
-            await asyncio.wait_for(pipe.execute(), self.timeout_s)
+            await asyncio.wait_for(self._add_row(keys=[key], args=args), self.timeout_s)
             self._failed = False
         except Exception as exc:  # noqa: BLE001 - the replica's own ledger has it
             if not self._failed:
@@ -312,4 +330,5 @@ class SharedUsage:
     async def aclose(self) -> None:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=2.0)
-        await self._redis.aclose()
+        if self._owned:
+            await self._redis.aclose()

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cwm_plugin.sidecar.shared_redis import client_of
 from cwm_plugin.sidecar.turn.failopen import FailOpen
 from cwm_plugin.sidecar.turn.shared_state import STAGE, Sealer
 
@@ -93,13 +94,10 @@ class Claim:
 class SharedJobs:
     """The replicas' shared record of due background work (see the module docstring)."""
 
-    def __init__(self, url: str, secrets: list[bytes] | bytes, *, failopen: FailOpen,
+    def __init__(self, redis: Any, secrets: list[bytes] | bytes, *, failopen: FailOpen,
                  lease_s: float = 30.0,
                  grace_s: float = 5.0, timeout_s: float = 0.25) -> None:
-        import redis.asyncio as aioredis
-
-        self._redis = aioredis.from_url(url, socket_timeout=timeout_s,
-                                        socket_connect_timeout=timeout_s)
+        self._redis, self._owned = client_of(redis, timeout_s)
         self._sealer = Sealer(secrets, "jobs")
         self._scripts = {name: self._redis.register_script(src) for name, src in
                          (("record", RECORD), ("claim", CLAIM_JOB), ("renew", RENEW),
@@ -207,4 +205,5 @@ class SharedJobs:
 
     async def aclose(self) -> None:
         self.stop_sweeping()
-        await self._redis.aclose()
+        if self._owned:
+            await self._redis.aclose()

@@ -32,6 +32,7 @@ import os
 from dataclasses import asdict
 from typing import Any
 
+from cwm_plugin.sidecar.shared_redis import client_of
 from cwm_plugin.sidecar.turn.failopen import FailOpen
 from cwm_plugin.sidecar.turn.session import Compaction, SessionState, prompt_state
 
@@ -111,12 +112,9 @@ class Sealer:
 class SharedSessions:
     """The sessions' shared state in one Redis (see the module docstring)."""
 
-    def __init__(self, url: str, secrets: list[bytes] | bytes, *, ttl_s: int,
+    def __init__(self, redis: Any, secrets: list[bytes] | bytes, *, ttl_s: int,
                  timeout_s: float, failopen: FailOpen) -> None:
-        import redis.asyncio as aioredis
-
-        self._redis = aioredis.from_url(url, socket_timeout=timeout_s,
-                                        socket_connect_timeout=timeout_s)
+        self._redis, self._owned = client_of(redis, timeout_s)
         self._sealer = Sealer(secrets, "sessions")
         self._write = self._redis.register_script(WRITE)
         self.ttl_s = ttl_s
@@ -176,7 +174,8 @@ class SharedSessions:
         state.shared_version = version
 
     async def aclose(self) -> None:
-        await self._redis.aclose()
+        if self._owned:
+            await self._redis.aclose()
 
 
 def _plain(value: Any) -> Any:

@@ -219,3 +219,39 @@ def test_jobs_keep_a_recorded_checkpoint_and_drop_what_no_secret_opens(redis_ser
             await j.aclose()
 
     asyncio.run(run())
+
+
+def test_one_tenants_users_cannot_grow_the_shared_usage_without_end(redis_server,
+                                                                     monkeypatch) -> None:
+    """Past ``MAX_SHARED_ROWS`` rows a tenant's new users are counted in the tenant's own row
+    (its total stays whole), whichever replica adds them and however many add at once;
+    another tenant's rows are not touched."""
+    import asyncio
+
+    from cwm_plugin.sidecar import usage as usage_mod
+    from cwm_plugin.sidecar.shared_redis import open_shared
+    from cwm_plugin.sidecar.usage import FIGURES, SharedUsage
+
+    monkeypatch.setattr(usage_mod, "MAX_SHARED_ROWS", 3)
+    one = {"requests": 1, "prompt_tokens": 10, "completion_tokens": 2, "cached_tokens": 0,
+           "cost": 0.5}
+
+    async def go() -> tuple[dict, dict]:
+        client = open_shared(redis_server.url, 1.0)
+        a, b = SharedUsage(client, timeout_s=1.0), SharedUsage(redis_server.url, timeout_s=1.0)
+        await asyncio.gather(*(r._add(f"acme/u-{i}", "tiny", "vllm", "client", one)
+                               for i in range(12) for r in (a, b)))
+        await b._add("beta", "tiny", "vllm", "client", one)
+        got = (await a.rows("acme"))[1], (await b.rows("beta"))[1]
+        await a.aclose()
+        await b.aclose()
+        assert await client.ping()  # a client it was given stays open ...
+        await client.aclose()       # ... for its owner to close
+        return got
+
+    acme, beta = asyncio.run(go())
+    users = [row for row in acme if row[0] != "acme"]
+    assert len(users) == 3 and ("acme", "tiny", "vllm", "client") in acme  # 3, and its own
+    assert sum(r["requests"] for r in acme.values()) == 24  # nothing lost, only not split
+    assert sum(r["cost"] for r in acme.values()) == pytest.approx(12.0)
+    assert beta == {("beta", "tiny", "vllm", "client"): {**dict.fromkeys(FIGURES, 0), **one}}

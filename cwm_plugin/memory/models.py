@@ -44,6 +44,9 @@ class MemoryConfig:
     postgres_url: str | None = field(default=None, repr=False)
     postgres_pool_size: int = 8
     postgres_timeout_s: float = 5.0  # to connect, or to wait for a pooled connection
+    # with postgres_url: "database" (search candidates from the index in PostgreSQL) or
+    # "local" (this process's own index, built from the database)
+    candidates: str = "local"
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)

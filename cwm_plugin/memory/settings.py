@@ -90,6 +90,11 @@ class MemorySettings(Strict):
     postgres_url: SecretStr | None = None
     postgres_pool_size: int = Field(default=8, ge=1)  # connections per replica
     postgres_timeout_s: float = Field(default=5.0, gt=0)  # to connect, or for a free connection
+    # Where searches take their candidates with the postgres backend: ``database`` (the index
+    # in PostgreSQL: pgvector HNSW and BM25 postings, written once by whichever replica sees a
+    # turn first, so no replica holds or embeds every folder) or ``local`` (each replica's own
+    # index under ``root``, built from the database). The files backend is always local.
+    candidates: Literal["database", "local"] = "database"
 
     @model_validator(mode="after")
     def _postgres_url(self) -> MemorySettings:
@@ -125,6 +130,7 @@ def service_kwargs(cfg: MemorySettings) -> dict[str, Any]:
             "vector_context_mode": cfg.vector_context_mode,
             **({"postgres_url": cfg.postgres_url.get_secret_value(),
                 "postgres_pool_size": cfg.postgres_pool_size,
-                "postgres_timeout_s": cfg.postgres_timeout_s}
+                "postgres_timeout_s": cfg.postgres_timeout_s,
+                "candidates": cfg.candidates}
                if cfg.backend == "postgres" and cfg.postgres_url else {}),
             **cfg.search.model_dump()}

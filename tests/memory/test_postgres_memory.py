@@ -118,21 +118,31 @@ def _record(svc, folder: str, seed: int = 3) -> list[str]:
     return [q["question"] for q in conv.qa[:12]]
 
 
+@pytest.fixture(params=["database", "local"])
+def candidates(request: pytest.FixtureRequest) -> str:
+    """Where a postgres memory's searches take their candidates: the index in the database,
+    or each replica's own."""
+    return request.param
+
+
 def test_a_postgres_memory_selects_what_a_file_memory_selects(new_service, postgres_url: str,
+                                                              candidates: str,
                                                               tmp_path: Path) -> None:
     """The same turns and facts give the same searches and the same selections, passage for
-    passage: the ranking is ours on both, over the same records."""
+    passage: the ranking is ours on both, over the same records, with the candidates from the
+    index in the database or from a local one."""
     files = new_service(root=tmp_path / "files")
-    pg = new_service(root=tmp_path / "pg", postgres_url=postgres_url)
+    pg = new_service(root=tmp_path / "pg", postgres_url=postgres_url, candidates=candidates)
     for svc in (files, pg):
         questions = _record(svc, "alice")
         svc.add_memory("alice", "Abena plays the violin in a quartet", "fact", 0.8)
         svc.add_memory("alice", "Yusuf is allergic to peanuts", "preference", 0.9)
     found = 0
     for q in questions:
-        hits = files.search("alice", q)
-        assert [(h.text, round(h.score, 6)) for h in hits] == \
-            [(h.text, round(h.score, 6)) for h in pg.search("alice", q)]
+        hits, theirs = files.search("alice", q), pg.search("alice", q)
+        assert [h.text for h in hits] == [h.text for h in theirs]
+        # (the database computes the vector scores in double precision, numpy in float32)
+        assert [h.score for h in theirs] == pytest.approx([h.score for h in hits], abs=1e-5)
         a = files.select_context("alice", "session-2", [{"role": "user", "content": q}], 600)
         b = pg.select_context("alice", "session-2", [{"role": "user", "content": q}], 600)
         assert a.memory_block == b.memory_block and a.tokens == b.tokens
@@ -141,11 +151,14 @@ def test_a_postgres_memory_selects_what_a_file_memory_selects(new_service, postg
     assert [m.text for m in files.memories("alice")] == [m.text for m in pg.memories("alice")]
 
 
-def test_replicas_share_one_memory(new_service, postgres_url: str, tmp_path: Path) -> None:
+def test_replicas_share_one_memory(new_service, postgres_url: str, candidates: str,
+                                   tmp_path: Path) -> None:
     """What replica A records and learns, replica B searches and selects, and the other way
-    round, each keeping its own derived index on its own disk."""
-    a = new_service(root=tmp_path / "a", postgres_url=postgres_url, sync_interval_s=0)
-    b = new_service(root=tmp_path / "b", postgres_url=postgres_url, sync_interval_s=0)
+    round (the index in the database, or each replica's own on its own disk)."""
+    a = new_service(root=tmp_path / "a", postgres_url=postgres_url, sync_interval_s=0,
+                    candidates=candidates)
+    b = new_service(root=tmp_path / "b", postgres_url=postgres_url, sync_interval_s=0,
+                    candidates=candidates)
     a.record_turns("alice", "s1", [("user", "My sister Ines moved to Nairobi last spring."),
                                    ("assistant", "Nairobi! How does she like it?")])
     a.add_memory("alice", "Alice's sister Ines lives in Nairobi", "fact", 0.8)
@@ -160,12 +173,15 @@ def test_replicas_share_one_memory(new_service, postgres_url: str, tmp_path: Pat
         ["My siste", "Nairobi!", "Also, I ", "Pixel is"]
 
 
-def test_replicas_writing_at_once_lose_nothing(new_service, postgres_url: str,
+def test_replicas_writing_at_once_lose_nothing(new_service, postgres_url: str, candidates: str,
                                                tmp_path: Path) -> None:
     """Two replicas appending to one session and merging facts into one folder at once: every
-    turn kept in one contiguous run, every fact kept (the folder's row lock orders merges)."""
-    a = new_service(root=tmp_path / "a", postgres_url=postgres_url, sync_interval_s=0)
-    b = new_service(root=tmp_path / "b", postgres_url=postgres_url, sync_interval_s=0)
+    turn kept in one contiguous run, every fact kept (the folder's row lock orders merges),
+    every turn indexed once (the session's index row orders the indexing)."""
+    a = new_service(root=tmp_path / "a", postgres_url=postgres_url, sync_interval_s=0,
+                    candidates=candidates)
+    b = new_service(root=tmp_path / "b", postgres_url=postgres_url, sync_interval_s=0,
+                    candidates=candidates)
     errors: list[BaseException] = []
 
     def work(svc, side: str) -> None:
@@ -194,6 +210,10 @@ def test_replicas_writing_at_once_lose_nothing(new_service, postgres_url: str,
     assert len(b.memories("alice")) == 24
     assert {h.text for h in a.search("alice", "glacier", k=50)} == \
         {h.text for h in b.search("alice", "glacier", k=50)}
+    if candidates == "database":  # every line indexed once, in order
+        with a.files.connection() as conn:
+            rows = conn.execute("SELECT text FROM cwm_index_lines ORDER BY row").fetchall()
+        assert [r[0] for r in rows] == [f"{t['role']}: {t['content']}" for t in turns]
 
 
 def test_migrations_run_once_and_a_newer_schema_is_refused(postgres_url: str,

@@ -333,6 +333,11 @@ class ChunkIndex:
             self.doc_vector(c)
         return len(todo)
 
+    def session_units(self, session: str) -> list[Unit]:
+        """Every line of a session, in order (the pack's neighbours)."""
+        st = self.sessions.get(session)
+        return st.units if st is not None else []
+
     def ts(self, cid: str) -> str:
         return self.chunks[cid].ts
 

@@ -264,14 +264,22 @@ class FolderIndexes:
         """The folder's memory index, rebuilt whenever memories.md changed."""
         self.get(folder)
         t = self._folders[folder]
-        sig = self.files.memories_signature(folder)
-        if t.memories is None or t.memories.signature != sig:
-            mems = self.files.read_memories(folder)
-            if t.memories is not None and t.memories.same_corpus(mems):
-                t.memories.refresh(mems, sig)   # only access counts moved: no re-index
-            else:
-                t.memories = FactIndex(self.embedder, mems, sig)
+        t.memories = memory_index(self.files, self.embedder, folder, t.memories)
         return t.memories
+
+
+def memory_index(files: MemoryTruth, embedder: Embedder, folder: str,
+                 have: FactIndex | None) -> FactIndex:
+    """The folder's memory index: ``have`` while the memories did not change, refreshed in
+    place when only their access counts moved, else built anew."""
+    sig = files.memories_signature(folder)
+    if have is None or have.signature != sig:
+        mems = files.read_memories(folder)
+        if have is not None and have.same_corpus(mems):
+            have.refresh(mems, sig)   # only access counts moved: no re-index
+        else:
+            have = FactIndex(embedder, mems, sig)
+    return have
 
 
 class _Digest:

@@ -11,6 +11,14 @@ offsets agree with the file backend's), one row a session (its size and a versio
 on every append), durable memories (one row each, their order kept) with a per-folder version,
 summaries and the background work's cursors. Every table starts with ``folder``: the owner
 (tenant, user or project namespace) every query is scoped by.
+
+Version 2: the derived search index in the database (``memory/index/pg/``), so replicas take
+their candidates from it instead of each holding the whole index: per ``space`` (the folder
+under a fingerprint of the chunking and embedding settings), each session's lines with their
+vectors (pgvector; an HNSW index per vector size is made when a size is first written), its
+chunks, the BM25 postings of the three keyword corpora (chunks, lines, lines with their
+neighbours) with each corpus's document count and length, the speakers, and how far each
+session is indexed.
 """
 
 from __future__ import annotations
@@ -50,6 +58,37 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             folder text NOT NULL, session text NOT NULL, name text NOT NULL,
             turn_id text NOT NULL, PRIMARY KEY (folder, session, name))""",
     ),
+    (  # 2
+        "CREATE EXTENSION IF NOT EXISTS vector",
+        """CREATE TABLE cwm_index_sessions (
+            space text NOT NULL, session text NOT NULL,
+            indexed bigint NOT NULL DEFAULT 0, lines integer NOT NULL DEFAULT 0,
+            open_row integer NOT NULL DEFAULT 0, open_chunk text,
+            PRIMARY KEY (space, session))""",
+        """CREATE TABLE cwm_index_lines (
+            space text NOT NULL, session text NOT NULL, row integer NOT NULL,
+            text text NOT NULL, turn_id text NOT NULL, ts text NOT NULL, tokens integer NOT NULL,
+            dims integer NOT NULL, vec vector NOT NULL,
+            PRIMARY KEY (space, session, row))""",
+        """CREATE TABLE cwm_index_chunks (
+            space text NOT NULL, chunk_id text NOT NULL, session text NOT NULL,
+            seq bigserial, first_row integer NOT NULL, end_row integer NOT NULL,
+            text text NOT NULL, turn_ids text[] NOT NULL, tokens integer NOT NULL,
+            ts text NOT NULL, PRIMARY KEY (space, chunk_id))""",
+        "CREATE INDEX cwm_index_chunks_rows ON cwm_index_chunks (space, session, first_row)",
+        """CREATE TABLE cwm_index_docs (
+            space text NOT NULL, corpus smallint NOT NULL, doc text NOT NULL,
+            terms text[] NOT NULL, PRIMARY KEY (space, corpus, doc))""",
+        """CREATE TABLE cwm_index_postings (
+            space text NOT NULL, corpus smallint NOT NULL, term text NOT NULL,
+            doc text NOT NULL, tf integer NOT NULL, len integer NOT NULL,
+            PRIMARY KEY (space, corpus, term, doc) INCLUDE (tf, len))""",
+        """CREATE TABLE cwm_index_corpora (
+            space text NOT NULL, corpus smallint NOT NULL, n bigint NOT NULL DEFAULT 0,
+            total bigint NOT NULL DEFAULT 0, PRIMARY KEY (space, corpus))""",
+        """CREATE TABLE cwm_index_speakers (
+            space text NOT NULL, speaker text NOT NULL, PRIMARY KEY (space, speaker))""",
+    ),
 )
 
 
@@ -68,6 +107,14 @@ def migrate(conn: psycopg.Connection) -> int:
                 hint="upgrade cwm_plugin on this replica to the version the others run")
         for version in range(have + 1, len(MIGRATIONS) + 1):
             for statement in MIGRATIONS[version - 1]:
-                conn.execute(statement)  # type: ignore[arg-type]  (constant SQL)
+                try:
+                    conn.execute(statement)  # type: ignore[arg-type]  (constant SQL)
+                except psycopg.Error as exc:
+                    if not statement.startswith("CREATE EXTENSION"):
+                        raise
+                    raise ConfigError(
+                        f"the memory database lacks the pgvector extension ({exc})",
+                        hint="install pgvector on the PostgreSQL server, or have its owner "
+                             "run CREATE EXTENSION vector in this database") from exc
             conn.execute("INSERT INTO cwm_schema (version) VALUES (%s)", (version,))
     return len(MIGRATIONS)

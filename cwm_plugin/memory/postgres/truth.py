@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import NoReturn
 
@@ -39,6 +39,16 @@ STATEMENT_TIMEOUT_S = 15.0  # one statement, at most
 LOCK_TIMEOUT_S = 10.0  # waiting for a row lock (another replica merging facts into a folder)
 FACT_FIELDS = ("id", "text", "category", "importance", "access_count", "created", "key",
                "source", "replaced_by", "until")
+
+
+def turns_from(conn: psycopg.Connection, folder: str, session: str, offset: int
+               ) -> tuple[list[Turn], int]:
+    """The session's turns from byte ``offset`` on, and the offset after the last of them."""
+    rows = conn.execute(
+        "SELECT turn_id, role, content, ts, end_at FROM cwm_memory_turns WHERE "
+        "folder = %s AND session = %s AND start_at >= %s ORDER BY start_at",
+        (folder, session, offset)).fetchall()
+    return [Turn(*r[:4]) for r in rows], (int(rows[-1][4]) if rows else offset)
 
 
 def describe(url: str) -> str:
@@ -103,6 +113,11 @@ class PostgresTruth:
             self._lost(pool, exc)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             self._lost(pool, exc)
+
+    def connection(self) -> AbstractContextManager[psycopg.Connection]:
+        """A pooled connection (autocommit) for the derived index's tables
+        (``memory/index/pg/``), failing as the truth's own calls do when the database is gone."""
+        return self._conn()
 
     def _ready(self) -> ConnectionPool:
         pool = self._pool
@@ -229,11 +244,7 @@ class PostgresTruth:
         """The turns from byte ``offset`` on, and the offset after the last of them."""
         _names(folder, session)
         with self._conn() as conn:
-            rows = conn.execute(
-                "SELECT turn_id, role, content, ts, end_at FROM cwm_memory_turns WHERE "
-                "folder = %s AND session = %s AND start_at >= %s ORDER BY start_at",
-                (folder, session, offset)).fetchall()
-        return [Turn(*r[:4]) for r in rows], (int(rows[-1][4]) if rows else offset)
+            return turns_from(conn, folder, session, offset)
 
     def session_stats(self, folder: str) -> dict[str, tuple[int, int]]:
         check_memory_name("folder", folder)

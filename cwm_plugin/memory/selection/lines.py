@@ -32,6 +32,7 @@ from __future__ import annotations
 import gc
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -126,6 +127,34 @@ class LineCorpus:
         """Every speaker (the role before ": ") of the folder's lines."""
         return set().union(*self._speakers.values()) - {""}
 
+    # what ``rank_lines`` asks of a line corpus (``index/pg/corpus.py``'s ``PgLines`` too)
+
+    def nearest(self, index: ChunkIndex, qvec: np.ndarray, n: int) -> list[str]:
+        """The ``n`` lines nearest ``qvec`` (their document ids), nearest first."""
+        return [self.by_label[x] for x in index.nearest_lines(qvec, n) if x in self.by_label]
+
+    def chunk_keys(self, index: ChunkIndex, hit: Hit) -> list[str]:
+        """The lines of a chunk found by ``search_index``."""
+        session = hit.source.removeprefix("session:")
+        for b, e, cid in index.sessions.get(session, SessionIndex()).spans:
+            if cid == hit.chunk_id:
+                return [doc_id(session, r) for r in range(b, e)]
+        return []
+
+    def units_of(self, index: ChunkIndex, keys: list[str]) -> list[Unit]:
+        out = []
+        for key in keys:
+            session, _, row = key.rpartition(SEP)
+            out.append(index.sessions[session].units[int(row)])
+        return out
+
+    def vector_scores(self, index: ChunkIndex, qvec: np.ndarray, keys: list[str]) -> np.ndarray:
+        rows = []
+        for key in keys:
+            session, _, row = key.rpartition(SEP)
+            rows.append(index.sessions[session].labels[int(row)])
+        return index.vectors[rows] @ qvec
+
 
 def _with_neighbours(units: list[Unit], row: int) -> str:
     return "\n".join(u.text for u in units[max(0, row - 1):row + 2])
@@ -140,10 +169,12 @@ def _minmax(x: np.ndarray) -> np.ndarray:
     return (x - lo) / (hi - lo)
 
 
-def rank_lines(index: ChunkIndex, corpus: LineCorpus, query: str, qvec: np.ndarray | None,
+def rank_lines(index: Any, corpus: Any, query: str, qvec: np.ndarray | None,
                cfg: MemoryConfig, *, mode: str = "hybrid", k_chunks: int = 20,
                stages: Stages | None = None) -> list[Line]:
-    """The folder's lines scored for ``query`` (see the module docstring), best first."""
+    """The folder's lines scored for ``query`` (see the module docstring), best first.
+    ``index``: a ``search.Corpus`` of chunks; ``corpus``: its lines (a ``LineCorpus``, or
+    ``PgLines`` over the index in PostgreSQL)."""
     stages = stages or Stages()
     if not index.n_docs:
         return []
@@ -155,7 +186,7 @@ def rank_lines(index: ChunkIndex, corpus: LineCorpus, query: str, qvec: np.ndarr
     best_chunk = max((h.score for h in chunks), default=0.0)
     prior: dict[str, float] = {}
     for h in chunks:
-        for key in _chunk_lines(index, h):
+        for key in corpus.chunk_keys(index, h):
             prior[key] = max(prior.get(key, 0.0), h.score / best_chunk if best_chunk > 0 else 0)
     cands = set(prior)
     use_bm25, use_vec = mode in ("bm25", "hybrid"), mode in ("vector", "hybrid")
@@ -165,8 +196,7 @@ def rank_lines(index: ChunkIndex, corpus: LineCorpus, query: str, qvec: np.ndarr
             cands.update(alone)
     with stages("vector"):
         if use_vec:
-            labels = index.nearest_lines(qvec, LINE_CANDIDATES)
-            cands.update(corpus.by_label[x] for x in labels if x in corpus.by_label)
+            cands.update(corpus.nearest(index, qvec, LINE_CANDIDATES))
     if not cands:
         return []
     keys = sorted(cands)
@@ -176,11 +206,10 @@ def rank_lines(index: ChunkIndex, corpus: LineCorpus, query: str, qvec: np.ndarr
             got_c = corpus.context.scores_of(query, keys)
             bm = np.array([got_a.get(c, 0.0) + cfg.context_bm25_weight * got_c.get(c, 0.0)
                            for c in keys])
-    units = [_unit(index, c) for c in keys]
+    units = corpus.units_of(index, keys)
     with stages("vector"):
         if use_vec:
-            rows = [_label(index, c) for c in keys]
-            vec = index.vectors[rows] @ qvec
+            vec = corpus.vector_scores(index, qvec, keys)
     with stages("fusion"):
         score = np.zeros(len(keys))
         if use_bm25:
@@ -210,7 +239,7 @@ def rank_lines(index: ChunkIndex, corpus: LineCorpus, query: str, qvec: np.ndarr
     return out
 
 
-def _speaker_boost(query: str, units: list[Unit], corpus: LineCorpus,
+def _speaker_boost(query: str, units: list[Unit], corpus: Any,
                    weight: float) -> np.ndarray:
     out = np.zeros(len(units))
     if not weight:
@@ -231,20 +260,3 @@ def _date_boost(query: str, units: list[Unit], weight: float) -> np.ndarray:
     return np.array([weight * nearness(found, u.ts) for u in units]) if found \
         else np.zeros(len(units))
 
-
-def _chunk_lines(index: ChunkIndex, hit: Hit) -> list[str]:
-    session = hit.source.removeprefix("session:")
-    for b, e, cid in index.sessions.get(session, SessionIndex()).spans:
-        if cid == hit.chunk_id:
-            return [doc_id(session, r) for r in range(b, e)]
-    return []
-
-
-def _unit(index: ChunkIndex, key: str) -> Unit:
-    session, _, row = key.rpartition(SEP)
-    return index.sessions[session].units[int(row)]
-
-
-def _label(index: ChunkIndex, key: str) -> int:
-    session, _, row = key.rpartition(SEP)
-    return index.sessions[session].labels[int(row)]

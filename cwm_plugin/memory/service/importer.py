@@ -225,6 +225,8 @@ def import_sessions(service: Any, folder: str, conversations: list[ImportedConve
         ts = utc_iso() if c.ts is None else iso_time(c.ts, f"session {c.session}: ts")
         merged.setdefault(c.session, []).extend(
             Turn(new_turn_id(), check_role(role), text, ts) for role, text in c.turns)
+    if getattr(service.indexes, "in_database", False):
+        return _import_in_database(service, folder, merged, t0, progress)
     with service.lock(folder):
         idx = service.indexes.get(folder)  # loaded or built first: appends land on top of it
         written = [(s, r, *service.files.append_turns(folder, s, r))
@@ -255,4 +257,26 @@ def import_sessions(service: Any, folder: str, conversations: list[ImportedConve
         service.indexes.save(folder)
         chunks = len(idx.chunks) - before
     return ImportStats(len(written), sum(len(r) for _, r, _, _ in written), chunks, tokens,
+                       time.perf_counter() - t0)
+
+
+def _import_in_database(service: Any, folder: str, merged: dict[str, list[Turn]], t0: float,
+                        progress: bool) -> ImportStats:
+    """With the index in PostgreSQL: every session appended, then indexed there a session at
+    a time (one embedding call a session, in the transaction that writes its lines)."""
+    written = []
+    with service.lock(folder):
+        for session, records in merged.items():
+            if records:
+                service.files.append_turns(folder, session, records)
+                written.append((session, records))
+    writer = service.indexes.writer
+    tokens = sum(u.tokens for _, r in written for u in writer.shape.units(r))
+    chunks = 0
+    with tqdm(total=len(written), desc=f"import {folder}", unit="session",
+              disable=not progress) as bar:
+        for session, _ in written:
+            chunks += writer.index_session(folder, session)
+            bar.update(1)
+    return ImportStats(len(written), sum(len(r) for _, r in written), chunks, tokens,
                        time.perf_counter() - t0)

@@ -26,7 +26,7 @@ from cwm_plugin.memory.files.names import check_memory_name
 from cwm_plugin.memory.files.pending import PendingTurns
 from cwm_plugin.memory.index.chunks import ChunkIndex
 from cwm_plugin.memory.index.embeddings import CachedEmbedder, Embedder
-from cwm_plugin.memory.index.folders import FolderIndexes
+from cwm_plugin.memory.index.pg import open_indexes
 from cwm_plugin.memory.index.ratios import TokenRatios
 from cwm_plugin.memory.index.search import search_index
 from cwm_plugin.memory.metrics import MemoryMetrics
@@ -58,7 +58,7 @@ class MemoryService:
                                       self.metrics)
         self.embedder = embedder
         self.counter = counter  # chunk sizes; budgets may use the served model's counter
-        self.indexes = FolderIndexes(self.files, config, embedder, counter, self.metrics)
+        self.indexes = open_indexes(self.files, config, embedder, counter, self.metrics)
         self.facts = FactStore(self.files, self._similar, self.lock)
         self._locks: dict[str, threading.RLock] = {}
         self._guard = threading.Lock()
@@ -92,7 +92,12 @@ class MemoryService:
                                         defer_index=defer_index)
 
     def index_pending(self, folder: str) -> int:
-        """Index the turns appended with ``defer_index``; returns how many batches."""
+        """Index the turns appended with ``defer_index``; returns how many batches (with
+        the index in the database: its sessions caught up, one batch)."""
+        if getattr(self.indexes, "in_database", False):
+            with self.lock(folder):
+                self.indexes.get(folder)
+            return 1
         return self.writer.index_pending(folder)
 
     def transcript(self, folder: str, session: str) -> list[dict]:
@@ -293,7 +298,7 @@ class MemoryService:
             summary = self.summary(folder, session) if session is not None else None
         return Candidates(facts=[m for _, m in facts], fact_hits=[h for h, _ in facts],
                           summary=summary, hits=hits, hit_line_scores=line_scores, lines=lines,
-                          rows_of=lambda s: idx.sessions[s].units if s in idx.sessions else [],
+                          rows_of=idx.session_units,
                           neighbours=self.config.turn_neighbours)
 
     def _searchable(self, folder: str) -> ChunkIndex:
@@ -309,6 +314,8 @@ class MemoryService:
     def _line_corpus(self, folder: str, idx: ChunkIndex) -> LineCorpus:
         """The folder's line BM25 (``selection/lines.py``), new when its index was rebuilt or
         reloaded."""
+        if getattr(self.indexes, "in_database", False):
+            return self.indexes.lines(folder)
         got = self._lines.get(folder)
         if got is None or got[0] is not idx:
             got = self._lines[folder] = (idx, LineCorpus())

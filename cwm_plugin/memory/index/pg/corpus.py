@@ -1,0 +1,226 @@
+"""A folder's index in PostgreSQL, read as search and selection read the in-process one: the
+chunks (``search.py``'s ``Corpus``: :class:`PgChunks`) and the lines (``selection/lines.py``'s
+line corpus: :class:`PgLines`).
+
+Candidates come from the database: BM25's best from the postings (``bm25.py``), the nearest
+lines from pgvector's HNSW index over the space's line vectors (inner product of unit vectors:
+the cosine), with an iterative scan so a small folder in a large table still gets its ``k``.
+The scores a candidate needs come from there too, computed where the vectors are: a chunk's
+vector score is the best cosine of its lines plus ``chunk_weight`` times its centroid's (the
+mean of its line vectors, normalised), as ``ChunkIndex.vector_score`` computes it. What the
+ranking does with them (normalisation, fusion, priors, the pack) is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from cwm_plugin.memory.index.chunking import Unit
+from cwm_plugin.memory.index.pg.bm25 import CHUNKS, CONTEXT, LINES, Connect, PgBM25
+from cwm_plugin.memory.index.pg.writer import line_key, vector_text
+from cwm_plugin.memory.models import Hit
+
+SEP = "\x1f"
+
+
+def _split(key: str) -> tuple[str, int]:
+    session, _, row = key.rpartition(SEP)
+    return session, int(row)
+
+
+class PgChunks:
+    """The chunks of one space (``search.Corpus``)."""
+
+    def __init__(self, connect: Connect, space: str, dims: int, chunk_weight: float) -> None:
+        self.connect = connect
+        self.space = space
+        self.dims = int(dims)
+        self.chunk_weight = chunk_weight
+        self.bm25 = PgBM25(connect, space, CHUNKS)
+        self._hits: dict[str, tuple] = {}
+
+    def _count(self, corpus: int) -> int:
+        with self.connect() as conn:
+            row = conn.execute("SELECT n FROM cwm_index_corpora WHERE space = %s AND "
+                               "corpus = %s", (self.space, corpus)).fetchone()
+        return int(row[0]) if row else 0
+
+    @property
+    def n_vectors(self) -> int:
+        return self._count(LINES)
+
+    @property
+    def n_docs(self) -> int:
+        return self._count(CHUNKS)
+
+    def doc_ids(self, session: str | None = None) -> list[str]:
+        sql, args = ("SELECT chunk_id FROM cwm_index_chunks WHERE space = %s ORDER BY seq",
+                     (self.space,)) if session is None else (
+            "SELECT chunk_id FROM cwm_index_chunks WHERE space = %s AND session = %s "
+            "ORDER BY first_row", (self.space, session))
+        with self.connect() as conn:
+            return [r[0] for r in conn.execute(sql, args).fetchall()]  # type: ignore[arg-type]
+
+    def bm25_top(self, query: str, n: int, also: Iterable[str] = (),
+                 allowed: set[str] | None = None) -> dict[str, float]:
+        return self.bm25.top(query, n, also, allowed)
+
+    def nearest_lines(self, qvec: np.ndarray, k: int) -> list[tuple[str, int]]:
+        """The ``k`` lines nearest ``qvec``, nearest first (pgvector's HNSW, approximate as
+        hnswlib's is; ``ef_search`` as ``chunks.knn_ordered`` sets ``ef``)."""
+        if k <= 0:
+            return []
+        d = self.dims
+        with self.connect() as conn, conn.transaction():
+            conn.execute("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
+                         "set_config('hnsw.ef_search', %s, true)", (str(min(max(2 * k, 64),
+                                                                                1000)),))
+            rows = conn.execute(
+                f"SELECT session, row FROM (SELECT session, row, vec::vector({d}) <#> "  # noqa: S608 - an int
+                f"%(q)s::vector({d}) AS dist FROM cwm_index_lines WHERE space = %(space)s AND "
+                f"dims = {d} ORDER BY vec::vector({d}) <#> %(q)s::vector({d}) LIMIT %(k)s) t "
+                "ORDER BY dist, session, row",
+                {"q": vector_text(qvec), "space": self.space, "k": k}).fetchall()
+        return [(s, int(r)) for s, r in rows]
+
+    def vector_candidates(self, qvec: np.ndarray, n_lines: int) -> list[str]:
+        """Chunks holding one of the ``n_lines`` nearest lines, in the order they were made."""
+        near = self.nearest_lines(qvec, n_lines)
+        if not near:
+            return []
+        with self.connect() as conn:
+            rows = conn.execute(
+                "SELECT DISTINCT c.chunk_id, c.seq FROM unnest(%s::text[], %s::int[]) AS "
+                "n(session, row) JOIN cwm_index_chunks c ON c.space = %s AND "
+                "c.session = n.session AND n.row >= c.first_row AND n.row < c.end_row "
+                "ORDER BY c.seq", ([s for s, _ in near], [r for _, r in near],
+                                   self.space)).fetchall()
+        return [r[0] for r in rows]
+
+    def vector_scores(self, qvec: np.ndarray, cids: list[str]) -> dict[str, float]:
+        """Best line cosine plus ``chunk_weight`` x the centroid's cosine, of each chunk."""
+        out = dict.fromkeys(cids, 0.0)
+        if not cids:
+            return out
+        with self.connect() as conn:
+            rows = conn.execute(
+                "SELECT c.chunk_id, max(-(l.vec <#> %(q)s::vector)), "
+                "-(avg(l.vec) <#> %(q)s::vector) / greatest(vector_norm(avg(l.vec)), 1e-12) "
+                "FROM cwm_index_chunks c JOIN cwm_index_lines l ON l.space = c.space AND "
+                "l.session = c.session AND l.row >= c.first_row AND l.row < c.end_row "
+                "WHERE c.space = %(space)s AND c.chunk_id = ANY(%(ids)s) GROUP BY c.chunk_id",
+                {"q": vector_text(qvec), "space": self.space, "ids": list(cids)}).fetchall()
+        for cid, best, cent in rows:
+            out[cid] = float(best) + (float(cent) * self.chunk_weight if self.chunk_weight
+                                      else 0.0)
+        return out
+
+    def vector_score(self, qvec: np.ndarray, doc_id: str) -> float:
+        return self.vector_scores(qvec, [doc_id])[doc_id]
+
+    def line_scores(self, qvec: np.ndarray, cid: str) -> np.ndarray | None:
+        """The cosine of each of the chunk's lines, in order."""
+        with self.connect() as conn:
+            rows = conn.execute(
+                "SELECT -(l.vec <#> %s::vector) FROM cwm_index_chunks c JOIN cwm_index_lines l "
+                "ON l.space = c.space AND l.session = c.session AND l.row >= c.first_row AND "
+                "l.row < c.end_row WHERE c.space = %s AND c.chunk_id = %s ORDER BY l.row",
+                (vector_text(qvec), self.space, cid)).fetchall()
+        return np.array([float(r[0]) for r in rows], dtype=np.float32) if rows else None
+
+    def doc_vector(self, doc_id: str) -> np.ndarray:
+        """The chunk's centroid (for MMR)."""
+        with self.connect() as conn:
+            row = conn.execute(
+                "SELECT avg(l.vec)::text FROM cwm_index_chunks c JOIN cwm_index_lines l ON "
+                "l.space = c.space AND l.session = c.session AND l.row >= c.first_row AND "
+                "l.row < c.end_row WHERE c.space = %s AND c.chunk_id = %s",
+                (self.space, doc_id)).fetchone()
+        v = np.array(row[0].strip("[]").split(","), dtype=np.float32) if row and row[0] \
+            else np.zeros(self.dims, dtype=np.float32)
+        return v / max(float(np.linalg.norm(v)), 1e-12)
+
+    def _chunk(self, cid: str) -> tuple:
+        got = self._hits.get(cid)
+        if got is None:
+            with self.connect() as conn:
+                got = conn.execute(
+                    "SELECT text, session, turn_ids, ts, first_row, end_row FROM "
+                    "cwm_index_chunks WHERE space = %s AND chunk_id = %s",
+                    (self.space, cid)).fetchone()
+            if len(self._hits) > 4096:
+                self._hits.clear()
+            self._hits[cid] = got
+        return got
+
+    def ts(self, doc_id: str) -> str:
+        return self._chunk(doc_id)[3]
+
+    def prior(self, doc_id: str) -> float:
+        return 1.0
+
+    def hit(self, doc_id: str, score: float, reasons: dict[str, float]) -> Hit:
+        text, session, turn_ids, _, _, _ = self._chunk(doc_id)
+        return Hit(text=text, score=score, source=f"session:{session}", chunk_id=doc_id,
+                   turn_ids=list(turn_ids), reasons=reasons)
+
+    def warm_centroids(self) -> int:
+        return 0  # computed by the database with each search
+
+    def session_units(self, session: str) -> list[Unit]:
+        """Every line of a session, in order (the pack's neighbours)."""
+        with self.connect() as conn:
+            rows = conn.execute(
+                "SELECT text, turn_id, ts, tokens FROM cwm_index_lines WHERE space = %s AND "
+                "session = %s ORDER BY row", (self.space, session)).fetchall()
+        return [Unit(*r) for r in rows]
+
+
+class PgLines:
+    """The lines of one space, as ``selection/lines.py`` reads its ``LineCorpus``."""
+
+    def __init__(self, connect: Connect, space: str) -> None:
+        self.connect = connect
+        self.space = space
+        self.alone = PgBM25(connect, space, LINES)
+        self.context = PgBM25(connect, space, CONTEXT)
+
+    def sync(self, index: object) -> None:
+        """Nothing to follow: the database's lines are the index's."""
+
+    def speakers(self) -> set[str]:
+        with self.connect() as conn:
+            rows = conn.execute("SELECT speaker FROM cwm_index_speakers WHERE space = %s",
+                                (self.space,)).fetchall()
+        return {r[0] for r in rows} - {""}
+
+    def nearest(self, index: PgChunks, qvec: np.ndarray, n: int) -> list[str]:
+        return [line_key(s, r) for s, r in index.nearest_lines(qvec, n)]
+
+    def chunk_keys(self, index: PgChunks, hit: Hit) -> list[str]:
+        got = index._chunk(hit.chunk_id)
+        if got is None:
+            return []
+        session = hit.source.removeprefix("session:")
+        return [line_key(session, r) for r in range(got[4], got[5])]
+
+    def units_of(self, index: PgChunks, keys: list[str]) -> list[Unit]:
+        rows = self._rows(keys, "text, turn_id, ts, tokens")
+        return [Unit(*rows[k]) for k in keys]
+
+    def vector_scores(self, index: PgChunks, qvec: np.ndarray, keys: list[str]) -> np.ndarray:
+        rows = self._rows(keys, "-(vec <#> %(q)s::vector)", q=vector_text(qvec))
+        return np.array([float(rows[k][0]) for k in keys])
+
+    def _rows(self, keys: list[str], what: str, **args: object) -> dict[str, tuple]:
+        pairs = [_split(k) for k in keys]
+        with self.connect() as conn:
+            rows = conn.execute(
+                f"SELECT l.session, l.row, {what} FROM unnest(%(s)s::text[], %(r)s::int[]) AS "  # noqa: S608 - constants
+                "k(session, row) JOIN cwm_index_lines l ON l.space = %(space)s AND "
+                "l.session = k.session AND l.row = k.row",
+                {"s": [s for s, _ in pairs], "r": [r for _, r in pairs], "space": self.space,
+                 **args}).fetchall()
+        return {line_key(r[0], int(r[1])): tuple(r[2:]) for r in rows}

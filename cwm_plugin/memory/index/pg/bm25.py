@@ -26,21 +26,29 @@ CHUNKS, LINES, CONTEXT = 0, 1, 2  # the corpora
 Connect = Callable[[], AbstractContextManager[psycopg.Connection]]
 
 _SCORES = f"""
-WITH q AS (SELECT term, count(*) AS k FROM unnest(%(terms)s::text[]) AS term GROUP BY term),
-st AS (SELECT n, total::float8 / greatest(n, 1) AS avgdl FROM cwm_index_corpora
-       WHERE space = %(space)s AND corpus = %(corpus)s),
-w AS (SELECT q.term, q.k * ln(1 + (st.n - d.df + 0.5) / (d.df + 0.5)) AS idf, st.avgdl
-      FROM q CROSS JOIN st CROSS JOIN LATERAL (
-        SELECT count(*) AS df FROM cwm_index_postings p
-        WHERE p.space = %(space)s AND p.corpus = %(corpus)s AND p.term = q.term) d
-      WHERE d.df > 0)
-SELECT p.doc, sum(w.idf * p.tf * {BM25Corpus.K1 + 1} / (p.tf + {BM25Corpus.K1} * (
-    {1 - BM25Corpus.B} + {BM25Corpus.B} * p.len / w.avgdl))) AS s
-FROM w JOIN cwm_index_postings p
-  ON p.space = %(space)s AND p.corpus = %(corpus)s AND p.term = w.term
+WITH q AS MATERIALIZED (
+  SELECT term, count(*) AS k FROM unnest(%(terms)s::text[]) AS term GROUP BY term),
+st AS MATERIALIZED (
+  SELECT n, total::float8 / greatest(n, 1)::float8 AS avgdl FROM cwm_index_corpora
+  WHERE space = %(space)s AND corpus = %(corpus)s),
+w AS MATERIALIZED (
+  SELECT q.term, q.k * ln(1 + (st.n - d.df + 0.5::float8) / (d.df + 0.5::float8)) AS idf,
+         st.avgdl
+  FROM q CROSS JOIN st CROSS JOIN LATERAL (
+    SELECT count(*) AS df FROM cwm_index_postings p
+    WHERE p.space = %(space)s AND p.corpus = %(corpus)s AND p.term = q.term) d
+  WHERE d.df > 0)
+SELECT p.doc, sum(w.idf * p.tf * {BM25Corpus.K1 + 1}::float8 / (p.tf + {BM25Corpus.K1}::float8 * (
+    {1 - BM25Corpus.B}::float8 + {BM25Corpus.B}::float8 * p.len / w.avgdl))) AS s
+FROM w CROSS JOIN LATERAL (
+  SELECT doc, tf, len FROM cwm_index_postings p
+  WHERE p.space = %(space)s AND p.corpus = %(corpus)s AND p.term = w.term {{docs}} OFFSET 0) p
 """
-_TOP = _SCORES + " {where} GROUP BY p.doc ORDER BY s DESC, p.doc LIMIT %(n)s"
-_OF = _SCORES + " WHERE p.doc = ANY(%(ids)s) GROUP BY p.doc"
+# (every step driven from the query's terms, ``OFFSET 0`` keeping each lateral scan one index
+# range a term, whatever the planner's statistics of a table that grew since it last looked
+# say; double precision throughout, as numpy)
+_TOP = _SCORES.format(docs="{where}") + " GROUP BY p.doc ORDER BY s DESC, p.doc LIMIT %(n)s"
+_OF = _SCORES.format(docs="AND p.doc = ANY(%(ids)s)") + " GROUP BY p.doc"
 
 
 def add_docs(conn: psycopg.Connection, space: str, corpus: int,
@@ -118,7 +126,7 @@ class PgBM25:
         terms = bm25_tokens(query)
         if n <= 0 or not terms or (allowed is not None and not allowed):
             return dict.fromkeys(also, 0.0) if n > 0 else {}
-        where = "WHERE p.doc = ANY(%(allowed)s)" if allowed is not None else ""
+        where = "AND p.doc = ANY(%(allowed)s)" if allowed is not None else ""
         with self.connect() as conn:
             rows = conn.execute(_TOP.format(where=where), self._args(  # type: ignore[arg-type]
                 query, n=n, allowed=sorted(allowed or ()))).fetchall()

@@ -47,6 +47,7 @@ class PgFolderIndexes:
         self._chunks: dict[str, PgChunks] = {}
         self._lines: dict[str, PgLines] = {}
         self._memories: dict[str, FactIndex] = {}
+        self._seen: dict[str, object] = {}  # the truth's folder signature last caught up
 
     def loaded(self, folder: str) -> bool:
         return False  # nothing held: an append is indexed at the folder's next look
@@ -55,10 +56,14 @@ class PgFolderIndexes:
         return False  # every look catches up (one query when nothing moved)
 
     def get(self, folder: str, bar: tqdm | None = None) -> PgChunks:
-        """The folder's chunks, its sessions caught up with the truth first."""
-        made = self.writer.catch_up(folder)
-        if made:
-            self.metrics.chunks.inc(made)
+        """The folder's chunks, its sessions caught up with the truth first (unless no
+        session moved since the last look: one small query)."""
+        sig = self.files.folder_signature(folder)
+        if sig != self._seen.get(folder):
+            made = self.writer.catch_up(folder)
+            if made:
+                self.metrics.chunks.inc(made)
+            self._seen[folder] = sig
         got = self._chunks.get(folder)
         if got is None:
             got = self._chunks[folder] = PgChunks(
@@ -79,6 +84,7 @@ class PgFolderIndexes:
     def appended(self, folder: str, session: str, turns: list[Turn], start: int, end: int,
                  prepared: object = None) -> None:
         self.writer.index_session(folder, session)
+        self._seen.pop(folder, None)
 
     def memories(self, folder: str) -> FactIndex:
         got = self._memories[folder] = memory_index(self.files, self.embedder, folder,
@@ -88,6 +94,7 @@ class PgFolderIndexes:
     def rebuild(self, folder: str, bar: tqdm | None = None) -> Rebuilt:
         """Index the folder again from its truth (its sessions dropped first)."""
         self.writer.drop_folder(folder)
+        self._seen.pop(folder, None)
         idx = self.get(folder)
         if bar is not None:
             bar.update(len(self.files.sessions(folder)))

@@ -240,13 +240,13 @@ def test_migrations_run_once_and_a_newer_schema_is_refused(postgres_url: str,
 
 
 def test_a_database_that_goes_away_is_named_and_nothing_committed_is_lost(
-        new_service, tmp_path: Path) -> None:
+        new_service, candidates: str, tmp_path: Path) -> None:
     """A replica starts while its database is down; calls then raise MemoryUnavailable naming
     the server (never the password) until it is up; a crash (SIGKILL) loses no committed turn."""
     server = PostgresServer(port=free_port())
     url = f"postgresql://postgres:s3cret@127.0.0.1:{server.port}/cwm"
     svc = new_service(root=tmp_path / "a", postgres_url=url, sync_interval_s=0,
-                      postgres_timeout_s=1.0)
+                      postgres_timeout_s=1.0, candidates=candidates)
     with pytest.raises(MemoryUnavailable) as info:
         svc.record_turns("alice", "s1", [("user", "hello")])
     assert f"127.0.0.1:{server.port}/cwm" in str(info.value) and "s3cret" not in str(info.value)

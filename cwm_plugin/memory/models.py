@@ -46,7 +46,7 @@ class MemoryConfig:
     postgres_timeout_s: float = 5.0  # to connect, or to wait for a pooled connection
     # with postgres_url: "database" (search candidates from the index in PostgreSQL) or
     # "local" (this process's own index, built from the database)
-    candidates: str = "local"
+    candidates: str = "database"
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)

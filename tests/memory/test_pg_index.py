@@ -96,3 +96,26 @@ def test_an_import_and_a_reindex_in_the_database_search_as_one_machine(
     assert chunks == files.index("bob").n_docs
     assert pg.reindex("bob", progress=False) == chunks
     assert answers(pg) == want
+
+
+def test_a_large_folder_walks_the_hnsw_graph_and_finds_what_an_exact_scan_finds(
+        new_service, postgres_url: str, monkeypatch) -> None:
+    """Past ``EXACT_LINES`` a folder's nearest lines come from pgvector's HNSW index (with an
+    iterative scan, so another folder's lines in the same table do not crowd this one's out):
+    nearly the lines an exact scan finds, nearest first."""
+    from cwm_plugin.memory.index.pg import corpus
+
+    rng = random.Random(3)
+    pg = new_service(postgres_url=postgres_url, candidates="database")
+    for folder in ("big", "other"):
+        for s in range(6):
+            pg.record_turns(folder, f"s{s}", [("user" if i % 2 == 0 else "assistant",
+                                               _text(rng) or "hello") for i in range(40)])
+    idx = pg.index("big")
+    queries = [pg.embedder.embed([_text(rng)])[0] for _ in range(5)]
+    exact = [idx.nearest_lines(q, 20) for q in queries]
+    monkeypatch.setattr(corpus, "EXACT_LINES", 0)
+    walked = [idx.nearest_lines(q, 20) for q in queries]
+    for e, w in zip(exact, walked, strict=True):
+        assert len(w) == 20 and len(set(e) & set(w)) >= 18
+        assert all(s.startswith("s") for s, _ in w)

@@ -23,6 +23,7 @@ from cwm_plugin.memory.index.pg.writer import line_key, vector_text
 from cwm_plugin.memory.models import Hit
 
 SEP = "\x1f"
+EXACT_LINES = 20_000  # a folder with up to this many lines is searched exactly
 
 
 def _split(key: str) -> tuple[str, int]:
@@ -68,22 +69,34 @@ class PgChunks:
         return self.bm25.top(query, n, also, allowed)
 
     def nearest_lines(self, qvec: np.ndarray, k: int) -> list[tuple[str, int]]:
-        """The ``k`` lines nearest ``qvec``, nearest first (pgvector's HNSW, approximate as
-        hnswlib's is; ``ef_search`` as ``chunks.knn_ordered`` sets ``ef``)."""
+        """The ``k`` lines nearest ``qvec``, nearest first: exact over a folder of up to
+        ``EXACT_LINES`` lines (its rows are one index range: a scan of them costs less than a
+        graph walk, and a graph walk filtered to a small folder in a large table could stop
+        before it found ``k``), else pgvector's HNSW with an iterative scan, approximate as
+        hnswlib's is (``ef_search`` as ``chunks.knn_ordered`` sets ``ef``)."""
         if k <= 0:
             return []
-        d = self.dims
+        d, q = self.dims, vector_text(qvec)
         with self.connect() as conn, conn.transaction():
+            n = conn.execute("SELECT n FROM cwm_index_corpora WHERE space = %s AND corpus = %s",
+                             (self.space, LINES)).fetchone()
+            if not n or int(n[0]) <= EXACT_LINES:  # the expression the HNSW index is not on
+                rows = conn.execute(
+                    "SELECT session, row FROM cwm_index_lines WHERE space = %s ORDER BY "
+                    "vec <#> %s::vector, session, row LIMIT %s", (self.space, q, k)).fetchall()
+                return [(s, int(r)) for s, r in rows]
+            # the graph walk, not a sort of the folder's rows (the planner's choice on a
+            # table it has no fresh statistics of); relaxed order: sorted here
             conn.execute("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
-                         "set_config('hnsw.ef_search', %s, true)", (str(min(max(2 * k, 64),
-                                                                                1000)),))
+                         "set_config('hnsw.ef_search', %s, true), "
+                         "set_config('enable_sort', 'off', true)",
+                         (str(min(max(2 * k, 64), 1000)),))
             rows = conn.execute(
-                f"SELECT session, row FROM (SELECT session, row, vec::vector({d}) <#> "  # noqa: S608 - an int
-                f"%(q)s::vector({d}) AS dist FROM cwm_index_lines WHERE space = %(space)s AND "
-                f"dims = {d} ORDER BY vec::vector({d}) <#> %(q)s::vector({d}) LIMIT %(k)s) t "
-                "ORDER BY dist, session, row",
-                {"q": vector_text(qvec), "space": self.space, "k": k}).fetchall()
-        return [(s, int(r)) for s, r in rows]
+                f"SELECT session, row, vec::vector({d}) <#> %(q)s::vector({d}) FROM "  # noqa: S608 - an int
+                f"cwm_index_lines WHERE space = %(space)s AND dims = {d} "
+                f"ORDER BY vec::vector({d}) <#> %(q)s::vector({d}) LIMIT %(k)s",
+                {"q": q, "space": self.space, "k": k}).fetchall()
+        return [(s, int(r)) for s, r, _ in sorted(rows, key=lambda x: (x[2], x[0], x[1]))]
 
     def vector_candidates(self, qvec: np.ndarray, n_lines: int) -> list[str]:
         """Chunks holding one of the ``n_lines`` nearest lines, in the order they were made."""

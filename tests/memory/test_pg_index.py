@@ -119,3 +119,28 @@ def test_a_large_folder_walks_the_hnsw_graph_and_finds_what_an_exact_scan_finds(
     for e, w in zip(exact, walked, strict=True):
         assert len(w) == 20 and len(set(e) & set(w)) >= 18
         assert all(s.startswith("s") for s, _ in w)
+
+
+def test_recency_mmr_and_a_session_filter_rank_as_one_machine(new_service, postgres_url: str,
+                                                              tmp_path: Path) -> None:
+    """The optional parts of a search (recency decay from the newest chunk, MMR's diversity,
+    a search within one session) over the database's index: the file backend's passages."""
+    rng = random.Random(11)
+    over = {"recency_half_life_days": 30.0, "mmr_lambda": 0.7}
+    files = new_service(root=tmp_path / "files", **over)
+    pg = new_service(root=tmp_path / "pg", postgres_url=postgres_url, candidates="database",
+                     **over)
+    from datetime import UTC, datetime, timedelta
+
+    for svc in (files, pg):
+        for s in range(5):
+            svc.record_turns("carol", f"s{s}", [("user", _text(rng) or "hi") for _ in range(12)],
+                             ts=datetime(2024, 1, 1, tzinfo=UTC) + timedelta(days=20 * s))
+        rng = random.Random(11)  # the same turns for the other backend
+    for q in ("violin tram glacier", "mango saffron", "painting hikes comet"):
+        for session in (None, "s3"):
+            a = files.search("carol", q, session=session)
+            b = pg.search("carol", q, session=session)
+            assert [h.text for h in a] == [h.text for h in b] and a
+            assert all("recency" in h.reasons for h in b)
+            assert [h.score for h in b] == pytest.approx([h.score for h in a], abs=1e-5)

@@ -220,3 +220,25 @@ def replicas_over_fake(pg_url: str, root: Path, n: int, **over: Any
             up.url, root / f"replica-{i}", "tiktoken:cl100k_base", memory=memory,
             routing={"health": {"interval_s": 0}}, **over)))) for i in range(n)]
         yield fake, srvs
+
+
+def replica_config(folder: Path, pg_url: str, redis_url: str | None, *,
+                   limits: bool = False, **memory: Any) -> Path:
+    """A ``cwm serve`` replica's settings file in ``folder`` (written there): tenant acme,
+    memory in PostgreSQL at ``pg_url`` (summaries and facts off unless ``memory`` says),
+    session state and jobs in ``redis_url`` (and the rate limits, with ``limits``), no health
+    checks."""
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "sidecar.yaml"
+    path.write_text(yaml.safe_dump({
+        "tenants": [{"name": "acme", "key_sha256": [hash_key(KEYS["acme"])]}],
+        "memory": {"root": str(folder / "memory"), "tokenizer": "tiktoken:cl100k_base",
+                   "embedder": {"kind": "hashing"}, "warm_on_start": False,
+                   "backend": "postgres", "postgres_url": pg_url, "extract_facts": False,
+                   "summary_every_turns": 0, **memory},
+        "sessions": {"shared_url": redis_url},
+        **({"rate_limits": {"storage": redis_url}} if limits else {}),
+        "routing": {"health": {"interval_s": 0}}}))
+    return path

@@ -155,7 +155,9 @@ def _fuse(index: Corpus, cands: set[str], bm25: dict[str, float], vec: dict[str,
             score[c] *= p
             reasons[c]["prior"] = p
     if cfg.recency_half_life_days:
-        newest = max(_days(index.ts(c)) for c in index.doc_ids(None))
+        _prefetch(index, cands)
+        newest = _days(index.newest_ts()) if hasattr(index, "newest_ts") else \
+            max(_days(index.ts(c)) for c in index.doc_ids(None))
         for c in cands:
             decay = 0.5 ** (max(0.0, newest - _days(index.ts(c))) / cfg.recency_half_life_days)
             score[c] *= decay
@@ -163,7 +165,15 @@ def _fuse(index: Corpus, cands: set[str], bm25: dict[str, float], vec: dict[str,
     ranked = sorted(cands, key=lambda c: (-score[c], c))
     if cfg.mmr_lambda is not None and len(ranked) > 1:
         ranked = _mmr(index, ranked, score, k, cfg.mmr_lambda)
+    _prefetch(index, ranked[:k])
     return [index.hit(c, float(score[c]), reasons[c]) for c in ranked[:k]]
+
+
+def _prefetch(index: Corpus, ids: Iterable[str]) -> None:
+    """Let an index that reads its documents from elsewhere (``index/pg``) read these at once."""
+    fetch = getattr(index, "prefetch", None)
+    if fetch is not None:
+        fetch(list(ids))
 
 
 def _mmr(index: Corpus, ranked: list[str], score: dict[str, float], k: int,

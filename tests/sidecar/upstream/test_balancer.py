@@ -14,11 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from sidecar_helpers import KEYS, SECRET
+from sidecar_helpers import KEYS, SECRET, replica_config
 
 from cwm_plugin.memory.postgres.truth import PostgresTruth
-from cwm_plugin.sidecar.identity.authenticator import hash_key
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.nginx_balancer import NginxBalancer
 from cwm_plugin.testing.server_thread import ServerThread
@@ -26,21 +24,6 @@ from cwm_plugin.testing.sidecar_process import SidecarProcess
 
 pytestmark = pytest.mark.postgres
 CLIENTS = 6
-
-
-def _config(folder: Path, pg_url: str, redis_url: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "sidecar.yaml"
-    path.write_text(yaml.safe_dump({
-        "tenants": [{"name": "acme", "key_sha256": [hash_key(KEYS["acme"])]}],
-        "memory": {"root": str(folder / "memory"), "tokenizer": "tiktoken:cl100k_base",
-                   "embedder": {"kind": "hashing"}, "warm_on_start": False,
-                   "backend": "postgres", "postgres_url": pg_url, "extract_facts": False,
-                   "summary_every_turns": 0},
-        "sessions": {"shared_url": redis_url},
-        "rate_limits": {"storage": redis_url},
-        "routing": {"health": {"interval_s": 0}}}))
-    return path
 
 
 def _kill_under_load(pg_url: str, redis_url: str, tmp_path: Path, retry: bool
@@ -68,9 +51,9 @@ def _kill_under_load(pg_url: str, redis_url: str, tmp_path: Path, retry: bool
                     answered[session] = n = n + 1
 
     with ServerThread(fake.app) as up, \
-            SidecarProcess(_config(tmp_path / "a", pg_url, redis_url), up.url,
+            SidecarProcess(replica_config(tmp_path / "a", pg_url, redis_url, limits=True), up.url,
                            tmp_path / "a", SECRET) as a, \
-            SidecarProcess(_config(tmp_path / "b", pg_url, redis_url), up.url,
+            SidecarProcess(replica_config(tmp_path / "b", pg_url, redis_url, limits=True), up.url,
                            tmp_path / "b", SECRET) as b, \
             NginxBalancer([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], retry=retry) as lb:
         threads = [threading.Thread(target=client, args=(i, lb.url)) for i in range(CLIENTS)]

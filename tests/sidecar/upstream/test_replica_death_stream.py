@@ -13,11 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from sidecar_helpers import KEYS, SECRET
+from sidecar_helpers import KEYS, SECRET, replica_config
 
 from cwm_plugin.memory.postgres.truth import PostgresTruth
-from cwm_plugin.sidecar.identity.authenticator import hash_key
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.server_thread import ServerThread
 from cwm_plugin.testing.sidecar_process import SidecarProcess
@@ -26,20 +24,6 @@ pytestmark = pytest.mark.postgres
 ANSWER = " ".join(f"word{i}" for i in range(30))
 STREAMED = ANSWER + " "  # the fake streams a space after every word
 HEADERS = {"Authorization": f"Bearer {KEYS['acme']}", "X-Session-Id": "s1"}
-
-
-def _config(folder: Path, pg_url: str, redis_url: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "sidecar.yaml"
-    path.write_text(yaml.safe_dump({
-        "tenants": [{"name": "acme", "key_sha256": [hash_key(KEYS["acme"])]}],
-        "memory": {"root": str(folder / "memory"), "tokenizer": "tiktoken:cl100k_base",
-                   "embedder": {"kind": "hashing"}, "warm_on_start": False,
-                   "backend": "postgres", "postgres_url": pg_url, "extract_facts": False,
-                   "summary_every_turns": 0},
-        "sessions": {"shared_url": redis_url},
-        "routing": {"health": {"interval_s": 0}}}))
-    return path
 
 
 def _stream(url: str, messages: list[dict], *, kill=None) -> str:
@@ -67,9 +51,9 @@ def test_a_replica_killed_mid_stream_loses_no_turn_and_keeps_no_half_answer(
     history = [{"role": "system", "content": "You are brief."},
                {"role": "user", "content": "My bees live on the roof."}]
     with ServerThread(fake.app) as up, \
-            SidecarProcess(_config(tmp_path / "a", postgres_url, redis_server.url), up.url,
+            SidecarProcess(replica_config(tmp_path / "a", postgres_url, redis_server.url), up.url,
                            tmp_path / "a", SECRET) as a, \
-            SidecarProcess(_config(tmp_path / "b", postgres_url, redis_server.url), up.url,
+            SidecarProcess(replica_config(tmp_path / "b", postgres_url, redis_server.url), up.url,
                            tmp_path / "b", SECRET) as b:
         history.append({"role": "assistant", "content": _stream(a.url, history)})
         history.append({"role": "user", "content": "How many hives should I add?"})

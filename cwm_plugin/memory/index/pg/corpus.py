@@ -155,18 +155,33 @@ class PgChunks:
             else np.zeros(self.dims, dtype=np.float32)
         return v / max(float(np.linalg.norm(v)), 1e-12)
 
+    def prefetch(self, ids: list[str]) -> None:
+        """Read these chunks' text and place in one query (a search's hits, or its
+        candidates' times for recency) instead of one query each."""
+        todo = [c for c in ids if c not in self._hits]
+        if not todo:
+            return
+        with self.connect() as conn:
+            rows = conn.execute(
+                "SELECT chunk_id, text, session, turn_ids, ts, first_row, end_row FROM "
+                "cwm_index_chunks WHERE space = %s AND chunk_id = ANY(%s)",
+                (self.space, todo)).fetchall()
+        if len(self._hits) + len(rows) > 4096:
+            self._hits.clear()
+        for r in rows:
+            self._hits[r[0]] = tuple(r[1:])
+
+    def newest_ts(self) -> str:
+        """The newest chunk's time (recency decays from it)."""
+        with self.connect() as conn:
+            row = conn.execute("SELECT max(ts) FROM cwm_index_chunks WHERE space = %s",
+                               (self.space,)).fetchone()
+        return row[0] if row and row[0] else ""
+
     def _chunk(self, cid: str) -> tuple:
-        got = self._hits.get(cid)
-        if got is None:
-            with self.connect() as conn:
-                got = conn.execute(
-                    "SELECT text, session, turn_ids, ts, first_row, end_row FROM "
-                    "cwm_index_chunks WHERE space = %s AND chunk_id = %s",
-                    (self.space, cid)).fetchone()
-            if len(self._hits) > 4096:
-                self._hits.clear()
-            self._hits[cid] = got
-        return got
+        if cid not in self._hits:
+            self.prefetch([cid])
+        return self._hits.get(cid)  # type: ignore[return-value]
 
     def ts(self, doc_id: str) -> str:
         return self._chunk(doc_id)[3]

@@ -17,26 +17,20 @@ at construction, so a replica starts while its database is down.
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import NoReturn
 
 import psycopg
-from psycopg import conninfo
-from psycopg_pool import ConnectionPool, PoolTimeout
 
 from cwm_plugin.errors import MemoryUnavailable
 from cwm_plugin.memory.files.markdown import encode_turn
 from cwm_plugin.memory.files.names import check_memory_name
 from cwm_plugin.memory.models import Memory, Turn
 from cwm_plugin.memory.postgres.schema import migrate
+from cwm_plugin.pg_pool import PgPool, Subject
 
 log = logging.getLogger(__name__)
-STATEMENT_TIMEOUT_S = 15.0  # one statement, at most
-LOCK_TIMEOUT_S = 10.0  # waiting for a row lock (another replica merging facts into a folder)
 FACT_FIELDS = ("id", "text", "category", "importance", "access_count", "created", "key",
                "source", "replaced_by", "until")
 
@@ -51,156 +45,33 @@ def turns_from(conn: psycopg.Connection, folder: str, session: str, offset: int
     return [Turn(*r[:4]) for r in rows], (int(rows[-1][4]) if rows else offset)
 
 
-def describe(url: str) -> str:
-    """``host:port/dbname`` of a connection string: never its password or options."""
-    try:
-        d = conninfo.conninfo_to_dict(url)
-    except psycopg.ProgrammingError:
-        return "(an unparseable postgres_url)"
-    return f"{d.get('host', 'localhost')}:{d.get('port', 5432)}/{d.get('dbname', '')}"
-
-
 class PostgresTruth:
     """One memory in one PostgreSQL database; ``root``: this replica's derived data.
 
-    While the database is down every call raises ``MemoryUnavailable`` at once: a failed
-    connection drops the pool, and a new one is made only after a direct connection (the
-    probe, at most one every ``RETRY_S``) succeeds and the schema is up to date, so a turn never
-    waits on a pool's reconnection backoff. After a restart of the database the first call on
-    a stale connection fails (answered without memory) and the next makes a new pool. The
-    outage is logged once, and its end."""
-
-    RETRY_S = 1.0
+    While the database is down every call raises ``MemoryUnavailable`` at once (``pg_pool``:
+    a failed connection drops the pool, a probe a second finds the database again, the outage
+    is logged once, and its end)."""
 
     def __init__(self, url: str, root: Path, *, pool_size: int = 8,
                  timeout_s: float = 5.0) -> None:
         self.root = Path(root)
-        self.where = describe(url)
-        self.timeout_s = timeout_s
-        self.pool_size = max(1, pool_size)
-        self._url = url
-        self._pool: ConnectionPool | None = None
-        self._retry_at = 0.0
-        self._down_since: float | None = None
-        self._closed = False
-        self._guard = threading.Lock()
-        # bounds on every connection: a database that stops answering (a partition, a host
-        # gone without a reset) fails a call in seconds instead of hanging a memory thread
-        self._options: dict[str, object] = {
-            "connect_timeout": max(1, round(timeout_s)),
-            "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
-            "keepalives_count": 3, "tcp_user_timeout": int(STATEMENT_TIMEOUT_S * 1000),
-            "options": f"-c statement_timeout={int(STATEMENT_TIMEOUT_S * 1000)} "
-                       f"-c lock_timeout={int(LOCK_TIMEOUT_S * 1000)} "
-                       "-c idle_in_transaction_session_timeout=60000"}
+        self.db = PgPool(url, migrate, Subject(
+            "memory database", MemoryUnavailable, "memory.postgres_pool_size",
+            "check that PostgreSQL is up and memory.postgres_url is right; turns are "
+            "answered without memory until it is back", "turns are answered without memory"),
+            pool_size=pool_size, timeout_s=timeout_s, name="cwm-memory")
+        self.where = self.db.where
 
-    # --- connections -----------------------------------------------------------------------
-
-    @contextmanager
-    def _conn(self) -> Iterator[psycopg.Connection]:
-        """A pooled connection; an unreachable database (or one lost mid-call) raises
-        ``MemoryUnavailable`` saying where and what to do."""
-        pool = self._ready()
-        try:
-            with pool.connection() as conn:
-                yield conn
-        except PoolTimeout as exc:
-            if self._probe():
-                raise MemoryUnavailable(
-                    f"the memory database {self.where} is busy: all {self.pool_size} "
-                    f"connections were in use for {self.timeout_s:g} s",
-                    hint="raise memory.postgres_pool_size, or the database's capacity") from exc
-            self._lost(pool, exc)
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            self._lost(pool, exc)
+    def _conn(self) -> AbstractContextManager[psycopg.Connection]:
+        return self.db.connection()
 
     def connection(self) -> AbstractContextManager[psycopg.Connection]:
         """A pooled connection (autocommit) for the derived index's tables
         (``memory/index/pg/``), failing as the truth's own calls do when the database is gone."""
-        return self._conn()
-
-    def _ready(self) -> ConnectionPool:
-        pool = self._pool
-        if pool is not None:
-            return pool
-        if self._closed:
-            raise MemoryUnavailable("the memory is closed (the server is shutting down)")
-        # one caller probes; the others wait for it only while the database was never found
-        # down (a first connection), else they are answered at once
-        wait = self.timeout_s if self._down_since is None else 0.0
-        got = self._guard.acquire(timeout=wait) if wait else self._guard.acquire(blocking=False)
-        if not got:
-            raise self._unavailable("reconnecting")
-        try:
-            if self._pool is not None:
-                return self._pool
-            if time.monotonic() < self._retry_at:
-                raise self._unavailable("down")
-            try:
-                with psycopg.connect(self._url, autocommit=True, **self._options) as conn:
-                    migrate(conn)
-            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                self._retry_at = time.monotonic() + self.RETRY_S
-                self._note_down(exc)
-                raise self._unavailable(type(exc).__name__) from exc
-            pool = ConnectionPool(self._url, min_size=1, max_size=self.pool_size, open=False,
-                                  timeout=self.timeout_s, name="cwm-memory",
-                                  kwargs={"autocommit": True, **self._options})
-            pool.open(wait=False)
-            if self._down_since is not None:
-                log.warning("the memory database %s is back after %.1f s", self.where,
-                            time.monotonic() - self._down_since)
-                self._down_since = None
-            self._pool = pool
-            return pool
-        finally:
-            self._guard.release()
-
-    def _probe(self) -> bool:
-        try:
-            with psycopg.connect(self._url, **self._options):
-                return True
-        except (psycopg.OperationalError, psycopg.InterfaceError):
-            return False
-
-    def _lost(self, pool: ConnectionPool, exc: Exception) -> NoReturn:
-        """A pooled connection failed: the pool goes (its other connections are likely as
-        dead: a restarted server). If the database answers a new connection, the next call
-        makes a new pool at once (this call alone was answered without memory); if not, it
-        is down until a probe finds it."""
-        up = self._probe()
-        with self._guard:
-            if self._pool is pool:
-                self._pool = None
-                threading.Thread(target=pool.close, kwargs={"timeout": 1.0}, daemon=True,
-                                 name="cwm-memory-pool-close").start()
-                if up:
-                    log.info("the memory database %s dropped this replica's connections "
-                             "(%s); reconnecting", self.where, type(exc).__name__)
-                else:
-                    self._retry_at = time.monotonic() + self.RETRY_S
-                    self._note_down(exc)
-        raise self._unavailable(type(exc).__name__) from exc
-
-    def _note_down(self, exc: Exception) -> None:
-        if self._down_since is None:
-            self._down_since = time.monotonic()
-            log.warning("the memory database %s cannot be reached (%s); turns are answered "
-                        "without memory, and it is tried again every %g s", self.where,
-                        type(exc).__name__, self.RETRY_S)
-
-    def _unavailable(self, why: str) -> MemoryUnavailable:
-        return MemoryUnavailable(
-            f"the memory database {self.where} cannot be reached ({why})",
-            hint="check that PostgreSQL is up and memory.postgres_url is right; turns are "
-                 "answered without memory until it is back")
+        return self.db.connection()
 
     def close(self) -> None:
-        with self._guard:
-            self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
+        self.db.close()
 
     # --- transcripts -------------------------------------------------------------------------
 

@@ -49,3 +49,21 @@ def load_section(model: type[M], path: str | os.PathLike[str], section: str) -> 
 def beside(path: Path, config_file: str | os.PathLike[str]) -> Path:
     """``path`` as given when absolute, else relative to the folder of ``config_file``."""
     return path if path.is_absolute() else (Path(config_file).parent / path).resolve()
+
+
+POSTGRES_URL_ENV = "CWM_POSTGRES_URL"
+
+
+def postgres_url_or_env(url: Any, section: str) -> Any:
+    """A section's ``postgres_url`` (a ``SecretStr``), else ``$CWM_POSTGRES_URL`` (a password
+    kept out of the file); ValueError naming both when neither is set."""
+    if url is not None:
+        return url
+    from pydantic import SecretStr
+
+    env = os.environ.get(POSTGRES_URL_ENV)
+    if not env:
+        raise ValueError(f"{section}.backend is postgres but there is no postgres_url: set "
+                         f"{section}.postgres_url or ${POSTGRES_URL_ENV}")
+    return SecretStr(env)
+

@@ -27,7 +27,7 @@ import psycopg
 from psycopg import conninfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from cwm_plugin.errors import CWMError
+from cwm_plugin.errors import ConfigError, CWMError
 
 log = logging.getLogger(__name__)
 STATEMENT_TIMEOUT_S = 15.0  # one statement, at most
@@ -180,3 +180,38 @@ class PgPool:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+
+
+def apply_migrations(conn: psycopg.Connection, table: str, lock_id: int,
+                     migrations: tuple[tuple[str, ...], ...], what: str) -> int:
+    """Bring a schema to ``migrations``' newest version, each migration in one transaction
+    under the advisory lock ``lock_id`` (replicas starting together apply each once); the
+    versions applied are kept in ``table``. A database newer than this code is refused (a
+    downgraded replica must not write rows it does not understand); an extension the server
+    lacks is named. Returns the version now."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_id,))
+        conn.execute(f"CREATE TABLE IF NOT EXISTS {table} (version integer PRIMARY KEY, "  # noqa: S608 - a constant
+                     "applied timestamptz NOT NULL DEFAULT now())")
+        row = conn.execute(f"SELECT coalesce(max(version), 0) FROM {table}").fetchone()  # noqa: S608
+        have = int(row[0]) if row else 0
+        if have > len(migrations):
+            raise ConfigError(
+                f"the {what} database is at schema version {have}, newer than this "
+                f"cwm_plugin knows ({len(migrations)})",
+                hint="upgrade cwm_plugin on this replica to the version the others run")
+        for version in range(have + 1, len(migrations) + 1):
+            for statement in migrations[version - 1]:
+                try:
+                    conn.execute(statement)  # type: ignore[arg-type]  (constant SQL)
+                except psycopg.Error as exc:
+                    if not statement.startswith("CREATE EXTENSION"):
+                        raise
+                    raise ConfigError(
+                        f"the {what} database lacks the extension its schema needs "
+                        f"({statement}: {exc})",
+                        hint="install it on the PostgreSQL server (pgvector: the `vector` "
+                             "extension), or have the database's owner run that statement"
+                    ) from exc
+            conn.execute(f"INSERT INTO {table} (version) VALUES (%s)", (version,))  # noqa: S608
+    return len(migrations)

@@ -54,6 +54,14 @@ def root_of(args: argparse.Namespace) -> Path:
 def _open(args: argparse.Namespace):
     from cwm_plugin.activity.log import ActivityLog
 
+    if args.config and not args.root:  # a log in PostgreSQL, as the sidecar's settings say
+        from cwm_plugin.activity.settings import load_activity_settings
+
+        settings = load_activity_settings(args.config)
+        if settings is not None and settings.backend == "postgres" and settings.postgres_url:
+            from cwm_plugin.activity.postgres import PostgresActivityLog
+
+            return PostgresActivityLog(settings.postgres_url.get_secret_value())
     root = root_of(args)
     if not root.is_dir():
         raise ConfigError(f"no activity log at {root}")

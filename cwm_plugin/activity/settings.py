@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 
 from cwm_plugin.activity.log import MAX_USER_CHAINS
-from cwm_plugin.config_file import Strict, beside, load_section
+from cwm_plugin.config_file import Strict, beside, load_section, postgres_url_or_env
 
 
 class ActivitySettings(Strict):
@@ -28,6 +28,17 @@ class ActivitySettings(Strict):
     turn_preview_chars: int = Field(default=120, ge=0, le=500)
     read: Literal["shared", "own", "all"] = "shared"
     max_user_chains: int = Field(default=MAX_USER_CHAINS, ge=1)
+    # files: chains under ``root`` (one machine, or a shared file system) | postgres: one
+    # PostgreSQL every sidecar replica appends to and reads (``activity/postgres.py``)
+    backend: Literal["files", "postgres"] = "files"
+    postgres_url: SecretStr | None = None  # unset: $CWM_POSTGRES_URL; never logged
+    postgres_pool_size: int = Field(default=4, ge=1)  # connections per replica
+
+    @model_validator(mode="after")
+    def _postgres_url(self) -> ActivitySettings:
+        if self.backend == "postgres":
+            self.postgres_url = postgres_url_or_env(self.postgres_url, "activity")
+        return self
 
     def resolve_root(self, config_file: str | os.PathLike[str]) -> None:
         """Take a relative ``root`` from the folder of the settings file it was read from."""

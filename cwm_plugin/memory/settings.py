@@ -11,9 +11,10 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from cwm_plugin.config_file import Strict, beside, load_section
-
-POSTGRES_URL_ENV = "CWM_POSTGRES_URL"
+from cwm_plugin.config_file import (
+    POSTGRES_URL_ENV as POSTGRES_URL_ENV,
+)
+from cwm_plugin.config_file import Strict, beside, load_section, postgres_url_or_env
 
 
 class EmbedderConfig(Strict):
@@ -98,12 +99,8 @@ class MemorySettings(Strict):
 
     @model_validator(mode="after")
     def _postgres_url(self) -> MemorySettings:
-        if self.backend == "postgres" and self.postgres_url is None:
-            env = os.environ.get(POSTGRES_URL_ENV)
-            if not env:
-                raise ValueError(f"memory.backend is postgres but there is no postgres_url: "
-                                 f"set memory.postgres_url or ${POSTGRES_URL_ENV}")
-            self.postgres_url = SecretStr(env)
+        if self.backend == "postgres":
+            self.postgres_url = postgres_url_or_env(self.postgres_url, "memory")
         return self
 
     def resolve_root(self, config_file: str | os.PathLike[str]) -> None:

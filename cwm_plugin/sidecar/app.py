@@ -208,6 +208,8 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
         window_pool.close()
         sidecar.restores.close()
         sidecar.activity_pool.close()
+        if hasattr(sidecar.activity, "close"):  # (a log in PostgreSQL holds a pool)
+            sidecar.activity.close()
         if engine is not None:
             engine.store.close()
         if sidecar.shared is not None:

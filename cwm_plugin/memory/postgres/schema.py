@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import psycopg
 
-from cwm_plugin.errors import ConfigError
+from cwm_plugin.pg_pool import apply_migrations
 
 LOCK_ID = 0x63776D5F6D656D  # "cwm_mem": the advisory lock migrations take
 
@@ -94,27 +94,4 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 
 def migrate(conn: psycopg.Connection) -> int:
     """Apply the migrations the database lacks; returns its version now."""
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_ID,))
-        conn.execute("CREATE TABLE IF NOT EXISTS cwm_schema (version integer PRIMARY KEY, "
-                     "applied timestamptz NOT NULL DEFAULT now())")
-        row = conn.execute("SELECT coalesce(max(version), 0) FROM cwm_schema").fetchone()
-        have = int(row[0]) if row else 0
-        if have > len(MIGRATIONS):
-            raise ConfigError(
-                f"the memory database is at schema version {have}, newer than this "
-                f"cwm_plugin knows ({len(MIGRATIONS)})",
-                hint="upgrade cwm_plugin on this replica to the version the others run")
-        for version in range(have + 1, len(MIGRATIONS) + 1):
-            for statement in MIGRATIONS[version - 1]:
-                try:
-                    conn.execute(statement)  # type: ignore[arg-type]  (constant SQL)
-                except psycopg.Error as exc:
-                    if not statement.startswith("CREATE EXTENSION"):
-                        raise
-                    raise ConfigError(
-                        f"the memory database lacks the pgvector extension ({exc})",
-                        hint="install pgvector on the PostgreSQL server, or have its owner "
-                             "run CREATE EXTENSION vector in this database") from exc
-            conn.execute("INSERT INTO cwm_schema (version) VALUES (%s)", (version,))
-    return len(MIGRATIONS)
+    return apply_migrations(conn, "cwm_schema", LOCK_ID, MIGRATIONS, "memory")

@@ -69,13 +69,20 @@ class ActivityBody(BaseModel):
     limit_tokens: int | None = Field(default=None, ge=1)
 
 
-def open_activity(settings: Settings) -> ActivityLog | None:
-    """The deployment's log, or None when not configured or its folder cannot be made."""
+def open_activity(settings: Settings) -> Any:
+    """The deployment's log (files, or PostgreSQL shared by replicas), or None when not
+    configured or its folder cannot be made."""
     if settings.activity is None:
         return None
+    a = settings.activity
+    if a.backend == "postgres" and a.postgres_url is not None:
+        from cwm_plugin.activity.postgres import PostgresActivityLog
+
+        return PostgresActivityLog(a.postgres_url.get_secret_value(),
+                                   max_user_chains=a.max_user_chains,
+                                   pool_size=a.postgres_pool_size)
     try:
-        return ActivityLog(settings.activity.root,
-                           max_user_chains=settings.activity.max_user_chains)
+        return ActivityLog(a.root, max_user_chains=a.max_user_chains)
     except OSError as exc:
         log.error("the activity log is off: cannot use %s: %s", settings.activity.root,
                   exc.strerror)

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sidecar_helpers import ADMIN, chat, replicas_over_fake, runtime
+from sidecar_helpers import ADMIN, KEYS, chat, replicas_over_fake, runtime
 
 from cwm_plugin.sidecar.turn.session import Compaction, SessionState
 from cwm_plugin.sidecar.turn.shared_state import SharedSessions, apply, snapshot
@@ -255,3 +255,21 @@ def test_one_tenants_users_cannot_grow_the_shared_usage_without_end(redis_server
     assert sum(r["requests"] for r in acme.values()) == 24  # nothing lost, only not split
     assert sum(r["cost"] for r in acme.values()) == pytest.approx(12.0)
     assert beta == {("beta", "tiny", "vllm", "client"): {**dict.fromkeys(FIGURES, 0), **one}}
+
+
+def test_activity_in_postgresql_is_one_log_for_every_replica(postgres_server,
+                                                              tmp_path: Path) -> None:
+    """With ``activity.backend: postgres`` an entry posted on replica A is read on replica B,
+    in one chain with B's own; another tenant reads neither."""
+    url = postgres_server.new_database()
+    with replicas_over_fake(postgres_server.new_database(), tmp_path, 2, activity={
+            "backend": "postgres", "postgres_url": url}) as (_, (a, b)):
+        for srv, what in ((a, "drafted on A"), (b, "reviewed on B")):
+            r = httpx.post(f"{srv.url}/v1/activity", headers=ADMIN, json={"what": what})
+            assert r.status_code == 201, r.text
+        got = httpx.get(f"{b.url}/v1/activity?view=full", headers=ADMIN).json()
+        assert [e["what"] for e in got["data"]] == ["drafted on A", "reviewed on B"]
+        assert got["data"][1]["prev"] == got["data"][0]["hash"]  # one chain
+        other = httpx.get(f"{a.url}/v1/activity?view=full", headers={
+            "Authorization": f"Bearer {KEYS['beta']}"}).json()
+        assert other["data"] == []

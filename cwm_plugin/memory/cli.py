@@ -181,7 +181,8 @@ def _copy(args: argparse.Namespace, into_postgres: bool) -> int:
     if root is None:
         raise ConfigError("no memory root", hint="pass --root or --config")
     files = MemoryFiles(root)
-    pg = PostgresTruth(_postgres_url(args), root)
+    url = _postgres_url(args)
+    pg = PostgresTruth(url, root)
     try:
         src, dst = (files, pg) if into_postgres else (pg, files)
         report = copy_memory(src, dst, [args.folder] if args.folder else None)
@@ -190,7 +191,38 @@ def _copy(args: argparse.Namespace, into_postgres: bool) -> int:
     print(report.line())
     for c in report.conflicts:
         print(f"conflict: {c}")
+    if into_postgres:
+        _index_in_database(args, url, [args.folder] if args.folder else files.folders())
     return 1 if report.conflicts else 0
+
+
+def _index_in_database(args: argparse.Namespace, url: str, folders: list[str]) -> None:
+    """After a migrate: build the search index in the database (``memory.candidates:
+    database``) with the embedder and chunking of ``--config``, so no replica's first
+    search of a folder embeds all of it; without ``--config`` the first search does."""
+    from pydantic import SecretStr
+    from tqdm import tqdm
+
+    from cwm_plugin.memory.service.factory import service_from_settings
+    from cwm_plugin.memory.settings import load_memory_settings
+
+    if not args.config:
+        print("the search index in the database is built by each folder's first search "
+              "(pass --config to build it now, with the sidecar's embedder)")
+        return
+    settings = load_memory_settings(args.config)
+    if settings.candidates != "database":
+        return
+    settings = settings.model_copy(update={"backend": "postgres",
+                                           "postgres_url": SecretStr(url)})
+    svc = service_from_settings(settings)
+    try:
+        total = sum(len(svc.files.sessions(f)) for f in folders)
+        with tqdm(total=total, desc="index in the database", unit="session") as bar:
+            chunks = sum(svc.indexes.get(f, bar).n_docs for f in folders)
+    finally:
+        svc.close()
+    print(f"indexed in the database: {len(folders)} folder(s), {chunks} chunks")
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from cwm_plugin.memory.index.bm25 import BM25Corpus
@@ -144,3 +145,34 @@ def test_recency_mmr_and_a_session_filter_rank_as_one_machine(new_service, postg
             assert [h.text for h in a] == [h.text for h in b] and a
             assert all("recency" in h.reasons for h in b)
             assert [h.score for h in b] == pytest.approx([h.score for h in a], abs=1e-5)
+
+
+def test_a_migrate_with_the_sidecars_settings_builds_the_index_in_the_database(
+        new_service, postgres_url: str, tmp_path: Path, capsys) -> None:
+    """``cwm memory migrate --config``: the folders copied are indexed in the database with
+    the settings' embedder (a progress bar, then what was indexed), so the first search of
+    a replica embeds nothing; the index answers as the files do."""
+    import yaml
+
+    from cwm_plugin.cli import main
+    from cwm_plugin.memory.index.embeddings import HashingEmbedder
+
+    files = new_service(root=tmp_path / "files", embedder=HashingEmbedder())
+    rng = random.Random(5)
+    for s in range(3):
+        files.record_turns("dora", f"s{s}", [("user", _text(rng) or "hi") for _ in range(8)])
+    want = [h.text for h in files.search("dora", "violin tram")]
+    files.close()
+    config = tmp_path / "sidecar.yaml"
+    config.write_text(yaml.safe_dump({"memory": {
+        "root": str(tmp_path / "files"), "tokenizer": "tiktoken:cl100k_base",
+        "embedder": {"kind": "hashing"}}}))
+    assert main(["memory", "migrate", "--config", str(config), "--postgres-url",
+                 postgres_url]) == 0
+    assert "indexed in the database: 1 folder(s)" in capsys.readouterr().out
+    with psycopg.connect(postgres_url) as db:
+        assert db.execute("SELECT count(*) FROM cwm_index_sessions").fetchone()[0] == 3
+    pg = new_service(root=tmp_path / "replica", postgres_url=postgres_url,
+                     embedder=HashingEmbedder())
+    assert pg.indexes.writer.behind("dora") == []  # nothing left to index
+    assert [h.text for h in pg.search("dora", "violin tram")] == want

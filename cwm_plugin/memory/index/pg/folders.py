@@ -60,7 +60,7 @@ class PgFolderIndexes:
         session moved since the last look: one small query)."""
         sig = self.files.folder_signature(folder)
         if sig != self._seen.get(folder):
-            made = self.writer.catch_up(folder)
+            made = self.writer.catch_up(folder, bar)
             if made:
                 self.metrics.chunks.inc(made)
             self._seen[folder] = sig
@@ -95,10 +95,7 @@ class PgFolderIndexes:
         """Index the folder again from its truth (its sessions dropped first)."""
         self.writer.drop_folder(folder)
         self._seen.pop(folder, None)
-        idx = self.get(folder)
-        if bar is not None:
-            bar.update(len(self.files.sessions(folder)))
-        return Rebuilt(idx.doc_ids())
+        return Rebuilt(self.get(folder, bar).doc_ids())
 
     def save(self, folder: str | None = None) -> int:
         return 0  # the database holds it

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import threading
+from typing import Any
 
 import numpy as np
 import psycopg
@@ -86,9 +87,15 @@ class PgIndexWriter:
                 (self.space(folder), folder)).fetchall()
         return [r[0] for r in rows]
 
-    def catch_up(self, folder: str) -> int:
-        """Index every session of the folder that is behind; returns the chunks made."""
-        return sum(self.index_session(folder, s) for s in self.behind(folder))
+    def catch_up(self, folder: str, bar: Any = None) -> int:
+        """Index every session of the folder that is behind (``bar``: a tqdm bar counting
+        sessions); returns the chunks made."""
+        made = 0
+        for session in self.behind(folder):
+            made += self.index_session(folder, session)
+            if bar is not None:
+                bar.update(1)
+        return made
 
     def index_session(self, folder: str, session: str) -> int:
         """Index what the session's truth holds past its index (one transaction); returns

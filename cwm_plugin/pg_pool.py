@@ -34,6 +34,14 @@ STATEMENT_TIMEOUT_S = 15.0  # one statement, at most
 LOCK_TIMEOUT_S = 10.0  # waiting for a row lock (another replica writing the same rows)
 
 
+def _connection_lost(exc: Exception) -> bool:
+    """Whether a psycopg error means the connection (or the server) is gone, not that the
+    server refused one statement: a lock or statement timeout (55P03, 57014) or a deadlock
+    (40P01) are ``OperationalError`` too, but the database is up and the next call will do."""
+    state = getattr(exc, "sqlstate", None)
+    return state is None or state.startswith(("08", "57P"))
+
+
 def describe(url: str) -> str:
     """``host:port/dbname`` of a connection string: never its password or options."""
     try:
@@ -97,6 +105,8 @@ class PgPool:
                 ) from exc
             self._lost(pool, exc)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            if not _connection_lost(exc):
+                raise  # the server answered: a lock or statement timeout, a deadlock
             self._lost(pool, exc)
 
     def _ready(self) -> ConnectionPool:
@@ -205,7 +215,8 @@ def apply_migrations(conn: psycopg.Connection, table: str, lock_id: int,
                 try:
                     conn.execute(statement)  # type: ignore[arg-type]  (constant SQL)
                 except psycopg.Error as exc:
-                    if not statement.startswith("CREATE EXTENSION"):
+                    if not statement.startswith("CREATE EXTENSION") and \
+                            getattr(exc, "sqlstate", None) != "P0001":  # (a check that raised)
                         raise
                     raise ConfigError(
                         f"the {what} database lacks the extension its schema needs "

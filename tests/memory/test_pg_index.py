@@ -5,6 +5,7 @@ through adds and removes, the same top documents."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import psycopg
@@ -12,6 +13,7 @@ import pytest
 
 from cwm_plugin.memory.index.bm25 import BM25Corpus
 from cwm_plugin.memory.index.pg.bm25 import CHUNKS, LINES, PgBM25, add_docs, remove_docs
+from cwm_plugin.memory.models import Turn
 from cwm_plugin.memory.postgres.truth import PostgresTruth
 
 pytestmark = pytest.mark.postgres
@@ -120,6 +122,9 @@ def test_a_large_folder_walks_the_hnsw_graph_and_finds_what_an_exact_scan_finds(
     for e, w in zip(exact, walked, strict=True):
         assert len(w) == 20 and len(set(e) & set(w)) >= 18
         assert all(s.startswith("s") for s, _ in w)
+    # a search within one session takes that session's chunks, graph walk or not
+    assert {h.text for h in pg.search("big", "violin tram", session="s2")} <= \
+        {c[0] for c in (idx._chunk(cid) for cid in idx.doc_ids("s2"))}
 
 
 def test_recency_mmr_and_a_session_filter_rank_as_one_machine(new_service, postgres_url: str,
@@ -176,3 +181,53 @@ def test_a_migrate_with_the_sidecars_settings_builds_the_index_in_the_database(
                      embedder=HashingEmbedder())
     assert pg.indexes.writer.behind("dora") == []  # nothing left to index
     assert [h.text for h in pg.search("dora", "violin tram")] == want
+
+
+def test_a_lock_timeout_is_an_error_not_a_database_gone(postgres_url: str, truth) -> None:
+    """The server refusing one statement (a lock timeout: an ``OperationalError`` in psycopg)
+    fails that call and keeps the pool: only a lost connection makes a database 'down'."""
+    truth.session_stats("f")
+    pool = truth.db._pool
+    with psycopg.connect(postgres_url) as other:
+        other.execute("LOCK TABLE cwm_memory_sessions IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(psycopg.errors.LockNotAvailable), truth.connection() as conn, \
+                conn.transaction():
+            conn.execute("SET LOCAL lock_timeout = '100ms'")
+            conn.execute("SELECT * FROM cwm_memory_sessions")
+        other.rollback()
+    assert truth.db._pool is pool and truth.session_stats("f") == {}
+
+
+def test_a_check_a_migration_raises_is_a_config_error(postgres_url: str) -> None:
+    """(pgvector older than 0.8 is refused this way, naming what to run.)"""
+    from cwm_plugin.errors import ConfigError
+    from cwm_plugin.pg_pool import apply_migrations
+
+    with psycopg.connect(postgres_url, autocommit=True) as conn, \
+            pytest.raises(ConfigError, match="too old: upgrade"):
+        apply_migrations(conn, "cwm_test_schema", 42, ((
+            "DO $$ BEGIN RAISE EXCEPTION 'too old: upgrade'; END $$",),), "test")
+
+
+def test_a_search_never_waits_for_another_replicas_indexing_and_a_gone_session_goes(
+        new_service, postgres_url: str) -> None:
+    """While another replica holds a session's index row (indexing it), a search answers at
+    once without that session's newest turns, and has them once the row is free; a session
+    whose truth is gone leaves the index at the next look."""
+    svc = new_service(postgres_url=postgres_url, candidates="database")
+    svc.record_turns("erin", "s1", [("user", "My kayak is yellow.")])
+    svc.record_turns("erin", "s2", [("user", "The origami crane is blue.")])
+    space = svc.indexes.writer.space("erin")
+    with psycopg.connect(postgres_url) as other:
+        other.execute("SELECT 1 FROM cwm_index_sessions WHERE space = %s AND session = 's1' "
+                      "FOR UPDATE", (space,))
+        svc.files.append_turns("erin", "s1", [Turn("t-new", "user", "The kayak has a lighthouse "
+                                                    "sticker.", "2024-01-01T00:00:00Z")])
+        t0 = time.monotonic()
+        assert not any("sticker" in h.text for h in svc.search("erin", "kayak sticker"))
+        assert time.monotonic() - t0 < 5  # (a wait would be the lock timeout, 10 s)
+        other.rollback()
+    assert any("sticker" in h.text for h in svc.search("erin", "kayak sticker"))
+    with psycopg.connect(postgres_url, autocommit=True) as db:
+        db.execute("DELETE FROM cwm_memory_sessions WHERE folder = 'erin' AND session = 's2'")
+    assert not any("origami" in h.text for h in svc.search("erin", "origami crane"))

@@ -104,9 +104,13 @@ def search_index(index: Corpus, query: str, qvec: np.ndarray | None, k: int,
     cands: set[str] = set()
     if mode in ("vector", "hybrid") and qvec is not None:
         with stages("vector"):
-            lines = n_cand * 2 if session is None else index.n_vectors
-            vc = [c for c in index.vector_candidates(qvec, lines)
-                  if allowed is None or c in allowed]
+            within = getattr(index, "vector_candidates_in", None)
+            if session is not None and within is not None:  # (``index/pg``)
+                vc = within(session)
+            else:
+                lines = n_cand * 2 if session is None else index.n_vectors
+                vc = [c for c in index.vector_candidates(qvec, lines)
+                      if allowed is None or c in allowed]
             vec = _vector_scores(index, qvec, vc)
             cands.update(heapq.nlargest(n_cand, vec, key=vec.__getitem__))
     if mode in ("bm25", "hybrid"):

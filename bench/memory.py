@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     result = evaluate(svc, convs, 60 if args.quick else None)
     search_s = time.perf_counter() - t1
-    chunks = [c for conv in convs for c in svc.index(conv.name).chunks.values()]
+    chunks = [c for conv in convs for c in svc.index(conv.name).chunk_sizes()]
     result.update({
         "token_ratio": round(sent / full, 4) if full else None,
         "tokens_sent": sent, "tokens_full_history": full,
@@ -336,9 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                     "recent_turns": mem.recent_turns, "max_model_len": args.max_model_len},
         "data": str(args.data) if args.data else "generated",
         "conversations": len(convs), "turns": n_turns, "chunks": len(chunks),
-        "mean_chunk_tokens": round(sum(c.tokens for c in chunks) / max(len(chunks), 1), 1),
-        "mean_turns_per_chunk": round(sum(len(c.turn_ids) for c in chunks)
-                                      / max(len(chunks), 1), 1),
+        "mean_chunk_tokens": round(sum(t for t, _ in chunks) / max(len(chunks), 1), 1),
+        "mean_turns_per_chunk": round(sum(n for _, n in chunks) / max(len(chunks), 1), 1),
         "config": {"chunk_tokens": cfg.chunk_tokens, "chunk_overlap": cfg.chunk_overlap,
                    "bm25_weight": cfg.bm25_weight, "vector_weight": cfg.vector_weight,
                    "chunk_vector_weight": cfg.chunk_vector_weight,

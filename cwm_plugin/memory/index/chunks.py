@@ -333,6 +333,10 @@ class ChunkIndex:
             self.doc_vector(c)
         return len(todo)
 
+    def chunk_sizes(self) -> list[tuple[int, int]]:
+        """``(tokens, turns)`` of every chunk (what a bench reports of the chunking)."""
+        return [(c.tokens, len(c.turn_ids)) for c in self.chunks.values()]
+
     def session_units(self, session: str) -> list[Unit]:
         """Every line of a session, in order (the pack's neighbours)."""
         st = self.sessions.get(session)

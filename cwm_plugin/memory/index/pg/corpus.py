@@ -255,6 +255,13 @@ class PgChunks:
         return Hit(text=text, score=score, source=f"session:{session}", chunk_id=doc_id,
                    turn_ids=list(turn_ids), reasons=reasons)
 
+    def chunk_sizes(self) -> list[tuple[int, int]]:
+        """``(tokens, turns)`` of every chunk (what a bench reports of the chunking)."""
+        with self.connect() as conn:
+            rows = conn.execute("SELECT tokens, cardinality(turn_ids) FROM cwm_index_chunks "
+                                "WHERE space = %s", (self.space,)).fetchall()
+        return [(int(t), int(n)) for t, n in rows]
+
     def warm_centroids(self) -> int:
         return 0  # computed by the database with each search
 

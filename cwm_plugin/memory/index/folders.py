@@ -59,6 +59,12 @@ class _Folder:
     signature: Any = None  # the truth's folder signature at the last full look, if it has one
 
 
+def new_chunk_index(c: MemoryConfig, embedder: Embedder, counter: TokenCounter) -> ChunkIndex:
+    """An empty folder index with these settings (``index/pg`` takes one as its shape)."""
+    return ChunkIndex(embedder, counter, c.chunk_tokens, c.chunk_overlap,
+                      c.vector_context_lines, c.chunk_vector_weight, c.vector_context_mode)
+
+
 class FolderIndexes:
     def __init__(self, files: MemoryTruth, config: MemoryConfig, embedder: Embedder,
                  counter: TokenCounter, metrics: MemoryMetrics) -> None:
@@ -71,10 +77,7 @@ class FolderIndexes:
         self._folders: dict[str, _Folder] = {}
 
     def _new_index(self) -> ChunkIndex:
-        c = self.config
-        return ChunkIndex(self.embedder, self.counter, c.chunk_tokens, c.chunk_overlap,
-                          c.vector_context_lines, c.chunk_vector_weight,
-                          c.vector_context_mode)
+        return new_chunk_index(self.config, self.embedder, self.counter)
 
     # --- loading, building, saving ---------------------------------------------------------------
 

@@ -124,7 +124,7 @@ class MemoryService:
     def index(self, folder: str) -> ChunkIndex:
         """The folder's chunk index, caught up with its files."""
         check_memory_name("folder", folder)
-        self.index_pending(folder)
+        self.writer.index_pending(folder)  # (an index in a database: the look below)
         with self.lock(folder):
             return self.indexes.refresh(folder)
 
@@ -155,7 +155,7 @@ class MemoryService:
             check_memory_name("session", session)
         t0 = time.perf_counter()
         qvec = self._embed_one(query) if mode != "bm25" else None
-        self.index_pending(folder)
+        self.writer.index_pending(folder)  # (an index in a database: the look below)
         with self.lock(folder):
             idx = self.indexes.refresh(folder)
             with self._reading():
@@ -248,7 +248,7 @@ class MemoryService:
         (``selection/lines.py``): what the packer chooses from (``bench/memory.py`` measures it)."""
         check_memory_name("folder", folder)
         qvec = self._embed_one(query) if mode != "bm25" and query.strip() else None
-        self.index_pending(folder)
+        self.writer.index_pending(folder)  # (an index in a database: the look below)
         with self.lock(folder):
             idx = self._searchable(folder)
             with self._reading():
@@ -269,7 +269,8 @@ class MemoryService:
                 qvec = self._embed_one(query)
         t0 = time.perf_counter()
         with stages("files"):
-            self.index_pending(folder)  # this process's turns: all of them, once
+            # this process's turns: all of them, once (an index in a database: the look below)
+            self.writer.index_pending(folder)
         with self.lock(folder):
             fact_hits = self._memory_hits(folder, query, qvec, self.config.max_facts,
                                           "hybrid", stages)

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from cwm_plugin.memory.index.chunks import ChunkIndex
 from cwm_plugin.memory.index.embeddings import Embedder
 from cwm_plugin.memory.index.fact_index import FactIndex
-from cwm_plugin.memory.index.folders import memory_index
+from cwm_plugin.memory.index.folders import memory_index, new_chunk_index
 from cwm_plugin.memory.index.pg.corpus import PgChunks, PgLines, Reader
 from cwm_plugin.memory.index.pg.writer import PgIndexWriter
 from cwm_plugin.memory.metrics import MemoryMetrics
@@ -42,9 +41,7 @@ class PgFolderIndexes:
         self.config = config
         self.embedder = embedder
         self.metrics = metrics
-        self.writer = PgIndexWriter(files, ChunkIndex(
-            embedder, counter, config.chunk_tokens, config.chunk_overlap,
-            config.vector_context_lines, config.chunk_vector_weight, config.vector_context_mode))
+        self.writer = PgIndexWriter(files, new_chunk_index(config, embedder, counter))
         self._chunks: dict[str, PgChunks] = {}
         self._lines: dict[str, PgLines] = {}
         self._memories: dict[str, FactIndex] = {}

@@ -29,7 +29,8 @@ pid {dir}/nginx.pid;
 error_log {dir}/error.log warn;
 events {{ worker_connections 1024; }}
 http {{
-  access_log {dir}/access.log;
+  log_format routed '$http_x_session_id $upstream_addr';
+  access_log {dir}/access.log routed;
   client_body_temp_path {dir}/body;
   proxy_temp_path {dir}/proxy;
   fastcgi_temp_path {dir}/fastcgi;
@@ -107,6 +108,18 @@ class NginxBalancer:
             return True
         except httpx.HTTPError:
             return False
+
+    def backend_of(self, session: str) -> str:
+        """The backend (``host:port``) the balancer sends ``session``'s requests to while
+        every backend is up: one ``/health`` request with its ``X-Session-Id``, read back
+        from the access log (one line a request, written when the request ends)."""
+        assert self._dir is not None, "start the balancer first"
+        httpx.get(f"{self.url}/health", headers={"X-Session-Id": session}, timeout=5.0)
+        for line in reversed((self._dir / "access.log").read_text().splitlines()):
+            name, _, addr = line.rpartition(" ")
+            if name == session:
+                return addr
+        raise RuntimeError(f"nginx logged no request of session {session!r}")
 
     def stop(self) -> None:
         if self._proc is not None:

@@ -26,6 +26,22 @@ pytestmark = pytest.mark.postgres
 CLIENTS = 6
 
 
+def _sessions_on_both(lb: NginxBalancer, port_a: int) -> list[str]:
+    """CLIENTS session names the balancer's hash spreads evenly over A and B: the ring
+    depends on the replicas' (free, so random) ports, and with names taken blindly all of
+    them landed on B now and then, leaving nothing in flight on the replica killed."""
+    on_a: list[str] = []
+    on_b: list[str] = []
+    for k in range(200):
+        session = f"load-{k}"
+        side = on_a if lb.backend_of(session) == f"127.0.0.1:{port_a}" else on_b
+        if len(side) < CLIENTS // 2:
+            side.append(session)
+        if len(on_a) + len(on_b) == CLIENTS:
+            return on_a + on_b
+    raise AssertionError(f"the hash put {len(on_a)} of 200 sessions on A")
+
+
 def _kill_under_load(pg_url: str, redis_url: str, tmp_path: Path, retry: bool
                      ) -> tuple[dict[str, int], dict[str, int], list[str]]:
     """Clients chatting through the balancer while replica A is killed and restarted: the
@@ -36,13 +52,13 @@ def _kill_under_load(pg_url: str, redis_url: str, tmp_path: Path, retry: bool
     answered: dict[str, int] = {}
     failures: list[str] = []
 
-    def client(i: int, url: str) -> None:
-        session, n = f"load-{i}", 0
+    def client(session: str, url: str) -> None:
+        n = 0
         with httpx.Client(timeout=60) as http:
             while not stop.is_set():
                 r = http.post(f"{url}/v1/chat/completions", json={
                     "model": "tiny", "max_tokens": 4, "messages": [
-                        {"role": "user", "content": f"Question {n} of client {i}?"}]},
+                        {"role": "user", "content": f"Question {n} of {session}?"}]},
                     headers={"Authorization": f"Bearer {KEYS['acme']}",
                              "X-Session-Id": session})
                 if r.status_code != 200:
@@ -56,7 +72,8 @@ def _kill_under_load(pg_url: str, redis_url: str, tmp_path: Path, retry: bool
             SidecarProcess(replica_config(tmp_path / "b", pg_url, redis_url, limits=True), up.url,
                            tmp_path / "b", SECRET) as b, \
             NginxBalancer([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], retry=retry) as lb:
-        threads = [threading.Thread(target=client, args=(i, lb.url)) for i in range(CLIENTS)]
+        threads = [threading.Thread(target=client, args=(s, lb.url))
+                   for s in _sessions_on_both(lb, a.port)]
         for t in threads:
             t.start()
         time.sleep(4)
@@ -81,7 +98,7 @@ def test_a_replica_killed_and_restarted_under_load_fails_no_request(
     try:
         for session, n in answered.items():  # every answered turn is in the memory
             said = {t.content for t in truth.read_turns("acme", session) if t.role == "user"}
-            assert {f"Question {k} of client {session[5:]}?" for k in range(n)} <= said
+            assert {f"Question {k} of {session}?" for k in range(n)} <= said
     finally:
         truth.close()
 

@@ -69,6 +69,78 @@ def test_bm25_in_the_database_scores_as_the_in_process_corpus(truth) -> None:
             mine.top(query, 5, also=also, allowed=some), rel=1e-9)
 
 
+def test_a_pruned_search_leaves_common_terms_out_and_finds_the_same_best(
+        truth, monkeypatch) -> None:
+    """MaxScore over the postings: with a query's common terms left out of the scan (their
+    document frequencies kept in ``cwm_index_terms``, equal to the postings' through adds and
+    removes), the best documents and their scores are the in-process corpus's; where the
+    floor it finds is too low to leave them out, every posting is read instead, with the same
+    answer."""
+    from contextlib import contextmanager
+
+    from cwm_plugin.memory.index.pg import bm25 as pg_bm25
+
+    rng = random.Random(11)
+    common = ("hiking", "painting", "pottery", "harbour")  # in most documents
+    mine, docs = BM25Corpus(), {}
+    with truth.connection() as conn:
+        for step in range(4):
+            batch = {f"d{step}-{i}": " ".join(
+                [*rng.sample(common, 3), *(f"{rng.choice(WORDS[:12])}{rng.randint(0, 12)}"
+                                            for _ in range(rng.randint(1, 6)))])
+                for i in range(60)}
+            with conn.transaction():
+                add_docs(conn, "sp/p", CHUNKS, batch.items())
+                gone = rng.sample(sorted(docs), min(len(docs), 20))
+                remove_docs(conn, "sp/p", CHUNKS, gone)
+            for d, t in batch.items():
+                mine.add(d, t)
+            for d in gone:
+                mine.remove(d)
+                del docs[d]
+            docs.update(batch)
+        kept = dict(conn.execute("SELECT term, df FROM cwm_index_terms WHERE space = 'sp/p' "
+                                 "AND df > 0").fetchall())
+        counted = dict(conn.execute("SELECT term, count(*) FROM cwm_index_postings WHERE "
+                                    "space = 'sp/p' GROUP BY term").fetchall())
+    assert kept == counted and len(kept) > 10
+
+    ran: list[str] = []
+
+    @contextmanager
+    def spying():
+        with truth.connection() as conn:
+            execute = conn.execute
+
+            def logged(sql, *args, **kw):
+                ran.append(str(sql))
+                return execute(sql, *args, **kw)
+            conn.execute = logged  # type: ignore[method-assign]
+            try:
+                yield conn
+            finally:
+                conn.execute = execute  # type: ignore[method-assign]
+
+    monkeypatch.setattr(pg_bm25, "PRUNE_POSTINGS", 0)  # (pruned whatever the corpus's size)
+    pg = PgBM25(spying, "sp/p", CHUNKS)
+    pruned = 0
+    for query in ("hiking painting pottery violin3", "harbour hiking saffron7",
+                  "hiking tundra1 kayak2 painting", "hiking pottery", "origami4 harbour",
+                  "violin3 violin5 hiking"):
+        ran.clear()
+        top, want = pg.top(query, 8), mine.top(query, 8)
+        assert sorted(top.values()) == pytest.approx(sorted(want.values()), rel=1e-9)
+        last = min(want.values())  # (documents tied at the last place may differ)
+        assert {d for d, x in top.items() if x > last + 1e-9} == \
+            {d for d, x in want.items() if x > last + 1e-9}
+        assert all(top[d] == pytest.approx(x, rel=1e-9) for d, x in want.items() if d in top)
+        used = [sql for sql in ran if "cand AS MATERIALIZED" in sql]
+        whole = [sql for sql in ran if "LIMIT %(n)s" in sql and "cand AS" not in sql]
+        assert used or whole
+        pruned += bool(used) and not whole
+    assert pruned >= 2  # the pruned answer stood, more than once
+
+
 def test_an_import_and_a_reindex_in_the_database_search_as_one_machine(
         new_service, postgres_url: str, tmp_path: Path) -> None:
     """``cwm memory import`` and ``reindex`` with the index in the database: the imported

@@ -66,8 +66,17 @@ def test_both_truths_keep_one_contract(truth) -> None:
     assert truth.session_stat("alice", "s1") == (end2, version)  # another session's append
     if sig is not None:  # (a database tells at once that some session moved)
         assert truth.folder_signature("alice") not in (sig, None)
+        moved = truth.folder_signature("alice")
         truth.append_turns("alice", "s2", [_turn(4)])
-        assert truth.folder_signature("alice") != sig
+        assert truth.folder_signature("alice") not in (sig, moved)
+        assert truth.folder_signature("bob") == truth.folder_signature("nobody-yet")
+        with truth.connection() as conn:  # an operator's hand deletes a session: it moves too
+            conn.execute("INSERT INTO cwm_memory_sessions (folder, session) VALUES "
+                         "('alice', 'by-hand')")
+            moved = truth.folder_signature("alice")
+            conn.execute("DELETE FROM cwm_memory_sessions WHERE folder = 'alice' AND "
+                         "session = 'by-hand'")
+        assert truth.folder_signature("alice") != moved
     assert truth.sessions("alice") == ["s1", "s2"] and truth.folders() == ["alice"]
     assert truth.session_data("alice", "nope") is None and truth.session_stat("bob", "s1") is None
 

@@ -19,6 +19,14 @@ vectors (pgvector; an HNSW index per vector size is made when a size is first wr
 chunks, the BM25 postings of the three keyword corpora (chunks, lines, lines with their
 neighbours) with each corpus's document count and length, the speakers, and how far each
 session is indexed.
+
+Version 3: each keyword term's document frequency (``cwm_index_terms``), kept with the
+postings in the same transactions, so a search reads a term's idf in one row instead of
+counting its postings, and can leave out the postings of common terms that cannot lift a
+document into the best (``index/pg/bm25.py``); filled from the postings already there. And
+a change counter per folder (``cwm_memory_changes``), moved by a trigger on every insert, update
+or delete of a folder's session rows (an append, or a row an operator deleted by hand), so "did
+any session of this folder move?" is one row, not a sum over every session.
 """
 
 from __future__ import annotations
@@ -95,6 +103,28 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             total bigint NOT NULL DEFAULT 0, PRIMARY KEY (space, corpus))""",
         """CREATE TABLE cwm_index_speakers (
             space text NOT NULL, speaker text NOT NULL, PRIMARY KEY (space, speaker))""",
+    ),
+    (  # 3
+        """CREATE TABLE cwm_index_terms (
+            space text NOT NULL, corpus smallint NOT NULL, term text NOT NULL,
+            df bigint NOT NULL, PRIMARY KEY (space, corpus, term))""",
+        """INSERT INTO cwm_index_terms (space, corpus, term, df)
+            SELECT space, corpus, term, count(*) FROM cwm_index_postings
+            GROUP BY space, corpus, term""",
+        """CREATE TABLE cwm_memory_changes (
+            folder text PRIMARY KEY, n bigint NOT NULL DEFAULT 0)""",
+        """INSERT INTO cwm_memory_changes (folder, n)
+            SELECT folder, sum(version) FROM cwm_memory_sessions GROUP BY folder""",
+        """CREATE FUNCTION cwm_memory_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+              INSERT INTO cwm_memory_changes AS c (folder, n)
+                VALUES (CASE WHEN TG_OP = 'DELETE' THEN OLD.folder ELSE NEW.folder END, 1)
+                ON CONFLICT (folder) DO UPDATE SET n = c.n + 1;
+              RETURN NULL;
+            END $$""",
+        """CREATE TRIGGER cwm_memory_sessions_changed
+            AFTER INSERT OR UPDATE OR DELETE ON cwm_memory_sessions
+            FOR EACH ROW EXECUTE FUNCTION cwm_memory_changed()""",
     ),
 )
 

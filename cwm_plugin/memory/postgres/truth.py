@@ -124,17 +124,15 @@ class PostgresTruth:
                                 "WHERE folder = %s", (folder,)).fetchall()
         return {r[0]: (int(r[1]), int(r[2])) for r in rows}
 
-    def folder_signature(self, folder: str) -> tuple[int, int, int]:
-        """``(sessions, sum of their versions, sum of their sizes)``: every append bumps a
-        version and a size, so this moves with any session of the folder (one row back,
-        however many sessions; a session deleted by hand and written again moves the sizes
-        unless it holds the same bytes, and then the index is right anyway)."""
+    def folder_signature(self, folder: str) -> int:
+        """The folder's change counter (``cwm_memory_changes``): a trigger moves it with every
+        insert, update or delete of one of its session rows (each append moves its session's
+        row), so it moves with any session of the folder; one row, however many sessions."""
         check_memory_name("folder", folder)
         with self._conn() as conn:
-            row = conn.execute("SELECT count(*), coalesce(sum(version), 0), coalesce(sum(size), "
-                               "0) FROM cwm_memory_sessions WHERE folder = %s",
+            row = conn.execute("SELECT n FROM cwm_memory_changes WHERE folder = %s",
                                (folder,)).fetchone()
-        return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
+        return int(row[0]) if row else 0
 
     def session_stat(self, folder: str, session: str) -> tuple[int, int] | None:
         _names(folder, session)

@@ -14,6 +14,7 @@ postings answer both in one pass. Writes take the caller's connection, inside it
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -25,30 +26,37 @@ from cwm_plugin.memory.index.bm25 import BM25Corpus, bm25_tokens
 CHUNKS, LINES, CONTEXT = 0, 1, 2  # the corpora
 Connect = Callable[[], AbstractContextManager[psycopg.Connection]]
 
+K1P1, K1, B = BM25Corpus.K1 + 1, BM25Corpus.K1, BM25Corpus.B
+# one term's share of a document's score (a term's weight, ``w.idf``: its idf times how often
+# the query holds it); double precision throughout, as numpy
+_SHARE = (f"w.idf * p.tf * {K1P1}::float8 / (p.tf + {K1}::float8 * ({1 - B}::float8 + "
+          f"{B}::float8 * p.len / %(avgdl)s::float8))")
+# every step driven from the query's terms, ``OFFSET 0`` keeping each lateral scan one index
+# range a term, whatever the planner's statistics of a table that grew since it last looked say
 _SCORES = f"""
-WITH q AS MATERIALIZED (
-  SELECT term, count(*) AS k FROM unnest(%(terms)s::text[]) AS term GROUP BY term),
-st AS MATERIALIZED (
-  SELECT n, total::float8 / greatest(n, 1)::float8 AS avgdl FROM cwm_index_corpora
-  WHERE space = %(space)s AND corpus = %(corpus)s),
-w AS MATERIALIZED (
-  SELECT q.term, q.k * ln(1 + (st.n - d.df + 0.5::float8) / (d.df + 0.5::float8)) AS idf,
-         st.avgdl
-  FROM q CROSS JOIN st CROSS JOIN LATERAL (
-    SELECT count(*) AS df FROM cwm_index_postings p
-    WHERE p.space = %(space)s AND p.corpus = %(corpus)s AND p.term = q.term) d
-  WHERE d.df > 0)
-SELECT p.doc, sum(w.idf * p.tf * {BM25Corpus.K1 + 1}::float8 / (p.tf + {BM25Corpus.K1}::float8 * (
-    {1 - BM25Corpus.B}::float8 + {BM25Corpus.B}::float8 * p.len / w.avgdl))) AS s
-FROM w CROSS JOIN LATERAL (
+SELECT p.doc, sum({_SHARE}) AS s
+FROM unnest(%({{terms}})s::text[], %({{weights}})s::float8[]) AS w(term, idf) CROSS JOIN LATERAL (
   SELECT doc, tf, len FROM cwm_index_postings p
   WHERE p.space = %(space)s AND p.corpus = %(corpus)s AND p.term = w.term {{docs}} OFFSET 0) p
-"""
-# (every step driven from the query's terms, ``OFFSET 0`` keeping each lateral scan one index
-# range a term, whatever the planner's statistics of a table that grew since it last looked
-# say; double precision throughout, as numpy)
-_TOP = _SCORES.format(docs="{where}") + " GROUP BY p.doc ORDER BY s DESC, p.doc LIMIT %(n)s"
-_OF = _SCORES.format(docs="AND p.doc = ANY(%(ids)s)") + " GROUP BY p.doc"
+GROUP BY p.doc"""
+_ALL = _SCORES.format(terms="terms", weights="weights", docs="{docs}")
+_TOP = _ALL.format(docs="{where}") + " ORDER BY s DESC, p.doc LIMIT %(n)s"
+_OF = _ALL.format(docs="AND p.doc = ANY(%(ids)s)")
+# MaxScore: the documents holding one of the rarer (``essential``) terms, their partial scores;
+# theta, the n-th best of those, is a floor of the n-th best full score. A document holding
+# only common terms scores under ``bound`` (their most: weight x (k1 + 1)), so when ``bound``
+# < theta none of them can be among the best; of the others only those whose partial score
+# plus ``bound`` reaches theta can, and just their postings of the common terms are read
+# (index probes, not the terms' whole ranges).
+_PRUNED = f"""
+WITH part AS MATERIALIZED ({_SCORES.format(terms="terms", weights="weights", docs="")}),
+th AS MATERIALIZED (SELECT s FROM part ORDER BY s DESC LIMIT 1 OFFSET %(n1)s),
+cand AS MATERIALIZED (SELECT doc, s FROM part WHERE s >= (SELECT s FROM th) - %(bound)s),
+more AS ({_SCORES.format(terms="common", weights="common_weights",
+                         docs="AND p.doc = ANY(ARRAY(SELECT doc FROM cand))")})
+SELECT c.doc, c.s + coalesce(m.s, 0::float8) AS s, (SELECT s FROM th)
+FROM cand c LEFT JOIN more m ON m.doc = c.doc ORDER BY 2 DESC, 1 LIMIT %(n)s"""
+PRUNE_POSTINGS = 5_000  # a query reading fewer postings than this reads them all
 
 
 def add_docs(conn: psycopg.Connection, space: str, corpus: int,
@@ -80,6 +88,7 @@ def add_docs(conn: psycopg.Connection, space: str, corpus: int,
                  "(%s, %s, %s, %s) ON CONFLICT (space, corpus) DO UPDATE SET "
                  "n = c.n + excluded.n, total = c.total + excluded.total",
                  (space, corpus, len(rows), total))
+    _count_terms(conn, space, corpus, Counter(t for _, freqs in rows for t in freqs))
     return len(rows)
 
 
@@ -99,7 +108,22 @@ def remove_docs(conn: psycopg.Connection, space: str, corpus: int, ids: Iterable
     conn.execute("UPDATE cwm_index_corpora SET n = n - %s, total = total - %s "
                  "WHERE space = %s AND corpus = %s",
                  (len(gone), sum(int(tf) for _, tf in lens), space, corpus))
+    _count_terms(conn, space, corpus, Counter({t: -k for t, k in Counter(
+        t for _, terms in gone for t in terms).items()}))
     return len(gone)
+
+
+def _count_terms(conn: psycopg.Connection, space: str, corpus: int, change: Counter) -> None:
+    """Move the terms' document frequencies by ``change``. Always after the corpus's row in
+    ``cwm_index_corpora`` was written in this transaction: that row's lock keeps writers of
+    one corpus one at a time, so the terms' rows are never locked in two orders."""
+    terms = sorted(t for t, k in change.items() if k)
+    if terms:
+        conn.execute(
+            "INSERT INTO cwm_index_terms AS t (space, corpus, term, df) SELECT %s, %s, c.term, "
+            "c.df FROM unnest(%s::text[], %s::bigint[]) AS c(term, df) ORDER BY c.term "
+            "ON CONFLICT (space, corpus, term) DO UPDATE SET df = t.df + excluded.df",
+            (space, corpus, terms, [change[t] for t in terms]))
 
 
 class PgBM25:
@@ -116,27 +140,64 @@ class PgBM25:
                                "corpus = %s", (self.space, self.corpus)).fetchone()
         return int(row[0]) if row else 0
 
-    def _args(self, query: str, **more: object) -> dict[str, object]:
-        return {"terms": bm25_tokens(query), "space": self.space, "corpus": self.corpus, **more}
+    def _weights(self, conn: psycopg.Connection, query: str
+                 ) -> tuple[dict[str, float], dict[str, int], float]:
+        """Each query term's weight (Lucene's idf from its document frequency, times how
+        often the query holds it) and frequency, of the terms some document holds; and the
+        corpus's mean document length."""
+        k = Counter(bm25_tokens(query))
+        row = conn.execute("SELECT n, total FROM cwm_index_corpora WHERE space = %s AND "
+                           "corpus = %s", (self.space, self.corpus)).fetchone()
+        n, total = (int(row[0]), int(row[1])) if row else (0, 0)
+        df = {t: int(d) for t, d in conn.execute(
+            "SELECT term, df FROM cwm_index_terms WHERE space = %s AND corpus = %s AND "
+            "term = ANY(%s) AND df > 0", (self.space, self.corpus, sorted(k))).fetchall()}
+        w = {t: k[t] * math.log(1 + (n - d + 0.5) / (d + 0.5)) for t, d in df.items()}
+        return w, df, total / max(n, 1)
+
+    def _args(self, w: dict[str, float], avgdl: float, **more: object) -> dict[str, object]:
+        return {"terms": list(w), "weights": list(w.values()), "avgdl": avgdl,
+                "space": self.space, "corpus": self.corpus, **more}
 
     def top(self, query: str, n: int, also: Iterable[str] = (),
             allowed: set[str] | None = None) -> dict[str, float]:
         """The ``n`` best documents sharing a term with the query (of ``allowed`` ones, when
         given), plus the score (0 if none) of each document in ``also``."""
-        terms = bm25_tokens(query)
-        if n <= 0 or not terms or (allowed is not None and not allowed):
+        if n <= 0 or not bm25_tokens(query) or (allowed is not None and not allowed):
             return dict.fromkeys(also, 0.0) if n > 0 else {}
-        where = "AND p.doc = ANY(%(allowed)s)" if allowed is not None else ""
         with self.connect() as conn:
-            rows = conn.execute(_TOP.format(where=where), self._args(  # type: ignore[arg-type]
-                query, n=n, allowed=sorted(allowed or ()))).fetchall()
+            w, df, avgdl = self._weights(conn, query)
+            if not w:
+                return dict.fromkeys(also, 0.0)
+            if allowed is not None:
+                rows = conn.execute(_TOP.format(where="AND p.doc = ANY(%(allowed)s)"),
+                                    self._args(w, avgdl, n=n, allowed=sorted(allowed))
+                                    ).fetchall()
+            else:
+                rows = self._best(conn, w, df, avgdl, n)
             out = {d: float(s) for d, s in rows}
             more = [d for d in also if d not in out]
             if more:
-                got = self._of(conn, query, more)
+                got = self._of(conn, w, avgdl, more)
                 for d in more:
                     out[d] = got.get(d, 0.0) if allowed is None or d in allowed else 0.0
         return out
+
+    def _best(self, conn: psycopg.Connection, w: dict[str, float], df: dict[str, int],
+              avgdl: float, n: int) -> list[tuple[str, float]]:
+        """The ``n`` best of the whole corpus: with the common terms left out of the scan
+        where they cannot matter (``_PRUNED``), else every posting of every term."""
+        common = _common_terms(w, df, PRUNE_POSTINGS)
+        if common:
+            rare = {t: x for t, x in w.items() if t not in common}
+            bound = sum(w[t] for t in common) * K1P1
+            rows = conn.execute(_PRUNED, {  # type: ignore[arg-type]
+                **self._args(rare, avgdl, n=n, n1=n - 1, bound=bound),
+                "common": common, "common_weights": [w[t] for t in common]}).fetchall()
+            if rows and rows[0][2] is not None and bound < float(rows[0][2]):
+                return [(d, s) for d, s, _ in rows]
+        return conn.execute(_TOP.format(where=""),  # type: ignore[arg-type]
+                            self._args(w, avgdl, n=n)).fetchall()
 
     def scores_of(self, query: str, ids: Iterable[str]) -> dict[str, float]:
         """The score of each of ``ids`` (0 when it shares no term with the query)."""
@@ -144,11 +205,30 @@ class PgBM25:
         if not ids:
             return {}
         with self.connect() as conn:
-            got = self._of(conn, query, ids)
+            w, _, avgdl = self._weights(conn, query) if bm25_tokens(query) else ({}, {}, 1.0)
+            got = self._of(conn, w, avgdl, ids) if w else {}
         return {d: got.get(d, 0.0) for d in ids}
 
-    def _of(self, conn: psycopg.Connection, query: str, ids: list[str]) -> dict[str, float]:
-        if not bm25_tokens(query):
-            return {}
-        rows = conn.execute(_OF, self._args(query, ids=ids)).fetchall()  # type: ignore[arg-type]
+    def _of(self, conn: psycopg.Connection, w: dict[str, float], avgdl: float,
+            ids: list[str]) -> dict[str, float]:
+        rows = conn.execute(_OF, self._args(w, avgdl, ids=ids)).fetchall()  # type: ignore[arg-type]
         return {d: float(s) for d, s in rows}
+
+
+def _common_terms(w: dict[str, float], df: dict[str, int], budget: int) -> list[str]:
+    """The commonest terms a pruned search leaves out of its scan: taken commonest first
+    while what they could add to a document stays under half the weight of the rarest term
+    (a document among the best usually holds a rare term: when theta turns out lower, the
+    caller scores every posting instead). None when the query's postings are few anyway."""
+    if sum(df.values()) <= budget or len(w) < 2:
+        return []
+    by_df = sorted(w, key=lambda t: (-df[t], t))
+    limit = 0.5 * max(w.values())
+    out: list[str] = []
+    added = 0.0
+    for t in by_df[:-1]:
+        if (added + w[t]) * K1P1 >= limit:
+            break
+        out.append(t)
+        added += w[t]
+    return out

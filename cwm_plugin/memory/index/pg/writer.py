@@ -93,14 +93,15 @@ class PgIndexWriter:
         return [r[0] for r in rows]
 
     def signature(self, folder: str) -> tuple:
-        """Moves when any session of the folder's truth or of its index moves (one query):
-        a look at the folder with the same signature as the last one has nothing to do."""
+        """Moves when any session of the folder's truth moves (its change counter) or its
+        index does (the corpora's counts: every index write or drop moves them); two rows
+        read by key, however large the folder: a look at the folder with the same signature
+        as the last one has nothing to do."""
         with self.truth.connection() as conn:
             return tuple(conn.execute(
-                "SELECT (SELECT row(count(*), sum(version), sum(size))::text FROM "
-                "cwm_memory_sessions WHERE folder = %s), (SELECT row(count(*), sum(indexed), "
-                "sum(lines))::text FROM cwm_index_sessions WHERE space = %s)",
-                (folder, self.space(folder))).fetchone())
+                "SELECT (SELECT n FROM cwm_memory_changes WHERE folder = %s), (SELECT "
+                "array_agg(array[corpus, n, total] ORDER BY corpus)::text FROM "
+                "cwm_index_corpora WHERE space = %s)", (folder, self.space(folder))).fetchone())
 
     def catch_up(self, folder: str, bar: Any = None, *, wait: bool = False
                  ) -> tuple[int, bool]:
@@ -244,7 +245,7 @@ class PgIndexWriter:
             conn.execute("SET LOCAL statement_timeout = 0")
             for table in ("cwm_index_sessions", "cwm_index_lines", "cwm_index_chunks",
                           "cwm_index_docs", "cwm_index_postings", "cwm_index_corpora",
-                          "cwm_index_speakers"):
+                          "cwm_index_speakers", "cwm_index_terms"):
                 conn.execute(f"DELETE FROM {table} WHERE space = %s",  # noqa: S608 - constants
                              (self.space(folder),))
 

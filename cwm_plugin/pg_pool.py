@@ -109,6 +109,25 @@ class PgPool:
                 raise  # the server answered: a lock or statement timeout, a deadlock
             self._lost(pool, exc)
 
+    @contextmanager
+    def spare(self, wait_s: float = 0.02) -> Iterator[psycopg.Connection | None]:
+        """Another pooled connection if one is free at once (within ``wait_s``), else None:
+        for work a caller can also do on the connection it holds (a search's second reader),
+        so it never waits on, or starves, a connection another caller needs. Never raises
+        for a database that is down: it yields None."""
+        pool = self._pool
+        conn = None
+        if pool is not None:
+            try:
+                conn = pool.getconn(timeout=wait_s)
+            except (PoolTimeout, psycopg.Error):
+                conn = None
+        try:
+            yield conn
+        finally:
+            if conn is not None and pool is not None:
+                pool.putconn(conn)
+
     def _ready(self) -> ConnectionPool:
         pool = self._pool
         if pool is not None:
@@ -134,7 +153,8 @@ class PgPool:
                 self._retry_at = time.monotonic() + self.RETRY_S
                 self._note_down(exc)
                 raise self._unavailable(type(exc).__name__) from exc
-            pool = ConnectionPool(self._url, min_size=1, max_size=self.pool_size, open=False,
+            pool = ConnectionPool(self._url, min_size=min(2, self.pool_size),
+                                  max_size=self.pool_size, open=False,
                                   timeout=self.timeout_s, name=self._name,
                                   kwargs={"autocommit": True, **self._options})
             pool.open(wait=False)
@@ -200,6 +220,10 @@ def apply_migrations(conn: psycopg.Connection, table: str, lock_id: int,
     downgraded replica must not write rows it does not understand); an extension the server
     lacks is named. Returns the version now."""
     with conn.transaction():
+        # (a migration rewriting a large table runs as long as it needs: the pool's statement
+        # timeout is for a request's queries; a replica starting meanwhile waits for it here)
+        conn.execute("SET LOCAL statement_timeout = 0")
+        conn.execute("SET LOCAL lock_timeout = 0")
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_id,))
         conn.execute(f"CREATE TABLE IF NOT EXISTS {table} (version integer PRIMARY KEY, "  # noqa: S608 - a constant
                      "applied timestamptz NOT NULL DEFAULT now())")
@@ -211,6 +235,9 @@ def apply_migrations(conn: psycopg.Connection, table: str, lock_id: int,
                 f"cwm_plugin knows ({len(migrations)})",
                 hint="upgrade cwm_plugin on this replica to the version the others run")
         for version in range(have + 1, len(migrations) + 1):
+            log.info("the %s database: applying schema version %d of %d", what, version,
+                     len(migrations))
+            t0 = time.monotonic()
             for statement in migrations[version - 1]:
                 try:
                     conn.execute(statement)  # type: ignore[arg-type]  (constant SQL)
@@ -225,4 +252,6 @@ def apply_migrations(conn: psycopg.Connection, table: str, lock_id: int,
                              "extension), or have the database's owner run that statement"
                     ) from exc
             conn.execute(f"INSERT INTO {table} (version) VALUES (%s)", (version,))  # noqa: S608
+            log.info("the %s database: schema version %d applied in %.1f s", what, version,
+                     time.monotonic() - t0)
     return len(migrations)

@@ -40,6 +40,7 @@ class PostgresServer:
     port: int = 0
     workdir: Path | None = None
     database: str = "cwm"
+    settings: dict[str, str] = field(default_factory=dict)  # more ``-c name=value``
     _own_dir: bool = field(default=False, init=False)
     _proc: subprocess.Popen | None = field(default=None, init=False)
     _user: str | None = field(default=None, init=False)
@@ -72,7 +73,8 @@ class PostgresServer:
                  "-p", str(self.port), "-k", str(self.workdir),
                  # a killed server keeps every commit (the OS keeps its page cache): only
                  # the disk flushes a power cut would need are skipped
-                 "-c", "fsync=off", "-c", "full_page_writes=off"],
+                 "-c", "fsync=off", "-c", "full_page_writes=off",
+                 *(a for k, v in self.settings.items() for a in ("-c", f"{k}={v}"))],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, user=self._user)
         try:
             wait_until(self.ready, timeout=timeout, interval=0.05, alive=self.alive,

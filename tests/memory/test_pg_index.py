@@ -303,3 +303,95 @@ def test_a_search_never_waits_for_another_replicas_indexing_and_a_gone_session_g
     with psycopg.connect(postgres_url, autocommit=True) as db:
         db.execute("DELETE FROM cwm_memory_sessions WHERE folder = 'erin' AND session = 's2'")
     assert not any("origami" in h.text for h in svc.search("erin", "origami crane"))
+
+
+@pytest.mark.parametrize("pool_size", [4, 1])
+def test_a_read_alongside_sees_the_searchs_snapshot_on_a_second_connection(
+        postgres_url: str, tmp_path: Path, pool_size: int) -> None:
+    """``Reader.alongside`` (a search's keyword side while its vector side runs) reads on
+    another connection in the same snapshot: a row committed meanwhile by another writer is
+    not seen by it either. With no connection free (a pool of one, held by the search) the
+    read runs on the search's own connection instead, with the same answer."""
+    from cwm_plugin.memory.index.pg.corpus import Reader
+
+    truth = PostgresTruth(postgres_url, tmp_path / "mem", pool_size=pool_size)
+    try:
+        with truth.connection() as conn:
+            conn.execute("CREATE TABLE snap_probe (x int)")
+            conn.execute("INSERT INTO snap_probe VALUES (1)")
+            if pool_size > 1:
+                with truth.connection():
+                    pass  # (a second connection made: the pool grows on demand)
+        reader = Reader(truth.connection, truth.spare_connection)
+
+        def count(conn: psycopg.Connection) -> tuple[int, int]:
+            return conn.execute("SELECT count(*) FROM snap_probe").fetchone()[0], \
+                conn.info.backend_pid
+
+        with reader.snapshot():
+            with reader.connection() as conn:
+                seen, mine = count(conn)
+            with psycopg.connect(postgres_url, autocommit=True) as other:
+                other.execute("INSERT INTO snap_probe VALUES (2)")
+            got, pid = reader.alongside(count)()
+        assert seen == got == 1
+        assert (pid != mine) == (pool_size > 1)
+        assert reader.alongside(count)()[0] == 2  # (outside a snapshot: read as it is now)
+    finally:
+        truth.close()
+
+
+def test_an_index_written_before_migrations_3_and_4_is_carried_over(
+        postgres_url: str, tmp_path: Path) -> None:
+    """A database whose index was written at schema version 2 (postings by text id, no
+    document frequencies, no change counters) is brought to the newest version with its rows:
+    the postings carried over to document numbers, the frequencies and counters filled, and
+    BM25 scores as the in-process corpus over the same documents."""
+    from collections import Counter
+
+    from cwm_plugin.memory.index.bm25 import bm25_tokens
+    from cwm_plugin.memory.postgres.schema import LOCK_ID, MIGRATIONS, migrate
+    from cwm_plugin.pg_pool import apply_migrations
+
+    rng = random.Random(5)
+    docs = {f"d{i}": _text(rng) or "violin" for i in range(80)}
+    mine = BM25Corpus()
+    for d, t in docs.items():
+        mine.add(d, t)
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        assert apply_migrations(conn, "cwm_schema", LOCK_ID, MIGRATIONS[:2], "memory") == 2
+        total = 0
+        for d, t in docs.items():  # as version 2's writer wrote them
+            freqs = Counter(bm25_tokens(t) or ["_"])
+            total += sum(freqs.values())
+            conn.execute("INSERT INTO cwm_index_docs (space, corpus, doc, terms) VALUES "
+                         "('sp/old', 0, %s, %s)", (d, sorted(freqs)))
+            for term, tf in freqs.items():
+                conn.execute("INSERT INTO cwm_index_postings (space, corpus, term, doc, tf, len) "
+                             "VALUES ('sp/old', 0, %s, %s, %s, %s)",
+                             (term, d, tf, sum(freqs.values())))
+        conn.execute("INSERT INTO cwm_index_corpora (space, corpus, n, total) VALUES "
+                     "('sp/old', 0, %s, %s)", (len(docs), total))
+        conn.execute("INSERT INTO cwm_memory_sessions (folder, session, size, version) VALUES "
+                     "('old', 's1', 10, 3)")
+        assert migrate(conn) == len(MIGRATIONS)
+        counted = dict(conn.execute("SELECT term, count(*) FROM cwm_index_postings WHERE "
+                                    "space = 'sp/old' GROUP BY term").fetchall())
+        kept = dict(conn.execute("SELECT term, df FROM cwm_index_terms WHERE "
+                                 "space = 'sp/old'").fetchall())
+        assert kept == counted and sum(counted.values()) > len(docs)
+    truth = PostgresTruth(postgres_url, tmp_path / "mem")
+    try:
+        assert truth.folder_signature("old") == 3
+        pg = PgBM25(truth.connection, "sp/old", CHUNKS)
+        for query in ("violin tram", "painted hiking glacier", "comet comet harbour"):
+            got = pg.scores_of(query, sorted(docs))
+            assert {d: s for d, s in got.items() if s} == pytest.approx(mine.scores(query),
+                                                                        rel=1e-9)
+            assert sorted(pg.top(query, 5).values()) == pytest.approx(
+                sorted(mine.top(query, 5).values()), rel=1e-9)
+        with truth.connection() as conn:  # and it is written as any other, from here on
+            assert add_docs(conn, "sp/old", CHUNKS, [("new", "violin quartz")]) == 1
+            assert remove_docs(conn, "sp/old", CHUNKS, ["d0", "new"]) == 2
+    finally:
+        truth.close()

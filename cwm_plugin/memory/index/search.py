@@ -102,6 +102,10 @@ def search_index(index: Corpus, query: str, qvec: np.ndarray | None, k: int,
     bm25: dict[str, float] = {}
     vec: dict[str, float] = {}
     cands: set[str] = set()
+    # an index that can read its keyword side while the vector side runs (``index/pg``)
+    soon = getattr(index, "bm25_top_soon", None)
+    pending = soon(query, n_cand, allowed) if soon is not None and mode == "hybrid" and \
+        qvec is not None else None
     if mode in ("vector", "hybrid") and qvec is not None:
         with stages("vector"):
             within = getattr(index, "vector_candidates_in", None)
@@ -115,7 +119,8 @@ def search_index(index: Corpus, query: str, qvec: np.ndarray | None, k: int,
             cands.update(heapq.nlargest(n_cand, vec, key=vec.__getitem__))
     if mode in ("bm25", "hybrid"):
         with stages("keyword"):  # the best n_cand, and the vector candidates' exact scores
-            bm25 = index.bm25_top(query, n_cand, also=cands, allowed=allowed)
+            bm25 = pending(cands) if pending is not None else \
+                index.bm25_top(query, n_cand, also=cands, allowed=allowed)
             cands.update(c for c, s in bm25.items() if s > 0)
     if not cands:
         return []

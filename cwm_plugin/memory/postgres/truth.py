@@ -70,6 +70,10 @@ class PostgresTruth:
         (``memory/index/pg/``), failing as the truth's own calls do when the database is gone."""
         return self.db.connection()
 
+    def spare_connection(self) -> AbstractContextManager[psycopg.Connection | None]:
+        """Another pooled connection if one is free at once, else None (``PgPool.spare``)."""
+        return self.db.spare()
+
     def close(self) -> None:
         self.db.close()
 

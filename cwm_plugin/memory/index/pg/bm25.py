@@ -4,9 +4,10 @@ the database from the postings of the query's terms alone.
 
 Three corpora live side by side in ``cwm_index_postings`` (``corpus``: the chunks, the lines,
 the lines with their neighbours). A posting holds its document's length, so a query reads one
-index range per term (the primary key ``(space, corpus, term, doc)`` with ``tf`` and ``len``
-included: an index-only scan); a term's document frequency is the size of its range and each
-corpus keeps its document count and total length in ``cwm_index_corpora``. A full-text
+index range per term (the primary key ``(space, corpus, term, no)`` with ``tf`` and ``len``
+included: an index-only scan; ``no`` is the document's number in ``cwm_index_docs``, its text id
+looked up for the best alone); a term's document frequency is kept in ``cwm_index_terms`` and
+each corpus's document count and total length in ``cwm_index_corpora``. A full-text
 ``tsvector`` with a GIN index would find the same documents, but BM25 needs each match's term
 frequency and length, which its ranking functions do not give the way ours are computed: the
 postings answer both in one pass. Writes take the caller's connection, inside its transaction.
@@ -34,14 +35,19 @@ _SHARE = (f"w.idf * p.tf * {K1P1}::float8 / (p.tf + {K1}::float8 * ({1 - B}::flo
 # every step driven from the query's terms, ``OFFSET 0`` keeping each lateral scan one index
 # range a term, whatever the planner's statistics of a table that grew since it last looked say
 _SCORES = f"""
-SELECT p.doc, sum({_SHARE}) AS s
+SELECT p.no, sum({_SHARE}) AS s
 FROM unnest(%({{terms}})s::text[], %({{weights}})s::float8[]) AS w(term, idf) CROSS JOIN LATERAL (
-  SELECT doc, tf, len FROM cwm_index_postings p
+  SELECT no, tf, len FROM cwm_index_postings p
   WHERE p.space = %(space)s AND p.corpus = %(corpus)s AND p.term = w.term {{docs}} OFFSET 0) p
-GROUP BY p.doc"""
+GROUP BY p.no"""
+# documents named by their text ids, as numbers (``docs`` of a query: one index range)
+_NOS = ("ARRAY(SELECT no FROM cwm_index_docs WHERE space = %(space)s AND corpus = %(corpus)s "
+        "AND doc = ANY(%({})s))")
+_NAMED = "SELECT d.doc, t.s FROM ({}) t JOIN cwm_index_docs d ON d.no = t.no"
 _ALL = _SCORES.format(terms="terms", weights="weights", docs="{docs}")
-_TOP = _ALL.format(docs="{where}") + " ORDER BY s DESC, p.doc LIMIT %(n)s"
-_OF = _ALL.format(docs="AND p.doc = ANY(%(ids)s)")
+_TOP = _NAMED.format(_ALL.format(docs="{where}") + " ORDER BY s DESC, p.no LIMIT %(n)s") + \
+    " ORDER BY t.s DESC, t.no"
+_OF = _NAMED.format(_ALL.format(docs=f"AND p.no = ANY({_NOS.format('ids')})"))
 # MaxScore: the documents holding one of the rarer (``essential``) terms, their partial scores;
 # theta, the n-th best of those, is a floor of the n-th best full score. A document holding
 # only common terms scores under ``bound`` (their most: weight x (k1 + 1)), so when ``bound``
@@ -51,11 +57,13 @@ _OF = _ALL.format(docs="AND p.doc = ANY(%(ids)s)")
 _PRUNED = f"""
 WITH part AS MATERIALIZED ({_SCORES.format(terms="terms", weights="weights", docs="")}),
 th AS MATERIALIZED (SELECT s FROM part ORDER BY s DESC LIMIT 1 OFFSET %(n1)s),
-cand AS MATERIALIZED (SELECT doc, s FROM part WHERE s >= (SELECT s FROM th) - %(bound)s),
+cand AS MATERIALIZED (SELECT no, s FROM part WHERE s >= (SELECT s FROM th) - %(bound)s),
 more AS ({_SCORES.format(terms="common", weights="common_weights",
-                         docs="AND p.doc = ANY(ARRAY(SELECT doc FROM cand))")})
-SELECT c.doc, c.s + coalesce(m.s, 0::float8) AS s, (SELECT s FROM th)
-FROM cand c LEFT JOIN more m ON m.doc = c.doc ORDER BY 2 DESC, 1 LIMIT %(n)s"""
+                         docs="AND p.no = ANY(ARRAY(SELECT no FROM cand))")}),
+best AS (SELECT c.no, c.s + coalesce(m.s, 0::float8) AS s FROM cand c
+         LEFT JOIN more m ON m.no = c.no ORDER BY 2 DESC, 1 LIMIT %(n)s)
+SELECT d.doc, b.s, (SELECT s FROM th) FROM best b JOIN cwm_index_docs d ON d.no = b.no
+ORDER BY b.s DESC, b.no"""
 PRUNE_POSTINGS = 5_000  # a query reading fewer postings than this reads them all
 
 
@@ -77,13 +85,16 @@ def add_docs(conn: psycopg.Connection, space: str, corpus: int,
         cur.executemany("INSERT INTO cwm_index_docs (space, corpus, doc, terms) "
                         "VALUES (%s, %s, %s, %s)",
                         [(space, corpus, d, sorted(f)) for d, f in rows])
-        with cur.copy("COPY cwm_index_postings (space, corpus, term, doc, tf, len) "
+        nos = dict(conn.execute(
+            "SELECT doc, no FROM cwm_index_docs WHERE space = %s AND corpus = %s AND "
+            "doc = ANY(%s)", (space, corpus, [d for d, _ in rows])).fetchall())
+        with cur.copy("COPY cwm_index_postings (space, corpus, term, no, tf, len) "
                       "FROM STDIN") as copy:
             for d, freqs in rows:
                 n = sum(freqs.values())
                 total += n
                 for term, tf in freqs.items():
-                    copy.write_row((space, corpus, term, d, tf, n))
+                    copy.write_row((space, corpus, term, nos[d], tf, n))
     conn.execute("INSERT INTO cwm_index_corpora AS c (space, corpus, n, total) VALUES "
                  "(%s, %s, %s, %s) ON CONFLICT (space, corpus) DO UPDATE SET "
                  "n = c.n + excluded.n, total = c.total + excluded.total",
@@ -96,15 +107,15 @@ def remove_docs(conn: psycopg.Connection, space: str, corpus: int, ids: Iterable
     """Forget documents (unknown ids are skipped); returns how many were removed."""
     gone = conn.execute(
         "DELETE FROM cwm_index_docs WHERE space = %s AND corpus = %s AND doc = ANY(%s) "
-        "RETURNING doc, terms", (space, corpus, list(ids))).fetchall()
+        "RETURNING no, terms", (space, corpus, list(ids))).fetchall()
     if not gone:
         return 0
-    pairs = [(t, d) for d, terms in gone for t in terms]
+    pairs = [(t, no) for no, terms in gone for t in terms]
     lens = conn.execute(
-        "DELETE FROM cwm_index_postings p USING unnest(%s::text[], %s::text[]) AS g(term, doc) "
-        "WHERE p.space = %s AND p.corpus = %s AND p.term = g.term AND p.doc = g.doc "
-        "RETURNING p.doc, p.tf", ([t for t, _ in pairs], [d for _, d in pairs], space,
-                                  corpus)).fetchall()
+        "DELETE FROM cwm_index_postings p USING unnest(%s::text[], %s::bigint[]) AS g(term, no) "
+        "WHERE p.space = %s AND p.corpus = %s AND p.term = g.term AND p.no = g.no "
+        "RETURNING p.no, p.tf", ([t for t, _ in pairs], [no for _, no in pairs], space,
+                                 corpus)).fetchall()
     conn.execute("UPDATE cwm_index_corpora SET n = n - %s, total = total - %s "
                  "WHERE space = %s AND corpus = %s",
                  (len(gone), sum(int(tf) for _, tf in lens), space, corpus))
@@ -163,24 +174,39 @@ class PgBM25:
             allowed: set[str] | None = None) -> dict[str, float]:
         """The ``n`` best documents sharing a term with the query (of ``allowed`` ones, when
         given), plus the score (0 if none) of each document in ``also``."""
-        if n <= 0 or not bm25_tokens(query) or (allowed is not None and not allowed):
-            return dict.fromkeys(also, 0.0) if n > 0 else {}
+        if n <= 0:
+            return {}
         with self.connect() as conn:
-            w, df, avgdl = self._weights(conn, query)
-            if not w:
-                return dict.fromkeys(also, 0.0)
-            if allowed is not None:
-                rows = conn.execute(_TOP.format(where="AND p.doc = ANY(%(allowed)s)"),
-                                    self._args(w, avgdl, n=n, allowed=sorted(allowed))
-                                    ).fetchall()
-            else:
-                rows = self._best(conn, w, df, avgdl, n)
-            out = {d: float(s) for d, s in rows}
-            more = [d for d in also if d not in out]
-            if more:
-                got = self._of(conn, w, avgdl, more)
-                for d in more:
-                    out[d] = got.get(d, 0.0) if allowed is None or d in allowed else 0.0
+            return self.with_also(conn, query, self.best(conn, query, n, allowed), also,
+                                  allowed)
+
+    def best(self, conn: psycopg.Connection, query: str, n: int,
+             allowed: set[str] | None = None) -> dict[str, float] | None:
+        """:meth:`top`'s ``n`` best, read through ``conn`` (None: nothing can score)."""
+        if n <= 0 or not bm25_tokens(query) or (allowed is not None and not allowed):
+            return None
+        w, df, avgdl = self._weights(conn, query)
+        if not w:
+            return None
+        if allowed is not None:
+            rows = conn.execute(_TOP.format(where=f"AND p.no = ANY({_NOS.format('allowed')})"),
+                                self._args(w, avgdl, n=n, allowed=sorted(allowed))).fetchall()
+        else:
+            rows = self._best(conn, w, df, avgdl, n)
+        return {d: float(s) for d, s in rows}
+
+    def with_also(self, conn: psycopg.Connection, query: str, best: dict[str, float] | None,
+                  also: Iterable[str], allowed: set[str] | None) -> dict[str, float]:
+        """``best`` (from :meth:`best`) with the score of each document of ``also`` added."""
+        if best is None:
+            return dict.fromkeys(also, 0.0)
+        out = dict(best)
+        more = [d for d in also if d not in out]
+        if more:
+            w, _, avgdl = self._weights(conn, query)
+            got = self._of(conn, w, avgdl, more)
+            for d in more:
+                out[d] = got.get(d, 0.0) if allowed is None or d in allowed else 0.0
         return out
 
     def _best(self, conn: psycopg.Connection, w: dict[str, float], df: dict[str, int],
@@ -217,9 +243,11 @@ class PgBM25:
 
 def _common_terms(w: dict[str, float], df: dict[str, int], budget: int) -> list[str]:
     """The commonest terms a pruned search leaves out of its scan: taken commonest first
-    while what they could add to a document stays under half the weight of the rarest term
-    (a document among the best usually holds a rare term: when theta turns out lower, the
-    caller scores every posting instead). None when the query's postings are few anyway."""
+    while the most they could add to a document stays under half the weight of the rarest
+    term, so that the documents still worth scoring in full (those within that much of the
+    floor) are few. None when the query's postings are few anyway. (A floor measured first
+    from the rarest terms alone lets more terms go, but on the generated conversations the
+    documents left to score by probing then cost more than the postings saved.)"""
     if sum(df.values()) <= budget or len(w) < 2:
         return []
     by_df = sorted(w, key=lambda t: (-df[t], t))

@@ -13,18 +13,26 @@ ranking does with them (normalisation, fusion, priors, the pack) is unchanged.
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+from typing import TypeVar
 
 import numpy as np
 import psycopg
+from psycopg import sql
 
+from cwm_plugin.errors import CWMError
 from cwm_plugin.memory.index.chunking import Unit
 from cwm_plugin.memory.index.pg.bm25 import CHUNKS, CONTEXT, LINES, Connect, PgBM25
 from cwm_plugin.memory.index.pg.writer import line_key, vector_text
 from cwm_plugin.memory.models import Hit
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_NOTHING = object()  # (no spare connection was free)
 SEP = "\x1f"
 EXACT_LINES = 20_000  # a folder with up to this many lines is searched exactly
 MAX_SCAN_TUPLES = 200_000  # the most lines a graph walk visits (pgvector's default: 20,000)
@@ -35,11 +43,55 @@ class Reader:
     of this thread goes through one connection, in one ``REPEATABLE READ`` read-only
     transaction: a search sees one state of the index however other replicas write meanwhile
     (a chunk re-made under it is never half there), and takes one pooled connection, not one
-    a query. Outside a snapshot each read takes its own."""
+    a query. Outside a snapshot each read takes its own. :meth:`alongside` runs a read on a
+    second connection, in the same snapshot, while the search goes on (its keyword side
+    while its vector side runs: on two cores, a search's latency is the longer of the two,
+    not their sum), when the pool has a connection free at once."""
 
-    def __init__(self, connect: Connect) -> None:
+    def __init__(self, connect: Connect,
+                 spare: Callable[[], AbstractContextManager[psycopg.Connection | None]]
+                 | None = None, threads: int = 4) -> None:
         self._connect = connect
+        self._spare = spare
         self._local = threading.local()
+        self._threads = ThreadPoolExecutor(max_workers=threads,
+                                           thread_name_prefix="cwm-pg-alongside") \
+            if spare is not None else None
+
+    def alongside(self, read: Callable[[psycopg.Connection], T]) -> Callable[[], T]:
+        """Start ``read`` on a spare connection that sees this thread's snapshot (exported
+        with ``pg_export_snapshot``); returns a function waiting for its answer. Outside a
+        snapshot, or with no connection free, or if the spare one fails, ``read`` runs on
+        this thread's connection when the answer is asked for: the same answer, later."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None or self._threads is None:
+            return lambda: self._here(read)
+        snapshot = conn.execute("SELECT pg_export_snapshot()").fetchone()[0]
+        job = self._threads.submit(self._on_spare, snapshot, read)
+
+        def answer() -> T:
+            try:
+                got = job.result()
+            except (psycopg.Error, CWMError) as exc:
+                log.info("a second reader failed (%s): reading on the first", exc)
+                got = _NOTHING
+            return self._here(read) if got is _NOTHING else got  # type: ignore[return-value]
+        return answer
+
+    def _here(self, read: Callable[[psycopg.Connection], T]) -> T:
+        with self.connection() as conn:
+            return read(conn)
+
+    def _on_spare(self, snapshot: str, read: Callable[[psycopg.Connection], T]) -> object:
+        assert self._spare is not None
+        with self._spare() as conn:
+            if conn is None:
+                return _NOTHING
+            with conn.transaction():
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(
+                    sql.Literal(snapshot)))
+                return read(conn)
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:
@@ -72,8 +124,11 @@ def _split(key: str) -> tuple[str, int]:
 class PgChunks:
     """The chunks of one space (``search.Corpus``)."""
 
-    def __init__(self, connect: Connect, space: str, dims: int, chunk_weight: float) -> None:
+    def __init__(self, connect: Connect, space: str, dims: int, chunk_weight: float,
+                 alongside: Callable[[Callable[[psycopg.Connection], T]], Callable[[], T]]
+                 | None = None) -> None:
         self.connect = connect
+        self.alongside = alongside
         self.space = space
         self.dims = int(dims)
         self.chunk_weight = chunk_weight
@@ -106,6 +161,21 @@ class PgChunks:
     def bm25_top(self, query: str, n: int, also: Iterable[str] = (),
                  allowed: set[str] | None = None) -> dict[str, float]:
         return self.bm25.top(query, n, also, allowed)
+
+    def bm25_top_soon(self, query: str, n: int, allowed: set[str] | None = None
+                      ) -> Callable[[Iterable[str]], dict[str, float]]:
+        """``bm25_top`` begun now on a second connection (``Reader.alongside``) while the
+        caller reads its vector candidates; the function returned takes the ``also`` those
+        gave and answers what ``bm25_top`` would."""
+        if self.alongside is None:
+            return lambda also: self.bm25_top(query, n, also, allowed)
+        best = self.alongside(lambda conn: self.bm25.best(conn, query, n, allowed))
+
+        def finish(also: Iterable[str]) -> dict[str, float]:
+            got = best()
+            with self.connect() as conn:
+                return self.bm25.with_also(conn, query, got, also, allowed) if n > 0 else {}
+        return finish
 
     def nearest_lines(self, qvec: np.ndarray, k: int) -> list[tuple[str, int]]:
         """The ``k`` lines nearest ``qvec``, nearest first: exact over a folder of up to

@@ -46,7 +46,8 @@ class PgFolderIndexes:
         self._lines: dict[str, PgLines] = {}
         self._memories: dict[str, FactIndex] = {}
         self._seen: dict[str, object] = {}  # the truth's folder signature last caught up
-        self.reader = Reader(files.connection)
+        self.reader = Reader(files.connection, files.spare_connection,
+                             threads=max(1, config.postgres_pool_size // 2))
 
     def loaded(self, folder: str) -> bool:
         return False  # nothing held: an append is indexed at the folder's next look
@@ -70,7 +71,7 @@ class PgFolderIndexes:
         if got is None:
             got = self._chunks[folder] = PgChunks(
                 self.reader.connection, self.writer.space(folder), self.embedder.dims,
-                self.config.chunk_vector_weight)
+                self.config.chunk_vector_weight, self.reader.alongside)
         return got
 
     def refresh(self, folder: str, stats: dict | None = None) -> PgChunks:

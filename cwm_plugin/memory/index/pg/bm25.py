@@ -196,15 +196,16 @@ class PgBM25:
         return {d: float(s) for d, s in rows}
 
     def with_also(self, conn: psycopg.Connection, query: str, best: dict[str, float] | None,
-                  also: Iterable[str], allowed: set[str] | None) -> dict[str, float]:
-        """``best`` (from :meth:`best`) with the score of each document of ``also`` added."""
+                  also: Iterable[str], allowed: set[str] | None,
+                  scored: dict[str, float] | None = None) -> dict[str, float]:
+        """``best`` (from :meth:`best`) with the score of each document of ``also`` added
+        (``scored``: their scores read already, :meth:`scores_in`)."""
         if best is None:
             return dict.fromkeys(also, 0.0)
         out = dict(best)
         more = [d for d in also if d not in out]
         if more:
-            w, _, avgdl = self._weights(conn, query)
-            got = self._of(conn, w, avgdl, more)
+            got = scored if scored is not None else self.scores_in(conn, query, more)
             for d in more:
                 out[d] = got.get(d, 0.0) if allowed is None or d in allowed else 0.0
         return out
@@ -231,9 +232,15 @@ class PgBM25:
         if not ids:
             return {}
         with self.connect() as conn:
-            w, _, avgdl = self._weights(conn, query) if bm25_tokens(query) else ({}, {}, 1.0)
-            got = self._of(conn, w, avgdl, ids) if w else {}
+            got = self.scores_in(conn, query, ids)
         return {d: got.get(d, 0.0) for d in ids}
+
+    def scores_in(self, conn: psycopg.Connection, query: str, ids: list[str]
+                  ) -> dict[str, float]:
+        """:meth:`scores_of` through ``conn``, leaving out the documents that score 0."""
+        w, _, avgdl = self._weights(conn, query) if bm25_tokens(query) and ids else \
+            ({}, {}, 1.0)
+        return self._of(conn, w, avgdl, ids) if w else {}
 
     def _of(self, conn: psycopg.Connection, w: dict[str, float], avgdl: float,
             ids: list[str]) -> dict[str, float]:

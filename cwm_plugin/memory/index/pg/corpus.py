@@ -172,9 +172,12 @@ class PgChunks:
         best = self.alongside(lambda conn: self.bm25.best(conn, query, n, allowed))
 
         def finish(also: Iterable[str]) -> dict[str, float]:
-            got = best()
-            with self.connect() as conn:
-                return self.bm25.with_also(conn, query, got, also, allowed) if n > 0 else {}
+            also = list(also)
+            with self.connect() as conn:  # (while the best are still read on the other)
+                scored = self.bm25.scores_in(conn, query, also)
+                got = best()
+                return self.bm25.with_also(conn, query, got, also, allowed, scored) \
+                    if n > 0 else {}
         return finish
 
     def nearest_lines(self, qvec: np.ndarray, k: int) -> list[tuple[str, int]]:

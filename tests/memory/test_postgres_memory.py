@@ -76,7 +76,15 @@ def test_both_truths_keep_one_contract(truth) -> None:
             moved = truth.folder_signature("alice")
             conn.execute("DELETE FROM cwm_memory_sessions WHERE folder = 'alice' AND "
                          "session = 'by-hand'")
-        assert truth.folder_signature("alice") != moved
+            assert truth.folder_signature("alice") != moved
+            conn.execute("INSERT INTO cwm_memory_sessions (folder, session) VALUES "
+                         "('alice', 'moved')")
+            before = truth.folder_signature("alice"), truth.folder_signature("carol")
+            conn.execute("UPDATE cwm_memory_sessions SET folder = 'carol' WHERE "
+                         "session = 'moved'")  # (moved to another folder: both move)
+            after = truth.folder_signature("alice"), truth.folder_signature("carol")
+            assert after[0] != before[0] and after[1] != before[1]
+            conn.execute("DELETE FROM cwm_memory_sessions WHERE session = 'moved'")
     assert truth.sessions("alice") == ["s1", "s2"] and truth.folders() == ["alice"]
     assert truth.session_data("alice", "nope") is None and truth.session_stat("bob", "s1") is None
 

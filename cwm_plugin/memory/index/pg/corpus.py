@@ -29,6 +29,7 @@ from cwm_plugin.memory.index.chunking import Unit
 from cwm_plugin.memory.index.pg.bm25 import CHUNKS, CONTEXT, LINES, Connect, PgBM25
 from cwm_plugin.memory.index.pg.writer import line_key, vector_text
 from cwm_plugin.memory.models import Hit
+from cwm_plugin.pg_pool import STATEMENT_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,6 +58,7 @@ class Reader:
         self._threads = ThreadPoolExecutor(max_workers=threads,
                                            thread_name_prefix="cwm-pg-alongside") \
             if spare is not None else None
+        self._slots = threading.BoundedSemaphore(threads)
 
     def alongside(self, read: Callable[[psycopg.Connection], T]) -> Callable[[], T]:
         """Start ``read`` on a spare connection that sees this thread's snapshot (exported
@@ -64,15 +66,20 @@ class Reader:
         snapshot, or with no connection free, or if the spare one fails, ``read`` runs on
         this thread's connection when the answer is asked for: the same answer, later."""
         conn = getattr(self._local, "conn", None)
-        if conn is None or self._threads is None:
-            return lambda: self._here(read)
-        snapshot = conn.execute("SELECT pg_export_snapshot()").fetchone()[0]
-        job = self._threads.submit(self._on_spare, snapshot, read)
+        if conn is None or self._threads is None or not self._slots.acquire(blocking=False):
+            return lambda: self._here(read)  # (every thread busy: no queue behind them)
+        try:
+            snapshot = conn.execute("SELECT pg_export_snapshot()").fetchone()[0]
+            job = self._threads.submit(self._on_spare, snapshot, read)
+        except BaseException:
+            self._slots.release()
+            raise
+        job.add_done_callback(lambda _: self._slots.release())
 
         def answer() -> T:
             try:
-                got = job.result()
-            except (psycopg.Error, CWMError) as exc:
+                got = job.result(timeout=STATEMENT_TIMEOUT_S)
+            except (psycopg.Error, CWMError, TimeoutError) as exc:
                 log.info("a second reader failed (%s): reading on the first", exc)
                 got = _NOTHING
             return self._here(read) if got is _NOTHING else got  # type: ignore[return-value]
@@ -175,7 +182,8 @@ class PgChunks:
             also = list(also)
             with self.connect() as conn:  # (while the best are still read on the other)
                 scored = self.bm25.scores_in(conn, query, also)
-                got = best()
+            got = best()  # (no connection held here: outside a snapshot it takes one)
+            with self.connect() as conn:
                 return self.bm25.with_also(conn, query, got, also, allowed, scored) \
                     if n > 0 else {}
         return finish

@@ -53,6 +53,7 @@ import numpy as np
 from _common import percentile
 from tqdm import tqdm
 
+from cwm_plugin import pg_scope
 from cwm_plugin.memory.files.markdown import utc_iso
 from cwm_plugin.memory.index.embeddings import CachedEmbedder, HashingEmbedder, MiniLMEmbedder
 from cwm_plugin.memory.models import MemoryConfig, Turn
@@ -243,6 +244,11 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with pg_scope.scoped(pg_scope.EVERYTHING):  # (the bench's folders are all its own)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, help="a folder of LoCoMo conversations (*.json) to "
                     "measure on instead of the generated ones")

@@ -48,6 +48,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, percentile  # noqa: E402
 
+from cwm_plugin import pg_scope  # noqa: E402
 from cwm_plugin.memory.index.embeddings import HashingEmbedder, MiniLMEmbedder  # noqa: E402
 from cwm_plugin.memory.models import MemoryConfig  # noqa: E402
 from cwm_plugin.memory.service.service import MemoryService  # noqa: E402
@@ -129,6 +130,13 @@ def run_one(backend: str, size: int, args: argparse.Namespace, url: str | None
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # as a request of the folder's owner: the bench's databases belong to a role that is no
+    # superuser, so row-level security applies as in a deployment (``pg_scope``)
+    with pg_scope.scoped(pg_scope.folders([FOLDER], [FOLDER])):
+        return _main()
+
+
+def _main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="10,000 chunks alone")

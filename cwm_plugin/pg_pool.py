@@ -27,6 +27,7 @@ import psycopg
 from psycopg import conninfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from cwm_plugin import pg_scope
 from cwm_plugin.errors import ConfigError, CWMError
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,9 @@ class PgPool:
 
     def __init__(self, url: str, migrate: Callable[[psycopg.Connection], object],
                  subject: Subject, *, pool_size: int = 8, timeout_s: float = 5.0,
-                 name: str = "cwm-db") -> None:
+                 name: str = "cwm-db", row_security: bool = False) -> None:
+        """``row_security``: the owner's tables are under row-level security, and every
+        connection handed out gets the current ``pg_scope`` (the memory's)."""
         self.where = describe(url)
         self.subject = subject
         self.timeout_s = timeout_s
@@ -80,6 +83,9 @@ class PgPool:
         self._down_since: float | None = None
         self._closed = False
         self._guard = threading.Lock()
+        self.row_security = row_security
+        self.space_prefixes: set[str] = set()  # the memory index's (pg_scope.Scope.settings)
+        self._unscoped_noted = False
         self._options: dict[str, object] = {
             "connect_timeout": max(1, round(timeout_s)),
             "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
@@ -95,6 +101,8 @@ class PgPool:
         pool = self._ready()
         try:
             with pool.connection() as conn:
+                if self.row_security:
+                    self._scope(conn)
                 yield conn
         except PoolTimeout as exc:
             if self._probe():
@@ -122,11 +130,34 @@ class PgPool:
                 conn = pool.getconn(timeout=wait_s)
             except (PoolTimeout, psycopg.Error):
                 conn = None
+            if conn is not None and self.row_security:
+                try:
+                    self._scope(conn)
+                except psycopg.Error:
+                    pool.putconn(conn)
+                    conn = None
         try:
             yield conn
         finally:
             if conn is not None and pool is not None:
                 pool.putconn(conn)
+
+    def _scope(self, conn: psycopg.Connection) -> None:
+        """Give ``conn`` the row-level security scope of the work at hand (``pg_scope``): one
+        round trip, skipped when the connection already holds it."""
+        scope = pg_scope.current()
+        if scope is None:
+            scope = pg_scope.NOTHING
+            if not self._unscoped_noted:
+                self._unscoped_noted = True
+                log.warning("the %s was used with no scope set: it sees no rows "
+                            "(pg_scope: a code path that sets none is a bug)", self.subject.name,
+                            stack_info=True)
+        want = scope.settings(self.space_prefixes)
+        if getattr(conn, "_cwm_scope", None) != want:
+            conn.execute("SELECT set_config('cwm.read', %s, false), "
+                         "set_config('cwm.write', %s, false)", want)
+            conn._cwm_scope = want  # type: ignore[attr-defined]
 
     def _ready(self) -> ConnectionPool:
         pool = self._pool
@@ -228,6 +259,8 @@ def apply_migrations(conn: psycopg.Connection, table: str, lock_id: int,
             # waits for it here)
             conn.execute("SET LOCAL statement_timeout = 0")
             conn.execute("SET LOCAL lock_timeout = 0")
+            conn.execute("SELECT set_config('cwm.read', '*', true), "  # (row-level security)
+                         "set_config('cwm.write', '*', true)")
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_id,))
             conn.execute(f"CREATE TABLE IF NOT EXISTS {table} (version integer PRIMARY KEY, "  # noqa: S608 - a constant
                          "applied timestamptz NOT NULL DEFAULT now())")

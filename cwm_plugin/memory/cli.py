@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cwm_plugin import pg_scope
 from cwm_plugin.errors import ConfigError
 from cwm_plugin.memory.models import CATEGORIES
 
@@ -233,6 +235,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     return _copy(args, into_postgres=False)
 
 
+def _operator(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``cmd`` as the operator's: every folder in scope (``pg_scope``: the database's
+    row-level security), as the markdown files under --root are to whoever can read them."""
+    def run(args: argparse.Namespace) -> int:
+        with pg_scope.scoped(pg_scope.EVERYTHING):
+            return cmd(args)
+    return run
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser(
         "memory", help="file-first memory: reindex, import, search, add, check, show, "
@@ -243,7 +254,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                        "them (a running sidecar on this root loads them)")
     _common(p)
     _folder(p)
-    p.set_defaults(func=cmd_reindex)
+    p.set_defaults(func=_operator(cmd_reindex))
 
     p = sub.add_parser("import", help="import past conversations in bulk: OpenAI messages "
                                       "(.jsonl, one conversation a line) or LoCoMo (.json)")
@@ -252,7 +263,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="processes embedding a large import (local MiniLM; default: one a core)")
     p.add_argument("files", nargs="+", type=Path)
-    p.set_defaults(func=cmd_import)
+    p.set_defaults(func=_operator(cmd_import))
 
     p = sub.add_parser("search", help="search a folder's memory")
     _common(p)
@@ -264,7 +275,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--memories", action="store_true",
                    help="also search the durable memories (listed first)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_search)
+    p.set_defaults(func=_operator(cmd_search))
 
     p = sub.add_parser("add", help="add a durable memory")
     _common(p)
@@ -272,13 +283,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--category", required=True, choices=CATEGORIES)
     p.add_argument("--importance", type=float, default=0.5)
     p.add_argument("text")
-    p.set_defaults(func=cmd_add)
+    p.set_defaults(func=_operator(cmd_add))
 
     p = sub.add_parser("check", help="list damaged lines in the memory files (they are "
                                      "skipped when read); exit 1 if there are any")
     p.add_argument("--root", type=Path, required=True)
     _folder(p)
-    p.set_defaults(func=cmd_check)
+    p.set_defaults(func=_operator(cmd_check))
 
     for name, func, what in (
             ("migrate", cmd_migrate, "copy a file memory (markdown under --root) into "
@@ -292,10 +303,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--postgres-url", help="default: --config's memory.postgres_url, else "
                                               "$CWM_POSTGRES_URL")
         _folder(p)
-        p.set_defaults(func=func)
+        p.set_defaults(func=_operator(func))
 
     p = sub.add_parser("show", help="show a folder's sessions and memories, or one transcript")
     p.add_argument("--root", type=Path, required=True)
     _folder(p, required=True)
     p.add_argument("--session")
-    p.set_defaults(func=cmd_show)
+    p.set_defaults(func=_operator(cmd_show))

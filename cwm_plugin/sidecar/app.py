@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from cwm_plugin import pg_scope
 from cwm_plugin.errors import ConfigError, CWMError
 from cwm_plugin.sidecar.api.activity import activity_router, activity_threads, open_activity
 from cwm_plugin.sidecar.api.chat import handle_chat
@@ -194,8 +195,9 @@ def create_app(settings: Settings, *, memory: MemoryPort | None = None,
                                                     sidecar.jobs.lease_s) / 2))
         if memory is not None and settings.memory.warm_on_start:
             for tenant in settings.principals():  # in the background: answers at once
-                sidecar.background.spawn(memory.warm(tenant.name, tenant.name),
-                                         name=f"warm-{tenant.name}")
+                with pg_scope.scoped(pg_scope.folders([tenant.name])):  # (its task's)
+                    sidecar.background.spawn(memory.warm(tenant.name, tenant.name),
+                                             name=f"warm-{tenant.name}")
         yield
         if sidecar.jobs is not None:  # take over no more work: this replica is going
             sidecar.jobs.stop_sweeping()

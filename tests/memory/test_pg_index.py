@@ -11,12 +11,22 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from cwm_plugin import pg_scope
 from cwm_plugin.memory.index.bm25 import BM25Corpus
 from cwm_plugin.memory.index.pg.bm25 import CHUNKS, LINES, PgBM25, add_docs, remove_docs
 from cwm_plugin.memory.models import Turn
 from cwm_plugin.memory.postgres.truth import PostgresTruth
+from cwm_plugin.testing.postgres_server import admin_url
 
 pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture(autouse=True)
+def _operator_scope():
+    """The memory layer's own tests act as the operator: every folder in scope (row-level
+    security by scope: ``test_pg_row_security.py``)."""
+    with pg_scope.scoped(pg_scope.EVERYTHING):
+        yield
 WORDS = ("violin", "glacier", "tram", "saffron", "origami", "lighthouse", "cricket", "quartz",
          "mango", "tundra", "kayak", "sonnet", "falcon", "pottery", "harbour", "comet",
          "painting", "painted", "hikes", "hiking", "the", "and", "of")
@@ -247,7 +257,7 @@ def test_a_migrate_with_the_sidecars_settings_builds_the_index_in_the_database(
     assert main(["memory", "migrate", "--config", str(config), "--postgres-url",
                  postgres_url]) == 0
     assert "indexed in the database: 1 folder(s)" in capsys.readouterr().out
-    with psycopg.connect(postgres_url) as db:
+    with psycopg.connect(admin_url(postgres_url)) as db:
         assert db.execute("SELECT count(*) FROM cwm_index_sessions").fetchone()[0] == 3
     pg = new_service(root=tmp_path / "replica", postgres_url=postgres_url,
                      embedder=HashingEmbedder())
@@ -260,7 +270,7 @@ def test_a_lock_timeout_is_an_error_not_a_database_gone(postgres_url: str, truth
     fails that call and keeps the pool: only a lost connection makes a database 'down'."""
     truth.session_stats("f")
     pool = truth.db._pool
-    with psycopg.connect(postgres_url) as other:
+    with psycopg.connect(admin_url(postgres_url)) as other:
         other.execute("LOCK TABLE cwm_memory_sessions IN ACCESS EXCLUSIVE MODE")
         with pytest.raises(psycopg.errors.LockNotAvailable), truth.connection() as conn, \
                 conn.transaction():
@@ -275,7 +285,7 @@ def test_a_check_a_migration_raises_is_a_config_error(postgres_url: str) -> None
     from cwm_plugin.errors import ConfigError
     from cwm_plugin.pg_pool import apply_migrations
 
-    with psycopg.connect(postgres_url, autocommit=True) as conn, \
+    with psycopg.connect(admin_url(postgres_url), autocommit=True) as conn, \
             pytest.raises(ConfigError, match="too old: upgrade"):
         apply_migrations(conn, "cwm_test_schema", 42, ((
             "DO $$ BEGIN RAISE EXCEPTION 'too old: upgrade'; END $$",),), "test")
@@ -290,7 +300,7 @@ def test_a_search_never_waits_for_another_replicas_indexing_and_a_gone_session_g
     svc.record_turns("erin", "s1", [("user", "My kayak is yellow.")])
     svc.record_turns("erin", "s2", [("user", "The origami crane is blue.")])
     space = svc.indexes.writer.space("erin")
-    with psycopg.connect(postgres_url) as other:
+    with psycopg.connect(admin_url(postgres_url)) as other:
         other.execute("SELECT 1 FROM cwm_index_sessions WHERE space = %s AND session = 's1' "
                       "FOR UPDATE", (space,))
         svc.files.append_turns("erin", "s1", [Turn("t-new", "user", "The kayak has a lighthouse "
@@ -300,7 +310,7 @@ def test_a_search_never_waits_for_another_replicas_indexing_and_a_gone_session_g
         assert time.monotonic() - t0 < 5  # (a wait would be the lock timeout, 10 s)
         other.rollback()
     assert any("sticker" in h.text for h in svc.search("erin", "kayak sticker"))
-    with psycopg.connect(postgres_url, autocommit=True) as db:
+    with psycopg.connect(admin_url(postgres_url), autocommit=True) as db:
         db.execute("DELETE FROM cwm_memory_sessions WHERE folder = 'erin' AND session = 's2'")
     assert not any("origami" in h.text for h in svc.search("erin", "origami crane"))
 
@@ -331,7 +341,7 @@ def test_a_read_alongside_sees_the_searchs_snapshot_on_a_second_connection(
         with reader.snapshot():
             with reader.connection() as conn:
                 seen, mine = count(conn)
-            with psycopg.connect(postgres_url, autocommit=True) as other:
+            with psycopg.connect(admin_url(postgres_url), autocommit=True) as other:
                 other.execute("INSERT INTO snap_probe VALUES (2)")
             got, pid = reader.alongside(count)()
         assert seen == got == 1
@@ -375,6 +385,7 @@ def test_an_index_written_before_migrations_3_and_4_is_carried_over(
         conn.execute("INSERT INTO cwm_memory_sessions (folder, session, size, version) VALUES "
                      "('old', 's1', 10, 3)")
         assert migrate(conn) == len(MIGRATIONS)
+        conn.execute("SELECT set_config('cwm.read', '*', false)")  # (row-level security)
         counted = dict(conn.execute("SELECT term, count(*) FROM cwm_index_postings WHERE "
                                     "space = 'sp/old' GROUP BY term").fetchall())
         kept = dict(conn.execute("SELECT term, df FROM cwm_index_terms WHERE "

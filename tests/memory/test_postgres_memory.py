@@ -4,6 +4,7 @@ replicas, concurrent writers that lose nothing, and a database that goes away.""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import replace
@@ -13,6 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from cwm_plugin import pg_scope
 from cwm_plugin.errors import ConfigError, MemoryUnavailable
 from cwm_plugin.memory.files.markdown import MemoryFiles, encode_turn
 from cwm_plugin.memory.models import Memory, Turn
@@ -24,6 +26,14 @@ from cwm_plugin.testing.postgres_server import PostgresServer
 from cwm_plugin.testing.procs import free_port
 
 pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture(autouse=True)
+def _operator_scope():
+    """The memory layer's own tests act as the operator: every folder in scope (row-level
+    security by scope: ``test_pg_row_security.py``)."""
+    with pg_scope.scoped(pg_scope.EVERYTHING):
+        yield
 WORDS = ("violin", "glacier", "tram", "saffron", "origami", "lighthouse", "cricket", "quartz",
          "mango", "tundra", "kayak", "sonnet", "falcon", "pottery", "harbour", "comet")
 
@@ -210,7 +220,8 @@ def test_replicas_writing_at_once_lose_nothing(new_service, postgres_url: str, c
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(s, n)) for s, n in ((a, "A"), (b, "B"))]
+    threads = [threading.Thread(target=pg_scope.carried(functools.partial(work, s, n)))
+               for s, n in ((a, "A"), (b, "B"))]  # (replicas: each in the same scope)
     for t in threads:
         t.start()
     for t in threads:

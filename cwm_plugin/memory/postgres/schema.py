@@ -34,14 +34,25 @@ Version 4: postings keyed by the document's number (``cwm_index_docs.no``, an id
 of its text id: a search sums and groups a query's postings by an 8-byte integer, and the
 postings index is about a third smaller (measured at 100k chunks: a query's BM25 from about
 40 to 25 ms); the text id is looked up for the best alone. Existing postings are carried over.
+
+Version 5: row-level security on every table of the memory and its index (``pg_scope``): a row
+is visible only when its folder (the index's: its space) is in the connection's ``cwm.read``
+setting, and changed only when its folder is in ``cwm.write`` (the index, derived from what its
+reader may read, under ``cwm.read``); ``'*'`` is every folder. FORCE'd, so the tables' owner
+(the role the sidecar connects as, which ran these migrations) is bound too; a superuser or a
+role with BYPASSRLS is not (``migrate`` says so in the log). The policies' scope is read once a
+statement (an ``InitPlan``), then compared by plain text equality row by row.
 """
 
 from __future__ import annotations
+
+import logging
 
 import psycopg
 
 from cwm_plugin.pg_pool import apply_migrations
 
+log = logging.getLogger(__name__)
 LOCK_ID = 0x63776D5F6D656D  # "cwm_mem": the advisory lock migrations take
 
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -163,6 +174,43 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 )
 
 
+def _policies(column: str, table: str, *, write: str) -> tuple[str, ...]:
+    """Row-level security on ``table`` by ``column`` (version 5, see the module docstring)."""
+    def sees(setting: str) -> str:
+        return f"((SELECT cwm_scope_all('{setting}')) OR " \
+               f"{column} = ANY ((SELECT cwm_scope('{setting}'))::text[]))"
+    return (f"ALTER TABLE {table} ENABLE ROW LEVEL SECURITY",
+            f"ALTER TABLE {table} FORCE ROW LEVEL SECURITY",
+            f"CREATE POLICY cwm_read ON {table} FOR SELECT USING {sees('cwm.read')}",
+            f"CREATE POLICY cwm_write ON {table} FOR ALL USING {sees(write)} "
+            f"WITH CHECK {sees(write)}")
+
+
+TRUTH_TABLES = ("cwm_memory_sessions", "cwm_memory_turns", "cwm_memory_folders",
+                "cwm_memory_facts", "cwm_memory_summaries", "cwm_memory_cursors",
+                "cwm_memory_changes")
+INDEX_TABLES = ("cwm_index_sessions", "cwm_index_lines", "cwm_index_chunks", "cwm_index_docs",
+                "cwm_index_postings", "cwm_index_corpora", "cwm_index_speakers",
+                "cwm_index_terms")
+MIGRATIONS += ((  # 5
+    """CREATE FUNCTION cwm_scope(setting text) RETURNS text[] LANGUAGE sql STABLE
+        PARALLEL SAFE AS $$ SELECT string_to_array(current_setting(setting, true), ',') $$""",
+    """CREATE FUNCTION cwm_scope_all(setting text) RETURNS boolean LANGUAGE sql STABLE
+        PARALLEL SAFE AS $$ SELECT coalesce(current_setting(setting, true) = '*', false) $$""",
+    *(s for t in TRUTH_TABLES for s in _policies("folder", t, write="cwm.write")),
+    *(s for t in INDEX_TABLES for s in _policies("space", t, write="cwm.read")),
+),)
+
+
 def migrate(conn: psycopg.Connection) -> int:
-    """Apply the migrations the database lacks; returns its version now."""
-    return apply_migrations(conn, "cwm_schema", LOCK_ID, MIGRATIONS, "memory")
+    """Apply the migrations the database lacks; returns its version now. Says in the log when
+    the role connected bypasses row-level security (a superuser, or BYPASSRLS)."""
+    version = apply_migrations(conn, "cwm_schema", LOCK_ID, MIGRATIONS, "memory")
+    row = conn.execute("SELECT current_user, rolsuper OR rolbypassrls FROM pg_roles "
+                       "WHERE rolname = current_user").fetchone()
+    if row is not None and row[1]:
+        log.warning("the memory database's role %s bypasses row-level security (a superuser "
+                    "or BYPASSRLS): every query is still scoped by folder in the code, but the "
+                    "database does not check it; connect as a role without either "
+                    "(docs/replicas.md)", row[0])
+    return version

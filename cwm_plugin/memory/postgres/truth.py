@@ -59,7 +59,7 @@ class PostgresTruth:
             "memory database", MemoryUnavailable, "memory.postgres_pool_size",
             "check that PostgreSQL is up and memory.postgres_url is right; turns are "
             "answered without memory until it is back", "turns are answered without memory"),
-            pool_size=pool_size, timeout_s=timeout_s, name="cwm-memory")
+            pool_size=pool_size, timeout_s=timeout_s, name="cwm-memory", row_security=True)
         self.where = self.db.where
 
     def _conn(self) -> AbstractContextManager[psycopg.Connection]:

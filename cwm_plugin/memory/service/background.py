@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from cwm_plugin import pg_scope
+
 log = logging.getLogger(__name__)
 
 
@@ -34,7 +36,7 @@ class FolderJobs:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix=self._name)
             self._queued.add(folder)
-            self._pool.submit(self._run, folder, job)
+            self._pool.submit(pg_scope.carried(lambda: self._run(folder, job)))  # its scope
         return True
 
     def _run(self, folder: str, job: Callable[[str], None]) -> None:

@@ -30,6 +30,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from cwm_plugin import pg_scope
 from cwm_plugin.errors import InvalidInput, UpstreamError
 from cwm_plugin.sidecar.api.activity import PROJECT_HEADER, project_of
 from cwm_plugin.sidecar.api.chat_turn import ChatTurn, answer_text, observe_stages
@@ -133,6 +134,7 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
         perms.require_grant(ident.tenant, "debug", "X-CWM-Debug: 1", bound=ident.bound)
     home, project = perms.namespace(ident.namespace, ident.user), _project(request.headers)
     shared = [ns.folder for ns in perms.shared(ident, project) if ns.folder]
+    pg_scope.enter(pg_scope.folders([home.folder, *shared], [home.folder]))  # (the request's)
     stages.add("auth", time.perf_counter() - t0)
     route = await sc.router.route(body, key=salt)  # the session's upstream first
     model, info = route.model or model, route.info()

@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from cwm_plugin import pg_scope
 from cwm_plugin.errors import CWMError, InvalidInput
 from cwm_plugin.sidecar.api.memory_view import VIEWS, build_view
 from cwm_plugin.sidecar.api.schema import body_doc
@@ -71,6 +72,8 @@ def memory_router(sidecar: Any) -> APIRouter:
                                hint="the activity log is /v1/activity")
         if sidecar.memory is None:
             raise MemoryUnavailable("memory is off on this sidecar")
+        # the database's row-level security sees this folder alone for this request
+        pg_scope.enter(pg_scope.folders([ns.folder], [ns.folder] if op != "read" else []))
         return sidecar.memory, ns
 
     @router.get("/namespaces")

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from cwm_plugin import pg_scope
 from cwm_plugin.errors import CWMError, InvalidInput
 from cwm_plugin.memory.service.details import with_details
 from cwm_plugin.memory.settings import MemorySettings
@@ -240,19 +241,20 @@ class Maintainer:
                 state.checkpointing = False
             return
         checkpoint = job.checkpoint or (isinstance(claim, Claim) and claim.checkpoint)
-        async with state.lock:  # one job of this session at a time, in turn order
-            shared = i.get("shared")
-            if shared is not None:  # where the replica that recorded it left the session
-                await shared.pull(tenant, owner, i["session"], state)
-            work = self._run(tenant, i["session"], i["model"], i["salt"], state,
-                             i["max_model_len"], checkpoint, i["hook"],
-                             i.get("folder") or tenant, owner)
-            if isinstance(claim, Claim):
-                await jobs.hold(tenant, claim, work)
-            else:
-                await work
-            if shared is not None:  # what it changed, for the other replicas
-                await shared.push(tenant, owner, i["session"], state)
+        folder = i.get("folder") or tenant  # the one folder its work reads and writes
+        with pg_scope.scoped(pg_scope.folders([folder], [folder])):
+            async with state.lock:  # one job of this session at a time, in turn order
+                shared = i.get("shared")
+                if shared is not None:  # where the replica that recorded it left the session
+                    await shared.pull(tenant, owner, i["session"], state)
+                work = self._run(tenant, i["session"], i["model"], i["salt"], state,
+                                 i["max_model_len"], checkpoint, i["hook"], folder, owner)
+                if isinstance(claim, Claim):
+                    await jobs.hold(tenant, claim, work)
+                else:
+                    await work
+                if shared is not None:  # what it changed, for the other replicas
+                    await shared.push(tenant, owner, i["session"], state)
 
     async def _run(self, tenant: str, session: str, model: str, salt: str,
                    state: SessionState, max_model_len: int | None, checkpoint: bool,

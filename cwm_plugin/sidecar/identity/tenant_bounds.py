@@ -33,6 +33,7 @@ from typing import TypeVar
 
 from prometheus_client import Counter
 
+from cwm_plugin import pg_scope
 from cwm_plugin.sidecar.identity.ratelimit import RateLimited
 
 T = TypeVar("T")
@@ -163,7 +164,7 @@ class TenantPool:
         release = await self.bound.take(principal)
         loop = asyncio.get_running_loop()
         try:
-            call = self._pool.submit(fn)
+            call = self._pool.submit(pg_scope.carried(fn))  # (the caller's scope along)
         except BaseException:
             release()
             raise

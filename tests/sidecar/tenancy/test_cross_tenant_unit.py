@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from sidecar_helpers import KEYS, SECRET, make_settings, salt, wait_idle
 from window_helpers import NS, converse, session_blocks
 
+from cwm_plugin import pg_scope
 from cwm_plugin.connector import records
 from cwm_plugin.sidecar.app import create_app
 from cwm_plugin.store.config import StoreConfig
@@ -148,11 +149,12 @@ def memory_state(root: Path, pg_url: str | None) -> dict:
 
     truth = PostgresTruth(pg_url, root)
     try:
-        assert truth.sessions(X_FOLDER)
-        return {f: ({s: (truth.session_data(f, s), truth.read_summary(f, s))
-                     for s in truth.sessions(f)},
-                    [m.__dict__ for m in truth.read_memories(f, history=True)])
-                for f in (X_FOLDER, "acme")}
+        with pg_scope.scoped(pg_scope.EVERYTHING):  # (the test's own look: every row)
+            assert truth.sessions(X_FOLDER)
+            return {f: ({s: (truth.session_data(f, s), truth.read_summary(f, s))
+                         for s in truth.sessions(f)},
+                        [m.__dict__ for m in truth.read_memories(f, history=True)])
+                    for f in (X_FOLDER, "acme")}
     finally:
         truth.close()
 

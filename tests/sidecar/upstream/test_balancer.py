@@ -16,6 +16,7 @@ import httpx
 import pytest
 from sidecar_helpers import KEYS, SECRET, replica_config
 
+from cwm_plugin import pg_scope
 from cwm_plugin.memory.postgres.truth import PostgresTruth
 from cwm_plugin.testing.fake_upstream import FakeUpstream
 from cwm_plugin.testing.nginx_balancer import NginxBalancer
@@ -96,9 +97,11 @@ def test_a_replica_killed_and_restarted_under_load_fails_no_request(
     assert sum(answered.values()) > sum(served_before.values()) + CLIENTS  # load went on
     truth = PostgresTruth(postgres_url, tmp_path / "check")
     try:
-        for session, n in answered.items():  # every answered turn is in the memory
-            said = {t.content for t in truth.read_turns("acme", session) if t.role == "user"}
-            assert {f"Question {k} of {session}?" for k in range(n)} <= said
+        with pg_scope.scoped(pg_scope.folders(["acme"])):  # (the tenant's folder)
+            for session, n in answered.items():  # every answered turn is in the memory
+                said = {t.content for t in truth.read_turns("acme", session)
+                        if t.role == "user"}
+                assert {f"Question {k} of {session}?" for k in range(n)} <= said
     finally:
         truth.close()
 

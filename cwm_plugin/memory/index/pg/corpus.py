@@ -24,6 +24,7 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
+from cwm_plugin import pg_scope
 from cwm_plugin.errors import CWMError
 from cwm_plugin.memory.index.chunking import Unit
 from cwm_plugin.memory.index.pg.bm25 import CHUNKS, CONTEXT, LINES, Connect, PgBM25
@@ -70,7 +71,7 @@ class Reader:
             return lambda: self._here(read)  # (every thread busy: no queue behind them)
         try:
             snapshot = conn.execute("SELECT pg_export_snapshot()").fetchone()[0]
-            job = self._threads.submit(self._on_spare, snapshot, read)
+            job = self._threads.submit(pg_scope.carried(lambda: self._on_spare(snapshot, read)))
         except BaseException:
             self._slots.release()
             raise

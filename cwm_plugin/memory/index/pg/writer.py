@@ -69,6 +69,7 @@ class PgIndexWriter:
         digest = hashlib.sha256(json.dumps(persist.fingerprint(shape), sort_keys=True)
                                 .encode()).hexdigest()[:16]
         self.prefix = f"{digest}/"
+        truth.db.space_prefixes.add(self.prefix)  # its folders' spaces are in their scope
         self.dims = shape.embedder.dims
         self._hnsw = False
         self._guard = threading.Lock()
@@ -174,12 +175,13 @@ class PgIndexWriter:
                open_chunk: str | None, end: int) -> int:
         """Write the session's new lines (``before``: its lines from the open chunk's first,
         or its last two, on), re-chunk from the open chunk and move the index row on."""
-        with conn.cursor() as cur, cur.copy(
-                "COPY cwm_index_lines (space, session, row, text, turn_id, ts, tokens, dims, "
-                "vec) FROM STDIN") as copy:
-            for i, (u, v) in enumerate(zip(new, vecs, strict=True)):
-                copy.write_row((space, session, lines + i, u.text, u.turn_id, u.ts, u.tokens,
-                                self.dims, vector_text(v)))
+        conn.execute(  # (arrays, not COPY: refused under row-level security)
+            "INSERT INTO cwm_index_lines (space, session, row, text, turn_id, ts, tokens, dims, "
+            "vec) SELECT %s, %s, r, t, i, ts, n, %s, v::vector FROM unnest(%s::int[], "
+            "%s::text[], %s::text[], %s::text[], %s::int[], %s::text[]) AS u(r, t, i, ts, n, v)",
+            (space, session, self.dims, [lines + i for i in range(len(new))],
+             [u.text for u in new], [u.turn_id for u in new], [u.ts for u in new],
+             [u.tokens for u in new], [vector_text(v) for _, v in zip(new, vecs, strict=True)]))
         first = lines - len(before)  # the row of before[0]
         every = [*before, *new]
         add_docs(conn, space, LINES, [(line_key(session, lines + i), u.text)

@@ -133,7 +133,7 @@ class PgPool:
             if conn is not None and self.row_security:
                 try:
                     self._scope(conn)
-                except psycopg.Error:
+                except (psycopg.Error, CWMError):
                     pool.putconn(conn)
                     conn = None
         try:
@@ -147,16 +147,18 @@ class PgPool:
         round trip, skipped when the connection already holds it."""
         scope = pg_scope.current()
         if scope is None:
-            scope = pg_scope.NOTHING
             if not self._unscoped_noted:
                 self._unscoped_noted = True
-                log.warning("the %s was used with no scope set: it sees no rows "
-                            "(pg_scope: a code path that sets none is a bug)", self.subject.name,
-                            stack_info=True)
+                log.error("the %s was asked for with no row-level security scope set "
+                          "(pg_scope): refused; this code path is a bug to report",
+                          self.subject.name, stack_info=True)
+            raise self.subject.error(f"the {self.subject.name} was asked for with no scope "
+                                     "set (a bug: the call is refused, never run unscoped)",
+                                     hint="report it with the log's stack trace")
         want = scope.settings(self.space_prefixes)
         if getattr(conn, "_cwm_scope", None) != want:
-            conn.execute("SELECT set_config('cwm.read', %s, false), "
-                         "set_config('cwm.write', %s, false)", want)
+            conn.execute("SELECT set_config('cwm.read', %s, false), set_config('cwm.spaces', "
+                         "%s, false), set_config('cwm.write', %s, false)", want)
             conn._cwm_scope = want  # type: ignore[attr-defined]
 
     def _ready(self) -> ConnectionPool:
@@ -260,7 +262,7 @@ def apply_migrations(conn: psycopg.Connection, table: str, lock_id: int,
             conn.execute("SET LOCAL statement_timeout = 0")
             conn.execute("SET LOCAL lock_timeout = 0")
             conn.execute("SELECT set_config('cwm.read', '*', true), "  # (row-level security)
-                         "set_config('cwm.write', '*', true)")
+                         "set_config('cwm.spaces', '*', true), set_config('cwm.write', '*', true)")
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_id,))
             conn.execute(f"CREATE TABLE IF NOT EXISTS {table} (version integer PRIMARY KEY, "  # noqa: S608 - a constant
                          "applied timestamptz NOT NULL DEFAULT now())")

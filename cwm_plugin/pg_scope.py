@@ -1,17 +1,19 @@
 """Which memory folders the work at hand may read and change: the row-level security scope.
 
 The memory's tables in PostgreSQL are under row-level security (``memory/postgres/schema.py``,
-version 5): a row is visible only when its folder (or, for the derived index, its space) is in
-the connection's ``cwm.read`` setting, and changed only when it is in ``cwm.write``;
-``cwm.read = '*'`` is every folder (maintenance, the operator's tools). :class:`~cwm_plugin.
+version 5): a row is visible only when its folder is in the connection's ``cwm.read`` setting
+(for the derived index: its space in ``cwm.spaces``), and changed only when it is in
+``cwm.write``; ``'*'`` is every folder (maintenance, the operator's tools). :class:`~cwm_plugin.
 pg_pool.PgPool` copies the scope of the current context into each connection it hands out.
 
 The scope is set apart from the folder arguments of the queries, by whoever decided what the
 work may touch: the sidecar from its permission matrix (a request's home and the namespaces it
 was allowed), a background job from the folder it was queued for, a maintainer or a CLI for
 everything. So a query that forgets its folder, or is handed another tenant's, finds nothing
-instead of another tenant's rows. Work with no scope set sees nothing (and the pool logs it
-once): a path that was never scoped fails closed.
+instead of another tenant's rows. Work with no scope set is refused (the pool logs it
+once, and raises the owner's error: the sidecar answers without memory): a path that was never
+scoped fails closed, and loudly (an empty answer would read as "every session deleted" to a
+replica's local index).
 
 It is a :class:`contextvars.ContextVar`: asyncio tasks inherit it; a thread does when it is
 started through :func:`carried` (the sidecar's memory threads are).
@@ -37,15 +39,15 @@ class Scope:
     write: frozenset[str] = frozenset()
     everything: bool = False
 
-    def settings(self, prefixes: Iterable[str] = ()) -> tuple[str, str]:
-        """``(cwm.read, cwm.write)`` for a connection: the folders, and each folder under every
-        index space ``prefix`` (``<fingerprint>/``) in use, comma-separated (folder names hold
-        no comma: ``memory/files/names.py``)."""
+    def settings(self, prefixes: Iterable[str] = ()) -> tuple[str, str, str]:
+        """``(cwm.read, cwm.spaces, cwm.write)`` for a connection, comma-separated (folder
+        names hold no comma: ``memory/files/names.py``): the folders read, each of them under
+        every index space ``prefix`` in use (``<fingerprint>/``: the index's rows), the
+        folders written. (Apart, so each policy compares a row with the shortest list.)"""
         if self.everything:
-            return ALL, ALL
-        pre = sorted(set(prefixes))
+            return ALL, ALL, ALL
         read = sorted(self.read | self.write)
-        return (",".join([*read, *(p + f for p in pre for f in read)]),
+        return (",".join(read), ",".join(p + f for p in sorted(set(prefixes)) for f in read),
                 ",".join(sorted(self.write)))
 
 

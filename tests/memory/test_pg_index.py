@@ -385,7 +385,8 @@ def test_an_index_written_before_migrations_3_and_4_is_carried_over(
         conn.execute("INSERT INTO cwm_memory_sessions (folder, session, size, version) VALUES "
                      "('old', 's1', 10, 3)")
         assert migrate(conn) == len(MIGRATIONS)
-        conn.execute("SELECT set_config('cwm.read', '*', false)")  # (row-level security)
+        conn.execute("SELECT set_config('cwm.read', '*', false), "  # (row-level security)
+                     "set_config('cwm.spaces', '*', false)")
         counted = dict(conn.execute("SELECT term, count(*) FROM cwm_index_postings WHERE "
                                     "space = 'sp/old' GROUP BY term").fetchall())
         kept = dict(conn.execute("SELECT term, df FROM cwm_index_terms WHERE "

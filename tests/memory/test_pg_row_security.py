@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 from cwm_plugin import pg_scope
+from cwm_plugin.errors import MemoryUnavailable
 from cwm_plugin.memory.models import Turn
 from cwm_plugin.memory.postgres.truth import PostgresTruth
 from cwm_plugin.testing.postgres_server import admin_url
@@ -76,10 +77,28 @@ def test_a_read_scope_reads_but_does_not_change(truth) -> None:
             truth.append_turns("bob", "s1", _turns("appended by a reader"))
 
 
-def test_work_with_no_scope_sees_nothing_and_the_pool_says_so(truth, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="cwm_plugin.pg_pool"):
+def test_work_with_no_scope_is_refused_and_the_pool_says_so(truth, caplog) -> None:
+    """Loudly, not as an empty answer: a replica's own index would read "no sessions" as
+    "every session deleted" and throw its index away."""
+    with caplog.at_level(logging.ERROR, logger="cwm_plugin.pg_pool"), \
+            pytest.raises(MemoryUnavailable, match="no scope set"):
+        truth.read_turns("alice", "s1")
+    assert "no row-level security scope" in caplog.text
+    with pg_scope.scoped(pg_scope.NOTHING):  # a scope of no folder: sees nothing
         assert truth.read_turns("alice", "s1") == [] and truth.folders() == []
-    assert "no scope set" in caplog.text
+
+
+def test_a_truncate_moves_every_folders_counter_whatever_the_scope(truth) -> None:
+    """The change counters' trigger runs with every folder in scope: a truncate (which row-level
+    security does not bind) by a narrow scope still tells every folder's readers to look again."""
+    with pg_scope.scoped(pg_scope.EVERYTHING):
+        before = truth.folder_signature("alice"), truth.folder_signature("bob")
+    with pg_scope.scoped(ALICE), truth.connection() as conn:
+        conn.execute("TRUNCATE cwm_memory_sessions CASCADE")
+    with pg_scope.scoped(pg_scope.EVERYTHING):
+        after = truth.folder_signature("alice"), truth.folder_signature("bob")
+        assert truth.folders() == []
+    assert after[0] != before[0] and after[1] != before[1]
 
 
 def test_the_search_index_in_the_database_is_scoped_too(new_service, postgres_url: str

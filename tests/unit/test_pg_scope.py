@@ -13,14 +13,14 @@ from cwm_plugin.sidecar.identity.tenant_bounds import TenantBound, TenantPool
 
 def test_settings_name_folders_and_their_index_spaces() -> None:
     scope = pg_scope.folders(["bob", None, "alice"], ["alice"])
-    assert scope.settings() == ("alice,bob", "alice")
+    assert scope.settings() == ("alice,bob", "", "alice")
     assert scope.settings(["fp1/", "fp0/"]) == \
-        ("alice,bob,fp0/alice,fp0/bob,fp1/alice,fp1/bob", "alice")
-    assert pg_scope.EVERYTHING.settings(["fp/"]) == ("*", "*")
-    assert pg_scope.NOTHING.settings(["fp/"]) == ("", "")  # sees nothing, changes nothing
+        ("alice,bob", "fp0/alice,fp0/bob,fp1/alice,fp1/bob", "alice")
+    assert pg_scope.EVERYTHING.settings(["fp/"]) == ("*", "*", "*")
+    assert pg_scope.NOTHING.settings(["fp/"]) == ("", "", "")  # sees and changes nothing
     # a folder written is readable; a folder name cannot smuggle another in (names hold no
     # comma: memory/files/names.py refuses them before any query)
-    assert pg_scope.folders([], ["w"]).settings() == ("w", "w")
+    assert pg_scope.folders([], ["w"]).settings(["fp/"]) == ("w", "fp/w", "w")
 
 
 def test_the_scope_is_the_blocks_and_then_the_one_before() -> None:

@@ -36,9 +36,10 @@ postings index is about a third smaller (measured at 100k chunks: a query's BM25
 40 to 25 ms); the text id is looked up for the best alone. Existing postings are carried over.
 
 Version 5: row-level security on every table of the memory and its index (``pg_scope``): a row
-is visible only when its folder (the index's: its space) is in the connection's ``cwm.read``
-setting, and changed only when its folder is in ``cwm.write`` (the index, derived from what its
-reader may read, under ``cwm.read``); ``'*'`` is every folder. FORCE'd, so the tables' owner
+is visible only when its folder is in the connection's ``cwm.read`` setting (the index's rows:
+their space in ``cwm.spaces``), and changed only when its folder is in ``cwm.write`` (the index,
+derived from what its reader may read, under ``cwm.spaces``); ``'*'`` is every folder. The
+change counters' trigger runs with every folder in scope (it moves what a statement changed). FORCE'd, so the tables' owner
 (the role the sidecar connects as, which ran these migrations) is bound too; a superuser or a
 role with BYPASSRLS is not (``migrate`` says so in the log). The policies' scope is read once a
 statement (an ``InitPlan``), then compared by plain text equality row by row.
@@ -174,14 +175,14 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 )
 
 
-def _policies(column: str, table: str, *, write: str) -> tuple[str, ...]:
+def _policies(column: str, table: str, *, read: str, write: str) -> tuple[str, ...]:
     """Row-level security on ``table`` by ``column`` (version 5, see the module docstring)."""
     def sees(setting: str) -> str:
         return f"((SELECT cwm_scope_all('{setting}')) OR " \
                f"{column} = ANY ((SELECT cwm_scope('{setting}'))::text[]))"
     return (f"ALTER TABLE {table} ENABLE ROW LEVEL SECURITY",
             f"ALTER TABLE {table} FORCE ROW LEVEL SECURITY",
-            f"CREATE POLICY cwm_read ON {table} FOR SELECT USING {sees('cwm.read')}",
+            f"CREATE POLICY cwm_read ON {table} FOR SELECT USING {sees(read)}",
             f"CREATE POLICY cwm_write ON {table} FOR ALL USING {sees(write)} "
             f"WITH CHECK {sees(write)}")
 
@@ -197,8 +198,35 @@ MIGRATIONS += ((  # 5
         PARALLEL SAFE AS $$ SELECT string_to_array(current_setting(setting, true), ',') $$""",
     """CREATE FUNCTION cwm_scope_all(setting text) RETURNS boolean LANGUAGE sql STABLE
         PARALLEL SAFE AS $$ SELECT coalesce(current_setting(setting, true) = '*', false) $$""",
-    *(s for t in TRUTH_TABLES for s in _policies("folder", t, write="cwm.write")),
-    *(s for t in INDEX_TABLES for s in _policies("space", t, write="cwm.read")),
+    # the change counters' trigger moves every folder a statement changed (a truncate moves
+    # all, and a truncate or cascade ignores row-level security), whatever the scope: it
+    # widens the scope for its own statements and puts it back (a role that is no superuser
+    # may not pin a custom setting on a function with ALTER FUNCTION ... SET)
+    """CREATE OR REPLACE FUNCTION cwm_memory_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+        DECLARE was_read text := current_setting('cwm.read', true);
+                was_write text := current_setting('cwm.write', true);
+        BEGIN
+          PERFORM set_config('cwm.read', '*', true), set_config('cwm.write', '*', true);
+          IF TG_OP = 'TRUNCATE' THEN  -- every folder moved
+            UPDATE cwm_memory_changes SET n = n + 1;
+          ELSE
+            IF TG_OP <> 'INSERT' THEN  -- (an update may move a row to another folder)
+              INSERT INTO cwm_memory_changes AS c (folder, n) VALUES (OLD.folder, 1)
+                ON CONFLICT (folder) DO UPDATE SET n = c.n + 1;
+            END IF;
+            IF TG_OP = 'INSERT' OR (TG_OP = 'UPDATE' AND NEW.folder <> OLD.folder) THEN
+              INSERT INTO cwm_memory_changes AS c (folder, n) VALUES (NEW.folder, 1)
+                ON CONFLICT (folder) DO UPDATE SET n = c.n + 1;
+            END IF;
+          END IF;
+          PERFORM set_config('cwm.read', coalesce(was_read, ''), true),
+                  set_config('cwm.write', coalesce(was_write, ''), true);
+          RETURN NULL;
+        END $$""",
+    *(s for t in TRUTH_TABLES for s in _policies("folder", t, read="cwm.read",
+                                                 write="cwm.write")),
+    *(s for t in INDEX_TABLES for s in _policies("space", t, read="cwm.spaces",
+                                                 write="cwm.spaces")),
 ),)
 
 

@@ -134,7 +134,14 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
         perms.require_grant(ident.tenant, "debug", "X-CWM-Debug: 1", bound=ident.bound)
     home, project = perms.namespace(ident.namespace, ident.user), _project(request.headers)
     shared = [ns.folder for ns in perms.shared(ident, project) if ns.folder]
-    pg_scope.enter(pg_scope.folders([home.folder, *shared], [home.folder]))  # (the request's)
+    # a request naming neither session nor user may be anyone's (one key often serves many
+    # people): no memory of other conversations unless its tenant turns that on
+    readable = perms.allows(ident, home, "read") and \
+        (not ident.sessionless or tenant_cfg.stateless_memory)
+    can_append, can_write = perms.allows(ident, home, "append"), perms.allows(ident, home, "write")
+    pg_scope.enter(pg_scope.folders(  # the database sees what these decisions allow, no more
+        [home.folder, *shared] if readable else [],
+        [home.folder] if can_append or can_write else []))
     stages.add("auth", time.perf_counter() - t0)
     route = await sc.router.route(body, key=salt)  # the session's upstream first
     model, info = route.model or model, route.info()
@@ -150,11 +157,7 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
         "ident": ident, "body": body, "messages": messages, "state": state, "model": model,
         "max_len": sc.settings.context_limit(ident.tenant, info.max_model_len), "mode": mode,
         "info": info, "shared": shared,
-        "view": view,
-        # a request naming neither session nor user may be anyone's (one key often serves
-        # many people): no memory of other conversations unless its tenant turns that on
-        "readable": perms.allows(ident, home, "read") and
-        (not ident.sessionless or tenant_cfg.stateless_memory)}, stages)
+        "view": view, "readable": readable}, stages)
     if sc.shared is not None and ident.session is not None:  # before the client has the answer
         with stages("state"):
             await sc.shared.push(ident.tenant, owner_of(ident), ident.session, state)
@@ -168,8 +171,7 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     turn = ChatTurn(sc, ident, model, info.max_model_len, salt, messages, state, plan, counter,
                 stages, route, turn_headers,
                 used=state.estimate(plan.prompt_tokens), project=project,
-                can_append=perms.allows(ident, home, "append"),
-                can_write=perms.allows(ident, home, "write"))
+                can_append=can_append, can_write=can_write)
     if debug:
         p = sc.settings.prompt
         turn.headers["X-CWM-Memory"] = debug_header(

@@ -29,6 +29,7 @@ Cheap local work (indexing a recorded turn, warming an index) runs as plain task
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
@@ -143,8 +144,11 @@ class Background:
             self._wake = asyncio.Event()
         self._workers = [w for w in self._workers if not w.done()]
         while len(self._workers) < self.workers:
-            self._workers.append(asyncio.get_running_loop().create_task(
-                self._work(), name=f"background-worker-{len(self._workers)}"))
+            self._workers.append(asyncio.get_running_loop().create_task(  # a context of its
+                # own: not that of the request that happened to start it (pg_scope: each job
+                # sets the one it may use)
+                self._work(), name=f"background-worker-{len(self._workers)}",
+                context=contextvars.Context()))
 
     async def _work(self) -> None:
         assert self._wake is not None

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from cwm_plugin import pg_scope
 from cwm_plugin.memory.settings import MemorySettings
 from cwm_plugin.sidecar.identity.tenant_bounds import TenantBound, TenantPool
 
@@ -169,7 +170,8 @@ class MemoryPort:
 
     async def close(self) -> None:
         """Save what changed in the indexes and close the embedding cache."""
-        await asyncio.to_thread(self.service.close)  # no tenant's work: the shutdown's
+        with pg_scope.scoped(pg_scope.EVERYTHING):  # no tenant's work: the shutdown's
+            await asyncio.to_thread(self.service.close)  # (index what is pending, save)
 
     async def set_summary(self, who: str, folder: str, session: str, text: str,
                           upto_turn: str) -> None:

@@ -54,6 +54,21 @@ import psycopg
 from cwm_plugin.pg_pool import apply_migrations
 
 log = logging.getLogger(__name__)
+# what the change counters' trigger does (versions 3 and 5): a truncate moves every folder's
+# counter, a row's insert, delete or update its folder's (an update may move it to another)
+_COUNT_CHANGE = """
+    IF TG_OP = 'TRUNCATE' THEN
+      UPDATE cwm_memory_changes SET n = n + 1;
+    ELSE
+      IF TG_OP <> 'INSERT' THEN
+        INSERT INTO cwm_memory_changes AS c (folder, n) VALUES (OLD.folder, 1)
+          ON CONFLICT (folder) DO UPDATE SET n = c.n + 1;
+      END IF;
+      IF TG_OP = 'INSERT' OR (TG_OP = 'UPDATE' AND NEW.folder <> OLD.folder) THEN
+        INSERT INTO cwm_memory_changes AS c (folder, n) VALUES (NEW.folder, 1)
+          ON CONFLICT (folder) DO UPDATE SET n = c.n + 1;
+      END IF;
+    END IF;"""
 LOCK_ID = 0x63776D5F6D656D  # "cwm_mem": the advisory lock migrations take
 
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -134,22 +149,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             folder text PRIMARY KEY, n bigint NOT NULL DEFAULT 0)""",
         """INSERT INTO cwm_memory_changes (folder, n)
             SELECT folder, sum(version) FROM cwm_memory_sessions GROUP BY folder""",
-        """CREATE FUNCTION cwm_memory_changed() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-              IF TG_OP = 'TRUNCATE' THEN  -- every folder moved
-                UPDATE cwm_memory_changes SET n = n + 1;
-                RETURN NULL;
-              END IF;
-              IF TG_OP <> 'INSERT' THEN  -- (an update may move a row to another folder)
-                INSERT INTO cwm_memory_changes AS c (folder, n) VALUES (OLD.folder, 1)
-                  ON CONFLICT (folder) DO UPDATE SET n = c.n + 1;
-              END IF;
-              IF TG_OP = 'INSERT' OR (TG_OP = 'UPDATE' AND NEW.folder <> OLD.folder) THEN
-                INSERT INTO cwm_memory_changes AS c (folder, n) VALUES (NEW.folder, 1)
-                  ON CONFLICT (folder) DO UPDATE SET n = c.n + 1;
-              END IF;
-              RETURN NULL;
-            END $$""",
+        "CREATE FUNCTION cwm_memory_changed() RETURNS trigger LANGUAGE plpgsql AS $$ "
+        f"BEGIN {_COUNT_CHANGE} RETURN NULL; END $$",
         """CREATE TRIGGER cwm_memory_sessions_changed
             AFTER INSERT OR UPDATE OR DELETE ON cwm_memory_sessions
             FOR EACH ROW EXECUTE FUNCTION cwm_memory_changed()""",
@@ -202,27 +203,14 @@ MIGRATIONS += ((  # 5
     # all, and a truncate or cascade ignores row-level security), whatever the scope: it
     # widens the scope for its own statements and puts it back (a role that is no superuser
     # may not pin a custom setting on a function with ALTER FUNCTION ... SET)
-    """CREATE OR REPLACE FUNCTION cwm_memory_changed() RETURNS trigger LANGUAGE plpgsql AS $$
-        DECLARE was_read text := current_setting('cwm.read', true);
-                was_write text := current_setting('cwm.write', true);
-        BEGIN
-          PERFORM set_config('cwm.read', '*', true), set_config('cwm.write', '*', true);
-          IF TG_OP = 'TRUNCATE' THEN  -- every folder moved
-            UPDATE cwm_memory_changes SET n = n + 1;
-          ELSE
-            IF TG_OP <> 'INSERT' THEN  -- (an update may move a row to another folder)
-              INSERT INTO cwm_memory_changes AS c (folder, n) VALUES (OLD.folder, 1)
-                ON CONFLICT (folder) DO UPDATE SET n = c.n + 1;
-            END IF;
-            IF TG_OP = 'INSERT' OR (TG_OP = 'UPDATE' AND NEW.folder <> OLD.folder) THEN
-              INSERT INTO cwm_memory_changes AS c (folder, n) VALUES (NEW.folder, 1)
-                ON CONFLICT (folder) DO UPDATE SET n = c.n + 1;
-            END IF;
-          END IF;
-          PERFORM set_config('cwm.read', coalesce(was_read, ''), true),
-                  set_config('cwm.write', coalesce(was_write, ''), true);
-          RETURN NULL;
-        END $$""",
+    "CREATE OR REPLACE FUNCTION cwm_memory_changed() RETURNS trigger LANGUAGE plpgsql AS $$ "
+    "DECLARE was_read text := current_setting('cwm.read', true); "
+    "        was_write text := current_setting('cwm.write', true); "
+    "BEGIN PERFORM set_config('cwm.read', '*', true), set_config('cwm.write', '*', true); "
+    f"{_COUNT_CHANGE} "
+    "PERFORM set_config('cwm.read', coalesce(was_read, ''), true), "
+    "        set_config('cwm.write', coalesce(was_write, ''), true); "
+    "RETURN NULL; END $$",
     *(s for t in TRUTH_TABLES for s in _policies("folder", t, read="cwm.read",
                                                  write="cwm.write")),
     *(s for t in INDEX_TABLES for s in _policies("space", t, read="cwm.spaces",

@@ -52,6 +52,14 @@ def user_session(secret: bytes, tenant: str, user: str) -> str:
     return "u-" + mac.hexdigest()[:32]
 
 
+def route_key(salt: str) -> str:
+    """What a session's requests tell a balancer in front of several vLLMs (the routing
+    settings' ``session_header``) so that its turns stay on one of them: derived from its salt
+    (as unguessable, one per session), never equal to it, so the header reveals neither the
+    salt (a capability for the session's KV) nor the client's session name."""
+    return hmac.new(salt.encode(), b"cwm-route", hashlib.sha256).hexdigest()[:32]
+
+
 def background_salt(salt: str) -> str:
     """The salt of the sidecar's own work for a session (summaries, fact extraction): derived
     from the session's (as unguessable), never equal to it, so that work never shares the

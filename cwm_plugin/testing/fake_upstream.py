@@ -187,6 +187,10 @@ class FakeUpstream:
     def _routes(self) -> None:
         app = self.app
 
+        @app.get("/health")  # as vLLM's (balancers probe it)
+        async def health() -> Response:
+            return Response(status_code=200)
+
         @app.get("/v1/models")
         async def models() -> JSONResponse:
             self.model_lists += 1

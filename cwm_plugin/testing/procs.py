@@ -91,6 +91,16 @@ def wait_process_group(proc: subprocess.Popen, *, grace: float = 20.0) -> None:
     proc.wait(timeout=10)
 
 
+def answers(url: str, timeout: float = 1.0) -> bool:
+    """Whether ``GET url`` answers 200 (a server's readiness probe)."""
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def tail(path: str | os.PathLike[str], n: int = 60) -> str:
     try:
         with open(path, errors="replace") as f:

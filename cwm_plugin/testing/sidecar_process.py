@@ -12,9 +12,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-from cwm_plugin.testing.procs import free_port, kill_group, stop_process_group, tail, wait_until
+from cwm_plugin.testing.procs import (
+    answers,
+    free_port,
+    kill_group,
+    stop_process_group,
+    tail,
+    wait_until,
+)
 
 
 @dataclass
@@ -55,10 +60,7 @@ class SidecarProcess:
         return self
 
     def _ready(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return answers(f"{self.url}/health", timeout=2.0)
 
     def kill(self) -> None:
         """SIGKILL the process group (a replica that dies: nothing it holds is finished)."""

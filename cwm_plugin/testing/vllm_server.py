@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from cwm_plugin.testing.procs import (
+    answers,
     free_port,
     stop_process_group,
     tail,
@@ -131,10 +132,7 @@ class VLLMServer:
         return self
 
     def _ready(self) -> bool:
-        try:
-            return httpx.get(f"{self.base_url}/v1/models", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return answers(f"{self.base_url}/v1/models", timeout=2.0)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

@@ -76,6 +76,12 @@ class RoutingSettings(Strict):
     # sessions spread over the upstreams, and one going down moves only its own sessions);
     # "first", the first healthy in the list (a primary and its standbys).
     affinity: Literal["session", "first"] = "session"
+    # The header every request of a session carries to its upstream with the session's routing
+    # key (an HMAC of its cache_salt: the same for a session's turns and warm-ups, unguessable,
+    # never the client's session name), so a balancer in front of several vLLMs keeps a session
+    # where its KV is: vllm-router's consistent_hash and kv_aware session affinity read
+    # X-Session-Id, nginx's `hash $http_x_session_id consistent` too. "": none sent.
+    session_header: str = Field(default="X-Session-Id", pattern=r"^([A-Za-z0-9-]{1,64})?$")
     # The priority of a turn that continues a conversation (its prefix was computed before, so
     # its KV is cached or stored) on upstreams with priority_scheduling: lower goes first, so
     # it is restored and answered ahead of queued first turns (vLLM orders its queues by

@@ -76,6 +76,7 @@ class Route:
     role: str | None = None
     reason: str = "explicit model"
     fallback: Route | None = None  # background work: where to go if every candidate failed
+    affinity: str | None = None  # the session's routing key (salts.route_key), for balancers
 
     def info(self) -> ModelInfo:
         return self.candidates[0].info(self.model or "")

@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 
 from cwm_plugin.errors import InvalidInput, UpstreamError, UpstreamTimeout
+from cwm_plugin.salts import route_key
 from cwm_plugin.sidecar.http.errors import ModelNotFound
 from cwm_plugin.sidecar.metrics import SidecarMetrics
 from cwm_plugin.sidecar.settings import RoutingSettings, UpstreamConfig
@@ -100,6 +101,19 @@ class Router:
             await e.client.aclose()
 
     # --- choosing ---------------------------------------------------------------------------
+
+    def _affinity(self, key: str | None) -> str | None:
+        """The routing key a session's requests carry in ``routing.session_header``."""
+        return route_key(key) if key is not None and self.routing.session_header else None
+
+    def _headers(self, route: Route, headers: dict[str, str] | None) -> dict[str, str] | None:
+        """``headers`` with the session's routing key (see :attr:`RoutingSettings.session_header`)
+        unless the caller set that header itself."""
+        name = self.routing.session_header
+        if route.affinity is None or not name or \
+                any(k.lower() == name.lower() for k in headers or {}):
+            return headers
+        return {**(headers or {}), name: route.affinity}
 
     def _ordered(self, eps: list[Endpoint], key: str | None = None) -> list[Endpoint]:
         """The up ones first; in ``key``'s order with session affinity, else as listed."""
@@ -162,7 +176,7 @@ class Router:
                 raise failure
             raise ModelNotFound(f"the model `{model}` does not exist",
                                 hint="GET /v1/models lists the served models")
-        return Route(model, self._ordered(eps, key))
+        return Route(model, self._ordered(eps, key), affinity=self._affinity(key))
 
     async def for_role(self, role: str, reason: str, key: str | None = None) -> Route:
         """The first healthy upstream with ``role`` and its first model (the same model for
@@ -186,7 +200,8 @@ class Router:
             ep = self._ordered([e for e in pool if e.serves(model)], key)[0]
         others = [e for e in self._ordered(self.endpoints, key)
                   if e is not ep and e.serves(model)]
-        return Route(model, [ep, *others], role=role, reason=reason)
+        return Route(model, [ep, *others], role=role, reason=reason,
+                     affinity=self._affinity(key))
 
     async def route(self, body: dict[str, Any], key: str | None = None) -> Route:
         """The route of a request body with a ``model`` (an alias routes by role); ``key``:
@@ -241,7 +256,7 @@ class Router:
         if not eps:
             return own
         return Route(want, self._ordered(eps, key), role=BACKGROUND_ROLE, reason="background",
-                     fallback=own)
+                     fallback=own, affinity=self._affinity(key))
 
     # --- sending, with failover -------------------------------------------------------------
 
@@ -294,7 +309,8 @@ class Router:
         """``POST path`` on the route (see the module docstring), not streamed."""
         out = self._body(route, body)
         return await self._try(route, lambda ep: ep.client.request(
-            "POST", path, json=self._on(ep, out, priority), headers=headers, timeout=timeout))
+            "POST", path, json=self._on(ep, out, priority), headers=self._headers(route, headers),
+            timeout=timeout))
 
     async def get(self, route: Route, path: str, *, headers: dict[str, str] | None = None
                   ) -> tuple[Endpoint, httpx.Response]:
@@ -332,6 +348,7 @@ class Router:
         """A streamed ``POST path`` on the route; close the handle when done."""
         out = self._body(route, body)
         handles: dict[Endpoint, StreamHandle] = {}
+        headers = self._headers(route, headers)
 
         async def send(ep: Endpoint) -> httpx.Response:
             handle = StreamHandle(ep, ep.client.stream(path, self._on(ep, out, priority),

@@ -112,6 +112,12 @@ def hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
     return int(size)
 
 
+def kv_events_on(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV events (``--kv-events-config``): ours are made only then."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
+
+
 class CWMConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -207,7 +213,7 @@ class CWMConnector(KVConnectorBase_V1):
             ns, self.cfg, store, self.stats, hash_fn=get_hash_fn_by_name(self.hash_algo),
             hash_ratio=max(1, spec_block // hash_block),
             stored_source=hit_source_of_saves(self.store_settings), workers=workers,
-            async_loads=async_loads)
+            async_loads=async_loads, events=kv_events_on(self._vllm_config))
         served = getattr(self._vllm_config.model_config, "served_model_name", None) or ns.model
         served = str(served[0] if isinstance(served, list | tuple) else served)
         self._scheduler.served_model = served  # context records name it (windows, warm-ups)
@@ -257,6 +263,12 @@ class CWMConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None
+
+    def take_events(self) -> list[Any]:
+        """Our tiers' KV events since the last call (``scheduler/events.py``), published by
+        vLLM beside its own when ``--kv-events-config`` turns them on."""
+        events = self._scheduler.events if self._scheduler is not None else None
+        return events.take() if events is not None else []
 
     # --- worker side --------------------------------------------------------------------------
 

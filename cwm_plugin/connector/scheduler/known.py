@@ -74,7 +74,9 @@ class KnownBlocks:
             return False
         return True
 
-    def report_stored(self, pairs: Iterable[tuple[bytes, int]]) -> None:
+    def report_stored(self, pairs: Iterable[tuple[bytes, int]]) -> list[bytes]:
+        """Take in the workers' reports of saved blocks; the blocks every worker holds now."""
+        complete = []
         for h, worker in pairs:
             seen = self._partial.get(h)
             if seen is None:
@@ -86,6 +88,8 @@ class KnownBlocks:
                 self._planned.pop(h, None)
                 self._put(self._known, h, (self.stored_source,
                                            time.monotonic() + self.stored_ttl_s))
+                complete.append(h)
+        return complete
 
     def forget(self, hashes: Iterable[bytes]) -> None:
         for h in hashes:

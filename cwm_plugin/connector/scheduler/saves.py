@@ -28,6 +28,7 @@ from cwm_plugin.connector.keys import KeyNamespace, kv_block_hashes
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata
 from cwm_plugin.connector.metrics.stats import StatsCollector
 from cwm_plugin.connector.params import RequestParams, params_of
+from cwm_plugin.connector.scheduler.events import TierEvents
 from cwm_plugin.connector.scheduler.known import KnownBlocks
 from cwm_plugin.connector.scheduler.requests import RequestState, eligible
 from cwm_plugin.connector.warn_once import WarnOnce
@@ -52,6 +53,7 @@ class Saves:
     max_blocks: int
     known: KnownBlocks
     contents: ContentChains
+    events: TierEvents | None = None  # our tiers' KV events (vLLM's events on)
     keeps_records: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +98,9 @@ class Saves:
                                             if contents else []))
             if not state.extra:
                 self.known.plan(hashes[i] for i in todo)
+                if self.events is not None:
+                    self.events.planned(hashes, start, todo, state.request.all_token_ids,
+                                        getattr(state.request, "cache_salt", None))
 
     def finished(self, state: RequestState | None, request: Any, model: str) -> None:
         """A request finished: write its context record when it is due (``model``: the name

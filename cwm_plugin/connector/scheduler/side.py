@@ -39,6 +39,7 @@ import math
 import time
 from typing import Any
 
+from vllm.distributed.kv_events import MEDIUM_CPU
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from cwm_plugin.connector.config import ConnectorConfig
@@ -46,6 +47,7 @@ from cwm_plugin.connector.content import ContentChains
 from cwm_plugin.connector.keys import KeyNamespace, kv_block_hashes, lora_extra
 from cwm_plugin.connector.metadata import BlockTransfer, CWMConnectorMetadata, CWMWorkerMetadata
 from cwm_plugin.connector.metrics.stats import StatsCollector
+from cwm_plugin.connector.scheduler.events import TierEvents, medium_of
 from cwm_plugin.connector.scheduler.known import KnownBlocks
 from cwm_plugin.connector.scheduler.leases import Leases
 from cwm_plugin.connector.scheduler.lookups import Lookups
@@ -72,7 +74,7 @@ class SchedulerSide:
                  stats: StatsCollector, *, hash_fn: Any = None, hash_ratio: int = 1,
                  stored_source: CacheHitSource = CacheHitSource.HOST,
                  workers: list[tuple[KeyNamespace, int]] | None = None,
-                 async_loads: bool = False) -> None:
+                 async_loads: bool = False, events: bool = False) -> None:
         self.ns = ns
         self.cfg = cfg
         self.store = store
@@ -92,8 +94,11 @@ class SchedulerSide:
         self.leases = Leases(store, stats, ttl_s=cfg.lease_ttl_s)
         self.contents = ContentChains(hash_fn, self.block_size // hash_ratio, hash_ratio)
         self.max_blocks = cfg.max_stored_tokens_per_request // self.block_size
+        # our tiers' KV events (when vLLM publishes events)
+        self.events = TierEvents(medium_of(stored_source), self.block_size) if events else None
         self.saves = Saves(cfg, store, stats, ns=ns, workers=self.workers, hash_ratio=hash_ratio,
-                           max_blocks=self.max_blocks, known=self.known, contents=self.contents)
+                           max_blocks=self.max_blocks, known=self.known, contents=self.contents,
+                           events=self.events)
         # the workers load in the background (CPU) and report it in get_finished
         self.async_loads = async_loads and cfg.async_loads
         self._reqs: dict[str, RequestState] = {}
@@ -321,8 +326,11 @@ class SchedulerSide:
         self._seen = max(self._seen, meta.step)   # its drops are forgotten below
         if meta.overflow:
             self.known.clear()
-        self.known.report_stored(meta.stored)
+        stored = self.known.report_stored(meta.stored)
         self.known.forget(meta.failed | meta.dropped)
+        if self.events is not None:
+            self.events.stored(stored)
+            self.events.removed(meta.failed | meta.dropped)
         if meta.dropped:
             self.stats.add("dropped_blocks", len(meta.dropped))
 
@@ -331,6 +339,8 @@ class SchedulerSide:
         the workers drop their memory tiers (durable tiers are left: ``cwm store``)."""
         self.known.clear()
         self._reset_pending = True
+        if self.events is not None and self.events.medium == MEDIUM_CPU:
+            self.events.cleared()  # (the durable tiers keep theirs)
         log.info("cwm connector: cache reset (scheduler beliefs cleared, memory tiers dropped)")
         return True
 

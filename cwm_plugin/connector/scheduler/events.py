@@ -65,17 +65,15 @@ class TierEvents:
         self._events: list[KVCacheEvent] = []
         self._seq = itertools.count()
 
-    def planned(self, hashes: Sequence[bytes], first: int, todo: Iterable[int],
-                tokens: Sequence[int], salt: str | None) -> None:
+    def planned(self, hashes: Sequence[bytes], todo: Iterable[int], tokens: Sequence[int],
+                salt: str | None) -> None:
         """Blocks ``todo`` (indices into the request's chain ``hashes``; its tokens ``tokens``)
         are being saved; announced when all workers report them stored."""
         size = self.block_size
         for i in todo:
-            if i < first or i >= len(hashes):
-                continue
             self._put(self._planned, hashes[i], _Planned(
-                next(self._seq), hashes[i - 1] if i else None, tuple(tokens[i * size:(i + 1) * size]),
-                salt if i == 0 else None))
+                next(self._seq), hashes[i - 1] if i else None,
+                tuple(tokens[i * size:(i + 1) * size]), salt if i == 0 else None))
 
     def stored(self, hashes: Iterable[bytes]) -> None:
         """Blocks every worker holds now (reported in any order): one ``BlockStored`` a run of

@@ -99,7 +99,7 @@ class Saves:
             if not state.extra:
                 self.known.plan(hashes[i] for i in todo)
                 if self.events is not None:
-                    self.events.planned(hashes, start, todo, state.request.all_token_ids,
+                    self.events.planned(hashes, todo, state.request.all_token_ids,
                                         getattr(state.request, "cache_salt", None))
 
     def finished(self, state: RequestState | None, request: Any, model: str) -> None:

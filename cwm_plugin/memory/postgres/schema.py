@@ -38,11 +38,12 @@ postings index is about a third smaller (measured at 100k chunks: a query's BM25
 Version 5: row-level security on every table of the memory and its index (``pg_scope``): a row
 is visible only when its folder is in the connection's ``cwm.read`` setting (the index's rows:
 their space in ``cwm.spaces``), and changed only when its folder is in ``cwm.write`` (the index,
-derived from what its reader may read, under ``cwm.spaces``); ``'*'`` is every folder. The
-change counters' trigger runs with every folder in scope (it moves what a statement changed). FORCE'd, so the tables' owner
-(the role the sidecar connects as, which ran these migrations) is bound too; a superuser or a
-role with BYPASSRLS is not (``migrate`` says so in the log). The policies' scope is read once a
-statement (an ``InitPlan``), then compared by plain text equality row by row.
+derived from what its reader may read, under ``cwm.spaces``); ``'*'`` is every folder.
+FORCE'd, so the tables' owner (the role the sidecar connects as, which ran these migrations) is
+bound too; a superuser or a role with BYPASSRLS is not (``migrate`` says so in the log). The
+policies' scope is read once a statement (an ``InitPlan``), then compared by plain text equality
+row by row. The change counters' trigger runs with every folder in scope (it moves what a
+statement changed, a truncate every folder).
 """
 
 from __future__ import annotations

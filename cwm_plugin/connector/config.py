@@ -61,6 +61,9 @@ class ConnectorConfig:
     # 8-9 ms for 1,024 tokens from the uncompressed memory tier, bench/ttft.py's CPU-tier load,
     # so 16-18 ms for 2,048, against a ~41 ms step).
     sync_load_max_tokens: int = field(default=2048, metadata=limits(min=0, max=1 << 20))
+    # With vLLM's KV events on (--kv-events-config), announce the blocks our tiers hold in
+    # them too (medium CPU / STORAGE: docs/router.md); off: vLLM's own events alone.
+    tier_events: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "kv_connector_extra_config")

@@ -112,10 +112,12 @@ def hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
     return int(size)
 
 
-def kv_events_on(vllm_config: Any) -> bool:
-    """Whether vLLM publishes KV events (``--kv-events-config``): ours are made only then."""
-    cfg = getattr(vllm_config, "kv_events_config", None)
-    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
+def tier_events_on(cfg: ConnectorConfig, vllm_config: Any) -> bool:
+    """Whether our tiers' blocks go into vLLM's KV events: only where vLLM publishes events
+    (``--kv-events-config``) and ``tier_events`` is on."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return cfg.tier_events and bool(
+        events is not None and getattr(events, "enable_kv_cache_events", False))
 
 
 class CWMConnector(KVConnectorBase_V1):
@@ -213,7 +215,8 @@ class CWMConnector(KVConnectorBase_V1):
             ns, self.cfg, store, self.stats, hash_fn=get_hash_fn_by_name(self.hash_algo),
             hash_ratio=max(1, spec_block // hash_block),
             stored_source=hit_source_of_saves(self.store_settings), workers=workers,
-            async_loads=async_loads, events=kv_events_on(self._vllm_config))
+            async_loads=async_loads,
+            events=tier_events_on(self.cfg, self._vllm_config))
         served = getattr(self._vllm_config.model_config, "served_model_name", None) or ns.model
         served = str(served[0] if isinstance(served, list | tuple) else served)
         self._scheduler.served_model = served  # context records name it (windows, warm-ups)

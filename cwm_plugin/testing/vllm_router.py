@@ -64,7 +64,10 @@ class VllmRouter:
         self.port = self.port or free_port()
         cmd = [executable(), "--host", "127.0.0.1", "--port", str(self.port),
                "--worker-urls", *self.workers, "--policy", self.policy,
-               "--worker-startup-check-interval", "1", *self.args,
+               "--worker-startup-check-interval", "1",
+               # its metrics on a port of its own (the default 29000 would keep a second
+               # router from starting)
+               "--prometheus-port", str(free_port()), *self.args,
                *(["--log-level", "debug"] if self.debug else [])]
         with open(self.log, "wb") as out:
             self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,

@@ -12,6 +12,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from cwm_plugin.connector.config import ConnectorConfig
+from cwm_plugin.connector.connector import tier_events_on
 from cwm_plugin.connector.metadata import CWMWorkerMetadata
 from cwm_plugin.connector.metrics.stats import StatsCollector
 from cwm_plugin.connector.scheduler.events import external_hash
@@ -82,3 +83,13 @@ def test_a_failed_save_is_never_announced_and_a_durable_tier_is_storage(hash_fn,
 def test_no_events_unless_vllm_publishes_them(hash_fn, ns, store):
     side = side_for(ns, store, events=False)
     assert side.events is None
+
+
+@pytest.mark.parametrize(("published", "tier_events", "on"), [
+    (True, True, True), (True, False, False), (False, True, False), (None, True, False)])
+def test_tier_events_only_where_vllm_publishes_and_the_config_wants_them(published, tier_events,
+                                                                           on):
+    events = None if published is None else type("E", (), {"enable_kv_cache_events": published})
+    vllm_config = type("V", (), {"kv_events_config": events})()
+    cfg = ConnectorConfig.from_extra_config({"tier_events": tier_events})
+    assert tier_events_on(cfg, vllm_config) is on

@@ -118,6 +118,9 @@ class UpstreamConfig(Strict):
     # vLLM runs with --scheduling-policy priority: returning turns may go first
     # (routing.returning_priority); one without it refuses any priority but 0
     priority_scheduling: bool = False
+    # A balancer over several vLLM servers (vllm-router): a stream it cuts mid-answer (the
+    # server behind it died) is resumed on it again, the continuation going to a live server
+    balancer: bool = False
     # /v1/models: a list older than this is refreshed in the background while it answers
     models_ttl_s: float = Field(default=30.0, ge=0)
     # a model name no list has is answered from the lists (404) unless one is older than this

@@ -5,7 +5,8 @@ far cannot be taken back, so failing over to another upstream means going on fro
 again. :func:`resumable_events` relays the upstream's stream in whole SSE events; when the upstream
 fails (a broken connection, not a timeout: a slow upstream may still be generating) and the answer
 so far is plain text from one choice, it asks the next upstream serving the route (healthy ones
-first) for the rest: the same request with the relayed text as a final assistant message that vLLM
+first) -- or, where the upstream is a balancer over several servers (``balancer: true``:
+vllm-router), the balancer again, which sends it to a live server -- for the rest: the same request with the relayed text as a final assistant message that vLLM
 continues (``continue_final_message``, no new generation prompt),
 ``max_tokens``/``max_completion_tokens``/``min_tokens`` less the tokens already relayed (vLLM
 streams a token a chunk), and relays that stream after the events already sent. The cache salt
@@ -87,9 +88,12 @@ async def resumable_events(
                 # connect error there fails over to the next, as for a new request)
                 others = sorted((ep for ep in route.candidates if ep.name not in tried),
                                 key=lambda ep: not ep.up)
+                if not others and handle.ep.cfg.balancer:
+                    others = [handle.ep]    # it sends the continuation to a live server
                 if body is None or not others or resumes >= max_resumes:
                     raise
-                router.health.failed(handle.ep, exc.code)
+                if not handle.ep.cfg.balancer:   # one of its servers failed, not it
+                    router.health.failed(handle.ep, exc.code)
                 log.warning("upstream `%s` failed mid-answer (%s): resuming after %d tokens "
                             "on `%s`", handle.ep.name, exc.code, collected.relayed,
                             others[0].name)

@@ -12,16 +12,18 @@ decision reads ``cache_salt``), which is why the sidecar leans on session affini
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from sidecar_helpers import chat, make_settings, salt
+from sidecar_helpers import KEYS, chat, make_settings, salt
 
 from cwm_plugin.salts import route_key
 from cwm_plugin.sidecar.app import create_app
@@ -110,12 +112,14 @@ def test_the_shipped_router_script_and_sidecar_config_work(tmp_path: Path, monke
     s = load_settings(root / "sidecar.yaml")
     assert [e.name for e in s.endpoints()] == ["vllm-router"]
     assert s.routing.session_header == "X-Session-Id"
+    assert s.endpoints()[0].balancer  # a cut stream resumes through the router
     workers = [FakeUpstream(model="smollm2"), FakeUpstream(model="smollm2")]
     with ServerThread(workers[0].app) as a, ServerThread(workers[1].app) as b:
         port = free_port()
         env = {**os.environ, "VLLM_1": a.url, "VLLM_2": b.url, "PORT": str(port),
                "EVENTS_1": f"tcp://127.0.0.1:{free_port()}",
                "EVENTS_2": f"tcp://127.0.0.1:{free_port()}",
+               "PROMETHEUS_PORT": str(free_port()),
                "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
         log = tmp_path / "router.log"
         with open(log, "wb") as out:
@@ -132,3 +136,79 @@ def test_the_shipped_router_script_and_sidecar_config_work(tmp_path: Path, monke
             assert r.status_code == 200, r.text
         finally:
             terminate(proc)
+
+
+ANSWER = " ".join(f"w{i}" for i in range(20))
+SHIPPED_FLAGS = ["--cb-failure-threshold", "2"]  # configs/router/vllm-router.sh's (checked)
+
+
+def _stream_killing(url: str, kill) -> tuple[str, list[str]]:
+    """A streamed chat of session s1; ``kill()`` after the third chunk. Its text, and the
+    errors its events carried."""
+    text, errors, n = "", [], 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {KEYS['acme']}", "X-Session-Id": "s1"},
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                            "stream": True, "max_tokens": 40}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                errors.append(str(event["error"]))
+            for c in event.get("choices") or []:
+                text += c["delta"].get("content") or ""
+            n += 1
+            if n == 3 and kill is not None:
+                kill()
+    return text, errors
+
+
+@pytest.mark.parametrize("balancer", [True, False])
+def test_a_worker_killed_mid_answer_is_resumed_through_the_router(balancer: bool,
+                                                                 tmp_path: Path) -> None:
+    """The worker streaming a session's answer dies after 3 tokens: with ``balancer: true`` the
+    sidecar sends the continuation (the 3 tokens as a final assistant message, 37 tokens
+    left) through the router again, whose retries -- with the shipped circuit breaker --
+    reach the live worker; the client's one stream carries the whole answer and no error.
+    Without it the sidecar has no other upstream to resume on, and the stream ends in an
+    error."""
+    script = (Path(__file__).resolve().parents[3] / "configs" / "router" /
+              "vllm-router.sh").read_text()
+    assert " ".join(SHIPPED_FLAGS) in script
+    workers = [FakeUpstream(model="tiny", script=lambda body: {"content": ANSWER})
+               for _ in range(2)]
+    for w in workers:
+        w.stream_delay = 0.05
+    threads = [ServerThread(w.app).start() for w in workers]
+    try:
+        with VllmRouter([t.url for t in threads], args=SHIPPED_FLAGS) as router, \
+                ServerThread(create_app(make_settings(
+                    router.url, tmp_path / "memory", "tiktoken:cl100k_base",
+                    routing={"health": {"interval_s": 0}},
+                    upstream={"url": router.url, "connect_timeout_s": 2.0,
+                              "connect_retries": 1, "balancer": balancer}))) as srv:
+            first, errors = _stream_killing(srv.url, None)
+            assert first == ANSWER + " " and not errors
+            home = 0 if workers[0].bodies() else 1  # the session's worker (consistent_hash)
+
+            def kill() -> None:
+                workers[home].stream_cut_after = 0  # its stream breaks; then it is gone
+                threading.Thread(target=threads[home].stop).start()
+
+            text, errors = _stream_killing(srv.url, kill)
+            other = workers[1 - home].bodies()
+            if balancer:
+                assert not errors, errors
+                assert len(other) == 1 and other[0]["continue_final_message"] is True
+                assert other[0]["messages"][-1] == {"role": "assistant",
+                                                    "content": "w0 w1 w2 "}
+                assert other[0]["max_tokens"] == 37
+                # (the fake answers a continuation with the whole answer; vLLM continues it)
+                assert text == "w0 w1 w2 " + ANSWER + " "
+            else:
+                assert errors and not other and text == "w0 w1 w2 "
+    finally:
+        for t in threads:
+            t.stop()

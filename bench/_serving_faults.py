@@ -238,7 +238,9 @@ def squeeze_redis(holder: RedisHolder, maxmemory: int) -> Callable[[], Callable[
 
 
 def sidecar_yaml(path: Path, model: Path, urls: dict[str, str], key_sha256: str,
-                 served: str) -> Path:
+                 served: str, balancer: bool = False) -> Path:
+    """The bench's sidecar: one tenant, memory off, ``urls`` its upstreams (``balancer``:
+    each a vllm-router, bench/routing.py)."""
     path.write_text(yaml.safe_dump({
         "tenants": [{"name": "bench", "key_sha256": [key_sha256]}],
         # one tenant stands for every user of the workload: no per-tenant limit in the way
@@ -246,8 +248,8 @@ def sidecar_yaml(path: Path, model: Path, urls: dict[str, str], key_sha256: str,
         "memory_enabled": False,
         "memory": {"root": str(path.parent / "sidecar-memory"), "tokenizer": str(model)},
         "upstream": {"connect_timeout_s": 2, "connect_retries": 1, "read_timeout_s": 600},
-        "upstreams": [{"name": n, "url": u, "models": [served], "roles": ["default"]}
-                      for n, u in urls.items()],
+        "upstreams": [{"name": n, "url": u, "models": [served], "roles": ["default"],
+                       "balancer": balancer} for n, u in urls.items()],
         "routing": {"health": {"interval_s": 2, "timeout_s": 2}}}))
     return path
 

@@ -28,11 +28,12 @@ over the tokens a returning round could hit: its previous round's prompt and ans
 replica's CPU tier or the shared Redis) shares, the returning rounds' TTFT p50/p95,
 ``max_replica_share`` (the most requests one replica completed, of all), failed requests.
 Then ``kill``: on the ``kv_aware_tiers`` cluster, more rounds with the replica that served more
-of them SIGKILLed a third of the way in: failed and truncated requests, streams the sidecar resumed, external hits
-on the survivor. Then ``simulation`` (bench/_routing_sim.py): the policies over 8, 32 and 128
+of them SIGKILLed a third of the way in, once it is running a request (a stream cut
+mid-answer): failed and truncated requests, streams the sidecar resumed, external hits on the
+survivor. Then ``simulation`` (bench/_routing_sim.py): the policies over 8, 32 and 128
 replicas with thousands of users, fed with this run's costs, and at 32 with a hot tenant.
 
-``--quick``: 4 users, 3 rounds, 600-token contexts, the five policies and the kill (about ten
+``--quick``: 4 users, 3 rounds, 600-token contexts, the five policies and the kill (about eight
 minutes on 2 cores). The goals are reported, not enforced; exit status 1 if a part failed.
 """
 
@@ -250,34 +251,55 @@ class Cluster:
         return self.sidecar.log_path.read_text(errors="replace").count("failed mid-answer")
 
 
+def kill_mid_answer(server: Any, wait_s: float = 60.0) -> faults.Action:
+    """SIGKILL ``server`` once it is running a request (so a stream is cut mid-answer), or
+    after ``wait_s`` seconds whatever it does."""
+    kill = faults.kill_server(server)
+
+    def act(done: Any) -> None:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not done.is_set():
+            try:
+                if server.metric("vllm:num_requests_running") >= 1:
+                    break
+            except Exception:  # noqa: BLE001 -- a metrics hiccup: look again
+                pass
+            time.sleep(0.02)
+        kill(done)
+    return act
+
+
 def run_policy(bench: Bench, redis: Any, name: str, args: argparse.Namespace,
                out: dict[str, Any]) -> None:
     log.info("policy %s", name)
     with Cluster(bench, redis, name) as cl:
-        bench.play(cl.sidecar.url, bench.sessions(f"warm-{name}", 1), 1, f"warm-{name}",
-                   salted=False, api_key=cl.key,
-                   spec=dataclasses.replace(bench.spec, qps=0))
+        warm = bench.play(cl.sidecar.url, bench.sessions(f"warm-{name}", 1), 1,
+                          f"warm-{name}", salted=False, api_key=cl.key,
+                          spec=dataclasses.replace(bench.spec, qps=0))
         main = bench.sessions(f"{name}-main")
         got = cl.play(main, bench.spec.rounds, name)
+        # a first round alone (cold, nothing else running): the simulator's prefill cost
+        got.update(alone_ttft_s=warm[0].ttft, alone_prompt_tokens=warm[0].prompt_tokens)
         out["policies"][name] = got
         if name == "kv_aware_tiers" and args.kill_rounds:
             at = got["duration_s"] * args.kill_rounds / bench.spec.rounds / 3
             busiest = max(range(2), key=lambda i: got["requests_per_replica"][i])
             kill = cl.play(main, args.kill_rounds, "kill",
-                           action=faults.kill_server(cl.replicas[busiest]), at_s=at)
+                           action=kill_mid_answer(cl.replicas[busiest]), at_s=at)
             kill.update(killed_at_s=at, killed_replica=busiest, streams_resumed=cl.resumed(),
                         survivor_external_hit_tokens=kill["external_hit_tokens"])
             out["kill"] = kill
 
 
 def costs_of(policies: dict[str, Any]) -> sim.Costs:
-    """The simulator's costs from this run: a prefill token's seconds from first rounds, the
-    base from the most local policy's returning rounds, a shared-tier token's from round
-    robin's (restored) returning rounds; a local tier's a third of that (bench/ttft.py's
-    CPU tier against Redis)."""
-    first = [p for p in policies.values() if p.get("first_round_prompt_tokens")]
-    prefill = statistics.median([p["first_round_ttft_p50_s"] / p["first_round_prompt_tokens"]
-                                 for p in first]) if first else sim.Costs().prefill_s_per_token
+    """The simulator's costs from this run: a prefill token's seconds from each cluster's
+    first request (a cold first round, alone), the base from the most local policy's
+    returning rounds (under the run's load), a shared-tier token's from round robin's
+    (partly restored) returning rounds; a local tier's a third of that (bench/ttft.py's CPU
+    tier against Redis)."""
+    alone = [p["alone_ttft_s"] / p["alone_prompt_tokens"] for p in policies.values()
+             if p.get("alone_ttft_s") and p.get("alone_prompt_tokens")]
+    prefill = statistics.median(alone) if alone else sim.Costs().prefill_s_per_token
     local = max(policies.values(), key=lambda p: p.get("prefix_hit_fraction") or 0.0)
     base = local.get("ttft_p50_s") or sim.Costs().base_s
     rr = policies.get("round_robin")

@@ -6,8 +6,9 @@ again. :func:`resumable_events` relays the upstream's stream in whole SSE events
 fails (a broken connection, not a timeout: a slow upstream may still be generating) and the answer
 so far is plain text from one choice, it asks the next upstream serving the route (healthy ones
 first) -- or, where the upstream is a balancer over several servers (``balancer: true``:
-vllm-router), the balancer again, which sends it to a live server -- for the rest: the same request with the relayed text as a final assistant message that vLLM
-continues (``continue_final_message``, no new generation prompt),
+vllm-router), the balancer again, which sends it to a live server -- for the rest: the same
+request with the relayed text as a final assistant message that vLLM continues
+(``continue_final_message``, no new generation prompt),
 ``max_tokens``/``max_completion_tokens``/``min_tokens`` less the tokens already relayed (vLLM
 streams a token a chunk), and relays that stream after the events already sent. The cache salt
 travels with the request, so the other server restores the session's KV from the shared tier and

@@ -250,7 +250,8 @@ def sidecar_yaml(path: Path, model: Path, urls: dict[str, str], key_sha256: str,
         "upstream": {"connect_timeout_s": 2, "connect_retries": 1, "read_timeout_s": 600},
         "upstreams": [{"name": n, "url": u, "models": [served], "roles": ["default"],
                        "balancer": balancer} for n, u in urls.items()],
-        "routing": {"health": {"interval_s": 2, "timeout_s": 2}}}))
+        "routing": {"health": {"interval_s": 2, "timeout_s": 2}},
+        "access": {"grants": {"bench": ["metrics"]}}}))  # (the bench reads /metrics)
     return path
 
 

@@ -246,9 +246,16 @@ class Cluster:
                                                 for d in got)
         return out
 
-    def resumed(self) -> int:
-        """Streams the sidecar resumed after their replica died (its log says each)."""
-        return self.sidecar.log_path.read_text(errors="replace").count("failed mid-answer")
+    def resumed(self) -> float:
+        """Streams the sidecar resumed after their replica died
+        (``cwm_sidecar_streams_resumed_total``)."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.sidecar.url}/metrics", timeout=10,
+                         headers={"Authorization": f"Bearer {self.key}"}).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "cwm_sidecar_streams_resumed_total")
 
 
 def kill_mid_answer(server: Any, wait_s: float = 60.0) -> faults.Action:
@@ -338,7 +345,7 @@ def render(out: dict[str, Any]) -> str:
         lines.append(name.ljust(18) + "".join(
             (f"{p[c]:.3f}" if isinstance(p[c], float) else str(p[c])).rjust(15) for c in cols))
     if k := out.get("kill"):
-        lines.append(f"kill: failed {k['failed_requests']}, resumed {k['streams_resumed']},"
+        lines.append(f"kill: failed {k['failed_requests']}, resumed {k['streams_resumed']:.0f},"
                      f" survivor external hits {k['survivor_external_hit_tokens']:.0f} tokens")
     for label in ("simulation", "simulation_hot_tenant"):
         for n, pol in (out.get(label) or {}).items():

@@ -5,7 +5,7 @@
 ``cwm serve`` runs in its own process with the features on as they ship (memory with the
 hashing embedder, windows over a disk store, the activity log, the default per-tenant limits)
 in front of the fake upstream (``cwm_plugin.testing.fake_upstream``: answers after
-``--upstream-ms``, as a model would). ``--tenants`` tenants each run one client that sends, in
+``--upstream-ms``, as a model would; in a process of its own, as vLLM is). ``--tenants`` tenants each run one client that sends, in
 turn, a chat turn, a memory search and a window listing, then pauses (``--think-ms``), for
 ``--seconds``; ``--rounds`` times alternately alone (the baseline) and beside a flooding tenant
 whose ``--flood-clients`` clients (another process, niced, so the load generator's own work
@@ -42,6 +42,7 @@ from _tenancy_flood import FAMILIES, flood, key, measured_request  # noqa: E402
 
 from cwm_plugin.sidecar.identity.authenticator import hash_key  # noqa: E402
 from cwm_plugin.testing.fake_upstream import FakeUpstream  # noqa: E402
+from cwm_plugin.testing.procs import answers, free_port, wait_until  # noqa: E402
 from cwm_plugin.testing.server_thread import ServerThread  # noqa: E402
 from cwm_plugin.testing.sidecar_process import SidecarProcess  # noqa: E402
 
@@ -67,6 +68,35 @@ def write_config(root: Path, tenants: list[str], flood_rate: str | None) -> Path
 
 
 Latencies = dict[str, list[float]]
+
+
+def _serve_fake(port: int, delay_s: float) -> None:
+    fake = FakeUpstream(model="tiny", max_model_len=4096)
+    fake.chat_delay = delay_s
+    with ServerThread(fake.app, port=port):
+        while True:
+            time.sleep(3600)
+
+
+class UpstreamProcess:
+    """The fake upstream in a process of its own, as vLLM would be: in the measuring process
+    its thread would hold the GIL the measuring clients need while it answers the flooder."""
+
+    def __init__(self, upstream_ms: float) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._proc = mp.Process(target=_serve_fake, args=(self.port, upstream_ms / 1000),
+                                daemon=True)
+
+    def __enter__(self) -> UpstreamProcess:
+        self._proc.start()
+        wait_until(lambda: answers(f"{self.url}/v1/models"), timeout=60, interval=0.1,
+                   alive=self._proc.is_alive, what="the fake upstream")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._proc.terminate()
+        self._proc.join(10)
 
 
 async def client(url: str, tenant: str, until: float, think: float, out: Latencies,
@@ -156,14 +186,12 @@ def main() -> int:
     if args.quick:
         args.rounds, args.seconds, args.tenants = 2, 6.0, 4
     tenants = [f"t{i}" for i in range(args.tenants)]
-    fake = FakeUpstream(model="tiny", max_model_len=4096)
-    fake.chat_delay = args.upstream_ms / 1000
     alone: Latencies = {f: [] for f in FAMILIES}
     flooded: Latencies = {f: [] for f in FAMILIES}
     errors: dict[str, list[int]] = {"alone": [], "flooded": []}
     rounds: list[dict[str, float]] = []
     flood_statuses: dict[str, int] = {}
-    with tempfile.TemporaryDirectory() as tmp, ServerThread(fake.app) as up:
+    with tempfile.TemporaryDirectory() as tmp, UpstreamProcess(args.upstream_ms) as up:
         root = Path(tmp)
         cfg = write_config(root, tenants, args.flood_rate)
         with SidecarProcess(cfg, up.url, root, SECRET) as srv:

@@ -172,7 +172,11 @@ class Cluster:
         from cwm_plugin.sidecar.identity.authenticator import hash_key
         from cwm_plugin.testing.sidecar_process import SidecarProcess
 
-        self.redis.client().flushall()
+        redis = self.redis.client()
+        try:
+            redis.flushall()
+        finally:
+            redis.close()
         servers = self.bench.servers
         try:
             start_all(*self.replicas)
@@ -233,6 +237,7 @@ class Cluster:
                "requests_per_replica": done,
                "max_replica_share": max(done) / sum(done) if sum(done) else math.nan,
                "failed_requests": s["failed_requests"], "requests": s["requests"],
+               "returning_requests": sum(1 for r in reqs if r.ok and r.returning),
                "errors": s["errors"], "load_errors": sum(p.get("load_errors", 0.0)
                                                          for p in per),
                "first_round_prompt_tokens": statistics.median(
@@ -311,8 +316,8 @@ def costs_of(policies: dict[str, Any]) -> sim.Costs:
     base = local.get("ttft_p50_s") or sim.Costs().base_s
     rr = policies.get("round_robin")
     shared = sim.Costs().shared_s_per_token
-    if rr and rr.get("external_hit_tokens") and rr.get("requests"):
-        per_request = rr["external_hit_tokens"] / max(1, rr["requests"])
+    if rr and rr.get("external_hit_tokens") and rr.get("returning_requests"):
+        per_request = rr["external_hit_tokens"] / rr["returning_requests"]
         shared = max(1e-7, (rr["ttft_p50_s"] - base) / max(1.0, per_request))
     return sim.Costs(base_s=base, prefill_s_per_token=prefill,
                      restore_s_per_token=shared / 3, shared_s_per_token=shared)

@@ -62,6 +62,20 @@ class ServerThread:
         assert self.loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def kill(self) -> None:
+        """As SIGKILL would leave it: no longer listening, every open connection reset at once
+        (a client mid-answer sees its stream cut; a pooled keep-alive connection is dead too).
+        ``stop()`` then ends the thread."""
+
+        async def die() -> None:
+            for listener in self.server.servers:
+                listener.close()
+            for connection in list(self.server.server_state.connections):
+                if connection.transport is not None:
+                    connection.transport.abort()
+
+        self.call(die(), timeout=10)
+
     def stop(self) -> None:
         if self._thread is not None:
             self.server.should_exit = True

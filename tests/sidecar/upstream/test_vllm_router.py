@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -193,9 +192,8 @@ def test_a_worker_killed_mid_answer_is_resumed_through_the_router(balancer: bool
             assert first == ANSWER + " " and not errors
             home = 0 if workers[0].bodies() else 1  # the session's worker (consistent_hash)
 
-            def kill() -> None:
-                workers[home].stream_cut_after = 0  # its stream breaks; then it is gone
-                threading.Thread(target=threads[home].stop).start()
+            def kill() -> None:  # as SIGKILL: its stream cut, its port closed, at once
+                threads[home].kill()
 
             text, errors = _stream_killing(srv.url, kill)
             other = workers[1 - home].bodies()

@@ -24,5 +24,6 @@ class MemoryMetrics:
                              registry=self.registry)
         self.degraded = Counter(
             "cwm_memory_degraded_total", "Derived state (a saved index, the embedding cache) "
-            "that could not be written or read and was done without (recomputed later)",
+            "that could not be written or read and was done without (recomputed later), and "
+            "optional stages that failed and were skipped (rerank: the first ranking kept)",
             ["what"], registry=self.registry)

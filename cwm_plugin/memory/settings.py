@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from cwm_plugin.config_file import (
     POSTGRES_URL_ENV as POSTGRES_URL_ENV,
@@ -54,6 +54,27 @@ class SearchSettings(Strict):
         return self
 
 
+class RerankSettings(Strict):
+    """An optional stage that orders the best memory lines again with a model reading the
+    question and each line together (``memory/selection/rerank.py``): ``completions`` asks the
+    served model, one prompt a line, for the probability of "yes" (the instruction and the
+    question first, so vLLM's prefix cache reuses them across lines; under the session's
+    cache_salt); ``rerank`` asks a re-ranker the operator serves (vLLM's ``/v1/rerank``).
+    Off by default: it adds a model call to every turn that selects memory, and a small chat
+    model is no judge of relevance (``docs/sidecar.md``, Memory)."""
+
+    kind: Literal["off", "completions", "rerank"] = "off"
+    model: str | None = None  # None: the turn's own model
+    top_n: int = Field(default=100, ge=2, le=400)  # the best lines scored again
+    weight: float = Field(default=1.0, ge=0, le=1)  # the re-ranker's share of their order
+    timeout_s: float = Field(default=5.0, gt=0, le=60)  # then the first ranking stands
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: object) -> object:
+        return "off" if v is False else v  # YAML reads a bare `off` as false
+
+
 class MemorySettings(Strict):
     """The memory package's settings plus what the sidecar decides about them."""
 
@@ -65,6 +86,7 @@ class MemorySettings(Strict):
     tokenizers: dict[str, str] = Field(default_factory=dict)  # per served model name
     embedder: EmbedderConfig = EmbedderConfig()
     search: SearchSettings = SearchSettings()
+    rerank: RerankSettings = RerankSettings()
     budget_tokens: int = Field(default=1024, ge=0)
     budget_fraction: float = Field(default=0.25, gt=0, le=1)  # of max_model_len, the smaller wins
     recent_turns: int = Field(default=6, ge=0)

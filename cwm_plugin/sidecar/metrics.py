@@ -42,6 +42,13 @@ class SidecarMetrics:
         self.retrieval_seconds = Histogram("cwm_sidecar_retrieval_seconds",
                                            "Memory selection time per turn", TM,
                                            buckets=LATENCY_BUCKETS, registry=r)
+        self.rerank_seconds = Histogram("cwm_sidecar_rerank_seconds",
+                                        "Memory re-ranking (memory.rerank) per turn: the model "
+                                        "server's answer", TM, buckets=LATENCY_BUCKETS,
+                                        registry=r)
+        self.rerank_tokens = Counter("cwm_sidecar_rerank_tokens",
+                                     "Prompt tokens the model server read to re-rank memory",
+                                     TM, registry=r)
         self.overhead_seconds = Histogram("cwm_sidecar_overhead_seconds",
                                           "Time spent in the sidecar before forwarding", TM,
                                           buckets=LATENCY_BUCKETS, registry=r)

@@ -11,7 +11,10 @@ seconds; ``stream_cut_after`` N drops the connection after N chunks (a server ki
 of a UTF-8 character): no chunk of their own, their text on the next one, counted in its usage;
 ``models_gate`` (a ``threading.Event``) holds every ``/v1/models`` answer until it is set (a slow or
 stuck upstream); ``models_status`` other than 200 answers ``/v1/models`` with that status (a
-broken one). Like vLLM, a body it cannot use is a 400, never a 500, and a chat prompt over
+broken one). ``judge(text) -> P(yes)`` answers a ``/v1/completions`` asking for ``logprobs``
+(a prompt or a list of them: each choice's first token's top log-probabilities, " yes" and
+" no") and ``/v1/rerank`` (its documents' ``relevance_score``), as a re-ranking model would.
+Like vLLM, a body it cannot use is a 400, never a 500, and a chat prompt over
 ``max_prompt_tokens`` (as ``usage_of`` counts) a 400 naming the context.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +62,7 @@ class FakeUpstream:
         self.model_lists = 0  # GET /v1/models asked (health checks, model lookups)
         self.models_gate: threading.Event | None = None  # set: /v1/models answers
         self.models_status = 200  # answer /v1/models with this HTTP status
+        self.judge: Callable[[str], float] = lambda text: 0.5  # P(yes) of a re-rank prompt
         self.app = FastAPI()
         self._routes()
 
@@ -140,6 +145,24 @@ class FakeUpstream:
             yield f"data: [DONE]{end}{end}".encode()
 
         return StreamingResponse(gen(), media_type="text/event-stream")
+
+    def _judged(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One token a prompt, its top log-probabilities from ``judge``."""
+        prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+        choices = []
+        for i, text in enumerate(str(p) for p in prompts):
+            yes = min(max(self.judge(text), 1e-6), 1 - 1e-6)
+            top = {" yes": math.log(yes), " no": math.log(1 - yes)}
+            choices.append({"index": i, "text": max(top, key=top.__getitem__),
+                            "finish_reason": "length", "logprobs": {
+                                "tokens": [max(top, key=top.__getitem__)],
+                                "token_logprobs": [max(top.values())], "top_logprobs": [top],
+                                "text_offset": [0]}})
+        n = sum(len(str(p).split()) for p in prompts)
+        return {"id": "cmpl-fake", "object": "text_completion", "created": 0,
+                "model": body["model"], "choices": choices,
+                "usage": {"prompt_tokens": n, "completion_tokens": len(prompts),
+                          "total_tokens": n + len(prompts)}}
 
     def _completion_stream(self, body: dict[str, Any]) -> StreamingResponse:
         """A streamed ``/v1/completions``: text chunks, then usage when asked, then [DONE]."""
@@ -234,6 +257,13 @@ class FakeUpstream:
                 return JSONResponse(self._chat(body), headers=rid)
             if path == "v1/completions" and body.get("stream"):
                 return self._completion_stream(body)
+            if path == "v1/completions" and body.get("logprobs"):
+                return JSONResponse(self._judged(body), headers=rid)
+            if path == "v1/rerank":
+                docs = [str(d) for d in body["documents"]]
+                return JSONResponse({"id": "rerank-fake", "model": body["model"], "results": [
+                    {"index": i, "relevance_score": self.judge(d)} for i, d in enumerate(docs)],
+                    "usage": {"total_tokens": sum(len(d.split()) for d in docs)}}, headers=rid)
             if path == "v1/completions":
                 return JSONResponse({"id": "cmpl-fake", "object": "text_completion",
                                      "created": 0, "model": body["model"], "choices": [

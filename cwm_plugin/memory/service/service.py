@@ -37,6 +37,7 @@ from cwm_plugin.memory.models import Hit, Memory, MemoryConfig, Selection, Turn
 from cwm_plugin.memory.postgres import open_truth
 from cwm_plugin.memory.selection.history import prefix_length, split_current
 from cwm_plugin.memory.selection.lines import Line, LineCorpus, rank_lines
+from cwm_plugin.memory.selection.rerank import Reranker, RerankStage
 from cwm_plugin.memory.selection.select import Candidates, select
 from cwm_plugin.memory.service.background import FolderJobs
 from cwm_plugin.memory.service.facts_file import FactStore, Merged
@@ -55,6 +56,7 @@ class MemoryService:
                  metrics: MemoryMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or MemoryMetrics()
+        self._rerank = RerankStage(self.metrics.degraded)
         self.files = open_truth(config)
         if not isinstance(embedder, CachedEmbedder):
             embedder = CachedEmbedder(embedder, config.root / ".cache" / "embeddings",
@@ -192,7 +194,7 @@ class MemoryService:
                        present: list[dict] | None = None,
                        stages: Stages | None = None, mode: str = "hybrid",
                        shared: list[str] | tuple[str, ...] = (),
-                       passages: bool = True) -> Selection:
+                       passages: bool = True, reranker: Reranker | None = None) -> Selection:
         """Recent turns verbatim plus memories, summary and hits, within ``budget_tokens``.
 
         ``messages`` are the request's chat messages: the leading system/developer messages
@@ -210,7 +212,8 @@ class MemoryService:
         tokenizer; default: the service's); time spent is added to ``stages``; ``mode``: how
         the conversation is searched (hybrid, bm25, vector); ``shared``: more folders (the
         caller's namespaces it may read) whose durable memories compete for the facts;
-        ``passages=False``: the quick view, no conversation is searched (facts and summary).
+        ``passages=False``: the quick view, no conversation is searched (facts and summary);
+        ``reranker``: orders the best lines again (``selection/rerank.py``; off when None).
         """
         check_memory_name("folder", folder)
         if session is not None:
@@ -231,6 +234,9 @@ class MemoryService:
             query = content_text(current[0]) if current else ""
         cands = self._candidates(folder, session if summary else None, query or "", stages,
                                  mode, shared, passages)
+        if reranker is not None and cands.lines:  # (no folder lock held: it may ask a server)
+            with stages("rerank"):
+                cands.lines = self._rerank(cands.lines, query or "", reranker)
         counter = counter or self.counter
         with stages("count"):
             known: dict[str, int] | None = cands.line_tokens

@@ -45,6 +45,7 @@ from cwm_plugin.sidecar.turn.arrivals import Arrivals, kv_params
 from cwm_plugin.sidecar.turn.failopen import HEADER as STATUS_HEADER
 from cwm_plugin.sidecar.turn.plan import Plan, TurnInput, debug_header, passthrough, plan_turn
 from cwm_plugin.sidecar.turn.records import answer_message, client_turn, restore_prompt
+from cwm_plugin.sidecar.turn.rerank import reranker_for
 from cwm_plugin.sidecar.turn.session import SessionState
 from cwm_plugin.sidecar.upstream.client import headers_up
 from cwm_plugin.sidecar.upstream.endpoints import StreamHandle
@@ -156,8 +157,8 @@ async def handle_chat(sc: Sidecar, request: Request) -> Response:
     plan, counter, status = await _plan(sc, {
         "ident": ident, "body": body, "messages": messages, "state": state, "model": model,
         "max_len": sc.settings.context_limit(ident.tenant, info.max_model_len), "mode": mode,
-        "info": info, "shared": shared,
-        "view": view, "readable": readable}, stages)
+        "info": info, "shared": shared, "view": view, "readable": readable,
+        "reranker": reranker_for(sc, ident.tenant, route, salt, model)}, stages)
     if sc.shared is not None and ident.session is not None:  # before the client has the answer
         with stages("state"):
             await sc.shared.push(ident.tenant, owner_of(ident), ident.session, state)

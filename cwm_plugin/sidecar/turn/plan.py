@@ -64,6 +64,7 @@ class TurnInput:
     view: str = "full"  # "quick": the selection's short forms only (no transcript passages)
     stages: Stages = field(default_factory=Stages)
     shared: list[str] = field(default_factory=list)  # more folders it may read (identity/access.py)
+    reranker: Any = None  # memory.rerank's (turn/rerank.py), or None
 
 
 @dataclass
@@ -115,7 +116,7 @@ def _select(t: TurnInput, messages: list[Message], budget: int, query: str, *,
                                    query=query, counter=t.counter, recent_turns=recent_turns,
                                    summary=summary, bump=False, stages=t.stages,
                                    present=present, shared=t.shared,
-                                   passages=t.view == "full")
+                                   passages=t.view == "full", reranker=t.reranker)
     return t.mem.selected(sel, time.perf_counter() - t0)
 
 

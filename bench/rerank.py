@@ -2,6 +2,7 @@
 
     python bench/rerank.py [--data DIR] [--questions 80] [--top-n 100] [--json FILE] [--quick]
     python bench/rerank.py --judge oracle --top-n 200 [--data DIR]  # the stage's ceiling
+    python bench/rerank.py --url http://HOST:8000 --kind rerank --model NAME  # your own judge
 
 vLLM serves SmolLM2-135M-Instruct (``cwm model smollm2``, this CPU's dtype) with prefix caching
 on. The memory is replayed from conversations as ``bench/memory.py`` replays them (the project's
@@ -16,6 +17,8 @@ evidence recall within each budget with and without, overall and by category. Th
 indicative only: a 135M chat model is no judge of relevance; the figure to read is the cost.
 ``--judge oracle`` puts a perfect judge in its place (it knows the evidence lines; no model
 served): what the stage can reach with ``--top-n`` lines re-scored, whatever serves it.
+``--url`` asks a model server already running instead of SmolLM2 (``--kind completions`` with
+``--model`` a chat model, or ``rerank``: a cross-encoder behind vLLM's ``/v1/rerank``).
 """
 
 from __future__ import annotations
@@ -55,11 +58,12 @@ class DirectReranker:
     """The sidecar's re-rank request sent straight to vLLM; one call a question (the 1k and
     2k selections rank the same lines), its seconds and prompt tokens recorded."""
 
-    name = "completions:smollm2"
     weight = 1.0
 
-    def __init__(self, url: str, top_n: int) -> None:
-        self.url, self.top_n = url, top_n
+    def __init__(self, url: str, top_n: int, kind: str = "completions",
+                 model: str = "smollm2") -> None:
+        self.url, self.top_n, self.kind, self.model = url.rstrip("/"), top_n, kind, model
+        self.name = f"{kind}:{model}"
         self.http = httpx.Client(timeout=120)
         self.seconds: list[float] = []
         self.tokens: list[int] = []
@@ -69,14 +73,14 @@ class DirectReranker:
         key = (query, tuple(texts))
         if self._last is not None and self._last[0] == key:
             return self._last[1]
-        path, body = request("completions", "smollm2", query, texts, "bench-salt")
+        path, body = request(self.kind, self.model, query, texts, "bench-salt")
         t0 = time.perf_counter()
         resp = self.http.post(self.url + path, json=body)
         self.seconds.append(time.perf_counter() - t0)
         resp.raise_for_status()
         data = resp.json()
         self.tokens.append(prompt_tokens(data))
-        got = scores_of("completions", path, data, len(texts))
+        got = scores_of(self.kind, path, data, len(texts))
         self._last = (key, got)
         return got
 
@@ -104,7 +108,10 @@ def prefix_counts(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = defaultdict(float)
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+    resp = httpx.get(f"{url}/metrics", timeout=30)
+    if resp.status_code != 200:  # (a judge that is not vLLM)
+        return out
+    for fam in text_string_to_metric_families(resp.text):
         for s in fam.samples:
             if s.name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
                 out[s.name] += s.value
@@ -131,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--judge", choices=("smollm2", "oracle"), default="smollm2")
     ap.add_argument("--embedder", choices=("local", "hashing"), default="local")
+    ap.add_argument("--url", help="a model server already running to judge (not SmolLM2)")
+    ap.add_argument("--kind", choices=("completions", "rerank"), default="completions")
+    ap.add_argument("--model", default="smollm2", help="the judge's served name (with --url)")
     ap.add_argument("--quick", action="store_true", help="20 questions")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -172,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.judge == "oracle":
         rr: Any = OracleReranker(args.top_n)
         ask_all(rr)
+    elif args.url:
+        rr = DirectReranker(args.url, args.top_n, args.kind, args.model)
+        before = prefix_counts(args.url)
+        ask_all(rr)
+        after = prefix_counts(args.url)
     else:
         server = VLLMServer(model_dir=build_smollm2(), served_name="smollm2", dtype=dtype,
                             max_model_len=2048, kv_cache_gib=2)
@@ -196,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                                          "mean": sum(rr.tokens) / len(rr.tokens)},
                 "prefix_cache_hit_share": hits / queries if queries else None}
     result = {
-        "judge": "SmolLM2-135M-Instruct" if args.judge == "smollm2" else "oracle",
+        "judge": "oracle" if args.judge == "oracle" else
+        (f"{args.kind}:{args.model} at {args.url}" if args.url else "SmolLM2-135M-Instruct"),
         "dtype": dtype, "top_n": args.top_n, "questions": len(asked),
         "data": str(args.data) if args.data else "generated", **cost,
         "recall": {label: {b: round(sum(v) / len(v), 4) for b, v in by.items()}

@@ -310,3 +310,30 @@ def test_nearest_lines_answers_a_narrower_ask_from_the_last_one_until_the_index_
     idx = svc.index("acme")
     new = idx.sessions["s9"].labels[-1]
     assert new in idx.nearest_lines(q, 3)
+
+
+class _Graph:
+    """hnswlib's answer when its graph reaches fewer than ``k`` items (RuntimeError "Cannot
+    return the results in a contiguous 2D array"): reaches ``reach`` items at the index's
+    ef, all of them once ef is at least ``wide``."""
+
+    def __init__(self, items: int, reach: int, wide: int) -> None:
+        self.items, self.reach, self.wide, self.ef = items, reach, wide, 0
+
+    def set_ef(self, ef: int) -> None:
+        self.ef = ef
+
+    def knn_query(self, q, k: int):
+        if k > (self.items if self.ef >= self.wide else self.reach):
+            raise RuntimeError("Cannot return the results in a contiguous 2D array. Probably "
+                               "ef or M is too small")
+        return np.arange(k).reshape(1, -1), np.zeros((1, k))
+
+
+def test_a_graph_that_reaches_fewer_items_than_asked_answers_what_it_reaches() -> None:
+    from cwm_plugin.memory.index.chunks import knn_ordered
+
+    q = np.ones(4, dtype=np.float32)
+    assert knn_ordered(_Graph(500, 40, 500), q, 100, 500) == list(range(100))  # wider: all
+    assert knn_ordered(_Graph(500, 40, 10**9), q, 100, 500) == list(range(25))  # fewer
+    assert knn_ordered(_Graph(500, 0, 10**9), q, 100, 500) == []

@@ -57,7 +57,21 @@ def knn_ordered(index: hnswlib.Index, qvec: np.ndarray, k: int, live: int) -> li
     if k <= 0:
         return []
     index.set_ef(max(2 * k, 64))
-    labels, _ = index.knn_query(qvec.reshape(1, -1), k=k)
+    try:
+        labels, _ = index.knn_query(qvec.reshape(1, -1), k=k)
+    except RuntimeError:
+        # hnswlib found fewer than k: a graph of many identical vectors (the same short line
+        # said again and again) can leave some unreachable. Search wider, then ask for fewer
+        # (the other candidate sources still propose theirs) rather than fail the search.
+        index.set_ef(max(2 * k, live, 64))
+        while True:
+            try:
+                labels, _ = index.knn_query(qvec.reshape(1, -1), k=k)
+                break
+            except RuntimeError:
+                if k <= 1:
+                    return []
+                k //= 2
     return [int(x) for x in labels[0]]
 
 

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         server = VLLMServer(model_dir=build_smollm2(), served_name="smollm2", dtype=dtype,
                             max_model_len=2048, kv_cache_gib=2)
-        with server.start():
+        with server:
             rr = DirectReranker(server.base_url, args.top_n)
             rr.scores("warm-up", ["a line", "another line"])  # (the first call's compile)
             rr.seconds.clear()

@@ -218,7 +218,8 @@ class VLLMServer:
                    timeout=60).raise_for_status()
 
     def __enter__(self) -> VLLMServer:
-        return self.start()
+        # (``with server.start():`` must not launch a second process the exit would not stop)
+        return self if self._proc is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -58,8 +58,8 @@ class RerankSettings(Strict):
     """An optional stage that orders the best memory lines again with a model reading the
     question and each line together (``memory/selection/rerank.py``): ``completions`` asks the
     served model, one prompt a line, for the probability of "yes" (the instruction and the
-    question first, so vLLM's prefix cache reuses them across lines; under the session's
-    cache_salt); ``rerank`` asks a re-ranker the operator serves (vLLM's ``/v1/rerank``).
+    question first, shareable by vLLM's prefix cache where they fill a KV block; under the
+    session's cache_salt); ``rerank`` asks a re-ranker the operator serves (vLLM's ``/v1/rerank``).
     Off by default: it adds a model call to every turn that selects memory, and a small chat
     model is no judge of relevance (``docs/sidecar.md``, Memory)."""
 

@@ -63,7 +63,7 @@ def knn_ordered(index: hnswlib.Index, qvec: np.ndarray, k: int, live: int) -> li
         # hnswlib found fewer than k: a graph of many identical vectors (the same short line
         # said again and again) can leave some unreachable. Search wider, then ask for fewer
         # (the other candidate sources still propose theirs) rather than fail the search.
-        index.set_ef(max(2 * k, live, 64))
+        index.set_ef(max(2 * k, min(live, 10 * k), 64))  # (bounded: 75k lines is a folder)
         while True:
             try:
                 labels, _ = index.knn_query(qvec.reshape(1, -1), k=k)

@@ -4,10 +4,11 @@ lines of a turn against its question (the memory side: ``memory/selection/rerank
 ``completions``: one ``/v1/completions`` request carrying a prompt a line, each the same
 instruction and question followed by the line, ``max_tokens`` 1 and the top ``logprobs`` of the
 answer's first token; a line's score is log P(yes) - log P(no) (a word missing from the top
-ones counts as less likely than the least likely there). The shared beginning makes vLLM's
-prefix cache compute the instruction and question once for all the lines; the request carries
-the session's cache_salt, so that KV is the tenant's alone, and it goes on the turn's route (the
-session's upstream first, failover as for the turn). ``rerank``: vLLM's ``/v1/rerank`` (a
+ones counts as less likely than the least likely there). The shared beginning lets vLLM's prefix
+cache reuse the instruction and question across the lines once they fill a KV block (16 tokens
+on a GPU; on CPU blocks are 128 and a short question does not fill one: measured, no reuse); the
+request carries the session's cache_salt, so that KV is the tenant's alone, and it goes on the
+turn's route (the session's upstream first, failover as for the turn). ``rerank``: vLLM's ``/v1/rerank`` (a
 cross-encoder the operator serves), ``relevance_score`` by index.
 
 The selection runs on a memory thread; :meth:`UpstreamReranker.scores` sends on the app's event

@@ -221,7 +221,8 @@ class Run:
 
     def ours_disk(self, bar: tqdm) -> None:
         store_dir = self.work / "cwm-disk"
-        server = self.server(cwm_connector_args({"disk_path": str(store_dir)}))
+        server = self.server(cwm_connector_args({"disk_path": str(store_dir),
+                                                 **self.args.store}))
         self.start(server, "disk")
         try:
             for n in self.prompts:
@@ -260,7 +261,8 @@ class Run:
 
     def ours_redis(self, bar: tqdm) -> None:
         with RedisServer() as redis_server:
-            store = {"disk_path": None, "redis_url": redis_server.url, "redis_write": "through"}
+            store = {"disk_path": None, "redis_url": redis_server.url, "redis_write": "through",
+                     **self.args.store}
             server = self.server(cwm_connector_args(store))
             self.start(server, "redis")
             try:
@@ -317,6 +319,19 @@ def summarise(results: dict[int, dict[str, Any]]) -> None:
                           for col, samples in r["breakdown"].items()}
 
 
+def store_settings(ap: argparse.ArgumentParser, items: list[str]) -> dict[str, Any]:
+    """``--store KEY=VALUE`` items as a dict, each value read as YAML (``0``, ``false``)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--store takes KEY=VALUE, got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, required=True)
@@ -328,7 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gib", type=int, default=2)
     ap.add_argument("--skip-lmcache", action="store_true")
     ap.add_argument("--skip-redis", action="store_true")
+    ap.add_argument("--store", metavar="KEY=VALUE", action="append", default=[],
+                    help="a store setting for our servers (configs/store.example.yaml), its value "
+                    "read as YAML: --store zstd_level=0; repeatable")
     args = ap.parse_args(argv)
+    args.store = store_settings(ap, args.store)
     args.dtype = compute_dtype(args.dtype)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     lengths = args.lengths or ([1000, 2000] if args.quick else [1000, 4000, 8000])
@@ -361,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         r.pop("reference", None)
         r["throughput"] = throughput(r, speeds)
     out: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype,
-                           "device": "cpu", "block_size": BLOCK, "samples": args.samples,
+                           "device": "cpu", "block_size": BLOCK, "samples": args.samples, "store": args.store,
                            "machine": machine(), "load_average": {"before": load_before,
                                                                   "after": load_average()},
                            "bandwidth": speeds, "work_dir": str(work),

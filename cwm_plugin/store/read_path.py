@@ -3,11 +3,12 @@
 :class:`ReadPath`, a part of :class:`~cwm_plugin.store.kv_store.KVStore`. For each tier in
 lookup order (memory -> disk -> Redis) the keys still missing are looked up in one batch; the
 calling thread then fetches their blobs chunk by chunk (the memory tier at once; the disk file
-by file, after asking the kernel to read them all ahead; Redis a pipelined round trip of a few
-blobs at a time) and hands every blob to the decode pool as soon as its chunk arrives, so
+by file into reused buffers (:mod:`.read_buffers`), after asking the kernel to read them
+all ahead; Redis a pipelined round trip of a few blobs at a time) and hands every blob to the decode pool as soon as its chunk arrives, so
 reading the next chunk overlaps decoding the last one, and blocks decode in parallel (the
 codec's kernels release the GIL). A hit is promoted to the faster tiers
-(:meth:`~cwm_plugin.store.write_path.WritePath.promote`).
+(:meth:`~cwm_plugin.store.write_path.WritePath.promote`), except a disk file's blob
+delivered by :meth:`read_into` (below).
 
 Two ways to receive blocks:
 
@@ -43,6 +44,7 @@ import torch
 from cwm_plugin.errors import CorruptBlob, IncompatibleBlob, RefusedBlob
 from cwm_plugin.store import binding
 from cwm_plugin.store.blob import codec, crypto
+from cwm_plugin.store.read_buffers import ReadBuffers
 from cwm_plugin.store.threads import unpin
 from cwm_plugin.store.tier_set import TierSet
 from cwm_plugin.store.tiers.base import TIER_ERRORS, Tier
@@ -50,6 +52,8 @@ from cwm_plugin.store.write_path import WritePath
 from cwm_plugin.timing import Stages
 
 Sink = Callable[[int, torch.Tensor], bool]     # (key index, decoded block) -> accepted
+KEEP_BUFFER_BYTES = 64 << 20    # read buffers kept for the next load (about 32 blobs of 8k-token
+                                # SmolLM2 KV; an 8B model's 128-token blocks are 16 MB raw)
 _scratch = threading.local()
 
 
@@ -58,7 +62,7 @@ class _Hit:
     index: int
     key: bytes
     blob_id: str
-    data: bytes
+    data: bytes | memoryview     # a lent read buffer (a file tier's, on the decoding paths)
     tier: Tier
     content: bytes | None = None     # the content identity the reader expects (a KV block)
 
@@ -87,6 +91,7 @@ class ReadPath:
         workers = self.config.io_workers
         self._decoder = (cf.ThreadPoolExecutor(workers, thread_name_prefix="cwm-decode",
                                                initializer=unpin) if workers > 1 else None)
+        self.buffers = ReadBuffers(KEEP_BUFFER_BYTES)
 
     def close(self) -> None:
         """Finish the decodes under way and stop the pool."""
@@ -133,12 +138,15 @@ class ReadPath:
         block is decoded into ``into(i)`` when given, else into a per-thread scratch tensor
         of ``shape`` and ``dtype`` that is reused once the sink returns (an uncompressed blob,
         the memory tier's: a read-only view of its bytes, no copy); a blob of another shape or
-        dtype comes as its own tensor. Returns, per key, the tier that served it, or
+        dtype comes as its own tensor. A block read from a disk file is not copied up to
+        the memory tier: the sink's receiver holds it now (vLLM's cache), and the copy cost an
+        8k-token restore from disk 70-90 ms of its first token on 2 cores; blobs from Redis
+        are promoted as by :meth:`get_many`. Returns, per key, the tier that served it, or
         None (a miss, or the sink said False or raised: logged once, never raised)."""
         def deliver(h: _Hit, cipher, st: Stages) -> bool:
             target = into(h.index) if into is not None else _scratch_tensor(tuple(shape), dtype)
             t = self._decode(h, into=target, layout=layout, cipher=cipher, stages=st,
-                             borrow=into is None)
+                             borrow=into is None, promote=False)
             if t is None:
                 return False
             t0 = time.perf_counter()
@@ -182,9 +190,11 @@ class ReadPath:
                     self.tier_set.log_once("decode-failed", "store: decoding block %s failed: "
                                            "%r", h.key.hex()[:16], exc)
                     return False
+                finally:
+                    self.buffers.give_back(h.data)
 
             fetching = Stages()
-            for hits in self._fetch(tier, [keys[i] for i in todo], todo, fetching):
+            for hits in self._fetch(tier, [keys[i] for i in todo], todo, fetching, lent=True):
                 for h in hits:
                     h.content = None if contents is None else contents[h.index]
                     st = Stages()
@@ -205,9 +215,11 @@ class ReadPath:
         return served
 
     def _fetch(self, tier: Tier, keys: list[bytes], idx: list[int],
-               stages: Stages | None = None):
+               stages: Stages | None = None, *, lent: bool = False):
         """Yield the hits of ``keys`` in ``tier`` chunk by chunk (see the module docstring);
-        the seconds spent looking up and fetching go to ``stages["read"]``."""
+        the seconds spent looking up and fetching go to ``stages["read"]``. ``lent``: the
+        blobs in buffers lent by :attr:`buffers` where the tier reads files
+        (:meth:`Tier.read_lent`), for a decoding reader that gives them back; else ``bytes``."""
         stages = stages if stages is not None else Stages()
         t0 = time.perf_counter()
         ids = self.tier_set.lookup_in(tier, keys)
@@ -229,7 +241,7 @@ class ReadPath:
             part = want[start:start + size]
             t0 = time.perf_counter()
             try:
-                datas = tier.get_many(part)
+                datas = tier.read_lent(part, self.buffers) if lent else tier.get_many(part)
             except TIER_ERRORS as exc:
                 self.tier_set.tier_failed(tier, "read", exc, "read_failed")
                 break
@@ -259,7 +271,9 @@ class ReadPath:
 
     def _decode(self, h: _Hit, *, into: torch.Tensor | None, layout: str | None,
                 cipher: crypto.BlobCipher | None, stages: Stages | None = None,
-                borrow: bool = False) -> torch.Tensor | None:
+                borrow: bool = False, promote: bool = True) -> torch.Tensor | None:
+        """``h`` decoded (None: a counted miss) and promoted to the faster tiers; a blob read
+        into a lent buffer (a disk file) only if ``promote`` (copied: the buffer goes back)."""
         t0 = time.perf_counter()
         plain = self._open(h, cipher)
         if plain is None:
@@ -273,7 +287,8 @@ class ReadPath:
             return None
         self.metrics.decode_seconds.observe(time.perf_counter() - t0)
         self.metrics.hits.labels(h.tier.name).inc()
-        self.writes.promote(h.key, h.blob_id, h.data, found_in=h.tier)
+        if promote or isinstance(h.data, bytes):
+            self.writes.promote(h.key, h.blob_id, h.data, found_in=h.tier)
         return decoded.tensor
 
     def _open(self, h: _Hit, cipher: crypto.BlobCipher | None) -> bytes | None:

@@ -185,11 +185,16 @@ class WritePath:
                               hint="raise memory_bytes/disk_bytes or check the disk and Redis")
         self.metrics.puts.inc()
 
-    def promote(self, key: bytes, blob_id: str, data: bytes, *, found_in: Tier) -> None:
-        """Copy a hit to the tiers faster than the one it was ``found_in``."""
-        if self.closed:
+    def promote(self, key: bytes, blob_id: str, data: bytes | memoryview, *,
+                found_in: Tier) -> None:
+        """Copy a hit to the tiers faster than the one it was ``found_in``: memory at once,
+        the others behind (``data`` a lent read buffer: copied)."""
+        tiers = self.tier_set.tiers
+        if self.closed or not tiers or tiers[0] is found_in:
             return
-        for tier in self.tier_set.tiers:
+        if not isinstance(data, bytes):
+            data = bytes(data)
+        for tier in tiers:
             if tier is found_in:
                 break
             if tier.name == "memory":

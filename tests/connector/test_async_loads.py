@@ -204,7 +204,7 @@ def test_a_synchronous_load_reads_the_memory_tier_only_never_disk_inside_the_ste
     dst.store.reset_memory()
     disk = dst.store.disk
     touched: list[str] = []
-    for name in ("exists_many", "get_many", "prefetch"):
+    for name in ("exists_many", "get_many", "read_lent", "prefetch"):
         real = getattr(disk, name)
 
         def spy(*a, _name=name, _real=real, **kw):
@@ -218,7 +218,7 @@ def test_a_synchronous_load_reads_the_memory_tier_only_never_disk_inside_the_ste
     assert dst.take_load_errors() == {5, 6}                  # recomputed by vLLM
     assert torch.count_nonzero(block(dst, 5)) == 0
     dst.start_load_kv(CWMConnectorMetadata(loads=[BlockTransfer("r2", [5, 6], [h(1), h(2)])]))
-    assert finish_loads(dst) == set() and "get_many" in touched
+    assert finish_loads(dst) == set() and "read_lent" in touched
     assert torch.equal(block(dst, 5), block(src, 1)) and torch.equal(block(dst, 6), block(src, 2))
 
 

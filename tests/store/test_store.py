@@ -327,7 +327,7 @@ def test_unreadable_disk_blob_is_a_counted_miss(make_store, tmp_path, kv_block, 
     def broken(blob_ids):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(s.disk, "get_many", broken)
+    monkeypatch.setattr(s.disk, "read_lent", lambda ids, buffers: broken(ids))
     assert s.get_many([b"a"]) == [None]
     assert s.metrics.errors.labels("read_failed")._value.get() == 1
 

@@ -32,8 +32,12 @@ import sqlite3
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cwm_plugin.errors import CWMError, TierUnavailable
+
+if TYPE_CHECKING:
+    from cwm_plugin.store.read_buffers import ReadBuffers
 
 # namespace digest (16) + rank (2): keys of one group share refcounts, pins and a quota
 GROUP_BYTES = 18
@@ -105,6 +109,14 @@ class Tier(ABC):
 
     def get(self, blob_id: str) -> bytes | None:
         return self.get_many([blob_id])[0]
+
+    def read_lent(self, blob_ids: Sequence[str], buffers: ReadBuffers
+                  ) -> list[bytes | memoryview | None]:
+        """The blobs for a reader that decodes them and gives the buffers back (the load
+        path): a tier that reads files reads each into a buffer lent by ``buffers`` (a
+        ``memoryview``: the reader returns it with ``buffers.give_back`` once decoded, and
+        copies what it keeps); the others return ``bytes``, as :meth:`get_many`."""
+        return list(self.get_many(blob_ids))
 
     def prefetch(self, blob_ids: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """A hint that these blobs are about to be read (the disk starts reading them)."""

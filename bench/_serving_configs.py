@@ -38,7 +38,11 @@ from typing import Any
 from cwm_plugin.testing.lmcache_server import LMCacheServer
 from cwm_plugin.testing.vllm_server import VLLMServer, cwm_connector_args
 
-CONFIGS = ("vllm", "lmcache", "lmcache_256", "cwm_cpu", "cwm_disk", "cwm_redis")
+CONFIGS = ("vllm", "lmcache", "lmcache_256", "cwm_cpu", "cwm_cpu_priority", "cwm_disk",
+           "cwm_redis")
+# configs whose vLLM runs with --scheduling-policy priority, and the priority their returning
+# rounds are sent with (the sidecar's routing.returning_priority; first rounds keep 0)
+RETURNING_PRIORITY = {"cwm_cpu_priority": -1}
 SHIPPED_REDIS = Path(__file__).resolve().parents[1] / "configs" / "connector-shared-redis.json"
 SERVED = "smollm2"
 BLOCK = 128
@@ -159,9 +163,10 @@ class Servers:
         return self.sizes.store_bytes(self.all_users)
 
     def cwm_args(self, name: str, redis_url: str | None = None) -> list[str]:
-        if name == "cwm_cpu":
+        if name in ("cwm_cpu", "cwm_cpu_priority"):
             store = {"memory_bytes": self.tier_bytes(), "disk_path": None, "redis_url": None}
-            return cwm_connector_args({**store, **self.store_override})
+            policy = ["--scheduling-policy", "priority"] if name in RETURNING_PRIORITY else []
+            return [*cwm_connector_args({**store, **self.store_override}), *policy]
         if name == "cwm_disk":
             store = {"memory_bytes": 0, "disk_path": str(self.work / "disk"),
                      "disk_bytes": 4 * self.tier_bytes(), "redis_url": None}

@@ -148,13 +148,17 @@ class Runner:
 
     ``salted``: send each session's ``cache_salt`` (straight to vLLM); else name the session
     with ``X-Session-Id`` (the sidecar salts it). ``on_done`` is called after every request.
+    ``returning_priority``: vLLM's ``priority`` of every round after a session's first (what
+    the sidecar sets for a vLLM scheduling by priority); None sends none.
     """
 
     def __init__(self, client: Any, model: str, spec: WorkloadSpec, *, salted: bool = True,
                  on_done: Callable[[Request], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 returning_priority: int | None = None) -> None:
         self.client, self.model, self.spec = client, model, spec
         self.salted, self.on_done, self.clock = salted, on_done, clock
+        self.returning_priority = returning_priority
 
     async def run(self, sessions: Sequence[Session], rounds: int, phase: str) -> list[Request]:
         """``rounds`` more rounds of every session; the requests in the order they were sent."""
@@ -181,6 +185,8 @@ class Runner:
         messages = s.next_messages()
         extra: dict[str, Any] = {"ignore_eos": True, "min_tokens": self.spec.answer_tokens}
         headers: dict[str, str] = {}
+        if self.returning_priority is not None and s.turns > 0:
+            extra["priority"] = self.returning_priority
         if self.salted:
             extra["cache_salt"] = s.salt
         else:

@@ -62,6 +62,7 @@ import _serving_report as report
 from _common import load_average, machine, write_json
 from _serving_args import parse
 from _serving_configs import (
+    RETURNING_PRIORITY,
     SERVED,
     Servers,
     Sizes,
@@ -119,8 +120,10 @@ class Bench:
 
     def play(self, url: str, sessions: list[Session], rounds: int, phase: str, *,
              spec: WorkloadSpec | None = None, salted: bool = True, api_key: str = "none",
-             action: faults.Action | None = None, at_s: float = 0.0) -> list[Request]:
-        """Run ``rounds`` rounds of ``sessions`` against ``url`` (with a fault, if given)."""
+             action: faults.Action | None = None, at_s: float = 0.0,
+             returning_priority: int | None = None) -> list[Request]:
+        """Run ``rounds`` rounds of ``sessions`` against ``url`` (with a fault, if given;
+        ``returning_priority``: see :class:`Runner`)."""
         from openai import AsyncOpenAI
 
         bar = tqdm(total=len(sessions) * rounds, desc=phase, unit="req", leave=False)
@@ -129,7 +132,8 @@ class Bench:
             client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0,
                                  timeout=900)
             runner = Runner(client, SERVED, spec or self.spec, salted=salted,
-                            on_done=lambda r: bar.update())
+                            on_done=lambda r: bar.update(),
+                            returning_priority=returning_priority)
             try:
                 return await faults.round_with(runner, sessions, rounds, phase, action, at_s)
             finally:
@@ -176,10 +180,12 @@ class Bench:
             if "floor_ttft_s" not in self.out:     # on the first server (vllm's)
                 self.floor(server)
             runs, sats, main = [], [], []
+            prio = RETURNING_PRIORITY.get(name)
             for k in range(self.args.repeat):
                 main = self.sessions(f"main{k}")
-                runs.append(self.phase(server, main, self.spec.rounds, f"{name}-main{k}"))
-                sats.append(self.saturated(name, server, main))
+                runs.append(self.phase(server, main, self.spec.rounds, f"{name}-main{k}",
+                                       returning_priority=prio))
+                sats.append(self.saturated(name, server, main, prio))
             self.out["configs"][name] = {**report.median_of(runs),
                                          **({"repeats": runs} if len(runs) > 1 else {})}
             self.out["configs"][name]["saturated"] = {
@@ -193,14 +199,15 @@ class Bench:
         if name == "cwm_redis" and "tiny_budgets" in self.args.parts:
             self.guard("tiny_budgets", self.faults.tiny_budgets, main, redis)
 
-    def saturated(self, name: str, server: Any, sessions: list[Session]) -> dict[str, Any]:
+    def saturated(self, name: str, server: Any, sessions: list[Session],
+                  returning_priority: int | None = None) -> dict[str, Any]:
         """The main users' next rounds in a closed loop (each sends again as soon as its answer
         is in): every request a returning one whose KV vLLM has evicted, the server kept busy.
         Its completed requests/s is the config's throughput for returning sessions (with
         ``--repeat``, each main phase's users go on to their own saturated phase: the median)."""
         closed = dataclasses.replace(self.spec, qps=0)
         sat = self.phase(server, sessions, self.args.saturated_rounds, f"{name}-saturated",
-                         spec=closed)
+                         spec=closed, returning_priority=returning_priority)
         return {k: v for k, v in sat.items() if k != "timeline"}
 
     def result(self, load_before: list[float], t_start: float, work: Path) -> dict[str, Any]:

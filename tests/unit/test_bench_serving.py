@@ -108,6 +108,27 @@ def test_the_runner_streams_every_round_and_records_tokens_failures_and_history(
     assert len(line) == 6 and line[0][2] == 0.0 and {x[4] for x in line} == {0, 4}
     med = mods.report.median_of([s, s])
     assert med["failed_requests"] == 4 and med["ttft_p95_s"] == s["ttft_p95_s"]
+    assert not any("priority" in c["extra_body"] for c in client.calls)
+
+
+def test_returning_rounds_go_ahead_where_vllm_schedules_by_priority(mods, tmp_path):
+    w = mods.workload
+    spec = w.WorkloadSpec(users=2, rounds=3, answer_tokens=2, system_tokens=21,
+                          context_tokens=42, qps=200.0)
+    sessions = w.build_sessions(spec, WordTokenizer(), LINES, ["Q1?", "Q2?"], tag="t")
+    client = FakeClient()
+    asyncio.run(w.Runner(client, "m", spec, returning_priority=-1).run(sessions, 3, "p"))
+    firsts = [c for c in client.calls if len(c["messages"]) == 2]      # system + question
+    assert len(firsts) == 2 and not any("priority" in c["extra_body"] for c in firsts)
+    later = [c for c in client.calls if len(c["messages"]) > 2]
+    assert len(later) == 4 and all(c["extra_body"]["priority"] == -1 for c in later)
+    c = mods.configs
+    sizes = c.Sizes(users=10, user_tokens=1200, kv_bytes_per_token=23040, fraction=0.33,
+                    max_model_len=2048)
+    servers = c.Servers(tmp_path, "bfloat16", sizes, tmp_path, 10)
+    prio, plain = servers.cwm_args("cwm_cpu_priority"), servers.cwm_args("cwm_cpu")
+    assert prio[-2:] == ["--scheduling-policy", "priority"] and prio[:-2] == plain
+    assert c.RETURNING_PRIORITY == {"cwm_cpu_priority": -1}
 
 
 def test_itl_while_prefill_keeps_only_gaps_overlapping_another_users_wait(mods):

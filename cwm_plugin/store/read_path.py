@@ -4,11 +4,11 @@
 lookup order (memory -> disk -> Redis) the keys still missing are looked up in one batch; the
 calling thread then fetches their blobs chunk by chunk (the memory tier at once; the disk file
 by file into reused buffers (:mod:`.read_buffers`), after asking the kernel to read them
-all ahead; Redis a pipelined round trip of a few blobs at a time) and hands every blob to the decode pool as soon as its chunk arrives, so
-reading the next chunk overlaps decoding the last one, and blocks decode in parallel (the
-codec's kernels release the GIL). A hit is promoted to the faster tiers
-(:meth:`~cwm_plugin.store.write_path.WritePath.promote`), except a disk file's blob
-delivered by :meth:`read_into` (below).
+all ahead; Redis a pipelined round trip of a few blobs at a time) and hands every blob to
+the decode pool as soon as its chunk arrives, so reading the next chunk overlaps decoding
+the last one, and blocks decode in parallel (the codec's kernels release the GIL). A hit is
+promoted to the faster tiers (:meth:`~cwm_plugin.store.write_path.WritePath.promote`),
+except a disk file's blob delivered by :meth:`read_into` (below).
 
 Two ways to receive blocks:
 

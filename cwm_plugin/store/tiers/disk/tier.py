@@ -34,12 +34,7 @@ from typing import TYPE_CHECKING
 from cwm_plugin.errors import CorruptBlob, StorageFull, TierUnavailable
 from cwm_plugin.store.tiers.base import KeyInfo, Tier, TierUsage
 from cwm_plugin.store.tiers.disk.db import is_lock_error
-from cwm_plugin.store.tiers.disk.files import (
-    advise_files,
-    file_lock,
-    fsync_dir,
-    key_of_file,
-)
+from cwm_plugin.store.tiers.disk.files import advise_files, file_lock, fsync_dir, key_of_file
 from cwm_plugin.store.tiers.disk.key_index import DiskKeyIndex, IndexDamaged
 
 if TYPE_CHECKING:

@@ -240,3 +240,23 @@ def test_a_durable_tier_lacking_a_block_gets_the_compressed_copy_not_the_memory_
     assert replicate(s, keys) == {"disk": 2, "redis": 2}
     assert s.redis.lookup_many(keys) == s.disk.lookup_many(keys)
     assert s.redis.lookup_many(keys[:1]) != s.memory.lookup_many(keys[:1])
+
+
+def test_a_reused_read_buffer_never_lends_an_earlier_blobs_bytes_to_a_truncated_one(
+        make_store, tmp_path, kv_block):
+    """A buffer goes from one read to the next: a file that is now shorter is a corrupt miss,
+    never completed by what the buffer held before (here the file's own lost tail). Three
+    things each keep it so: the lent view is the file's size, a short read is cut to what
+    was read, and the container's sizes must match the blob's length."""
+    s = make_store(disk_path=str(tmp_path / "d"), memory_bytes=0, io_workers=1)
+    blocks = fill(s, 2, kv_block)
+    b, block_b = list(blocks.items())[1]
+    path_b = s.disk.path(s.disk.lookup_many([b])[0])
+    whole = path_b.read_bytes()
+    served, got, _, _ = collect(s, [b])
+    assert served == ["disk"] and torch.equal(got[0], block_b)
+    assert any(len(buf) >= len(whole) for buf in s.reads.buffers._free)   # its buffer is back
+    path_b.write_bytes(whole[:len(whole) - 100])  # the tail lost (a crash, a bad sector)
+    served, _, _, _ = collect(s, [b])
+    assert served == [None]
+    assert s.metrics.errors.labels("corrupt")._value.get() == 1

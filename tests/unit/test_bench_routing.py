@@ -6,20 +6,16 @@ only: nothing here asserts a speed."""
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 pytestmark = pytest.mark.unit
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture
-def sim(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    return importlib.import_module("_routing_sim")
+def sim(bench_module):
+    return bench_module("_routing_sim")
 
 
 def _req(user: str, rnd: int, sent: float, prompt: int, ok: bool = True):
@@ -27,9 +23,8 @@ def _req(user: str, rnd: int, sent: float, prompt: int, ok: bool = True):
                            ok=ok, returning=rnd > 0)
 
 
-def test_possible_hits_are_the_previous_round_in_whole_blocks(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    routing = importlib.import_module("routing")
+def test_possible_hits_are_the_previous_round_in_whole_blocks(bench_module):
+    routing = bench_module("routing")
     reqs = [_req("a", 0, 0.0, 300), _req("b", 0, 0.1, 1000), _req("a", 1, 1.0, 340),
             _req("b", 1, 1.1, 1040, ok=False), _req("b", 2, 2.0, 1080)]
     # a: 300 + 16 - 1 = 315 tokens of KV -> 2 blocks (256); b's second round failed, so its

@@ -6,24 +6,20 @@ proxy process's black hole. Structure only: nothing here asserts a speed."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import math
 import socket
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 pytestmark = pytest.mark.unit
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture
-def mods(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    return SimpleNamespace(**{n: importlib.import_module(f"_serving_{n}")
+def mods(bench_module):
+    return SimpleNamespace(**{n: bench_module(f"_serving_{n}")
                               for n in ("workload", "report", "configs", "faults",
                                         "cluster")})
 

@@ -4,19 +4,15 @@ read as YAML; a malformed one is a usage error naming it."""
 from __future__ import annotations
 
 import argparse
-import importlib
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.unit
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture
-def ttft(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    return importlib.import_module("ttft")
+def ttft(bench_module):
+    return bench_module("ttft")
 
 
 def test_store_settings_are_read_as_yaml(ttft):
